@@ -1,0 +1,259 @@
+//! Safetensors checkpoints on disk: a reader over single or sharded files (memory-mapped, so
+//! a tensor is read only when asked for) and a sharded writer with an index, used by
+//! `convert`, `quantize` and the model loader.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, SafeTensors, TensorView, View};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: not a valid safetensors file: {reason}")]
+    Format { path: PathBuf, reason: String },
+    #[error("{path}: {reason}")]
+    Index { path: PathBuf, reason: String },
+    #[error("tensor `{0}` is not in the checkpoint")]
+    Missing(String),
+    #[error("tensor `{name}`: {reason}")]
+    Tensor { name: String, reason: String },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io { path: path.to_path_buf(), source }
+}
+
+/// One memory-mapped safetensors file.
+pub struct SafetensorsFile {
+    pub path: PathBuf,
+    mmap: Mmap,
+}
+
+impl SafetensorsFile {
+    pub fn open(path: &Path) -> Result<SafetensorsFile, CheckpointError> {
+        let file = File::open(path).map_err(io_err(path))?;
+        // SAFETY: the file is opened read-only; checkpoints are not modified while we serve them.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(io_err(path))?;
+        let st = SafetensorsFile { path: path.to_path_buf(), mmap };
+        st.view()?;
+        Ok(st)
+    }
+
+    pub fn view(&self) -> Result<SafeTensors<'_>, CheckpointError> {
+        SafeTensors::deserialize(&self.mmap).map_err(|e| CheckpointError::Format { path: self.path.clone(), reason: e.to_string() })
+    }
+
+    /// Metadata strings of the header (`__metadata__`).
+    pub fn metadata(&self) -> HashMap<String, String> {
+        SafeTensors::read_metadata(&self.mmap).ok().and_then(|(_, m)| m.metadata().clone()).unwrap_or_default()
+    }
+}
+
+/// A Hugging Face checkpoint directory (or a single .safetensors file).
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    files: Vec<SafetensorsFile>,
+    /// Tensor name -> index into `files`, sorted by name for deterministic iteration.
+    index: BTreeMap<String, usize>,
+}
+
+impl Checkpoint {
+    /// Opens `model.safetensors.index.json` shards, or every `*.safetensors` file in `path`,
+    /// or `path` itself when it is a file.
+    pub fn open(path: &Path) -> Result<Checkpoint, CheckpointError> {
+        let (dir, paths) = if path.is_file() {
+            (path.parent().unwrap_or(Path::new(".")).to_path_buf(), vec![path.to_path_buf()])
+        } else {
+            (path.to_path_buf(), shard_paths(path)?)
+        };
+        let mut files = Vec::new();
+        let mut index = BTreeMap::new();
+        for p in paths {
+            let f = SafetensorsFile::open(&p)?;
+            for name in f.view()?.names() {
+                if index.insert(name.to_string(), files.len()).is_some() {
+                    return Err(CheckpointError::Index { path: p.clone(), reason: format!("tensor `{name}` appears in two shards") });
+                }
+            }
+            files.push(f);
+        }
+        Ok(Checkpoint { dir, files, index })
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    pub fn tensor(&self, name: &str) -> Result<TensorView<'_>, CheckpointError> {
+        let &i = self.index.get(name).ok_or_else(|| CheckpointError::Missing(name.to_string()))?;
+        let st = self.files[i].view()?;
+        st.tensor(name).map_err(|e| CheckpointError::Tensor { name: name.to_string(), reason: e.to_string() })
+    }
+
+    /// `config.json` of the checkpoint directory, if present.
+    pub fn config(&self) -> Result<Option<serde_json::Value>, CheckpointError> {
+        read_json_if_exists(&self.dir.join("config.json"))
+    }
+}
+
+pub fn read_json_if_exists(path: &Path) -> Result<Option<serde_json::Value>, CheckpointError> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(path).map_err(io_err(path))?;
+    serde_json::from_str(&text).map(Some).map_err(|e| CheckpointError::Index { path: path.to_path_buf(), reason: e.to_string() })
+}
+
+fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+    let index = dir.join("model.safetensors.index.json");
+    if let Some(json) = read_json_if_exists(&index)? {
+        let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| CheckpointError::Index { path: index.clone(), reason: "no `weight_map` object".into() })?;
+        let mut shards: Vec<PathBuf> = map.values().filter_map(|v| v.as_str()).map(|f| dir.join(f)).collect();
+        shards.sort();
+        shards.dedup();
+        return Ok(shards);
+    }
+    let mut shards = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
+        let p = entry.map_err(io_err(dir))?.path();
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            shards.push(p);
+        }
+    }
+    if shards.is_empty() {
+        return Err(CheckpointError::Index { path: dir.to_path_buf(), reason: "no .safetensors files".into() });
+    }
+    shards.sort();
+    Ok(shards)
+}
+
+/// Widens a BF16/F16/F32 tensor to f32 (exactly). Other dtypes are an error naming `name`.
+pub fn to_f32(name: &str, t: &TensorView<'_>) -> Result<Vec<f32>, CheckpointError> {
+    let bytes = t.data();
+    Ok(match t.dtype() {
+        Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        Dtype::BF16 => bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        Dtype::F16 => bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        other => return Err(CheckpointError::Tensor { name: name.to_string(), reason: format!("dtype {other:?} is not BF16, F16 or F32") }),
+    })
+}
+
+/// A tensor owned in memory, ready to be written.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OwnedTensor {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+impl OwnedTensor {
+    pub fn new(dtype: Dtype, shape: Vec<usize>, data: Vec<u8>) -> OwnedTensor {
+        let n: usize = shape.iter().product();
+        debug_assert_eq!(n * dtype.bitsize() / 8, data.len(), "tensor bytes match its shape");
+        OwnedTensor { dtype, shape, data }
+    }
+
+    pub fn f32(shape: Vec<usize>, values: &[f32]) -> OwnedTensor {
+        OwnedTensor::new(Dtype::F32, shape, values.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+
+    /// Rounds to BF16 (round-to-nearest-even).
+    pub fn bf16(shape: Vec<usize>, values: &[f32]) -> OwnedTensor {
+        OwnedTensor::new(Dtype::BF16, shape, values.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect())
+    }
+
+    pub fn from_view(t: &TensorView<'_>) -> OwnedTensor {
+        OwnedTensor { dtype: t.dtype(), shape: t.shape().to_vec(), data: t.data().to_vec() }
+    }
+}
+
+impl View for &OwnedTensor {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Writes one safetensors file (tensors sorted by name, as the format requires for stable output).
+pub fn write_file(path: &Path, tensors: &BTreeMap<String, OwnedTensor>, metadata: Option<HashMap<String, String>>) -> Result<(), CheckpointError> {
+    safetensors::tensor::serialize_to_file(tensors.iter(), metadata, path).map_err(|e| CheckpointError::Format { path: path.to_path_buf(), reason: e.to_string() })
+}
+
+/// Writes tensors into `model-0000i-of-0000n.safetensors` shards of bounded size plus
+/// `model.safetensors.index.json`, holding at most one shard in memory.
+pub struct ShardedWriter {
+    dir: PathBuf,
+    max_shard_bytes: usize,
+    pending: BTreeMap<String, OwnedTensor>,
+    pending_bytes: usize,
+    written: Vec<(PathBuf, Vec<String>)>,
+    total_bytes: usize,
+    metadata: HashMap<String, String>,
+}
+
+impl ShardedWriter {
+    pub fn new(dir: &Path, max_shard_bytes: usize, metadata: HashMap<String, String>) -> ShardedWriter {
+        ShardedWriter { dir: dir.to_path_buf(), max_shard_bytes, pending: BTreeMap::new(), pending_bytes: 0, written: Vec::new(), total_bytes: 0, metadata }
+    }
+
+    pub fn add(&mut self, name: String, t: OwnedTensor) -> Result<(), CheckpointError> {
+        if self.pending_bytes + t.data.len() > self.max_shard_bytes && !self.pending.is_empty() {
+            self.flush()?;
+        }
+        self.pending_bytes += t.data.len();
+        self.total_bytes += t.data.len();
+        self.pending.insert(name, t);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), CheckpointError> {
+        let path = self.dir.join(format!("shard-{:05}.tmp.safetensors", self.written.len() + 1));
+        write_file(&path, &self.pending, Some(self.metadata.clone()))?;
+        let names = std::mem::take(&mut self.pending).into_keys().collect();
+        self.written.push((path, names));
+        self.pending_bytes = 0;
+        Ok(())
+    }
+
+    /// Flushes the last shard, gives shards their final HF names and writes the index.
+    /// Returns the number of tensor bytes written.
+    pub fn finish(mut self) -> Result<usize, CheckpointError> {
+        if !self.pending.is_empty() || self.written.is_empty() {
+            self.flush()?;
+        }
+        let n = self.written.len();
+        let mut weight_map = BTreeMap::new();
+        for (i, (tmp, names)) in self.written.iter().enumerate() {
+            let file = if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{:05}.safetensors", i + 1, n) };
+            let final_path = self.dir.join(&file);
+            std::fs::rename(tmp, &final_path).map_err(io_err(&final_path))?;
+            for name in names {
+                weight_map.insert(name.clone(), file.clone());
+            }
+        }
+        if n > 1 {
+            let index = serde_json::json!({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map});
+            let path = self.dir.join("model.safetensors.index.json");
+            std::fs::write(&path, serde_json::to_string_pretty(&index).expect("index serializes")).map_err(io_err(&path))?;
+        }
+        Ok(self.total_bytes)
+    }
+}

@@ -1,0 +1,289 @@
+//! `lockstep convert`: a Hugging Face checkpoint (BF16/F16/F32 or DeepSeek-style block FP8)
+//! -> an MXFP8 / NVFP4 checkpoint in the layouts SGLang and vLLM load, following a recipe.
+//!
+//! Tensors are read one at a time from memory-mapped shards and written in bounded shards,
+//! so memory stays near one shard plus one expert. Output appears under its final name only
+//! when everything succeeded.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::Dtype;
+
+use crate::checkpoint::{to_f32, Checkpoint, CheckpointError, OwnedTensor, ShardedWriter};
+use crate::quant::recipe::always_high_precision;
+use crate::quant::{self, fp8_block, Format, Recipe, TensorFormat, MXFP8_BLOCK, NVFP4_BLOCK};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConvertError {
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("config.json: {0}")]
+    Config(String),
+    #[error("tensor `{name}`: {reason}")]
+    Tensor { name: String, reason: String },
+    #[error("output {0} already exists and is not empty")]
+    OutputExists(PathBuf),
+}
+
+pub struct ConvertOptions<'a> {
+    pub input: &'a Path,
+    pub output: &'a Path,
+    pub recipe: &'a Recipe,
+    pub max_shard_bytes: usize,
+    pub progress: bool,
+}
+
+#[derive(Debug, Default, PartialEq)]
+pub struct ConvertReport {
+    pub tensors_in: usize,
+    pub tensors_out: usize,
+    /// Linear weights per output format.
+    pub weights_by_format: BTreeMap<String, usize>,
+    pub bytes_out: usize,
+}
+
+/// How the source checkpoint stores its weights.
+enum Source {
+    HighPrecision,
+    /// DeepSeek-style block FP8 with `weight_scale_inv` per block.
+    BlockFp8 { block: (usize, usize) },
+}
+
+pub fn convert(opts: &ConvertOptions<'_>) -> Result<ConvertReport, ConvertError> {
+    let ckpt = Checkpoint::open(opts.input)?;
+    let mut config = ckpt.config()?.ok_or_else(|| ConvertError::Config(format!("no config.json in {}", ckpt.dir.display())))?;
+    let num_layers = config.get("num_hidden_layers").and_then(|v| v.as_u64()).ok_or_else(|| ConvertError::Config("missing integer `num_hidden_layers`".into()))? as usize;
+    let source = source_format(&config)?;
+
+    let staging = staging_dir(opts.output)?;
+    let mut metadata = HashMap::new();
+    metadata.insert("format".to_string(), "pt".to_string());
+    metadata.insert("lockstep_recipe_hash".to_string(), opts.recipe.hash());
+    let mut writer = ShardedWriter::new(&staging, opts.max_shard_bytes, metadata);
+    let mut report = ConvertReport::default();
+    let mut ignored = BTreeSet::new();
+
+    let names: Vec<String> = ckpt.names().filter(|n| !(matches!(source, Source::BlockFp8 { .. }) && n.ends_with(".weight_scale_inv"))).map(str::to_string).collect();
+    report.tensors_in = ckpt.names().count();
+    let bar = progress_bar(names.len() as u64, opts.progress);
+    let mut done = BTreeSet::new();
+    for name in &names {
+        bar.inc(1);
+        if done.contains(name) {
+            continue;
+        }
+        let t = ckpt.tensor(name)?;
+        let Some(module) = linear_module(name, t.shape()) else {
+            writer.add(name.clone(), copy_tensor(&ckpt, name, &source)?)?;
+            continue;
+        };
+        let (rows, cols) = (t.shape()[0], t.shape()[1]);
+        let fmt = effective_format(opts.recipe.format_for(module, num_layers), cols);
+        *report.weights_by_format.entry(format!("{:?}", fmt.format).to_lowercase()).or_default() += 1;
+        match fmt.format {
+            Format::Bf16 => {
+                if !module.contains("embed_tokens") {
+                    ignored.insert(module.to_string());
+                }
+                writer.add(name.clone(), copy_tensor(&ckpt, name, &source)?)?;
+            }
+            Format::Mxfp8 => {
+                let x = load_f32(&ckpt, name, &source)?;
+                let q = quant::mxfp8::quantize_rowwise(&x, rows, cols).map_err(|e| tensor_err(name, e))?;
+                writer.add(name.clone(), OwnedTensor::new(Dtype::F8_E4M3, vec![rows, cols], q.data))?;
+                writer.add(format!("{module}.weight_scale_inv"), OwnedTensor::new(Dtype::U8, vec![rows, cols / MXFP8_BLOCK], q.scales))?;
+            }
+            Format::Nvfp4 => {
+                let partner = gate_up_partner(module).filter(|p| ckpt.contains(&format!("{p}.weight")) && opts.recipe.format_for(p, num_layers).format == Format::Nvfp4);
+                match partner {
+                    // Up is written with its gate, which sorts first.
+                    Some(_) if module.ends_with("up_proj") => {}
+                    Some(up) => {
+                        let up_name = format!("{up}.weight");
+                        let (g, u) = (load_f32(&ckpt, name, &source)?, load_f32(&ckpt, &up_name, &source)?);
+                        if u.len() != g.len() {
+                            return Err(tensor_err(&up_name, format!("shape differs from its gate_proj {:?}", t.shape())));
+                        }
+                        let (qg, qu) = quant::nvfp4::quantize_gate_up(&g, &u, rows, cols, fmt.four_over_six).map_err(|e| tensor_err(name, e))?;
+                        write_nvfp4(&mut writer, module, qg)?;
+                        write_nvfp4(&mut writer, &up, qu)?;
+                        *report.weights_by_format.entry("nvfp4".into()).or_default() += 1;
+                        done.insert(up_name);
+                    }
+                    None => {
+                        let x = load_f32(&ckpt, name, &source)?;
+                        let opts4 = quant::Nvfp4Options { granularity: quant::ScaleGranularity::PerTensor, four_over_six: fmt.four_over_six };
+                        let q = quant::nvfp4::quantize(&x, rows, cols, &opts4).map_err(|e| tensor_err(name, e))?;
+                        write_nvfp4(&mut writer, module, q)?;
+                    }
+                }
+            }
+        }
+    }
+    bar.finish_and_clear();
+    report.bytes_out = writer.finish()?;
+    report.tensors_out = count_tensors(&staging)?;
+
+    config["quantization_config"] = quantization_config(opts.recipe, &report, &ignored);
+    write_json(&staging.join("config.json"), &config)?;
+    if report.weights_by_format.contains_key("nvfp4") {
+        write_json(&staging.join("hf_quant_config.json"), &hf_quant_config(&ignored))?;
+    }
+    let recipe_path = staging.join("lockstep_recipe.yaml");
+    std::fs::write(&recipe_path, &opts.recipe.source).map_err(|source| ConvertError::Io { path: recipe_path, source })?;
+    copy_side_files(&ckpt.dir, &staging)?;
+    std::fs::rename(&staging, opts.output).map_err(|source| ConvertError::Io { path: opts.output.to_path_buf(), source })?;
+    Ok(report)
+}
+
+fn tensor_err(name: &str, e: impl ToString) -> ConvertError {
+    ConvertError::Tensor { name: name.to_string(), reason: e.to_string() }
+}
+
+fn source_format(config: &serde_json::Value) -> Result<Source, ConvertError> {
+    let Some(qc) = config.get("quantization_config") else { return Ok(Source::HighPrecision) };
+    match qc.get("quant_method").and_then(|m| m.as_str()) {
+        Some("fp8") => {
+            let block = qc.get("weight_block_size").and_then(|b| b.as_array()).and_then(|b| Some((b.first()?.as_u64()? as usize, b.get(1)?.as_u64()? as usize)));
+            let block = block.ok_or_else(|| ConvertError::Config("fp8 quantization_config without `weight_block_size` [n, k] (only block FP8 is supported)".into()))?;
+            Ok(Source::BlockFp8 { block })
+        }
+        other => Err(ConvertError::Config(format!("source is already quantized (quant_method {other:?}); convert takes BF16/F16/F32 or block-FP8 checkpoints"))),
+    }
+}
+
+/// The module name of a 2-D linear weight, or None for everything convert copies unchanged.
+fn linear_module<'n>(name: &'n str, shape: &[usize]) -> Option<&'n str> {
+    let module = name.strip_suffix(".weight")?;
+    (shape.len() == 2 && !always_high_precision(module)).then_some(module)
+}
+
+/// Block sizes the recipe's format cannot tile stay BF16 (as SGLang/vLLM skip them too).
+fn effective_format(fmt: TensorFormat, cols: usize) -> TensorFormat {
+    let block = match fmt.format {
+        Format::Bf16 => return fmt,
+        Format::Mxfp8 => MXFP8_BLOCK,
+        Format::Nvfp4 => NVFP4_BLOCK,
+    };
+    if cols % block == 0 {
+        fmt
+    } else {
+        TensorFormat::BF16
+    }
+}
+
+/// `...experts.3.gate_proj` <-> `...experts.3.up_proj` (or the dense MLP's pair).
+pub fn gate_up_partner(module: &str) -> Option<String> {
+    if let Some(prefix) = module.strip_suffix("gate_proj") {
+        Some(format!("{prefix}up_proj"))
+    } else {
+        module.strip_suffix("up_proj").map(|prefix| format!("{prefix}gate_proj"))
+    }
+}
+
+fn load_f32(ckpt: &Checkpoint, name: &str, source: &Source) -> Result<Vec<f32>, ConvertError> {
+    let t = ckpt.tensor(name)?;
+    match (source, t.dtype()) {
+        (Source::BlockFp8 { block }, Dtype::F8_E4M3) => {
+            let scale_name = format!("{}_scale_inv", name);
+            let s = ckpt.tensor(&scale_name)?;
+            let scale = to_f32(&scale_name, &s)?;
+            let (rows, cols) = (t.shape()[0], t.shape()[1]);
+            fp8_block::dequantize(&t.data(), &scale, rows, cols, *block).map_err(|e| tensor_err(name, e))
+        }
+        _ => Ok(to_f32(name, &t)?),
+    }
+}
+
+/// Non-quantized tensors keep their dtype, except block-FP8 weights, which become BF16.
+fn copy_tensor(ckpt: &Checkpoint, name: &str, source: &Source) -> Result<OwnedTensor, ConvertError> {
+    let t = ckpt.tensor(name)?;
+    if matches!(source, Source::BlockFp8 { .. }) && t.dtype() == Dtype::F8_E4M3 {
+        return Ok(OwnedTensor::bf16(t.shape().to_vec(), &load_f32(ckpt, name, source)?));
+    }
+    Ok(OwnedTensor::from_view(&t))
+}
+
+fn write_nvfp4(writer: &mut ShardedWriter, module: &str, q: quant::Nvfp4Tensor) -> Result<(), ConvertError> {
+    let (rows, cols) = (q.rows, q.cols);
+    let s_dec = q.global.of_row(0);
+    writer.add(format!("{module}.weight"), OwnedTensor::new(Dtype::U8, vec![rows, cols / 2], q.data))?;
+    writer.add(format!("{module}.weight_scale"), OwnedTensor::new(Dtype::F8_E4M3, vec![rows, cols / NVFP4_BLOCK], q.scales))?;
+    writer.add(format!("{module}.weight_scale_2"), OwnedTensor::f32(vec![], &[s_dec]))?;
+    // Per-token activation scales are computed at run time; ModelOpt loaders still expect one.
+    writer.add(format!("{module}.input_scale"), OwnedTensor::f32(vec![], &[1.0]))?;
+    Ok(())
+}
+
+fn quantization_config(recipe: &Recipe, report: &ConvertReport, ignored: &BTreeSet<String>) -> serde_json::Value {
+    let has = |f: &str| report.weights_by_format.contains_key(f);
+    let lockstep = serde_json::json!({"recipe": recipe.name, "recipe_hash": recipe.hash(), "activation_scale": "per_token"});
+    let ignore: Vec<&String> = ignored.iter().collect();
+    match (has("nvfp4"), has("mxfp8")) {
+        (true, false) => serde_json::json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": NVFP4_BLOCK, "ignore": ignore, "lockstep": lockstep}),
+        (false, true) => serde_json::json!({"quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, MXFP8_BLOCK], "scale_fmt": "ue8m0", "ignored_layers": ignore, "lockstep": lockstep}),
+        (true, true) => serde_json::json!({"quant_method": "lockstep", "formats": ["nvfp4", "mxfp8"], "ignore": ignore, "lockstep": lockstep}),
+        (false, false) => serde_json::json!({"quant_method": "none", "lockstep": lockstep}),
+    }
+}
+
+fn hf_quant_config(ignored: &BTreeSet<String>) -> serde_json::Value {
+    serde_json::json!({
+        "producer": {"name": "lockstep", "version": env!("CARGO_PKG_VERSION")},
+        "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": null, "group_size": NVFP4_BLOCK, "exclude_modules": ignored}
+    })
+}
+
+fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), ConvertError> {
+    std::fs::write(path, serde_json::to_string_pretty(v).expect("json serializes")).map_err(|source| ConvertError::Io { path: path.to_path_buf(), source })
+}
+
+/// Tokenizer, generation config, chat template...: everything but weights and files we rewrite.
+fn copy_side_files(from: &Path, to: &Path) -> Result<(), ConvertError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| ConvertError::Io { path, source }
+    };
+    for entry in std::fs::read_dir(from).map_err(io(from))? {
+        let p = entry.map_err(io(from))?.path();
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let skip = name.ends_with(".safetensors") || matches!(name, "config.json" | "model.safetensors.index.json" | "hf_quant_config.json" | "lockstep_recipe.yaml");
+        if p.is_file() && !skip {
+            std::fs::copy(&p, to.join(name)).map_err(io(&p))?;
+        }
+    }
+    Ok(())
+}
+
+fn staging_dir(output: &Path) -> Result<PathBuf, ConvertError> {
+    if output.exists() {
+        let empty = std::fs::read_dir(output).map(|mut d| d.next().is_none()).unwrap_or(false);
+        if !empty {
+            return Err(ConvertError::OutputExists(output.to_path_buf()));
+        }
+        std::fs::remove_dir(output).map_err(|source| ConvertError::Io { path: output.to_path_buf(), source })?;
+    }
+    let name = output.file_name().and_then(|n| n.to_str()).unwrap_or("out");
+    let staging = output.with_file_name(format!(".{name}.partial"));
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging).map_err(|source| ConvertError::Io { path: staging.clone(), source })?;
+    }
+    std::fs::create_dir_all(&staging).map_err(|source| ConvertError::Io { path: staging.clone(), source })?;
+    Ok(staging)
+}
+
+fn count_tensors(dir: &Path) -> Result<usize, ConvertError> {
+    Ok(Checkpoint::open(dir)?.names().count())
+}
+
+fn progress_bar(len: u64, show: bool) -> indicatif::ProgressBar {
+    if !show {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    bar.set_style(indicatif::ProgressStyle::with_template("{spinner} converting [{bar:40}] {pos}/{len} tensors {elapsed}").expect("valid template"));
+    bar
+}
