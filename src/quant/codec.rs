@@ -11,31 +11,29 @@ pub const E4M3_NAN: u8 = 0x7F;
 pub const E8M0_NAN: u8 = 0xFF;
 
 /// Encodes an f32 as E4M3 with round-to-nearest-even and saturation to ±448 (±Inf included).
+///
+/// Written without branches (every case computed, then selected) so block loops vectorize.
 #[inline]
 pub fn e4m3_encode(x: f32) -> u8 {
     let bits = x.to_bits();
-    let sign = ((bits >> 24) & 0x80) as u8;
+    let sign = (bits >> 24) & 0x80;
     let mag = bits & 0x7FFF_FFFF;
+    // Normal range: keep 3 mantissa bits, round-to-nearest-even on the dropped 20 bits; a carry
+    // out of the mantissa correctly bumps the exponent. Rebias 127 -> 7.
+    let rounded = (mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20;
+    let normal = rounded.wrapping_sub((127 - 7) << 3);
+    // Below 2^-6 the grid is uniform with step 2^-9: round |x| * 2^9 (exact scaling) to an
+    // integer; 8 lands on the smallest normal (code 0x08).
+    let subnormal = (f32::from_bits(mag) * 512.0).round_ties_even() as u32;
+    let code = if mag < 0x3C80_0000 { subnormal } else { normal };
+    // |x| >= 448 saturates (values in (448, 464) would round to 448 anyway).
+    let code = if mag >= 0x43E0_0000 { 0x7E } else { code };
+    let byte = (sign | code) as u8;
     if mag > 0x7F80_0000 {
-        return E4M3_NAN;
+        E4M3_NAN
+    } else {
+        byte
     }
-    if mag >= 0x43E0_0000 {
-        // |x| >= 448: satfinite (values in (448, 464) would round to 448 anyway).
-        return sign | 0x7E;
-    }
-    if mag < 0x3C80_0000 {
-        // Below 2^-6 the E4M3 grid is uniform with step 2^-9: round |x| * 2^9 to an integer.
-        // The scaling by a power of two is exact; q == 8 is the smallest normal (code 0x08).
-        let q = (f32::from_bits(mag) * 512.0).round_ties_even() as u8;
-        return sign | q;
-    }
-    // Normal range: keep 3 mantissa bits, round-to-nearest-even on the dropped 20 bits. A carry
-    // out of the mantissa correctly bumps the exponent.
-    let rounded = mag + 0x7FFFF + ((mag >> 20) & 1);
-    let r = rounded >> 20;
-    let exp = (r >> 3) as i32 - 127 + 7;
-    let code = ((exp as u32) << 3) | (r & 7);
-    sign | code.min(0x7E) as u8
 }
 
 /// Decodes an E4M3 byte to f32 (exact). 0x7F/0xFF decode to NaN.
@@ -87,30 +85,16 @@ pub const E2M1_VALUES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
 /// to ±6, NaN -> +6, sign kept (so a negative value rounding to zero is 0x8).
 #[inline]
 pub fn e2m1_encode(x: f32) -> u8 {
-    if x.is_nan() {
-        return 0x7;
-    }
-    let sign = if x.is_sign_negative() { 0x8 } else { 0x0 };
+    let sign = ((x.to_bits() >> 28) & 0x8) as u8;
     let a = x.abs();
-    // Thresholds are the midpoints; `<=` where the lower neighbour is the even code.
-    let code = if a <= 0.25 {
-        0
-    } else if a < 0.75 {
-        1
-    } else if a <= 1.25 {
-        2
-    } else if a < 1.75 {
-        3
-    } else if a <= 2.5 {
-        4
-    } else if a < 3.5 {
-        5
-    } else if a <= 5.0 {
-        6
+    // Count the midpoints below |x|; `>` where the tie goes to the lower (even) code, `>=`
+    // where it goes to the upper one. Branch-free so block loops vectorize.
+    let code = (a > 0.25) as u8 + (a >= 0.75) as u8 + (a > 1.25) as u8 + (a >= 1.75) as u8 + (a > 2.5) as u8 + (a >= 3.5) as u8 + (a > 5.0) as u8;
+    if x.is_nan() {
+        0x7
     } else {
-        7
-    };
-    sign | code
+        sign | code
+    }
 }
 
 /// Decodes an E2M1 nibble (low 4 bits of `code`).
@@ -174,12 +158,28 @@ pub(crate) fn min_num(a: f32, b: f32) -> f32 {
 /// Max |x| ignoring NaN; NaN only when every element is NaN (or the slice is empty of numbers).
 #[inline]
 pub fn amax(xs: &[f32]) -> f32 {
-    let mut m = f32::NAN;
-    for &x in xs {
-        // f32::max returns the non-NaN operand, so NaN elements are skipped.
-        m = m.max(x.abs());
+    amax_of(xs.iter().copied())
+}
+
+/// [`amax`] over any sequence of values (e.g. BF16 widened on the fly).
+#[inline]
+pub fn amax_of(xs: impl Iterator<Item = f32>) -> f32 {
+    // |x| bit patterns order like the values; NaN patterns are mapped to 0 so they never win.
+    let mut max_bits = 0u32;
+    let mut numbers = 0u32;
+    let mut any = false;
+    for x in xs {
+        any = true;
+        let b = x.to_bits() & 0x7FFF_FFFF;
+        let is_number = b <= 0x7F80_0000;
+        numbers += is_number as u32;
+        max_bits = max_bits.max(if is_number { b } else { 0 });
     }
-    m
+    if numbers == 0 && any {
+        f32::NAN
+    } else {
+        f32::from_bits(max_bits)
+    }
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::codec::{amax, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, min_num};
+use super::codec::{amax, amax_of, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, min_num};
 use super::{check_aligned, check_len, Element, QuantError};
 
 pub const NVFP4_BLOCK: usize = 16;
@@ -233,7 +233,7 @@ pub fn quantize_gate_up<T: Element>(gate: &[T], up: &[T], rows: usize, cols: usi
 }
 
 fn row_amax<T: Element>(row: &[T]) -> f32 {
-    row.iter().fold(f32::NAN, |m, e| m.max(e.to_f32().abs()))
+    amax_of(row.iter().map(|e| e.to_f32()))
 }
 
 /// Tensor amax; max is associative and NaN-skipping, so the split does not change the result.
