@@ -6,3 +6,5 @@ pub mod checkpoint;
 pub mod convert;
 pub mod quant;
 pub mod quantize;
+pub mod backend;
+pub mod model;
