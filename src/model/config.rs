@@ -51,11 +51,15 @@ struct RawConfig {
     rope_theta: f64,
     #[serde(default)]
     rope_scaling: Option<serde_json::Value>,
+    /// transformers >= 5 folds rope_theta and rope_scaling into one object.
+    #[serde(default)]
+    rope_parameters: Option<serde_json::Value>,
     #[serde(default)]
     max_position_embeddings: Option<usize>,
     #[serde(default)]
     tie_word_embeddings: Option<bool>,
-    #[serde(default)]
+    /// transformers >= 5 writes `num_local_experts` for Qwen3-MoE.
+    #[serde(default, alias = "num_local_experts")]
     num_experts: Option<usize>,
     #[serde(default)]
     num_experts_per_tok: Option<usize>,
@@ -171,8 +175,8 @@ impl ModelConfig {
             head_dim,
             intermediate_size,
             rms_norm_eps: raw.rms_norm_eps as f32,
-            rope_theta: raw.rope_theta as f32,
-            rope_scaling: rope_scaling(raw.rope_scaling.as_ref())?,
+            rope_theta: raw.rope_parameters.as_ref().and_then(|p| p.get("rope_theta")).and_then(|t| t.as_f64()).unwrap_or(raw.rope_theta) as f32,
+            rope_scaling: rope_scaling(raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref()))?,
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             qk_norm: architecture != Architecture::Llama,
