@@ -26,11 +26,26 @@ fn quantizers(c: &mut Criterion) {
     group.sample_size(10);
     let all = std::thread::available_parallelism().map_or(1, |n| n.get());
     for threads in [1, all] {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-        group.bench_with_input(BenchmarkId::new("mxfp8_rowwise", threads), &threads, |b, _| b.iter(|| pool.install(|| mxfp8::quantize_rowwise(&x, N, N).unwrap())));
-        for (name, granularity) in [("nvfp4_per_tensor", ScaleGranularity::PerTensor), ("nvfp4_per_token", ScaleGranularity::PerToken)] {
-            let opts = Nvfp4Options { granularity, four_over_six: None };
-            group.bench_with_input(BenchmarkId::new(name, threads), &threads, |b, _| b.iter(|| pool.install(|| nvfp4::quantize(&x, N, N, &opts).unwrap())));
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        group.bench_with_input(
+            BenchmarkId::new("mxfp8_rowwise", threads),
+            &threads,
+            |b, _| b.iter(|| pool.install(|| mxfp8::quantize_rowwise(&x, N, N).unwrap())),
+        );
+        for (name, granularity) in [
+            ("nvfp4_per_tensor", ScaleGranularity::PerTensor),
+            ("nvfp4_per_token", ScaleGranularity::PerToken),
+        ] {
+            let opts = Nvfp4Options {
+                granularity,
+                four_over_six: None,
+            };
+            group.bench_with_input(BenchmarkId::new(name, threads), &threads, |b, _| {
+                b.iter(|| pool.install(|| nvfp4::quantize(&x, N, N, &opts).unwrap()))
+            });
         }
     }
     group.finish();

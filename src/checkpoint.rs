@@ -14,7 +14,10 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView, View};
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: not a valid safetensors file: {reason}")]
     Format { path: PathBuf, reason: String },
     #[error("{path}: {reason}")]
@@ -26,7 +29,10 @@ pub enum CheckpointError {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
-    move |source| CheckpointError::Io { path: path.to_path_buf(), source }
+    move |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// One memory-mapped safetensors file.
@@ -40,18 +46,27 @@ impl SafetensorsFile {
         let file = File::open(path).map_err(io_err(path))?;
         // SAFETY: the file is opened read-only; checkpoints are not modified while we serve them.
         let mmap = unsafe { Mmap::map(&file) }.map_err(io_err(path))?;
-        let st = SafetensorsFile { path: path.to_path_buf(), mmap };
+        let st = SafetensorsFile {
+            path: path.to_path_buf(),
+            mmap,
+        };
         st.view()?;
         Ok(st)
     }
 
     pub fn view(&self) -> Result<SafeTensors<'_>, CheckpointError> {
-        SafeTensors::deserialize(&self.mmap).map_err(|e| CheckpointError::Format { path: self.path.clone(), reason: e.to_string() })
+        SafeTensors::deserialize(&self.mmap).map_err(|e| CheckpointError::Format {
+            path: self.path.clone(),
+            reason: e.to_string(),
+        })
     }
 
     /// Metadata strings of the header (`__metadata__`).
     pub fn metadata(&self) -> HashMap<String, String> {
-        SafeTensors::read_metadata(&self.mmap).ok().and_then(|(_, m)| m.metadata().clone()).unwrap_or_default()
+        SafeTensors::read_metadata(&self.mmap)
+            .ok()
+            .and_then(|(_, m)| m.metadata().clone())
+            .unwrap_or_default()
     }
 }
 
@@ -68,7 +83,10 @@ impl Checkpoint {
     /// or `path` itself when it is a file.
     pub fn open(path: &Path) -> Result<Checkpoint, CheckpointError> {
         let (dir, paths) = if path.is_file() {
-            (path.parent().unwrap_or(Path::new(".")).to_path_buf(), vec![path.to_path_buf()])
+            (
+                path.parent().unwrap_or(Path::new(".")).to_path_buf(),
+                vec![path.to_path_buf()],
+            )
         } else {
             (path.to_path_buf(), shard_paths(path)?)
         };
@@ -78,7 +96,10 @@ impl Checkpoint {
             let f = SafetensorsFile::open(&p)?;
             for name in f.view()?.names() {
                 if index.insert(name.to_string(), files.len()).is_some() {
-                    return Err(CheckpointError::Index { path: p.clone(), reason: format!("tensor `{name}` appears in two shards") });
+                    return Err(CheckpointError::Index {
+                        path: p.clone(),
+                        reason: format!("tensor `{name}` appears in two shards"),
+                    });
                 }
             }
             files.push(f);
@@ -95,9 +116,15 @@ impl Checkpoint {
     }
 
     pub fn tensor(&self, name: &str) -> Result<TensorView<'_>, CheckpointError> {
-        let &i = self.index.get(name).ok_or_else(|| CheckpointError::Missing(name.to_string()))?;
+        let &i = self
+            .index
+            .get(name)
+            .ok_or_else(|| CheckpointError::Missing(name.to_string()))?;
         let st = self.files[i].view()?;
-        st.tensor(name).map_err(|e| CheckpointError::Tensor { name: name.to_string(), reason: e.to_string() })
+        st.tensor(name).map_err(|e| CheckpointError::Tensor {
+            name: name.to_string(),
+            reason: e.to_string(),
+        })
     }
 
     /// `config.json` of the checkpoint directory, if present.
@@ -111,14 +138,29 @@ pub fn read_json_if_exists(path: &Path) -> Result<Option<serde_json::Value>, Che
         return Ok(None);
     }
     let text = std::fs::read_to_string(path).map_err(io_err(path))?;
-    serde_json::from_str(&text).map(Some).map_err(|e| CheckpointError::Index { path: path.to_path_buf(), reason: e.to_string() })
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| CheckpointError::Index {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })
 }
 
 fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
     let index = dir.join("model.safetensors.index.json");
     if let Some(json) = read_json_if_exists(&index)? {
-        let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| CheckpointError::Index { path: index.clone(), reason: "no `weight_map` object".into() })?;
-        let mut shards: Vec<PathBuf> = map.values().filter_map(|v| v.as_str()).map(|f| dir.join(f)).collect();
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| CheckpointError::Index {
+                path: index.clone(),
+                reason: "no `weight_map` object".into(),
+            })?;
+        let mut shards: Vec<PathBuf> = map
+            .values()
+            .filter_map(|v| v.as_str())
+            .map(|f| dir.join(f))
+            .collect();
         shards.sort();
         shards.dedup();
         return Ok(shards);
@@ -131,7 +173,10 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
         }
     }
     if shards.is_empty() {
-        return Err(CheckpointError::Index { path: dir.to_path_buf(), reason: "no .safetensors files".into() });
+        return Err(CheckpointError::Index {
+            path: dir.to_path_buf(),
+            reason: "no .safetensors files".into(),
+        });
     }
     shards.sort();
     Ok(shards)
@@ -141,10 +186,24 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
 pub fn to_f32(name: &str, t: &TensorView<'_>) -> Result<Vec<f32>, CheckpointError> {
     let bytes = t.data();
     Ok(match t.dtype() {
-        Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        Dtype::BF16 => bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        Dtype::F16 => bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        other => return Err(CheckpointError::Tensor { name: name.to_string(), reason: format!("dtype {other:?} is not BF16, F16 or F32") }),
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        other => {
+            return Err(CheckpointError::Tensor {
+                name: name.to_string(),
+                reason: format!("dtype {other:?} is not BF16, F16 or F32"),
+            })
+        }
     })
 }
 
@@ -159,21 +218,40 @@ pub struct OwnedTensor {
 impl OwnedTensor {
     pub fn new(dtype: Dtype, shape: Vec<usize>, data: Vec<u8>) -> OwnedTensor {
         let n: usize = shape.iter().product();
-        debug_assert_eq!(n * dtype.bitsize() / 8, data.len(), "tensor bytes match its shape");
+        debug_assert_eq!(
+            n * dtype.bitsize() / 8,
+            data.len(),
+            "tensor bytes match its shape"
+        );
         OwnedTensor { dtype, shape, data }
     }
 
     pub fn f32(shape: Vec<usize>, values: &[f32]) -> OwnedTensor {
-        OwnedTensor::new(Dtype::F32, shape, values.iter().flat_map(|v| v.to_le_bytes()).collect())
+        OwnedTensor::new(
+            Dtype::F32,
+            shape,
+            values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        )
     }
 
     /// Rounds to BF16 (round-to-nearest-even).
     pub fn bf16(shape: Vec<usize>, values: &[f32]) -> OwnedTensor {
-        OwnedTensor::new(Dtype::BF16, shape, values.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect())
+        OwnedTensor::new(
+            Dtype::BF16,
+            shape,
+            values
+                .iter()
+                .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+        )
     }
 
     pub fn from_view(t: &TensorView<'_>) -> OwnedTensor {
-        OwnedTensor { dtype: t.dtype(), shape: t.shape().to_vec(), data: t.data().to_vec() }
+        OwnedTensor {
+            dtype: t.dtype(),
+            shape: t.shape().to_vec(),
+            data: t.data().to_vec(),
+        }
     }
 }
 
@@ -193,8 +271,17 @@ impl View for &OwnedTensor {
 }
 
 /// Writes one safetensors file (tensors sorted by name, as the format requires for stable output).
-pub fn write_file(path: &Path, tensors: &BTreeMap<String, OwnedTensor>, metadata: Option<HashMap<String, String>>) -> Result<(), CheckpointError> {
-    safetensors::tensor::serialize_to_file(tensors.iter(), metadata, path).map_err(|e| CheckpointError::Format { path: path.to_path_buf(), reason: e.to_string() })
+pub fn write_file(
+    path: &Path,
+    tensors: &BTreeMap<String, OwnedTensor>,
+    metadata: Option<HashMap<String, String>>,
+) -> Result<(), CheckpointError> {
+    safetensors::tensor::serialize_to_file(tensors.iter(), metadata, path).map_err(|e| {
+        CheckpointError::Format {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        }
+    })
 }
 
 /// Writes tensors into `model-0000i-of-0000n.safetensors` shards of bounded size plus
@@ -210,8 +297,20 @@ pub struct ShardedWriter {
 }
 
 impl ShardedWriter {
-    pub fn new(dir: &Path, max_shard_bytes: usize, metadata: HashMap<String, String>) -> ShardedWriter {
-        ShardedWriter { dir: dir.to_path_buf(), max_shard_bytes, pending: BTreeMap::new(), pending_bytes: 0, written: Vec::new(), total_bytes: 0, metadata }
+    pub fn new(
+        dir: &Path,
+        max_shard_bytes: usize,
+        metadata: HashMap<String, String>,
+    ) -> ShardedWriter {
+        ShardedWriter {
+            dir: dir.to_path_buf(),
+            max_shard_bytes,
+            pending: BTreeMap::new(),
+            pending_bytes: 0,
+            written: Vec::new(),
+            total_bytes: 0,
+            metadata,
+        }
     }
 
     pub fn add(&mut self, name: String, t: OwnedTensor) -> Result<(), CheckpointError> {
@@ -225,7 +324,10 @@ impl ShardedWriter {
     }
 
     fn flush(&mut self) -> Result<(), CheckpointError> {
-        let path = self.dir.join(format!("shard-{:05}.tmp.safetensors", self.written.len() + 1));
+        let path = self.dir.join(format!(
+            "shard-{:05}.tmp.safetensors",
+            self.written.len() + 1
+        ));
         write_file(&path, &self.pending, Some(self.metadata.clone()))?;
         let names = std::mem::take(&mut self.pending).into_keys().collect();
         self.written.push((path, names));
@@ -242,7 +344,11 @@ impl ShardedWriter {
         let n = self.written.len();
         let mut weight_map = BTreeMap::new();
         for (i, (tmp, names)) in self.written.iter().enumerate() {
-            let file = if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{:05}.safetensors", i + 1, n) };
+            let file = if n == 1 {
+                "model.safetensors".to_string()
+            } else {
+                format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
+            };
             let final_path = self.dir.join(&file);
             std::fs::rename(tmp, &final_path).map_err(io_err(&final_path))?;
             for name in names {
@@ -252,7 +358,11 @@ impl ShardedWriter {
         if n > 1 {
             let index = serde_json::json!({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map});
             let path = self.dir.join("model.safetensors.index.json");
-            std::fs::write(&path, serde_json::to_string_pretty(&index).expect("index serializes")).map_err(io_err(&path))?;
+            std::fs::write(
+                &path,
+                serde_json::to_string_pretty(&index).expect("index serializes"),
+            )
+            .map_err(io_err(&path))?;
         }
         Ok(self.total_bytes)
     }

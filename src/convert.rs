@@ -19,7 +19,10 @@ pub enum ConvertError {
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("config.json: {0}")]
     Config(String),
     #[error("tensor `{name}`: {reason}")]
@@ -49,13 +52,21 @@ pub struct ConvertReport {
 enum Source {
     HighPrecision,
     /// DeepSeek-style block FP8 with `weight_scale_inv` per block.
-    BlockFp8 { block: (usize, usize) },
+    BlockFp8 {
+        block: (usize, usize),
+    },
 }
 
 pub fn convert(opts: &ConvertOptions<'_>) -> Result<ConvertReport, ConvertError> {
     let ckpt = Checkpoint::open(opts.input)?;
-    let mut config = ckpt.config()?.ok_or_else(|| ConvertError::Config(format!("no config.json in {}", ckpt.dir.display())))?;
-    let num_layers = config.get("num_hidden_layers").and_then(|v| v.as_u64()).ok_or_else(|| ConvertError::Config("missing integer `num_hidden_layers`".into()))? as usize;
+    let mut config = ckpt
+        .config()?
+        .ok_or_else(|| ConvertError::Config(format!("no config.json in {}", ckpt.dir.display())))?;
+    let num_layers = config
+        .get("num_hidden_layers")
+        .and_then(|v| v.as_u64())
+        .ok_or_else(|| ConvertError::Config("missing integer `num_hidden_layers`".into()))?
+        as usize;
     let source = source_format(&config)?;
 
     let staging = staging_dir(opts.output)?;
@@ -66,7 +77,13 @@ pub fn convert(opts: &ConvertOptions<'_>) -> Result<ConvertReport, ConvertError>
     let mut report = ConvertReport::default();
     let mut ignored = BTreeSet::new();
 
-    let names: Vec<String> = ckpt.names().filter(|n| !(matches!(source, Source::BlockFp8 { .. }) && n.ends_with(".weight_scale_inv"))).map(str::to_string).collect();
+    let names: Vec<String> = ckpt
+        .names()
+        .filter(|n| {
+            !(matches!(source, Source::BlockFp8 { .. }) && n.ends_with(".weight_scale_inv"))
+        })
+        .map(str::to_string)
+        .collect();
     report.tensors_in = ckpt.names().count();
     let bar = progress_bar(names.len() as u64, opts.progress);
     let mut done = BTreeSet::new();
@@ -82,7 +99,10 @@ pub fn convert(opts: &ConvertOptions<'_>) -> Result<ConvertReport, ConvertError>
         };
         let (rows, cols) = (t.shape()[0], t.shape()[1]);
         let fmt = effective_format(opts.recipe.format_for(module, num_layers), cols);
-        *report.weights_by_format.entry(format!("{:?}", fmt.format).to_lowercase()).or_default() += 1;
+        *report
+            .weights_by_format
+            .entry(format!("{:?}", fmt.format).to_lowercase())
+            .or_default() += 1;
         match fmt.format {
             Format::Bf16 => {
                 if !module.contains("embed_tokens") {
@@ -92,22 +112,40 @@ pub fn convert(opts: &ConvertOptions<'_>) -> Result<ConvertReport, ConvertError>
             }
             Format::Mxfp8 => {
                 let x = load_f32(&ckpt, name, &source)?;
-                let q = quant::mxfp8::quantize_rowwise(&x, rows, cols).map_err(|e| tensor_err(name, e))?;
-                writer.add(name.clone(), OwnedTensor::new(Dtype::F8_E4M3, vec![rows, cols], q.data))?;
-                writer.add(format!("{module}.weight_scale_inv"), OwnedTensor::new(Dtype::U8, vec![rows, cols / MXFP8_BLOCK], q.scales))?;
+                let q = quant::mxfp8::quantize_rowwise(&x, rows, cols)
+                    .map_err(|e| tensor_err(name, e))?;
+                writer.add(
+                    name.clone(),
+                    OwnedTensor::new(Dtype::F8_E4M3, vec![rows, cols], q.data),
+                )?;
+                writer.add(
+                    format!("{module}.weight_scale_inv"),
+                    OwnedTensor::new(Dtype::U8, vec![rows, cols / MXFP8_BLOCK], q.scales),
+                )?;
             }
             Format::Nvfp4 => {
-                let partner = gate_up_partner(module).filter(|p| ckpt.contains(&format!("{p}.weight")) && opts.recipe.format_for(p, num_layers).format == Format::Nvfp4);
+                let partner = gate_up_partner(module).filter(|p| {
+                    ckpt.contains(&format!("{p}.weight"))
+                        && opts.recipe.format_for(p, num_layers).format == Format::Nvfp4
+                });
                 match partner {
                     // Up is written with its gate, which sorts first.
                     Some(_) if module.ends_with("up_proj") => {}
                     Some(up) => {
                         let up_name = format!("{up}.weight");
-                        let (g, u) = (load_f32(&ckpt, name, &source)?, load_f32(&ckpt, &up_name, &source)?);
+                        let (g, u) = (
+                            load_f32(&ckpt, name, &source)?,
+                            load_f32(&ckpt, &up_name, &source)?,
+                        );
                         if u.len() != g.len() {
-                            return Err(tensor_err(&up_name, format!("shape differs from its gate_proj {:?}", t.shape())));
+                            return Err(tensor_err(
+                                &up_name,
+                                format!("shape differs from its gate_proj {:?}", t.shape()),
+                            ));
                         }
-                        let (qg, qu) = quant::nvfp4::quantize_gate_up(&g, &u, rows, cols, fmt.four_over_six).map_err(|e| tensor_err(name, e))?;
+                        let (qg, qu) =
+                            quant::nvfp4::quantize_gate_up(&g, &u, rows, cols, fmt.four_over_six)
+                                .map_err(|e| tensor_err(name, e))?;
                         write_nvfp4(&mut writer, module, qg)?;
                         write_nvfp4(&mut writer, &up, qu)?;
                         *report.weights_by_format.entry("nvfp4".into()).or_default() += 1;
@@ -115,8 +153,12 @@ pub fn convert(opts: &ConvertOptions<'_>) -> Result<ConvertReport, ConvertError>
                     }
                     None => {
                         let x = load_f32(&ckpt, name, &source)?;
-                        let opts4 = quant::Nvfp4Options { granularity: quant::ScaleGranularity::PerTensor, four_over_six: fmt.four_over_six };
-                        let q = quant::nvfp4::quantize(&x, rows, cols, &opts4).map_err(|e| tensor_err(name, e))?;
+                        let opts4 = quant::Nvfp4Options {
+                            granularity: quant::ScaleGranularity::PerTensor,
+                            four_over_six: fmt.four_over_six,
+                        };
+                        let q = quant::nvfp4::quantize(&x, rows, cols, &opts4)
+                            .map_err(|e| tensor_err(name, e))?;
                         write_nvfp4(&mut writer, module, q)?;
                     }
                 }
@@ -130,21 +172,35 @@ pub fn convert(opts: &ConvertOptions<'_>) -> Result<ConvertReport, ConvertError>
     config["quantization_config"] = quantization_config(opts.recipe, &report, &ignored);
     write_json(&staging.join("config.json"), &config)?;
     if report.weights_by_format.contains_key("nvfp4") {
-        write_json(&staging.join("hf_quant_config.json"), &hf_quant_config(&ignored))?;
+        write_json(
+            &staging.join("hf_quant_config.json"),
+            &hf_quant_config(&ignored),
+        )?;
     }
     let recipe_path = staging.join("lockstep_recipe.yaml");
-    std::fs::write(&recipe_path, &opts.recipe.source).map_err(|source| ConvertError::Io { path: recipe_path, source })?;
+    std::fs::write(&recipe_path, &opts.recipe.source).map_err(|source| ConvertError::Io {
+        path: recipe_path,
+        source,
+    })?;
     copy_side_files(&ckpt.dir, &staging)?;
-    std::fs::rename(&staging, opts.output).map_err(|source| ConvertError::Io { path: opts.output.to_path_buf(), source })?;
+    std::fs::rename(&staging, opts.output).map_err(|source| ConvertError::Io {
+        path: opts.output.to_path_buf(),
+        source,
+    })?;
     Ok(report)
 }
 
 fn tensor_err(name: &str, e: impl ToString) -> ConvertError {
-    ConvertError::Tensor { name: name.to_string(), reason: e.to_string() }
+    ConvertError::Tensor {
+        name: name.to_string(),
+        reason: e.to_string(),
+    }
 }
 
 fn source_format(config: &serde_json::Value) -> Result<Source, ConvertError> {
-    let Some(qc) = config.get("quantization_config") else { return Ok(Source::HighPrecision) };
+    let Some(qc) = config.get("quantization_config") else {
+        return Ok(Source::HighPrecision);
+    };
     match qc.get("quant_method").and_then(|m| m.as_str()) {
         Some("fp8") => {
             let block = qc.get("weight_block_size").and_then(|b| b.as_array()).and_then(|b| Some((b.first()?.as_u64()? as usize, b.get(1)?.as_u64()? as usize)));
@@ -180,7 +236,9 @@ pub fn gate_up_partner(module: &str) -> Option<String> {
     if let Some(prefix) = module.strip_suffix("gate_proj") {
         Some(format!("{prefix}up_proj"))
     } else {
-        module.strip_suffix("up_proj").map(|prefix| format!("{prefix}gate_proj"))
+        module
+            .strip_suffix("up_proj")
+            .map(|prefix| format!("{prefix}gate_proj"))
     }
 }
 
@@ -192,40 +250,74 @@ fn load_f32(ckpt: &Checkpoint, name: &str, source: &Source) -> Result<Vec<f32>, 
             let s = ckpt.tensor(&scale_name)?;
             let scale = to_f32(&scale_name, &s)?;
             let (rows, cols) = (t.shape()[0], t.shape()[1]);
-            fp8_block::dequantize(&t.data(), &scale, rows, cols, *block).map_err(|e| tensor_err(name, e))
+            fp8_block::dequantize(&t.data(), &scale, rows, cols, *block)
+                .map_err(|e| tensor_err(name, e))
         }
         _ => Ok(to_f32(name, &t)?),
     }
 }
 
 /// Non-quantized tensors keep their dtype, except block-FP8 weights, which become BF16.
-fn copy_tensor(ckpt: &Checkpoint, name: &str, source: &Source) -> Result<OwnedTensor, ConvertError> {
+fn copy_tensor(
+    ckpt: &Checkpoint,
+    name: &str,
+    source: &Source,
+) -> Result<OwnedTensor, ConvertError> {
     let t = ckpt.tensor(name)?;
     if matches!(source, Source::BlockFp8 { .. }) && t.dtype() == Dtype::F8_E4M3 {
-        return Ok(OwnedTensor::bf16(t.shape().to_vec(), &load_f32(ckpt, name, source)?));
+        return Ok(OwnedTensor::bf16(
+            t.shape().to_vec(),
+            &load_f32(ckpt, name, source)?,
+        ));
     }
     Ok(OwnedTensor::from_view(&t))
 }
 
-fn write_nvfp4(writer: &mut ShardedWriter, module: &str, q: quant::Nvfp4Tensor) -> Result<(), ConvertError> {
+fn write_nvfp4(
+    writer: &mut ShardedWriter,
+    module: &str,
+    q: quant::Nvfp4Tensor,
+) -> Result<(), ConvertError> {
     let (rows, cols) = (q.rows, q.cols);
     let s_dec = q.global.of_row(0);
-    writer.add(format!("{module}.weight"), OwnedTensor::new(Dtype::U8, vec![rows, cols / 2], q.data))?;
-    writer.add(format!("{module}.weight_scale"), OwnedTensor::new(Dtype::F8_E4M3, vec![rows, cols / NVFP4_BLOCK], q.scales))?;
-    writer.add(format!("{module}.weight_scale_2"), OwnedTensor::f32(vec![], &[s_dec]))?;
+    writer.add(
+        format!("{module}.weight"),
+        OwnedTensor::new(Dtype::U8, vec![rows, cols / 2], q.data),
+    )?;
+    writer.add(
+        format!("{module}.weight_scale"),
+        OwnedTensor::new(Dtype::F8_E4M3, vec![rows, cols / NVFP4_BLOCK], q.scales),
+    )?;
+    writer.add(
+        format!("{module}.weight_scale_2"),
+        OwnedTensor::f32(vec![], &[s_dec]),
+    )?;
     // Per-token activation scales are computed at run time; ModelOpt loaders still expect one.
-    writer.add(format!("{module}.input_scale"), OwnedTensor::f32(vec![], &[1.0]))?;
+    writer.add(
+        format!("{module}.input_scale"),
+        OwnedTensor::f32(vec![], &[1.0]),
+    )?;
     Ok(())
 }
 
-fn quantization_config(recipe: &Recipe, report: &ConvertReport, ignored: &BTreeSet<String>) -> serde_json::Value {
+fn quantization_config(
+    recipe: &Recipe,
+    report: &ConvertReport,
+    ignored: &BTreeSet<String>,
+) -> serde_json::Value {
     let has = |f: &str| report.weights_by_format.contains_key(f);
     let lockstep = serde_json::json!({"recipe": recipe.name, "recipe_hash": recipe.hash(), "activation_scale": "per_token"});
     let ignore: Vec<&String> = ignored.iter().collect();
     match (has("nvfp4"), has("mxfp8")) {
-        (true, false) => serde_json::json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": NVFP4_BLOCK, "ignore": ignore, "lockstep": lockstep}),
-        (false, true) => serde_json::json!({"quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, MXFP8_BLOCK], "scale_fmt": "ue8m0", "ignored_layers": ignore, "lockstep": lockstep}),
-        (true, true) => serde_json::json!({"quant_method": "lockstep", "formats": ["nvfp4", "mxfp8"], "ignore": ignore, "lockstep": lockstep}),
+        (true, false) => {
+            serde_json::json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": NVFP4_BLOCK, "ignore": ignore, "lockstep": lockstep})
+        }
+        (false, true) => {
+            serde_json::json!({"quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, MXFP8_BLOCK], "scale_fmt": "ue8m0", "ignored_layers": ignore, "lockstep": lockstep})
+        }
+        (true, true) => {
+            serde_json::json!({"quant_method": "lockstep", "formats": ["nvfp4", "mxfp8"], "ignore": ignore, "lockstep": lockstep})
+        }
         (false, false) => serde_json::json!({"quant_method": "none", "lockstep": lockstep}),
     }
 }
@@ -238,7 +330,14 @@ fn hf_quant_config(ignored: &BTreeSet<String>) -> serde_json::Value {
 }
 
 fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), ConvertError> {
-    std::fs::write(path, serde_json::to_string_pretty(v).expect("json serializes")).map_err(|source| ConvertError::Io { path: path.to_path_buf(), source })
+    std::fs::write(
+        path,
+        serde_json::to_string_pretty(v).expect("json serializes"),
+    )
+    .map_err(|source| ConvertError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// Tokenizer, generation config, chat template...: everything but weights and files we rewrite.
@@ -250,7 +349,14 @@ fn copy_side_files(from: &Path, to: &Path) -> Result<(), ConvertError> {
     for entry in std::fs::read_dir(from).map_err(io(from))? {
         let p = entry.map_err(io(from))?.path();
         let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        let skip = name.ends_with(".safetensors") || matches!(name, "config.json" | "model.safetensors.index.json" | "hf_quant_config.json" | "lockstep_recipe.yaml");
+        let skip = name.ends_with(".safetensors")
+            || matches!(
+                name,
+                "config.json"
+                    | "model.safetensors.index.json"
+                    | "hf_quant_config.json"
+                    | "lockstep_recipe.yaml"
+            );
         if p.is_file() && !skip {
             std::fs::copy(&p, to.join(name)).map_err(io(&p))?;
         }
@@ -260,18 +366,29 @@ fn copy_side_files(from: &Path, to: &Path) -> Result<(), ConvertError> {
 
 fn staging_dir(output: &Path) -> Result<PathBuf, ConvertError> {
     if output.exists() {
-        let empty = std::fs::read_dir(output).map(|mut d| d.next().is_none()).unwrap_or(false);
+        let empty = std::fs::read_dir(output)
+            .map(|mut d| d.next().is_none())
+            .unwrap_or(false);
         if !empty {
             return Err(ConvertError::OutputExists(output.to_path_buf()));
         }
-        std::fs::remove_dir(output).map_err(|source| ConvertError::Io { path: output.to_path_buf(), source })?;
+        std::fs::remove_dir(output).map_err(|source| ConvertError::Io {
+            path: output.to_path_buf(),
+            source,
+        })?;
     }
     let name = output.file_name().and_then(|n| n.to_str()).unwrap_or("out");
     let staging = output.with_file_name(format!(".{name}.partial"));
     if staging.exists() {
-        std::fs::remove_dir_all(&staging).map_err(|source| ConvertError::Io { path: staging.clone(), source })?;
+        std::fs::remove_dir_all(&staging).map_err(|source| ConvertError::Io {
+            path: staging.clone(),
+            source,
+        })?;
     }
-    std::fs::create_dir_all(&staging).map_err(|source| ConvertError::Io { path: staging.clone(), source })?;
+    std::fs::create_dir_all(&staging).map_err(|source| ConvertError::Io {
+        path: staging.clone(),
+        source,
+    })?;
     Ok(staging)
 }
 
@@ -284,6 +401,11 @@ fn progress_bar(len: u64, show: bool) -> indicatif::ProgressBar {
         return indicatif::ProgressBar::hidden();
     }
     let bar = indicatif::ProgressBar::new(len);
-    bar.set_style(indicatif::ProgressStyle::with_template("{spinner} converting [{bar:40}] {pos}/{len} tensors {elapsed}").expect("valid template"));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} converting [{bar:40}] {pos}/{len} tensors {elapsed}",
+        )
+        .expect("valid template"),
+    );
     bar
 }

@@ -2,9 +2,9 @@
 //!
 //! The map of the modules is shared/ARCHITECTURE.md; the contract is [`quant`].
 
+pub mod backend;
 pub mod checkpoint;
 pub mod convert;
+pub mod model;
 pub mod quant;
 pub mod quantize;
-pub mod backend;
-pub mod model;

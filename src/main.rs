@@ -8,7 +8,11 @@ use lockstep::quant::{ErrorMetric, FourOverSix, Recipe};
 use lockstep::quantize::{QuantFormat, QuantizeOptions};
 
 #[derive(Parser)]
-#[command(name = "lockstep", version, about = "MoE serving for RL rollouts and a trainer that share one low-precision contract")]
+#[command(
+    name = "lockstep",
+    version,
+    about = "MoE serving for RL rollouts and a trainer that share one low-precision contract"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -72,16 +76,32 @@ fn main() -> anyhow::Result<()> {
         Command::Quantize(a) => {
             let four_over_six = a.four_over_six.then_some(FourOverSix {
                 e4m3_range: a.four_over_six_range,
-                metric: if a.four_over_six_squared { ErrorMetric::Squared } else { ErrorMetric::Absolute },
+                metric: if a.four_over_six_squared {
+                    ErrorMetric::Squared
+                } else {
+                    ErrorMetric::Absolute
+                },
             });
-            let opts = QuantizeOptions { format: a.format, four_over_six, columnwise: a.columnwise };
-            let n = lockstep::quantize::quantize_file(&a.input, &a.output, &opts).with_context(|| format!("quantizing {}", a.input.display()))?;
+            let opts = QuantizeOptions {
+                format: a.format,
+                four_over_six,
+                columnwise: a.columnwise,
+            };
+            let n = lockstep::quantize::quantize_file(&a.input, &a.output, &opts)
+                .with_context(|| format!("quantizing {}", a.input.display()))?;
             eprintln!("quantized {n} tensors -> {}", a.output.display());
         }
         Command::Convert(a) => {
             let recipe = Recipe::from_file(&a.recipe)?;
-            let opts = lockstep::convert::ConvertOptions { input: &a.input, output: &a.output, recipe: &recipe, max_shard_bytes: a.max_shard_mb << 20, progress: true };
-            let report = lockstep::convert::convert(&opts).with_context(|| format!("converting {}", a.input.display()))?;
+            let opts = lockstep::convert::ConvertOptions {
+                input: &a.input,
+                output: &a.output,
+                recipe: &recipe,
+                max_shard_bytes: a.max_shard_mb << 20,
+                progress: true,
+            };
+            let report = lockstep::convert::convert(&opts)
+                .with_context(|| format!("converting {}", a.input.display()))?;
             eprintln!(
                 "converted {} -> {} tensors ({:.1} MiB) into {}; linear weights by format: {:?}",
                 report.tensors_in,

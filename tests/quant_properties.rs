@@ -3,20 +3,39 @@
 //! and the specified behaviour of zero rows and non-finite elements.
 
 use lockstep::quant::codec::{e4m3_decode, e8m0_decode};
-use lockstep::quant::{mxfp8, nvfp4, GlobalScale, Nvfp4Options, ScaleGranularity, MXFP8_BLOCK, NVFP4_BLOCK};
+use lockstep::quant::{
+    mxfp8, nvfp4, GlobalScale, Nvfp4Options, ScaleGranularity, MXFP8_BLOCK, NVFP4_BLOCK,
+};
 use proptest::prelude::*;
 
 /// Matrices of normal-range values with a per-block magnitude, so blocks differ in scale.
-fn matrix(max_rows: usize, max_blocks: usize, block: usize) -> impl Strategy<Value = (usize, usize, Vec<f32>)> {
+fn matrix(
+    max_rows: usize,
+    max_blocks: usize,
+    block: usize,
+) -> impl Strategy<Value = (usize, usize, Vec<f32>)> {
     (1..=max_rows, 1..=max_blocks).prop_flat_map(move |(rows, blocks)| {
         let cols = blocks * block;
-        (Just(rows), Just(cols), prop::collection::vec((-1.0f32..1.0, -8i32..8), rows * cols))
-            .prop_map(|(r, c, v)| (r, c, v.into_iter().map(|(m, e)| m * 2f32.powi(e * 3)).collect()))
+        (
+            Just(rows),
+            Just(cols),
+            prop::collection::vec((-1.0f32..1.0, -8i32..8), rows * cols),
+        )
+            .prop_map(|(r, c, v)| {
+                (
+                    r,
+                    c,
+                    v.into_iter().map(|(m, e)| m * 2f32.powi(e * 3)).collect(),
+                )
+            })
     })
 }
 
 fn per_token() -> Nvfp4Options {
-    Nvfp4Options { granularity: ScaleGranularity::PerToken, four_over_six: None }
+    Nvfp4Options {
+        granularity: ScaleGranularity::PerToken,
+        four_over_six: None,
+    }
 }
 
 proptest! {
@@ -124,7 +143,10 @@ fn zero_rows_quantize_to_zero_codes_and_zero_token_scale() {
     let q = nvfp4::quantize(&x, 2, cols, &per_token()).unwrap();
     assert!(q.data[cols / 2..].iter().all(|&b| b == 0));
     assert!(q.scales[cols / 16..].iter().all(|&b| b == 0));
-    assert_eq!(q.global, GlobalScale::PerToken(vec![q.global.of_row(0), 0.0]));
+    assert_eq!(
+        q.global,
+        GlobalScale::PerToken(vec![q.global.of_row(0), 0.0])
+    );
     assert!(q.global.of_row(0) > 0.0);
     let m = mxfp8::quantize_rowwise(&x, 2, cols).unwrap();
     assert!(m.data[cols..].iter().all(|&b| b == 0) && m.scales[2..].iter().all(|&s| s == 0));

@@ -12,19 +12,35 @@ use lockstep::model::{ForwardBatch, Model, SeqInput};
 const BLOCK: usize = 4;
 
 fn dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/reference").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/reference")
+        .join(name)
 }
 
 fn kv_for(model: &Model, blocks: usize) -> KvMemory {
     let c = &model.config;
-    KvMemory::new(KvDtype::F32, c.num_layers, blocks, BLOCK, c.num_kv_heads, c.head_dim)
+    KvMemory::new(
+        KvDtype::F32,
+        c.num_layers,
+        blocks,
+        BLOCK,
+        c.num_kv_heads,
+        c.head_dim,
+    )
 }
 
 /// Runs the prompt in one chunk and returns its logits `[len, vocab]`.
 fn prompt_logits(model: &Model, prompt: &[u32]) -> Vec<f32> {
     let table: Vec<u32> = (0..prompt.len().div_ceil(BLOCK) as u32).collect();
     let mut kv = kv_for(model, table.len());
-    let batch = ForwardBatch { seqs: vec![SeqInput { tokens: prompt, start_pos: 0, block_table: &table, logits_from: Some(0) }] };
+    let batch = ForwardBatch {
+        seqs: vec![SeqInput {
+            tokens: prompt,
+            start_pos: 0,
+            block_table: &table,
+            logits_from: Some(0),
+        }],
+    };
     model.forward(&batch, &mut kv).logits
 }
 
@@ -38,10 +54,19 @@ fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut chunk = prompt.to_vec();
     let mut pos = 0;
     for _ in 0..n {
-        let batch = ForwardBatch { seqs: vec![SeqInput { tokens: &chunk, start_pos: pos, block_table: &table, logits_from: Some(chunk.len() - 1) }] };
+        let batch = ForwardBatch {
+            seqs: vec![SeqInput {
+                tokens: &chunk,
+                start_pos: pos,
+                block_table: &table,
+                logits_from: Some(chunk.len() - 1),
+            }],
+        };
         let logits = model.forward(&batch, &mut kv).logits;
         assert_eq!(logits.len(), vocab);
-        let next = (0..vocab).max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a))).unwrap() as u32;
+        let next = (0..vocab)
+            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a)))
+            .unwrap() as u32;
         pos += chunk.len();
         out.push(next);
         chunk = vec![next];
@@ -51,23 +76,46 @@ fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
 
 fn check_model(name: &str) {
     let (model, _) = load_model(&dir(name), None, None).unwrap();
-    let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir(name).join("reference.json")).unwrap()).unwrap();
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir(name).join("reference.json")).unwrap())
+            .unwrap();
     let reference = Checkpoint::open(&dir(name).join("reference_logits.safetensors")).unwrap();
     let prompts = meta["prompts"].as_array().unwrap();
     assert!(prompts.len() >= 3);
     for (i, p) in prompts.iter().enumerate() {
-        let prompt: Vec<u32> = p.as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        let want = to_f32("logits", &reference.tensor(&format!("prompt{i}.logits")).unwrap()).unwrap();
+        let prompt: Vec<u32> = p
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let want = to_f32(
+            "logits",
+            &reference.tensor(&format!("prompt{i}.logits")).unwrap(),
+        )
+        .unwrap();
         let got = prompt_logits(&model, &prompt);
         assert_eq!(got.len(), want.len());
         let vocab = model.config.vocab_size;
         for (pos, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
             let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
             let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(diff <= 1e-4 * scale, "{name} prompt {i} pos {pos}: max |diff| {diff} vs max |logit| {scale}");
+            assert!(
+                diff <= 1e-4 * scale,
+                "{name} prompt {i} pos {pos}: max |diff| {diff} vs max |logit| {scale}"
+            );
         }
-        let want_greedy: Vec<u32> = meta["greedy"][i].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        assert_eq!(greedy(&model, &prompt, want_greedy.len()), want_greedy, "{name} prompt {i} greedy");
+        let want_greedy: Vec<u32> = meta["greedy"][i]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(
+            greedy(&model, &prompt, want_greedy.len()),
+            want_greedy,
+            "{name} prompt {i} greedy"
+        );
     }
 }
 
@@ -96,27 +144,62 @@ fn logits_are_batch_and_prefix_cache_invariant() {
     let alone = prompt_logits(&model, &prompt);
 
     // Batched with two unrelated sequences, in the middle of the batch.
-    let (a, b): (Vec<u32>, Vec<u32>) = ((0..7).map(|i| i * 3 + 1).collect(), (0..5).map(|i| 400 - i).collect());
+    let (a, b): (Vec<u32>, Vec<u32>) = (
+        (0..7).map(|i| i * 3 + 1).collect(),
+        (0..5).map(|i| 400 - i).collect(),
+    );
     let mut kv = kv_for(&model, 12);
     let (ta, tp, tb) = (vec![0u32, 1], vec![2u32, 3, 4], vec![5u32, 6]);
     let batch = ForwardBatch {
         seqs: vec![
-            SeqInput { tokens: &a, start_pos: 0, block_table: &ta, logits_from: Some(0) },
-            SeqInput { tokens: &prompt, start_pos: 0, block_table: &tp, logits_from: Some(0) },
-            SeqInput { tokens: &b, start_pos: 0, block_table: &tb, logits_from: Some(3) },
+            SeqInput {
+                tokens: &a,
+                start_pos: 0,
+                block_table: &ta,
+                logits_from: Some(0),
+            },
+            SeqInput {
+                tokens: &prompt,
+                start_pos: 0,
+                block_table: &tp,
+                logits_from: Some(0),
+            },
+            SeqInput {
+                tokens: &b,
+                start_pos: 0,
+                block_table: &tb,
+                logits_from: Some(3),
+            },
         ],
     };
     let out = model.forward(&batch, &mut kv);
     let (start, rows) = out.logit_rows[1];
     assert_eq!(rows, prompt.len());
-    assert_eq!(bits(&out.logits[start * vocab..][..rows * vocab]), bits(&alone));
+    assert_eq!(
+        bits(&out.logits[start * vocab..][..rows * vocab]),
+        bits(&alone)
+    );
 
     // Prefix (two full blocks) computed by another request, then only the suffix computed.
     let mut kv = kv_for(&model, 8);
     let table = vec![4u32, 6, 1];
-    let first = ForwardBatch { seqs: vec![SeqInput { tokens: &prompt[..8], start_pos: 0, block_table: &table[..2], logits_from: None }] };
+    let first = ForwardBatch {
+        seqs: vec![SeqInput {
+            tokens: &prompt[..8],
+            start_pos: 0,
+            block_table: &table[..2],
+            logits_from: None,
+        }],
+    };
     model.forward(&first, &mut kv);
-    let rest = ForwardBatch { seqs: vec![SeqInput { tokens: &prompt[8..], start_pos: 8, block_table: &table, logits_from: Some(0) }] };
+    let rest = ForwardBatch {
+        seqs: vec![SeqInput {
+            tokens: &prompt[8..],
+            start_pos: 8,
+            block_table: &table,
+            logits_from: Some(0),
+        }],
+    };
     let tail = model.forward(&rest, &mut kv).logits;
     assert_eq!(bits(&tail), bits(&alone[8 * vocab..]));
 }

@@ -24,9 +24,16 @@ pub enum Architecture {
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor`.
-    Linear { factor: f32 },
+    Linear {
+        factor: f32,
+    },
     /// Llama 3.x wavelength-dependent scaling.
-    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position_embeddings: f32 },
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position_embeddings: f32,
+    },
 }
 
 #[derive(Debug, Deserialize)]
@@ -122,43 +129,68 @@ pub struct ModelConfig {
 impl ModelConfig {
     pub fn from_json(value: serde_json::Value) -> Result<ModelConfig, ConfigError> {
         let raw: RawConfig = serde_json::from_value(value.clone())?;
-        let architecture = match raw.architectures.first().map(String::as_str).or(raw.model_type.as_deref()) {
+        let architecture = match raw
+            .architectures
+            .first()
+            .map(String::as_str)
+            .or(raw.model_type.as_deref())
+        {
             Some("Qwen3MoeForCausalLM" | "qwen3_moe") => Architecture::Qwen3Moe,
             Some("Qwen3ForCausalLM" | "qwen3") => Architecture::Qwen3,
             Some("LlamaForCausalLM" | "llama") => Architecture::Llama,
             _ => return Err(ConfigError::Architecture(raw.architectures)),
         };
         if raw.attention_bias == Some(true) {
-            return Err(ConfigError::Field { field: "attention_bias", reason: "attention biases are not supported".into() });
+            return Err(ConfigError::Field {
+                field: "attention_bias",
+                reason: "attention biases are not supported".into(),
+            });
         }
-        let field = |field: &'static str, reason: &str| ConfigError::Field { field, reason: reason.into() };
+        let field = |field: &'static str, reason: &str| ConfigError::Field {
+            field,
+            reason: reason.into(),
+        };
         if raw.num_attention_heads == 0 || raw.hidden_size == 0 || raw.num_hidden_layers == 0 {
-            return Err(field("num_attention_heads", "hidden_size, num_hidden_layers and num_attention_heads must be positive"));
+            return Err(field(
+                "num_attention_heads",
+                "hidden_size, num_hidden_layers and num_attention_heads must be positive",
+            ));
         }
         let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
         if num_kv_heads == 0 || raw.num_attention_heads % num_kv_heads != 0 {
-            return Err(field("num_key_value_heads", "must divide num_attention_heads"));
+            return Err(field(
+                "num_key_value_heads",
+                "must divide num_attention_heads",
+            ));
         }
-        let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads);
+        let head_dim = raw
+            .head_dim
+            .unwrap_or(raw.hidden_size / raw.num_attention_heads);
         if head_dim % 2 != 0 {
             return Err(field("head_dim", "must be even for RoPE"));
         }
         let moe = match (architecture, raw.num_experts) {
             (Architecture::Qwen3Moe, Some(n)) if n > 0 => {
-                let top_k = raw.num_experts_per_tok.ok_or_else(|| field("num_experts_per_tok", "required for Qwen3-MoE"))?;
+                let top_k = raw
+                    .num_experts_per_tok
+                    .ok_or_else(|| field("num_experts_per_tok", "required for Qwen3-MoE"))?;
                 if top_k == 0 || top_k > n {
                     return Err(field("num_experts_per_tok", "must be in 1..=num_experts"));
                 }
                 Some(MoeConfig {
                     num_experts: n,
                     top_k,
-                    intermediate_size: raw.moe_intermediate_size.ok_or_else(|| field("moe_intermediate_size", "required for Qwen3-MoE"))?,
+                    intermediate_size: raw
+                        .moe_intermediate_size
+                        .ok_or_else(|| field("moe_intermediate_size", "required for Qwen3-MoE"))?,
                     norm_topk_prob: raw.norm_topk_prob.unwrap_or(false),
                     decoder_sparse_step: raw.decoder_sparse_step.unwrap_or(1).max(1),
                     mlp_only_layers: raw.mlp_only_layers.clone(),
                 })
             }
-            (Architecture::Qwen3Moe, _) => return Err(field("num_experts", "required (> 0) for Qwen3-MoE")),
+            (Architecture::Qwen3Moe, _) => {
+                return Err(field("num_experts", "required (> 0) for Qwen3-MoE"))
+            }
             _ => None,
         };
         let intermediate_size = raw.intermediate_size.unwrap_or(0);
@@ -175,7 +207,12 @@ impl ModelConfig {
             head_dim,
             intermediate_size,
             rms_norm_eps: raw.rms_norm_eps as f32,
-            rope_theta: raw.rope_parameters.as_ref().and_then(|p| p.get("rope_theta")).and_then(|t| t.as_f64()).unwrap_or(raw.rope_theta) as f32,
+            rope_theta: raw
+                .rope_parameters
+                .as_ref()
+                .and_then(|p| p.get("rope_theta"))
+                .and_then(|t| t.as_f64())
+                .unwrap_or(raw.rope_theta) as f32,
             rope_scaling: rope_scaling(raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref()))?,
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
@@ -189,7 +226,9 @@ impl ModelConfig {
     /// Whether layer `l` uses the sparse MoE block (Qwen3-MoE's `decoder_sparse_step` and
     /// `mlp_only_layers` rules) or a dense MLP.
     pub fn is_moe_layer(&self, l: usize) -> bool {
-        self.moe.as_ref().is_some_and(|m| !m.mlp_only_layers.contains(&l) && (l + 1) % m.decoder_sparse_step == 0)
+        self.moe.as_ref().is_some_and(|m| {
+            !m.mlp_only_layers.contains(&l) && (l + 1) % m.decoder_sparse_step == 0
+        })
     }
 
     pub fn q_size(&self) -> usize {
@@ -203,27 +242,54 @@ impl ModelConfig {
 
 fn token_ids(v: Option<&serde_json::Value>) -> Vec<u32> {
     match v {
-        Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
-        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|n| n as u32).collect(),
+        Some(serde_json::Value::Number(n)) => {
+            n.as_u64().map(|n| vec![n as u32]).unwrap_or_default()
+        }
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|n| n as u32)
+            .collect(),
         _ => vec![],
     }
 }
 
 fn rope_scaling(v: Option<&serde_json::Value>) -> Result<RopeScaling, ConfigError> {
-    let Some(v) = v.filter(|v| !v.is_null()) else { return Ok(RopeScaling::None) };
-    let kind = v.get("rope_type").or_else(|| v.get("type")).and_then(|t| t.as_str()).unwrap_or("default");
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(RopeScaling::None);
+    };
+    let kind = v
+        .get("rope_type")
+        .or_else(|| v.get("type"))
+        .and_then(|t| t.as_str())
+        .unwrap_or("default");
     let num = |k: &str, default: Option<f64>| -> Result<f32, ConfigError> {
-        v.get(k).and_then(|x| x.as_f64()).or(default).map(|x| x as f32).ok_or(ConfigError::Field { field: "rope_scaling", reason: format!("missing `{k}`") })
+        v.get(k)
+            .and_then(|x| x.as_f64())
+            .or(default)
+            .map(|x| x as f32)
+            .ok_or(ConfigError::Field {
+                field: "rope_scaling",
+                reason: format!("missing `{k}`"),
+            })
     };
     match kind {
         "default" => Ok(RopeScaling::None),
-        "linear" => Ok(RopeScaling::Linear { factor: num("factor", None)? }),
+        "linear" => Ok(RopeScaling::Linear {
+            factor: num("factor", None)?,
+        }),
         "llama3" => Ok(RopeScaling::Llama3 {
             factor: num("factor", None)?,
             low_freq_factor: num("low_freq_factor", Some(1.0))?,
             high_freq_factor: num("high_freq_factor", Some(4.0))?,
-            original_max_position_embeddings: num("original_max_position_embeddings", Some(8192.0))?,
+            original_max_position_embeddings: num(
+                "original_max_position_embeddings",
+                Some(8192.0),
+            )?,
         }),
-        other => Err(ConfigError::Field { field: "rope_scaling", reason: format!("rope_type `{other}` is not supported (default, linear, llama3)") }),
+        other => Err(ConfigError::Field {
+            field: "rope_scaling",
+            reason: format!("rope_type `{other}` is not supported (default, linear, llama3)"),
+        }),
     }
 }

@@ -11,7 +11,9 @@ use crate::backend::cpu::linear::{make_linear, DenseWeight, Mxfp8Linear, Nvfp4Li
 use crate::backend::Linear;
 use crate::checkpoint::{to_f32, Checkpoint, CheckpointError};
 use crate::quant::nvfp4::SecondLevel;
-use crate::quant::{self, fp8_block, Format, GlobalScale, Recipe, TensorFormat, MXFP8_BLOCK, NVFP4_BLOCK};
+use crate::quant::{
+    self, fp8_block, Format, GlobalScale, Recipe, TensorFormat, MXFP8_BLOCK, NVFP4_BLOCK,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -26,11 +28,16 @@ pub enum LoadError {
 }
 
 fn tensor_err(name: &str, reason: impl ToString) -> LoadError {
-    LoadError::Tensor { name: name.to_string(), reason: reason.to_string() }
+    LoadError::Tensor {
+        name: name.to_string(),
+        reason: reason.to_string(),
+    }
 }
 
 /// `--quantization`: how linear weights are stored and computed (SGLang's names).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Quantization {
     /// Everything in high precision.
@@ -48,7 +55,10 @@ pub enum Quantization {
 
 /// Where weights come from.
 pub enum WeightSource<'a> {
-    Checkpoint { ckpt: &'a Checkpoint, fp8_block: Option<(usize, usize)> },
+    Checkpoint {
+        ckpt: &'a Checkpoint,
+        fp8_block: Option<(usize, usize)>,
+    },
     /// Deterministic pseudo-random weights: the same values for a (seed, tensor name) on every
     /// backend, so full-size configs can be benchmarked without checkpoints.
     Dummy { seed: u64 },
@@ -57,7 +67,10 @@ pub enum WeightSource<'a> {
 /// Detected checkpoint quantization from `quantization_config`.
 pub fn detect_quantization(config: &serde_json::Value) -> Option<Quantization> {
     let qc = config.get("quantization_config")?;
-    match (qc.get("quant_method")?.as_str()?, qc.get("quant_algo").and_then(|a| a.as_str())) {
+    match (
+        qc.get("quant_method")?.as_str()?,
+        qc.get("quant_algo").and_then(|a| a.as_str()),
+    ) {
         ("modelopt", Some("NVFP4")) => Some(Quantization::Nvfp4),
         ("mxfp8", _) => Some(Quantization::Mxfp8),
         ("fp8", _) => Some(Quantization::Fp8),
@@ -67,19 +80,52 @@ pub fn detect_quantization(config: &serde_json::Value) -> Option<Quantization> {
 }
 
 /// The recipe a server applies for `--quantization` over a checkpoint stored as `stored`.
-pub fn serving_recipe(requested: Option<Quantization>, stored: Option<Quantization>, recipe: Option<Recipe>) -> Result<Recipe, LoadError> {
-    let err = |q: Quantization, reason: &str| LoadError::Quantization { requested: format!("{q:?}").to_lowercase(), reason: reason.into() };
-    let builtin = |name| recipe.clone().unwrap_or_else(|| Recipe::builtin(name).expect("shipped recipe"));
+pub fn serving_recipe(
+    requested: Option<Quantization>,
+    stored: Option<Quantization>,
+    recipe: Option<Recipe>,
+) -> Result<Recipe, LoadError> {
+    let err = |q: Quantization, reason: &str| LoadError::Quantization {
+        requested: format!("{q:?}").to_lowercase(),
+        reason: reason.into(),
+    };
+    let builtin = |name| {
+        recipe
+            .clone()
+            .unwrap_or_else(|| Recipe::builtin(name).expect("shipped recipe"))
+    };
     Ok(match (requested.or(stored), stored) {
         (None, _) | (Some(Quantization::Bf16), None) => recipe.unwrap_or_else(Recipe::bf16),
-        (Some(Quantization::Bf16), Some(_)) => return Err(err(Quantization::Bf16, "the checkpoint is already quantized")),
+        (Some(Quantization::Bf16), Some(_)) => {
+            return Err(err(
+                Quantization::Bf16,
+                "the checkpoint is already quantized",
+            ))
+        }
         (Some(Quantization::Fp8), Some(Quantization::Fp8)) => recipe.unwrap_or_else(Recipe::bf16),
-        (Some(Quantization::Fp8), _) => return Err(err(Quantization::Fp8, "needs a block-FP8 checkpoint (quant_method fp8)")),
-        (Some(Quantization::Mxfp8), None | Some(Quantization::Fp8 | Quantization::Mxfp8)) => builtin("mxfp8"),
+        (Some(Quantization::Fp8), _) => {
+            return Err(err(
+                Quantization::Fp8,
+                "needs a block-FP8 checkpoint (quant_method fp8)",
+            ))
+        }
+        (Some(Quantization::Mxfp8), None | Some(Quantization::Fp8 | Quantization::Mxfp8)) => {
+            builtin("mxfp8")
+        }
         (Some(Quantization::Nvfp4), Some(Quantization::Nvfp4)) => builtin("nvfp4"),
-        (Some(Quantization::Nvfp4), _) => return Err(err(Quantization::Nvfp4, "needs an NVFP4 checkpoint; use nvfp4_online to quantize a BF16/FP8 one at load")),
+        (Some(Quantization::Nvfp4), _) => {
+            return Err(err(
+                Quantization::Nvfp4,
+                "needs an NVFP4 checkpoint; use nvfp4_online to quantize a BF16/FP8 one at load",
+            ))
+        }
         (Some(Quantization::Nvfp4Online), None | Some(Quantization::Fp8)) => builtin("nvfp4"),
-        (Some(q), Some(s)) => return Err(err(q, &format!("the checkpoint is already quantized as {s:?}"))),
+        (Some(q), Some(s)) => {
+            return Err(err(
+                q,
+                &format!("the checkpoint is already quantized as {s:?}"),
+            ))
+        }
     })
 }
 
@@ -92,37 +138,79 @@ impl WeightSource<'_> {
     }
 
     /// A high-precision matrix `[rows, cols]` (block FP8 dequantized).
-    fn dense(&self, name: &str, rows: usize, cols: usize, init: DummyInit) -> Result<DenseWeight, LoadError> {
+    fn dense(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        init: DummyInit,
+    ) -> Result<DenseWeight, LoadError> {
         let ckpt = match self {
-            WeightSource::Dummy { seed } => return Ok(DenseWeight::Bf16(dummy_values(*seed, name, rows * cols, init))),
+            WeightSource::Dummy { seed } => {
+                return Ok(DenseWeight::Bf16(dummy_values(
+                    *seed,
+                    name,
+                    rows * cols,
+                    init,
+                )))
+            }
             WeightSource::Checkpoint { ckpt, .. } => ckpt,
         };
         let t = ckpt.tensor(name)?;
         if t.shape() != [rows, cols] {
-            return Err(tensor_err(name, format!("shape {:?}, expected [{rows}, {cols}]", t.shape())));
+            return Err(tensor_err(
+                name,
+                format!("shape {:?}, expected [{rows}, {cols}]", t.shape()),
+            ));
         }
         Ok(match t.dtype() {
-            Dtype::BF16 => DenseWeight::Bf16(t.data().chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect()),
+            Dtype::BF16 => DenseWeight::Bf16(
+                t.data()
+                    .chunks_exact(2)
+                    .map(|b| bf16::from_le_bytes([b[0], b[1]]))
+                    .collect(),
+            ),
             Dtype::F32 | Dtype::F16 => DenseWeight::F32(to_f32(name, &t)?),
             Dtype::F8_E4M3 => {
-                let WeightSource::Checkpoint { fp8_block: Some(block), .. } = self else {
-                    return Err(tensor_err(name, "F8_E4M3 weight without a block-FP8 quantization_config"));
+                let WeightSource::Checkpoint {
+                    fp8_block: Some(block),
+                    ..
+                } = self
+                else {
+                    return Err(tensor_err(
+                        name,
+                        "F8_E4M3 weight without a block-FP8 quantization_config",
+                    ));
                 };
                 let scale_name = format!("{}_scale_inv", name);
                 let scale = to_f32(&scale_name, &ckpt.tensor(&scale_name)?)?;
-                DenseWeight::F32(fp8_block::dequantize(&t.data(), &scale, rows, cols, *block).map_err(|e| tensor_err(name, e))?)
+                DenseWeight::F32(
+                    fp8_block::dequantize(&t.data(), &scale, rows, cols, *block)
+                        .map_err(|e| tensor_err(name, e))?,
+                )
             }
-            other => return Err(tensor_err(name, format!("dtype {other:?} is not a weight dtype"))),
+            other => {
+                return Err(tensor_err(
+                    name,
+                    format!("dtype {other:?} is not a weight dtype"),
+                ))
+            }
         })
     }
 
     fn vector(&self, name: &str, len: usize, init: DummyInit) -> Result<Vec<f32>, LoadError> {
         match self {
-            WeightSource::Dummy { seed } => Ok(dummy_values(*seed, name, len, init).into_iter().map(|v| v.to_f32()).collect()),
+            WeightSource::Dummy { seed } => Ok(dummy_values(*seed, name, len, init)
+                .into_iter()
+                .map(|v| v.to_f32())
+                .collect()),
             WeightSource::Checkpoint { ckpt, .. } => {
                 let t = ckpt.tensor(name)?;
                 if t.shape() != [len] {
-                    return Err(tensor_err(name, format!("shape {:?}, expected [{len}]", t.shape())));
+                    return Err(tensor_err(
+                        name,
+                        format!("shape {:?}, expected [{len}]", t.shape()),
+                    ));
                 }
                 Ok(to_f32(name, &t)?)
             }
@@ -130,18 +218,49 @@ impl WeightSource<'_> {
     }
 
     /// The linear layer `module` in a stored quantized format, if the checkpoint has one.
-    fn prequantized(&self, module: &str, rows: usize, cols: usize, fmt: &TensorFormat) -> Result<Option<Box<dyn Linear>>, LoadError> {
-        let WeightSource::Checkpoint { ckpt, .. } = self else { return Ok(None) };
-        let (w_name, s2_name, sinv_name) = (format!("{module}.weight"), format!("{module}.weight_scale_2"), format!("{module}.weight_scale_inv"));
+    fn prequantized(
+        &self,
+        module: &str,
+        rows: usize,
+        cols: usize,
+        fmt: &TensorFormat,
+    ) -> Result<Option<Box<dyn Linear>>, LoadError> {
+        let WeightSource::Checkpoint { ckpt, .. } = self else {
+            return Ok(None);
+        };
+        let (w_name, s2_name, sinv_name) = (
+            format!("{module}.weight"),
+            format!("{module}.weight_scale_2"),
+            format!("{module}.weight_scale_inv"),
+        );
         if ckpt.contains(&s2_name) {
             let w = ckpt.tensor(&w_name)?;
             let s = ckpt.tensor(&format!("{module}.weight_scale"))?;
             let g = to_f32(&s2_name, &ckpt.tensor(&s2_name)?)?;
-            if w.shape() != [rows, cols / 2] || s.shape() != [rows, cols / NVFP4_BLOCK] || g.len() != 1 {
-                return Err(tensor_err(&w_name, format!("NVFP4 shapes weight {:?} / weight_scale {:?} do not fit [{rows}, {cols}]", w.shape(), s.shape())));
+            if w.shape() != [rows, cols / 2]
+                || s.shape() != [rows, cols / NVFP4_BLOCK]
+                || g.len() != 1
+            {
+                return Err(tensor_err(
+                    &w_name,
+                    format!(
+                        "NVFP4 shapes weight {:?} / weight_scale {:?} do not fit [{rows}, {cols}]",
+                        w.shape(),
+                        s.shape()
+                    ),
+                ));
             }
-            let q = quant::Nvfp4Tensor { rows, cols, data: w.data().to_vec(), scales: s.data().to_vec(), global: GlobalScale::PerTensor(g[0]) };
-            let fmt = TensorFormat { format: Format::Nvfp4, ..*fmt };
+            let q = quant::Nvfp4Tensor {
+                rows,
+                cols,
+                data: w.data().to_vec(),
+                scales: s.data().to_vec(),
+                global: GlobalScale::PerTensor(g[0]),
+            };
+            let fmt = TensorFormat {
+                format: Format::Nvfp4,
+                ..*fmt
+            };
             return Ok(Some(Box::new(Nvfp4Linear::new(q, &fmt))));
         }
         if ckpt.contains(&sinv_name) && ckpt.tensor(&sinv_name)?.dtype() == Dtype::U8 {
@@ -150,7 +269,13 @@ impl WeightSource<'_> {
             if w.shape() != [rows, cols] || s.shape() != [rows, cols / MXFP8_BLOCK] {
                 return Err(tensor_err(&w_name, format!("MXFP8 shapes weight {:?} / weight_scale_inv {:?} do not fit [{rows}, {cols}]", w.shape(), s.shape())));
             }
-            let q = quant::Mxfp8Tensor { rows, cols, axis: quant::BlockAxis::Rowwise, data: w.data().to_vec(), scales: s.data().to_vec() };
+            let q = quant::Mxfp8Tensor {
+                rows,
+                cols,
+                axis: quant::BlockAxis::Rowwise,
+                data: w.data().to_vec(),
+                scales: s.data().to_vec(),
+            };
             return Ok(Some(Box::new(Mxfp8Linear { weight: q })));
         }
         Ok(None)
@@ -168,7 +293,9 @@ enum DummyInit {
 
 /// A counter-based generator: value i of tensor `name` depends only on (seed, name, i).
 fn dummy_values(seed: u64, name: &str, n: usize, init: DummyInit) -> Vec<bf16> {
-    let DummyInit::FanIn(fan_in) = init else { return vec![bf16::ONE; n] };
+    let DummyInit::FanIn(fan_in) = init else {
+        return vec![bf16::ONE; n];
+    };
     let mut key = seed ^ 0xcbf2_9ce4_8422_2325;
     for b in name.bytes() {
         key = (key ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
@@ -208,44 +335,122 @@ impl Builder<'_> {
         }
     }
 
-    fn linear(&self, module: &str, rows: usize, cols: usize, shared: Option<SecondLevel>) -> Result<Box<dyn Linear>, LoadError> {
+    fn linear(
+        &self,
+        module: &str,
+        rows: usize,
+        cols: usize,
+        shared: Option<SecondLevel>,
+    ) -> Result<Box<dyn Linear>, LoadError> {
         let fmt = self.format(module, cols);
         if let Some(l) = self.src.prequantized(module, rows, cols, &fmt)? {
             return Ok(l);
         }
-        let w = self.src.dense(&format!("{module}.weight"), rows, cols, DummyInit::FanIn(cols))?;
-        Ok(make_linear(w, rows, cols, &fmt, shared.filter(|_| fmt.format == Format::Nvfp4)))
+        let w = self.src.dense(
+            &format!("{module}.weight"),
+            rows,
+            cols,
+            DummyInit::FanIn(cols),
+        )?;
+        Ok(make_linear(
+            w,
+            rows,
+            cols,
+            &fmt,
+            shared.filter(|_| fmt.format == Format::Nvfp4),
+        ))
     }
 
     fn swiglu(&self, prefix: &str, hidden: usize, inter: usize) -> Result<SwiGlu, LoadError> {
-        let (g, u, d) = (format!("{prefix}.gate_proj"), format!("{prefix}.up_proj"), format!("{prefix}.down_proj"));
+        let (g, u, d) = (
+            format!("{prefix}.gate_proj"),
+            format!("{prefix}.up_proj"),
+            format!("{prefix}.down_proj"),
+        );
         // NVFP4 gate and up share one second-level scale (from the amax of both).
-        let shared = if self.format(&g, hidden).format == Format::Nvfp4 && self.format(&u, hidden).format == Format::Nvfp4 && !self.src.contains(&format!("{g}.weight_scale_2")) {
-            let gw = self.src.dense(&format!("{g}.weight"), inter, hidden, DummyInit::FanIn(hidden))?.to_f32();
-            let uw = self.src.dense(&format!("{u}.weight"), inter, hidden, DummyInit::FanIn(hidden))?.to_f32();
-            Some(SecondLevel::standard(quant::nvfp4::parallel_amax(&gw).max(quant::nvfp4::parallel_amax(&uw))))
+        let shared = if self.format(&g, hidden).format == Format::Nvfp4
+            && self.format(&u, hidden).format == Format::Nvfp4
+            && !self.src.contains(&format!("{g}.weight_scale_2"))
+        {
+            let gw = self
+                .src
+                .dense(
+                    &format!("{g}.weight"),
+                    inter,
+                    hidden,
+                    DummyInit::FanIn(hidden),
+                )?
+                .to_f32();
+            let uw = self
+                .src
+                .dense(
+                    &format!("{u}.weight"),
+                    inter,
+                    hidden,
+                    DummyInit::FanIn(hidden),
+                )?
+                .to_f32();
+            Some(SecondLevel::standard(
+                quant::nvfp4::parallel_amax(&gw).max(quant::nvfp4::parallel_amax(&uw)),
+            ))
         } else {
             None
         };
-        Ok(SwiGlu { gate: self.linear(&g, inter, hidden, shared)?, up: self.linear(&u, inter, hidden, shared)?, down: self.linear(&d, hidden, inter, None)? })
+        Ok(SwiGlu {
+            gate: self.linear(&g, inter, hidden, shared)?,
+            up: self.linear(&u, inter, hidden, shared)?,
+            down: self.linear(&d, hidden, inter, None)?,
+        })
     }
 
     fn layer(&self, cfg: &ModelConfig, l: usize) -> Result<Layer, LoadError> {
         let p = format!("model.layers.{l}");
         let h = cfg.hidden_size;
-        let qk_norm = |n: &str| -> Result<Option<Vec<f32>>, LoadError> { if cfg.qk_norm { Ok(Some(self.src.vector(&format!("{p}.self_attn.{n}.weight"), cfg.head_dim, DummyInit::Ones)?)) } else { Ok(None) } };
+        let qk_norm = |n: &str| -> Result<Option<Vec<f32>>, LoadError> {
+            if cfg.qk_norm {
+                Ok(Some(self.src.vector(
+                    &format!("{p}.self_attn.{n}.weight"),
+                    cfg.head_dim,
+                    DummyInit::Ones,
+                )?))
+            } else {
+                Ok(None)
+            }
+        };
         let mlp = if cfg.is_moe_layer(l) {
             let moe = cfg.moe.as_ref().expect("moe layer has a moe config");
             let router_name = format!("{p}.mlp.gate.weight");
-            let router = make_linear(self.src.dense(&router_name, moe.num_experts, h, DummyInit::FanIn(h))?, moe.num_experts, h, &TensorFormat::BF16, None);
-            let experts = (0..moe.num_experts).map(|e| self.swiglu(&format!("{p}.mlp.experts.{e}"), h, moe.intermediate_size)).collect::<Result<_, _>>()?;
-            Mlp::Moe(Moe { router, experts, top_k: moe.top_k, norm_topk_prob: moe.norm_topk_prob })
+            let router = make_linear(
+                self.src
+                    .dense(&router_name, moe.num_experts, h, DummyInit::FanIn(h))?,
+                moe.num_experts,
+                h,
+                &TensorFormat::BF16,
+                None,
+            );
+            let experts = (0..moe.num_experts)
+                .map(|e| self.swiglu(&format!("{p}.mlp.experts.{e}"), h, moe.intermediate_size))
+                .collect::<Result<_, _>>()?;
+            Mlp::Moe(Moe {
+                router,
+                experts,
+                top_k: moe.top_k,
+                norm_topk_prob: moe.norm_topk_prob,
+            })
         } else {
             Mlp::Dense(self.swiglu(&format!("{p}.mlp"), h, cfg.intermediate_size)?)
         };
         Ok(Layer {
-            input_norm: self.src.vector(&format!("{p}.input_layernorm.weight"), h, DummyInit::Ones)?,
-            post_attention_norm: self.src.vector(&format!("{p}.post_attention_layernorm.weight"), h, DummyInit::Ones)?,
+            input_norm: self.src.vector(
+                &format!("{p}.input_layernorm.weight"),
+                h,
+                DummyInit::Ones,
+            )?,
+            post_attention_norm: self.src.vector(
+                &format!("{p}.post_attention_layernorm.weight"),
+                h,
+                DummyInit::Ones,
+            )?,
             q_proj: self.linear(&format!("{p}.self_attn.q_proj"), cfg.q_size(), h, None)?,
             k_proj: self.linear(&format!("{p}.self_attn.k_proj"), cfg.kv_size(), h, None)?,
             v_proj: self.linear(&format!("{p}.self_attn.v_proj"), cfg.kv_size(), h, None)?,
@@ -258,37 +463,76 @@ impl Builder<'_> {
 }
 
 /// Builds the model from `src` with every linear layer in its recipe format.
-pub fn build_model(cfg: ModelConfig, src: WeightSource<'_>, recipe: &Recipe) -> Result<Model, LoadError> {
-    let b = Builder { src, recipe, num_layers: cfg.num_layers };
+pub fn build_model(
+    cfg: ModelConfig,
+    src: WeightSource<'_>,
+    recipe: &Recipe,
+) -> Result<Model, LoadError> {
+    let b = Builder {
+        src,
+        recipe,
+        num_layers: cfg.num_layers,
+    };
     let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-    let embed = b.src.dense("model.embed_tokens.weight", v, h, DummyInit::FanIn(h))?;
-    let layers = (0..cfg.num_layers).map(|l| b.layer(&cfg, l)).collect::<Result<Vec<_>, _>>()?;
+    let embed = b
+        .src
+        .dense("model.embed_tokens.weight", v, h, DummyInit::FanIn(h))?;
+    let layers = (0..cfg.num_layers)
+        .map(|l| b.layer(&cfg, l))
+        .collect::<Result<Vec<_>, _>>()?;
     let norm = b.src.vector("model.norm.weight", h, DummyInit::Ones)?;
     // Tied embeddings (or a checkpoint without lm_head) reuse the embedding matrix.
-    let lm_head = if cfg.tie_word_embeddings || (matches!(b.src, WeightSource::Checkpoint { .. }) && !b.src.contains("lm_head.weight")) {
+    let lm_head = if cfg.tie_word_embeddings
+        || (matches!(b.src, WeightSource::Checkpoint { .. }) && !b.src.contains("lm_head.weight"))
+    {
         let w = match &embed {
             DenseWeight::F32(w) => DenseWeight::F32(w.clone()),
             DenseWeight::Bf16(w) => DenseWeight::Bf16(w.clone()),
         };
         make_linear(w, v, h, &TensorFormat::BF16, None)
     } else {
-        make_linear(b.src.dense("lm_head.weight", v, h, DummyInit::FanIn(h))?, v, h, &TensorFormat::BF16, None)
+        make_linear(
+            b.src.dense("lm_head.weight", v, h, DummyInit::FanIn(h))?,
+            v,
+            h,
+            &TensorFormat::BF16,
+            None,
+        )
     };
     Ok(Model::new(cfg, embed, layers, norm, lm_head))
 }
 
 /// Loads a Hugging Face model directory for serving.
-pub fn load_model(dir: &Path, quantization: Option<Quantization>, recipe: Option<Recipe>) -> Result<(Model, Recipe), LoadError> {
+pub fn load_model(
+    dir: &Path,
+    quantization: Option<Quantization>,
+    recipe: Option<Recipe>,
+) -> Result<(Model, Recipe), LoadError> {
     let ckpt = Checkpoint::open(dir)?;
-    let raw = ckpt.config()?.ok_or_else(|| tensor_err("config.json", format!("missing in {}", dir.display())))?;
+    let raw = ckpt
+        .config()?
+        .ok_or_else(|| tensor_err("config.json", format!("missing in {}", dir.display())))?;
     let stored = detect_quantization(&raw);
     let recipe = serving_recipe(quantization, stored, recipe)?;
     let fp8_block = (stored == Some(Quantization::Fp8)).then(|| {
-        let b = raw["quantization_config"]["weight_block_size"].as_array().cloned().unwrap_or_default();
-        (b.first().and_then(|v| v.as_u64()).unwrap_or(128) as usize, b.get(1).and_then(|v| v.as_u64()).unwrap_or(128) as usize)
+        let b = raw["quantization_config"]["weight_block_size"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        (
+            b.first().and_then(|v| v.as_u64()).unwrap_or(128) as usize,
+            b.get(1).and_then(|v| v.as_u64()).unwrap_or(128) as usize,
+        )
     });
     let cfg = ModelConfig::from_json(raw)?;
-    let model = build_model(cfg, WeightSource::Checkpoint { ckpt: &ckpt, fp8_block }, &recipe)?;
+    let model = build_model(
+        cfg,
+        WeightSource::Checkpoint {
+            ckpt: &ckpt,
+            fp8_block,
+        },
+        &recipe,
+    )?;
     Ok((model, recipe))
 }
 

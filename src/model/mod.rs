@@ -54,7 +54,11 @@ impl Moe {
             let top = ops::top_k(probs, self.top_k);
             let sum: f32 = top.iter().map(|&i| probs[i]).sum();
             for (slot, &i) in top.iter().enumerate() {
-                let w = if self.norm_topk_prob { probs[i] / sum } else { probs[i] };
+                let w = if self.norm_topk_prob {
+                    probs[i] / sum
+                } else {
+                    probs[i]
+                };
                 choice[r * self.top_k + slot] = (i, w);
                 routed[r * self.top_k + slot] = i as i32;
             }
@@ -63,7 +67,9 @@ impl Moe {
         let mut expert_out: Vec<Option<Vec<f32>>> = vec![None; e];
         let mut row_in_expert = vec![0usize; rows * self.top_k];
         for (ex, out) in expert_out.iter_mut().enumerate() {
-            let members: Vec<usize> = (0..rows * self.top_k).filter(|&s| choice[s].0 == ex).collect();
+            let members: Vec<usize> = (0..rows * self.top_k)
+                .filter(|&s| choice[s].0 == ex)
+                .collect();
             if members.is_empty() {
                 continue;
             }
@@ -80,7 +86,8 @@ impl Moe {
             for slot in 0..self.top_k {
                 let s = r * self.top_k + slot;
                 let (ex, w) = choice[s];
-                let eo = &expert_out[ex].as_ref().expect("expert ran")[row_in_expert[s] * hidden..][..hidden];
+                let eo = &expert_out[ex].as_ref().expect("expert ran")[row_in_expert[s] * hidden..]
+                    [..hidden];
                 for (a, b) in yr.iter_mut().zip(eo) {
                     *a += w * b;
                 }
@@ -143,13 +150,29 @@ pub struct ForwardOutput {
 }
 
 impl Model {
-    pub fn new(config: ModelConfig, embed_tokens: crate::backend::cpu::linear::DenseWeight, layers: Vec<Layer>, norm: Vec<f32>, lm_head: Box<dyn Linear>) -> Model {
+    pub fn new(
+        config: ModelConfig,
+        embed_tokens: crate::backend::cpu::linear::DenseWeight,
+        layers: Vec<Layer>,
+        norm: Vec<f32>,
+        lm_head: Box<dyn Linear>,
+    ) -> Model {
         let inv_freq = ops::rope_inv_freq(config.head_dim, config.rope_theta, &config.rope_scaling);
-        Model { config, embed_tokens, layers, norm, lm_head, inv_freq }
+        Model {
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+        }
     }
 
     pub fn num_moe_layers(&self) -> usize {
-        self.layers.iter().filter(|l| matches!(l.mlp, Mlp::Moe(_))).count()
+        self.layers
+            .iter()
+            .filter(|l| matches!(l.mlp, Mlp::Moe(_)))
+            .count()
     }
 
     pub fn top_k(&self) -> usize {
@@ -164,7 +187,10 @@ impl Model {
             let t = t as usize;
             match &self.embed_tokens {
                 DenseWeight::F32(w) => row.copy_from_slice(&w[t * h..][..h]),
-                DenseWeight::Bf16(w) => row.iter_mut().zip(&w[t * h..][..h]).for_each(|(d, s)| *d = s.to_f32()),
+                DenseWeight::Bf16(w) => row
+                    .iter_mut()
+                    .zip(&w[t * h..][..h])
+                    .for_each(|(d, s)| *d = s.to_f32()),
             }
         }
         x
@@ -173,10 +199,19 @@ impl Model {
     pub fn forward(&self, batch: &ForwardBatch<'_>, kv: &mut KvMemory) -> ForwardOutput {
         let cfg = &self.config;
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
-        let tokens: Vec<u32> = batch.seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let tokens: Vec<u32> = batch
+            .seqs
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
         let n = tokens.len();
         // Row -> (sequence, position), for RoPE and the KV writes.
-        let row_pos: Vec<(usize, usize)> = batch.seqs.iter().enumerate().flat_map(|(i, s)| (0..s.tokens.len()).map(move |j| (i, s.start_pos + j))).collect();
+        let row_pos: Vec<(usize, usize)> = batch
+            .seqs
+            .iter()
+            .enumerate()
+            .flat_map(|(i, s)| (0..s.tokens.len()).map(move |j| (i, s.start_pos + j)))
+            .collect();
         let moe_layers = self.num_moe_layers();
         let top_k = self.top_k();
         let mut routed = vec![0i32; n * moe_layers * top_k];
@@ -185,7 +220,11 @@ impl Model {
         let mut moe_index = 0;
         for (l, layer) in self.layers.iter().enumerate() {
             ops::rms_norm(&x, &layer.input_norm, cfg.rms_norm_eps, &mut normed);
-            let (mut q, mut k, mut v) = (vec![0f32; n * cfg.q_size()], vec![0f32; n * cfg.kv_size()], vec![0f32; n * cfg.kv_size()]);
+            let (mut q, mut k, mut v) = (
+                vec![0f32; n * cfg.q_size()],
+                vec![0f32; n * cfg.kv_size()],
+                vec![0f32; n * cfg.kv_size()],
+            );
             layer.q_proj.forward(&normed, n, &mut q);
             layer.k_proj.forward(&normed, n, &mut k);
             layer.v_proj.forward(&normed, n, &mut v);
@@ -194,25 +233,55 @@ impl Model {
                 ops::head_rms_norm_inplace(&mut k, kn, cfg.rms_norm_eps);
             }
             for (r, &(s, pos)) in row_pos.iter().enumerate() {
-                ops::apply_rope(&mut q[r * cfg.q_size()..][..cfg.q_size()], hd, pos, &self.inv_freq);
-                ops::apply_rope(&mut k[r * cfg.kv_size()..][..cfg.kv_size()], hd, pos, &self.inv_freq);
-                kv.write(l, batch.seqs[s].block_table, pos, &k[r * cfg.kv_size()..][..cfg.kv_size()], &v[r * cfg.kv_size()..][..cfg.kv_size()]);
+                ops::apply_rope(
+                    &mut q[r * cfg.q_size()..][..cfg.q_size()],
+                    hd,
+                    pos,
+                    &self.inv_freq,
+                );
+                ops::apply_rope(
+                    &mut k[r * cfg.kv_size()..][..cfg.kv_size()],
+                    hd,
+                    pos,
+                    &self.inv_freq,
+                );
+                kv.write(
+                    l,
+                    batch.seqs[s].block_table,
+                    pos,
+                    &k[r * cfg.kv_size()..][..cfg.kv_size()],
+                    &v[r * cfg.kv_size()..][..cfg.kv_size()],
+                );
             }
-            let seqs: Vec<AttentionSeq<'_>> = batch.seqs.iter().map(|s| AttentionSeq { block_table: s.block_table, start_pos: s.start_pos, len: s.tokens.len() }).collect();
+            let seqs: Vec<AttentionSeq<'_>> = batch
+                .seqs
+                .iter()
+                .map(|s| AttentionSeq {
+                    block_table: s.block_table,
+                    start_pos: s.start_pos,
+                    len: s.tokens.len(),
+                })
+                .collect();
             let mut attn = vec![0f32; n * cfg.q_size()];
             paged_attention(kv, l, &seqs, &q, cfg.num_heads, &mut attn);
             let mut o = vec![0f32; n * h];
             layer.o_proj.forward(&attn, n, &mut o);
             ops::add_inplace(&mut x, &o);
 
-            ops::rms_norm(&x, &layer.post_attention_norm, cfg.rms_norm_eps, &mut normed);
+            ops::rms_norm(
+                &x,
+                &layer.post_attention_norm,
+                cfg.rms_norm_eps,
+                &mut normed,
+            );
             let y = match &layer.mlp {
                 Mlp::Dense(mlp) => mlp.forward(&normed, n),
                 Mlp::Moe(moe) => {
                     let mut r = vec![0i32; n * top_k];
                     let y = moe.forward(&normed, n, h, &mut r);
                     for t in 0..n {
-                        routed[(t * moe_layers + moe_index) * top_k..][..top_k].copy_from_slice(&r[t * top_k..][..top_k]);
+                        routed[(t * moe_layers + moe_index) * top_k..][..top_k]
+                            .copy_from_slice(&r[t * top_k..][..top_k]);
                     }
                     moe_index += 1;
                     y
@@ -236,6 +305,10 @@ impl Model {
         }
         let mut logits = vec![0f32; rows.len() * cfg.vocab_size];
         self.lm_head.forward(&hsel, rows.len(), &mut logits);
-        ForwardOutput { logits, logit_rows, routed_experts: routed }
+        ForwardOutput {
+            logits,
+            logit_rows,
+            routed_experts: routed,
+        }
     }
 }

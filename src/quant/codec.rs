@@ -89,7 +89,13 @@ pub fn e2m1_encode(x: f32) -> u8 {
     let a = x.abs();
     // Count the midpoints below |x|; `>` where the tie goes to the lower (even) code, `>=`
     // where it goes to the upper one. Branch-free so block loops vectorize.
-    let code = (a > 0.25) as u8 + (a >= 0.75) as u8 + (a > 1.25) as u8 + (a >= 1.75) as u8 + (a > 2.5) as u8 + (a >= 3.5) as u8 + (a > 5.0) as u8;
+    let code = (a > 0.25) as u8
+        + (a >= 0.75) as u8
+        + (a > 1.25) as u8
+        + (a >= 1.75) as u8
+        + (a > 2.5) as u8
+        + (a >= 3.5) as u8
+        + (a > 5.0) as u8;
     if x.is_nan() {
         0x7
     } else {
@@ -214,7 +220,16 @@ mod tests {
 
     #[test]
     fn e2m1_ties_go_to_even_codes() {
-        let cases = [(0.25, 0.0), (0.75, 1.0), (1.25, 1.0), (1.75, 2.0), (2.5, 2.0), (3.5, 4.0), (5.0, 4.0), (7.0, 6.0)];
+        let cases = [
+            (0.25, 0.0),
+            (0.75, 1.0),
+            (1.25, 1.0),
+            (1.75, 2.0),
+            (2.5, 2.0),
+            (3.5, 4.0),
+            (5.0, 4.0),
+            (7.0, 6.0),
+        ];
         for (x, want) in cases {
             assert_eq!(e2m1_decode(e2m1_encode(x)), want, "{x}");
             assert_eq!(e2m1_decode(e2m1_encode(-x)), -want, "-{x}");

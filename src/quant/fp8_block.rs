@@ -10,11 +10,19 @@ use super::{check_len, QuantError};
 pub const FP8_BLOCK: usize = 128;
 
 /// `w[i, j] = e4m3(q[i, j]) * scale_inv[i / bn, j / bk]` with `block = (bn, bk)`.
-pub fn dequantize(weight: &[u8], scale_inv: &[f32], rows: usize, cols: usize, block: (usize, usize)) -> Result<Vec<f32>, QuantError> {
+pub fn dequantize(
+    weight: &[u8],
+    scale_inv: &[f32],
+    rows: usize,
+    cols: usize,
+    block: (usize, usize),
+) -> Result<Vec<f32>, QuantError> {
     check_len(weight.len(), rows, cols)?;
     let (bn, bk) = block;
     if bn == 0 || bk == 0 {
-        return Err(QuantError::Invalid("weight_block_size must be positive".into()));
+        return Err(QuantError::Invalid(
+            "weight_block_size must be positive".into(),
+        ));
     }
     let scale_cols = cols.div_ceil(bk);
     let want = rows.div_ceil(bn) * scale_cols;

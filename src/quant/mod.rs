@@ -14,7 +14,9 @@ pub mod recipe;
 pub mod swizzle;
 
 pub use mxfp8::{BlockAxis, Mxfp8Tensor, MXFP8_BLOCK};
-pub use nvfp4::{ErrorMetric, FourOverSix, GlobalScale, Nvfp4Options, Nvfp4Tensor, ScaleGranularity, NVFP4_BLOCK};
+pub use nvfp4::{
+    ErrorMetric, FourOverSix, GlobalScale, Nvfp4Options, Nvfp4Tensor, ScaleGranularity, NVFP4_BLOCK,
+};
 pub use recipe::{Format, Recipe, TensorFormat};
 
 use half::{bf16, f16};
@@ -23,9 +25,18 @@ use half::{bf16, f16};
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum QuantError {
     #[error("dimension {dim} has size {size}, which is not a multiple of the block size {block}")]
-    NotBlockAligned { dim: usize, size: usize, block: usize },
+    NotBlockAligned {
+        dim: usize,
+        size: usize,
+        block: usize,
+    },
     #[error("expected {expected} elements for shape [{rows}, {cols}], got {got}")]
-    LengthMismatch { rows: usize, cols: usize, expected: usize, got: usize },
+    LengthMismatch {
+        rows: usize,
+        cols: usize,
+        expected: usize,
+        got: usize,
+    },
     #[error("{0}")]
     Invalid(String),
 }
@@ -59,7 +70,12 @@ impl Element for f16 {
 pub(crate) fn check_len(len: usize, rows: usize, cols: usize) -> Result<(), QuantError> {
     let expected = rows * cols;
     if len != expected {
-        return Err(QuantError::LengthMismatch { rows, cols, expected, got: len });
+        return Err(QuantError::LengthMismatch {
+            rows,
+            cols,
+            expected,
+            got: len,
+        });
     }
     Ok(())
 }

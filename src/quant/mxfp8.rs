@@ -41,7 +41,11 @@ pub fn block_scale_code(block_amax: f32) -> u8 {
 }
 
 /// Quantizes `x` ([rows, cols], row-major) with 1x32 blocks.
-pub fn quantize_rowwise<T: Element>(x: &[T], rows: usize, cols: usize) -> Result<Mxfp8Tensor, QuantError> {
+pub fn quantize_rowwise<T: Element>(
+    x: &[T],
+    rows: usize,
+    cols: usize,
+) -> Result<Mxfp8Tensor, QuantError> {
     check_len(x.len(), rows, cols)?;
     check_aligned(1, cols, MXFP8_BLOCK)?;
     let mut data = vec![0u8; rows * cols];
@@ -62,18 +66,34 @@ pub fn quantize_rowwise<T: Element>(x: &[T], rows: usize, cols: usize) -> Result
             }
             *scale = code;
         });
-    Ok(Mxfp8Tensor { rows, cols, axis: BlockAxis::Rowwise, data, scales })
+    Ok(Mxfp8Tensor {
+        rows,
+        cols,
+        axis: BlockAxis::Rowwise,
+        data,
+        scales,
+    })
 }
 
 /// Quantizes `x` ([rows, cols], row-major) with 32x1 blocks (32 consecutive rows of a column).
-pub fn quantize_columnwise<T: Element>(x: &[T], rows: usize, cols: usize) -> Result<Mxfp8Tensor, QuantError> {
+pub fn quantize_columnwise<T: Element>(
+    x: &[T],
+    rows: usize,
+    cols: usize,
+) -> Result<Mxfp8Tensor, QuantError> {
     check_len(x.len(), rows, cols)?;
     check_aligned(0, rows, MXFP8_BLOCK)?;
     let stripe = MXFP8_BLOCK * cols;
     let mut data = vec![0u8; rows * cols];
     let mut scales = vec![0u8; rows / MXFP8_BLOCK * cols];
     if cols == 0 {
-        return Ok(Mxfp8Tensor { rows, cols, axis: BlockAxis::Columnwise, data, scales });
+        return Ok(Mxfp8Tensor {
+            rows,
+            cols,
+            axis: BlockAxis::Columnwise,
+            data,
+            scales,
+        });
     }
     data.par_chunks_mut(stripe)
         .zip(scales.par_chunks_mut(cols))
@@ -99,7 +119,13 @@ pub fn quantize_columnwise<T: Element>(x: &[T], rows: usize, cols: usize) -> Res
                 }
             }
         });
-    Ok(Mxfp8Tensor { rows, cols, axis: BlockAxis::Columnwise, data, scales })
+    Ok(Mxfp8Tensor {
+        rows,
+        cols,
+        axis: BlockAxis::Columnwise,
+        data,
+        scales,
+    })
 }
 
 impl Mxfp8Tensor {
@@ -118,11 +144,14 @@ impl Mxfp8Tensor {
         if self.cols == 0 {
             return out;
         }
-        out.par_chunks_mut(self.cols).enumerate().for_each(|(r, row)| {
-            for (c, o) in row.iter_mut().enumerate() {
-                *o = e4m3_decode(self.data[r * self.cols + c]) * e8m0_decode(self.scale_of(r, c));
-            }
-        });
+        out.par_chunks_mut(self.cols)
+            .enumerate()
+            .for_each(|(r, row)| {
+                for (c, o) in row.iter_mut().enumerate() {
+                    *o = e4m3_decode(self.data[r * self.cols + c])
+                        * e8m0_decode(self.scale_of(r, c));
+                }
+            });
         out
     }
 }

@@ -44,7 +44,10 @@ pub struct FourOverSix {
 
 impl Default for FourOverSix {
     fn default() -> Self {
-        FourOverSix { e4m3_range: 256.0, metric: ErrorMetric::Absolute }
+        FourOverSix {
+            e4m3_range: 256.0,
+            metric: ErrorMetric::Absolute,
+        }
     }
 }
 
@@ -99,7 +102,11 @@ impl SecondLevel {
         if a == 0.0 || s_enc == 0.0 {
             s_enc = 1.0;
         }
-        SecondLevel { amax: a, s_enc, s_dec: 1.0 / s_enc }
+        SecondLevel {
+            amax: a,
+            s_enc,
+            s_dec: 1.0 / s_enc,
+        }
     }
 
     /// The global scale of the default (non-four-over-six) path for amax `a`.
@@ -115,9 +122,19 @@ fn element_multiplier(s8: u8, s_dec: f32) -> f32 {
 }
 
 /// Quantizes one row (a multiple of 16 elements) into its packed bytes and block scales.
-fn quantize_row<T: Element>(row: &[T], level: SecondLevel, fos: Option<FourOverSix>, data: &mut [u8], scales: &mut [u8]) {
+fn quantize_row<T: Element>(
+    row: &[T],
+    level: SecondLevel,
+    fos: Option<FourOverSix>,
+    data: &mut [u8],
+    scales: &mut [u8],
+) {
     let t = level.s_enc * R6;
-    for ((block, out), scale) in row.chunks_exact(NVFP4_BLOCK).zip(data.chunks_exact_mut(NVFP4_BLOCK / 2)).zip(scales.iter_mut()) {
+    for ((block, out), scale) in row
+        .chunks_exact(NVFP4_BLOCK)
+        .zip(data.chunks_exact_mut(NVFP4_BLOCK / 2))
+        .zip(scales.iter_mut())
+    {
         let mut x = [0f32; NVFP4_BLOCK];
         for (v, e) in x.iter_mut().zip(block) {
             *v = e.to_f32();
@@ -146,7 +163,13 @@ fn encode_block(x: &[f32; NVFP4_BLOCK], enc: f32, codes: &mut [u8; NVFP4_BLOCK])
 }
 
 /// Quantizes a block twice (max -> 6 and max -> 4) and keeps the candidate with less error.
-fn four_over_six_block(x: &[f32; NVFP4_BLOCK], block_amax: f32, level: SecondLevel, f: FourOverSix, codes: &mut [u8; NVFP4_BLOCK]) -> u8 {
+fn four_over_six_block(
+    x: &[f32; NVFP4_BLOCK],
+    block_amax: f32,
+    level: SecondLevel,
+    f: FourOverSix,
+    codes: &mut [u8; NVFP4_BLOCK],
+) -> u8 {
     let range = 6.0 * f.e4m3_range;
     let base = (block_amax / 6.0) * level.s_enc;
     let s6 = e4m3_encode(min_num(base, 448.0));
@@ -179,14 +202,25 @@ fn second_level_range(fos: Option<FourOverSix>) -> f32 {
 }
 
 /// Quantizes `x` ([rows, cols], row-major) to NVFP4 under `opts`.
-pub fn quantize<T: Element>(x: &[T], rows: usize, cols: usize, opts: &Nvfp4Options) -> Result<Nvfp4Tensor, QuantError> {
+pub fn quantize<T: Element>(
+    x: &[T],
+    rows: usize,
+    cols: usize,
+    opts: &Nvfp4Options,
+) -> Result<Nvfp4Tensor, QuantError> {
     check_len(x.len(), rows, cols)?;
     check_aligned(1, cols, NVFP4_BLOCK)?;
     let range = second_level_range(opts.four_over_six);
     match opts.granularity {
         ScaleGranularity::PerTensor => {
             let level = SecondLevel::from_amax(parallel_amax(x), range);
-            Ok(quantize_with_level(x, rows, cols, level, opts.four_over_six))
+            Ok(quantize_with_level(
+                x,
+                rows,
+                cols,
+                level,
+                opts.four_over_six,
+            ))
         }
         ScaleGranularity::PerToken => {
             let mut data = vec![0u8; rows * cols / 2];
@@ -204,13 +238,25 @@ pub fn quantize<T: Element>(x: &[T], rows: usize, cols: usize, opts: &Nvfp4Optio
                         *g = if level.amax == 0.0 { 0.0 } else { level.s_dec };
                     });
             }
-            Ok(Nvfp4Tensor { rows, cols, data, scales, global: GlobalScale::PerToken(s_dec) })
+            Ok(Nvfp4Tensor {
+                rows,
+                cols,
+                data,
+                scales,
+                global: GlobalScale::PerToken(s_dec),
+            })
         }
     }
 }
 
 /// Quantizes `x` with a given second-level scale (per-tensor), e.g. one shared by gate and up.
-pub fn quantize_with_level<T: Element>(x: &[T], rows: usize, cols: usize, level: SecondLevel, fos: Option<FourOverSix>) -> Nvfp4Tensor {
+pub fn quantize_with_level<T: Element>(
+    x: &[T],
+    rows: usize,
+    cols: usize,
+    level: SecondLevel,
+    fos: Option<FourOverSix>,
+) -> Nvfp4Tensor {
     let mut data = vec![0u8; rows * cols / 2];
     let mut scales = vec![0u8; rows * cols / NVFP4_BLOCK];
     if cols > 0 {
@@ -219,17 +265,32 @@ pub fn quantize_with_level<T: Element>(x: &[T], rows: usize, cols: usize, level:
             .zip(x.par_chunks(cols))
             .for_each(|((d, s), row)| quantize_row(row, level, fos, d, s));
     }
-    Nvfp4Tensor { rows, cols, data, scales, global: GlobalScale::PerTensor(level.s_dec) }
+    Nvfp4Tensor {
+        rows,
+        cols,
+        data,
+        scales,
+        global: GlobalScale::PerTensor(level.s_dec),
+    }
 }
 
 /// Gate (w1) and up (w3) of one expert as one tensor: one amax, one S_enc, one stored scale.
-pub fn quantize_gate_up<T: Element>(gate: &[T], up: &[T], rows: usize, cols: usize, fos: Option<FourOverSix>) -> Result<(Nvfp4Tensor, Nvfp4Tensor), QuantError> {
+pub fn quantize_gate_up<T: Element>(
+    gate: &[T],
+    up: &[T],
+    rows: usize,
+    cols: usize,
+    fos: Option<FourOverSix>,
+) -> Result<(Nvfp4Tensor, Nvfp4Tensor), QuantError> {
     check_len(gate.len(), rows, cols)?;
     check_len(up.len(), rows, cols)?;
     check_aligned(1, cols, NVFP4_BLOCK)?;
     let a = parallel_amax(gate).max(parallel_amax(up));
     let level = SecondLevel::from_amax(a, second_level_range(fos));
-    Ok((quantize_with_level(gate, rows, cols, level, fos), quantize_with_level(up, rows, cols, level, fos)))
+    Ok((
+        quantize_with_level(gate, rows, cols, level, fos),
+        quantize_with_level(up, rows, cols, level, fos),
+    ))
 }
 
 fn row_amax<T: Element>(row: &[T]) -> f32 {
@@ -238,7 +299,9 @@ fn row_amax<T: Element>(row: &[T]) -> f32 {
 
 /// Tensor amax; max is associative and NaN-skipping, so the split does not change the result.
 pub fn parallel_amax<T: Element>(x: &[T]) -> f32 {
-    x.par_chunks(4096).map(row_amax).reduce(|| f32::NAN, f32::max)
+    x.par_chunks(4096)
+        .map(row_amax)
+        .reduce(|| f32::NAN, f32::max)
 }
 
 impl Nvfp4Tensor {
@@ -260,13 +323,15 @@ impl Nvfp4Tensor {
             return out;
         }
         let blocks_per_row = self.cols / NVFP4_BLOCK;
-        out.par_chunks_mut(self.cols).enumerate().for_each(|(r, row)| {
-            let g = self.global.of_row(r);
-            for (c, o) in row.iter_mut().enumerate() {
-                let s = e4m3_decode(self.scales[r * blocks_per_row + c / NVFP4_BLOCK]);
-                *o = e2m1_decode(self.code(r, c)) * s * g;
-            }
-        });
+        out.par_chunks_mut(self.cols)
+            .enumerate()
+            .for_each(|(r, row)| {
+                let g = self.global.of_row(r);
+                for (c, o) in row.iter_mut().enumerate() {
+                    let s = e4m3_decode(self.scales[r * blocks_per_row + c / NVFP4_BLOCK]);
+                    *o = e2m1_decode(self.code(r, c)) * s * g;
+                }
+            });
         out
     }
 
@@ -278,11 +343,14 @@ impl Nvfp4Tensor {
             return out;
         }
         let blocks_per_row = self.cols / NVFP4_BLOCK;
-        out.par_chunks_mut(self.cols).enumerate().for_each(|(r, row)| {
-            for (c, o) in row.iter_mut().enumerate() {
-                *o = e2m1_decode(self.code(r, c)) * e4m3_decode(self.scales[r * blocks_per_row + c / NVFP4_BLOCK]);
-            }
-        });
+        out.par_chunks_mut(self.cols)
+            .enumerate()
+            .for_each(|(r, row)| {
+                for (c, o) in row.iter_mut().enumerate() {
+                    *o = e2m1_decode(self.code(r, c))
+                        * e4m3_decode(self.scales[r * blocks_per_row + c / NVFP4_BLOCK]);
+                }
+            });
         out
     }
 }

@@ -48,7 +48,11 @@ mod tests {
             let swz = swizzle_128x4(&plain, rows, cols);
             assert_eq!(unswizzle_128x4(&swz, rows, cols), plain);
             let nonzero = swz.iter().filter(|&&b| b != 0).count();
-            assert_eq!(nonzero, rows * cols, "padding must be zero and no slot reused");
+            assert_eq!(
+                nonzero,
+                rows * cols,
+                "padding must be zero and no slot reused"
+            );
         }
     }
 }

@@ -43,8 +43,14 @@ impl KvElem for f32 {
 
 /// Per layer K and V buffers of `[num_blocks, block_size, kv_heads, head_dim]`.
 enum KvData {
-    Bf16 { k: Vec<Vec<bf16>>, v: Vec<Vec<bf16>> },
-    F32 { k: Vec<Vec<f32>>, v: Vec<Vec<f32>> },
+    Bf16 {
+        k: Vec<Vec<bf16>>,
+        v: Vec<Vec<bf16>>,
+    },
+    F32 {
+        k: Vec<Vec<f32>>,
+        v: Vec<Vec<f32>>,
+    },
 }
 
 /// The physical KV cache, owned by the engine thread.
@@ -57,13 +63,32 @@ pub struct KvMemory {
 }
 
 impl KvMemory {
-    pub fn new(dtype: KvDtype, num_layers: usize, num_blocks: usize, block_size: usize, kv_heads: usize, head_dim: usize) -> KvMemory {
+    pub fn new(
+        dtype: KvDtype,
+        num_layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> KvMemory {
         let n = num_blocks * block_size * kv_heads * head_dim;
         let data = match dtype {
-            KvDtype::Bf16 => KvData::Bf16 { k: vec![vec![bf16::ZERO; n]; num_layers], v: vec![vec![bf16::ZERO; n]; num_layers] },
-            KvDtype::F32 => KvData::F32 { k: vec![vec![0.0; n]; num_layers], v: vec![vec![0.0; n]; num_layers] },
+            KvDtype::Bf16 => KvData::Bf16 {
+                k: vec![vec![bf16::ZERO; n]; num_layers],
+                v: vec![vec![bf16::ZERO; n]; num_layers],
+            },
+            KvDtype::F32 => KvData::F32 {
+                k: vec![vec![0.0; n]; num_layers],
+                v: vec![vec![0.0; n]; num_layers],
+            },
         };
-        KvMemory { block_size, num_blocks, kv_heads, head_dim, data }
+        KvMemory {
+            block_size,
+            num_blocks,
+            kv_heads,
+            head_dim,
+            data,
+        }
     }
 
     pub fn dtype(&self) -> KvDtype {
@@ -74,14 +99,24 @@ impl KvMemory {
     }
 
     /// Bytes one token occupies across all layers (K and V).
-    pub fn bytes_per_token(dtype: KvDtype, num_layers: usize, kv_heads: usize, head_dim: usize) -> usize {
+    pub fn bytes_per_token(
+        dtype: KvDtype,
+        num_layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> usize {
         let elem = if dtype == KvDtype::Bf16 { 2 } else { 4 };
         2 * num_layers * kv_heads * head_dim * elem
     }
 
     /// Stores K and V (`[kv_heads * head_dim]` each) of the token at `pos`.
     pub fn write(&mut self, layer: usize, block_table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
-        let s = slot(self.block_size, self.kv_heads * self.head_dim, block_table, pos);
+        let s = slot(
+            self.block_size,
+            self.kv_heads * self.head_dim,
+            block_table,
+            pos,
+        );
         fn put<T: KvElem>(dst: &mut [T], src: &[f32]) {
             for (d, x) in dst.iter_mut().zip(src) {
                 *d = T::store(*x);
@@ -116,42 +151,63 @@ pub struct AttentionSeq<'a> {
 
 /// Causal GQA attention for every query row of every sequence. `q`: `[total_rows, heads *
 /// head_dim]` in sequence order; `out` the same shape.
-pub fn paged_attention(mem: &KvMemory, layer: usize, seqs: &[AttentionSeq<'_>], q: &[f32], num_heads: usize, out: &mut [f32]) {
+pub fn paged_attention(
+    mem: &KvMemory,
+    layer: usize,
+    seqs: &[AttentionSeq<'_>],
+    q: &[f32],
+    num_heads: usize,
+    out: &mut [f32],
+) {
     match &mem.data {
         KvData::Bf16 { k, v } => attend(mem, &k[layer], &v[layer], seqs, q, num_heads, out),
         KvData::F32 { k, v } => attend(mem, &k[layer], &v[layer], seqs, q, num_heads, out),
     }
 }
 
-fn attend<T: KvElem>(mem: &KvMemory, kc: &[T], vc: &[T], seqs: &[AttentionSeq<'_>], q: &[f32], num_heads: usize, out: &mut [f32]) {
+fn attend<T: KvElem>(
+    mem: &KvMemory,
+    kc: &[T],
+    vc: &[T],
+    seqs: &[AttentionSeq<'_>],
+    q: &[f32],
+    num_heads: usize,
+    out: &mut [f32],
+) {
     let hd = mem.head_dim;
     let kv_width = mem.kv_heads * hd;
     let group = num_heads / mem.kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let width = num_heads * hd;
-    let rows: Vec<(&[u32], usize)> = seqs.iter().flat_map(|s| (0..s.len).map(move |i| (s.block_table, s.start_pos + i))).collect();
-    out.par_chunks_mut(width).zip(q.par_chunks(width)).zip(rows.par_iter()).for_each(|((o, qrow), &(table, pos))| {
-        let mut scores = vec![0f32; pos + 1];
-        for h in 0..num_heads {
-            let kvh = h / group;
-            let qh = &qrow[h * hd..][..hd];
-            for (t, s) in scores.iter_mut().enumerate() {
-                let base = slot(mem.block_size, kv_width, table, t) + kvh * hd;
-                let mut acc = 0f32;
-                for (a, b) in qh.iter().zip(&kc[base..base + hd]) {
-                    acc += a * b.load();
+    let rows: Vec<(&[u32], usize)> = seqs
+        .iter()
+        .flat_map(|s| (0..s.len).map(move |i| (s.block_table, s.start_pos + i)))
+        .collect();
+    out.par_chunks_mut(width)
+        .zip(q.par_chunks(width))
+        .zip(rows.par_iter())
+        .for_each(|((o, qrow), &(table, pos))| {
+            let mut scores = vec![0f32; pos + 1];
+            for h in 0..num_heads {
+                let kvh = h / group;
+                let qh = &qrow[h * hd..][..hd];
+                for (t, s) in scores.iter_mut().enumerate() {
+                    let base = slot(mem.block_size, kv_width, table, t) + kvh * hd;
+                    let mut acc = 0f32;
+                    for (a, b) in qh.iter().zip(&kc[base..base + hd]) {
+                        acc += a * b.load();
+                    }
+                    *s = acc * scale;
                 }
-                *s = acc * scale;
-            }
-            super::ops::softmax_inplace(&mut scores);
-            let oh = &mut o[h * hd..][..hd];
-            oh.fill(0.0);
-            for (t, p) in scores.iter().enumerate() {
-                let base = slot(mem.block_size, kv_width, table, t) + kvh * hd;
-                for (acc, v) in oh.iter_mut().zip(&vc[base..base + hd]) {
-                    *acc += p * v.load();
+                super::ops::softmax_inplace(&mut scores);
+                let oh = &mut o[h * hd..][..hd];
+                oh.fill(0.0);
+                for (t, p) in scores.iter().enumerate() {
+                    let base = slot(mem.block_size, kv_width, table, t) + kvh * hd;
+                    for (acc, v) in oh.iter_mut().zip(&vc[base..base + hd]) {
+                        *acc += p * v.load();
+                    }
                 }
             }
-        }
-    });
+        });
 }

@@ -30,7 +30,14 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `out[r, n] = dot(x[r], w_row(n))` with output features split over threads.
-fn gemm_rows(x: &[f32], rows: usize, k: usize, n_out: usize, out: &mut [f32], w_row: impl Fn(usize, &mut [f32]) + Sync) {
+fn gemm_rows(
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    n_out: usize,
+    out: &mut [f32],
+    w_row: impl Fn(usize, &mut [f32]) + Sync,
+) {
     debug_assert_eq!(x.len(), rows * k);
     debug_assert_eq!(out.len(), rows * n_out);
     // Work on column tiles so each weight row is widened once and reused for every token.
@@ -78,7 +85,9 @@ impl Linear for DenseF32 {
     }
     fn forward(&self, x: &[f32], rows: usize, out: &mut [f32]) {
         let k = self.in_features;
-        gemm_rows(x, rows, k, self.out_features, out, |n, w| w.copy_from_slice(&self.weight[n * k..][..k]));
+        gemm_rows(x, rows, k, self.out_features, out, |n, w| {
+            w.copy_from_slice(&self.weight[n * k..][..k])
+        });
     }
     fn dequantized_weight(&self) -> Vec<f32> {
         self.weight.clone()
@@ -140,11 +149,14 @@ impl Linear for Mxfp8Linear {
         let k = self.weight.cols;
         // The block scales are powers of two, so dequantized operands are exact and their
         // products accumulate exactly as the block-scaled MMA would.
-        let xq = quant::mxfp8::quantize_rowwise(x, rows, k).expect("activation width is a multiple of 32").dequantize();
+        let xq = quant::mxfp8::quantize_rowwise(x, rows, k)
+            .expect("activation width is a multiple of 32")
+            .dequantize();
         let w = &self.weight;
         gemm_rows(&xq, rows, k, w.rows, out, |n, row| {
             for (c, d) in row.iter_mut().enumerate() {
-                *d = quant::codec::e4m3_decode(w.data[n * k + c]) * quant::codec::e8m0_decode(w.scales[n * (k / 32) + c / 32]);
+                *d = quant::codec::e4m3_decode(w.data[n * k + c])
+                    * quant::codec::e8m0_decode(w.scales[n * (k / 32) + c / 32]);
             }
         });
     }
@@ -170,8 +182,17 @@ pub struct Nvfp4Linear {
 impl Nvfp4Linear {
     pub fn new(weight: quant::Nvfp4Tensor, fmt: &TensorFormat) -> Nvfp4Linear {
         // e2m1 * e4m3 has at most 5 significant bits: exact in BF16, so this cache loses nothing.
-        let block_scaled = weight.block_scaled_values().into_iter().map(bf16::from_f32).collect();
-        Nvfp4Linear { weight, block_scaled, activation_scale: fmt.activation_scale, four_over_six: fmt.four_over_six }
+        let block_scaled = weight
+            .block_scaled_values()
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        Nvfp4Linear {
+            weight,
+            block_scaled,
+            activation_scale: fmt.activation_scale,
+            four_over_six: fmt.four_over_six,
+        }
     }
 
     pub fn weight_scale(&self) -> f32 {
@@ -191,7 +212,16 @@ impl Linear for Nvfp4Linear {
     }
     fn forward(&self, x: &[f32], rows: usize, out: &mut [f32]) {
         let k = self.weight.cols;
-        let xq = quant::nvfp4::quantize(x, rows, k, &Nvfp4Options { granularity: self.activation_scale, four_over_six: self.four_over_six }).expect("activation width is a multiple of 16");
+        let xq = quant::nvfp4::quantize(
+            x,
+            rows,
+            k,
+            &Nvfp4Options {
+                granularity: self.activation_scale,
+                four_over_six: self.four_over_six,
+            },
+        )
+        .expect("activation width is a multiple of 16");
         let xs = xq.block_scaled_values();
         gemm_rows(&xs, rows, k, self.weight.rows, out, |n, row| {
             for (d, s) in row.iter_mut().zip(&self.block_scaled[n * k..][..k]) {
@@ -235,21 +265,53 @@ impl DenseWeight {
 
 /// The factory: a high-precision weight -> the linear op of its recipe format. `shared_s_enc`
 /// carries the gate/up joint second-level scale for NVFP4 experts.
-pub fn make_linear(w: DenseWeight, out_features: usize, in_features: usize, fmt: &TensorFormat, shared_level: Option<quant::nvfp4::SecondLevel>) -> Box<dyn Linear> {
+pub fn make_linear(
+    w: DenseWeight,
+    out_features: usize,
+    in_features: usize,
+    fmt: &TensorFormat,
+    shared_level: Option<quant::nvfp4::SecondLevel>,
+) -> Box<dyn Linear> {
     match fmt.format {
         Format::Bf16 => match w {
-            DenseWeight::F32(weight) => Box::new(DenseF32 { weight, out_features, in_features }),
-            DenseWeight::Bf16(weight) => Box::new(DenseBf16 { weight, out_features, in_features }),
+            DenseWeight::F32(weight) => Box::new(DenseF32 {
+                weight,
+                out_features,
+                in_features,
+            }),
+            DenseWeight::Bf16(weight) => Box::new(DenseBf16 {
+                weight,
+                out_features,
+                in_features,
+            }),
         },
         Format::Mxfp8 => {
             let x = w.to_f32();
-            Box::new(Mxfp8Linear { weight: quant::mxfp8::quantize_rowwise(&x, out_features, in_features).expect("checked block alignment") })
+            Box::new(Mxfp8Linear {
+                weight: quant::mxfp8::quantize_rowwise(&x, out_features, in_features)
+                    .expect("checked block alignment"),
+            })
         }
         Format::Nvfp4 => {
             let x = w.to_f32();
             let q = match shared_level {
-                Some(level) => quant::nvfp4::quantize_with_level(&x, out_features, in_features, level, fmt.four_over_six),
-                None => quant::nvfp4::quantize(&x, out_features, in_features, &Nvfp4Options { granularity: ScaleGranularity::PerTensor, four_over_six: fmt.four_over_six }).expect("checked block alignment"),
+                Some(level) => quant::nvfp4::quantize_with_level(
+                    &x,
+                    out_features,
+                    in_features,
+                    level,
+                    fmt.four_over_six,
+                ),
+                None => quant::nvfp4::quantize(
+                    &x,
+                    out_features,
+                    in_features,
+                    &Nvfp4Options {
+                        granularity: ScaleGranularity::PerTensor,
+                        four_over_six: fmt.four_over_six,
+                    },
+                )
+                .expect("checked block alignment"),
             };
             Box::new(Nvfp4Linear::new(q, fmt))
         }

@@ -8,7 +8,9 @@ use crate::model::config::RopeScaling;
 /// `out = x / rms(x) * w` per row of width `w.len()` (f32, sequential sum of squares).
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
-    out.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(o, row)| rms_norm_row(row, w, eps, o));
+    out.par_chunks_mut(d)
+        .zip(x.par_chunks(d))
+        .for_each(|(o, row)| rms_norm_row(row, w, eps, o));
 }
 
 #[inline]
@@ -60,8 +62,18 @@ pub fn rope_inv_freq(head_dim: usize, theta: f32, scaling: &RopeScaling) -> Vec<
             let f = match *scaling {
                 RopeScaling::None => base,
                 RopeScaling::Linear { factor } => base / factor as f64,
-                RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
-                    let (factor, low, high, orig) = (factor as f64, low_freq_factor as f64, high_freq_factor as f64, original_max_position_embeddings as f64);
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings,
+                } => {
+                    let (factor, low, high, orig) = (
+                        factor as f64,
+                        low_freq_factor as f64,
+                        high_freq_factor as f64,
+                        original_max_position_embeddings as f64,
+                    );
                     let wavelen = 2.0 * std::f64::consts::PI / base;
                     let (low_wavelen, high_wavelen) = (orig / low, orig / high);
                     if wavelen < high_wavelen {
