@@ -1,0 +1,473 @@
+//! The engine loop: drain commands, schedule a step, run the model, sample, emit events.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::mpsc;
+
+use super::request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
+use super::{Command, EngineError, EngineHandle, EngineInfo, EngineShared, PauseMode};
+use crate::backend::cpu::attention::{KvDtype, KvMemory};
+use crate::kv::KvPool;
+use crate::model::{ForwardBatch, Model, SeqInput};
+use crate::sampling::{self, Finish, SampleInput, SamplerScratch, StopChecker, StopStatus, TokenHistory};
+use crate::scheduler::{FinishReason, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepResult};
+use crate::tokenizer::{IncrementalDecoder, Tokenizer};
+
+/// Sizes and limits of the engine. Defaults are defined once here; the CLI reads them.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub max_running_requests: usize,
+    /// Tokens computed per step (chunked prefill budget).
+    pub max_batch_tokens: usize,
+    /// KV cache capacity in tokens.
+    pub max_total_tokens: usize,
+    pub block_size: usize,
+    pub max_context_len: usize,
+    /// Requests waiting beyond this are refused (503) instead of queued.
+    pub max_queued_requests: usize,
+    pub kv_dtype: KvDtype,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig { max_running_requests: 64, max_batch_tokens: 2048, max_total_tokens: 65536, block_size: 16, max_context_len: 4096, max_queued_requests: 1024, kv_dtype: KvDtype::Bf16 }
+    }
+}
+
+/// One generating sequence as the engine sees it.
+struct Active {
+    req: GenerateRequest,
+    events: mpsc::UnboundedSender<EngineEvent>,
+    history: TokenHistory,
+    stop: StopChecker,
+    decoder: IncrementalDecoder,
+    output: Vec<u32>,
+    token_versions: Vec<String>,
+    /// Next prompt index whose input logprob is still to be computed.
+    input_lp_next: usize,
+    input_logprobs: Vec<InputLogprob>,
+    /// Routed experts of every forwarded position, `[pos][moe_layers * top_k]`.
+    routed: Vec<Vec<i32>>,
+    cached_tokens: Option<usize>,
+    arrived: Instant,
+    queue_time: Option<f64>,
+    finish: Option<(Finish, usize)>,
+}
+
+pub struct Engine;
+
+impl Engine {
+    /// Starts the engine thread and returns its handle once the model has run a warm-up step.
+    pub fn start(model: Model, info: EngineInfo, cfg: EngineConfig) -> EngineHandle {
+        let (tx, rx) = std::sync::mpsc::sync_channel(cfg.max_queued_requests.max(1) * 2);
+        let shared = Arc::new(EngineShared::default());
+        let info = Arc::new(info);
+        let handle = EngineHandle { tx, shared: shared.clone(), info: info.clone(), max_queued: cfg.max_queued_requests };
+        std::thread::Builder::new()
+            .name("lockstep-engine".into())
+            .spawn(move || {
+                let mut core = Core::new(model, info, shared.clone(), &cfg);
+                shared.healthy.store(true, Ordering::Release);
+                core.warm_up();
+                shared.warm.store(true, Ordering::Release);
+                let result = catch_unwind(AssertUnwindSafe(|| core.run(&rx)));
+                if let Err(panic) = result {
+                    let msg = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "engine panicked".into());
+                    tracing::error!("engine thread panicked: {msg}");
+                    *shared.last_error.lock().expect("error lock") = Some(format!("engine panicked: {msg}"));
+                    shared.healthy.store(false, Ordering::Release);
+                    // Requests in flight learn of it: their senders are dropped with the core.
+                    // Keep answering commands so nobody waits forever.
+                    drain_after_failure(&rx, &shared);
+                }
+                shared.healthy.store(false, Ordering::Release);
+            })
+            .expect("spawn engine thread");
+        handle
+    }
+}
+
+fn drain_after_failure(rx: &std::sync::mpsc::Receiver<Command>, shared: &EngineShared) {
+    let msg = shared.last_error.lock().ok().and_then(|e| e.clone()).unwrap_or_default();
+    while let Ok(cmd) = rx.recv() {
+        match cmd {
+            Command::Generate(_, tx) => {
+                shared.waiting.fetch_sub(1, Ordering::AcqRel);
+                let _ = tx.send(EngineEvent::Error(msg.clone()));
+            }
+            Command::FlushCache(reply) => {
+                let _ = reply.send(Err(EngineError::Stopped(msg.clone())));
+            }
+            Command::Shutdown => return,
+            _ => {}
+        }
+    }
+}
+
+struct Core {
+    model: Model,
+    kv: KvMemory,
+    sched: Scheduler,
+    seqs: HashMap<SeqId, Active>,
+    next_id: u64,
+    tokenizer: Arc<Tokenizer>,
+    eos: Vec<u32>,
+    info: Arc<EngineInfo>,
+    shared: Arc<EngineShared>,
+    scratch: SamplerScratch,
+    /// Set by `Shutdown`: new requests are refused and the loop ends once nothing runs.
+    shutting_down: bool,
+}
+
+impl Core {
+    fn new(model: Model, info: Arc<EngineInfo>, shared: Arc<EngineShared>, cfg: &EngineConfig) -> Core {
+        let c = &model.config;
+        let num_blocks = cfg.max_total_tokens.div_ceil(cfg.block_size).max(1);
+        let kv = KvMemory::new(cfg.kv_dtype, c.num_layers, num_blocks, cfg.block_size, c.num_kv_heads, c.head_dim);
+        let pool = KvPool::new(num_blocks, cfg.block_size);
+        let sched = Scheduler::new(
+            SchedulerConfig { max_running_requests: cfg.max_running_requests, max_batch_tokens: cfg.max_batch_tokens, max_context_len: cfg.max_context_len, ..SchedulerConfig::default() },
+            pool,
+        );
+        shared.kv_total_blocks.store(num_blocks, Ordering::Release);
+        let tokenizer = info.tokenizer.clone();
+        let mut eos = tokenizer.eos_token_ids().to_vec();
+        for id in &c.eos_token_ids {
+            if !eos.contains(id) {
+                eos.push(*id);
+            }
+        }
+        Core { model, kv, sched, seqs: HashMap::new(), next_id: 1, tokenizer, eos, info, shared, scratch: SamplerScratch::default(), shutting_down: false }
+    }
+
+    /// One forward pass over a short prompt so the first request does not pay for page faults
+    /// and thread-pool start-up; its KV blocks are freed right after.
+    fn warm_up(&mut self) {
+        let table: Vec<u32> = vec![0];
+        let tokens = [0u32];
+        let batch = ForwardBatch { seqs: vec![SeqInput { tokens: &tokens, start_pos: 0, block_table: &table, logits_from: Some(0) }] };
+        self.model.forward(&batch, &mut self.kv);
+    }
+
+    fn run(&mut self, rx: &std::sync::mpsc::Receiver<Command>) {
+        loop {
+            // Block only when there is nothing to step.
+            let idle = !self.sched.has_work() || self.sched.is_paused();
+            if idle {
+                match rx.recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(cmd) = rx.try_recv() {
+                self.handle(cmd);
+            }
+            if self.shutting_down && self.seqs.is_empty() {
+                return;
+            }
+            if !self.sched.is_paused() {
+                self.step();
+            }
+            self.publish();
+        }
+    }
+
+    fn publish(&self) {
+        let stats = self.sched.pool().stats();
+        self.shared.running.store(self.sched.num_running(), Ordering::Release);
+        self.shared.waiting.store(self.sched.num_waiting(), Ordering::Release);
+        self.shared.kv_used_blocks.store(stats.used_blocks, Ordering::Release);
+        self.shared.prefix_hit_tokens.store(self.sched.stats().prefix_hit_tokens, Ordering::Release);
+        metrics::gauge!("lockstep_num_running_reqs").set(self.sched.num_running() as f64);
+        metrics::gauge!("lockstep_num_queue_reqs").set(self.sched.num_waiting() as f64);
+        metrics::gauge!("lockstep_kv_blocks_used").set(stats.used_blocks as f64);
+        metrics::gauge!("lockstep_kv_blocks_total").set(stats.total_blocks as f64);
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Generate(req, events) => self.admit(*req, events),
+            Command::Abort { rid, all } => {
+                let ids: Vec<SeqId> = self.seqs.iter().filter(|(_, a)| all || rid.as_deref() == Some(a.req.rid.as_str())).map(|(id, _)| *id).collect();
+                for id in ids {
+                    self.abort(id, "aborted by request");
+                }
+            }
+            Command::Pause(mode, reply) => {
+                let n = self.seqs.len();
+                match mode {
+                    PauseMode::Abort => {
+                        let ids: Vec<SeqId> = self.seqs.keys().copied().collect();
+                        for id in ids {
+                            self.abort(id, "aborted by pause_generation");
+                        }
+                    }
+                    PauseMode::Retract => {
+                        self.sched.retract_all();
+                    }
+                    PauseMode::InPlace => {}
+                }
+                self.sched.pause();
+                self.shared.paused.store(true, Ordering::Release);
+                let _ = reply.send(n);
+            }
+            Command::Continue(reply) => {
+                self.sched.resume();
+                self.shared.paused.store(false, Ordering::Release);
+                let _ = reply.send(());
+            }
+            Command::FlushCache(reply) => {
+                let result = if self.seqs.is_empty() {
+                    let version = self.sched.pool().weight_version();
+                    self.sched.pool().flush(version);
+                    Ok(())
+                } else {
+                    Err(EngineError::Conflict(format!("{} requests are running; flush_cache needs an idle engine", self.seqs.len())))
+                };
+                let _ = reply.send(result);
+            }
+            Command::Shutdown => {
+                self.shutting_down = true;
+                let ids: Vec<SeqId> = self.seqs.keys().copied().collect();
+                for id in ids {
+                    self.abort(id, "server shutting down");
+                }
+            }
+        }
+    }
+
+    fn admit(&mut self, req: GenerateRequest, events: mpsc::UnboundedSender<EngineEvent>) {
+        self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+        if self.shutting_down {
+            let _ = events.send(EngineEvent::Error("server shutting down".into()));
+            return;
+        }
+        let decoder = match IncrementalDecoder::new(self.tokenizer.clone(), &req.input_ids, req.params.skip_special_tokens) {
+            Ok(d) => d,
+            Err(e) => {
+                let _ = events.send(EngineEvent::Error(format!("detokenizer: {e}")));
+                return;
+            }
+        };
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        let seq = SeqRequest { id, prompt: req.input_ids.clone(), max_new_tokens: req.params.max_new_tokens, use_prefix_cache: !req.needs_full_prefill() };
+        if let Err(e) = self.sched.add(seq) {
+            let _ = events.send(EngineEvent::Error(e.to_string()));
+            return;
+        }
+        let input_lp_next = match (req.return_logprob, req.logprob_start_len) {
+            (true, Some(l)) => l,
+            _ => usize::MAX,
+        };
+        let active = Active {
+            history: TokenHistory::new(&req.input_ids),
+            stop: StopChecker::new(&req.params, &self.eos),
+            decoder,
+            output: Vec::new(),
+            token_versions: Vec::new(),
+            input_lp_next,
+            input_logprobs: Vec::new(),
+            routed: Vec::new(),
+            cached_tokens: None,
+            arrived: Instant::now(),
+            queue_time: None,
+            finish: None,
+            req,
+            events,
+        };
+        if active.req.params.max_new_tokens == 0 {
+            // Nothing to generate (e.g. a prompt-logprob-only request) still needs the prefill
+            // when logprobs are asked for; otherwise finish at once.
+            if !active.req.needs_full_prefill() {
+                self.sched.abort(id);
+                let mut active = active;
+                active.finish = Some((Finish::Length { length: 0 }, 0));
+                self.finalize(active, 0);
+                return;
+            }
+        }
+        self.seqs.insert(id, active);
+    }
+
+    fn abort(&mut self, id: SeqId, message: &str) {
+        self.sched.abort(id);
+        if let Some(mut a) = self.seqs.remove(&id) {
+            let text_len = a.decoder.text().len();
+            a.finish = Some((Finish::Abort { message: message.into() }, text_len));
+            self.finalize(a, 0);
+        }
+    }
+
+    fn step(&mut self) {
+        // A client that went away mid-prefill frees its KV before we spend a step on it.
+        let gone: Vec<SeqId> = self.seqs.iter().filter(|(_, a)| a.events.is_closed()).map(|(id, _)| *id).collect();
+        for id in gone {
+            self.abort(id, "client disconnected");
+        }
+        let out = self.sched.schedule();
+        if out.seqs.is_empty() {
+            return;
+        }
+        let vocab = self.model.config.vocab_size;
+        let logits_from: Vec<Option<usize>> = out.seqs.iter().map(|s| self.seqs.get(&s.id).and_then(|a| logits_rows(a, s.start_pos, s.tokens.len(), s.sample))).collect();
+        let batch = ForwardBatch {
+            seqs: out.seqs.iter().zip(&logits_from).map(|(s, &from)| SeqInput { tokens: &s.tokens, start_pos: s.start_pos, block_table: &s.block_table, logits_from: from }).collect(),
+        };
+        let fwd = self.model.forward(&batch, &mut self.kv);
+        let per_token = self.model.num_moe_layers() * self.model.top_k();
+        let version = self.info.weight_version.read().expect("weight version lock").clone();
+        let mut results = Vec::with_capacity(out.seqs.len());
+        let mut token_row = 0;
+        for (i, s) in out.seqs.iter().enumerate() {
+            let n = s.tokens.len();
+            let rows = token_row..token_row + n;
+            token_row += n;
+            let Some(a) = self.seqs.get_mut(&s.id) else { continue };
+            if a.cached_tokens.is_none() {
+                a.cached_tokens = Some(s.cached_tokens);
+                a.queue_time = Some(a.arrived.elapsed().as_secs_f64());
+            }
+            if a.req.return_routed_experts && per_token > 0 {
+                for (j, r) in rows.enumerate() {
+                    let pos = s.start_pos + j;
+                    if a.routed.len() <= pos {
+                        a.routed.resize(pos + 1, Vec::new());
+                    }
+                    a.routed[pos] = fwd.routed_experts[r * per_token..][..per_token].to_vec();
+                }
+            }
+            let (first_row, num_rows) = fwd.logit_rows[i];
+            let from = logits_from[i].unwrap_or(n);
+            // Input logprobs: logits at position p score prompt token p + 1.
+            let prompt_len = a.req.input_ids.len();
+            for k in 0..num_rows {
+                let pos = s.start_pos + from + k;
+                let next = pos + 1;
+                if a.input_lp_next <= next && next < prompt_len && a.input_lp_next != usize::MAX {
+                    if a.input_logprobs.is_empty() && a.input_lp_next == 0 {
+                        a.input_logprobs.push(InputLogprob { token: a.req.input_ids[0], logprob: None, top: vec![] });
+                    }
+                    let row = &fwd.logits[(first_row + k) * vocab..][..vocab];
+                    if let Ok(lp) = sampling::prompt_logprobs(row, a.req.input_ids[next], a.req.top_logprobs_num) {
+                        a.input_logprobs.push(InputLogprob { token: lp.token, logprob: Some(lp.logprob), top: lp.top });
+                    }
+                    a.input_lp_next = next + 1;
+                }
+            }
+            let mut result = StepResult { id: s.id, token: None, finished: false };
+            if s.sample && num_rows > 0 && a.finish.is_none() {
+                let mut row = fwd.logits[(first_row + num_rows - 1) * vocab..][..vocab].to_vec();
+                let input = SampleInput { params: &a.req.params, history: &a.history, eos_token_ids: &self.eos, seed: a.req.seed, sample_index: a.req.sample_index, top_logprobs_num: a.req.top_logprobs_num };
+                match sampling::sample(&mut row, &input, &mut self.scratch) {
+                    Ok(t) => {
+                        a.history.push(t.token);
+                        a.output.push(t.token);
+                        a.token_versions.push(version.clone());
+                        let before = a.decoder.text().len();
+                        let text = match a.decoder.push(t.token) {
+                            Ok(_) => a.decoder.text()[before..].to_string(),
+                            Err(_) => String::new(),
+                        };
+                        let status = a.stop.check(t.token, a.decoder.text());
+                        let event = TokenOut { id: t.token, text, logprob: a.req.return_logprob.then_some(t.logprob), top_logprobs: t.top, weight_version: version.clone() };
+                        self.shared.generated_tokens.fetch_add(1, Ordering::Relaxed);
+                        let alive = a.events.send(EngineEvent::Token(event)).is_ok();
+                        result.token = Some(t.token);
+                        if let StopStatus::Finished { finish, text_len } = status {
+                            a.finish = Some((finish, text_len));
+                            result.finished = true;
+                        } else if !alive {
+                            // The client went away: stop computing for it, free its KV now.
+                            a.finish = Some((Finish::Abort { message: "client disconnected".into() }, 0));
+                            result.finished = true;
+                        }
+                    }
+                    Err(e) => {
+                        a.finish = Some((Finish::Abort { message: format!("sampling failed: {e}") }, 0));
+                        result.finished = true;
+                    }
+                }
+            } else if s.sample && a.req.params.max_new_tokens == 0 {
+                // Prompt-only request: the prefill is done.
+                a.finish = Some((Finish::Length { length: 0 }, 0));
+                result.finished = true;
+            }
+            results.push(result);
+        }
+        for f in self.sched.update_from_output(&results) {
+            if let Some(mut a) = self.seqs.remove(&f.id) {
+                if a.finish.is_none() {
+                    let text_len = a.decoder.text().len();
+                    a.finish = Some(match f.reason {
+                        FinishReason::ContextLength | FinishReason::MaxNewTokens => (Finish::Length { length: a.output.len() }, text_len),
+                        _ => (Finish::Abort { message: format!("{:?}", f.reason) }, text_len),
+                    });
+                }
+                self.finalize(a, per_token);
+            }
+        }
+    }
+
+    fn finalize(&mut self, mut a: Active, per_token: usize) {
+        let (reason, text_len) = a.finish.take().unwrap_or((Finish::Abort { message: "unknown".into() }, 0));
+        let _ = a.decoder.finish();
+        let full = a.decoder.text();
+        let text = full[..text_len.min(full.len())].to_string();
+        let routed_experts = (a.req.return_routed_experts && per_token > 0).then(|| {
+            let total = (a.req.input_ids.len() + a.output.len()).saturating_sub(1);
+            let mut flat = Vec::with_capacity(total * per_token);
+            for pos in 0..total {
+                match a.routed.get(pos) {
+                    Some(r) if r.len() == per_token => flat.extend_from_slice(r),
+                    _ => flat.extend(std::iter::repeat_n(-1, per_token)),
+                }
+            }
+            flat
+        });
+        let info = FinishInfo {
+            reason,
+            text,
+            prompt_tokens: a.req.input_ids.len(),
+            cached_tokens: a.cached_tokens.unwrap_or(0),
+            input_logprobs: (a.req.return_logprob && a.req.logprob_start_len.is_some()).then(|| std::mem::take(&mut a.input_logprobs)),
+            routed_experts,
+            moe_layers: self.model.num_moe_layers(),
+            top_k: self.model.top_k(),
+            weight_versions: spans(&a.token_versions),
+            queue_time: a.queue_time.unwrap_or(0.0),
+            output_ids: std::mem::take(&mut a.output),
+        };
+        let _ = a.events.send(EngineEvent::Finished(Box::new(info)));
+    }
+}
+
+/// The first chunk row whose logits this step needs, if any.
+fn logits_rows(a: &Active, start: usize, len: usize, sample: bool) -> Option<usize> {
+    let mut from = if sample { Some(len - 1) } else { None };
+    if a.input_lp_next != usize::MAX {
+        // Position p scores token p + 1, so prompt token j needs row j - 1.
+        let prompt_len = a.req.input_ids.len();
+        let first_pos = a.input_lp_next.max(1) - 1;
+        if first_pos + 1 < prompt_len && first_pos < start + len {
+            let row = first_pos.saturating_sub(start);
+            from = Some(from.map_or(row, |f: usize| f.min(row)));
+        }
+    }
+    from
+}
+
+fn spans(versions: &[String]) -> Vec<VersionSpan> {
+    let mut out: Vec<VersionSpan> = Vec::new();
+    for (i, v) in versions.iter().enumerate() {
+        match out.last_mut() {
+            Some(s) if &s.version == v => s.end = i + 1,
+            _ => out.push(VersionSpan { version: v.clone(), start: i, end: i + 1 }),
+        }
+    }
+    out
+}

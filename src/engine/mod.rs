@@ -1,0 +1,152 @@
+//! The engine thread: it alone owns the model, the KV memory and the scheduler. Everyone else
+//! talks to it through an [`EngineHandle`]: generation requests come in as validated
+//! [`GenerateRequest`]s, results go out as per-request [`EngineEvent`]s (token ids, logprobs,
+//! routed experts, weight version, finish reason). Wire formats live in `server/`.
+
+mod core;
+mod request;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, oneshot};
+
+pub use self::core::{Engine, EngineConfig};
+pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
+
+use crate::model::ModelConfig;
+use crate::tokenizer::Tokenizer;
+
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum EngineError {
+    #[error("the engine queue is full ({0} requests waiting); retry later")]
+    Overloaded(usize),
+    #[error("the engine has stopped: {0}")]
+    Stopped(String),
+    #[error("{0}")]
+    Conflict(String),
+}
+
+/// How `/pause_generation` treats running requests (SGLang's modes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PauseMode {
+    /// Abort every running and waiting request.
+    #[default]
+    Abort,
+    /// Move running requests back to the queue (their KV is freed; they are recomputed).
+    Retract,
+    /// Keep everything in place; just stop stepping.
+    InPlace,
+}
+
+pub(crate) enum Command {
+    Generate(Box<GenerateRequest>, mpsc::UnboundedSender<EngineEvent>),
+    Abort { rid: Option<String>, all: bool },
+    Pause(PauseMode, oneshot::Sender<usize>),
+    Continue(oneshot::Sender<()>),
+    FlushCache(oneshot::Sender<Result<(), EngineError>>),
+    Shutdown,
+}
+
+/// Counters the engine publishes for /health, /get_server_info and admission control.
+#[derive(Default)]
+pub struct EngineShared {
+    pub healthy: AtomicBool,
+    pub warm: AtomicBool,
+    pub paused: AtomicBool,
+    pub running: AtomicUsize,
+    pub waiting: AtomicUsize,
+    pub kv_used_blocks: AtomicUsize,
+    pub kv_total_blocks: AtomicUsize,
+    pub prefix_hit_tokens: AtomicU64,
+    pub generated_tokens: AtomicU64,
+    pub last_error: std::sync::Mutex<Option<String>>,
+}
+
+/// Static facts about the served model.
+pub struct EngineInfo {
+    pub model_path: String,
+    pub served_model_name: String,
+    pub config: ModelConfig,
+    pub tokenizer: Arc<Tokenizer>,
+    pub quantization: String,
+    pub recipe_name: String,
+    pub recipe_hash: String,
+    pub max_context_len: usize,
+    pub block_size: usize,
+    pub weight_version: std::sync::RwLock<String>,
+}
+
+/// A cheap, cloneable handle to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: std::sync::mpsc::SyncSender<Command>,
+    pub shared: Arc<EngineShared>,
+    pub info: Arc<EngineInfo>,
+    max_queued: usize,
+}
+
+impl EngineHandle {
+    /// Queues a request; events arrive on the returned receiver until `Finished` or `Error`.
+    /// Dropping the receiver aborts the request and frees its KV blocks.
+    pub fn submit(&self, req: GenerateRequest) -> Result<mpsc::UnboundedReceiver<EngineEvent>, EngineError> {
+        if !self.shared.healthy.load(Ordering::Acquire) {
+            return Err(EngineError::Stopped(self.last_error()));
+        }
+        let waiting = self.shared.waiting.load(Ordering::Acquire);
+        if waiting >= self.max_queued {
+            return Err(EngineError::Overloaded(waiting));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        // Count it as waiting now, so a burst is bounded before the engine sees it.
+        self.shared.waiting.fetch_add(1, Ordering::AcqRel);
+        self.tx.try_send(Command::Generate(Box::new(req), tx)).map_err(|e| {
+            self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+            match e {
+                std::sync::mpsc::TrySendError::Full(_) => EngineError::Overloaded(waiting),
+                std::sync::mpsc::TrySendError::Disconnected(_) => EngineError::Stopped(self.last_error()),
+            }
+        })?;
+        Ok(rx)
+    }
+
+    fn send(&self, c: Command) -> Result<(), EngineError> {
+        self.tx.send(c).map_err(|_| EngineError::Stopped(self.last_error()))
+    }
+
+    pub fn abort(&self, rid: Option<String>, all: bool) -> Result<(), EngineError> {
+        self.send(Command::Abort { rid, all })
+    }
+
+    /// Returns the number of requests paused (aborted or retracted or held).
+    pub async fn pause(&self, mode: PauseMode) -> Result<usize, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Pause(mode, tx))?;
+        rx.await.map_err(|_| EngineError::Stopped(self.last_error()))
+    }
+
+    pub async fn continue_generation(&self) -> Result<(), EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Continue(tx))?;
+        rx.await.map_err(|_| EngineError::Stopped(self.last_error()))
+    }
+
+    pub async fn flush_cache(&self) -> Result<(), EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::FlushCache(tx))?;
+        rx.await.map_err(|_| EngineError::Stopped(self.last_error()))?
+    }
+
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Command::Shutdown);
+    }
+
+    pub fn weight_version(&self) -> String {
+        self.info.weight_version.read().expect("weight version lock").clone()
+    }
+
+    pub fn last_error(&self) -> String {
+        self.shared.last_error.lock().ok().and_then(|e| e.clone()).unwrap_or_else(|| "engine thread exited".into())
+    }
+}
