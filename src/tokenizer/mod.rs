@@ -70,6 +70,13 @@ pub struct Tokenizer {
     chat_template: Option<ChatTemplate>,
 }
 
+// Handlers share one tokenizer across the blocking pool and stream tasks.
+const _: () = {
+    const fn shareable<T: Send + Sync>() {}
+    shareable::<Tokenizer>();
+    shareable::<IncrementalDecoder>();
+};
+
 /// The two vocabularies. An enum rather than a trait object: there are exactly two, both
 /// implement every operation, and the match keeps each call site a plain function call.
 enum Vocab {

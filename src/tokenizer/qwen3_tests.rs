@@ -12,19 +12,23 @@ fn assets() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(".cache/assets/qwen3")
 }
 
-/// Loaded once: parsing the 11 MB tokenizer.json takes a while in a test build.
+/// Loaded once: parsing the 11 MB tokenizer.json takes a while in a test build. `None`, after
+/// saying why, when the assets were not fetched.
 fn qwen3() -> Option<Arc<Tokenizer>> {
     static TOKENIZER: OnceLock<Option<Arc<Tokenizer>>> = OnceLock::new();
-    TOKENIZER
-        .get_or_init(|| {
-            let dir = assets();
-            if !dir.join("tokenizer.json").is_file() {
-                eprintln!("skipping Qwen3 tokenizer test: {} is missing; run scripts/fetch_test_assets.sh", dir.join("tokenizer.json").display());
-                return None;
-            }
-            Some(Arc::new(Tokenizer::from_dir(&dir).expect("the fetched Qwen3 tokenizer loads")))
+    let path = assets().join("tokenizer.json");
+    let tok = TOKENIZER.get_or_init(|| {
+        path.is_file().then(|| {
+            Arc::new(Tokenizer::from_dir(assets()).expect("the fetched Qwen3 tokenizer loads"))
         })
-        .clone()
+    });
+    if tok.is_none() {
+        eprintln!(
+            "skipping Qwen3 tokenizer test: {} is missing; run scripts/fetch_test_assets.sh",
+            path.display()
+        );
+    }
+    tok.clone()
 }
 
 /// Same input as TEXT in scripts/tokenizer_expectations.py.
