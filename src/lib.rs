@@ -8,3 +8,4 @@ pub mod convert;
 pub mod model;
 pub mod quant;
 pub mod quantize;
+pub mod tokenizer;

