@@ -6,3 +6,4 @@ pub mod checkpoint;
 pub mod convert;
 pub mod quant;
 pub mod quantize;
+pub mod sampling;
