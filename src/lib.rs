@@ -8,4 +8,5 @@ pub mod convert;
 pub mod model;
 pub mod quant;
 pub mod quantize;
+pub mod sampling;
 pub mod tokenizer;
