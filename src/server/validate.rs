@@ -4,7 +4,7 @@
 use super::errors::ApiError;
 use super::AppState;
 use crate::engine::GenerateRequest;
-use crate::sampling::{self, SamplingLimits, SamplingParams};
+use crate::sampling::{self, SamplingError, SamplingLimits, SamplingParams};
 
 /// A prompt as a client sent it.
 pub enum PromptInput {
@@ -58,8 +58,19 @@ pub async fn build_requests(state: &AppState, rid: String, prompt: PromptInput, 
             ids
         }
     };
+    // `max_new_tokens: null` means "whatever the context leaves".
+    let mut params = params.clone();
+    if params.max_new_tokens.is_none() {
+        params.max_new_tokens = Some(limits.context_len.saturating_sub(input_ids.len()) as i64);
+    }
     let sampling_limits = SamplingLimits { max_n: limits.max_n, max_new_tokens: limits.context_len, vocab_size: Some(limits.vocab_size), ..SamplingLimits::default() };
-    let valid = params.validate(&sampling_limits).map_err(|e| ApiError::Invalid { param: Some(format!("sampling_params.{}", e.field())), message: format!("sampling_params.{}", e) })?;
+    let valid = params.validate(&sampling_limits).map_err(|e| {
+        let param = match &e {
+            SamplingError::InvalidParam { field, .. } => format!("sampling_params.{field}"),
+            _ => "sampling_params".to_string(),
+        };
+        ApiError::Invalid { message: format!("sampling_params.{e}"), param: Some(param) }
+    })?;
     if input_ids.len() >= limits.context_len {
         return Err(ApiError::invalid("input_ids", format!("the prompt has {} tokens; the context length is {}", input_ids.len(), limits.context_len)));
     }
