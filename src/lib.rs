@@ -4,5 +4,7 @@
 
 pub mod checkpoint;
 pub mod convert;
+pub mod kv;
 pub mod quant;
 pub mod quantize;
+pub mod scheduler;
