@@ -5,8 +5,12 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod convert;
+pub mod engine;
+pub mod kv;
 pub mod model;
 pub mod quant;
 pub mod quantize;
 pub mod sampling;
+pub mod scheduler;
+pub mod server;
 pub mod tokenizer;
