@@ -12,5 +12,6 @@ pub mod quant;
 pub mod quantize;
 pub mod sampling;
 pub mod scheduler;
+pub mod serve;
 pub mod server;
 pub mod tokenizer;

@@ -20,6 +20,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve a model over HTTP (SGLang-native /generate and the OpenAI API).
+    Serve(Box<lockstep::serve::ServeArgs>),
     /// Quantize every 2-D tensor of a safetensors file under one format (the contract as a tool).
     Quantize(QuantizeArgs),
     /// Convert a Hugging Face checkpoint (BF16 or block FP8) to MXFP8/NVFP4 following a recipe.
@@ -73,6 +75,19 @@ fn parse_fos_range(s: &str) -> Result<f32, String> {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
+        Command::Serve(a) => {
+            init_logging(&a.log_level);
+            if let Some(n) = a.threads {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .build_global()
+                    .context("--threads")?;
+            }
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(lockstep::serve::run(*a))?;
+        }
         Command::Quantize(a) => {
             let four_over_six = a.four_over_six.then_some(FourOverSix {
                 e4m3_range: a.four_over_six_range,
@@ -113,4 +128,14 @@ fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+fn init_logging(level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new(format!("lockstep={level},tower_http={level}"))
+    });
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .init();
 }

@@ -8,12 +8,16 @@ use std::time::Instant;
 
 use tokio::sync::mpsc;
 
-use super::request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
+use super::request::{
+    EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan,
+};
 use super::{Command, EngineError, EngineHandle, EngineInfo, EngineShared, PauseMode};
 use crate::backend::cpu::attention::{KvDtype, KvMemory};
 use crate::kv::KvPool;
 use crate::model::{ForwardBatch, Model, SeqInput};
-use crate::sampling::{self, Finish, SampleInput, SamplerScratch, StopChecker, StopStatus, TokenHistory};
+use crate::sampling::{
+    self, Finish, SampleInput, SamplerScratch, StopChecker, StopStatus, TokenHistory,
+};
 use crate::scheduler::{FinishReason, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepResult};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 
@@ -34,7 +38,15 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { max_running_requests: 64, max_batch_tokens: 2048, max_total_tokens: 65536, block_size: 16, max_context_len: 4096, max_queued_requests: 1024, kv_dtype: KvDtype::Bf16 }
+        EngineConfig {
+            max_running_requests: 64,
+            max_batch_tokens: 2048,
+            max_total_tokens: 65536,
+            block_size: 16,
+            max_context_len: 4096,
+            max_queued_requests: 1024,
+            kv_dtype: KvDtype::Bf16,
+        }
     }
 }
 
@@ -66,7 +78,12 @@ impl Engine {
         let (tx, rx) = std::sync::mpsc::sync_channel(cfg.max_queued_requests.max(1) * 2);
         let shared = Arc::new(EngineShared::default());
         let info = Arc::new(info);
-        let handle = EngineHandle { tx, shared: shared.clone(), info: info.clone(), max_queued: cfg.max_queued_requests };
+        let handle = EngineHandle {
+            tx,
+            shared: shared.clone(),
+            info: info.clone(),
+            max_queued: cfg.max_queued_requests,
+        };
         std::thread::Builder::new()
             .name("lockstep-engine".into())
             .spawn(move || {
@@ -76,9 +93,14 @@ impl Engine {
                 shared.warm.store(true, Ordering::Release);
                 let result = catch_unwind(AssertUnwindSafe(|| core.run(&rx)));
                 if let Err(panic) = result {
-                    let msg = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "engine panicked".into());
+                    let msg = panic
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_else(|| "engine panicked".into());
                     tracing::error!("engine thread panicked: {msg}");
-                    *shared.last_error.lock().expect("error lock") = Some(format!("engine panicked: {msg}"));
+                    *shared.last_error.lock().expect("error lock") =
+                        Some(format!("engine panicked: {msg}"));
                     shared.healthy.store(false, Ordering::Release);
                     // Requests in flight learn of it: their senders are dropped with the core.
                     // Keep answering commands so nobody waits forever.
@@ -92,7 +114,12 @@ impl Engine {
 }
 
 fn drain_after_failure(rx: &std::sync::mpsc::Receiver<Command>, shared: &EngineShared) {
-    let msg = shared.last_error.lock().ok().and_then(|e| e.clone()).unwrap_or_default();
+    let msg = shared
+        .last_error
+        .lock()
+        .ok()
+        .and_then(|e| e.clone())
+        .unwrap_or_default();
     while let Ok(cmd) = rx.recv() {
         match cmd {
             Command::Generate(_, tx) => {
@@ -124,13 +151,30 @@ struct Core {
 }
 
 impl Core {
-    fn new(model: Model, info: Arc<EngineInfo>, shared: Arc<EngineShared>, cfg: &EngineConfig) -> Core {
+    fn new(
+        model: Model,
+        info: Arc<EngineInfo>,
+        shared: Arc<EngineShared>,
+        cfg: &EngineConfig,
+    ) -> Core {
         let c = &model.config;
         let num_blocks = cfg.max_total_tokens.div_ceil(cfg.block_size).max(1);
-        let kv = KvMemory::new(cfg.kv_dtype, c.num_layers, num_blocks, cfg.block_size, c.num_kv_heads, c.head_dim);
+        let kv = KvMemory::new(
+            cfg.kv_dtype,
+            c.num_layers,
+            num_blocks,
+            cfg.block_size,
+            c.num_kv_heads,
+            c.head_dim,
+        );
         let pool = KvPool::new(num_blocks, cfg.block_size);
         let sched = Scheduler::new(
-            SchedulerConfig { max_running_requests: cfg.max_running_requests, max_batch_tokens: cfg.max_batch_tokens, max_context_len: cfg.max_context_len, ..SchedulerConfig::default() },
+            SchedulerConfig {
+                max_running_requests: cfg.max_running_requests,
+                max_batch_tokens: cfg.max_batch_tokens,
+                max_context_len: cfg.max_context_len,
+                ..SchedulerConfig::default()
+            },
             pool,
         );
         shared.kv_total_blocks.store(num_blocks, Ordering::Release);
@@ -141,7 +185,19 @@ impl Core {
                 eos.push(*id);
             }
         }
-        Core { model, kv, sched, seqs: HashMap::new(), next_id: 1, tokenizer, eos, info, shared, scratch: SamplerScratch::default(), shutting_down: false }
+        Core {
+            model,
+            kv,
+            sched,
+            seqs: HashMap::new(),
+            next_id: 1,
+            tokenizer,
+            eos,
+            info,
+            shared,
+            scratch: SamplerScratch::default(),
+            shutting_down: false,
+        }
     }
 
     /// One forward pass over a short prompt so the first request does not pay for page faults
@@ -149,7 +205,14 @@ impl Core {
     fn warm_up(&mut self) {
         let table: Vec<u32> = vec![0];
         let tokens = [0u32];
-        let batch = ForwardBatch { seqs: vec![SeqInput { tokens: &tokens, start_pos: 0, block_table: &table, logits_from: Some(0) }] };
+        let batch = ForwardBatch {
+            seqs: vec![SeqInput {
+                tokens: &tokens,
+                start_pos: 0,
+                block_table: &table,
+                logits_from: Some(0),
+            }],
+        };
         self.model.forward(&batch, &mut self.kv);
     }
 
@@ -178,10 +241,18 @@ impl Core {
 
     fn publish(&self) {
         let stats = self.sched.pool().stats();
-        self.shared.running.store(self.sched.num_running(), Ordering::Release);
-        self.shared.waiting.store(self.sched.num_waiting(), Ordering::Release);
-        self.shared.kv_used_blocks.store(stats.used_blocks, Ordering::Release);
-        self.shared.prefix_hit_tokens.store(self.sched.stats().prefix_hit_tokens, Ordering::Release);
+        self.shared
+            .running
+            .store(self.sched.num_running(), Ordering::Release);
+        self.shared
+            .waiting
+            .store(self.sched.num_waiting(), Ordering::Release);
+        self.shared
+            .kv_used_blocks
+            .store(stats.used_blocks, Ordering::Release);
+        self.shared
+            .prefix_hit_tokens
+            .store(self.sched.stats().prefix_hit_tokens, Ordering::Release);
         metrics::gauge!("lockstep_num_running_reqs").set(self.sched.num_running() as f64);
         metrics::gauge!("lockstep_num_queue_reqs").set(self.sched.num_waiting() as f64);
         metrics::gauge!("lockstep_kv_blocks_used").set(stats.used_blocks as f64);
@@ -192,7 +263,12 @@ impl Core {
         match cmd {
             Command::Generate(req, events) => self.admit(*req, events),
             Command::Abort { rid, all } => {
-                let ids: Vec<SeqId> = self.seqs.iter().filter(|(_, a)| all || rid.as_deref() == Some(a.req.rid.as_str())).map(|(id, _)| *id).collect();
+                let ids: Vec<SeqId> = self
+                    .seqs
+                    .iter()
+                    .filter(|(_, a)| all || rid.as_deref() == Some(a.req.rid.as_str()))
+                    .map(|(id, _)| *id)
+                    .collect();
                 for id in ids {
                     self.abort(id, "aborted by request");
                 }
@@ -226,7 +302,10 @@ impl Core {
                     self.sched.pool().flush(version);
                     Ok(())
                 } else {
-                    Err(EngineError::Conflict(format!("{} requests are running; flush_cache needs an idle engine", self.seqs.len())))
+                    Err(EngineError::Conflict(format!(
+                        "{} requests are running; flush_cache needs an idle engine",
+                        self.seqs.len()
+                    )))
                 };
                 let _ = reply.send(result);
             }
@@ -246,7 +325,11 @@ impl Core {
             let _ = events.send(EngineEvent::Error("server shutting down".into()));
             return;
         }
-        let decoder = match IncrementalDecoder::new(self.tokenizer.clone(), &req.input_ids, req.params.skip_special_tokens) {
+        let decoder = match IncrementalDecoder::new(
+            self.tokenizer.clone(),
+            &req.input_ids,
+            req.params.skip_special_tokens,
+        ) {
             Ok(d) => d,
             Err(e) => {
                 let _ = events.send(EngineEvent::Error(format!("detokenizer: {e}")));
@@ -255,7 +338,12 @@ impl Core {
         };
         let id = SeqId(self.next_id);
         self.next_id += 1;
-        let seq = SeqRequest { id, prompt: req.input_ids.clone(), max_new_tokens: req.params.max_new_tokens, use_prefix_cache: !req.needs_full_prefill() };
+        let seq = SeqRequest {
+            id,
+            prompt: req.input_ids.clone(),
+            max_new_tokens: req.params.max_new_tokens.max(1),
+            use_prefix_cache: !req.needs_full_prefill(),
+        };
         if let Err(e) = self.sched.add(seq) {
             let _ = events.send(EngineEvent::Error(e.to_string()));
             return;
@@ -298,14 +386,24 @@ impl Core {
         self.sched.abort(id);
         if let Some(mut a) = self.seqs.remove(&id) {
             let text_len = a.decoder.text().len();
-            a.finish = Some((Finish::Abort { message: message.into() }, text_len));
+            a.finish = Some((
+                Finish::Abort {
+                    message: message.into(),
+                },
+                text_len,
+            ));
             self.finalize(a, 0);
         }
     }
 
     fn step(&mut self) {
         // A client that went away mid-prefill frees its KV before we spend a step on it.
-        let gone: Vec<SeqId> = self.seqs.iter().filter(|(_, a)| a.events.is_closed()).map(|(id, _)| *id).collect();
+        let gone: Vec<SeqId> = self
+            .seqs
+            .iter()
+            .filter(|(_, a)| a.events.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
         for id in gone {
             self.abort(id, "client disconnected");
         }
@@ -314,20 +412,45 @@ impl Core {
             return;
         }
         let vocab = self.model.config.vocab_size;
-        let logits_from: Vec<Option<usize>> = out.seqs.iter().map(|s| self.seqs.get(&s.id).and_then(|a| logits_rows(a, s.start_pos, s.tokens.len(), s.sample))).collect();
+        let logits_from: Vec<Option<usize>> = out
+            .seqs
+            .iter()
+            .map(|s| {
+                self.seqs
+                    .get(&s.id)
+                    .and_then(|a| logits_rows(a, s.start_pos, s.tokens.len(), s.sample))
+            })
+            .collect();
         let batch = ForwardBatch {
-            seqs: out.seqs.iter().zip(&logits_from).map(|(s, &from)| SeqInput { tokens: &s.tokens, start_pos: s.start_pos, block_table: &s.block_table, logits_from: from }).collect(),
+            seqs: out
+                .seqs
+                .iter()
+                .zip(&logits_from)
+                .map(|(s, &from)| SeqInput {
+                    tokens: &s.tokens,
+                    start_pos: s.start_pos,
+                    block_table: &s.block_table,
+                    logits_from: from,
+                })
+                .collect(),
         };
         let fwd = self.model.forward(&batch, &mut self.kv);
         let per_token = self.model.num_moe_layers() * self.model.top_k();
-        let version = self.info.weight_version.read().expect("weight version lock").clone();
+        let version = self
+            .info
+            .weight_version
+            .read()
+            .expect("weight version lock")
+            .clone();
         let mut results = Vec::with_capacity(out.seqs.len());
         let mut token_row = 0;
         for (i, s) in out.seqs.iter().enumerate() {
             let n = s.tokens.len();
             let rows = token_row..token_row + n;
             token_row += n;
-            let Some(a) = self.seqs.get_mut(&s.id) else { continue };
+            let Some(a) = self.seqs.get_mut(&s.id) else {
+                continue;
+            };
             if a.cached_tokens.is_none() {
                 a.cached_tokens = Some(s.cached_tokens);
                 a.queue_time = Some(a.arrived.elapsed().as_secs_f64());
@@ -350,19 +473,42 @@ impl Core {
                 let next = pos + 1;
                 if a.input_lp_next <= next && next < prompt_len && a.input_lp_next != usize::MAX {
                     if a.input_logprobs.is_empty() && a.input_lp_next == 0 {
-                        a.input_logprobs.push(InputLogprob { token: a.req.input_ids[0], logprob: None, top: vec![] });
+                        a.input_logprobs.push(InputLogprob {
+                            token: a.req.input_ids[0],
+                            logprob: None,
+                            top: vec![],
+                        });
                     }
                     let row = &fwd.logits[(first_row + k) * vocab..][..vocab];
-                    if let Ok(lp) = sampling::prompt_logprobs(row, a.req.input_ids[next], a.req.top_logprobs_num) {
-                        a.input_logprobs.push(InputLogprob { token: lp.token, logprob: Some(lp.logprob), top: lp.top });
+                    if let Ok(lp) = sampling::prompt_logprobs(
+                        row,
+                        a.req.input_ids[next],
+                        a.req.top_logprobs_num,
+                    ) {
+                        a.input_logprobs.push(InputLogprob {
+                            token: lp.token,
+                            logprob: Some(lp.logprob),
+                            top: lp.top,
+                        });
                     }
                     a.input_lp_next = next + 1;
                 }
             }
-            let mut result = StepResult { id: s.id, token: None, finished: false };
+            let mut result = StepResult {
+                id: s.id,
+                token: None,
+                finished: false,
+            };
             if s.sample && num_rows > 0 && a.finish.is_none() {
                 let mut row = fwd.logits[(first_row + num_rows - 1) * vocab..][..vocab].to_vec();
-                let input = SampleInput { params: &a.req.params, history: &a.history, eos_token_ids: &self.eos, seed: a.req.seed, sample_index: a.req.sample_index, top_logprobs_num: a.req.top_logprobs_num };
+                let input = SampleInput {
+                    params: &a.req.params,
+                    history: &a.history,
+                    eos_token_ids: &self.eos,
+                    seed: a.req.seed,
+                    sample_index: a.req.sample_index,
+                    top_logprobs_num: a.req.top_logprobs_num,
+                };
                 match sampling::sample(&mut row, &input, &mut self.scratch) {
                     Ok(t) => {
                         a.history.push(t.token);
@@ -374,7 +520,13 @@ impl Core {
                             Err(_) => String::new(),
                         };
                         let status = a.stop.check(t.token, a.decoder.text());
-                        let event = TokenOut { id: t.token, text, logprob: a.req.return_logprob.then_some(t.logprob), top_logprobs: t.top, weight_version: version.clone() };
+                        let event = TokenOut {
+                            id: t.token,
+                            text,
+                            logprob: a.req.return_logprob.then_some(t.logprob),
+                            top_logprobs: t.top,
+                            weight_version: version.clone(),
+                        };
                         self.shared.generated_tokens.fetch_add(1, Ordering::Relaxed);
                         let alive = a.events.send(EngineEvent::Token(event)).is_ok();
                         result.token = Some(t.token);
@@ -383,12 +535,22 @@ impl Core {
                             result.finished = true;
                         } else if !alive {
                             // The client went away: stop computing for it, free its KV now.
-                            a.finish = Some((Finish::Abort { message: "client disconnected".into() }, 0));
+                            a.finish = Some((
+                                Finish::Abort {
+                                    message: "client disconnected".into(),
+                                },
+                                0,
+                            ));
                             result.finished = true;
                         }
                     }
                     Err(e) => {
-                        a.finish = Some((Finish::Abort { message: format!("sampling failed: {e}") }, 0));
+                        a.finish = Some((
+                            Finish::Abort {
+                                message: format!("sampling failed: {e}"),
+                            },
+                            0,
+                        ));
                         result.finished = true;
                     }
                 }
@@ -404,8 +566,18 @@ impl Core {
                 if a.finish.is_none() {
                     let text_len = a.decoder.text().len();
                     a.finish = Some(match f.reason {
-                        FinishReason::ContextLength | FinishReason::MaxNewTokens => (Finish::Length { length: a.output.len() }, text_len),
-                        _ => (Finish::Abort { message: format!("{:?}", f.reason) }, text_len),
+                        FinishReason::MaxContext | FinishReason::MaxNewTokens => (
+                            Finish::Length {
+                                length: a.output.len(),
+                            },
+                            text_len,
+                        ),
+                        _ => (
+                            Finish::Abort {
+                                message: format!("{:?}", f.reason),
+                            },
+                            text_len,
+                        ),
                     });
                 }
                 self.finalize(a, per_token);
@@ -414,10 +586,19 @@ impl Core {
     }
 
     fn finalize(&mut self, mut a: Active, per_token: usize) {
-        let (reason, text_len) = a.finish.take().unwrap_or((Finish::Abort { message: "unknown".into() }, 0));
+        let (reason, text_len) = a.finish.take().unwrap_or((
+            Finish::Abort {
+                message: "unknown".into(),
+            },
+            0,
+        ));
         let _ = a.decoder.finish();
         let full = a.decoder.text();
-        let text = full[..text_len.min(full.len())].to_string();
+        // Only a stop trims; otherwise the decoder's flush may have added held-back bytes.
+        let text = match reason {
+            Finish::Stop { .. } => full[..text_len.min(full.len())].to_string(),
+            _ => full.to_string(),
+        };
         let routed_experts = (a.req.return_routed_experts && per_token > 0).then(|| {
             let total = (a.req.input_ids.len() + a.output.len()).saturating_sub(1);
             let mut flat = Vec::with_capacity(total * per_token);
@@ -434,7 +615,8 @@ impl Core {
             text,
             prompt_tokens: a.req.input_ids.len(),
             cached_tokens: a.cached_tokens.unwrap_or(0),
-            input_logprobs: (a.req.return_logprob && a.req.logprob_start_len.is_some()).then(|| std::mem::take(&mut a.input_logprobs)),
+            input_logprobs: (a.req.return_logprob && a.req.logprob_start_len.is_some())
+                .then(|| std::mem::take(&mut a.input_logprobs)),
             routed_experts,
             moe_layers: self.model.num_moe_layers(),
             top_k: self.model.top_k(),
@@ -466,7 +648,11 @@ fn spans(versions: &[String]) -> Vec<VersionSpan> {
     for (i, v) in versions.iter().enumerate() {
         match out.last_mut() {
             Some(s) if &s.version == v => s.end = i + 1,
-            _ => out.push(VersionSpan { version: v.clone(), start: i, end: i + 1 }),
+            _ => out.push(VersionSpan {
+                version: v.clone(),
+                start: i,
+                end: i + 1,
+            }),
         }
     }
     out

@@ -90,7 +90,10 @@ pub struct EngineHandle {
 impl EngineHandle {
     /// Queues a request; events arrive on the returned receiver until `Finished` or `Error`.
     /// Dropping the receiver aborts the request and frees its KV blocks.
-    pub fn submit(&self, req: GenerateRequest) -> Result<mpsc::UnboundedReceiver<EngineEvent>, EngineError> {
+    pub fn submit(
+        &self,
+        req: GenerateRequest,
+    ) -> Result<mpsc::UnboundedReceiver<EngineEvent>, EngineError> {
         if !self.shared.healthy.load(Ordering::Acquire) {
             return Err(EngineError::Stopped(self.last_error()));
         }
@@ -101,18 +104,24 @@ impl EngineHandle {
         let (tx, rx) = mpsc::unbounded_channel();
         // Count it as waiting now, so a burst is bounded before the engine sees it.
         self.shared.waiting.fetch_add(1, Ordering::AcqRel);
-        self.tx.try_send(Command::Generate(Box::new(req), tx)).map_err(|e| {
-            self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
-            match e {
-                std::sync::mpsc::TrySendError::Full(_) => EngineError::Overloaded(waiting),
-                std::sync::mpsc::TrySendError::Disconnected(_) => EngineError::Stopped(self.last_error()),
-            }
-        })?;
+        self.tx
+            .try_send(Command::Generate(Box::new(req), tx))
+            .map_err(|e| {
+                self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+                match e {
+                    std::sync::mpsc::TrySendError::Full(_) => EngineError::Overloaded(waiting),
+                    std::sync::mpsc::TrySendError::Disconnected(_) => {
+                        EngineError::Stopped(self.last_error())
+                    }
+                }
+            })?;
         Ok(rx)
     }
 
     fn send(&self, c: Command) -> Result<(), EngineError> {
-        self.tx.send(c).map_err(|_| EngineError::Stopped(self.last_error()))
+        self.tx
+            .send(c)
+            .map_err(|_| EngineError::Stopped(self.last_error()))
     }
 
     pub fn abort(&self, rid: Option<String>, all: bool) -> Result<(), EngineError> {
@@ -123,19 +132,22 @@ impl EngineHandle {
     pub async fn pause(&self, mode: PauseMode) -> Result<usize, EngineError> {
         let (tx, rx) = oneshot::channel();
         self.send(Command::Pause(mode, tx))?;
-        rx.await.map_err(|_| EngineError::Stopped(self.last_error()))
+        rx.await
+            .map_err(|_| EngineError::Stopped(self.last_error()))
     }
 
     pub async fn continue_generation(&self) -> Result<(), EngineError> {
         let (tx, rx) = oneshot::channel();
         self.send(Command::Continue(tx))?;
-        rx.await.map_err(|_| EngineError::Stopped(self.last_error()))
+        rx.await
+            .map_err(|_| EngineError::Stopped(self.last_error()))
     }
 
     pub async fn flush_cache(&self) -> Result<(), EngineError> {
         let (tx, rx) = oneshot::channel();
         self.send(Command::FlushCache(tx))?;
-        rx.await.map_err(|_| EngineError::Stopped(self.last_error()))?
+        rx.await
+            .map_err(|_| EngineError::Stopped(self.last_error()))?
     }
 
     pub fn shutdown(&self) {
@@ -143,10 +155,19 @@ impl EngineHandle {
     }
 
     pub fn weight_version(&self) -> String {
-        self.info.weight_version.read().expect("weight version lock").clone()
+        self.info
+            .weight_version
+            .read()
+            .expect("weight version lock")
+            .clone()
     }
 
     pub fn last_error(&self) -> String {
-        self.shared.last_error.lock().ok().and_then(|e| e.clone()).unwrap_or_else(|| "engine thread exited".into())
+        self.shared
+            .last_error
+            .lock()
+            .ok()
+            .and_then(|e| e.clone())
+            .unwrap_or_else(|| "engine thread exited".into())
     }
 }

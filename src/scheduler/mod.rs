@@ -59,6 +59,9 @@ pub struct SeqRequest {
     pub id: SeqId,
     pub prompt: Vec<u32>,
     pub max_new_tokens: usize,
+    /// False for requests that need every prompt position computed by themselves (prompt
+    /// logprobs, routed experts of the prompt): they neither reuse cached prefix blocks.
+    pub use_prefix_cache: bool,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -150,6 +153,7 @@ struct Seq {
     tokens: Vec<u32>,
     prompt_len: usize,
     max_new_tokens: usize,
+    use_prefix_cache: bool,
     /// Leading tokens whose KV is written in `table`.
     num_computed: usize,
     /// Tokens scheduled in a step whose result has not come back; such a sequence is skipped.
@@ -238,6 +242,7 @@ impl Scheduler {
             prompt_len: req.prompt.len(),
             tokens: req.prompt,
             max_new_tokens: req.max_new_tokens,
+            use_prefix_cache: req.use_prefix_cache,
             num_computed: 0,
             in_flight: 0,
             table: None,
@@ -358,7 +363,11 @@ impl Scheduler {
             && self.running.len() < self.config.max_running_requests
         {
             let seq = &self.waiting[w];
-            let (mut table, cached) = self.pool.match_prefix(&seq.tokens);
+            let (mut table, cached) = if seq.use_prefix_cache {
+                self.pool.match_prefix(&seq.tokens)
+            } else {
+                (self.pool.new_table(), 0)
+            };
             if self.pending_in_running(seq, &table) {
                 w += 1;
                 continue;

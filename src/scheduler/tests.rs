@@ -27,6 +27,7 @@ fn add(s: &mut Scheduler, id: u64, prompt: &[u32], max_new_tokens: usize) {
         id: SeqId(id),
         prompt: prompt.to_vec(),
         max_new_tokens,
+        use_prefix_cache: true,
     })
     .unwrap();
 }
@@ -353,6 +354,7 @@ fn impossible_requests_are_refused() {
         id: SeqId(id),
         prompt,
         max_new_tokens,
+        use_prefix_cache: true,
     };
     assert_eq!(s.add(req(1, vec![], 1)), Err(SchedulerError::EmptyPrompt));
     assert_eq!(

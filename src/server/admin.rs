@@ -11,7 +11,6 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::errors::ApiError;
-use super::extract::ApiJson;
 use super::AppState;
 use crate::engine::{EngineEvent, GenerateRequest, PauseMode};
 use crate::sampling::SamplingParams;
@@ -23,7 +22,8 @@ pub async fn health(State(state): State<AppState>) -> Response {
         return ApiError::Unavailable("shutting down".into()).into_response();
     }
     if !s.healthy.load(Ordering::Acquire) {
-        return ApiError::Unavailable(format!("engine unhealthy: {}", state.engine.last_error())).into_response();
+        return ApiError::Unavailable(format!("engine unhealthy: {}", state.engine.last_error()))
+            .into_response();
     }
     if !s.warm.load(Ordering::Acquire) {
         return ApiError::Unavailable("warming up".into()).into_response();
@@ -33,8 +33,14 @@ pub async fn health(State(state): State<AppState>) -> Response {
 
 /// Generates one token end to end.
 pub async fn health_generate(State(state): State<AppState>) -> Result<Response, ApiError> {
-    let params = SamplingParams { max_new_tokens: Some(1), temperature: 0.0, ..SamplingParams::default() };
-    let valid = params.validate(&Default::default()).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let params = SamplingParams {
+        max_new_tokens: Some(1),
+        temperature: 0.0,
+        ..SamplingParams::default()
+    };
+    let valid = params
+        .validate(&Default::default())
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
     let req = GenerateRequest {
         rid: format!("health-{}", super::validate::new_rid()),
         input_ids: vec![0],
@@ -100,12 +106,25 @@ pub async fn weight_version(State(state): State<AppState>) -> Json<serde_json::V
     Json(json!({"weight_version": state.engine.weight_version()}))
 }
 
+/// Control endpoints accept an empty body for their defaults (as SGLang's do).
+fn optional_json<T: Default + serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body).map_err(|e| ApiError::Invalid {
+        param: None,
+        message: format!("invalid request body: {e}"),
+    })
+}
+
 fn success(message: impl Into<String>) -> Json<serde_json::Value> {
     Json(json!({"success": true, "message": message.into()}))
 }
 
 /// 409 while requests run: flushing under them would not free their blocks anyway.
-pub async fn flush_cache(State(state): State<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
+pub async fn flush_cache(
+    State(state): State<AppState>,
+) -> Result<Json<serde_json::Value>, ApiError> {
     state.engine.flush_cache().await?;
     Ok(success("cache flushed"))
 }
@@ -118,8 +137,11 @@ pub struct AbortBody {
     abort_all: bool,
 }
 
-pub async fn abort_request(State(state): State<AppState>, body: Option<ApiJson<AbortBody>>) -> Result<Json<serde_json::Value>, ApiError> {
-    let body = body.map(|b| b.0).unwrap_or_default();
+pub async fn abort_request(
+    State(state): State<AppState>,
+    body: axum::body::Bytes,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let body: AbortBody = optional_json(&body)?;
     if body.rid.is_none() && !body.abort_all {
         return Err(ApiError::invalid("rid", "give `rid` or `abort_all: true`"));
     }
@@ -133,13 +155,20 @@ pub struct PauseBody {
     mode: PauseMode,
 }
 
-pub async fn pause_generation(State(state): State<AppState>, body: Option<ApiJson<PauseBody>>) -> Result<Json<serde_json::Value>, ApiError> {
-    let mode = body.map(|b| b.0.mode).unwrap_or_default();
+pub async fn pause_generation(
+    State(state): State<AppState>,
+    body: axum::body::Bytes,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let mode = optional_json::<PauseBody>(&body)?.mode;
     let n = state.engine.pause(mode).await?;
-    Ok(Json(json!({"success": true, "message": format!("paused ({mode:?})"), "num_paused_requests": n})))
+    Ok(Json(
+        json!({"success": true, "message": format!("paused ({mode:?})"), "num_paused_requests": n}),
+    ))
 }
 
-pub async fn continue_generation(State(state): State<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
+pub async fn continue_generation(
+    State(state): State<AppState>,
+) -> Result<Json<serde_json::Value>, ApiError> {
     state.engine.continue_generation().await?;
     Ok(success("generation continued"))
 }

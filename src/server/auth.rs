@@ -10,12 +10,19 @@ use super::AppState;
 
 fn presented(req: &Request) -> Option<&str> {
     let h = req.headers();
-    h.get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).or_else(|| h.get("x-api-key").and_then(|v| v.to_str().ok()))
+    h.get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .or_else(|| h.get("x-api-key").and_then(|v| v.to_str().ok()))
 }
 
 /// Compares in time independent of where the first difference is.
 fn same(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
 }
 
 /// Passes when no key is configured or the request presents one of `accepted`.
@@ -39,7 +46,11 @@ pub async fn require_api_key(State(state): State<AppState>, req: Request, next: 
     }
 }
 
-pub async fn require_admin_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
+pub async fn require_admin_key(
+    State(state): State<AppState>,
+    req: Request,
+    next: Next,
+) -> Response {
     match check(&[state.auth.admin_key()], req) {
         Ok(req) => next.run(req).await,
         Err(resp) => resp,

@@ -13,7 +13,10 @@ use crate::engine::EngineError;
 pub enum ApiError {
     /// A field is missing, of the wrong type or out of its limits.
     #[error("{message}")]
-    Invalid { param: Option<String>, message: String },
+    Invalid {
+        param: Option<String>,
+        message: String,
+    },
     #[error("invalid or missing API key")]
     Unauthorized,
     #[error("{0}")]
@@ -37,7 +40,10 @@ pub enum ApiError {
 
 impl ApiError {
     pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
-        ApiError::Invalid { param: Some(param.to_string()), message: message.into() }
+        ApiError::Invalid {
+            param: Some(param.to_string()),
+            message: message.into(),
+        }
     }
 
     pub fn status(&self) -> StatusCode {
@@ -56,7 +62,9 @@ impl ApiError {
 
     fn kind(&self) -> &'static str {
         match self {
-            ApiError::Invalid { .. } | ApiError::PayloadTooLarge | ApiError::UnsupportedMediaType => "invalid_request_error",
+            ApiError::Invalid { .. }
+            | ApiError::PayloadTooLarge
+            | ApiError::UnsupportedMediaType => "invalid_request_error",
             ApiError::Unauthorized => "authentication_error",
             ApiError::Forbidden(_) => "permission_error",
             ApiError::NotFound(_) => "not_found_error",
@@ -80,7 +88,8 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut resp = (self.status(), Json(self.body())).into_response();
         if matches!(self, ApiError::Overloaded(_)) {
-            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         resp
     }
@@ -101,10 +110,21 @@ impl From<JsonRejection> for ApiError {
     fn from(r: JsonRejection) -> ApiError {
         match r {
             JsonRejection::MissingJsonContentType(_) => ApiError::UnsupportedMediaType,
-            JsonRejection::BytesRejection(b) if b.status() == StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge,
-            JsonRejection::JsonDataError(e) => ApiError::Invalid { param: None, message: format!("invalid request body: {}", e.body_text()) },
-            JsonRejection::JsonSyntaxError(e) => ApiError::Invalid { param: None, message: format!("body is not valid JSON: {}", e.body_text()) },
-            other => ApiError::Invalid { param: None, message: other.body_text() },
+            JsonRejection::BytesRejection(b) if b.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                ApiError::PayloadTooLarge
+            }
+            JsonRejection::JsonDataError(e) => ApiError::Invalid {
+                param: None,
+                message: format!("invalid request body: {}", e.body_text()),
+            },
+            JsonRejection::JsonSyntaxError(e) => ApiError::Invalid {
+                param: None,
+                message: format!("body is not valid JSON: {}", e.body_text()),
+            },
+            other => ApiError::Invalid {
+                param: None,
+                message: other.body_text(),
+            },
         }
     }
 }

@@ -20,7 +20,11 @@ pub struct Tracker {
 
 impl Tracker {
     pub fn new(endpoint: &'static str) -> Tracker {
-        Tracker { start: Instant::now(), last_token: None, endpoint }
+        Tracker {
+            start: Instant::now(),
+            last_token: None,
+            endpoint,
+        }
     }
 
     pub fn observe(&mut self, event: &EngineEvent) {
@@ -28,8 +32,10 @@ impl Tracker {
         match event {
             EngineEvent::Token(_) => {
                 match self.last_token {
-                    None => metrics::histogram!("lockstep_time_to_first_token_seconds").record(now.duration_since(self.start).as_secs_f64()),
-                    Some(prev) => metrics::histogram!("lockstep_inter_token_latency_seconds").record(now.duration_since(prev).as_secs_f64()),
+                    None => metrics::histogram!("lockstep_time_to_first_token_seconds")
+                        .record(now.duration_since(self.start).as_secs_f64()),
+                    Some(prev) => metrics::histogram!("lockstep_inter_token_latency_seconds")
+                        .record(now.duration_since(prev).as_secs_f64()),
                 }
                 self.last_token = Some(now);
                 metrics::counter!("lockstep_generation_tokens_total").increment(1);
@@ -38,7 +44,8 @@ impl Tracker {
                 metrics::histogram!("lockstep_e2e_request_latency_seconds").record(self.elapsed());
                 metrics::histogram!("lockstep_queue_time_seconds").record(f.queue_time);
                 metrics::counter!("lockstep_prompt_tokens_total").increment(f.prompt_tokens as u64);
-                metrics::counter!("lockstep_prefix_cache_hit_tokens_total").increment(f.cached_tokens as u64);
+                metrics::counter!("lockstep_prefix_cache_hit_tokens_total")
+                    .increment(f.cached_tokens as u64);
                 metrics::counter!("lockstep_requests_finished_total", "endpoint" => self.endpoint, "reason" => finish_kind(f)).increment(1);
             }
             EngineEvent::Error(_) => {}
@@ -66,7 +73,10 @@ pub struct Sample {
 }
 
 /// Submits every request; fails as a whole (and aborts what was queued) if one is refused.
-pub fn submit_all(state: &AppState, reqs: Vec<GenerateRequest>) -> Result<Vec<tokio::sync::mpsc::UnboundedReceiver<EngineEvent>>, ApiError> {
+pub fn submit_all(
+    state: &AppState,
+    reqs: Vec<GenerateRequest>,
+) -> Result<Vec<tokio::sync::mpsc::UnboundedReceiver<EngineEvent>>, ApiError> {
     let mut receivers = Vec::with_capacity(reqs.len());
     for r in reqs {
         // Receivers already created are dropped on error, which aborts their sequences.
@@ -76,7 +86,11 @@ pub fn submit_all(state: &AppState, reqs: Vec<GenerateRequest>) -> Result<Vec<to
 }
 
 /// Runs every request to completion, in order.
-pub async fn collect(state: &AppState, reqs: Vec<GenerateRequest>, endpoint: &'static str) -> Result<Vec<Sample>, ApiError> {
+pub async fn collect(
+    state: &AppState,
+    reqs: Vec<GenerateRequest>,
+    endpoint: &'static str,
+) -> Result<Vec<Sample>, ApiError> {
     let receivers = submit_all(state, reqs)?;
     let runs = receivers.into_iter().map(|mut rx| async move {
         let mut tracker = Tracker::new(endpoint);
@@ -85,17 +99,29 @@ pub async fn collect(state: &AppState, reqs: Vec<GenerateRequest>, endpoint: &'s
             tracker.observe(&ev);
             match ev {
                 EngineEvent::Token(t) => tokens.push(t),
-                EngineEvent::Finished(f) => return Ok(Sample { tokens, finish: *f, e2e_latency: tracker.elapsed() }),
+                EngineEvent::Finished(f) => {
+                    return Ok(Sample {
+                        tokens,
+                        finish: *f,
+                        e2e_latency: tracker.elapsed(),
+                    })
+                }
                 EngineEvent::Error(e) => return Err(ApiError::Internal(e)),
             }
         }
-        Err(ApiError::Internal("the engine stopped before the request finished".into()))
+        Err(ApiError::Internal(
+            "the engine stopped before the request finished".into(),
+        ))
     });
     futures_util::future::try_join_all(runs).await
 }
 
 /// Every sample's events, interleaved as they come, tagged with the sample's index.
-pub fn stream_events(state: &AppState, reqs: Vec<GenerateRequest>, endpoint: &'static str) -> Result<impl Stream<Item = (usize, EngineEvent, f64)> + Send + 'static, ApiError> {
+pub fn stream_events(
+    state: &AppState,
+    reqs: Vec<GenerateRequest>,
+    endpoint: &'static str,
+) -> Result<impl Stream<Item = (usize, EngineEvent, f64)> + Send + 'static, ApiError> {
     let receivers = submit_all(state, reqs)?;
     let streams = receivers.into_iter().enumerate().map(move |(i, rx)| {
         let mut tracker = Tracker::new(endpoint);

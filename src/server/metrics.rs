@@ -10,14 +10,19 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use super::AppState;
 
-const LATENCY_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
 
 /// Installs the recorder on first use; later calls (e.g. several test servers in one process)
 /// share it.
 pub fn handle() -> &'static PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE.get_or_init(|| {
-        let recorder = PrometheusBuilder::new().set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS).expect("valid buckets").build_recorder();
+        let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+            .expect("valid buckets")
+            .build_recorder();
         let handle = recorder.handle();
         // Another recorder may already be installed by an embedding program; we still render ours.
         let _ = metrics::set_global_recorder(recorder);
@@ -27,14 +32,35 @@ pub fn handle() -> &'static PrometheusHandle {
 
 /// Endpoints counted by name; anything else is "other" so scanners cannot blow up the label set.
 const ENDPOINTS: &[&str] = &[
-    "/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/health_generate", "/get_model_info", "/get_server_info", "/get_weight_version",
-    "/flush_cache", "/abort_request", "/pause_generation", "/continue_generation", "/metrics", "/update_weights_from_disk", "/begin_weight_update", "/update_weights",
-    "/end_weight_update", "/abort_weight_update", "/weights_checksum",
+    "/generate",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/health_generate",
+    "/get_model_info",
+    "/get_server_info",
+    "/get_weight_version",
+    "/flush_cache",
+    "/abort_request",
+    "/pause_generation",
+    "/continue_generation",
+    "/metrics",
+    "/update_weights_from_disk",
+    "/begin_weight_update",
+    "/update_weights",
+    "/end_weight_update",
+    "/abort_weight_update",
+    "/weights_checksum",
 ];
 
 pub async fn track_http(req: Request, next: Next) -> Response {
     let path = req.uri().path();
-    let endpoint = ENDPOINTS.iter().find(|e| **e == path).copied().unwrap_or("other");
+    let endpoint = ENDPOINTS
+        .iter()
+        .find(|e| **e == path)
+        .copied()
+        .unwrap_or("other");
     let resp = next.run(req).await;
     metrics::counter!("lockstep_http_requests_total", "endpoint" => endpoint, "status" => resp.status().as_u16().to_string()).increment(1);
     resp
@@ -49,5 +75,12 @@ pub async fn render(State(state): State<AppState>) -> Response {
     metrics::gauge!("lockstep_kv_blocks_total").set(shared.kv_total_blocks.load(Acquire) as f64);
     let version = state.engine.weight_version();
     metrics::gauge!("lockstep_weight_version_info", "version" => version).set(1.0);
-    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle().render()).into_response()
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        handle().render(),
+    )
+        .into_response()
 }

@@ -65,13 +65,22 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_api_key));
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_api_key,
+        ));
     let control = Router::new()
-        .route("/flush_cache", post(admin::flush_cache).get(admin::flush_cache))
+        .route(
+            "/flush_cache",
+            post(admin::flush_cache).get(admin::flush_cache),
+        )
         .route("/abort_request", post(admin::abort_request))
         .route("/pause_generation", post(admin::pause_generation))
         .route("/continue_generation", post(admin::continue_generation))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_admin_key));
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_admin_key,
+        ));
     let open = Router::new()
         .route("/health", get(admin::health))
         .route("/health_generate", get(admin::health_generate))
@@ -91,7 +100,11 @@ pub fn app(state: AppState) -> Router {
 
 /// Serves until SIGINT/SIGTERM, then stops accepting, lets in-flight requests finish for up
 /// to `grace`, aborts the rest and returns.
-pub async fn serve(state: AppState, listener: tokio::net::TcpListener, grace: std::time::Duration) -> std::io::Result<()> {
+pub async fn serve(
+    state: AppState,
+    listener: tokio::net::TcpListener,
+    grace: std::time::Duration,
+) -> std::io::Result<()> {
     let engine = state.engine.clone();
     let flag = state.shutting_down.clone();
     let router = app(state);
@@ -106,7 +119,9 @@ pub async fn serve(state: AppState, listener: tokio::net::TcpListener, grace: st
             engine.shutdown();
         });
     };
-    axum::serve(listener, router).with_graceful_shutdown(signal).await
+    axum::serve(listener, router)
+        .with_graceful_shutdown(signal)
+        .await
 }
 
 async fn shutdown_signal() {
@@ -115,7 +130,8 @@ async fn shutdown_signal() {
     };
     #[cfg(unix)]
     let term = async {
-        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        {
             s.recv().await;
         }
     };

@@ -32,7 +32,13 @@ impl<T: Clone> OneOrMany<T> {
         match self {
             OneOrMany::One(v) => Ok(v.clone()),
             OneOrMany::Many(v) if v.len() == n => Ok(v[i].clone()),
-            OneOrMany::Many(v) => Err(ApiError::invalid(field, format!("{field} has {} entries but the batch has {n} prompts", v.len()))),
+            OneOrMany::Many(v) => Err(ApiError::invalid(
+                field,
+                format!(
+                    "{field} has {} entries but the batch has {n} prompts",
+                    v.len()
+                ),
+            )),
         }
     }
 }
@@ -78,10 +84,21 @@ struct ValidGenerate {
 
 async fn parse(state: &AppState, body: GenerateBody) -> Result<ValidGenerate, ApiError> {
     // A list input gets a list answer, even with one prompt (as SGLang does).
-    let batch = matches!(body.text, Some(OneOrMany::Many(_))) || matches!(body.input_ids, Some(IdsInput::Batch(_)));
+    let batch = matches!(body.text, Some(OneOrMany::Many(_)))
+        || matches!(body.input_ids, Some(IdsInput::Batch(_)));
     let prompts: Vec<PromptInput> = match (body.text, body.input_ids) {
-        (Some(_), Some(_)) => return Err(ApiError::invalid("text", "give exactly one of `text` or `input_ids`, not both")),
-        (None, None) => return Err(ApiError::invalid("text", "missing prompt: give `text` or `input_ids`")),
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "text",
+                "give exactly one of `text` or `input_ids`, not both",
+            ))
+        }
+        (None, None) => {
+            return Err(ApiError::invalid(
+                "text",
+                "missing prompt: give `text` or `input_ids`",
+            ))
+        }
         (Some(OneOrMany::One(t)), None) => vec![PromptInput::Text(t)],
         (Some(OneOrMany::Many(ts)), None) => ts.into_iter().map(PromptInput::Text).collect(),
         (None, Some(IdsInput::Single(ids))) => vec![PromptInput::Ids(ids)],
@@ -98,9 +115,24 @@ async fn parse(state: &AppState, body: GenerateBody) -> Result<ValidGenerate, Ap
             None => SamplingParams::default(),
         };
         let opts = RequestOptions {
-            return_logprob: body.return_logprob.as_ref().map(|v| v.item(i, n_items, "return_logprob")).transpose()?.unwrap_or(false),
-            logprob_start_len: body.logprob_start_len.as_ref().map(|v| v.item(i, n_items, "logprob_start_len")).transpose()?.unwrap_or(-1),
-            top_logprobs_num: body.top_logprobs_num.as_ref().map(|v| v.item(i, n_items, "top_logprobs_num")).transpose()?.unwrap_or(0),
+            return_logprob: body
+                .return_logprob
+                .as_ref()
+                .map(|v| v.item(i, n_items, "return_logprob"))
+                .transpose()?
+                .unwrap_or(false),
+            logprob_start_len: body
+                .logprob_start_len
+                .as_ref()
+                .map(|v| v.item(i, n_items, "logprob_start_len"))
+                .transpose()?
+                .unwrap_or(-1),
+            top_logprobs_num: body
+                .top_logprobs_num
+                .as_ref()
+                .map(|v| v.item(i, n_items, "top_logprobs_num"))
+                .transpose()?
+                .unwrap_or(0),
             return_routed_experts: body.return_routed_experts,
             add_special_tokens: true,
         };
@@ -111,17 +143,33 @@ async fn parse(state: &AppState, body: GenerateBody) -> Result<ValidGenerate, Ap
         reqs.extend(validate::build_requests(state, rid, prompt, &params, &opts).await?);
     }
     let batch = batch || reqs.len() > 1;
-    Ok(ValidGenerate { reqs, batch, return_text_in_logprobs: body.return_text_in_logprobs, stream: body.stream })
+    Ok(ValidGenerate {
+        reqs,
+        batch,
+        return_text_in_logprobs: body.return_text_in_logprobs,
+        stream: body.stream,
+    })
 }
 
-pub async fn generate(State(state): State<AppState>, ApiJson(body): ApiJson<GenerateBody>) -> Result<Response, ApiError> {
+pub async fn generate(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<GenerateBody>,
+) -> Result<Response, ApiError> {
     let v = parse(&state, body).await?;
     if v.stream {
         return stream(state, v);
     }
     let samples = generation::collect(&state, v.reqs.clone(), "generate").await?;
-    let outs: Vec<Value> = samples.iter().zip(&v.reqs).map(|(s, r)| sample_json(&state, r, s, v.return_text_in_logprobs)).collect();
-    Ok(if v.batch { Json(Value::Array(outs)).into_response() } else { Json(outs.into_iter().next().expect("one sample")).into_response() })
+    let outs: Vec<Value> = samples
+        .iter()
+        .zip(&v.reqs)
+        .map(|(s, r)| sample_json(&state, r, s, v.return_text_in_logprobs))
+        .collect();
+    Ok(if v.batch {
+        Json(Value::Array(outs)).into_response()
+    } else {
+        Json(outs.into_iter().next().expect("one sample")).into_response()
+    })
 }
 
 fn stream(state: AppState, v: ValidGenerate) -> Result<Response, ApiError> {
@@ -170,15 +218,36 @@ fn stream(state: AppState, v: ValidGenerate) -> Result<Response, ApiError> {
 
 /// `[logprob, token_id, text|null]` as SGLang writes logprob entries.
 fn lp_entry(state: &AppState, lp: Option<f32>, id: u32, with_text: bool) -> Value {
-    let text = if with_text { Value::String(state.engine.info.tokenizer.decode(&[id], false).unwrap_or_default()) } else { Value::Null };
+    let text = if with_text {
+        Value::String(
+            state
+                .engine
+                .info
+                .tokenizer
+                .decode(&[id], false)
+                .unwrap_or_default(),
+        )
+    } else {
+        Value::Null
+    };
     json!([lp, id, text])
 }
 
 fn top_entries(state: &AppState, top: &[(u32, f32)], with_text: bool) -> Value {
-    Value::Array(top.iter().map(|&(id, lp)| lp_entry(state, Some(lp), id, with_text)).collect())
+    Value::Array(
+        top.iter()
+            .map(|&(id, lp)| lp_entry(state, Some(lp), id, with_text))
+            .collect(),
+    )
 }
 
-fn partial_meta(state: &AppState, req: &GenerateRequest, tokens: &[TokenOut], elapsed: f64, text_in_lp: bool) -> Value {
+fn partial_meta(
+    state: &AppState,
+    req: &GenerateRequest,
+    tokens: &[TokenOut],
+    elapsed: f64,
+    text_in_lp: bool,
+) -> Value {
     let mut m = json!({
         "id": req.rid,
         "finish_reason": null,
@@ -189,9 +258,19 @@ fn partial_meta(state: &AppState, req: &GenerateRequest, tokens: &[TokenOut], el
         "e2e_latency": elapsed,
     });
     if req.return_logprob {
-        m["output_token_logprobs"] = Value::Array(tokens.iter().map(|t| lp_entry(state, t.logprob, t.id, text_in_lp)).collect());
+        m["output_token_logprobs"] = Value::Array(
+            tokens
+                .iter()
+                .map(|t| lp_entry(state, t.logprob, t.id, text_in_lp))
+                .collect(),
+        );
         if req.top_logprobs_num > 0 {
-            m["output_top_logprobs"] = Value::Array(tokens.iter().map(|t| top_entries(state, &t.top_logprobs, text_in_lp)).collect());
+            m["output_top_logprobs"] = Value::Array(
+                tokens
+                    .iter()
+                    .map(|t| top_entries(state, &t.top_logprobs, text_in_lp))
+                    .collect(),
+            );
         }
     }
     m
@@ -208,18 +287,39 @@ pub fn sample_json(state: &AppState, req: &GenerateRequest, s: &Sample, text_in_
         meta["weight_version"] = json!(last.version);
     }
     if f.weight_versions.len() > 1 {
-        meta["weight_versions"] = serde_json::to_value(&f.weight_versions).expect("spans serialize");
+        meta["weight_versions"] =
+            serde_json::to_value(&f.weight_versions).expect("spans serialize");
     }
     if let Some(input) = &f.input_logprobs {
-        meta["input_token_logprobs"] = Value::Array(input.iter().map(|l| lp_entry(state, l.logprob, l.token, text_in_lp)).collect());
+        meta["input_token_logprobs"] = Value::Array(
+            input
+                .iter()
+                .map(|l| lp_entry(state, l.logprob, l.token, text_in_lp))
+                .collect(),
+        );
         if req.top_logprobs_num > 0 {
-            meta["input_top_logprobs"] = Value::Array(input.iter().map(|l| if l.logprob.is_none() { Value::Null } else { top_entries(state, &l.top, text_in_lp) }).collect());
+            meta["input_top_logprobs"] = Value::Array(
+                input
+                    .iter()
+                    .map(|l| {
+                        if l.logprob.is_none() {
+                            Value::Null
+                        } else {
+                            top_entries(state, &l.top, text_in_lp)
+                        }
+                    })
+                    .collect(),
+            );
         }
     }
     if let Some(routed) = &f.routed_experts {
         let bytes: Vec<u8> = routed.iter().flat_map(|v| v.to_le_bytes()).collect();
         meta["routed_experts"] = json!(base64::engine::general_purpose::STANDARD.encode(bytes));
-        meta["routed_experts_shape"] = json!([routed.len() / (f.moe_layers * f.top_k).max(1), f.moe_layers, f.top_k]);
+        meta["routed_experts_shape"] = json!([
+            routed.len() / (f.moe_layers * f.top_k).max(1),
+            f.moe_layers,
+            f.top_k
+        ]);
     }
     json!({"text": f.text, "output_ids": f.output_ids, "meta_info": meta})
 }

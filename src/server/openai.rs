@@ -59,7 +59,11 @@ impl CommonParams {
     fn sampling(&self, default_max_tokens: i64) -> SamplingParams {
         let d = SamplingParams::default();
         SamplingParams {
-            max_new_tokens: Some(self.max_completion_tokens.or(self.max_tokens).unwrap_or(default_max_tokens)),
+            max_new_tokens: Some(
+                self.max_completion_tokens
+                    .or(self.max_tokens)
+                    .unwrap_or(default_max_tokens),
+            ),
             temperature: self.temperature.unwrap_or(1.0),
             top_p: self.top_p.unwrap_or(1.0),
             top_k: self.top_k.unwrap_or(-1),
@@ -85,7 +89,11 @@ impl CommonParams {
 
     fn check_model(&self, state: &AppState) -> Result<String, ApiError> {
         // Like SGLang, any model name is accepted and answered with the served name.
-        Ok(self.model.clone().filter(|m| !m.is_empty()).unwrap_or_else(|| state.served_model_name.to_string()))
+        Ok(self
+            .model
+            .clone()
+            .filter(|m| !m.is_empty())
+            .unwrap_or_else(|| state.served_model_name.to_string()))
     }
 }
 
@@ -117,7 +125,7 @@ pub struct ChatBody {
     #[serde(default)]
     top_logprobs: Option<i64>,
     #[serde(default)]
-    tools: Option<Value>,
+    tools: Option<Vec<Value>>,
     #[serde(default)]
     chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     #[serde(default)]
@@ -127,7 +135,10 @@ pub struct ChatBody {
 }
 
 fn now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 fn finish_reason(f: &Finish) -> &'static str {
@@ -146,14 +157,27 @@ fn matched_stop(f: &Finish) -> Value {
 }
 
 fn usage(samples: &[&Sample]) -> Value {
-    let prompt: usize = samples.iter().map(|s| s.finish.prompt_tokens).max().unwrap_or(0);
+    let prompt: usize = samples
+        .iter()
+        .map(|s| s.finish.prompt_tokens)
+        .max()
+        .unwrap_or(0);
     let completion: usize = samples.iter().map(|s| s.finish.output_ids.len()).sum();
-    let cached: usize = samples.iter().map(|s| s.finish.cached_tokens).max().unwrap_or(0);
+    let cached: usize = samples
+        .iter()
+        .map(|s| s.finish.cached_tokens)
+        .max()
+        .unwrap_or(0);
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
 fn token_text(state: &AppState, id: u32) -> String {
-    state.engine.info.tokenizer.decode(&[id], false).unwrap_or_default()
+    state
+        .engine
+        .info
+        .tokenizer
+        .decode(&[id], false)
+        .unwrap_or_default()
 }
 
 /// The legacy completions logprobs object.
@@ -193,14 +217,19 @@ fn routed(sample: &Sample) -> Option<Value> {
     })
 }
 
-pub async fn completions(State(state): State<AppState>, ApiJson(body): ApiJson<CompletionBody>) -> Result<Response, ApiError> {
+pub async fn completions(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<CompletionBody>,
+) -> Result<Response, ApiError> {
     let model = body.common.check_model(&state)?;
     let prompts: Vec<PromptInput> = match body.prompt {
         None => return Err(ApiError::invalid("prompt", "missing `prompt`")),
         Some(CompletionPrompt::Text(t)) => vec![PromptInput::Text(t)],
         Some(CompletionPrompt::Texts(v)) => v.into_iter().map(PromptInput::Text).collect(),
         Some(CompletionPrompt::Ids(IdsInput::Single(ids))) => vec![PromptInput::Ids(ids)],
-        Some(CompletionPrompt::Ids(IdsInput::Batch(b))) => b.into_iter().map(PromptInput::Ids).collect(),
+        Some(CompletionPrompt::Ids(IdsInput::Batch(b))) => {
+            b.into_iter().map(PromptInput::Ids).collect()
+        }
     };
     if prompts.is_empty() {
         return Err(ApiError::invalid("prompt", "`prompt` is an empty list"));
@@ -209,7 +238,13 @@ pub async fn completions(State(state): State<AppState>, ApiJson(body): ApiJson<C
     if body.logprobs.is_some_and(|l| l < 0) {
         return Err(ApiError::invalid("logprobs", "logprobs must be >= 0"));
     }
-    let opts = RequestOptions { return_logprob: body.logprobs.is_some(), logprob_start_len: -1, top_logprobs_num: top, return_routed_experts: body.common.return_routed_experts, add_special_tokens: true };
+    let opts = RequestOptions {
+        return_logprob: body.logprobs.is_some(),
+        logprob_start_len: -1,
+        top_logprobs_num: top,
+        return_routed_experts: body.common.return_routed_experts,
+        add_special_tokens: true,
+    };
     let params = body.common.sampling(16);
     let id = format!("cmpl-{}", validate::new_rid());
     let mut reqs = Vec::new();
@@ -217,7 +252,15 @@ pub async fn completions(State(state): State<AppState>, ApiJson(body): ApiJson<C
     for prompt in prompts {
         let text = match &prompt {
             PromptInput::Text(t) => t.clone(),
-            PromptInput::Ids(ids) => state.engine.info.tokenizer.decode(&ids.iter().map(|&i| i.max(0) as u32).collect::<Vec<_>>(), false).unwrap_or_default(),
+            PromptInput::Ids(ids) => state
+                .engine
+                .info
+                .tokenizer
+                .decode(
+                    &ids.iter().map(|&i| i.max(0) as u32).collect::<Vec<_>>(),
+                    false,
+                )
+                .unwrap_or_default(),
         };
         let rs = validate::build_requests(&state, id.clone(), prompt, &params, &opts).await?;
         prompt_texts.extend(std::iter::repeat_n(text, rs.len()));
@@ -225,8 +268,22 @@ pub async fn completions(State(state): State<AppState>, ApiJson(body): ApiJson<C
     }
     let echo = body.echo;
     if body.common.stream {
-        let include_usage = body.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        return stream_openai(state, reqs, Kind::Completion { echo_prompts: echo.then_some(prompt_texts), with_logprobs: body.logprobs.is_some() }, id, model, include_usage);
+        let include_usage = body
+            .common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage);
+        return stream_openai(
+            state,
+            reqs,
+            Kind::Completion {
+                echo_prompts: echo.then_some(prompt_texts),
+                with_logprobs: body.logprobs.is_some(),
+            },
+            id,
+            model,
+            include_usage,
+        );
     }
     let samples = generation::collect(&state, reqs, "completions").await?;
     let choices: Vec<Value> = samples
@@ -247,13 +304,23 @@ pub async fn completions(State(state): State<AppState>, ApiJson(body): ApiJson<C
     Ok(Json(json!({"id": id, "object": "text_completion", "created": now(), "model": model, "choices": choices, "usage": usage(&samples.iter().collect::<Vec<_>>())})).into_response())
 }
 
-pub async fn chat_completions(State(state): State<AppState>, ApiJson(body): ApiJson<ChatBody>) -> Result<Response, ApiError> {
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<ChatBody>,
+) -> Result<Response, ApiError> {
     let model = body.common.check_model(&state)?;
     if body.messages.is_empty() {
-        return Err(ApiError::invalid("messages", "`messages` must not be empty"));
+        return Err(ApiError::invalid(
+            "messages",
+            "`messages` must not be empty",
+        ));
     }
     let tokenizer = state.engine.info.tokenizer.clone();
-    let args = TemplateArgs { add_generation_prompt: body.add_generation_prompt.unwrap_or(true), tools: body.tools.clone(), kwargs: body.chat_template_kwargs.clone().unwrap_or_default() };
+    let args = TemplateArgs {
+        add_generation_prompt: body.add_generation_prompt.unwrap_or(true),
+        tools: body.tools.clone(),
+        kwargs: body.chat_template_kwargs.clone().unwrap_or_default(),
+    };
     let messages = body.messages;
     let text = tokio::task::spawn_blocking(move || tokenizer.apply_chat_template(&messages, &args))
         .await
@@ -261,20 +328,44 @@ pub async fn chat_completions(State(state): State<AppState>, ApiJson(body): ApiJ
         .map_err(|e| ApiError::invalid("messages", format!("chat template: {e}")))?;
     let top = body.top_logprobs.unwrap_or(0);
     if body.top_logprobs.is_some() && !body.logprobs {
-        return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs: true"));
+        return Err(ApiError::invalid(
+            "top_logprobs",
+            "top_logprobs needs logprobs: true",
+        ));
     }
     // The template already wrote any BOS it wants.
-    let opts = RequestOptions { return_logprob: body.logprobs, logprob_start_len: -1, top_logprobs_num: top, return_routed_experts: body.common.return_routed_experts, add_special_tokens: false };
+    let opts = RequestOptions {
+        return_logprob: body.logprobs,
+        logprob_start_len: -1,
+        top_logprobs_num: top,
+        return_routed_experts: body.common.return_routed_experts,
+        add_special_tokens: false,
+    };
     let mut params = body.common.sampling(0);
     if body.common.max_tokens.is_none() && body.common.max_completion_tokens.is_none() {
         // Chat without a limit may use what the context leaves (as vLLM and SGLang do).
         params.max_new_tokens = None;
     }
     let id = format!("chatcmpl-{}", validate::new_rid());
-    let reqs = validate::build_requests(&state, id.clone(), PromptInput::Text(text), &params, &opts).await?;
+    let reqs =
+        validate::build_requests(&state, id.clone(), PromptInput::Text(text), &params, &opts)
+            .await?;
     if body.common.stream {
-        let include_usage = body.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        return stream_openai(state, reqs, Kind::Chat { with_logprobs: body.logprobs }, id, model, include_usage);
+        let include_usage = body
+            .common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage);
+        return stream_openai(
+            state,
+            reqs,
+            Kind::Chat {
+                with_logprobs: body.logprobs,
+            },
+            id,
+            model,
+            include_usage,
+        );
     }
     let samples = generation::collect(&state, reqs, "chat_completions").await?;
     let choices: Vec<Value> = samples
@@ -295,11 +386,23 @@ pub async fn chat_completions(State(state): State<AppState>, ApiJson(body): ApiJ
 }
 
 enum Kind {
-    Completion { echo_prompts: Option<Vec<String>>, with_logprobs: bool },
-    Chat { with_logprobs: bool },
+    Completion {
+        echo_prompts: Option<Vec<String>>,
+        with_logprobs: bool,
+    },
+    Chat {
+        with_logprobs: bool,
+    },
 }
 
-fn stream_openai(state: AppState, reqs: Vec<GenerateRequest>, kind: Kind, id: String, model: String, include_usage: bool) -> Result<Response, ApiError> {
+fn stream_openai(
+    state: AppState,
+    reqs: Vec<GenerateRequest>,
+    kind: Kind,
+    id: String,
+    model: String,
+    include_usage: bool,
+) -> Result<Response, ApiError> {
     let n = reqs.len();
     let prompt_tokens = reqs.first().map_or(0, |r| r.input_ids.len());
     let events = generation::stream_events(&state, reqs, "stream")?;
@@ -369,5 +472,7 @@ fn stream_openai(state: AppState, reqs: Vec<GenerateRequest>, kind: Kind, id: St
 }
 
 pub async fn models(State(state): State<AppState>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [{"id": state.served_model_name.to_string(), "object": "model", "created": now(), "owned_by": "lockstep", "root": state.engine.info.model_path, "max_model_len": state.limits.context_len}]}))
+    Json(
+        json!({"object": "list", "data": [{"id": state.served_model_name.to_string(), "object": "model", "created": now(), "owned_by": "lockstep", "root": state.engine.info.model_path, "max_model_len": state.limits.context_len}]}),
+    )
 }

@@ -29,29 +29,61 @@ pub struct Limits {
     pub max_top_logprobs: usize,
     pub context_len: usize,
     pub vocab_size: usize,
+    /// `--enable-return-routed-experts`.
+    pub allow_routed_experts: bool,
 }
 
 pub fn new_rid() -> String {
-    format!("{:032x}", (sampling::random_seed() as u128) << 64 | sampling::random_seed() as u128)
+    format!(
+        "{:032x}",
+        (sampling::random_seed() as u128) << 64 | sampling::random_seed() as u128
+    )
 }
 
 /// Tokenizes (on the blocking pool) and checks one prompt, then expands its `n` samples.
-pub async fn build_requests(state: &AppState, rid: String, prompt: PromptInput, params: &SamplingParams, opts: &RequestOptions) -> Result<Vec<GenerateRequest>, ApiError> {
+pub async fn build_requests(
+    state: &AppState,
+    rid: String,
+    prompt: PromptInput,
+    params: &SamplingParams,
+    opts: &RequestOptions,
+) -> Result<Vec<GenerateRequest>, ApiError> {
     let limits = &state.limits;
+    if opts.return_routed_experts && !limits.allow_routed_experts {
+        return Err(ApiError::invalid(
+            "return_routed_experts",
+            "routed expert capture is off; start the server with --enable-return-routed-experts",
+        ));
+    }
     let input_ids: Vec<u32> = match prompt {
         PromptInput::Ids(ids) => {
             if ids.is_empty() {
-                return Err(ApiError::invalid("input_ids", "input_ids must not be empty"));
+                return Err(ApiError::invalid(
+                    "input_ids",
+                    "input_ids must not be empty",
+                ));
             }
-            if let Some(bad) = ids.iter().find(|&&t| t < 0 || t as usize >= limits.vocab_size) {
-                return Err(ApiError::invalid("input_ids", format!("token id {bad} is outside the vocabulary [0, {})", limits.vocab_size)));
+            if let Some(bad) = ids
+                .iter()
+                .find(|&&t| t < 0 || t as usize >= limits.vocab_size)
+            {
+                return Err(ApiError::invalid(
+                    "input_ids",
+                    format!(
+                        "token id {bad} is outside the vocabulary [0, {})",
+                        limits.vocab_size
+                    ),
+                ));
             }
             ids.into_iter().map(|t| t as u32).collect()
         }
         PromptInput::Text(text) => {
             let tok = state.engine.info.tokenizer.clone();
             let add = opts.add_special_tokens;
-            let ids = tokio::task::spawn_blocking(move || tok.encode(&text, add)).await.map_err(|e| ApiError::Internal(e.to_string()))?.map_err(|e| ApiError::invalid("text", format!("cannot tokenize: {e}")))?;
+            let ids = tokio::task::spawn_blocking(move || tok.encode(&text, add))
+                .await
+                .map_err(|e| ApiError::Internal(e.to_string()))?
+                .map_err(|e| ApiError::invalid("text", format!("cannot tokenize: {e}")))?;
             if ids.is_empty() {
                 return Err(ApiError::invalid("text", "the prompt is empty"));
             }
@@ -63,43 +95,89 @@ pub async fn build_requests(state: &AppState, rid: String, prompt: PromptInput, 
     if params.max_new_tokens.is_none() {
         params.max_new_tokens = Some(limits.context_len.saturating_sub(input_ids.len()) as i64);
     }
-    let sampling_limits = SamplingLimits { max_n: limits.max_n, max_new_tokens: limits.context_len, vocab_size: Some(limits.vocab_size), ..SamplingLimits::default() };
+    let sampling_limits = SamplingLimits {
+        max_n: limits.max_n,
+        max_new_tokens: limits.context_len,
+        vocab_size: Some(limits.vocab_size),
+        ..SamplingLimits::default()
+    };
     let valid = params.validate(&sampling_limits).map_err(|e| {
         let param = match &e {
             SamplingError::InvalidParam { field, .. } => format!("sampling_params.{field}"),
             _ => "sampling_params".to_string(),
         };
-        ApiError::Invalid { message: format!("sampling_params.{e}"), param: Some(param) }
+        ApiError::Invalid {
+            message: format!("sampling_params.{e}"),
+            param: Some(param),
+        }
     })?;
     if input_ids.len() >= limits.context_len {
-        return Err(ApiError::invalid("input_ids", format!("the prompt has {} tokens; the context length is {}", input_ids.len(), limits.context_len)));
+        return Err(ApiError::invalid(
+            "input_ids",
+            format!(
+                "the prompt has {} tokens; the context length is {}",
+                input_ids.len(),
+                limits.context_len
+            ),
+        ));
     }
     if input_ids.len() + valid.max_new_tokens > limits.context_len {
         return Err(ApiError::invalid(
             "max_new_tokens",
-            format!("max_new_tokens {} plus the prompt's {} tokens exceeds the context length {}", valid.max_new_tokens, input_ids.len(), limits.context_len),
+            format!(
+                "max_new_tokens {} plus the prompt's {} tokens exceeds the context length {}",
+                valid.max_new_tokens,
+                input_ids.len(),
+                limits.context_len
+            ),
         ));
     }
     if opts.top_logprobs_num < 0 || opts.top_logprobs_num as usize > limits.max_top_logprobs {
-        return Err(ApiError::invalid("top_logprobs_num", format!("top_logprobs_num must be in [0, {}], got {}", limits.max_top_logprobs, opts.top_logprobs_num)));
+        return Err(ApiError::invalid(
+            "top_logprobs_num",
+            format!(
+                "top_logprobs_num must be in [0, {}], got {}",
+                limits.max_top_logprobs, opts.top_logprobs_num
+            ),
+        ));
     }
     let logprob_start_len = match opts.logprob_start_len {
         -1 => None,
         l if l >= 0 && (l as usize) < input_ids.len() => Some(l as usize),
-        l => return Err(ApiError::invalid("logprob_start_len", format!("logprob_start_len must be -1 or in [0, {}), got {l}", input_ids.len()))),
+        l => {
+            return Err(ApiError::invalid(
+                "logprob_start_len",
+                format!(
+                    "logprob_start_len must be -1 or in [0, {}), got {l}",
+                    input_ids.len()
+                ),
+            ))
+        }
     };
     let seed = valid.seed.unwrap_or_else(sampling::random_seed);
     let n = valid.n;
     Ok((0..n)
         .map(|i| GenerateRequest {
-            rid: if n > 1 { format!("{rid}-{i}") } else { rid.clone() },
+            rid: if n > 1 {
+                format!("{rid}-{i}")
+            } else {
+                rid.clone()
+            },
             input_ids: input_ids.clone(),
             params: valid.clone(),
             seed,
             sample_index: i as u32,
             return_logprob: opts.return_logprob,
-            logprob_start_len: if opts.return_logprob { logprob_start_len } else { None },
-            top_logprobs_num: if opts.return_logprob { opts.top_logprobs_num as usize } else { 0 },
+            logprob_start_len: if opts.return_logprob {
+                logprob_start_len
+            } else {
+                None
+            },
+            top_logprobs_num: if opts.return_logprob {
+                opts.top_logprobs_num as usize
+            } else {
+                0
+            },
             return_routed_experts: opts.return_routed_experts,
         })
         .collect())

@@ -1,0 +1,351 @@
+//! `lockstep serve`: its flags (SGLang's names where one exists, each also read from the
+//! environment) and the start-up that turns them into a model, an engine and a server.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::backend::cpu::attention::KvDtype;
+use crate::engine::{Engine, EngineConfig, EngineHandle, EngineInfo};
+use crate::model::loader::{self, Quantization};
+use crate::model::ModelConfig;
+use crate::quant::Recipe;
+use crate::server::{self, AppState, Auth, Limits};
+use crate::tokenizer::Tokenizer;
+
+/// The embedded default: a small Qwen3-MoE with deterministic random weights and a
+/// byte-level tokenizer, so `lockstep serve` works on a fresh machine with no download.
+pub const EMBEDDED_CONFIG: &str = include_str!("../configs/embedded-qwen3-moe.json");
+const EMBEDDED_SEED: u64 = 0;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LoadFormat {
+    /// Read weights from the checkpoint.
+    Auto,
+    /// Deterministic random weights for the checkpoint's (or config file's) config.
+    Dummy,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvCacheDtype {
+    /// F32 for F32 checkpoints, BF16 otherwise (SGLang's `auto`: the model's dtype).
+    Auto,
+    Bf16,
+    F32,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Hugging Face model directory. Without it the embedded demo model is served.
+    #[arg(
+        long = "model-path",
+        visible_alias = "model",
+        env = "LOCKSTEP_MODEL_PATH",
+        help_heading = "Model"
+    )]
+    pub model_path: Option<PathBuf>,
+    /// Name reported by /v1/models (default: the directory name, or "lockstep-embedded").
+    #[arg(long, env = "LOCKSTEP_SERVED_MODEL_NAME", help_heading = "Model")]
+    pub served_model_name: Option<String>,
+    /// How linear weights are stored and computed; default: whatever the checkpoint holds.
+    #[arg(
+        long,
+        value_enum,
+        env = "LOCKSTEP_QUANTIZATION",
+        help_heading = "Model"
+    )]
+    pub quantization: Option<Quantization>,
+    /// Precision recipe YAML (default: configs/<quantization>.yaml, built in).
+    #[arg(long, env = "LOCKSTEP_RECIPE", help_heading = "Model")]
+    pub recipe: Option<PathBuf>,
+    #[arg(
+        long,
+        value_enum,
+        default_value = "auto",
+        env = "LOCKSTEP_LOAD_FORMAT",
+        help_heading = "Model"
+    )]
+    pub load_format: LoadFormat,
+    /// Longest prompt + output in tokens (default: the model's max_position_embeddings).
+    #[arg(long, env = "LOCKSTEP_CONTEXT_LENGTH", help_heading = "Model")]
+    pub context_length: Option<usize>,
+
+    #[arg(
+        long,
+        default_value = "127.0.0.1",
+        env = "LOCKSTEP_HOST",
+        help_heading = "HTTP"
+    )]
+    pub host: String,
+    #[arg(
+        long,
+        default_value_t = 30000,
+        env = "LOCKSTEP_PORT",
+        help_heading = "HTTP"
+    )]
+    pub port: u16,
+    /// Key required for generation endpoints (Authorization: Bearer KEY).
+    #[arg(long, env = "LOCKSTEP_API_KEY", help_heading = "HTTP")]
+    pub api_key: Option<String>,
+    /// Key required for endpoints that change weights or server state.
+    #[arg(long, env = "LOCKSTEP_ADMIN_API_KEY", help_heading = "HTTP")]
+    pub admin_api_key: Option<String>,
+    #[arg(long, default_value_t = 32 << 20, env = "LOCKSTEP_MAX_REQUEST_BYTES", help_heading = "HTTP")]
+    pub max_request_bytes: usize,
+    /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
+    #[arg(
+        long,
+        default_value_t = 30,
+        env = "LOCKSTEP_GRACE_PERIOD",
+        help_heading = "HTTP"
+    )]
+    pub grace_period_s: u64,
+
+    #[arg(
+        long,
+        default_value_t = 64,
+        env = "LOCKSTEP_MAX_RUNNING_REQUESTS",
+        help_heading = "Scheduling"
+    )]
+    pub max_running_requests: usize,
+    /// KV cache capacity in tokens.
+    #[arg(
+        long,
+        default_value_t = 65536,
+        env = "LOCKSTEP_MAX_TOTAL_TOKENS",
+        help_heading = "Scheduling"
+    )]
+    pub max_total_tokens: usize,
+    /// Tokens computed per step (prefill chunks + decodes).
+    #[arg(
+        long,
+        default_value_t = 2048,
+        env = "LOCKSTEP_CHUNKED_PREFILL_SIZE",
+        help_heading = "Scheduling"
+    )]
+    pub chunked_prefill_size: usize,
+    /// KV cache block size in tokens.
+    #[arg(
+        long,
+        default_value_t = 16,
+        env = "LOCKSTEP_PAGE_SIZE",
+        help_heading = "Scheduling"
+    )]
+    pub page_size: usize,
+    /// Requests queued beyond this are answered 503 with Retry-After.
+    #[arg(
+        long,
+        default_value_t = 1024,
+        env = "LOCKSTEP_MAX_QUEUED_REQUESTS",
+        help_heading = "Scheduling"
+    )]
+    pub max_queued_requests: usize,
+    #[arg(
+        long,
+        value_enum,
+        default_value = "auto",
+        env = "LOCKSTEP_KV_CACHE_DTYPE",
+        help_heading = "Scheduling"
+    )]
+    pub kv_cache_dtype: KvCacheDtype,
+
+    /// Largest `n` (samples per prompt) a request may ask for.
+    #[arg(
+        long,
+        default_value_t = 64,
+        env = "LOCKSTEP_MAX_N",
+        help_heading = "Limits"
+    )]
+    pub max_n: usize,
+    /// Largest top_logprobs_num / logprobs a request may ask for.
+    #[arg(
+        long,
+        default_value_t = 20,
+        env = "LOCKSTEP_MAX_TOP_LOGPROBS",
+        help_heading = "Limits"
+    )]
+    pub max_top_logprobs: usize,
+    /// Allow `return_routed_experts` (off: such requests get 400).
+    #[arg(
+        long,
+        env = "LOCKSTEP_ENABLE_RETURN_ROUTED_EXPERTS",
+        help_heading = "Limits"
+    )]
+    pub enable_return_routed_experts: bool,
+
+    /// trace, debug, info, warn or error.
+    #[arg(
+        long,
+        default_value = "info",
+        env = "LOCKSTEP_LOG_LEVEL",
+        help_heading = "Runtime"
+    )]
+    pub log_level: String,
+    /// CPU threads for the model (default: all cores).
+    #[arg(long, env = "LOCKSTEP_THREADS", help_heading = "Runtime")]
+    pub threads: Option<usize>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Load(#[from] loader::LoadError),
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    #[error(transparent)]
+    Recipe(#[from] crate::quant::recipe::RecipeError),
+    #[error("{0}")]
+    Config(String),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Loads the model and starts the engine thread.
+pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeError> {
+    let recipe = args.recipe.as_deref().map(Recipe::from_file).transpose()?;
+    let (model, tokenizer, recipe, model_path, name, stored_f32) = match &args.model_path {
+        None => {
+            let cfg = ModelConfig::from_json(
+                serde_json::from_str(EMBEDDED_CONFIG).expect("embedded config is JSON"),
+            )
+            .map_err(loader::LoadError::from)?;
+            let recipe = loader::serving_recipe(args.quantization, None, recipe)?;
+            let model = loader::dummy_model(cfg, &recipe, EMBEDDED_SEED)?;
+            (
+                model,
+                Tokenizer::embedded(),
+                recipe,
+                "embedded".to_string(),
+                "lockstep-embedded".to_string(),
+                false,
+            )
+        }
+        Some(dir) => {
+            let tokenizer = Tokenizer::from_dir(dir)?;
+            let name = dir
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or("model")
+                .to_string();
+            let raw: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)
+                    .map_err(|e| ServeError::Config(format!("config.json: {e}")))?;
+            let f32_weights = ["torch_dtype", "dtype"]
+                .iter()
+                .any(|k| raw.get(*k).and_then(|v| v.as_str()) == Some("float32"));
+            let (model, recipe) = match args.load_format {
+                LoadFormat::Auto => loader::load_model(dir, args.quantization, recipe)?,
+                LoadFormat::Dummy => {
+                    let recipe = loader::serving_recipe(args.quantization, None, recipe)?;
+                    (
+                        loader::dummy_model(
+                            ModelConfig::from_json(raw).map_err(loader::LoadError::from)?,
+                            &recipe,
+                            EMBEDDED_SEED,
+                        )?,
+                        recipe,
+                    )
+                }
+            };
+            (
+                model,
+                tokenizer,
+                recipe,
+                dir.display().to_string(),
+                name,
+                f32_weights && args.load_format == LoadFormat::Auto,
+            )
+        }
+    };
+    if tokenizer.vocab_size() > model.config.vocab_size {
+        tracing::warn!(
+            "tokenizer has {} tokens, the model {}; ids beyond the model are refused",
+            tokenizer.vocab_size(),
+            model.config.vocab_size
+        );
+    }
+    let context_len = args
+        .context_length
+        .unwrap_or(model.config.max_position_embeddings);
+    let kv_dtype = match args.kv_cache_dtype {
+        KvCacheDtype::Bf16 => KvDtype::Bf16,
+        KvCacheDtype::F32 => KvDtype::F32,
+        KvCacheDtype::Auto if stored_f32 => KvDtype::F32,
+        KvCacheDtype::Auto => KvDtype::Bf16,
+    };
+    let limits = Limits {
+        max_n: args.max_n,
+        max_top_logprobs: args.max_top_logprobs,
+        context_len,
+        vocab_size: model.config.vocab_size,
+        allow_routed_experts: args.enable_return_routed_experts,
+    };
+    let quantization = args
+        .quantization
+        .map(|q| format!("{q:?}").to_lowercase())
+        .unwrap_or_else(|| recipe.name.clone());
+    let info = EngineInfo {
+        model_path,
+        served_model_name: args.served_model_name.clone().unwrap_or(name),
+        config: model.config.clone(),
+        tokenizer: Arc::new(tokenizer),
+        quantization,
+        recipe_name: recipe.name.clone(),
+        recipe_hash: recipe.hash(),
+        max_context_len: context_len,
+        block_size: args.page_size,
+        weight_version: std::sync::RwLock::new("default".to_string()),
+    };
+    let cfg = EngineConfig {
+        max_running_requests: args.max_running_requests,
+        max_batch_tokens: args.chunked_prefill_size,
+        max_total_tokens: args.max_total_tokens,
+        block_size: args.page_size,
+        max_context_len: context_len,
+        max_queued_requests: args.max_queued_requests,
+        kv_dtype,
+    };
+    Ok((Engine::start(model, info, cfg), limits))
+}
+
+/// Builds the server state over a started engine.
+pub fn app_state(args: &ServeArgs, engine: EngineHandle, limits: Limits) -> AppState {
+    AppState {
+        served_model_name: engine.info.served_model_name.clone().into(),
+        engine,
+        limits: Arc::new(limits),
+        auth: Arc::new(Auth {
+            api_key: args.api_key.clone(),
+            admin_api_key: args.admin_api_key.clone(),
+        }),
+        shutting_down: Arc::new(AtomicBool::new(false)),
+        started: Instant::now(),
+        max_request_bytes: args.max_request_bytes,
+    }
+}
+
+/// Runs the server until a signal, then shuts down gracefully.
+pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
+    server::metrics::handle();
+    let started = Instant::now();
+    let (engine, limits) = start_engine(&args)?;
+    let state = app_state(&args, engine.clone(), limits);
+    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+        .parse()
+        .map_err(|e| ServeError::Config(format!("--host/--port: {e}")))?;
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(
+        "serving {} ({}, quantization {}) on http://{} (loaded in {:.2}s)",
+        engine.info.served_model_name,
+        engine.info.model_path,
+        engine.info.quantization,
+        listener.local_addr()?,
+        started.elapsed().as_secs_f64()
+    );
+    server::serve(state, listener, Duration::from_secs(args.grace_period_s)).await?;
+    engine.shutdown();
+    tracing::info!("server stopped");
+    Ok(())
+}
