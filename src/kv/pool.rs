@@ -288,11 +288,6 @@ impl BlockTable {
         self.blocks.len() * self.pool.block_size()
     }
 
-    /// Number of leading blocks that are in (or were offered to) the prefix cache.
-    pub fn num_committed_blocks(&self) -> usize {
-        self.hashes.len()
-    }
-
     /// Grows the table to hold `num_tokens`, all or nothing.
     pub fn ensure_capacity(&mut self, num_tokens: usize) -> Result<(), KvError> {
         let mut pool = self.pool.0.borrow_mut();

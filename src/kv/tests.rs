@@ -182,7 +182,8 @@ fn the_hash_covers_parent_tokens_and_weight_version() {
     assert_ne!(h, block_hash(ROOT_HASH, 1, &[1, 2]));
     assert_ne!(h, block_hash(ROOT_HASH, 0, &[2, 1]));
     assert_ne!(h, block_hash(h, 0, &[1, 2]));
-    // FNV-1a of 16 zero bytes (checked with an independent Python FNV-1a): pins the function so hashes stay stable across releases.
+    // FNV-1a of 16 zero bytes, checked with an independent Python FNV-1a: pins the function,
+    // so hashes stay the same across releases.
     assert_eq!(block_hash(0, 0, &[]), 0x8820_1fb9_60ff_6465);
 }
 

@@ -72,7 +72,8 @@ pub enum SchedulerError {
     EmptyPrompt,
     #[error("max_new_tokens must be at least 1")]
     ZeroMaxNewTokens,
-    #[error("the prompt has {len} tokens; at most {max} fit (model context or KV pool size, less one to generate)")]
+    /// `max` is one below the model context or the KV pool capacity, whichever is smaller.
+    #[error("the prompt has {len} tokens; at most {max} leave room to generate")]
     PromptTooLong { len: usize, max: usize },
 }
 
@@ -201,9 +202,10 @@ impl Scheduler {
             config.max_running_requests > 0,
             "max_running_requests must be positive"
         );
+        // As in vLLM: otherwise decoding sequences late in the running list could starve.
         assert!(
-            config.max_batch_tokens > 0,
-            "max_batch_tokens must be positive"
+            config.max_batch_tokens >= config.max_running_requests,
+            "max_batch_tokens must be at least max_running_requests, so every decode fits a step"
         );
         let max_len = config
             .max_context_len

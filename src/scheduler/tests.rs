@@ -168,6 +168,14 @@ fn a_sequence_in_flight_is_not_scheduled_twice() {
     assert!(s.schedule().is_empty());
     s.update_from_output(&model(&out));
     s.update_from_output(&model(&out)); // a repeated result is ignored
+    let out = s.schedule();
+    assert_eq!(shape(&out), [(1, 3, 1)]);
+    // A sampling chunk that came back without a token is recomputed rather than stalling.
+    s.update_from_output(&[StepResult {
+        id: SeqId(1),
+        token: None,
+        finished: false,
+    }]);
     assert_eq!(shape(&s.schedule()), [(1, 3, 1)]);
 }
 
