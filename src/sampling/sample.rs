@@ -15,8 +15,6 @@
 //! A 150k vocabulary is never fully sorted when a partial selection suffices: the order is
 //! materialized lazily, `select_nth_unstable` of a growing head then a sort of that head.
 
-use std::cmp::Ordering;
-
 use super::params::{Decoding, ValidSamplingParams};
 use super::process::{apply_penalties, apply_temperature, mask_min_new_tokens, TokenHistory};
 use super::rng::uniform;
@@ -51,7 +49,7 @@ pub struct TokenLogprobs {
 #[derive(Debug, Default)]
 pub struct SamplerScratch {
     probs: Vec<f32>,
-    ids: Vec<u32>,
+    keys: Vec<u64>,
 }
 
 /// Processes `logits` in place (penalties, min_new_tokens mask, temperature) and chooses the
@@ -90,14 +88,14 @@ pub fn sample(
                 top_p,
                 min_p,
             };
-            let mut kept = Kept::select(&scratch.probs, norm.total, &truncation, &mut scratch.ids);
+            let mut kept = Kept::select(&scratch.probs, norm.total, &truncation, &mut scratch.keys);
             (kept.draw(u), norm)
         }
     };
     Ok(TokenLogprobs {
         token,
         logprob: norm.logprob(logits[token as usize]),
-        top: top_logprobs(logits, &norm, input.top_logprobs_num, &mut scratch.ids),
+        top: top_logprobs(logits, &norm, input.top_logprobs_num, &mut scratch.keys),
     })
 }
 
@@ -115,11 +113,11 @@ pub fn prompt_logprobs(
         });
     }
     let norm = Normalizer::of(logits, None)?;
-    let mut ids = Vec::new();
+    let mut keys = Vec::new();
     Ok(TokenLogprobs {
         token: next_token,
         logprob: norm.logprob(logits[next_token as usize]),
-        top: top_logprobs(logits, &norm, top_n, &mut ids),
+        top: top_logprobs(logits, &norm, top_n, &mut keys),
     })
 }
 
@@ -165,7 +163,8 @@ impl Normalizer {
     }
 
     fn logprob(&self, logit: f32) -> f32 {
-        (logit as f64 - self.lse) as f32
+        // + 0.0 folds a -0.0 into 0.0, so equal logprobs tie (and break by id) in top-N.
+        (logit as f64 - self.lse) as f32 + 0.0
     }
 }
 
@@ -174,22 +173,30 @@ fn top_logprobs(
     logits: &[f32],
     norm: &Normalizer,
     n: usize,
-    ids: &mut Vec<u32>,
+    keys: &mut Vec<u64>,
 ) -> Vec<(u32, f32)> {
     let n = n.min(logits.len());
     if n == 0 {
         return Vec::new();
     }
-    let lp = |t: u32| norm.logprob(logits[t as usize]);
-    let order = |a: &u32, b: &u32| lp(*b).total_cmp(&lp(*a)).then(a.cmp(b));
-    ids.clear();
-    ids.extend(0..logits.len() as u32);
-    if n < ids.len() {
-        ids.select_nth_unstable_by(n - 1, order);
+    keys.clear();
+    keys.extend(
+        logits
+            .iter()
+            .enumerate()
+            .map(|(t, &l)| pack(descending_f32(norm.logprob(l)), t as u32)),
+    );
+    if n < keys.len() {
+        keys.select_nth_unstable(n - 1);
     }
-    let head = &mut ids[..n];
-    head.sort_unstable_by(order);
-    head.iter().map(|&t| (t, lp(t))).collect()
+    let head = &mut keys[..n];
+    head.sort_unstable();
+    head.iter()
+        .map(|&k| {
+            let t = token_of(k);
+            (t, norm.logprob(logits[t as usize]))
+        })
+        .collect()
 }
 
 /// The truncation part of [`Decoding::Sample`].
@@ -200,23 +207,35 @@ struct Truncation {
     min_p: f32,
 }
 
-/// Probability descending, ties by token id ascending.
-fn by_prob_desc(probs: &[f32]) -> impl Fn(&u32, &u32) -> Ordering + '_ {
-    move |a, b| {
-        probs[*b as usize]
-            .total_cmp(&probs[*a as usize])
-            .then(a.cmp(b))
-    }
+// Candidates are sorted as packed u64 keys, (descending value, ascending id), so the canonical
+// order is plain integer order: no indirection or float compare in the hot sort.
+
+/// A u32 whose ascending order is the descending order of `x` (IEEE total order).
+#[inline]
+fn descending_f32(x: f32) -> u32 {
+    let b = x.to_bits();
+    let ascending = if b >> 31 == 1 { !b } else { b | 0x8000_0000 };
+    !ascending
+}
+
+#[inline]
+fn pack(rank: u32, token: u32) -> u64 {
+    (rank as u64) << 32 | token as u64
+}
+
+#[inline]
+fn token_of(key: u64) -> u32 {
+    key as u32
 }
 
 /// Smallest head sorted at once: most draws end within the first few dozen tokens.
 const MIN_SORTED_HEAD: usize = 64;
 
-/// The kept set of one row: `ids[..len]`, of which `ids[..sorted]` is already in the
+/// The kept set of one row: `keys[..len]`, of which `keys[..sorted]` is already in the
 /// canonical order and holds the `sorted` most probable kept tokens.
 struct Kept<'a> {
     probs: &'a [f32],
-    ids: &'a mut Vec<u32>,
+    keys: &'a mut Vec<u64>,
     len: usize,
     sorted: usize,
     /// Kept probability mass (unnormalized), summed in token-id order.
@@ -224,27 +243,34 @@ struct Kept<'a> {
 }
 
 impl<'a> Kept<'a> {
-    fn select(probs: &'a [f32], total: f64, tr: &Truncation, ids: &'a mut Vec<u32>) -> Self {
+    fn select(probs: &'a [f32], total: f64, tr: &Truncation, keys: &'a mut Vec<u64>) -> Self {
         // probs are exp(l - max), so the most probable token has exactly 1 and min-p's
         // threshold `min_p * p_max` is min_p itself. Zero-probability tokens (masked or
         // underflowed) could never be drawn, so they are not candidates.
-        ids.clear();
-        ids.extend((0..probs.len() as u32).filter(|&t| {
-            let p = probs[t as usize];
-            p > 0.0 && p >= tr.min_p
-        }));
-        let all_mass: f64 = ids.iter().map(|&t| probs[t as usize] as f64).sum();
-        let candidates = ids.len();
+        keys.clear();
+        keys.extend(
+            probs
+                .iter()
+                .enumerate()
+                .filter(|&(_, &p)| p > 0.0 && p >= tr.min_p)
+                .map(|(t, &p)| pack(descending_f32(p), t as u32)),
+        );
+        // Still in token-id order here.
+        let all_mass: f64 = keys
+            .iter()
+            .map(|&k| probs[token_of(k) as usize] as f64)
+            .sum();
+        let candidates = keys.len();
         let mut kept = Kept {
             probs,
-            ids,
+            keys,
             len: candidates,
             sorted: 0,
             mass: all_mass,
         };
         if let Some(k) = tr.top_k {
             if k < kept.len {
-                kept.ids.select_nth_unstable_by(k - 1, by_prob_desc(probs));
+                kept.keys.select_nth_unstable(k - 1);
                 kept.len = k;
             }
         }
@@ -253,8 +279,7 @@ impl<'a> Kept<'a> {
             let mut cum = 0.0f64;
             let mut r = 0;
             while r < kept.len {
-                kept.ensure_sorted(r + 1);
-                cum += probs[kept.ids[r] as usize] as f64;
+                cum += kept.prob_at(r) as f64;
                 r += 1;
                 if cum >= threshold {
                     break;
@@ -264,27 +289,37 @@ impl<'a> Kept<'a> {
         }
         kept.sorted = kept.sorted.min(kept.len);
         if kept.len < candidates {
-            let mut in_id_order = kept.ids[..kept.len].to_vec();
+            let mut in_id_order: Vec<u32> =
+                kept.keys[..kept.len].iter().map(|&k| token_of(k)).collect();
             in_id_order.sort_unstable();
             kept.mass = in_id_order.iter().map(|&t| probs[t as usize] as f64).sum();
         }
         kept
     }
 
-    /// Makes `ids[..n]` the `n` most probable kept tokens in canonical order, sorting a head
+    /// The probability of the kept token of rank `r` in canonical order.
+    fn prob_at(&mut self, r: usize) -> f32 {
+        self.ensure_sorted(r + 1);
+        self.probs[token_of(self.keys[r]) as usize]
+    }
+
+    /// Makes `keys[..n]` the `n` most probable kept tokens in canonical order, sorting a head
     /// at least twice as long as the last so repeated calls cost O(V log V) at worst.
     fn ensure_sorted(&mut self, n: usize) {
         if n <= self.sorted {
             return;
         }
-        let want = n.max(2 * self.sorted).max(MIN_SORTED_HEAD).min(self.len);
-        let order = by_prob_desc(self.probs);
-        let rest = &mut self.ids[self.sorted..self.len];
+        let mut want = n.max(2 * self.sorted).max(MIN_SORTED_HEAD).min(self.len);
+        if want > self.len / 4 {
+            // Past a quarter, one sort of the rest is cheaper than more selections.
+            want = self.len;
+        }
+        let rest = &mut self.keys[self.sorted..self.len];
         let m = want - self.sorted;
         if m < rest.len() {
-            rest.select_nth_unstable_by(m - 1, &order);
+            rest.select_nth_unstable(m - 1);
         }
-        rest[..m].sort_unstable_by(&order);
+        rest[..m].sort_unstable();
         self.sorted = want;
     }
 
@@ -294,16 +329,21 @@ impl<'a> Kept<'a> {
         let target = u * self.mass;
         let mut cum = 0.0f64;
         for r in 0..self.len {
-            self.ensure_sorted(r + 1);
-            let t = self.ids[r];
-            cum += self.probs[t as usize] as f64;
+            cum += self.prob_at(r) as f64;
             if cum > target {
-                return t;
+                return token_of(self.keys[r]);
             }
         }
         // Only rounding gets here (the walk sums in another order than `mass`): the last
         // kept token, which has p > 0.
-        self.ids[self.len - 1]
+        token_of(self.keys[self.len - 1])
+    }
+
+    /// The kept tokens in canonical order.
+    #[cfg(test)]
+    fn tokens(&mut self) -> Vec<u32> {
+        self.ensure_sorted(self.len);
+        self.keys[..self.len].iter().map(|&k| token_of(k)).collect()
     }
 }
 
@@ -346,18 +386,20 @@ mod tests {
     /// The kept set in canonical order, via the fast path.
     fn kept_set(probs: &[f32], tr: Truncation) -> Vec<u32> {
         let total: f64 = probs.iter().map(|&p| p as f64).sum();
-        let mut ids = Vec::new();
-        let mut kept = Kept::select(probs, total, &tr, &mut ids);
-        let len = kept.len;
-        kept.ensure_sorted(len);
-        kept.ids[..len].to_vec()
+        let mut keys = Vec::new();
+        Kept::select(probs, total, &tr, &mut keys).tokens()
     }
 
     /// The definition in the module doc, by a full sort: what the fast path must equal.
     fn reference_draw(probs: &[f32], tr: Truncation, u: f64) -> u32 {
         let total: f64 = probs.iter().map(|&p| p as f64).sum();
         let mut order: Vec<u32> = (0..probs.len() as u32).collect();
-        order.sort_by(by_prob_desc(probs));
+        // Probability descending, ties by token id ascending.
+        order.sort_by(|&a, &b| {
+            probs[b as usize]
+                .total_cmp(&probs[a as usize])
+                .then(a.cmp(&b))
+        });
         let mut kept: Vec<u32> = order
             .into_iter()
             .filter(|&t| probs[t as usize] > 0.0 && probs[t as usize] >= tr.min_p)
