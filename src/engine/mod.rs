@@ -60,6 +60,7 @@ pub struct EngineShared {
     pub kv_used_blocks: AtomicUsize,
     pub kv_total_blocks: AtomicUsize,
     pub prefix_hit_tokens: AtomicU64,
+    pub preemptions: AtomicU64,
     pub generated_tokens: AtomicU64,
     pub last_error: std::sync::Mutex<Option<String>>,
 }

@@ -1,0 +1,209 @@
+//! The engine on the embedded Qwen3-MoE: seeded sampling independent of the batch, prefix
+//! caching, preemption without loss, aborts that free KV, prompt logprobs that agree with
+//! decode logprobs, and routed-expert capture.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lockstep::backend::cpu::attention::KvDtype;
+use lockstep::engine::{Engine, EngineConfig, EngineEvent, EngineHandle, EngineInfo, FinishInfo, GenerateRequest, TokenOut};
+use lockstep::model::{loader, ModelConfig};
+use lockstep::quant::Recipe;
+use lockstep::sampling::{Finish, SamplingParams};
+use lockstep::serve::EMBEDDED_CONFIG;
+use lockstep::tokenizer::Tokenizer;
+
+fn engine(max_total_tokens: usize, block_size: usize) -> EngineHandle {
+    let cfg = ModelConfig::from_json(serde_json::from_str(EMBEDDED_CONFIG).unwrap()).unwrap();
+    let recipe = Recipe::bf16();
+    let model = loader::dummy_model(cfg.clone(), &recipe, 0).unwrap();
+    let info = EngineInfo {
+        model_path: "embedded".into(),
+        served_model_name: "test".into(),
+        config: cfg,
+        tokenizer: Arc::new(Tokenizer::embedded()),
+        quantization: "bf16".into(),
+        recipe_name: recipe.name.clone(),
+        recipe_hash: recipe.hash(),
+        max_context_len: 512,
+        block_size,
+        weight_version: std::sync::RwLock::new("v0".into()),
+    };
+    let cfg = EngineConfig { max_running_requests: 16, max_batch_tokens: 64, max_total_tokens, block_size, max_context_len: 512, max_queued_requests: 256, kv_dtype: KvDtype::Bf16 };
+    let h = Engine::start(model, info, cfg);
+    let t = Instant::now();
+    while !h.shared.warm.load(Ordering::Acquire) {
+        assert!(t.elapsed() < Duration::from_secs(30), "engine warms up");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    h
+}
+
+fn request(prompt: &[u32], max_new: i64, temperature: f64, seed: u64, sample_index: u32) -> GenerateRequest {
+    let params = SamplingParams { max_new_tokens: Some(max_new), temperature, ignore_eos: true, ..SamplingParams::default() };
+    GenerateRequest {
+        rid: format!("r{seed}-{sample_index}"),
+        input_ids: prompt.to_vec(),
+        params: params.validate(&Default::default()).unwrap(),
+        seed,
+        sample_index,
+        return_logprob: true,
+        logprob_start_len: None,
+        top_logprobs_num: 0,
+        return_routed_experts: false,
+    }
+}
+
+fn prompt(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32).map(|i| (i * 31 + salt * 17) % 256).collect()
+}
+
+/// Runs the requests concurrently and returns their (tokens, finish) in order.
+fn run(h: &EngineHandle, reqs: Vec<GenerateRequest>) -> Vec<(Vec<TokenOut>, FinishInfo)> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rxs: Vec<_> = reqs.into_iter().map(|r| h.submit(r).unwrap()).collect();
+    rt.block_on(async {
+        let mut out = Vec::new();
+        for mut rx in rxs {
+            let mut tokens = Vec::new();
+            loop {
+                match rx.recv().await.expect("event") {
+                    EngineEvent::Token(t) => tokens.push(t),
+                    EngineEvent::Finished(f) => {
+                        out.push((tokens, *f));
+                        break;
+                    }
+                    EngineEvent::Error(e) => panic!("engine error: {e}"),
+                }
+            }
+        }
+        out
+    })
+}
+
+fn ids(tokens: &[TokenOut]) -> Vec<u32> {
+    tokens.iter().map(|t| t.id).collect()
+}
+
+#[test]
+fn seeded_samples_do_not_depend_on_the_batch_and_differ_by_index() {
+    let h = engine(8192, 16);
+    let p = prompt(20, 1);
+    let alone = run(&h, vec![request(&p, 12, 1.0, 7, 0)]);
+    let mut crowd = vec![request(&prompt(33, 2), 9, 0.8, 1, 0), request(&p, 12, 1.0, 7, 0)];
+    crowd.extend((0..4).map(|i| request(&prompt(5 + i, 3 + i as u32), 15, 1.0, 99, i as u32)));
+    let batched = run(&h, crowd);
+    assert_eq!(ids(&alone[0].0), ids(&batched[1].0), "same seed, same tokens, whatever the batch");
+    assert_eq!(alone[0].1.output_ids, ids(&alone[0].0));
+    let logprobs = |t: &[TokenOut]| t.iter().map(|t| t.logprob.unwrap().to_bits()).collect::<Vec<_>>();
+    assert_eq!(logprobs(&alone[0].0), logprobs(&batched[1].0), "logprobs are bitwise batch-invariant");
+
+    let samples = run(&h, (0..4).map(|i| request(&p, 12, 1.0, 7, i)).collect());
+    assert_eq!(ids(&samples[0].0), ids(&alone[0].0));
+    for i in 1..4 {
+        assert_ne!(ids(&samples[i].0), ids(&samples[0].0), "sample {i} differs from sample 0");
+    }
+}
+
+#[test]
+fn repeated_prompts_hit_the_prefix_cache_with_identical_results() {
+    let h = engine(8192, 4);
+    let p = prompt(30, 5);
+    let first = run(&h, vec![request(&p, 6, 0.0, 0, 0)]);
+    let second = run(&h, vec![request(&p, 6, 0.0, 0, 0)]);
+    assert_eq!(first[0].1.cached_tokens, 0);
+    // 29 tokens may be reused (the last prompt token is always computed): 7 full blocks of 4.
+    assert_eq!(second[0].1.cached_tokens, 28);
+    assert_eq!(ids(&first[0].0), ids(&second[0].0));
+    let bits = |t: &[TokenOut]| t.iter().map(|t| t.logprob.unwrap().to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&first[0].0), bits(&second[0].0), "a prefix-cache hit changes no logit");
+}
+
+#[test]
+fn preemption_under_a_tiny_kv_pool_loses_and_changes_nothing() {
+    let reqs = || (0..6).map(|i| request(&prompt(10, 10 + i), 20, 1.0, 100 + i as u64, 0)).collect::<Vec<_>>();
+    let roomy = run(&engine(8192, 4), reqs());
+    // 16 blocks of 4 tokens = 64 tokens for 6 sequences that each grow to 30: preemptions.
+    let tight_engine = engine(64, 4);
+    let tight = run(&tight_engine, reqs());
+    for (i, (a, b)) in roomy.iter().zip(&tight).enumerate() {
+        assert_eq!(b.0.len(), 20, "request {i} got all its tokens exactly once");
+        assert_eq!(ids(&a.0), ids(&b.0), "request {i}: recompute after preemption gives the same tokens");
+        assert_eq!(b.1.reason, Finish::Length { length: 20 });
+    }
+    assert!(tight_engine.shared.preemptions.load(Ordering::Acquire) > 0, "the tight pool forced preemptions");
+    assert_eq!(tight_engine.shared.kv_used_blocks.load(Ordering::Acquire), 0, "every block returned");
+}
+
+#[test]
+fn dropping_the_receiver_aborts_and_frees_kv() {
+    let h = engine(8192, 4);
+    let rx = h.submit(request(&prompt(40, 9), 400, 1.0, 3, 0)).unwrap();
+    let t = Instant::now();
+    while h.shared.kv_used_blocks.load(Ordering::Acquire) == 0 {
+        assert!(t.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    drop(rx);
+    while h.shared.kv_used_blocks.load(Ordering::Acquire) != 0 || h.shared.running.load(Ordering::Acquire) != 0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "KV freed after the client went away");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn abort_by_rid_finishes_with_abort() {
+    let h = engine(8192, 4);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let mut rx = h.submit(request(&prompt(8, 1), 400, 1.0, 42, 0)).unwrap();
+    let finish = rt.block_on(async {
+        let mut seen = 0;
+        loop {
+            match rx.recv().await.unwrap() {
+                EngineEvent::Token(_) => {
+                    seen += 1;
+                    if seen == 2 {
+                        h.abort(Some("r42-0".into()), false).unwrap();
+                    }
+                }
+                EngineEvent::Finished(f) => return f,
+                EngineEvent::Error(e) => panic!("{e}"),
+            }
+        }
+    });
+    assert!(matches!(finish.reason, Finish::Abort { .. }));
+    assert!(finish.output_ids.len() < 400);
+}
+
+#[test]
+fn prompt_logprobs_agree_with_decode_logprobs_and_experts_are_captured() {
+    let h = engine(8192, 4);
+    let p = prompt(9, 4);
+    let gen = run(&h, vec![request(&p, 5, 1.0, 11, 0)]).remove(0);
+    // Re-score prompt + generated tokens as a prompt: the logprob of each generated token must
+    // be the same number the decode step reported (temperature 1, no penalties).
+    let mut full = p.clone();
+    full.extend(ids(&gen.0));
+    let mut rescore = request(&full, 1, 1.0, 0, 0);
+    rescore.logprob_start_len = Some(0);
+    rescore.top_logprobs_num = 3;
+    rescore.return_routed_experts = true;
+    let (_, f) = run(&h, vec![rescore]).remove(0);
+    let input = f.input_logprobs.expect("input logprobs");
+    assert_eq!(input.len(), full.len());
+    assert_eq!(input[0].logprob, None);
+    for (k, t) in gen.0.iter().enumerate() {
+        let lp = &input[p.len() + k];
+        assert_eq!(lp.token, t.id);
+        assert_eq!(lp.logprob.unwrap().to_bits(), t.logprob.unwrap().to_bits(), "token {k}: prefill and decode agree bitwise");
+        assert!(lp.top.len() == 3 && lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+    }
+    let routed = f.routed_experts.expect("routed experts");
+    assert_eq!((f.moe_layers, f.top_k), (4, 2));
+    assert_eq!(routed.len(), (full.len() + 1 - 1) * 4 * 2);
+    assert!(routed.iter().all(|&e| (0..8).contains(&e)));
+    for token in routed.chunks(2) {
+        assert_ne!(token[0], token[1], "top-2 picks two distinct experts");
+    }
+}
