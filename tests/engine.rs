@@ -7,7 +7,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lockstep::backend::cpu::attention::KvDtype;
-use lockstep::engine::{Engine, EngineConfig, EngineEvent, EngineHandle, EngineInfo, FinishInfo, GenerateRequest, TokenOut};
+use lockstep::engine::{
+    Engine, EngineConfig, EngineEvent, EngineHandle, EngineInfo, FinishInfo, GenerateRequest,
+    TokenOut,
+};
 use lockstep::model::{loader, ModelConfig};
 use lockstep::quant::Recipe;
 use lockstep::sampling::{Finish, SamplingParams};
@@ -30,7 +33,15 @@ fn engine(max_total_tokens: usize, block_size: usize) -> EngineHandle {
         block_size,
         weight_version: std::sync::RwLock::new("v0".into()),
     };
-    let cfg = EngineConfig { max_running_requests: 16, max_batch_tokens: 64, max_total_tokens, block_size, max_context_len: 512, max_queued_requests: 256, kv_dtype: KvDtype::Bf16 };
+    let cfg = EngineConfig {
+        max_running_requests: 16,
+        max_batch_tokens: 64,
+        max_total_tokens,
+        block_size,
+        max_context_len: 512,
+        max_queued_requests: 256,
+        kv_dtype: KvDtype::Bf16,
+    };
     let h = Engine::start(model, info, cfg);
     let t = Instant::now();
     while !h.shared.warm.load(Ordering::Acquire) {
@@ -40,8 +51,19 @@ fn engine(max_total_tokens: usize, block_size: usize) -> EngineHandle {
     h
 }
 
-fn request(prompt: &[u32], max_new: i64, temperature: f64, seed: u64, sample_index: u32) -> GenerateRequest {
-    let params = SamplingParams { max_new_tokens: Some(max_new), temperature, ignore_eos: true, ..SamplingParams::default() };
+fn request(
+    prompt: &[u32],
+    max_new: i64,
+    temperature: f64,
+    seed: u64,
+    sample_index: u32,
+) -> GenerateRequest {
+    let params = SamplingParams {
+        max_new_tokens: Some(max_new),
+        temperature,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
     GenerateRequest {
         rid: format!("r{seed}-{sample_index}"),
         input_ids: prompt.to_vec(),
@@ -56,12 +78,17 @@ fn request(prompt: &[u32], max_new: i64, temperature: f64, seed: u64, sample_ind
 }
 
 fn prompt(len: usize, salt: u32) -> Vec<u32> {
-    (0..len as u32).map(|i| (i * 31 + salt * 17) % 256).collect()
+    (0..len as u32)
+        .map(|i| (i * 31 + salt * 17) % 256)
+        .collect()
 }
 
 /// Runs the requests concurrently and returns their (tokens, finish) in order.
 fn run(h: &EngineHandle, reqs: Vec<GenerateRequest>) -> Vec<(Vec<TokenOut>, FinishInfo)> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let rxs: Vec<_> = reqs.into_iter().map(|r| h.submit(r).unwrap()).collect();
     rt.block_on(async {
         let mut out = Vec::new();
@@ -82,6 +109,17 @@ fn run(h: &EngineHandle, reqs: Vec<GenerateRequest>) -> Vec<(Vec<TokenOut>, Fini
     })
 }
 
+fn wait_until(what: &str, cond: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !cond() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "timed out waiting: {what}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 fn ids(tokens: &[TokenOut]) -> Vec<u32> {
     tokens.iter().map(|t| t.id).collect()
 }
@@ -91,18 +129,37 @@ fn seeded_samples_do_not_depend_on_the_batch_and_differ_by_index() {
     let h = engine(8192, 16);
     let p = prompt(20, 1);
     let alone = run(&h, vec![request(&p, 12, 1.0, 7, 0)]);
-    let mut crowd = vec![request(&prompt(33, 2), 9, 0.8, 1, 0), request(&p, 12, 1.0, 7, 0)];
+    let mut crowd = vec![
+        request(&prompt(33, 2), 9, 0.8, 1, 0),
+        request(&p, 12, 1.0, 7, 0),
+    ];
     crowd.extend((0..4).map(|i| request(&prompt(5 + i, 3 + i as u32), 15, 1.0, 99, i as u32)));
     let batched = run(&h, crowd);
-    assert_eq!(ids(&alone[0].0), ids(&batched[1].0), "same seed, same tokens, whatever the batch");
+    assert_eq!(
+        ids(&alone[0].0),
+        ids(&batched[1].0),
+        "same seed, same tokens, whatever the batch"
+    );
     assert_eq!(alone[0].1.output_ids, ids(&alone[0].0));
-    let logprobs = |t: &[TokenOut]| t.iter().map(|t| t.logprob.unwrap().to_bits()).collect::<Vec<_>>();
-    assert_eq!(logprobs(&alone[0].0), logprobs(&batched[1].0), "logprobs are bitwise batch-invariant");
+    let logprobs = |t: &[TokenOut]| {
+        t.iter()
+            .map(|t| t.logprob.unwrap().to_bits())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        logprobs(&alone[0].0),
+        logprobs(&batched[1].0),
+        "logprobs are bitwise batch-invariant"
+    );
 
     let samples = run(&h, (0..4).map(|i| request(&p, 12, 1.0, 7, i)).collect());
     assert_eq!(ids(&samples[0].0), ids(&alone[0].0));
     for i in 1..4 {
-        assert_ne!(ids(&samples[i].0), ids(&samples[0].0), "sample {i} differs from sample 0");
+        assert_ne!(
+            ids(&samples[i].0),
+            ids(&samples[0].0),
+            "sample {i} differs from sample 0"
+        );
     }
 }
 
@@ -116,46 +173,71 @@ fn repeated_prompts_hit_the_prefix_cache_with_identical_results() {
     // 29 tokens may be reused (the last prompt token is always computed): 7 full blocks of 4.
     assert_eq!(second[0].1.cached_tokens, 28);
     assert_eq!(ids(&first[0].0), ids(&second[0].0));
-    let bits = |t: &[TokenOut]| t.iter().map(|t| t.logprob.unwrap().to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&first[0].0), bits(&second[0].0), "a prefix-cache hit changes no logit");
+    let bits = |t: &[TokenOut]| {
+        t.iter()
+            .map(|t| t.logprob.unwrap().to_bits())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        bits(&first[0].0),
+        bits(&second[0].0),
+        "a prefix-cache hit changes no logit"
+    );
 }
 
 #[test]
 fn preemption_under_a_tiny_kv_pool_loses_and_changes_nothing() {
-    let reqs = || (0..6).map(|i| request(&prompt(10, 10 + i), 20, 1.0, 100 + i as u64, 0)).collect::<Vec<_>>();
+    let reqs = || {
+        (0..6)
+            .map(|i| request(&prompt(10, 10 + i), 20, 1.0, 100 + i as u64, 0))
+            .collect::<Vec<_>>()
+    };
     let roomy = run(&engine(8192, 4), reqs());
     // 16 blocks of 4 tokens = 64 tokens for 6 sequences that each grow to 30: preemptions.
     let tight_engine = engine(64, 4);
     let tight = run(&tight_engine, reqs());
     for (i, (a, b)) in roomy.iter().zip(&tight).enumerate() {
         assert_eq!(b.0.len(), 20, "request {i} got all its tokens exactly once");
-        assert_eq!(ids(&a.0), ids(&b.0), "request {i}: recompute after preemption gives the same tokens");
+        assert_eq!(
+            ids(&a.0),
+            ids(&b.0),
+            "request {i}: recompute after preemption gives the same tokens"
+        );
         assert_eq!(b.1.reason, Finish::Length { length: 20 });
     }
-    assert!(tight_engine.shared.preemptions.load(Ordering::Acquire) > 0, "the tight pool forced preemptions");
-    assert_eq!(tight_engine.shared.kv_used_blocks.load(Ordering::Acquire), 0, "every block returned");
+    // The engine publishes its counters right after the step that finished the last request.
+    let shared = &tight_engine.shared;
+    wait_until("every block returned", || {
+        shared.kv_used_blocks.load(Ordering::Acquire) == 0
+            && shared.running.load(Ordering::Acquire) == 0
+    });
+    assert!(
+        shared.preemptions.load(Ordering::Acquire) > 0,
+        "the tight pool forced preemptions"
+    );
 }
 
 #[test]
 fn dropping_the_receiver_aborts_and_frees_kv() {
     let h = engine(8192, 4);
     let rx = h.submit(request(&prompt(40, 9), 400, 1.0, 3, 0)).unwrap();
-    let t = Instant::now();
-    while h.shared.kv_used_blocks.load(Ordering::Acquire) == 0 {
-        assert!(t.elapsed() < Duration::from_secs(10));
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_until("the request runs", || {
+        h.shared.kv_used_blocks.load(Ordering::Acquire) > 0
+    });
     drop(rx);
-    while h.shared.kv_used_blocks.load(Ordering::Acquire) != 0 || h.shared.running.load(Ordering::Acquire) != 0 {
-        assert!(t.elapsed() < Duration::from_secs(10), "KV freed after the client went away");
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_until("KV freed after the client went away", || {
+        h.shared.kv_used_blocks.load(Ordering::Acquire) == 0
+            && h.shared.running.load(Ordering::Acquire) == 0
+    });
 }
 
 #[test]
 fn abort_by_rid_finishes_with_abort() {
     let h = engine(8192, 4);
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let mut rx = h.submit(request(&prompt(8, 1), 400, 1.0, 42, 0)).unwrap();
     let finish = rt.block_on(async {
         let mut seen = 0;
@@ -196,7 +278,11 @@ fn prompt_logprobs_agree_with_decode_logprobs_and_experts_are_captured() {
     for (k, t) in gen.0.iter().enumerate() {
         let lp = &input[p.len() + k];
         assert_eq!(lp.token, t.id);
-        assert_eq!(lp.logprob.unwrap().to_bits(), t.logprob.unwrap().to_bits(), "token {k}: prefill and decode agree bitwise");
+        assert_eq!(
+            lp.logprob.unwrap().to_bits(),
+            t.logprob.unwrap().to_bits(),
+            "token {k}: prefill and decode agree bitwise"
+        );
         assert!(lp.top.len() == 3 && lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
     }
     let routed = f.routed_experts.expect("routed experts");

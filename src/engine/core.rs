@@ -253,6 +253,9 @@ impl Core {
         self.shared
             .prefix_hit_tokens
             .store(self.sched.stats().prefix_hit_tokens, Ordering::Release);
+        self.shared
+            .preemptions
+            .store(self.sched.stats().preemptions, Ordering::Release);
         metrics::gauge!("lockstep_num_running_reqs").set(self.sched.num_running() as f64);
         metrics::gauge!("lockstep_num_queue_reqs").set(self.sched.num_waiting() as f64);
         metrics::gauge!("lockstep_kv_blocks_used").set(stats.used_blocks as f64);
