@@ -39,10 +39,17 @@ pub enum ApiError {
 }
 
 impl ApiError {
+    /// A 400 about `param`; the message always names it.
     pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+        let message = message.into();
+        let message = if message.contains(param) {
+            message
+        } else {
+            format!("{param}: {message}")
+        };
         ApiError::Invalid {
             param: Some(param.to_string()),
-            message: message.into(),
+            message,
         }
     }
 

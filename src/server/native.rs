@@ -19,11 +19,33 @@ use super::AppState;
 use crate::engine::{EngineEvent, FinishInfo, GenerateRequest, TokenOut};
 use crate::sampling::SamplingParams;
 
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+/// A value or a per-item list of values (SGLang batch fields).
+#[derive(Debug)]
 pub enum OneOrMany<T> {
     One(T),
     Many(Vec<T>),
+}
+
+/// Hand-written so a bad inner field is named (an untagged enum would only say "did not match
+/// any variant").
+impl<'de, T: serde::de::DeserializeOwned> Deserialize<'de> for OneOrMany<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let parse = |v: Value| {
+            serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
+                match e.path().to_string().as_str() {
+                    "." => D::Error::custom(e.inner()),
+                    path => D::Error::custom(format!("{path}: {}", e.inner())),
+                }
+            })
+        };
+        match Value::deserialize(d)? {
+            Value::Array(items) => Ok(OneOrMany::Many(
+                items.into_iter().map(parse).collect::<Result<_, _>>()?,
+            )),
+            other => Ok(OneOrMany::One(parse(other)?)),
+        }
+    }
 }
 
 impl<T: Clone> OneOrMany<T> {

@@ -105,7 +105,8 @@ pub struct CompletionBody {
     logprobs: Option<i64>,
     #[serde(default)]
     echo: bool,
-    #[serde(flatten)]
+    /// Filled from the same JSON object by [`parse_body`].
+    #[serde(skip)]
     common: CommonParams,
 }
 
@@ -130,8 +131,55 @@ pub struct ChatBody {
     chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     #[serde(default)]
     add_generation_prompt: Option<bool>,
-    #[serde(flatten)]
+    #[serde(skip)]
     common: CommonParams,
+}
+
+/// Bodies that share [`CommonParams`]: both parts are read from the same object with the
+/// field path kept, so a wrong type is reported as e.g. `max_tokens: invalid type ...`
+/// (`#[serde(flatten)]` would lose the path).
+trait WithCommon: serde::de::DeserializeOwned {
+    fn set_common(&mut self, c: CommonParams);
+}
+
+impl WithCommon for CompletionBody {
+    fn set_common(&mut self, c: CommonParams) {
+        self.common = c;
+    }
+}
+
+impl WithCommon for ChatBody {
+    fn set_common(&mut self, c: CommonParams) {
+        self.common = c;
+    }
+}
+
+fn from_value_named<T: serde::de::DeserializeOwned>(v: Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
+        let path = e.path().to_string();
+        let field = path
+            .split(['.', '['])
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        ApiError::Invalid {
+            message: format!("{path}: {}", e.inner()),
+            param: Some(field),
+        }
+    })
+}
+
+fn parse_body<T: WithCommon>(v: Value) -> Result<T, ApiError> {
+    if !v.is_object() {
+        return Err(ApiError::Invalid {
+            param: None,
+            message: "the request body must be a JSON object".into(),
+        });
+    }
+    let common: CommonParams = from_value_named(v.clone())?;
+    let mut body: T = from_value_named(v)?;
+    body.set_common(common);
+    Ok(body)
 }
 
 fn now() -> u64 {
@@ -219,8 +267,9 @@ fn routed(sample: &Sample) -> Option<Value> {
 
 pub async fn completions(
     State(state): State<AppState>,
-    ApiJson(body): ApiJson<CompletionBody>,
+    ApiJson(body): ApiJson<Value>,
 ) -> Result<Response, ApiError> {
+    let body: CompletionBody = parse_body(body)?;
     let model = body.common.check_model(&state)?;
     let prompts: Vec<PromptInput> = match body.prompt {
         None => return Err(ApiError::invalid("prompt", "missing `prompt`")),
@@ -306,8 +355,9 @@ pub async fn completions(
 
 pub async fn chat_completions(
     State(state): State<AppState>,
-    ApiJson(body): ApiJson<ChatBody>,
+    ApiJson(body): ApiJson<Value>,
 ) -> Result<Response, ApiError> {
+    let body: ChatBody = parse_body(body)?;
     let model = body.common.check_model(&state)?;
     if body.messages.is_empty() {
         return Err(ApiError::invalid(

@@ -1,0 +1,338 @@
+//! Handler tests through `app(state)` and `oneshot`: no socket. Good requests get SGLang and
+//! OpenAI shapes; bad ones get a 4xx in the OpenAI error shape naming the field.
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use lockstep::serve::{app_state, start_engine, ServeArgs};
+use lockstep::server::app;
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+fn args(extra: &[&str]) -> ServeArgs {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+    let mut argv = vec![
+        "lockstep",
+        "--context-length",
+        "256",
+        "--max-request-bytes",
+        "4096",
+    ];
+    argv.extend_from_slice(extra);
+    Cli::parse_from(argv).serve
+}
+
+fn router(extra: &[&str]) -> axum::Router {
+    let a = args(extra);
+    let (engine, limits) = start_engine(&a).unwrap();
+    while !engine
+        .shared
+        .warm
+        .load(std::sync::atomic::Ordering::Acquire)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    app(app_state(&a, engine, limits))
+}
+
+async fn call(
+    r: &axum::Router,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> (StatusCode, Value) {
+    let mut req = Request::builder().method(method).uri(path);
+    if body.is_some() {
+        req = req.header("content-type", "application/json");
+    }
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = r
+        .clone()
+        .oneshot(
+            req.body(body.map_or(Body::empty(), |b| Body::from(b.to_string())))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let status = resp.status();
+    let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+#[tokio::test]
+async fn generate_answers_in_sglang_shape() {
+    let r = router(&[]);
+    let (s, v) = call(&r, "POST", "/generate", Some(r#"{"input_ids": [1,2,3], "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": true}, "return_logprob": true, "logprob_start_len": 0, "top_logprobs_num": 2}"#), &[]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["output_ids"].as_array().unwrap().len(), 4);
+    let m = &v["meta_info"];
+    assert_eq!(m["finish_reason"], json!({"type": "length", "length": 4}));
+    assert_eq!(
+        (m["prompt_tokens"].as_u64(), m["completion_tokens"].as_u64()),
+        (Some(3), Some(4))
+    );
+    assert_eq!(m["weight_version"], "default");
+    assert_eq!(m["output_token_logprobs"].as_array().unwrap().len(), 4);
+    assert_eq!(m["input_token_logprobs"].as_array().unwrap().len(), 3);
+    assert!(m["input_token_logprobs"][0][0].is_null());
+    assert_eq!(m["output_top_logprobs"][0].as_array().unwrap().len(), 2);
+
+    let (s, v) = call(
+        &r,
+        "POST",
+        "/generate",
+        Some(r#"{"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2, "n": 2}}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v.as_array().unwrap().len(), 4, "2 prompts x 2 samples");
+}
+
+#[tokio::test]
+async fn bad_inputs_get_4xx_naming_the_field() {
+    let r = router(&[]);
+    let cases: &[(&str, &str, StatusCode, &str)] = &[
+        ("/generate", "{not json", StatusCode::BAD_REQUEST, "JSON"),
+        (
+            "/generate",
+            r#"{"sampling_params": {}}"#,
+            StatusCode::BAD_REQUEST,
+            "text",
+        ),
+        (
+            "/generate",
+            r#"{"text": "a", "input_ids": [1]}"#,
+            StatusCode::BAD_REQUEST,
+            "input_ids",
+        ),
+        (
+            "/generate",
+            r#"{"input_ids": []}"#,
+            StatusCode::BAD_REQUEST,
+            "input_ids",
+        ),
+        (
+            "/generate",
+            r#"{"input_ids": [1, 99999]}"#,
+            StatusCode::BAD_REQUEST,
+            "input_ids",
+        ),
+        (
+            "/generate",
+            r#"{"input_ids": [-1]}"#,
+            StatusCode::BAD_REQUEST,
+            "input_ids",
+        ),
+        (
+            "/generate",
+            r#"{"text": "a", "sampling_params": {"temperature": -1}}"#,
+            StatusCode::BAD_REQUEST,
+            "temperature",
+        ),
+        (
+            "/generate",
+            r#"{"text": "a", "sampling_params": {"top_p": 1.5}}"#,
+            StatusCode::BAD_REQUEST,
+            "top_p",
+        ),
+        (
+            "/generate",
+            r#"{"text": "a", "sampling_params": {"temperature": "hot"}}"#,
+            StatusCode::BAD_REQUEST,
+            "temperature",
+        ),
+        (
+            "/generate",
+            r#"{"text": "a", "sampling_params": {"max_new_tokens": 100000}}"#,
+            StatusCode::BAD_REQUEST,
+            "max_new_tokens",
+        ),
+        (
+            "/generate",
+            r#"{"text": "a", "sampling_params": {"n": 1000}}"#,
+            StatusCode::BAD_REQUEST,
+            "n",
+        ),
+        (
+            "/generate",
+            r#"{"text": "a", "return_logprob": true, "top_logprobs_num": 1000}"#,
+            StatusCode::BAD_REQUEST,
+            "top_logprobs_num",
+        ),
+        (
+            "/generate",
+            r#"{"text": "abc", "return_logprob": true, "logprob_start_len": 50}"#,
+            StatusCode::BAD_REQUEST,
+            "logprob_start_len",
+        ),
+        (
+            "/generate",
+            r#"{"text": "a", "return_routed_experts": true}"#,
+            StatusCode::BAD_REQUEST,
+            "return_routed_experts",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model": "x"}"#,
+            StatusCode::BAD_REQUEST,
+            "prompt",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "a", "max_tokens": "many"}"#,
+            StatusCode::BAD_REQUEST,
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": []}"#,
+            StatusCode::BAD_REQUEST,
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": "hi"}"#,
+            StatusCode::BAD_REQUEST,
+            "messages",
+        ),
+    ];
+    for (path, body, want, field) in cases {
+        let (s, v) = call(&r, "POST", path, Some(body), &[]).await;
+        assert_eq!(s, *want, "{path} {body}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains(field),
+            "{path} {body}: message `{msg}` should name `{field}`"
+        );
+        assert_eq!(v["error"]["code"], json!(want.as_u16()));
+        assert!(v["error"]["type"].is_string());
+    }
+    // Wrong content type, oversize body, unknown endpoint.
+    let resp = r
+        .clone()
+        .oneshot(
+            Request::post("/generate")
+                .header("content-type", "text/plain")
+                .body(Body::from("{}"))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let big = format!(r#"{{"text": "{}"}}"#, "a".repeat(10_000));
+    assert_eq!(
+        call(&r, "POST", "/generate", Some(&big), &[]).await.0,
+        StatusCode::PAYLOAD_TOO_LARGE
+    );
+    assert_eq!(
+        call(&r, "GET", "/nope", None, &[]).await.0,
+        StatusCode::NOT_FOUND
+    );
+    // Unknown fields are ignored.
+    let (s, _) = call(&r, "POST", "/generate", Some(r#"{"text": "a", "whatever": 1, "sampling_params": {"max_new_tokens": 1, "frobnicate": true}}"#), &[]).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        call(&r, "GET", "/health", None, &[]).await.0,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn keys_guard_generation_and_admin_endpoints() {
+    let r = router(&["--api-key", "gen", "--admin-api-key", "adm"]);
+    let body = Some(r#"{"text": "a", "sampling_params": {"max_new_tokens": 1}}"#);
+    assert_eq!(
+        call(&r, "POST", "/generate", body, &[]).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        call(
+            &r,
+            "POST",
+            "/generate",
+            body,
+            &[("authorization", "Bearer nope")]
+        )
+        .await
+        .0,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        call(
+            &r,
+            "POST",
+            "/generate",
+            body,
+            &[("authorization", "Bearer gen")]
+        )
+        .await
+        .0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        call(
+            &r,
+            "POST",
+            "/flush_cache",
+            None,
+            &[("authorization", "Bearer gen")]
+        )
+        .await
+        .0,
+        StatusCode::UNAUTHORIZED
+    );
+    let (s, v) = call(
+        &r,
+        "POST",
+        "/flush_cache",
+        None,
+        &[("authorization", "Bearer adm")],
+    )
+    .await;
+    assert_eq!((s, &v["success"]), (StatusCode::OK, &json!(true)));
+    assert_eq!(
+        call(&r, "GET", "/health", None, &[]).await.0,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn openai_endpoints_answer_in_openai_shape() {
+    let r = router(&[]);
+    let (s, v) = call(&r, "POST", "/v1/completions", Some(r#"{"model": "m", "prompt": "hello", "max_tokens": 3, "logprobs": 2, "ignore_eos": true}"#), &[]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    assert_eq!(v["usage"]["prompt_tokens"], 5);
+    assert_eq!(
+        v["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .len(),
+        3
+    );
+    let (s, v) = call(&r, "POST", "/v1/chat/completions", Some(r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "ignore_eos": true, "n": 2, "seed": 5}"#), &[]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2);
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    let (s, v) = call(&r, "GET", "/v1/models", None, &[]).await;
+    assert_eq!(
+        (s, v["data"][0]["id"].as_str()),
+        (StatusCode::OK, Some("lockstep-embedded"))
+    );
+}
