@@ -172,7 +172,7 @@ pub fn summarize(records: &[RequestRecord]) -> Summary {
 }
 
 /// vllm's peak computation: each token is placed at its arrival time (start + TTFT, then
-/// + each ITL) and counted in the 1 s bucket it falls in; a request is in flight in every
+/// adding each ITL) and counted in the 1 s bucket it falls in; a request is in flight in every
 /// bucket from its start's to its end's.
 fn buckets(ok: &[&RequestRecord], origin: f64, duration: f64) -> (Vec<f64>, usize) {
     if ok.is_empty() {
@@ -222,8 +222,8 @@ pub struct RolloutSummary {
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct PrefixCacheStats {
-    /// Deltas of the server's counters over the run (warmup included: the counters cannot
-    /// tell requests apart, and warmup runs before the first read).
+    /// Deltas of the server's counters over the measured run (read after warmup; warmup
+    /// prompts are distinct from the measured ones, so they cannot pre-fill its cache).
     pub hit_tokens: f64,
     pub prompt_tokens: f64,
     pub hit_rate: f64,

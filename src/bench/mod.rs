@@ -386,14 +386,25 @@ pub async fn run_with_tokenizer(
         return_routed_experts: args.return_routed_experts,
     };
 
+    // Warmup prompts are fresh random ones of the first arrivals' lengths, not the measured
+    // prompts themselves (sglang reuses the first): otherwise warmup would put a measured
+    // prompt in the prefix cache and flatter its TTFT and the rl hit rate.
+    let mut warm_rng = BenchRng::new(args.seed ^ 0x5741_524D_5550); // "WARMUP"
     let warm_start = Instant::now();
     for i in 0..args.warmup {
-        let arrival = &arrivals[i % arrivals.len()];
+        let shape = &arrivals[i % arrivals.len()][0];
+        let (prompt, prompt_len) =
+            dataset::random_prompt(&mut warm_rng, shape.prompt_len.max(1), tok);
+        let req = dataset::BenchRequest {
+            prompt,
+            prompt_len,
+            ..shape.clone()
+        };
         let rec = client::send_one(
             &http,
             &target,
             args.backend,
-            &arrival[0],
+            &req,
             &opts,
             warm_start,
             deadline,

@@ -342,6 +342,18 @@ async fn every_wire_format_end_to_end_with_json_report() {
         let reqs = seen.requests.lock().unwrap().clone();
         assert_eq!(reqs.len(), 8, "{backend}");
         assert!(reqs.iter().all(|(p, b)| p == path && b["stream"] == true));
+        // Warmup (sent first, one by one) never uses a measured prompt.
+        let prompt = |b: &Value| {
+            [&b["text"], &b["prompt"], &b["messages"][0]["content"]]
+                .iter()
+                .find_map(|v| v.as_str())
+                .unwrap()
+                .to_string()
+        };
+        let measured: Vec<String> = reqs[2..].iter().map(|(_, b)| prompt(b)).collect();
+        assert!(reqs[..2]
+            .iter()
+            .all(|(_, b)| !measured.contains(&prompt(b))));
         if path != "/generate" {
             assert_eq!(report.config.served_model.as_deref(), Some("fake-model"));
             assert!(reqs.iter().all(|(_, b)| b["model"] == "fake-model"));
