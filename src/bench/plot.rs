@@ -35,7 +35,8 @@ fn draw(report: &BenchReport, path: &Path) -> Result<(), String> {
         .output_tokens_per_second
         .iter()
         .enumerate()
-        .map(|(i, v)| (i as f64 + 0.5, *v))
+        // Each bucket as a flat step over its second, so a one-second run still shows.
+        .flat_map(|(i, v)| [(i as f64, *v), (i as f64 + 1.0, *v)])
         .collect();
 
     let root = SVGBackend::new(path, (1200, 400)).into_drawing_area();
@@ -50,7 +51,7 @@ fn draw(report: &BenchReport, path: &Path) -> Result<(), String> {
         &RED,
     )?;
 
-    let x_max = tput.len().max(1) as f64;
+    let x_max = report.summary.output_tokens_per_second.len().max(1) as f64;
     let y_max = tput.iter().map(|p| p.1).fold(1.0, f64::max) * 1.1;
     let mut chart = ChartBuilder::on(&panels[2])
         .caption("Output throughput", ("sans-serif", 18))
