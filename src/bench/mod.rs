@@ -46,11 +46,8 @@ pub enum BenchError {
     },
     #[error("dataset: {0}")]
     Dataset(String),
-    #[error(
-        "--tokenizer {0}: this entry point has no tokenizer loader; call \
-         bench::run_with_tokenizer with a loaded tokenizer"
-    )]
-    TokenizerUnavailable(PathBuf),
+    #[error("--tokenizer: {0}")]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
     /// Warmup exists to catch a wrong URL or backend before the measured run: its failure
     /// stops the bench instead of producing a report of N identical errors.
     #[error("warmup request failed: {0}")]
@@ -69,6 +66,33 @@ pub trait BenchTokenizer: Send + Sync {
     fn encode(&self, text: &str) -> Vec<u32>;
     fn decode(&self, ids: &[u32]) -> String;
     fn vocab_size(&self) -> usize;
+}
+
+/// The serving tokenizer, without special tokens: the bench sizes raw text, as sglang's
+/// bench encodes with `add_special_tokens=False`.
+impl BenchTokenizer for crate::tokenizer::Tokenizer {
+    fn encode(&self, text: &str) -> Vec<u32> {
+        // The byte-level and HF vocabularies only fail on internal errors; an empty count
+        // then shows up as a wrong estimate, and the server's own count still wins.
+        crate::tokenizer::Tokenizer::encode(self, text, false).unwrap_or_default()
+    }
+    fn decode(&self, ids: &[u32]) -> String {
+        crate::tokenizer::Tokenizer::decode(self, ids, true).unwrap_or_default()
+    }
+    fn vocab_size(&self) -> usize {
+        crate::tokenizer::Tokenizer::vocab_size(self)
+    }
+}
+
+/// `--tokenizer PATH`: a model directory (tokenizer.json and its config) or a bare
+/// tokenizer.json.
+pub fn load_tokenizer(path: &std::path::Path) -> Result<Arc<dyn BenchTokenizer>, BenchError> {
+    let tok = if path.is_dir() {
+        crate::tokenizer::Tokenizer::from_dir(path)?
+    } else {
+        crate::tokenizer::Tokenizer::from_file(path)?
+    };
+    Ok(Arc::new(tok))
 }
 
 /// Which request format to speak (the server is whatever answers at --base-url).
@@ -318,32 +342,28 @@ impl BenchArgs {
 }
 
 /// Runs the benchmark on a fresh multi-threaded runtime (for main.rs, which is synchronous).
-pub fn run_blocking(
-    args: BenchArgs,
-    tokenizer: Option<Arc<dyn BenchTokenizer>>,
-) -> Result<BenchReport, BenchError> {
+pub fn run_blocking(args: BenchArgs) -> Result<BenchReport, BenchError> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .map_err(BenchError::Runtime)?
-        .block_on(run_with_tokenizer(args, tokenizer))
+        .block_on(run(args))
 }
 
-/// Runs the benchmark without a tokenizer (`--tokenizer` must then be absent).
+/// Runs the benchmark, loading `--tokenizer` when given.
 pub async fn run(args: BenchArgs) -> Result<BenchReport, BenchError> {
-    run_with_tokenizer(args, None).await
+    let tok = args.tokenizer.as_deref().map(load_tokenizer).transpose()?;
+    run_with_tokenizer(args, tok).await
 }
 
-/// Runs the benchmark: warmup, the measured run, then the report (written to --output-json
-/// and --plot when given). Failed requests are part of the report, not an error.
+/// Runs the benchmark with the given tokenizer (`--tokenizer` is not read here): warmup, the
+/// measured run, then the report (written to --output-json and --plot when given). Failed
+/// requests are part of the report, not an error.
 pub async fn run_with_tokenizer(
     args: BenchArgs,
     tokenizer: Option<Arc<dyn BenchTokenizer>>,
 ) -> Result<BenchReport, BenchError> {
     args.check()?;
-    if let (Some(path), None) = (&args.tokenizer, &tokenizer) {
-        return Err(BenchError::TokenizerUnavailable(path.clone()));
-    }
     let deadline = Instant::now() + Duration::from_secs_f64(args.timeout);
     let target = Target::new(&args.base_url, args.api_key.clone())?;
     let tok = tokenizer.as_ref();

@@ -548,10 +548,41 @@ fn argument_limits_name_the_flag() {
 }
 
 #[tokio::test]
-async fn tokenizer_path_needs_a_tokenizer() {
-    let a = args("http://127.0.0.1:1", &["--tokenizer", "/nowhere"]);
-    assert!(matches!(
-        run(a).await,
-        Err(BenchError::TokenizerUnavailable(_))
-    ));
+async fn missing_tokenizer_is_an_error() {
+    let a = args(
+        "http://127.0.0.1:1",
+        &["--tokenizer", "/nowhere/tokenizer.json"],
+    );
+    assert!(matches!(run(a).await, Err(BenchError::Tokenizer(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_tokenizer_prompts_are_sized_in_its_tokens() {
+    let tok: Arc<dyn BenchTokenizer> = Arc::new(crate::tokenizer::Tokenizer::embedded());
+    let spec = dataset::RandomSpec {
+        num_prompts: 5,
+        input_len: 12,
+        output_len: 3,
+        range_ratio: 1.0,
+    };
+    for arrival in dataset::random(&spec, &mut rng::BenchRng::new(4), Some(&tok)) {
+        let r = &arrival[0];
+        assert_eq!(r.prompt_len, tok.encode(&r.prompt).len());
+    }
+    let (url, _) = fake_server(Mode::default()).await;
+    let a = args(
+        &url,
+        &[
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "12",
+            "--output-len",
+            "3",
+            "--warmup",
+            "0",
+        ],
+    );
+    let report = run_with_tokenizer(a, Some(tok)).await.unwrap();
+    assert_eq!(report.summary.completed, 3);
 }
