@@ -3,6 +3,7 @@
 //! The map of the modules is shared/ARCHITECTURE.md; the contract is [`quant`].
 
 pub mod backend;
+pub mod bench;
 pub mod checkpoint;
 pub mod convert;
 pub mod engine;
