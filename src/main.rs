@@ -22,6 +22,8 @@ struct Cli {
 enum Command {
     /// Serve a model over HTTP (SGLang-native /generate and the OpenAI API).
     Serve(Box<lockstep::serve::ServeArgs>),
+    /// Load-test a server (lockstep, SGLang or vLLM) with bench_serving's metrics.
+    Bench(Box<lockstep::bench::BenchArgs>),
     /// Quantize every 2-D tensor of a safetensors file under one format (the contract as a tool).
     Quantize(QuantizeArgs),
     /// Convert a Hugging Face checkpoint (BF16 or block FP8) to MXFP8/NVFP4 following a recipe.
@@ -75,6 +77,10 @@ fn parse_fos_range(s: &str) -> Result<f32, String> {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
+        Command::Bench(a) => {
+            let report = lockstep::bench::run_blocking(*a)?;
+            lockstep::bench::print_report(&report);
+        }
         Command::Serve(a) => {
             init_logging(&a.log_level);
             if let Some(n) = a.threads {
