@@ -134,6 +134,65 @@ fn llama_with_llama3_rope_scaling_and_tied_embeddings_matches_transformers() {
     check_model("llama");
 }
 
+/// Quantized paths: experts (and, for MXFP8, attention) quantized at load with the shipped
+/// recipes must match an f64 reference (scripts/quantized_reference.py, built on the
+/// independent numpy quantizer) that applies the same quantized operands, to 1e-5 relative.
+#[test]
+fn quantized_experts_match_the_f64_reference() {
+    use lockstep::model::loader::Quantization;
+    let reference =
+        Checkpoint::open(&dir("qwen3_moe").join("quantized_logits.safetensors")).unwrap();
+    let meta: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir("qwen3_moe").join("reference.json")).unwrap(),
+    )
+    .unwrap();
+    let (plain, _) = load_model(&dir("qwen3_moe"), None, None).unwrap();
+    for (recipe, q) in [
+        ("nvfp4", Quantization::Nvfp4Online),
+        ("mxfp8", Quantization::Mxfp8),
+    ] {
+        let (model, used) = load_model(&dir("qwen3_moe"), Some(q), None).unwrap();
+        assert_eq!(used.name, recipe);
+        let vocab = model.config.vocab_size;
+        for (i, p) in meta["prompts"].as_array().unwrap().iter().enumerate() {
+            let prompt: Vec<u32> = p
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            let want = to_f32(
+                "logits",
+                &reference
+                    .tensor(&format!("{recipe}.prompt{i}.logits"))
+                    .unwrap(),
+            )
+            .unwrap();
+            let got = prompt_logits(&model, &prompt);
+            let unquantized = prompt_logits(&plain, &prompt);
+            for (pos, ((g, w), u)) in got
+                .chunks(vocab)
+                .zip(want.chunks(vocab))
+                .zip(unquantized.chunks(vocab))
+                .enumerate()
+            {
+                let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(
+                    diff <= 1e-5 * scale,
+                    "{recipe} prompt {i} pos {pos}: max |diff| {diff} vs max |logit| {scale}"
+                );
+                // Quantization is really applied: far from the high-precision logits.
+                let moved = u.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(
+                    moved > 1e-3 * scale,
+                    "{recipe} prompt {i} pos {pos}: quantized logits equal the BF16 ones"
+                );
+            }
+        }
+    }
+}
+
 /// A request's logits are bitwise identical alone, batched with others, chunked, and with its
 /// prefix read from cache blocks another request wrote.
 #[test]
