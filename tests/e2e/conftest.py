@@ -2,11 +2,13 @@
 
 Every server here is the real release binary (`target/release/lockstep`, or $LOCKSTEP_BIN) on
 the embedded model (a tiny Qwen3-MoE with random weights and a byte-level tokenizer), started
-on a free port and killed at the end of the session. Startup failures print the server's log.
+on a free port and killed at the end of the session. Startup failures print the server's log;
+set LOCKSTEP_E2E_KEEP_LOGS=1 to keep every server's log (in the temp dir) after the run.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -18,6 +20,8 @@ from pathlib import Path
 import openai
 import pytest
 import requests
+
+from e2e_util import SMALL_BODY_LIMIT
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = float(os.environ.get("LOCKSTEP_E2E_STARTUP_TIMEOUT", "120"))
@@ -38,6 +42,17 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Every process started, so that none outlives the test run even if pytest dies abruptly.
+_PROCS: list[subprocess.Popen] = []
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for p in _PROCS:
+        if p.poll() is None:
+            p.kill()
 
 
 class Server:
@@ -87,6 +102,7 @@ class Server:
                 env=env,
                 cwd=REPO,
             )
+            _PROCS.append(self.proc)
             try:
                 self._wait_healthy(timeout)
                 return self
@@ -136,6 +152,8 @@ class Server:
     def close(self) -> None:
         self.terminate()
         self._log.close()
+        if not os.environ.get("LOCKSTEP_E2E_KEEP_LOGS"):
+            self.log_path.unlink(missing_ok=True)
 
     # Small conveniences used all over the tests.
     def get(self, path: str, **kw) -> requests.Response:
@@ -178,9 +196,6 @@ def routed_server():
     yield from _started("routed", ["--enable-return-routed-experts"])
 
 
-SMALL_BODY_LIMIT = 2048
-
-
 @pytest.fixture(scope="session")
 def small_body_server():
     """A server that refuses bodies over SMALL_BODY_LIMIT bytes."""
@@ -200,7 +215,7 @@ def fresh_server():
     yield start
     for srv in started:
         srv.kill()
-        srv._log.close()
+        srv.close()
 
 
 @pytest.fixture(scope="session")

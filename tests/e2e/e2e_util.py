@@ -19,6 +19,8 @@ NUM_EXPERTS = 8
 CONTEXT_LEN = 4096
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
+# --max-request-bytes of the small_body_server fixture.
+SMALL_BODY_LIMIT = 2048
 
 
 def byte_len(text: str) -> int:
@@ -95,6 +97,11 @@ def gauge(base_url: str, name: str) -> float:
     return samples[0].value
 
 
+def post(url: str, **kw) -> requests.Response:
+    kw.setdefault("timeout", 120)
+    return requests.post(url, **kw)
+
+
 def wait_until(pred, timeout: float, interval: float = 0.1, what: str = "condition"):
     deadline = time.monotonic() + timeout
     last = None
@@ -106,15 +113,16 @@ def wait_until(pred, timeout: float, interval: float = 0.1, what: str = "conditi
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
-def wait_idle(base_url: str, timeout: float = 60.0):
+def wait_idle(base_url: str, timeout: float = 60.0) -> dict:
     """Until no request runs or waits and no KV block is held (the idle values are 0)."""
-
-    def idle():
+    names = ("lockstep_kv_blocks_used", "lockstep_num_running_reqs", "lockstep_num_queue_reqs")
+    deadline = time.monotonic() + timeout
+    vals: dict = {}
+    while True:
         fams = metric_families(base_url)
-        vals = {
-            n: fams[n].samples[0].value
-            for n in ("lockstep_kv_blocks_used", "lockstep_num_running_reqs", "lockstep_num_queue_reqs")
-        }
-        return vals if all(v == 0 for v in vals.values()) else False
-
-    return wait_until(idle, timeout, 0.2, "an idle engine")
+        vals = {n: fams[n].samples[0].value for n in names}
+        if all(v == 0 for v in vals.values()):
+            return vals
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine not idle after {timeout}s: {vals}")
+        time.sleep(0.2)
