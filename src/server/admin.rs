@@ -11,6 +11,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::errors::ApiError;
+use super::extract::ApiBytes;
 use super::AppState;
 use crate::engine::{EngineEvent, GenerateRequest, PauseMode};
 use crate::sampling::SamplingParams;
@@ -111,9 +112,14 @@ fn optional_json<T: Default + serde::de::DeserializeOwned>(body: &[u8]) -> Resul
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
-    serde_json::from_slice(body).map_err(|e| ApiError::Invalid {
-        param: None,
-        message: format!("invalid request body: {e}"),
+    let mut de = serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let param = (path != ".").then_some(path.clone());
+        ApiError::Invalid {
+            message: format!("invalid request body: {path}: {}", e.inner()),
+            param,
+        }
     })
 }
 
@@ -139,7 +145,7 @@ pub struct AbortBody {
 
 pub async fn abort_request(
     State(state): State<AppState>,
-    body: axum::body::Bytes,
+    ApiBytes(body): ApiBytes,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let body: AbortBody = optional_json(&body)?;
     if body.rid.is_none() && !body.abort_all {
@@ -157,7 +163,7 @@ pub struct PauseBody {
 
 pub async fn pause_generation(
     State(state): State<AppState>,
-    body: axum::body::Bytes,
+    ApiBytes(body): ApiBytes,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let mode = optional_json::<PauseBody>(&body)?.mode;
     let n = state.engine.pause(mode).await?;
@@ -171,6 +177,10 @@ pub async fn continue_generation(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     state.engine.continue_generation().await?;
     Ok(success("generation continued"))
+}
+
+pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::MethodNotAllowed(format!("{method} is not allowed on {}", uri.path()))
 }
 
 pub async fn not_found(uri: axum::http::Uri) -> ApiError {

@@ -25,6 +25,8 @@ pub enum ApiError {
     NotFound(String),
     #[error("{0}")]
     Conflict(String),
+    #[error("{0}")]
+    MethodNotAllowed(String),
     #[error("request body is larger than the server's limit (--max-request-bytes)")]
     PayloadTooLarge,
     #[error("expected `Content-Type: application/json`")]
@@ -60,6 +62,7 @@ impl ApiError {
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Overloaded(_) | ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -76,6 +79,7 @@ impl ApiError {
             ApiError::Forbidden(_) => "permission_error",
             ApiError::NotFound(_) => "not_found_error",
             ApiError::Conflict(_) => "conflict_error",
+            ApiError::MethodNotAllowed(_) => "invalid_request_error",
             ApiError::Overloaded(_) | ApiError::Unavailable(_) => "service_unavailable",
             ApiError::Internal(_) => "internal_error",
         }

@@ -93,6 +93,7 @@ pub fn app(state: AppState) -> Router {
         .merge(control)
         .merge(open)
         .fallback(admin::not_found)
+        .method_not_allowed_fallback(admin::method_not_allowed)
         .layer(axum::middleware::from_fn(metrics::track_http))
         .layer(DefaultBodyLimit::max(state.max_request_bytes))
         .with_state(state)

@@ -182,6 +182,44 @@ fn parse_body<T: WithCommon>(v: Value) -> Result<T, ApiError> {
     Ok(body)
 }
 
+/// Errors from the shared validation name SGLang's fields; an OpenAI client sent OpenAI ones.
+/// `top_field` is how the endpoint calls the top-logprobs count (`logprobs` or `top_logprobs`).
+fn openai_names(e: ApiError, top_field: &str) -> ApiError {
+    match e {
+        ApiError::Invalid { param, message } => {
+            let rename = |f: &str| match f.trim_start_matches("sampling_params.") {
+                "max_new_tokens" => "max_tokens".to_string(),
+                "input_ids" | "text" => "prompt".to_string(),
+                "min_new_tokens" => "min_tokens".to_string(),
+                "sampling_seed" => "seed".to_string(),
+                "top_logprobs_num" => top_field.to_string(),
+                other => other.to_string(),
+            };
+            let new_param = param.as_deref().map(rename);
+            let mut message = message;
+            if let (Some(old), Some(new)) = (&param, &new_param) {
+                message = message
+                    .replace(old.as_str(), new)
+                    .replace(old.trim_start_matches("sampling_params."), new);
+            }
+            ApiError::Invalid {
+                param: new_param,
+                message,
+            }
+        }
+        other => other,
+    }
+}
+
+const CHAT_ROLES: &[&str] = &[
+    "system",
+    "user",
+    "assistant",
+    "tool",
+    "developer",
+    "function",
+];
+
 fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -219,13 +257,14 @@ fn usage(samples: &[&Sample]) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
+/// A token's text; a token that is only part of a UTF-8 character is named by its vocabulary
+/// entry instead, so distinct tokens never collapse into the same U+FFFD key.
 fn token_text(state: &AppState, id: u32) -> String {
-    state
-        .engine
-        .info
-        .tokenizer
-        .decode(&[id], false)
-        .unwrap_or_default()
+    let tok = &state.engine.info.tokenizer;
+    match tok.decode(&[id], false) {
+        Ok(t) if !t.contains(char::REPLACEMENT_CHARACTER) => t,
+        _ => tok.id_to_token(id).unwrap_or_else(|| format!("<token {id}>")),
+    }
 }
 
 /// The legacy completions logprobs object.
@@ -311,7 +350,9 @@ pub async fn completions(
                 )
                 .unwrap_or_default(),
         };
-        let rs = validate::build_requests(&state, id.clone(), prompt, &params, &opts).await?;
+        let rs = validate::build_requests(&state, id.clone(), prompt, &params, &opts)
+            .await
+            .map_err(|e| openai_names(e, "logprobs"))?;
         prompt_texts.extend(std::iter::repeat_n(text, rs.len()));
         reqs.extend(rs);
     }
@@ -365,6 +406,21 @@ pub async fn chat_completions(
             "`messages` must not be empty",
         ));
     }
+    if let Some((i, m)) = body
+        .messages
+        .iter()
+        .enumerate()
+        .find(|(_, m)| !CHAT_ROLES.contains(&m.role.as_str()))
+    {
+        return Err(ApiError::invalid(
+            "role",
+            format!(
+                "messages[{i}].role `{}` is not one of {}",
+                m.role,
+                CHAT_ROLES.join(", ")
+            ),
+        ));
+    }
     let tokenizer = state.engine.info.tokenizer.clone();
     let args = TemplateArgs {
         add_generation_prompt: body.add_generation_prompt.unwrap_or(true),
@@ -399,7 +455,8 @@ pub async fn chat_completions(
     let id = format!("chatcmpl-{}", validate::new_rid());
     let reqs =
         validate::build_requests(&state, id.clone(), PromptInput::Text(text), &params, &opts)
-            .await?;
+            .await
+            .map_err(|e| openai_names(e, "top_logprobs"))?;
     if body.common.stream {
         let include_usage = body
             .common
@@ -466,6 +523,9 @@ fn stream_openai(
     let mut open = n;
     let mut started = vec![false; n];
     let mut offsets = vec![0usize; n];
+    // Generated text sent per choice, so the finish chunk can carry what the detokenizer
+    // flushed only at the end (bytes it held back waiting for a complete character).
+    let mut sent = vec![String::new(); n];
     let frames = events.map(move |(i, ev, _)| {
         let mut out = Vec::new();
         match ev {
@@ -490,11 +550,17 @@ fn stream_openai(
                     c["logprobs"] = if chat { chat_logprobs(&state, std::slice::from_ref(&t)) } else { completion_logprobs(&state, std::slice::from_ref(&t), offsets[i] + prefix.len()) };
                 }
                 offsets[i] += text.len();
+                sent[i].push_str(&t.text);
                 out.push(chunk(vec![c], Value::Null));
             }
             EngineEvent::Finished(f) => {
                 open -= 1;
-                let mut c = if chat { json!({"index": i, "delta": {}, "logprobs": null}) } else { json!({"index": i, "text": "", "logprobs": null}) };
+                let rest = f.text.strip_prefix(sent[i].as_str()).unwrap_or_default();
+                let mut c = match (chat, rest.is_empty()) {
+                    (true, true) => json!({"index": i, "delta": {}, "logprobs": null}),
+                    (true, false) => json!({"index": i, "delta": {"content": rest}, "logprobs": null}),
+                    (false, _) => json!({"index": i, "text": rest, "logprobs": null}),
+                };
                 c["finish_reason"] = json!(finish_reason(&f.reason));
                 c["matched_stop"] = matched_stop(&f.reason);
                 if let Some(r) = &f.routed_experts {

@@ -165,8 +165,6 @@ def test_chat_streaming_with_usage(client):
     assert content.rstrip("\ufffd") == full.choices[0].message.content.rstrip("\ufffd")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: OpenAI streams drop the text the detokenizer flushes "
-                   "at finish (a trailing partial UTF-8 sequence, U+FFFD in the non-streamed text)")
 def test_streamed_text_equals_non_streamed_text(client):
     messages = [{"role": "user", "content": "count"}]
     kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0,
@@ -214,9 +212,6 @@ def test_completion_logprobs_shape(client):
     assert distinct >= 1
 
 
-@pytest.mark.xfail(strict=True, reason="DEVIATION: legacy completions top_logprobs are keyed by the "
-                   "lossy token text, so byte tokens collide on U+FFFD and the later (less likely) "
-                   "one overwrites the chosen token (OpenAI/vLLM spell such tokens 'bytes:\\xNN')")
 def test_completion_top_logprobs_keep_the_greedy_token(client):
     r = client.completions.create(model=MODEL, prompt="logprobs", max_tokens=5, temperature=0,
                                   logprobs=3, extra_body={"ignore_eos": True})

@@ -12,56 +12,108 @@ use rayon::prelude::*;
 use crate::backend::Linear;
 use crate::quant::{self, Format, GlobalScale, Nvfp4Options, ScaleGranularity, TensorFormat};
 
-/// Dot product with 8 independent accumulators (vectorizes), reduced in a fixed order.
+/// Dot product with 8 independent accumulators, reduced in a fixed order. The same
+/// arithmetic runs as one 8-lane AVX2 vector where the CPU has it (chosen at run time), so
+/// results are bit-identical on every x86-64 machine.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        return unsafe { dot_avx2(a, b) };
+    }
+    dot8(a, b, |v| v)
+}
+
+/// [`dot`] with BF16 weights widened in the loop (a shift: exact).
+#[inline]
+pub fn dot_bf16(a: &[f32], b: &[bf16]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        return unsafe { dot_bf16_avx2(a, b) };
+    }
+    dot8(a, b, widen)
+}
+
+#[inline(always)]
+fn widen(v: bf16) -> f32 {
+    f32::from_bits((v.to_bits() as u32) << 16)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    dot8(a, b, |v| v)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_bf16_avx2(a: &[f32], b: &[bf16]) -> f32 {
+    dot8(a, b, widen)
+}
+
+#[inline(always)]
+fn dot8<T: Copy>(a: &[f32], b: &[T], load: impl Fn(T) -> f32) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0f32; 8];
     let chunks = a.len() / 8 * 8;
     for (ca, cb) in a[..chunks].chunks_exact(8).zip(b[..chunks].chunks_exact(8)) {
         for i in 0..8 {
-            acc[i] += ca[i] * cb[i];
+            acc[i] += ca[i] * load(cb[i]);
         }
     }
     for (i, (x, y)) in a[chunks..].iter().zip(&b[chunks..]).enumerate() {
-        acc[i] += x * y;
+        acc[i] += x * load(*y);
     }
     ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 }
 
-/// `out[r, n] = dot(x[r], w_row(n))` with output features split over threads.
-fn gemm_rows(
-    x: &[f32],
-    rows: usize,
-    k: usize,
-    n_out: usize,
-    out: &mut [f32],
-    w_row: impl Fn(usize, &mut [f32]) + Sync,
-) {
+/// Where [`gemm`] reads weight row `n` from.
+enum Rows<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    /// Decoded into a scratch row first (MXFP8).
+    Decode(&'a (dyn Fn(usize, &mut [f32]) + Sync)),
+}
+
+/// `out[r, n] = dot(x[r], w[n])`, output features split over threads in tiles.
+fn gemm(x: &[f32], rows: usize, k: usize, n_out: usize, out: &mut [f32], w: Rows<'_>) {
     debug_assert_eq!(x.len(), rows * k);
     debug_assert_eq!(out.len(), rows * n_out);
-    // Work on column tiles so each weight row is widened once and reused for every token.
+    if rows == 0 || n_out == 0 {
+        return;
+    }
     const TILE: usize = 16;
-    let tiles: Vec<(usize, Vec<f32>)> = (0..n_out.div_ceil(TILE))
-        .into_par_iter()
-        .map(|t| {
-            let n0 = t * TILE;
-            let n1 = (n0 + TILE).min(n_out);
-            let mut w = vec![0f32; k];
-            let mut res = vec![0f32; rows * (n1 - n0)];
-            for n in n0..n1 {
-                w_row(n, &mut w);
-                for r in 0..rows {
-                    res[r * (n1 - n0) + (n - n0)] = dot(&x[r * k..][..k], &w);
+    // Computed feature-major ([n_out, rows]) so tiles are contiguous, then transposed.
+    let mut out_t = vec![0f32; n_out * rows];
+    out_t
+        .par_chunks_mut(TILE * rows)
+        .enumerate()
+        .for_each(|(t, chunk)| {
+            let mut scratch = vec![0f32; if matches!(w, Rows::Decode(_)) { k } else { 0 }];
+            for (j, col) in chunk.chunks_mut(rows).enumerate() {
+                let n = t * TILE + j;
+                if let Rows::Decode(f) = &w {
+                    f(n, &mut scratch);
+                }
+                for (r, o) in col.iter_mut().enumerate() {
+                    let xr = &x[r * k..][..k];
+                    *o = match &w {
+                        Rows::F32(ws) => dot(xr, &ws[n * k..][..k]),
+                        Rows::Bf16(ws) => dot_bf16(xr, &ws[n * k..][..k]),
+                        Rows::Decode(_) => dot(xr, &scratch),
+                    };
                 }
             }
-            (n0, res)
-        })
-        .collect();
-    for (n0, res) in tiles {
-        let width = res.len() / rows.max(1);
-        for r in 0..rows {
-            out[r * n_out + n0..][..width].copy_from_slice(&res[r * width..][..width]);
+        });
+    if rows == 1 {
+        out.copy_from_slice(&out_t);
+    } else {
+        for (n, col) in out_t.chunks(rows).enumerate() {
+            for (r, v) in col.iter().enumerate() {
+                out[r * n_out + n] = *v;
+            }
         }
     }
 }
@@ -84,10 +136,14 @@ impl Linear for DenseF32 {
         Format::Bf16
     }
     fn forward(&self, x: &[f32], rows: usize, out: &mut [f32]) {
-        let k = self.in_features;
-        gemm_rows(x, rows, k, self.out_features, out, |n, w| {
-            w.copy_from_slice(&self.weight[n * k..][..k])
-        });
+        gemm(
+            x,
+            rows,
+            self.in_features,
+            self.out_features,
+            out,
+            Rows::F32(&self.weight),
+        );
     }
     fn dequantized_weight(&self) -> Vec<f32> {
         self.weight.clone()
@@ -116,11 +172,7 @@ impl Linear for DenseBf16 {
     }
     fn forward(&self, x: &[f32], rows: usize, out: &mut [f32]) {
         let k = self.in_features;
-        gemm_rows(x, rows, k, self.out_features, out, |n, w| {
-            for (d, s) in w.iter_mut().zip(&self.weight[n * k..][..k]) {
-                *d = s.to_f32();
-            }
-        });
+        gemm(x, rows, k, self.out_features, out, Rows::Bf16(&self.weight));
     }
     fn dequantized_weight(&self) -> Vec<f32> {
         self.weight.iter().map(|v| v.to_f32()).collect()
@@ -153,12 +205,13 @@ impl Linear for Mxfp8Linear {
             .expect("activation width is a multiple of 32")
             .dequantize();
         let w = &self.weight;
-        gemm_rows(&xq, rows, k, w.rows, out, |n, row| {
+        let decode = |n: usize, row: &mut [f32]| {
             for (c, d) in row.iter_mut().enumerate() {
                 *d = quant::codec::e4m3_decode(w.data[n * k + c])
                     * quant::codec::e8m0_decode(w.scales[n * (k / 32) + c / 32]);
             }
-        });
+        };
+        gemm(&xq, rows, k, w.rows, out, Rows::Decode(&decode));
     }
     fn dequantized_weight(&self) -> Vec<f32> {
         self.weight.dequantize()
@@ -223,11 +276,14 @@ impl Linear for Nvfp4Linear {
         )
         .expect("activation width is a multiple of 16");
         let xs = xq.block_scaled_values();
-        gemm_rows(&xs, rows, k, self.weight.rows, out, |n, row| {
-            for (d, s) in row.iter_mut().zip(&self.block_scaled[n * k..][..k]) {
-                *d = s.to_f32();
-            }
-        });
+        gemm(
+            &xs,
+            rows,
+            k,
+            self.weight.rows,
+            out,
+            Rows::Bf16(&self.block_scaled),
+        );
         let s_w = self.weight_scale();
         for r in 0..rows {
             let s_tok = match &xq.global {
@@ -314,6 +370,38 @@ pub fn make_linear(
                 .expect("checked block alignment"),
             };
             Box::new(Nvfp4Linear::new(q, fmt))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The run-time-dispatched SIMD dot must give the portable code's bits.
+    #[test]
+    fn dispatched_dot_is_bitwise_the_portable_dot() {
+        let mut s = 0x1234_5678_9abc_def0u64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2f32.powi((s % 20) as i32 - 10)
+        };
+        for len in [1, 7, 8, 9, 31, 64, 576, 1000] {
+            let a: Vec<f32> = (0..len).map(|_| next()).collect();
+            let b: Vec<f32> = (0..len).map(|_| next()).collect();
+            let bh: Vec<bf16> = b.iter().map(|&v| bf16::from_f32(v)).collect();
+            assert_eq!(
+                dot(&a, &b).to_bits(),
+                dot8(&a, &b, |v| v).to_bits(),
+                "len {len}"
+            );
+            assert_eq!(
+                dot_bf16(&a, &bh).to_bits(),
+                dot8(&a, &bh, |v| v.to_f32()).to_bits(),
+                "len {len}"
+            );
         }
     }
 }
