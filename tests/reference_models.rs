@@ -193,6 +193,41 @@ fn quantized_experts_match_the_f64_reference() {
     }
 }
 
+/// `lockstep convert` then serving the converted checkpoint computes exactly what online
+/// quantization at load computes: the same bytes, the same logits.
+#[test]
+fn converted_checkpoints_serve_the_same_logits_as_online_quantization() {
+    use lockstep::convert::{convert, ConvertOptions};
+    use lockstep::model::loader::Quantization;
+    use lockstep::quant::Recipe;
+    let tmp = tempfile::tempdir().unwrap();
+    let prompt: Vec<u32> = vec![17, 300, 42, 42, 7, 99, 128];
+    for (name, q) in [
+        ("nvfp4", Quantization::Nvfp4Online),
+        ("mxfp8", Quantization::Mxfp8),
+    ] {
+        let out = tmp.path().join(name);
+        let recipe = Recipe::builtin(name).unwrap();
+        convert(&ConvertOptions {
+            input: &dir("qwen3_moe"),
+            output: &out,
+            recipe: &recipe,
+            max_shard_bytes: 1 << 20,
+            progress: false,
+        })
+        .unwrap();
+        let (online, _) = load_model(&dir("qwen3_moe"), Some(q), None).unwrap();
+        // No --quantization: the format is detected from quantization_config.
+        let (stored, used) = load_model(&out, None, None).unwrap();
+        assert_eq!(used.name, name);
+        assert_eq!(
+            bits(&prompt_logits(&stored, &prompt)),
+            bits(&prompt_logits(&online, &prompt)),
+            "{name}"
+        );
+    }
+}
+
 /// A request's logits are bitwise identical alone, batched with others, chunked, and with its
 /// prefix read from cache blocks another request wrote.
 #[test]

@@ -512,6 +512,15 @@ pub fn load_model(
     let raw = ckpt
         .config()?
         .ok_or_else(|| tensor_err("config.json", format!("missing in {}", dir.display())))?;
+    // A checkpoint written by `lockstep convert` records the recipe it was made with.
+    let recorded = dir.join("lockstep_recipe.yaml");
+    let recipe = match recipe {
+        Some(r) => Some(r),
+        None if recorded.exists() => {
+            Some(Recipe::from_file(&recorded).map_err(|e| tensor_err("lockstep_recipe.yaml", e))?)
+        }
+        None => None,
+    };
     let stored = detect_quantization(&raw);
     let recipe = serving_recipe(quantization, stored, recipe)?;
     let fp8_block = (stored == Some(Quantization::Fp8)).then(|| {

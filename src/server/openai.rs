@@ -263,7 +263,9 @@ fn token_text(state: &AppState, id: u32) -> String {
     let tok = &state.engine.info.tokenizer;
     match tok.decode(&[id], false) {
         Ok(t) if !t.contains(char::REPLACEMENT_CHARACTER) => t,
-        _ => tok.id_to_token(id).unwrap_or_else(|| format!("<token {id}>")),
+        _ => tok
+            .id_to_token(id)
+            .unwrap_or_else(|| format!("<token {id}>")),
     }
 }
 
