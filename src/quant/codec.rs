@@ -24,7 +24,11 @@ pub fn e4m3_encode(x: f32) -> u8 {
     let normal = rounded.wrapping_sub((127 - 7) << 3);
     // Below 2^-6 the grid is uniform with step 2^-9: round |x| * 2^9 (exact scaling) to an
     // integer; 8 lands on the smallest normal (code 0x08).
-    let subnormal = (f32::from_bits(mag) * 512.0).round_ties_even() as u32;
+    // Adding and subtracting 1.5 * 2^23 rounds to an integer with IEEE round-to-nearest-even
+    // (exact for |v| < 2^22; here v < 8), without a libm call on CPUs lacking SSE4.1.
+    const MAGIC: f32 = 12_582_912.0;
+    let v = f32::from_bits(mag.min(0x3C80_0000)) * 512.0;
+    let subnormal = ((v + MAGIC) - MAGIC) as u32;
     let code = if mag < 0x3C80_0000 { subnormal } else { normal };
     // |x| >= 448 saturates (values in (448, 464) would round to 448 anyway).
     let code = if mag >= 0x43E0_0000 { 0x7E } else { code };

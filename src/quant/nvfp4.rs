@@ -121,8 +121,37 @@ fn element_multiplier(s8: u8, s_dec: f32) -> f32 {
     min_num(1.0 / (e4m3_decode(s8) * s_dec), f32::MAX)
 }
 
-/// Quantizes one row (a multiple of 16 elements) into its packed bytes and block scales.
+/// Quantizes one row (a multiple of 16 elements) into its packed bytes and block scales, as
+/// 8-lane vectors where the CPU has AVX2 (the same IEEE operations: identical bytes).
 fn quantize_row<T: Element>(
+    row: &[T],
+    level: SecondLevel,
+    fos: Option<FourOverSix>,
+    data: &mut [u8],
+    scales: &mut [u8],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        return unsafe { quantize_row_avx2(row, level, fos, data, scales) };
+    }
+    quantize_row_portable(row, level, fos, data, scales)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_row_avx2<T: Element>(
+    row: &[T],
+    level: SecondLevel,
+    fos: Option<FourOverSix>,
+    data: &mut [u8],
+    scales: &mut [u8],
+) {
+    quantize_row_portable(row, level, fos, data, scales)
+}
+
+#[inline(always)]
+fn quantize_row_portable<T: Element>(
     row: &[T],
     level: SecondLevel,
     fos: Option<FourOverSix>,
