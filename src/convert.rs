@@ -12,7 +12,7 @@ use safetensors::tensor::Dtype;
 
 use crate::checkpoint::{to_f32, Checkpoint, CheckpointError, OwnedTensor, ShardedWriter};
 use crate::quant::recipe::always_high_precision;
-use crate::quant::{self, fp8_block, Format, Recipe, TensorFormat, MXFP8_BLOCK, NVFP4_BLOCK};
+use crate::quant::{self, fp8_block, Format, Recipe, MXFP8_BLOCK, NVFP4_BLOCK};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConvertError {
@@ -98,7 +98,7 @@ pub fn convert(opts: &ConvertOptions<'_>) -> Result<ConvertReport, ConvertError>
             continue;
         };
         let (rows, cols) = (t.shape()[0], t.shape()[1]);
-        let fmt = effective_format(opts.recipe.format_for(module, num_layers), cols);
+        let fmt = opts.recipe.format_for(module, num_layers).fitting(cols);
         *report
             .weights_by_format
             .entry(format!("{:?}", fmt.format).to_lowercase())
@@ -215,20 +215,6 @@ fn source_format(config: &serde_json::Value) -> Result<Source, ConvertError> {
 fn linear_module<'n>(name: &'n str, shape: &[usize]) -> Option<&'n str> {
     let module = name.strip_suffix(".weight")?;
     (shape.len() == 2 && !always_high_precision(module)).then_some(module)
-}
-
-/// Block sizes the recipe's format cannot tile stay BF16 (as SGLang/vLLM skip them too).
-fn effective_format(fmt: TensorFormat, cols: usize) -> TensorFormat {
-    let block = match fmt.format {
-        Format::Bf16 => return fmt,
-        Format::Mxfp8 => MXFP8_BLOCK,
-        Format::Nvfp4 => NVFP4_BLOCK,
-    };
-    if cols % block == 0 {
-        fmt
-    } else {
-        TensorFormat::BF16
-    }
 }
 
 /// `...experts.3.gate_proj` <-> `...experts.3.up_proj` (or the dense MLP's pair).

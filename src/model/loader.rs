@@ -321,18 +321,9 @@ struct Builder<'a> {
 
 impl Builder<'_> {
     fn format(&self, module: &str, cols: usize) -> TensorFormat {
-        let fmt = self.recipe.format_for(module, self.num_layers);
-        let block = match fmt.format {
-            Format::Bf16 => 1,
-            Format::Mxfp8 => MXFP8_BLOCK,
-            Format::Nvfp4 => NVFP4_BLOCK,
-        };
-        // Widths a format cannot tile stay high precision (as `convert` does).
-        if cols % block == 0 {
-            fmt
-        } else {
-            TensorFormat::BF16
-        }
+        self.recipe
+            .format_for(module, self.num_layers)
+            .fitting(cols)
     }
 
     fn linear(

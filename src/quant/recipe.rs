@@ -41,6 +41,21 @@ pub struct TensorFormat {
 }
 
 impl TensorFormat {
+    /// This format if its block tiles a row of `cols` elements, else BF16: widths a format cannot
+    /// tile stay high precision (as SGLang and vLLM skip such layers too).
+    pub fn fitting(self, cols: usize) -> TensorFormat {
+        let block = match self.format {
+            Format::Bf16 => return self,
+            Format::Mxfp8 => super::MXFP8_BLOCK,
+            Format::Nvfp4 => super::NVFP4_BLOCK,
+        };
+        if cols % block == 0 {
+            self
+        } else {
+            TensorFormat::BF16
+        }
+    }
+
     pub const BF16: TensorFormat = TensorFormat {
         format: Format::Bf16,
         activation_scale: ScaleGranularity::PerToken,

@@ -132,3 +132,10 @@ pub fn stream_events(
     });
     Ok(stream::select_all(streams))
 }
+
+/// Routed expert ids on the wire: base64 of little-endian int32 (API.md).
+pub fn routed_experts_base64(ids: &[i32]) -> String {
+    use base64::Engine as _;
+    let bytes: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}

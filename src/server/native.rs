@@ -6,7 +6,6 @@ use axum::extract::State;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use base64::Engine as _;
 use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -335,8 +334,7 @@ pub fn sample_json(state: &AppState, req: &GenerateRequest, s: &Sample, text_in_
         }
     }
     if let Some(routed) = &f.routed_experts {
-        let bytes: Vec<u8> = routed.iter().flat_map(|v| v.to_le_bytes()).collect();
-        meta["routed_experts"] = json!(base64::engine::general_purpose::STANDARD.encode(bytes));
+        meta["routed_experts"] = json!(generation::routed_experts_base64(routed));
         meta["routed_experts_shape"] = json!([
             routed.len() / (f.moe_layers * f.top_k).max(1),
             f.moe_layers,

@@ -56,6 +56,12 @@ pub struct StreamOptions {
 }
 
 impl CommonParams {
+    fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
+    }
+
     fn sampling(&self, default_max_tokens: i64) -> SamplingParams {
         let d = SamplingParams::default();
         SamplingParams {
@@ -299,11 +305,11 @@ fn chat_logprobs(state: &AppState, tokens: &[TokenOut]) -> Value {
 }
 
 fn routed(sample: &Sample) -> Option<Value> {
-    use base64::Engine as _;
-    sample.finish.routed_experts.as_ref().map(|r| {
-        let bytes: Vec<u8> = r.iter().flat_map(|v| v.to_le_bytes()).collect();
-        json!(base64::engine::general_purpose::STANDARD.encode(bytes))
-    })
+    sample
+        .finish
+        .routed_experts
+        .as_deref()
+        .map(|r| json!(generation::routed_experts_base64(r)))
 }
 
 pub async fn completions(
@@ -360,11 +366,7 @@ pub async fn completions(
     }
     let echo = body.echo;
     if body.common.stream {
-        let include_usage = body
-            .common
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage);
+        let include_usage = body.common.include_usage();
         return stream_openai(
             state,
             reqs,
@@ -460,11 +462,7 @@ pub async fn chat_completions(
             .await
             .map_err(|e| openai_names(e, "top_logprobs"))?;
     if body.common.stream {
-        let include_usage = body
-            .common
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage);
+        let include_usage = body.common.include_usage();
         return stream_openai(
             state,
             reqs,
@@ -566,9 +564,7 @@ fn stream_openai(
                 c["finish_reason"] = json!(finish_reason(&f.reason));
                 c["matched_stop"] = matched_stop(&f.reason);
                 if let Some(r) = &f.routed_experts {
-                    use base64::Engine as _;
-                    let bytes: Vec<u8> = r.iter().flat_map(|v| v.to_le_bytes()).collect();
-                    c["routed_experts"] = json!(base64::engine::general_purpose::STANDARD.encode(bytes));
+                    c["routed_experts"] = json!(generation::routed_experts_base64(r));
                 }
                 out.push(chunk(vec![c], Value::Null));
                 if open == 0 && include_usage {
