@@ -175,6 +175,10 @@ pub struct ServeArgs {
     )]
     pub enable_return_routed_experts: bool,
 
+    /// Directory that `/update_weights_from_disk` may read checkpoints from (off when unset).
+    #[arg(long, env = "LOCKSTEP_WEIGHTS_ROOT", help_heading = "Weights")]
+    pub weights_root: Option<PathBuf>,
+
     /// trace, debug, info, warn or error.
     #[arg(
         long,
@@ -323,6 +327,14 @@ pub fn app_state(args: &ServeArgs, engine: EngineHandle, limits: Limits) -> AppS
         shutting_down: Arc::new(AtomicBool::new(false)),
         started: Instant::now(),
         max_request_bytes: args.max_request_bytes,
+        weights: Arc::new(crate::server::weights::WeightSettings {
+            quantization: args.quantization,
+            recipe: args
+                .recipe
+                .as_deref()
+                .and_then(|p| Recipe::from_file(p).ok()),
+            weights_root: args.weights_root.clone(),
+        }),
     }
 }
 

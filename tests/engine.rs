@@ -344,3 +344,59 @@ fn admission_is_bounded_and_never_refuses_below_the_bound() {
         }
     });
 }
+
+#[test]
+fn a_weight_swap_mid_request_is_attributed_to_version_spans() {
+    let h = engine(8192, 16);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let cfg = ModelConfig::from_json(serde_json::from_str(EMBEDDED_CONFIG).unwrap()).unwrap();
+    let new_weights = loader::dummy_model(cfg, &Recipe::bf16(), 1).unwrap();
+    let mut rx = h.submit(request(&prompt(6, 2), 30, 1.0, 5, 0)).unwrap();
+    let (tokens, finish) = rt.block_on(async {
+        let mut tokens: Vec<TokenOut> = Vec::new();
+        let mut swap = Some(new_weights);
+        loop {
+            match rx.recv().await.unwrap() {
+                EngineEvent::Token(t) => {
+                    tokens.push(t);
+                    if tokens.len() == 5 {
+                        let aborted = h
+                            .swap_model(swap.take().unwrap(), "v1".into(), false)
+                            .await
+                            .unwrap();
+                        assert_eq!(aborted, 0);
+                    }
+                }
+                EngineEvent::Finished(f) => return (tokens, f),
+                EngineEvent::Error(e) => panic!("{e}"),
+            }
+        }
+    });
+    assert_eq!(tokens.len(), 30);
+    assert_eq!(h.weight_version(), "v1");
+    let spans = &finish.weight_versions;
+    assert_eq!(spans.len(), 2, "{spans:?}");
+    assert_eq!((spans[0].version.as_str(), spans[0].start), ("v0", 0));
+    assert_eq!((spans[1].version.as_str(), spans[1].end), ("v1", 30));
+    assert_eq!(spans[0].end, spans[1].start);
+    assert!(
+        spans[0].end >= 5,
+        "tokens before the swap keep the old version"
+    );
+    for (i, t) in tokens.iter().enumerate() {
+        let want = if i < spans[0].end { "v0" } else { "v1" };
+        assert_eq!(t.weight_version, want, "token {i}");
+    }
+    // A different architecture is refused and changes nothing.
+    let mut other = serde_json::from_str::<serde_json::Value>(EMBEDDED_CONFIG).unwrap();
+    other["num_hidden_layers"] = serde_json::json!(2);
+    let small =
+        loader::dummy_model(ModelConfig::from_json(other).unwrap(), &Recipe::bf16(), 1).unwrap();
+    assert!(rt
+        .block_on(h.swap_model(small, "v2".into(), false))
+        .is_err());
+    assert_eq!(h.weight_version(), "v1");
+}

@@ -336,3 +336,125 @@ async fn openai_endpoints_answer_in_openai_shape() {
         (StatusCode::OK, Some("lockstep-embedded"))
     );
 }
+
+/// `/update_weights_from_disk`: only under --weights-root, all or nothing, and afterwards the
+/// server computes exactly what a fresh server on the new weights computes.
+#[tokio::test]
+async fn update_weights_from_disk_is_atomic_and_exact() {
+    use lockstep::checkpoint::{to_f32, write_file, Checkpoint, OwnedTensor};
+    use std::collections::BTreeMap;
+    let src =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/reference/qwen3");
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = Checkpoint::open(&src).unwrap();
+    // a: the original; b: every weight scaled by 1.5 (same shapes); d: one tensor missing.
+    for (name, scale, drop) in [("a", 1.0f32, false), ("b", 1.5, false), ("d", 1.0, true)] {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+        let mut tensors = BTreeMap::new();
+        for n in ckpt.names() {
+            if drop && n.ends_with("layers.1.mlp.down_proj.weight") {
+                continue;
+            }
+            let t = ckpt.tensor(n).unwrap();
+            let v: Vec<f32> = to_f32(n, &t).unwrap().iter().map(|x| x * scale).collect();
+            tensors.insert(n.to_string(), OwnedTensor::f32(t.shape().to_vec(), &v));
+        }
+        write_file(&dir.join("model.safetensors"), &tensors, None).unwrap();
+        // A minimal word-level tokenizer is enough: requests here send token ids.
+        let tokenizer = r#"{"version": "1.0", "added_tokens": [], "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "hello": 1}, "unk_token": "<unk>"}}"#;
+        std::fs::write(dir.join("tokenizer.json"), tokenizer).unwrap();
+    }
+    let root = tmp.path().to_str().unwrap().to_string();
+    let a = tmp.path().join("a");
+    let model_a = a.to_str().unwrap().to_string();
+    let r = router_on(&model_a, &["--weights-root", &root]);
+    let greedy = r#"{"input_ids": [5, 17, 300, 42], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": true}, "return_logprob": true}"#;
+    let before = call(&r, "POST", "/generate", Some(greedy), &[]).await.1;
+    let update = |path: String| format!(r#"{{"model_path": "{path}", "weight_version": "v2"}}"#);
+
+    let (s, v) = call(
+        &r,
+        "POST",
+        "/update_weights_from_disk",
+        Some(&update("/etc".into())),
+        &[],
+    )
+    .await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
+    let (s, v) = call(
+        &r,
+        "POST",
+        "/update_weights_from_disk",
+        Some(&update(tmp.path().join("d").display().to_string())),
+        &[],
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("down_proj"),
+        "{v}"
+    );
+    assert_eq!(
+        call(&r, "GET", "/get_weight_version", None, &[]).await.1["weight_version"],
+        "default"
+    );
+    assert_eq!(
+        call(&r, "POST", "/generate", Some(greedy), &[]).await.1["output_ids"],
+        before["output_ids"],
+        "a failed update changes nothing"
+    );
+
+    let (s, v) = call(
+        &r,
+        "POST",
+        "/update_weights_from_disk",
+        Some(&update(tmp.path().join("b").display().to_string())),
+        &[],
+    )
+    .await;
+    assert_eq!((s, &v["success"]), (StatusCode::OK, &json!(true)), "{v}");
+    assert_eq!(
+        call(&r, "GET", "/get_weight_version", None, &[]).await.1["weight_version"],
+        "v2"
+    );
+    let after = call(&r, "POST", "/generate", Some(greedy), &[]).await.1;
+    assert_eq!(after["meta_info"]["weight_version"], "v2");
+    let fresh = router_on(tmp.path().join("b").to_str().unwrap(), &[]);
+    let expected = call(&fresh, "POST", "/generate", Some(greedy), &[]).await.1;
+    assert_eq!(after["output_ids"], expected["output_ids"]);
+    assert_eq!(
+        after["meta_info"]["output_token_logprobs"], expected["meta_info"]["output_token_logprobs"],
+        "bitwise the same as a fresh server"
+    );
+    assert_ne!(
+        after["meta_info"]["output_token_logprobs"],
+        before["meta_info"]["output_token_logprobs"]
+    );
+
+    // Without --weights-root, updates from disk are refused.
+    let closed = router_on(&model_a, &[]);
+    assert_eq!(
+        call(
+            &closed,
+            "POST",
+            "/update_weights_from_disk",
+            Some(&update(tmp.path().join("b").display().to_string())),
+            &[]
+        )
+        .await
+        .0,
+        StatusCode::FORBIDDEN
+    );
+}
+
+fn router_on(model: &str, extra: &[&str]) -> axum::Router {
+    let mut args = vec!["--model-path", model];
+    args.extend_from_slice(extra);
+    router(&args)
+}

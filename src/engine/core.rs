@@ -312,6 +312,14 @@ impl Core {
                 };
                 let _ = reply.send(result);
             }
+            Command::SwapModel {
+                model,
+                version,
+                abort_all,
+                reply,
+            } => {
+                let _ = reply.send(self.swap_model(*model, version, abort_all));
+            }
             Command::Shutdown => {
                 self.shutting_down = true;
                 let ids: Vec<SeqId> = self.seqs.keys().copied().collect();
@@ -320,6 +328,39 @@ impl Core {
                 }
             }
         }
+    }
+
+    fn swap_model(
+        &mut self,
+        model: Model,
+        version: String,
+        abort_all: bool,
+    ) -> Result<usize, EngineError> {
+        let (mut old, mut new) = (self.model.config.clone(), model.config.clone());
+        old.raw = serde_json::Value::Null;
+        new.raw = serde_json::Value::Null;
+        if old != new {
+            return Err(EngineError::Conflict("the new weights' config.json differs from the served model's (architecture or shapes)".into()));
+        }
+        let aborted = if abort_all {
+            let ids: Vec<SeqId> = self.seqs.keys().copied().collect();
+            for &id in &ids {
+                self.abort(id, "aborted for a weight update");
+            }
+            ids.len()
+        } else {
+            0
+        };
+        self.model = model;
+        // Cached prefix blocks hold KV of the old weights: nobody may reuse them now.
+        let pool = self.sched.pool();
+        pool.flush(pool.weight_version() + 1);
+        *self
+            .info
+            .weight_version
+            .write()
+            .expect("weight version lock") = version;
+        Ok(aborted)
     }
 
     fn admit(&mut self, req: GenerateRequest, events: mpsc::UnboundedSender<EngineEvent>) {

@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 pub use self::core::{Engine, EngineConfig};
 pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
 
-use crate::model::ModelConfig;
+use crate::model::{Model, ModelConfig};
 use crate::tokenizer::Tokenizer;
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq)]
@@ -42,10 +42,20 @@ pub enum PauseMode {
 
 pub(crate) enum Command {
     Generate(Box<GenerateRequest>, mpsc::UnboundedSender<EngineEvent>),
-    Abort { rid: Option<String>, all: bool },
+    Abort {
+        rid: Option<String>,
+        all: bool,
+    },
     Pause(PauseMode, oneshot::Sender<usize>),
     Continue(oneshot::Sender<()>),
     FlushCache(oneshot::Sender<Result<(), EngineError>>),
+    /// Replace the weights between two steps (see [`EngineHandle::swap_model`]).
+    SwapModel {
+        model: Box<Model>,
+        version: String,
+        abort_all: bool,
+        reply: oneshot::Sender<Result<usize, EngineError>>,
+    },
     Shutdown,
 }
 
@@ -150,6 +160,28 @@ impl EngineHandle {
     pub async fn flush_cache(&self) -> Result<(), EngineError> {
         let (tx, rx) = oneshot::channel();
         self.send(Command::FlushCache(tx))?;
+        rx.await
+            .map_err(|_| EngineError::Stopped(self.last_error()))?
+    }
+
+    /// Swaps in `model` (same architecture and shapes) between two engine steps: every token
+    /// before is computed with the old weights, every token after with the new ones. The prefix
+    /// cache is flushed and the weight version set to `version`. With `abort_all`, requests in
+    /// flight are aborted first; otherwise they continue on the new weights (their KV from the
+    /// old weights is kept) and report the version spans. Returns how many were aborted.
+    pub async fn swap_model(
+        &self,
+        model: Model,
+        version: String,
+        abort_all: bool,
+    ) -> Result<usize, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::SwapModel {
+            model: Box::new(model),
+            version,
+            abort_all,
+            reply,
+        })?;
         rx.await
             .map_err(|_| EngineError::Stopped(self.last_error()))?
     }

@@ -12,6 +12,7 @@ pub mod metrics;
 mod native;
 mod openai;
 pub mod validate;
+pub mod weights;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -50,6 +51,7 @@ pub struct AppState {
     pub shutting_down: Arc<AtomicBool>,
     pub started: Instant,
     pub max_request_bytes: usize,
+    pub weights: Arc<weights::WeightSettings>,
 }
 
 impl AppState {
@@ -77,6 +79,10 @@ pub fn app(state: AppState) -> Router {
         .route("/abort_request", post(admin::abort_request))
         .route("/pause_generation", post(admin::pause_generation))
         .route("/continue_generation", post(admin::continue_generation))
+        .route(
+            "/update_weights_from_disk",
+            post(weights::update_weights_from_disk),
+        )
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_admin_key,
