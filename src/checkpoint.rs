@@ -165,6 +165,11 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
         shards.dedup();
         return Ok(shards);
     }
+    // The HF single-file name wins over other .safetensors files lying beside it.
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
     let mut shards = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
         let p = entry.map_err(io_err(dir))?.path();

@@ -175,6 +175,17 @@ pub struct ServeArgs {
     )]
     pub enable_return_routed_experts: bool,
 
+    /// Largest total of tensor bytes a streamed weight update may stage before its commit.
+    #[arg(long, default_value_t = 4 << 30, env = "LOCKSTEP_MAX_STAGED_WEIGHT_BYTES", help_heading = "Weights")]
+    pub max_staged_weight_bytes: usize,
+    /// Seconds a streamed weight update session may stay idle before it is dropped.
+    #[arg(
+        long,
+        default_value_t = 600,
+        env = "LOCKSTEP_WEIGHT_UPDATE_TIMEOUT",
+        help_heading = "Weights"
+    )]
+    pub weight_update_timeout_s: u64,
     /// Directory that `/update_weights_from_disk` may read checkpoints from (off when unset).
     #[arg(long, env = "LOCKSTEP_WEIGHTS_ROOT", help_heading = "Weights")]
     pub weights_root: Option<PathBuf>,
@@ -290,6 +301,8 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
         .quantization
         .map(|q| format!("{q:?}").to_lowercase())
         .unwrap_or_else(|| recipe.name.clone());
+    let mut model = model;
+    let slots = model.slot_shapes();
     let info = EngineInfo {
         model_path,
         served_model_name: args.served_model_name.clone().unwrap_or(name),
@@ -298,6 +311,8 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
         quantization,
         recipe_name: recipe.name.clone(),
         recipe_hash: recipe.hash(),
+        recipe: recipe.clone(),
+        slots,
         max_context_len: context_len,
         block_size: args.page_size,
         weight_version: std::sync::RwLock::new("default".to_string()),
@@ -335,6 +350,10 @@ pub fn app_state(args: &ServeArgs, engine: EngineHandle, limits: Limits) -> AppS
                 .and_then(|p| Recipe::from_file(p).ok()),
             weights_root: args.weights_root.clone(),
         }),
+        updates: Arc::new(crate::server::weights::WeightUpdates::new(
+            args.max_staged_weight_bytes,
+            Duration::from_secs(args.weight_update_timeout_s),
+        )),
     }
 }
 

@@ -37,6 +37,8 @@ fn engine_with(
         quantization: "bf16".into(),
         recipe_name: recipe.name.clone(),
         recipe_hash: recipe.hash(),
+        recipe: recipe.clone(),
+        slots: Default::default(),
         max_context_len: 512,
         block_size,
         weight_version: std::sync::RwLock::new("v0".into()),

@@ -458,3 +458,212 @@ fn router_on(model: &str, extra: &[&str]) -> axum::Router {
     args.extend_from_slice(extra);
     router(&args)
 }
+
+/// Writes `dir` = the checkpoint at `src` with every tensor scaled, plus a minimal tokenizer.
+fn scaled_copy(
+    src: &std::path::Path,
+    dir: &std::path::Path,
+    scale: f32,
+) -> std::collections::BTreeMap<String, lockstep::checkpoint::OwnedTensor> {
+    use lockstep::checkpoint::{to_f32, write_file, Checkpoint, OwnedTensor};
+    let ckpt = Checkpoint::open(src).unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let mut tensors = std::collections::BTreeMap::new();
+    for n in ckpt.names() {
+        let t = ckpt.tensor(n).unwrap();
+        let v: Vec<f32> = to_f32(n, &t).unwrap().iter().map(|x| x * scale).collect();
+        tensors.insert(n.to_string(), OwnedTensor::f32(t.shape().to_vec(), &v));
+    }
+    write_file(&dir.join("model.safetensors"), &tensors, None).unwrap();
+    let tokenizer = r#"{"version": "1.0", "added_tokens": [], "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "hello": 1}, "unk_token": "<unk>"}}"#;
+    std::fs::write(dir.join("tokenizer.json"), tokenizer).unwrap();
+    tensors
+}
+
+async fn put(
+    r: &axum::Router,
+    session: &str,
+    tensors: &[(&String, &lockstep::checkpoint::OwnedTensor)],
+) -> (StatusCode, Value) {
+    let bytes = safetensors::tensor::serialize(tensors.iter().map(|(n, t)| (n.as_str(), *t)), None)
+        .unwrap();
+    put_raw(r, session, bytes).await
+}
+
+async fn put_raw(r: &axum::Router, session: &str, bytes: Vec<u8>) -> (StatusCode, Value) {
+    let req = Request::builder()
+        .method("PUT")
+        .uri(format!("/update_weights?session={session}"))
+        .header("content-type", "application/octet-stream")
+        .body(Body::from(bytes))
+        .unwrap();
+    let resp = r.clone().oneshot(req).await.unwrap();
+    let status = resp.status();
+    let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+}
+
+/// The streamed session: buckets staged and validated on arrival, committed atomically;
+/// afterwards the server computes exactly what a fresh server on the new weights computes, and
+/// every failure leaves the old weights and version in place.
+#[tokio::test]
+async fn streamed_weight_update_commits_atomically_and_exactly() {
+    let src = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/reference");
+    let tmp = tempfile::tempdir().unwrap();
+    scaled_copy(&src.join("qwen3_moe"), &tmp.path().join("a"), 1.0);
+    let new = scaled_copy(&src.join("qwen3_moe"), &tmp.path().join("b"), 1.25);
+    let q = [
+        "--quantization",
+        "nvfp4_online",
+        "--max-staged-weight-bytes",
+        "4000000",
+    ];
+    let r = router_on(tmp.path().join("a").to_str().unwrap(), &q);
+    let greedy = r#"{"input_ids": [5, 17, 300, 42], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": true}, "return_logprob": true}"#;
+    let before = call(&r, "POST", "/generate", Some(greedy), &[]).await.1;
+    let all: Vec<(&String, &lockstep::checkpoint::OwnedTensor)> = new.iter().collect();
+
+    // Failures: each leaves nothing changed.
+    let begin = |v: &str| format!(r#"{{"weight_version": "{v}"}}"#);
+    let (s, v) = call(&r, "POST", "/begin_weight_update", Some(&begin("bad")), &[]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let sid = v["session"].as_str().unwrap().to_string();
+    assert_eq!(
+        call(
+            &r,
+            "POST",
+            "/begin_weight_update",
+            Some(&begin("other")),
+            &[]
+        )
+        .await
+        .0,
+        StatusCode::CONFLICT,
+        "one session at a time"
+    );
+    let unknown = (
+        "model.layers.9.mlp.gate.weight".to_string(),
+        new["model.norm.weight"].clone(),
+    );
+    let (s, v) = put(&r, &sid, &[(&unknown.0, &unknown.1)]).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("model.layers.9.mlp.gate.weight"),
+        "{v}"
+    );
+    let wrong_shape = (
+        "model.norm.weight".to_string(),
+        new["model.embed_tokens.weight"].clone(),
+    );
+    let (s, v) = put(&r, &sid, &[(&wrong_shape.0, &wrong_shape.1)]).await;
+    assert!(
+        s == StatusCode::BAD_REQUEST && v["error"]["message"].as_str().unwrap().contains("shape"),
+        "{v}"
+    );
+    let mut cut =
+        safetensors::tensor::serialize(all[..4].iter().map(|(n, t)| (n.as_str(), *t)), None)
+            .unwrap();
+    cut.truncate(cut.len() - 7);
+    assert_eq!(
+        put_raw(&r, &sid, cut).await.0,
+        StatusCode::BAD_REQUEST,
+        "a cut-off body is refused"
+    );
+    // Only the gate half of an NVFP4 expert: its shared scale cannot be computed.
+    let gate = "model.layers.0.mlp.experts.3.gate_proj.weight".to_string();
+    assert_eq!(
+        put(&r, &sid, &[(&gate, &new[&gate])]).await.0,
+        StatusCode::OK
+    );
+    let (s, v) = call(
+        &r,
+        "POST",
+        "/end_weight_update",
+        Some(&format!(r#"{{"session": "{sid}"}}"#)),
+        &[],
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("up_proj"),
+        "{v}"
+    );
+    assert_eq!(
+        call(&r, "GET", "/get_weight_version", None, &[]).await.1["weight_version"],
+        "default"
+    );
+    assert_eq!(
+        call(&r, "POST", "/generate", Some(greedy), &[]).await.1["meta_info"]
+            ["output_token_logprobs"],
+        before["meta_info"]["output_token_logprobs"]
+    );
+
+    // An aborted session changes nothing either.
+    let sid = call(
+        &r,
+        "POST",
+        "/begin_weight_update",
+        Some(&begin("aborted")),
+        &[],
+    )
+    .await
+    .1["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(put(&r, &sid, &all[..10]).await.0, StatusCode::OK);
+    assert_eq!(
+        call(
+            &r,
+            "POST",
+            "/abort_weight_update",
+            Some(&format!(r#"{{"session": "{sid}"}}"#)),
+            &[]
+        )
+        .await
+        .0,
+        StatusCode::OK
+    );
+    assert_eq!(put(&r, &sid, &all[10..12]).await.0, StatusCode::NOT_FOUND);
+
+    // The real update, in two buckets, with the count checked at commit.
+    let sid = call(&r, "POST", "/begin_weight_update", Some(&begin("v3")), &[])
+        .await
+        .1["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let half = all.len() / 2;
+    let (s, v) = put(&r, &sid, &all[..half]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, v) = put(&r, &sid, &all[half..]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let end = format!(
+        r#"{{"session": "{sid}", "expected_tensors": {}}}"#,
+        all.len()
+    );
+    let (s, v) = call(&r, "POST", "/end_weight_update", Some(&end), &[]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        call(&r, "GET", "/get_weight_version", None, &[]).await.1["weight_version"],
+        "v3"
+    );
+    let after = call(&r, "POST", "/generate", Some(greedy), &[]).await.1;
+    let fresh = router_on(tmp.path().join("b").to_str().unwrap(), &q);
+    let expected = call(&fresh, "POST", "/generate", Some(greedy), &[]).await.1;
+    assert_eq!(
+        after["meta_info"]["output_token_logprobs"], expected["meta_info"]["output_token_logprobs"],
+        "bitwise a fresh NVFP4 server on the new weights"
+    );
+    assert_ne!(
+        after["meta_info"]["output_token_logprobs"],
+        before["meta_info"]["output_token_logprobs"]
+    );
+}

@@ -320,6 +320,21 @@ impl Core {
             } => {
                 let _ = reply.send(self.swap_model(*model, version, abort_all));
             }
+            Command::ApplyWeights {
+                updates,
+                version,
+                reply,
+            } => {
+                self.model.apply_replacements(updates);
+                let pool = self.sched.pool();
+                pool.flush(pool.weight_version() + 1);
+                *self
+                    .info
+                    .weight_version
+                    .write()
+                    .expect("weight version lock") = version;
+                let _ = reply.send(());
+            }
             Command::Shutdown => {
                 self.shutting_down = true;
                 let ids: Vec<SeqId> = self.seqs.keys().copied().collect();

@@ -14,6 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 pub use self::core::{Engine, EngineConfig};
 pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
 
+use crate::model::slots::Replacement;
 use crate::model::{Model, ModelConfig};
 use crate::tokenizer::Tokenizer;
 
@@ -56,6 +57,12 @@ pub(crate) enum Command {
         abort_all: bool,
         reply: oneshot::Sender<Result<usize, EngineError>>,
     },
+    /// Replace some tensors between two steps (see [`EngineHandle::apply_weights`]).
+    ApplyWeights {
+        updates: Vec<(String, Replacement)>,
+        version: String,
+        reply: oneshot::Sender<()>,
+    },
     Shutdown,
 }
 
@@ -86,6 +93,10 @@ pub struct EngineInfo {
     pub quantization: String,
     pub recipe_name: String,
     pub recipe_hash: String,
+    /// The recipe linear layers were quantized with (live updates quantize the same way).
+    pub recipe: crate::quant::Recipe,
+    /// Every tensor a live update may replace, by checkpoint name.
+    pub slots: std::collections::BTreeMap<String, crate::model::slots::SlotShape>,
     pub max_context_len: usize,
     pub block_size: usize,
     pub weight_version: std::sync::RwLock<String>,
@@ -184,6 +195,24 @@ impl EngineHandle {
         })?;
         rx.await
             .map_err(|_| EngineError::Stopped(self.last_error()))?
+    }
+
+    /// Swaps validated tensor replacements in between two engine steps (all at once), flushes
+    /// the prefix cache and sets the weight version. The names must come from the served
+    /// model's slot table.
+    pub async fn apply_weights(
+        &self,
+        updates: Vec<(String, Replacement)>,
+        version: String,
+    ) -> Result<(), EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::ApplyWeights {
+            updates,
+            version,
+            reply,
+        })?;
+        rx.await
+            .map_err(|_| EngineError::Stopped(self.last_error()))
     }
 
     pub fn shutdown(&self) {

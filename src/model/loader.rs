@@ -476,11 +476,7 @@ pub fn build_model(
     let lm_head = if cfg.tie_word_embeddings
         || (matches!(b.src, WeightSource::Checkpoint { .. }) && !b.src.contains("lm_head.weight"))
     {
-        let w = match &embed {
-            DenseWeight::F32(w) => DenseWeight::F32(w.clone()),
-            DenseWeight::Bf16(w) => DenseWeight::Bf16(w.clone()),
-        };
-        make_linear(w, v, h, &TensorFormat::BF16, None)
+        make_linear(embed.clone(), v, h, &TensorFormat::BF16, None)
     } else {
         make_linear(
             b.src.dense("lm_head.weight", v, h, DummyInit::FanIn(h))?,

@@ -6,6 +6,7 @@
 
 pub mod config;
 pub mod loader;
+pub mod slots;
 
 use crate::backend::cpu::attention::{paged_attention, AttentionSeq, KvMemory};
 use crate::backend::cpu::ops;

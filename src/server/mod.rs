@@ -52,6 +52,7 @@ pub struct AppState {
     pub started: Instant,
     pub max_request_bytes: usize,
     pub weights: Arc<weights::WeightSettings>,
+    pub updates: Arc<weights::WeightUpdates>,
 }
 
 impl AppState {
@@ -83,6 +84,15 @@ pub fn app(state: AppState) -> Router {
             "/update_weights_from_disk",
             post(weights::update_weights_from_disk),
         )
+        .route("/begin_weight_update", post(weights::begin_weight_update))
+        // Buckets are bounded by the staging limit, not by the generation body limit.
+        .route(
+            "/update_weights",
+            axum::routing::put(weights::put_update_weights)
+                .layer(DefaultBodyLimit::max(state.updates.max_staged_bytes)),
+        )
+        .route("/end_weight_update", post(weights::end_weight_update))
+        .route("/abort_weight_update", post(weights::abort_weight_update))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_admin_key,

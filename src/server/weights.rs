@@ -1,20 +1,32 @@
 //! Live weight updates. `/update_weights_from_disk` (SGLang's name and shape) loads a
 //! checkpoint from under `--weights-root` off the engine thread, checks it has the served
 //! model's shapes, and swaps it in between two engine steps: all or nothing, the version moves
-//! only on success. The streamed session of API.md is not implemented yet.
+//! only on success. The streamed session (begin, PUT buckets, end/abort) stages validated
+//! tensors in bounded memory and commits them the same way.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::Json;
+use safetensors::tensor::Dtype;
+use safetensors::SafeTensors;
 use serde::Deserialize;
 use serde_json::json;
 
 use super::errors::ApiError;
-use super::extract::ApiJson;
+use super::extract::{ApiBytes, ApiJson};
 use super::AppState;
+use crate::backend::cpu::linear::{make_linear, DenseWeight, Mxfp8Linear, Nvfp4Linear};
+use crate::checkpoint::{to_f32, OwnedTensor};
 use crate::model::loader::{self, Quantization};
-use crate::quant::Recipe;
+use crate::model::slots::{Replacement, SlotShape};
+use crate::quant::nvfp4::SecondLevel;
+use crate::quant::{
+    BlockAxis, Format, GlobalScale, Mxfp8Tensor, Nvfp4Tensor, Recipe, TensorFormat, MXFP8_BLOCK,
+    NVFP4_BLOCK,
+};
 
 /// How the served model was loaded, so an update is loaded the same way.
 #[derive(Clone, Debug, Default)]
@@ -109,4 +121,477 @@ fn next_version(v: &str) -> String {
         Err(_) if v == "default" => "1".into(),
         Err(_) => format!("{v}.1"),
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The streamed session: begin, any number of PUT /update_weights buckets, end (or abort).
+
+/// One open streamed update. Tensors are validated on arrival and held here until commit.
+pub struct Session {
+    id: String,
+    version: String,
+    staged: BTreeMap<String, OwnedTensor>,
+    bytes: usize,
+    last_activity: Instant,
+}
+
+/// The server's single update slot and its limits.
+pub struct WeightUpdates {
+    session: tokio::sync::Mutex<Option<Session>>,
+    pub max_staged_bytes: usize,
+    pub session_timeout: Duration,
+}
+
+impl WeightUpdates {
+    pub fn new(max_staged_bytes: usize, session_timeout: Duration) -> WeightUpdates {
+        WeightUpdates {
+            session: tokio::sync::Mutex::new(None),
+            max_staged_bytes,
+            session_timeout,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+pub struct BeginBody {
+    weight_version: String,
+    #[serde(default)]
+    recipe_hash: Option<String>,
+}
+
+pub async fn begin_weight_update(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<BeginBody>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    if let Some(h) = &body.recipe_hash {
+        if *h != state.engine.info.recipe_hash {
+            return Err(ApiError::invalid(
+                "recipe_hash",
+                format!(
+                    "recipe_hash {h} differs from the server's recipe {} ({})",
+                    state.engine.info.recipe_hash, state.engine.info.recipe_name
+                ),
+            ));
+        }
+    }
+    let mut slot = state.updates.session.lock().await;
+    if let Some(open) = slot.as_ref() {
+        if open.last_activity.elapsed() < state.updates.session_timeout {
+            return Err(ApiError::Conflict(format!(
+                "weight update session {} is open; end or abort it first",
+                open.id
+            )));
+        }
+        tracing::warn!(
+            "weight update session {} timed out; dropping what it staged",
+            open.id
+        );
+    }
+    let id = super::validate::new_rid();
+    *slot = Some(Session {
+        id: id.clone(),
+        version: body.weight_version,
+        staged: BTreeMap::new(),
+        bytes: 0,
+        last_activity: Instant::now(),
+    });
+    Ok(Json(json!({"success": true, "session": id})))
+}
+
+#[derive(Deserialize)]
+pub struct SessionQuery {
+    session: String,
+}
+
+fn open_session<'a>(
+    slot: &'a mut Option<Session>,
+    id: &str,
+    timeout: Duration,
+) -> Result<&'a mut Session, ApiError> {
+    match slot {
+        Some(s) if s.id == id => {
+            if s.last_activity.elapsed() < timeout {
+                Ok(s)
+            } else {
+                Err(ApiError::Conflict(format!(
+                    "weight update session {id} timed out"
+                )))
+            }
+        }
+        _ => Err(ApiError::NotFound(format!(
+            "no open weight update session `{id}`"
+        ))),
+    }
+}
+
+pub async fn put_update_weights(
+    State(state): State<AppState>,
+    Query(q): Query<SessionQuery>,
+    ApiBytes(body): ApiBytes,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let st = SafeTensors::deserialize(&body).map_err(|e| {
+        ApiError::invalid(
+            "body",
+            format!("not a complete safetensors file (cut off?): {e}"),
+        )
+    })?;
+    let slots = &state.engine.info.slots;
+    let mut incoming = Vec::new();
+    for (name, t) in st.tensors() {
+        check_tensor(slots, &name, t.dtype(), t.shape())?;
+        incoming.push((name, OwnedTensor::from_view(&t)));
+    }
+    let mut slot = state.updates.session.lock().await;
+    let session = open_session(&mut slot, &q.session, state.updates.session_timeout)?;
+    let new_bytes: usize = incoming.iter().map(|(_, t)| t.data.len()).sum();
+    if session.bytes + new_bytes > state.updates.max_staged_bytes {
+        return Err(ApiError::invalid(
+            "body",
+            format!(
+                "staging {new_bytes} more bytes would exceed --max-staged-weight-bytes {}",
+                state.updates.max_staged_bytes
+            ),
+        ));
+    }
+    for (name, t) in incoming {
+        session.bytes += t.data.len();
+        if let Some(old) = session.staged.insert(name, t) {
+            session.bytes -= old.data.len();
+        }
+    }
+    session.last_activity = Instant::now();
+    Ok(Json(
+        json!({"success": true, "staged_tensors": session.staged.len(), "staged_bytes": session.bytes}),
+    ))
+}
+
+/// The slot a checkpoint tensor name belongs to, and the part of it (`weight`, `weight_scale`...).
+fn split_name(name: &str) -> (String, &str) {
+    for part in [
+        "weight_scale_inv",
+        "weight_scale_2",
+        "weight_scale",
+        "input_scale",
+        "weight",
+    ] {
+        if let Some(module) = name.strip_suffix(&format!(".{part}")) {
+            return (format!("{module}.weight"), part);
+        }
+    }
+    (name.to_string(), "")
+}
+
+/// Validates one arriving tensor against the served model: known name, dtype and shape in
+/// checkpoint layout (high precision, or already quantized in the slot's format).
+fn check_tensor(
+    slots: &BTreeMap<String, SlotShape>,
+    name: &str,
+    dtype: Dtype,
+    shape: &[usize],
+) -> Result<(), ApiError> {
+    let (slot_name, part) = split_name(name);
+    let err = |reason: String| ApiError::invalid(name, format!("tensor `{name}`: {reason}"));
+    let slot = slots
+        .get(&slot_name)
+        .ok_or_else(|| err("not a tensor of the served model".into()))?;
+    let float = matches!(dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32);
+    let want: (Vec<usize>, &[Dtype]) = match (slot, part) {
+        (SlotShape::Vector { len }, "weight") => {
+            (vec![*len], &[Dtype::BF16, Dtype::F16, Dtype::F32])
+        }
+        (SlotShape::Embedding { rows, cols }, "weight") => {
+            (vec![*rows, *cols], &[Dtype::BF16, Dtype::F16, Dtype::F32])
+        }
+        (SlotShape::Linear { rows, cols, .. }, "weight") if float => {
+            (vec![*rows, *cols], &[Dtype::BF16, Dtype::F16, Dtype::F32])
+        }
+        (
+            SlotShape::Linear {
+                rows,
+                cols,
+                format: Format::Nvfp4,
+            },
+            "weight",
+        ) => (vec![*rows, cols / 2], &[Dtype::U8]),
+        (
+            SlotShape::Linear {
+                rows,
+                cols,
+                format: Format::Nvfp4,
+            },
+            "weight_scale",
+        ) => (
+            vec![*rows, cols / NVFP4_BLOCK],
+            &[Dtype::F8_E4M3, Dtype::U8],
+        ),
+        (
+            SlotShape::Linear {
+                format: Format::Nvfp4,
+                ..
+            },
+            "weight_scale_2" | "input_scale",
+        ) => (vec![], &[Dtype::F32]),
+        (
+            SlotShape::Linear {
+                rows,
+                cols,
+                format: Format::Mxfp8,
+            },
+            "weight",
+        ) => (vec![*rows, *cols], &[Dtype::F8_E4M3]),
+        (
+            SlotShape::Linear {
+                rows,
+                cols,
+                format: Format::Mxfp8,
+            },
+            "weight_scale_inv",
+        ) => (vec![*rows, cols / MXFP8_BLOCK], &[Dtype::U8]),
+        (s, p) => return Err(err(format!("`{p}` does not fit the slot ({s:?})"))),
+    };
+    if !want.1.contains(&dtype) {
+        return Err(err(format!(
+            "dtype {dtype:?}, expected one of {:?}",
+            want.1
+        )));
+    }
+    let shape_ok = shape == want.0.as_slice() || (want.0.is_empty() && shape == [1]);
+    if !shape_ok {
+        return Err(err(format!("shape {shape:?}, expected {:?}", want.0)));
+    }
+    Ok(())
+}
+
+#[derive(Deserialize)]
+pub struct EndBody {
+    session: String,
+    #[serde(default)]
+    expected_tensors: Option<usize>,
+    #[serde(default)]
+    checksum: Option<String>,
+}
+
+pub async fn end_weight_update(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<EndBody>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    if body.checksum.is_some() {
+        return Err(ApiError::invalid(
+            "checksum",
+            "checksum verification is not implemented yet; leave it out",
+        ));
+    }
+    // The session ends here whatever happens: a failed commit drops what it staged.
+    let session = {
+        let mut slot = state.updates.session.lock().await;
+        open_session(&mut slot, &body.session, state.updates.session_timeout)?;
+        slot.take().expect("checked open")
+    };
+    if let Some(n) = body.expected_tensors {
+        if n != session.staged.len() {
+            return Err(ApiError::invalid(
+                "expected_tensors",
+                format!(
+                    "expected_tensors is {n} but {} tensors were staged",
+                    session.staged.len()
+                ),
+            ));
+        }
+    }
+    let info = state.engine.info.clone();
+    let staged = session.staged;
+    let count = staged.len();
+    let updates = tokio::task::spawn_blocking(move || build_replacements(&info, staged))
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))??;
+    state
+        .engine
+        .apply_weights(updates, session.version.clone())
+        .await?;
+    tracing::info!(
+        "weights updated from a streamed session: {count} tensors, version {}",
+        session.version
+    );
+    Ok(Json(
+        json!({"success": true, "message": format!("{count} tensors committed, version {}", session.version), "weight_version": session.version}),
+    ))
+}
+
+#[derive(Deserialize)]
+pub struct AbortBody {
+    session: String,
+}
+
+pub async fn abort_weight_update(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<AbortBody>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let mut slot = state.updates.session.lock().await;
+    match slot.as_ref() {
+        Some(s) if s.id == body.session => {
+            *slot = None;
+            Ok(Json(
+                json!({"success": true, "message": "weight update aborted; nothing changed"}),
+            ))
+        }
+        _ => Err(ApiError::NotFound(format!(
+            "no open weight update session `{}`",
+            body.session
+        ))),
+    }
+}
+
+fn f32_of(name: &str, t: &OwnedTensor) -> Result<Vec<f32>, ApiError> {
+    let view = safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.data)
+        .map_err(|e| ApiError::invalid(name, e.to_string()))?;
+    to_f32(name, &view).map_err(|e| ApiError::invalid(name, e.to_string()))
+}
+
+/// Turns staged checkpoint-layout tensors into replacements: high-precision tensors bound for
+/// a quantized slot are quantized with the contract (an NVFP4 expert's gate and up share one
+/// scale, so both must be in the update); pre-quantized ones must be complete.
+fn build_replacements(
+    info: &crate::engine::EngineInfo,
+    mut staged: BTreeMap<String, OwnedTensor>,
+) -> Result<Vec<(String, Replacement)>, ApiError> {
+    let num_layers = info.config.num_layers;
+    let mut modules: BTreeMap<String, BTreeMap<String, OwnedTensor>> = BTreeMap::new();
+    for (name, t) in std::mem::take(&mut staged) {
+        let (slot, part) = split_name(&name);
+        modules.entry(slot).or_default().insert(part.to_string(), t);
+    }
+    let mut out = Vec::new();
+    let mut shared: BTreeMap<String, SecondLevel> = BTreeMap::new();
+    for (slot_name, parts) in &modules {
+        let slot = &info.slots[slot_name];
+        let module = slot_name.trim_end_matches(".weight");
+        let weight = parts.get("weight").ok_or_else(|| {
+            ApiError::invalid(
+                slot_name,
+                format!("`{module}` has scale tensors but no `{slot_name}`"),
+            )
+        })?;
+        let dense = matches!(weight.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32);
+        let replacement = match slot {
+            SlotShape::Vector { .. } => Replacement::Vector(f32_of(slot_name, weight)?),
+            SlotShape::Embedding { .. } => Replacement::Embedding(dense_weight(slot_name, weight)?),
+            SlotShape::Linear { rows, cols, format } if dense => {
+                let mut fmt = info.recipe.format_for(module, num_layers).fitting(*cols);
+                fmt.format = *format;
+                let level = if *format == Format::Nvfp4 {
+                    gate_up_level(module, &modules, &mut shared)?
+                } else {
+                    None
+                };
+                Replacement::Linear(make_linear(
+                    dense_weight(slot_name, weight)?,
+                    *rows,
+                    *cols,
+                    &fmt,
+                    level,
+                ))
+            }
+            SlotShape::Linear {
+                rows,
+                cols,
+                format: Format::Nvfp4,
+            } => {
+                let need = |p: &str| {
+                    parts.get(p).ok_or_else(|| {
+                        ApiError::invalid(
+                            slot_name,
+                            format!("NVFP4 `{module}` arrived without `{module}.{p}`"),
+                        )
+                    })
+                };
+                let s2 = f32_of(slot_name, need("weight_scale_2")?)?;
+                let q = Nvfp4Tensor {
+                    rows: *rows,
+                    cols: *cols,
+                    data: weight.data.clone(),
+                    scales: need("weight_scale")?.data.clone(),
+                    global: GlobalScale::PerTensor(s2[0]),
+                };
+                let fmt = TensorFormat {
+                    format: Format::Nvfp4,
+                    ..info.recipe.format_for(module, num_layers)
+                };
+                Replacement::Linear(Box::new(Nvfp4Linear::new(q, &fmt)))
+            }
+            SlotShape::Linear {
+                rows,
+                cols,
+                format: Format::Mxfp8,
+            } => {
+                let scales = parts.get("weight_scale_inv").ok_or_else(|| {
+                    ApiError::invalid(
+                        slot_name,
+                        format!("MXFP8 `{module}` arrived without `{module}.weight_scale_inv`"),
+                    )
+                })?;
+                let q = Mxfp8Tensor {
+                    rows: *rows,
+                    cols: *cols,
+                    axis: BlockAxis::Rowwise,
+                    data: weight.data.clone(),
+                    scales: scales.data.clone(),
+                };
+                Replacement::Linear(Box::new(Mxfp8Linear { weight: q }))
+            }
+            SlotShape::Linear { .. } => {
+                return Err(ApiError::invalid(
+                    slot_name,
+                    "a BF16 slot takes BF16/F16/F32 tensors only",
+                ))
+            }
+        };
+        out.push((slot_name.clone(), replacement));
+    }
+    Ok(out)
+}
+
+fn dense_weight(name: &str, t: &OwnedTensor) -> Result<DenseWeight, ApiError> {
+    Ok(match t.dtype {
+        Dtype::BF16 => DenseWeight::Bf16(
+            t.data
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]))
+                .collect(),
+        ),
+        _ => DenseWeight::F32(f32_of(name, t)?),
+    })
+}
+
+/// The shared second-level scale of an NVFP4 gate/up pair, from both halves of the update.
+fn gate_up_level(
+    module: &str,
+    modules: &BTreeMap<String, BTreeMap<String, OwnedTensor>>,
+    cache: &mut BTreeMap<String, SecondLevel>,
+) -> Result<Option<SecondLevel>, ApiError> {
+    let Some(partner) = crate::convert::gate_up_partner(module) else {
+        return Ok(None);
+    };
+    let key = if module.ends_with("gate_proj") {
+        module.to_string()
+    } else {
+        partner.clone()
+    };
+    if let Some(l) = cache.get(&key) {
+        return Ok(Some(*l));
+    }
+    let partner_weight = format!("{partner}.weight");
+    let other = modules
+        .get(&partner_weight)
+        .and_then(|p| p.get("weight"))
+        .filter(|t| matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32));
+    let Some(other) = other else {
+        return Err(ApiError::invalid(&partner_weight, format!("`{module}` is NVFP4 with a scale shared with `{partner}`: update both in the same session")));
+    };
+    let mine = &modules[&format!("{module}.weight")]["weight"];
+    let a = crate::quant::nvfp4::parallel_amax(&f32_of(module, mine)?).max(
+        crate::quant::nvfp4::parallel_amax(&f32_of(&partner, other)?),
+    );
+    let level = SecondLevel::standard(a);
+    cache.insert(key, level);
+    Ok(Some(level))
 }

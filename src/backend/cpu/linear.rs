@@ -305,12 +305,24 @@ impl Linear for Nvfp4Linear {
 }
 
 /// High-precision source weights of one linear layer, before the recipe decides its format.
+#[derive(Clone)]
 pub enum DenseWeight {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
 }
 
 impl DenseWeight {
+    pub fn len(&self) -> usize {
+        match self {
+            DenseWeight::F32(v) => v.len(),
+            DenseWeight::Bf16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     pub fn to_f32(&self) -> Vec<f32> {
         match self {
             DenseWeight::F32(v) => v.clone(),
