@@ -326,13 +326,7 @@ impl Core {
                 reply,
             } => {
                 self.model.apply_replacements(updates);
-                let pool = self.sched.pool();
-                pool.flush(pool.weight_version() + 1);
-                *self
-                    .info
-                    .weight_version
-                    .write()
-                    .expect("weight version lock") = version;
+                self.begin_weight_version(version);
                 let _ = reply.send(());
             }
             Command::Shutdown => {
@@ -367,7 +361,13 @@ impl Core {
             0
         };
         self.model = model;
-        // Cached prefix blocks hold KV of the old weights: nobody may reuse them now.
+        self.begin_weight_version(version);
+        Ok(aborted)
+    }
+
+    /// After new weights are in place: cached prefix blocks hold KV of the old weights, so
+    /// nobody may reuse them, and tokens from now on report the new version.
+    fn begin_weight_version(&mut self, version: String) {
         let pool = self.sched.pool();
         pool.flush(pool.weight_version() + 1);
         *self
@@ -375,7 +375,6 @@ impl Core {
             .weight_version
             .write()
             .expect("weight version lock") = version;
-        Ok(aborted)
     }
 
     fn admit(&mut self, req: GenerateRequest, events: mpsc::UnboundedSender<EngineEvent>) {

@@ -7,13 +7,11 @@ use half::bf16;
 use safetensors::tensor::Dtype;
 
 use super::{Layer, Mlp, Model, ModelConfig, Moe, SwiGlu};
-use crate::backend::cpu::linear::{make_linear, DenseWeight, Mxfp8Linear, Nvfp4Linear};
+use crate::backend::cpu::linear::{make_linear, mxfp8_from_parts, nvfp4_from_parts, DenseWeight};
 use crate::backend::Linear;
 use crate::checkpoint::{to_f32, Checkpoint, CheckpointError};
 use crate::quant::nvfp4::SecondLevel;
-use crate::quant::{
-    self, fp8_block, Format, GlobalScale, Recipe, TensorFormat, MXFP8_BLOCK, NVFP4_BLOCK,
-};
+use crate::quant::{self, fp8_block, Format, Recipe, TensorFormat, MXFP8_BLOCK, NVFP4_BLOCK};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -250,18 +248,14 @@ impl WeightSource<'_> {
                     ),
                 ));
             }
-            let q = quant::Nvfp4Tensor {
+            return Ok(Some(nvfp4_from_parts(
                 rows,
                 cols,
-                data: w.data().to_vec(),
-                scales: s.data().to_vec(),
-                global: GlobalScale::PerTensor(g[0]),
-            };
-            let fmt = TensorFormat {
-                format: Format::Nvfp4,
-                ..*fmt
-            };
-            return Ok(Some(Box::new(Nvfp4Linear::new(q, &fmt))));
+                w.data().to_vec(),
+                s.data().to_vec(),
+                g[0],
+                fmt,
+            )));
         }
         if ckpt.contains(&sinv_name) && ckpt.tensor(&sinv_name)?.dtype() == Dtype::U8 {
             let w = ckpt.tensor(&w_name)?;
@@ -269,14 +263,12 @@ impl WeightSource<'_> {
             if w.shape() != [rows, cols] || s.shape() != [rows, cols / MXFP8_BLOCK] {
                 return Err(tensor_err(&w_name, format!("MXFP8 shapes weight {:?} / weight_scale_inv {:?} do not fit [{rows}, {cols}]", w.shape(), s.shape())));
             }
-            let q = quant::Mxfp8Tensor {
+            return Ok(Some(mxfp8_from_parts(
                 rows,
                 cols,
-                axis: quant::BlockAxis::Rowwise,
-                data: w.data().to_vec(),
-                scales: s.data().to_vec(),
-            };
-            return Ok(Some(Box::new(Mxfp8Linear { weight: q })));
+                w.data().to_vec(),
+                s.data().to_vec(),
+            )));
         }
         Ok(None)
     }

@@ -18,15 +18,12 @@ use serde_json::json;
 use super::errors::ApiError;
 use super::extract::{ApiBytes, ApiJson};
 use super::AppState;
-use crate::backend::cpu::linear::{make_linear, DenseWeight, Mxfp8Linear, Nvfp4Linear};
+use crate::backend::cpu::linear::{make_linear, mxfp8_from_parts, nvfp4_from_parts, DenseWeight};
 use crate::checkpoint::{to_f32, OwnedTensor};
 use crate::model::loader::{self, Quantization};
 use crate::model::slots::{Replacement, SlotShape};
 use crate::quant::nvfp4::SecondLevel;
-use crate::quant::{
-    BlockAxis, Format, GlobalScale, Mxfp8Tensor, Nvfp4Tensor, Recipe, TensorFormat, MXFP8_BLOCK,
-    NVFP4_BLOCK,
-};
+use crate::quant::{Format, Recipe, MXFP8_BLOCK, NVFP4_BLOCK};
 
 /// How the served model was loaded, so an update is loaded the same way.
 #[derive(Clone, Debug, Default)]
@@ -505,18 +502,16 @@ fn build_replacements(
                     })
                 };
                 let s2 = f32_of(slot_name, need("weight_scale_2")?)?;
-                let q = Nvfp4Tensor {
-                    rows: *rows,
-                    cols: *cols,
-                    data: weight.data.clone(),
-                    scales: need("weight_scale")?.data.clone(),
-                    global: GlobalScale::PerTensor(s2[0]),
-                };
-                let fmt = TensorFormat {
-                    format: Format::Nvfp4,
-                    ..info.recipe.format_for(module, num_layers)
-                };
-                Replacement::Linear(Box::new(Nvfp4Linear::new(q, &fmt)))
+                let fmt = info.recipe.format_for(module, num_layers);
+                let scales = need("weight_scale")?.data.clone();
+                Replacement::Linear(nvfp4_from_parts(
+                    *rows,
+                    *cols,
+                    weight.data.clone(),
+                    scales,
+                    s2[0],
+                    &fmt,
+                ))
             }
             SlotShape::Linear {
                 rows,
@@ -529,14 +524,12 @@ fn build_replacements(
                         format!("MXFP8 `{module}` arrived without `{module}.weight_scale_inv`"),
                     )
                 })?;
-                let q = Mxfp8Tensor {
-                    rows: *rows,
-                    cols: *cols,
-                    axis: BlockAxis::Rowwise,
-                    data: weight.data.clone(),
-                    scales: scales.data.clone(),
-                };
-                Replacement::Linear(Box::new(Mxfp8Linear { weight: q }))
+                Replacement::Linear(mxfp8_from_parts(
+                    *rows,
+                    *cols,
+                    weight.data.clone(),
+                    scales.data.clone(),
+                ))
             }
             SlotShape::Linear { .. } => {
                 return Err(ApiError::invalid(

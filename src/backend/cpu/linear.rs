@@ -304,6 +304,50 @@ impl Linear for Nvfp4Linear {
     }
 }
 
+/// An NVFP4 linear layer from its checkpoint parts (ModelOpt layout, shapes checked by the
+/// caller): packed E2M1 `[rows, cols/2]`, E4M3 block scales `[rows, cols/16]`, the weight's S_dec.
+pub fn nvfp4_from_parts(
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+    scales: Vec<u8>,
+    s_dec: f32,
+    fmt: &TensorFormat,
+) -> Box<dyn Linear> {
+    let q = quant::Nvfp4Tensor {
+        rows,
+        cols,
+        data,
+        scales,
+        global: GlobalScale::PerTensor(s_dec),
+    };
+    Box::new(Nvfp4Linear::new(
+        q,
+        &TensorFormat {
+            format: Format::Nvfp4,
+            ..*fmt
+        },
+    ))
+}
+
+/// An MXFP8 linear layer from its checkpoint parts: E4M3 `[rows, cols]`, E8M0 `[rows, cols/32]`.
+pub fn mxfp8_from_parts(
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+    scales: Vec<u8>,
+) -> Box<dyn Linear> {
+    Box::new(Mxfp8Linear {
+        weight: quant::Mxfp8Tensor {
+            rows,
+            cols,
+            axis: quant::BlockAxis::Rowwise,
+            data,
+            scales,
+        },
+    })
+}
+
 /// High-precision source weights of one linear layer, before the recipe decides its format.
 #[derive(Clone)]
 pub enum DenseWeight {
