@@ -217,8 +217,35 @@ pub enum ServeError {
     Io(#[from] std::io::Error),
 }
 
+/// Flag combinations the engine cannot run with, reported before anything is loaded.
+fn check_sizes(args: &ServeArgs) -> Result<(), ServeError> {
+    let bad = |msg: String| Err(ServeError::Config(msg));
+    if args.max_running_requests == 0 || args.page_size == 0 || args.max_queued_requests == 0 {
+        return bad(
+            "--max-running-requests, --page-size and --max-queued-requests must be positive".into(),
+        );
+    }
+    if args.chunked_prefill_size < args.max_running_requests {
+        return bad(format!(
+            "--chunked-prefill-size {} must be at least --max-running-requests {}: every running request decodes one token per step",
+            args.chunked_prefill_size, args.max_running_requests
+        ));
+    }
+    if args.max_total_tokens < args.page_size {
+        return bad(format!(
+            "--max-total-tokens {} is smaller than one page (--page-size {})",
+            args.max_total_tokens, args.page_size
+        ));
+    }
+    if args.context_length == Some(0) {
+        return bad("--context-length must be positive".into());
+    }
+    Ok(())
+}
+
 /// Loads the model and starts the engine thread.
 pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeError> {
+    check_sizes(args)?;
     let recipe = args.recipe.as_deref().map(Recipe::from_file).transpose()?;
     let (model, tokenizer, recipe, model_path, name, stored_f32) = match &args.model_path {
         None => {

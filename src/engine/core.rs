@@ -173,7 +173,6 @@ impl Core {
                 max_running_requests: cfg.max_running_requests,
                 max_batch_tokens: cfg.max_batch_tokens,
                 max_context_len: cfg.max_context_len,
-                ..SchedulerConfig::default()
             },
             pool,
         );
