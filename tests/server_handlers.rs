@@ -654,11 +654,23 @@ async fn streamed_weight_update_commits_atomically_and_exactly() {
 #[test]
 fn impossible_sizes_are_refused_at_start_naming_the_flags() {
     for (flags, named) in [
-        (&["--max-running-requests", "4096"][..], "--chunked-prefill-size"),
-        (&["--max-total-tokens", "8", "--page-size", "16"][..], "--max-total-tokens"),
-        (&["--max-running-requests", "0"][..], "--max-running-requests"),
+        (
+            &["--max-running-requests", "4096"][..],
+            "--chunked-prefill-size",
+        ),
+        (
+            &["--max-total-tokens", "8", "--page-size", "16"][..],
+            "--max-total-tokens",
+        ),
+        (
+            &["--max-running-requests", "0"][..],
+            "--max-running-requests",
+        ),
     ] {
-        let err = start_engine(&args(flags)).err().expect("refused").to_string();
+        let err = start_engine(&args(flags))
+            .err()
+            .expect("refused")
+            .to_string();
         assert!(err.contains(named), "{flags:?}: {err}");
     }
 }

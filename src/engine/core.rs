@@ -87,11 +87,14 @@ impl Engine {
         std::thread::Builder::new()
             .name("lockstep-engine".into())
             .spawn(move || {
-                let mut core = Core::new(model, info, shared.clone(), &cfg);
-                shared.healthy.store(true, Ordering::Release);
-                core.warm_up();
-                shared.warm.store(true, Ordering::Release);
-                let result = catch_unwind(AssertUnwindSafe(|| core.run(&rx)));
+                // Start-up is inside the guard too: a failure there must fail /health, not hang.
+                let result = catch_unwind(AssertUnwindSafe(|| {
+                    let mut core = Core::new(model, info, shared.clone(), &cfg);
+                    shared.healthy.store(true, Ordering::Release);
+                    core.warm_up();
+                    shared.warm.store(true, Ordering::Release);
+                    core.run(&rx)
+                }));
                 if let Err(panic) = result {
                     let msg = panic
                         .downcast_ref::<String>()
