@@ -9,6 +9,9 @@ use lockstep::checkpoint::{to_f32, Checkpoint};
 use lockstep::model::loader::load_model;
 use lockstep::model::{ForwardBatch, Model, SeqInput};
 
+mod common;
+use common::{ids, row_errors};
+
 const BLOCK: usize = 4;
 
 fn dir(name: &str) -> PathBuf {
@@ -44,36 +47,6 @@ fn prompt_logits(model: &Model, prompt: &[u32]) -> Vec<f32> {
     model.forward(&batch, &mut kv).logits
 }
 
-/// Greedy decoding one token at a time through the paged cache.
-fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
-    let total = prompt.len() + n;
-    let table: Vec<u32> = (0..total.div_ceil(BLOCK) as u32).rev().collect(); // non-contiguous on purpose
-    let mut kv = kv_for(model, table.len());
-    let vocab = model.config.vocab_size;
-    let mut out = Vec::new();
-    let mut chunk = prompt.to_vec();
-    let mut pos = 0;
-    for _ in 0..n {
-        let batch = ForwardBatch {
-            seqs: vec![SeqInput {
-                tokens: &chunk,
-                start_pos: pos,
-                block_table: &table,
-                logits_from: Some(chunk.len() - 1),
-            }],
-        };
-        let logits = model.forward(&batch, &mut kv).logits;
-        assert_eq!(logits.len(), vocab);
-        let next = (0..vocab)
-            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a)))
-            .unwrap() as u32;
-        pos += chunk.len();
-        out.push(next);
-        chunk = vec![next];
-    }
-    out
-}
-
 fn check_model(name: &str) {
     let (model, _) = load_model(&dir(name), None, None).unwrap();
     let meta: serde_json::Value =
@@ -83,36 +56,23 @@ fn check_model(name: &str) {
     let prompts = meta["prompts"].as_array().unwrap();
     assert!(prompts.len() >= 3);
     for (i, p) in prompts.iter().enumerate() {
-        let prompt: Vec<u32> = p
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
+        let prompt = ids(p);
         let want = to_f32(
             "logits",
             &reference.tensor(&format!("prompt{i}.logits")).unwrap(),
         )
         .unwrap();
         let got = prompt_logits(&model, &prompt);
-        assert_eq!(got.len(), want.len());
         let vocab = model.config.vocab_size;
-        for (pos, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
-            let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        for (pos, (diff, scale)) in row_errors(&got, &want, vocab).into_iter().enumerate() {
             assert!(
                 diff <= 1e-4 * scale,
                 "{name} prompt {i} pos {pos}: max |diff| {diff} vs max |logit| {scale}"
             );
         }
-        let want_greedy: Vec<u32> = meta["greedy"][i]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
+        let want_greedy = ids(&meta["greedy"][i]);
         assert_eq!(
-            greedy(&model, &prompt, want_greedy.len()),
+            common::greedy(&model, &prompt, want_greedy.len(), KvDtype::F32, BLOCK),
             want_greedy,
             "{name} prompt {i} greedy"
         );
@@ -155,12 +115,7 @@ fn quantized_experts_match_the_f64_reference() {
         assert_eq!(used.name, recipe);
         let vocab = model.config.vocab_size;
         for (i, p) in meta["prompts"].as_array().unwrap().iter().enumerate() {
-            let prompt: Vec<u32> = p
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect();
+            let prompt = ids(p);
             let want = to_f32(
                 "logits",
                 &reference
@@ -170,22 +125,15 @@ fn quantized_experts_match_the_f64_reference() {
             .unwrap();
             let got = prompt_logits(&model, &prompt);
             let unquantized = prompt_logits(&plain, &prompt);
-            for (pos, ((g, w), u)) in got
-                .chunks(vocab)
-                .zip(want.chunks(vocab))
-                .zip(unquantized.chunks(vocab))
-                .enumerate()
-            {
-                let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            let moved = row_errors(&unquantized, &want, vocab);
+            for (pos, (diff, scale)) in row_errors(&got, &want, vocab).into_iter().enumerate() {
                 assert!(
                     diff <= 1e-5 * scale,
                     "{recipe} prompt {i} pos {pos}: max |diff| {diff} vs max |logit| {scale}"
                 );
                 // Quantization is really applied: far from the high-precision logits.
-                let moved = u.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
                 assert!(
-                    moved > 1e-3 * scale,
+                    moved[pos].0 > 1e-3 * scale,
                     "{recipe} prompt {i} pos {pos}: quantized logits equal the BF16 ones"
                 );
             }

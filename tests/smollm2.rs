@@ -4,10 +4,11 @@
 
 use std::path::PathBuf;
 
-use lockstep::backend::cpu::attention::{KvDtype, KvMemory};
+use lockstep::backend::cpu::attention::KvDtype;
 use lockstep::model::loader::load_model;
-use lockstep::model::{ForwardBatch, SeqInput};
 use lockstep::tokenizer::Tokenizer;
+
+mod common;
 
 #[test]
 fn smollm2_says_paris() {
@@ -24,35 +25,7 @@ fn smollm2_says_paris() {
         vec![504, 3575, 282, 4649, 314],
         "tokenizer matches the GGUF's BPE (ids from scripts/fetch_smollm2.py --verify)"
     );
-    let c = &model.config;
-    let block = 16;
-    let table: Vec<u32> = (0..4).collect();
-    let mut kv = KvMemory::new(
-        KvDtype::Bf16,
-        c.num_layers,
-        table.len(),
-        block,
-        c.num_kv_heads,
-        c.head_dim,
-    );
-    let (mut chunk, mut pos, mut out) = (prompt.clone(), 0, Vec::new());
-    for _ in 0..3 {
-        let batch = ForwardBatch {
-            seqs: vec![SeqInput {
-                tokens: &chunk,
-                start_pos: pos,
-                block_table: &table,
-                logits_from: Some(chunk.len() - 1),
-            }],
-        };
-        let logits = model.forward(&batch, &mut kv).logits;
-        let next = (0..logits.len())
-            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
-            .unwrap() as u32;
-        pos += chunk.len();
-        out.push(next);
-        chunk = vec![next];
-    }
+    let out = common::greedy(&model, &prompt, 3, KvDtype::Bf16, 16);
     let text = tok.decode(&out, true).unwrap();
     assert!(
         text.starts_with(" Paris"),
