@@ -130,6 +130,24 @@ fn lockstep(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// Runs `lockstep convert` with a shipped recipe and requires success.
+fn convert_ok(src: &Path, out: &Path, recipe_name: &str) {
+    let run = lockstep(&[
+        "convert",
+        "--input",
+        src.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--recipe",
+        &recipe(recipe_name),
+    ]);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
+
 fn recipe(name: &str) -> String {
     format!("{}/configs/{name}.yaml", env!("CARGO_MANIFEST_DIR"))
 }
@@ -143,20 +161,7 @@ fn convert_nvfp4_writes_modelopt_layout_with_shared_gate_up_scales_and_bf16_exce
     let tmp = tempfile::tempdir().unwrap();
     let (src, out) = (tmp.path().join("hf"), tmp.path().join("nvfp4"));
     write_checkpoint(&src, qwen3_moe_tensors(), config(None));
-    let run = lockstep(&[
-        "convert",
-        "--input",
-        src.to_str().unwrap(),
-        "--output",
-        out.to_str().unwrap(),
-        "--recipe",
-        &recipe("nvfp4"),
-    ]);
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    convert_ok(&src, &out, "nvfp4");
 
     let hf = Checkpoint::open(&src).unwrap();
     let q = Checkpoint::open(&out).unwrap();
@@ -292,20 +297,7 @@ fn convert_mxfp8_from_block_fp8_source_dequantizes_then_quantizes() {
             serde_json::json!({"quant_method": "fp8", "weight_block_size": [128, 128]}),
         )),
     );
-    let run = lockstep(&[
-        "convert",
-        "--input",
-        src.to_str().unwrap(),
-        "--output",
-        out.to_str().unwrap(),
-        "--recipe",
-        &recipe("mxfp8"),
-    ]);
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    convert_ok(&src, &out, "mxfp8");
 
     let hf = Checkpoint::open(&src).unwrap();
     let q = Checkpoint::open(&out).unwrap();
