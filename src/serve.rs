@@ -358,6 +358,8 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
 
 /// Builds the server state over a started engine.
 pub fn app_state(args: &ServeArgs, engine: EngineHandle, limits: Limits) -> AppState {
+    // The recipe the served weights were built with (parsed once, at start).
+    let recipe = Some(engine.info.recipe.clone());
     AppState {
         served_model_name: engine.info.served_model_name.clone().into(),
         engine,
@@ -371,10 +373,7 @@ pub fn app_state(args: &ServeArgs, engine: EngineHandle, limits: Limits) -> AppS
         max_request_bytes: args.max_request_bytes,
         weights: Arc::new(crate::server::weights::WeightSettings {
             quantization: args.quantization,
-            recipe: args
-                .recipe
-                .as_deref()
-                .and_then(|p| Recipe::from_file(p).ok()),
+            recipe,
             weights_root: args.weights_root.clone(),
         }),
         updates: Arc::new(crate::server::weights::WeightUpdates::new(
