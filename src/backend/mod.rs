@@ -7,6 +7,7 @@
 //! functions of `cpu`. A CUDA backend provides the same ops and is tested against these.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::quant::Format;
 
@@ -24,4 +25,18 @@ pub trait Linear: Send + Sync {
     fn dequantized_weight(&self) -> Vec<f32>;
     /// Bytes of weight storage (weights and scales).
     fn storage_bytes(&self) -> usize;
+    /// The stored weights as they are, for uploading to another backend.
+    fn storage(&self) -> Storage<'_>;
+}
+
+/// A linear layer's weights in their storage format.
+pub enum Storage<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [half::bf16]),
+    Mxfp8(&'a crate::quant::Mxfp8Tensor),
+    Nvfp4 {
+        weight: &'a crate::quant::Nvfp4Tensor,
+        activation_scale: crate::quant::nvfp4::ScaleGranularity,
+        four_over_six: Option<crate::quant::FourOverSix>,
+    },
 }

@@ -9,7 +9,7 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::backend::Linear;
+use crate::backend::{Linear, Storage};
 use crate::quant::{self, Format, GlobalScale, Nvfp4Options, ScaleGranularity, TensorFormat};
 
 /// Dot product with 8 independent accumulators, reduced in a fixed order. The same
@@ -151,6 +151,9 @@ impl Linear for DenseF32 {
     fn storage_bytes(&self) -> usize {
         self.weight.len() * 4
     }
+    fn storage(&self) -> Storage<'_> {
+        Storage::F32(&self.weight)
+    }
 }
 
 /// Dense BF16 weights, widened to f32 inside the kernel.
@@ -179,6 +182,9 @@ impl Linear for DenseBf16 {
     }
     fn storage_bytes(&self) -> usize {
         self.weight.len() * 2
+    }
+    fn storage(&self) -> Storage<'_> {
+        Storage::Bf16(&self.weight)
     }
 }
 
@@ -218,6 +224,9 @@ impl Linear for Mxfp8Linear {
     }
     fn storage_bytes(&self) -> usize {
         self.weight.data.len() + self.weight.scales.len()
+    }
+    fn storage(&self) -> Storage<'_> {
+        Storage::Mxfp8(&self.weight)
     }
 }
 
@@ -301,6 +310,13 @@ impl Linear for Nvfp4Linear {
     }
     fn storage_bytes(&self) -> usize {
         self.weight.data.len() + self.weight.scales.len() + 4
+    }
+    fn storage(&self) -> Storage<'_> {
+        Storage::Nvfp4 {
+            weight: &self.weight,
+            activation_scale: self.activation_scale,
+            four_over_six: self.four_over_six,
+        }
     }
 }
 
