@@ -5,6 +5,7 @@
 
 mod core;
 mod request;
+mod runner;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
 pub use self::core::{Engine, EngineConfig};
+pub use runner::{CudaSource, RunnerSpec};
 pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
 
 use crate::model::slots::Replacement;
@@ -61,7 +63,7 @@ pub(crate) enum Command {
     ApplyWeights {
         updates: Vec<(String, Replacement)>,
         version: String,
-        reply: oneshot::Sender<()>,
+        reply: oneshot::Sender<Result<(), EngineError>>,
     },
     Shutdown,
 }
@@ -212,7 +214,7 @@ impl EngineHandle {
             reply,
         })?;
         rx.await
-            .map_err(|_| EngineError::Stopped(self.last_error()))
+            .map_err(|_| EngineError::Stopped(self.last_error()))?
     }
 
     pub fn shutdown(&self) {
