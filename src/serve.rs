@@ -90,7 +90,12 @@ pub struct ServeArgs {
     )]
     pub device: DeviceChoice,
     /// CUDA device ordinal (SGLang's --base-gpu-id).
-    #[arg(long, default_value_t = 0, env = "LOCKSTEP_BASE_GPU_ID", help_heading = "Model")]
+    #[arg(
+        long,
+        default_value_t = 0,
+        env = "LOCKSTEP_BASE_GPU_ID",
+        help_heading = "Model"
+    )]
     pub base_gpu_id: usize,
     /// Share of GPU memory for weights and the KV cache; the KV cache gets what the weights and
     /// activation buffers leave of it.

@@ -11,8 +11,8 @@ use tokio::sync::mpsc;
 use super::request::{
     EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan,
 };
-use super::{Command, EngineError, EngineHandle, EngineInfo, EngineShared, PauseMode};
 use super::runner::{Runner, RunnerSpec};
+use super::{Command, EngineError, EngineHandle, EngineInfo, EngineShared, PauseMode};
 use crate::backend::cpu::attention::KvDtype;
 use crate::kv::KvPool;
 use crate::model::{ForwardBatch, Model, SeqInput};

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
 pub use self::core::{Engine, EngineConfig};
-pub use runner::{CudaSource, RunnerSpec};
 pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
+pub use runner::{CudaSource, RunnerSpec};
 
 use crate::model::slots::Replacement;
 use crate::model::{Model, ModelConfig};

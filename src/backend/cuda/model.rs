@@ -69,6 +69,10 @@ pub struct CudaSizes {
     pub max_total_tokens: Option<usize>,
 }
 
+/// The lm_head runs on at most this many rows at a time (a step asking for input logprobs of
+/// a long chunk needs logits for every row; the vocabulary makes each row large).
+const LOGIT_CHUNK_ROWS: usize = 256;
+
 /// Per-step activation buffers, allocated once for the largest step.
 struct Scratch {
     tokens: CudaSlice<u32>,
@@ -441,7 +445,10 @@ impl CudaModel {
             .map_or((0, 1, 0), |m| (m.num_experts, m.top_k, m.intermediate_size));
         let inter = c.intermediate_size.max(moe_inter);
         let pairs = t * top_k.max(1);
-        let kmax = h.max(c.q_size()).max(inter);
+        // Widest GEMM input: x (hidden), attention output (q_size) or, per routed pair, the
+        // expert's intermediate activations.
+        let in_width = h.max(c.q_size()).max(c.intermediate_size);
+        let quant_elems = (t * in_width).max(pairs * moe_inter);
         let moe_layers = (0..c.num_layers).filter(|&l| c.is_moe_layer(l)).count();
         let seqs = sizes.max_running_requests.max(1);
         let max_table_entries = seqs * sizes.max_context_len.div_ceil(sizes.block_size).max(1);
@@ -472,14 +479,14 @@ impl CudaModel {
             gu: gpu.alloc(pairs * 2 * inter)?,
             h: gpu.alloc(pairs * inter)?,
             expert_out: gpu.alloc(pairs * h)?,
-            logits: gpu.alloc(t * v)?,
+            logits: gpu.alloc(t.min(LOGIT_CHUNK_ROWS) * v)?,
             routed: gpu.alloc(moe_layers.max(1) * pairs)?,
             quant: QuantScratch {
-                xb: gpu.alloc(pairs.max(t) * kmax)?,
-                data: gpu.alloc(pairs * kmax)?,
-                scales: gpu.alloc(pairs * kmax / 16 + 1)?,
-                deq: gpu.alloc(pairs * kmax)?,
-                row_scale: gpu.alloc(pairs)?,
+                xb: gpu.alloc(t * in_width)?,
+                data: gpu.alloc(quant_elems)?,
+                scales: gpu.alloc(quant_elems / 16 + 1)?,
+                deq: gpu.alloc(quant_elems)?,
+                row_scale: gpu.alloc(pairs.max(t))?,
                 amax: gpu.alloc(2)?,
             },
         };
@@ -798,43 +805,53 @@ impl CudaModel {
             eps,
         )?;
         let v = c.vocab_size;
-        match (&w.lm_head, &w.embed) {
-            (Some(m), _) => linear(
-                gpu,
-                m,
-                &s.normed,
-                rows,
-                GemmRows::Dense(rows),
-                None,
-                rows,
-                &mut s.logits,
-                &mut s.quant,
-            )?,
-            (None, Table::Bf16(t)) => {
-                ops::f32_to_bf16(gpu, &s.normed, &mut s.quant.xb, rows * h)?;
-                ops::cublas_gemm(
+        let mut logits = vec![0f32; rows * v];
+        for first in (0..rows).step_by(LOGIT_CHUNK_ROWS) {
+            let m = LOGIT_CHUNK_ROWS.min(rows - first);
+            let x = s.normed.slice(first * h..(first + m) * h);
+            // cuBLAS and the casts take whole buffers: copy the chunk's rows to the front.
+            gpu.stream.memcpy_dtod(&x, &mut s.o.slice_mut(0..m * h))?;
+            match (&w.lm_head, &w.embed) {
+                (Some(head), _) => linear(
                     gpu,
-                    CublasOperand::Bf16(&s.quant.xb),
-                    CublasOperand::Bf16(t),
-                    rows,
-                    v,
-                    h,
+                    head,
+                    &s.o,
+                    m,
+                    GemmRows::Dense(m),
+                    None,
+                    m,
                     &mut s.logits,
-                )?;
+                    &mut s.quant,
+                )?,
+                (None, Table::Bf16(t)) => {
+                    ops::f32_to_bf16(gpu, &s.o, &mut s.quant.xb, m * h)?;
+                    ops::cublas_gemm(
+                        gpu,
+                        CublasOperand::Bf16(&s.quant.xb),
+                        CublasOperand::Bf16(t),
+                        m,
+                        v,
+                        h,
+                        &mut s.logits,
+                    )?;
+                }
+                (None, Table::F32(t)) => {
+                    ops::cublas_gemm(
+                        gpu,
+                        CublasOperand::F32(&s.o),
+                        CublasOperand::F32(t),
+                        m,
+                        v,
+                        h,
+                        &mut s.logits,
+                    )?;
+                }
             }
-            (None, Table::F32(t)) => {
-                ops::cublas_gemm(
-                    gpu,
-                    CublasOperand::F32(&s.normed),
-                    CublasOperand::F32(t),
-                    rows,
-                    v,
-                    h,
-                    &mut s.logits,
-                )?;
-            }
+            gpu.stream.memcpy_dtoh(
+                &s.logits.slice(0..m * v),
+                &mut logits[first * v..(first + m) * v],
+            )?;
         }
-        let logits = gpu.download(&s.logits, rows * v)?;
         let by_layer = gpu.download(&s.routed, moe_layers * n * top_k)?;
         gpu.synchronize()?;
         // [layer][token][k] -> [token][layer][k], the CPU backend's order.
