@@ -559,6 +559,44 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             );
         }
     }
+    // Dense BF16 through cuBLAS (activations rounded to BF16 first): BF16-operand tolerance.
+    let (m_rows, dn, dk) = (40, 160, 256);
+    let wd: Vec<bf16> = rng
+        .vec(dn * dk, 0.1)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let xd = rng.vec(m_rows * dk, 1.0);
+    let cpu_dense = make_linear(
+        DenseWeight::Bf16(wd.clone()),
+        dn,
+        dk,
+        &TensorFormat::BF16,
+        None,
+    );
+    let mut want = vec![0f32; m_rows * dn];
+    cpu_dense.forward(&xd, m_rows, &mut want);
+    let (dxd, dwd) = (
+        g.upload(&xd).unwrap(),
+        g.upload(&wd.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
+            .unwrap(),
+    );
+    let mut xb = g.alloc::<u16>(m_rows * dk).unwrap();
+    ops::f32_to_bf16(&g, &dxd, &mut xb, m_rows * dk).unwrap();
+    let mut out = poisoned(&g, m_rows * dn, f32::NAN);
+    ops::cublas_gemm(
+        &g,
+        ops::CublasOperand::Bf16(&xb),
+        ops::CublasOperand::Bf16(&dwd),
+        m_rows,
+        dn,
+        dk,
+        &mut out,
+    )
+    .unwrap();
+    let err = rel_err(&g.download(&out, m_rows * dn).unwrap(), &want);
+    assert!(err < 1e-2, "cuBLAS BF16 GEMM: relative error {err}");
+
     let mut plan = MoePlan::new(&g, tokens * top_k, experts).unwrap();
     plan.build(&g, &ids, tokens, top_k, experts).unwrap();
     let x = activations(&mut rng, tokens, k);

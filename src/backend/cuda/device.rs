@@ -32,24 +32,35 @@ pub struct Gpu {
     functions: HashMap<Kernel, CudaFunction>,
 }
 
-/// Whether a CUDA driver and at least one device are present (never panics: cudarc panics
-/// when a library is missing, so its presence is checked first).
-pub fn device_count() -> usize {
+/// The number of CUDA devices, or why there are none usable (never panics: cudarc panics when
+/// a library is missing, so its presence is checked first).
+pub fn probe() -> Result<usize, String> {
     // SAFETY: only tries to dlopen libcuda.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return 0;
+        return Err("libcuda (the NVIDIA driver library) cannot be loaded".into());
     }
-    std::panic::catch_unwind(|| CudaContext::device_count().unwrap_or(0).max(0) as usize)
-        .unwrap_or(0)
+    std::panic::catch_unwind(|| {
+        cudarc::driver::result::init().map_err(|e| format!("cuInit failed: {e}"))?;
+        CudaContext::device_count()
+            .map(|n| n.max(0) as usize)
+            .map_err(|e| format!("cuDeviceGetCount failed: {e}"))
+    })
+    .unwrap_or_else(|_| Err("the CUDA driver library panicked on load".into()))
+}
+
+/// Whether a CUDA driver and at least one device are present.
+pub fn device_count() -> usize {
+    probe().unwrap_or(0)
 }
 
 impl Gpu {
     /// Opens device `ordinal`, compiles (or loads from the cache) every kernel for its
     /// architecture and creates the engine stream and the cuBLAS handle.
     pub fn open(ordinal: usize) -> Result<Gpu, CudaError> {
-        if device_count() <= ordinal {
+        let count = probe().map_err(CudaError::NoDevice)?;
+        if count <= ordinal {
             return Err(CudaError::NoDevice(format!(
-                "CUDA device {ordinal} not found (driver library or device missing)"
+                "CUDA device {ordinal} requested, {count} present"
             )));
         }
         let ctx = CudaContext::new(ordinal)?;
@@ -62,6 +73,10 @@ impl Gpu {
         let mut driver = 0;
         // SAFETY: plain out-parameter of a loaded driver.
         unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+        // Everything runs on one stream, so cudarc's per-buffer event tracking (for buffers
+        // shared between streams) is pure overhead.
+        // SAFETY: no buffer of this context is used from another stream.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let mut functions = HashMap::new();

@@ -69,6 +69,11 @@ pub struct CudaSizes {
     pub max_total_tokens: Option<usize>,
 }
 
+/// Dense BF16 layers use cuBLAS (activations rounded to BF16) above this many rows; below it
+/// the in-house GEMM keeps f32 activations like the CPU (decode steps are memory-bound either
+/// way, and routing decisions then match the CPU reference far more often).
+const CUBLAS_MIN_ROWS: usize = 16;
+
 /// The lm_head runs on at most this many rows at a time (a step asking for input logprobs of
 /// a long chunk needs logits for every row; the vocabulary makes each row large).
 const LOGIT_CHUNK_ROWS: usize = 256;
@@ -357,7 +362,7 @@ fn linear(
                 out,
             )
         }
-        (WeightData::Bf16(w), GemmRows::Dense(r), None) => {
+        (WeightData::Bf16(w), GemmRows::Dense(r), None) if *r > CUBLAS_MIN_ROWS => {
             ops::f32_to_bf16(gpu, x, &mut q.xb, r * k)?;
             return ops::cublas_gemm(
                 gpu,
