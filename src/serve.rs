@@ -330,6 +330,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
         .unwrap_or_else(|| recipe.name.clone());
     let mut model = model;
     let slots = model.slot_shapes();
+    let checksum = Arc::new(model.weights_checksum());
     let info = EngineInfo {
         model_path,
         served_model_name: args.served_model_name.clone().unwrap_or(name),
@@ -343,6 +344,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
         max_context_len: context_len,
         block_size: args.page_size,
         weight_version: std::sync::RwLock::new("default".to_string()),
+        weights_checksum: std::sync::RwLock::new(("default".to_string(), checksum)),
     };
     let cfg = EngineConfig {
         max_running_requests: args.max_running_requests,

@@ -24,4 +24,8 @@ pub trait Linear: Send + Sync {
     fn dequantized_weight(&self) -> Vec<f32>;
     /// Bytes of weight storage (weights and scales).
     fn storage_bytes(&self) -> usize;
+    /// The stored weight in checkpoint layout: the tensors `lockstep convert` writes for this
+    /// layer (BF16 `weight`; NVFP4 `weight`, `weight_scale`, `weight_scale_2`, `input_scale`;
+    /// MXFP8 `weight`, `weight_scale_inv`), borrowed where the layout is the held one.
+    fn checkpoint_parts(&self) -> Vec<crate::checkpoint::CheckpointPart<'_>>;
 }

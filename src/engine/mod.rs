@@ -14,6 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 pub use self::core::{Engine, EngineConfig};
 pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
 
+use crate::model::checksum::WeightsChecksum;
 use crate::model::slots::Replacement;
 use crate::model::{Model, ModelConfig};
 use crate::tokenizer::Tokenizer;
@@ -53,6 +54,7 @@ pub(crate) enum Command {
     /// Replace the weights between two steps (see [`EngineHandle::swap_model`]).
     SwapModel {
         model: Box<Model>,
+        checksum: Arc<WeightsChecksum>,
         version: String,
         abort_all: bool,
         reply: oneshot::Sender<Result<usize, EngineError>>,
@@ -60,8 +62,10 @@ pub(crate) enum Command {
     /// Replace some tensors between two steps (see [`EngineHandle::apply_weights`]).
     ApplyWeights {
         updates: Vec<(String, Replacement)>,
+        checksum: Arc<WeightsChecksum>,
         version: String,
-        reply: oneshot::Sender<()>,
+        /// Answers how long the engine stood still for the swap.
+        reply: oneshot::Sender<std::time::Duration>,
     },
     Shutdown,
 }
@@ -100,6 +104,8 @@ pub struct EngineInfo {
     pub max_context_len: usize,
     pub block_size: usize,
     pub weight_version: std::sync::RwLock<String>,
+    /// The served weights' checksum and the version it belongs to (set with the version).
+    pub weights_checksum: std::sync::RwLock<(String, Arc<WeightsChecksum>)>,
 }
 
 /// A cheap, cloneable handle to the engine thread.
@@ -180,15 +186,19 @@ impl EngineHandle {
     /// cache is flushed and the weight version set to `version`. With `abort_all`, requests in
     /// flight are aborted first; otherwise they continue on the new weights (their KV from the
     /// old weights is kept) and report the version spans. Returns how many were aborted.
+    /// `checksum` is the new model's ([`Model::weights_checksum`]), computed by the caller off
+    /// the engine thread.
     pub async fn swap_model(
         &self,
         model: Model,
+        checksum: Arc<WeightsChecksum>,
         version: String,
         abort_all: bool,
     ) -> Result<usize, EngineError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::SwapModel {
             model: Box::new(model),
+            checksum,
             version,
             abort_all,
             reply,
@@ -199,15 +209,18 @@ impl EngineHandle {
 
     /// Swaps validated tensor replacements in between two engine steps (all at once), flushes
     /// the prefix cache and sets the weight version. The names must come from the served
-    /// model's slot table.
+    /// model's slot table; `checksum` is the whole model's after the update. Returns the
+    /// time generation stood still for the swap.
     pub async fn apply_weights(
         &self,
         updates: Vec<(String, Replacement)>,
+        checksum: Arc<WeightsChecksum>,
         version: String,
-    ) -> Result<(), EngineError> {
+    ) -> Result<std::time::Duration, EngineError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::ApplyWeights {
             updates,
+            checksum,
             version,
             reply,
         })?;
@@ -224,6 +237,15 @@ impl EngineHandle {
             .weight_version
             .read()
             .expect("weight version lock")
+            .clone()
+    }
+
+    /// The served weights' checksum with the version it belongs to.
+    pub fn weights_checksum(&self) -> (String, Arc<WeightsChecksum>) {
+        self.info
+            .weights_checksum
+            .read()
+            .expect("checksum lock")
             .clone()
     }
 

@@ -3,9 +3,11 @@
 
 use std::collections::BTreeMap;
 
+use super::checksum::WeightsChecksum;
 use super::{Mlp, Model};
 use crate::backend::cpu::linear::{make_linear, DenseWeight};
 use crate::backend::Linear;
+use crate::checkpoint::CheckpointPart;
 use crate::quant::{Format, TensorFormat};
 
 /// What a checkpoint tensor name holds in the served model.
@@ -28,6 +30,40 @@ pub enum Replacement {
     Linear(Box<dyn Linear>),
     Vector(Vec<f32>),
     Embedding(DenseWeight),
+}
+
+impl Replacement {
+    /// The replacement in checkpoint layout (what the slot will hold after commit).
+    pub fn checkpoint_parts(&self, hidden: usize) -> Vec<CheckpointPart<'_>> {
+        match self {
+            Replacement::Linear(l) => l.checkpoint_parts(),
+            Replacement::Vector(v) => vec![CheckpointPart::from_f32("weight", vec![v.len()], v)],
+            Replacement::Embedding(e) => dense_parts(e, hidden),
+        }
+    }
+}
+
+fn dense_parts(w: &DenseWeight, cols: usize) -> Vec<CheckpointPart<'_>> {
+    let shape = vec![w.len() / cols, cols];
+    vec![match w {
+        DenseWeight::Bf16(v) => CheckpointPart::bf16("weight", shape, v),
+        DenseWeight::F32(v) => CheckpointPart::from_f32("weight", shape, v),
+    }]
+}
+
+/// The checksum entries of validated replacements (names from the slot table).
+pub fn replacements_checksum(updates: &[(String, Replacement)], hidden: usize) -> WeightsChecksum {
+    WeightsChecksum::of_parts(
+        updates
+            .iter()
+            .map(|(name, r)| (module_of(name).to_string(), r.checkpoint_parts(hidden)))
+            .collect(),
+    )
+}
+
+/// `x.weight` -> `x`: the parts of a slot are named `x.<suffix>`.
+fn module_of(slot: &str) -> &str {
+    slot.strip_suffix(".weight").unwrap_or(slot)
 }
 
 enum SlotMut<'a> {
@@ -132,6 +168,34 @@ impl Model {
                 (name, shape)
             })
             .collect()
+    }
+
+    /// Every tensor the model holds, hashed in checkpoint layout.
+    pub fn weights_checksum(&mut self) -> WeightsChecksum {
+        let hidden = self.config.hidden_size;
+        let modules = self
+            .slots_mut()
+            .into_iter()
+            .map(|(name, slot)| {
+                // `&mut` -> `&` by move, so the parts may borrow for the whole of `self`'s loan.
+                let parts = match slot {
+                    SlotMut::Linear(l) => {
+                        let l: &Box<dyn Linear> = l;
+                        l.checkpoint_parts()
+                    }
+                    SlotMut::Vector(v) => {
+                        let v: &Vec<f32> = v;
+                        vec![CheckpointPart::from_f32("weight", vec![v.len()], v)]
+                    }
+                    SlotMut::Embedding(e) => {
+                        let e: &DenseWeight = e;
+                        dense_parts(e, hidden)
+                    }
+                };
+                (module_of(&name).to_string(), parts)
+            })
+            .collect();
+        WeightsChecksum::of_parts(modules)
     }
 
     /// Swaps in validated replacements. Callers check names and shapes first

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::extract::{Query, State};
@@ -20,8 +21,9 @@ use super::extract::{ApiBytes, ApiJson};
 use super::AppState;
 use crate::backend::cpu::linear::{make_linear, mxfp8_from_parts, nvfp4_from_parts, DenseWeight};
 use crate::checkpoint::{to_f32, OwnedTensor};
+use crate::model::checksum;
 use crate::model::loader::{self, Quantization};
-use crate::model::slots::{Replacement, SlotShape};
+use crate::model::slots::{replacements_checksum, Replacement, SlotShape};
 use crate::quant::nvfp4::SecondLevel;
 use crate::quant::{Format, Recipe, MXFP8_BLOCK, NVFP4_BLOCK};
 
@@ -84,19 +86,29 @@ pub async fn update_weights_from_disk(
         return Err(ApiError::invalid("flush_cache", "flush_cache=false is not supported: the prefix cache always holds KV of the old weights"));
     }
     let load_path = path.clone();
-    let model = tokio::task::spawn_blocking(move || {
-        loader::load_model(&load_path, settings.quantization, settings.recipe.clone())
+    let (model, sum) = tokio::task::spawn_blocking(move || {
+        loader::load_model(&load_path, settings.quantization, settings.recipe.clone()).map(
+            |(mut model, _)| {
+                let sum = model.weights_checksum();
+                (model, sum)
+            },
+        )
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))?
-    .map_err(|e| ApiError::invalid("model_path", format!("{}: {e}", path.display())))?
-    .0;
+    .map_err(|e| ApiError::invalid("model_path", format!("{}: {e}", path.display())))?;
+    let _commit = state.updates.commit.lock().await;
     let version = body
         .weight_version
         .unwrap_or_else(|| next_version(&state.engine.weight_version()));
     let aborted = state
         .engine
-        .swap_model(model, version.clone(), body.abort_all_requests)
+        .swap_model(
+            model,
+            Arc::new(sum),
+            version.clone(),
+            body.abort_all_requests,
+        )
         .await
         .map_err(|e| match e {
             crate::engine::EngineError::Conflict(m) => ApiError::invalid("model_path", m),
@@ -112,7 +124,7 @@ pub async fn update_weights_from_disk(
 }
 
 /// "default" -> "1", "7" -> "8", anything else -> "<it>.1".
-fn next_version(v: &str) -> String {
+pub fn next_version(v: &str) -> String {
     match v.parse::<u64>() {
         Ok(n) => (n + 1).to_string(),
         Err(_) if v == "default" => "1".into(),
@@ -135,6 +147,9 @@ pub struct Session {
 /// The server's single update slot and its limits.
 pub struct WeightUpdates {
     session: tokio::sync::Mutex<Option<Session>>,
+    /// Held from reading the served checksum to the swap, so two commits (a session and an
+    /// update from disk) never overlay the same old checksum.
+    commit: tokio::sync::Mutex<()>,
     pub max_staged_bytes: usize,
     pub session_timeout: Duration,
 }
@@ -143,6 +158,7 @@ impl WeightUpdates {
     pub fn new(max_staged_bytes: usize, session_timeout: Duration) -> WeightUpdates {
         WeightUpdates {
             session: tokio::sync::Mutex::new(None),
+            commit: tokio::sync::Mutex::new(()),
             max_staged_bytes,
             session_timeout,
         }
@@ -372,12 +388,18 @@ pub async fn end_weight_update(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<EndBody>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    if body.checksum.is_some() {
-        return Err(ApiError::invalid(
-            "checksum",
-            "checksum verification is not implemented yet; leave it out",
-        ));
-    }
+    let expected_checksum = body
+        .checksum
+        .as_deref()
+        .map(|c| {
+            checksum::parse_hex(c).ok_or_else(|| {
+                ApiError::invalid(
+                    "checksum",
+                    format!("checksum `{c}` is not a 64-bit hex number (16 hex digits, as GET /weights_checksum gives)"),
+                )
+            })
+        })
+        .transpose()?;
     // The session ends here whatever happens: a failed commit drops what it staged.
     let session = {
         let mut slot = state.updates.session.lock().await;
@@ -398,20 +420,47 @@ pub async fn end_weight_update(
     let info = state.engine.info.clone();
     let staged = session.staged;
     let count = staged.len();
-    let updates = tokio::task::spawn_blocking(move || build_replacements(&info, staged))
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))??;
-    state
+    let (updates, changed) = tokio::task::spawn_blocking(move || {
+        let updates = build_replacements(&info, staged)?;
+        let changed = replacements_checksum(&updates, info.config.hidden_size);
+        Ok::<_, ApiError>((updates, changed))
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))??;
+    let _commit = state.updates.commit.lock().await;
+    let sum = state.engine.weights_checksum().1.overlaid(&changed);
+    if let Some(want) = expected_checksum {
+        let got = sum.overall();
+        if got != want {
+            return Err(ApiError::invalid(
+                "checksum",
+                format!(
+                    "checksum mismatch: expected {} but the staged weights give {}; nothing changed (compare GET /weights_checksum's tensors to find the tensor)",
+                    checksum::hex(want),
+                    checksum::hex(got)
+                ),
+            ));
+        }
+    }
+    let pause = state
         .engine
-        .apply_weights(updates, session.version.clone())
+        .apply_weights(updates, Arc::new(sum), session.version.clone())
         .await?;
     tracing::info!(
         "weights updated from a streamed session: {count} tensors, version {}",
         session.version
     );
     Ok(Json(
-        json!({"success": true, "message": format!("{count} tensors committed, version {}", session.version), "weight_version": session.version}),
+        json!({"success": true, "message": format!("{count} tensors committed, version {}", session.version), "weight_version": session.version, "commit_pause_s": pause.as_secs_f64()}),
     ))
+}
+
+/// `GET /weights_checksum`: what the server holds, in checkpoint layout (model/checksum.rs).
+pub async fn weights_checksum(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let (version, sum) = state.engine.weights_checksum();
+    let mut body = sum.to_json();
+    body["weight_version"] = json!(version);
+    Json(body)
 }
 
 #[derive(Deserialize)]
@@ -476,7 +525,7 @@ fn build_replacements(
                 let mut fmt = info.recipe.format_for(module, num_layers).fitting(*cols);
                 fmt.format = *format;
                 let level = if *format == Format::Nvfp4 {
-                    gate_up_level(module, &modules, &mut shared)?
+                    gate_up_level(module, &info.slots, &modules, fmt, &mut shared)?
                 } else {
                     None
                 };
@@ -555,13 +604,25 @@ fn dense_weight(name: &str, t: &OwnedTensor) -> Result<DenseWeight, ApiError> {
     })
 }
 
-/// The shared second-level scale of an NVFP4 gate/up pair, from both halves of the update.
+/// The shared second-level scale of an NVFP4 gate/up pair, from both halves of the update
+/// (paired only when both are NVFP4 slots, as convert and the loader pair them).
 fn gate_up_level(
     module: &str,
+    slots: &BTreeMap<String, SlotShape>,
     modules: &BTreeMap<String, BTreeMap<String, OwnedTensor>>,
+    fmt: crate::quant::TensorFormat,
     cache: &mut BTreeMap<String, SecondLevel>,
 ) -> Result<Option<SecondLevel>, ApiError> {
-    let Some(partner) = crate::convert::gate_up_partner(module) else {
+    let partner = crate::convert::gate_up_partner(module).filter(|p| {
+        matches!(
+            slots.get(&format!("{p}.weight")),
+            Some(SlotShape::Linear {
+                format: Format::Nvfp4,
+                ..
+            })
+        )
+    });
+    let Some(partner) = partner else {
         return Ok(None);
     };
     let key = if module.ends_with("gate_proj") {
@@ -584,7 +645,7 @@ fn gate_up_level(
     let a = crate::quant::nvfp4::parallel_amax(&f32_of(module, mine)?).max(
         crate::quant::nvfp4::parallel_amax(&f32_of(&partner, other)?),
     );
-    let level = SecondLevel::standard(a);
+    let level = crate::quant::nvfp4::gate_up_level(a, fmt.four_over_six);
     cache.insert(key, level);
     Ok(Some(level))
 }

@@ -8,8 +8,10 @@
 
 use half::bf16;
 use rayon::prelude::*;
+use safetensors::tensor::Dtype;
 
 use crate::backend::Linear;
+use crate::checkpoint::CheckpointPart;
 use crate::quant::{self, Format, GlobalScale, Nvfp4Options, ScaleGranularity, TensorFormat};
 
 /// Dot product with 8 independent accumulators, reduced in a fixed order. The same
@@ -151,6 +153,10 @@ impl Linear for DenseF32 {
     fn storage_bytes(&self) -> usize {
         self.weight.len() * 4
     }
+    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
+        let shape = vec![self.out_features, self.in_features];
+        vec![CheckpointPart::from_f32("weight", shape, &self.weight)]
+    }
 }
 
 /// Dense BF16 weights, widened to f32 inside the kernel.
@@ -179,6 +185,10 @@ impl Linear for DenseBf16 {
     }
     fn storage_bytes(&self) -> usize {
         self.weight.len() * 2
+    }
+    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
+        let shape = vec![self.out_features, self.in_features];
+        vec![CheckpointPart::bf16("weight", shape, &self.weight)]
     }
 }
 
@@ -218,6 +228,18 @@ impl Linear for Mxfp8Linear {
     }
     fn storage_bytes(&self) -> usize {
         self.weight.data.len() + self.weight.scales.len()
+    }
+    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
+        let (w, k) = (&self.weight, self.weight.cols);
+        vec![
+            CheckpointPart::bytes("weight", Dtype::F8_E4M3, vec![w.rows, k], &w.data),
+            CheckpointPart::bytes(
+                "weight_scale_inv",
+                Dtype::U8,
+                vec![w.rows, k / quant::MXFP8_BLOCK],
+                &w.scales,
+            ),
+        ]
     }
 }
 
@@ -301,6 +323,32 @@ impl Linear for Nvfp4Linear {
     }
     fn storage_bytes(&self) -> usize {
         self.weight.data.len() + self.weight.scales.len() + 4
+    }
+    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
+        let (w, k) = (&self.weight, self.weight.cols);
+        let scalar = |v: f32| std::borrow::Cow::Owned(v.to_le_bytes().to_vec());
+        vec![
+            CheckpointPart::bytes("weight", Dtype::U8, vec![w.rows, k / 2], &w.data),
+            CheckpointPart::bytes(
+                "weight_scale",
+                Dtype::F8_E4M3,
+                vec![w.rows, k / quant::NVFP4_BLOCK],
+                &w.scales,
+            ),
+            CheckpointPart {
+                suffix: "weight_scale_2",
+                dtype: Dtype::F32,
+                shape: vec![],
+                data: scalar(self.weight_scale()),
+            },
+            // Activations are scaled per token at run time; convert writes 1.0 for loaders.
+            CheckpointPart {
+                suffix: "input_scale",
+                dtype: Dtype::F32,
+                shape: vec![],
+                data: scalar(1.0),
+            },
+        ]
     }
 }
 
