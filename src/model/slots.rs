@@ -172,9 +172,25 @@ impl Model {
 
     /// Every tensor the model holds, hashed in checkpoint layout.
     pub fn weights_checksum(&mut self) -> WeightsChecksum {
+        WeightsChecksum::of_parts(self.checkpoint_parts())
+    }
+
+    /// Every tensor the model holds in checkpoint layout, copied out (what a trainer pushes,
+    /// and what a checkpoint of the served weights would hold).
+    pub fn checkpoint_tensors(&mut self) -> Vec<(String, crate::checkpoint::OwnedTensor)> {
+        self.checkpoint_parts()
+            .into_iter()
+            .flat_map(|(module, parts)| {
+                parts
+                    .into_iter()
+                    .map(move |p| (format!("{module}.{}", p.suffix), p.to_owned_tensor()))
+            })
+            .collect()
+    }
+
+    fn checkpoint_parts(&mut self) -> Vec<(String, Vec<CheckpointPart<'_>>)> {
         let hidden = self.config.hidden_size;
-        let modules = self
-            .slots_mut()
+        self.slots_mut()
             .into_iter()
             .map(|(name, slot)| {
                 // `&mut` -> `&` by move, so the parts may borrow for the whole of `self`'s loan.
@@ -194,8 +210,7 @@ impl Model {
                 };
                 (module_of(&name).to_string(), parts)
             })
-            .collect();
-        WeightsChecksum::of_parts(modules)
+            .collect()
     }
 
     /// Swaps in validated replacements. Callers check names and shapes first

@@ -384,8 +384,15 @@ async fn stream_buckets(
             .iter()
             .map(|&j| (tensors[j].0.as_str(), &tensors[j].1))
             .collect();
-        // Quantizing is CPU work: keep it off the runtime's other tasks (the sends in flight).
-        tokio::task::block_in_place(|| prepare_bucket(&members, prep))
+        // Quantizing is CPU work: keep it off the runtime's other tasks (the sends in flight)
+        // where the runtime allows it (a current-thread runtime runs the sends afterwards).
+        let multi = tokio::runtime::Handle::current().runtime_flavor()
+            == tokio::runtime::RuntimeFlavor::MultiThread;
+        if multi {
+            tokio::task::block_in_place(|| prepare_bucket(&members, prep))
+        } else {
+            prepare_bucket(&members, prep)
+        }
     };
     let mut expected = WeightsChecksum::default();
     let (mut staged, mut wire) = (0, 0);

@@ -388,6 +388,12 @@ pub async fn end_weight_update(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<EndBody>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
+    // The session ends here whatever happens: a failed commit drops what it staged.
+    let session = {
+        let mut slot = state.updates.session.lock().await;
+        open_session(&mut slot, &body.session, state.updates.session_timeout)?;
+        slot.take().expect("checked open")
+    };
     let expected_checksum = body
         .checksum
         .as_deref()
@@ -400,12 +406,6 @@ pub async fn end_weight_update(
             })
         })
         .transpose()?;
-    // The session ends here whatever happens: a failed commit drops what it staged.
-    let session = {
-        let mut slot = state.updates.session.lock().await;
-        open_session(&mut slot, &body.session, state.updates.session_timeout)?;
-        slot.take().expect("checked open")
-    };
     if let Some(n) = body.expected_tensors {
         if n != session.staged.len() {
             return Err(ApiError::invalid(
