@@ -330,9 +330,9 @@ impl Core {
                 reply,
             } => {
                 let started = Instant::now();
-                self.model.apply_replacements(updates);
+                let spent = self.model.apply_replacements(updates);
                 self.begin_weight_version(version, checksum);
-                let _ = reply.send(started.elapsed());
+                let _ = reply.send((started.elapsed(), spent));
             }
             Command::Shutdown => {
                 self.shutting_down = true;

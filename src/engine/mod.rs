@@ -64,8 +64,9 @@ pub(crate) enum Command {
         updates: Vec<(String, Replacement)>,
         checksum: Arc<WeightsChecksum>,
         version: String,
-        /// Answers how long the engine stood still for the swap.
-        reply: oneshot::Sender<std::time::Duration>,
+        /// Answers how long the engine stood still, and what is left to free (dropped by the
+        /// caller, off the engine thread).
+        reply: oneshot::Sender<(std::time::Duration, Vec<Replacement>)>,
     },
     Shutdown,
 }
@@ -210,13 +211,13 @@ impl EngineHandle {
     /// Swaps validated tensor replacements in between two engine steps (all at once), flushes
     /// the prefix cache and sets the weight version. The names must come from the served
     /// model's slot table; `checksum` is the whole model's after the update. Returns the
-    /// time generation stood still for the swap.
+    /// time generation stood still, and the spent replacements for the caller to free.
     pub async fn apply_weights(
         &self,
         updates: Vec<(String, Replacement)>,
         checksum: Arc<WeightsChecksum>,
         version: String,
-    ) -> Result<std::time::Duration, EngineError> {
+    ) -> Result<(std::time::Duration, Vec<Replacement>), EngineError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::ApplyWeights {
             updates,

@@ -213,20 +213,47 @@ impl Model {
             .collect()
     }
 
-    /// Swaps in validated replacements. Callers check names and shapes first
-    /// ([`Model::slot_shapes`]); an unknown name is a bug and panics.
-    pub fn apply_replacements(&mut self, updates: Vec<(String, Replacement)>) {
+    /// Writes validated replacements into the served weights: into the existing buffers
+    /// where kind and size match (always, for replacements built from the slot table), else by
+    /// swapping. Returns what is left to free (the replacements copied from, or the values
+    /// swapped out), so the caller can drop it off the engine thread. Callers check names and
+    /// shapes first ([`Model::slot_shapes`]); an unknown name is a bug and panics.
+    pub fn apply_replacements(&mut self, updates: Vec<(String, Replacement)>) -> Vec<Replacement> {
         let mut updates: BTreeMap<String, Replacement> = updates.into_iter().collect();
+        let mut spent = Vec::with_capacity(updates.len());
         let mut embedding_changed = false;
         for (name, slot) in self.slots_mut() {
             let Some(r) = updates.remove(&name) else {
                 continue;
             };
             match (slot, r) {
-                (SlotMut::Linear(dst), Replacement::Linear(new)) => *dst = new,
-                (SlotMut::Vector(dst), Replacement::Vector(new)) => *dst = new,
+                (SlotMut::Linear(dst), Replacement::Linear(new)) => {
+                    if dst.overwrite_from(&*new) {
+                        spent.push(Replacement::Linear(new));
+                    } else {
+                        spent.push(Replacement::Linear(std::mem::replace(dst, new)));
+                    }
+                }
+                (SlotMut::Vector(dst), Replacement::Vector(new)) => {
+                    if dst.len() == new.len() {
+                        dst.copy_from_slice(&new);
+                        spent.push(Replacement::Vector(new));
+                    } else {
+                        spent.push(Replacement::Vector(std::mem::replace(dst, new)));
+                    }
+                }
                 (SlotMut::Embedding(dst), Replacement::Embedding(new)) => {
-                    *dst = new;
+                    match (&mut *dst, &new) {
+                        (DenseWeight::Bf16(d), DenseWeight::Bf16(n)) if d.len() == n.len() => {
+                            d.copy_from_slice(n);
+                            spent.push(Replacement::Embedding(new));
+                        }
+                        (DenseWeight::F32(d), DenseWeight::F32(n)) if d.len() == n.len() => {
+                            d.copy_from_slice(n);
+                            spent.push(Replacement::Embedding(new));
+                        }
+                        _ => spent.push(Replacement::Embedding(std::mem::replace(dst, new))),
+                    }
                     embedding_changed = true;
                 }
                 _ => panic!("replacement of the wrong kind for `{name}`"),
@@ -246,6 +273,78 @@ impl Model {
                 &TensorFormat::BF16,
                 None,
             );
+        }
+        spent
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::linear::DenseF32;
+    use std::borrow::Cow;
+
+    /// Every slot of `m` as a replacement (leaving empty values behind).
+    fn take_all(m: &mut Model) -> Vec<(String, Replacement)> {
+        let empty = || -> Box<dyn Linear> {
+            Box::new(DenseF32 {
+                weight: vec![],
+                out_features: 0,
+                in_features: 0,
+            })
+        };
+        m.slots_mut()
+            .into_iter()
+            .map(|(name, slot)| {
+                let r = match slot {
+                    SlotMut::Linear(l) => Replacement::Linear(std::mem::replace(l, empty())),
+                    SlotMut::Vector(v) => Replacement::Vector(std::mem::take(v)),
+                    SlotMut::Embedding(e) => {
+                        Replacement::Embedding(std::mem::replace(e, DenseWeight::F32(vec![])))
+                    }
+                };
+                (name, r)
+            })
+            .collect()
+    }
+
+    /// Addresses of every buffer the served weights live in.
+    fn buffers(m: &mut Model) -> Vec<usize> {
+        m.checkpoint_parts()
+            .iter()
+            .flat_map(|(_, parts)| parts.iter())
+            .filter_map(|p| match &p.data {
+                Cow::Borrowed(b) => Some(b.as_ptr() as usize),
+                Cow::Owned(_) => None,
+            })
+            .collect()
+    }
+
+    /// An update writes into the buffers the model already has (no allocation, no moving),
+    /// and the model then holds exactly the new weights.
+    #[test]
+    fn replacements_are_written_into_the_existing_buffers() {
+        let cfg: crate::model::ModelConfig = crate::model::ModelConfig::from_json(
+            serde_json::from_str(crate::serve::EMBEDDED_CONFIG).unwrap(),
+        )
+        .unwrap();
+        for recipe in ["bf16", "nvfp4", "mxfp8"] {
+            let recipe = crate::quant::Recipe::builtin(recipe).unwrap();
+            let mut served = crate::model::loader::dummy_model(cfg.clone(), &recipe, 0).unwrap();
+            let mut new = crate::model::loader::dummy_model(cfg.clone(), &recipe, 1).unwrap();
+            let want = new.weights_checksum();
+            assert_ne!(served.weights_checksum(), want);
+            let before = buffers(&mut served);
+            assert!(!before.is_empty());
+            let spent = served.apply_replacements(take_all(&mut new));
+            assert_eq!(spent.len(), served.slot_shapes().len());
+            assert_eq!(
+                buffers(&mut served),
+                before,
+                "{}: buffers moved",
+                recipe.name
+            );
+            assert_eq!(served.weights_checksum(), want, "{}", recipe.name);
         }
     }
 }

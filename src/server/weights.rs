@@ -442,10 +442,12 @@ pub async fn end_weight_update(
             ));
         }
     }
-    let pause = state
+    let (pause, spent) = state
         .engine
         .apply_weights(updates, Arc::new(sum), session.version.clone())
         .await?;
+    // Freeing gigabytes takes a while: not on the engine thread, not on the runtime.
+    tokio::task::spawn_blocking(move || drop(spent));
     tracing::info!(
         "weights updated from a streamed session: {count} tensors, version {}",
         session.version

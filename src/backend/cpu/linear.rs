@@ -157,6 +157,18 @@ impl Linear for DenseF32 {
         let shape = vec![self.out_features, self.in_features];
         vec![CheckpointPart::from_f32("weight", shape, &self.weight)]
     }
+    fn overwrite_from(&mut self, new: &dyn Linear) -> bool {
+        match new.as_any().downcast_ref::<DenseF32>() {
+            Some(n) if n.weight.len() == self.weight.len() => {
+                self.weight.copy_from_slice(&n.weight);
+                true
+            }
+            _ => false,
+        }
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 /// Dense BF16 weights, widened to f32 inside the kernel.
@@ -189,6 +201,18 @@ impl Linear for DenseBf16 {
     fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
         let shape = vec![self.out_features, self.in_features];
         vec![CheckpointPart::bf16("weight", shape, &self.weight)]
+    }
+    fn overwrite_from(&mut self, new: &dyn Linear) -> bool {
+        match new.as_any().downcast_ref::<DenseBf16>() {
+            Some(n) if n.weight.len() == self.weight.len() => {
+                self.weight.copy_from_slice(&n.weight);
+                true
+            }
+            _ => false,
+        }
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
@@ -240,6 +264,22 @@ impl Linear for Mxfp8Linear {
                 &w.scales,
             ),
         ]
+    }
+    fn overwrite_from(&mut self, new: &dyn Linear) -> bool {
+        match new.as_any().downcast_ref::<Mxfp8Linear>() {
+            Some(n)
+                if (n.weight.rows, n.weight.cols, n.weight.axis)
+                    == (self.weight.rows, self.weight.cols, self.weight.axis) =>
+            {
+                self.weight.data.copy_from_slice(&n.weight.data);
+                self.weight.scales.copy_from_slice(&n.weight.scales);
+                true
+            }
+            _ => false,
+        }
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
@@ -349,6 +389,29 @@ impl Linear for Nvfp4Linear {
                 data: scalar(1.0),
             },
         ]
+    }
+    fn overwrite_from(&mut self, new: &dyn Linear) -> bool {
+        let Some(n) = new.as_any().downcast_ref::<Nvfp4Linear>() else {
+            return false;
+        };
+        let same = (n.weight.rows, n.weight.cols) == (self.weight.rows, self.weight.cols)
+            && matches!(
+                (&n.weight.global, &self.weight.global),
+                (GlobalScale::PerTensor(_), GlobalScale::PerTensor(_))
+            );
+        if !same {
+            return false;
+        }
+        self.weight.data.copy_from_slice(&n.weight.data);
+        self.weight.scales.copy_from_slice(&n.weight.scales);
+        self.weight.global = n.weight.global.clone();
+        self.block_scaled.copy_from_slice(&n.block_scaled);
+        self.activation_scale = n.activation_scale;
+        self.four_over_six = n.four_over_six;
+        true
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
