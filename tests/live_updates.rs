@@ -299,6 +299,10 @@ async fn two_hundred_updates_do_not_grow_resident_memory() {
     // in the allocator's free lists between updates) plus 8 MiB of allocator arenas. A leak of
     // even 2% of each update would exceed it: 180 updates x 2% = 3.6 model copies.
     let tolerance_kib = (2 * model_bytes / 1024 + 8 * 1024) as u64;
+    eprintln!(
+        "VmRSS after 20 updates {rss_at_20} KiB, after 200 {rss_at_200} KiB (model {} KiB)",
+        model_bytes / 1024
+    );
     assert!(
         rss_at_200 <= rss_at_20 + tolerance_kib,
         "VmRSS {rss_at_20} KiB after 20 updates, {rss_at_200} KiB after 200 (tolerance {tolerance_kib} KiB, model {} KiB)",
