@@ -3,6 +3,8 @@
 
 use std::collections::BTreeMap;
 
+use rayon::prelude::*;
+
 use super::checksum::WeightsChecksum;
 use super::{Mlp, Model};
 use crate::backend::cpu::linear::{make_linear, DenseWeight};
@@ -220,50 +222,28 @@ impl Model {
     /// shapes first ([`Model::slot_shapes`]); an unknown name is a bug and panics.
     pub fn apply_replacements(&mut self, updates: Vec<(String, Replacement)>) -> Vec<Replacement> {
         let mut updates: BTreeMap<String, Replacement> = updates.into_iter().collect();
-        let mut spent = Vec::with_capacity(updates.len());
-        let mut embedding_changed = false;
-        for (name, slot) in self.slots_mut() {
-            let Some(r) = updates.remove(&name) else {
-                continue;
-            };
-            match (slot, r) {
-                (SlotMut::Linear(dst), Replacement::Linear(new)) => {
-                    if dst.overwrite_from(&*new) {
-                        spent.push(Replacement::Linear(new));
-                    } else {
-                        spent.push(Replacement::Linear(std::mem::replace(dst, new)));
-                    }
+        let (spent, embedding_changed) = {
+            let mut pairs = Vec::with_capacity(updates.len());
+            for (name, slot) in self.slots_mut() {
+                if let Some(r) = updates.remove(&name) {
+                    pairs.push((name, slot, r));
                 }
-                (SlotMut::Vector(dst), Replacement::Vector(new)) => {
-                    if dst.len() == new.len() {
-                        dst.copy_from_slice(&new);
-                        spent.push(Replacement::Vector(new));
-                    } else {
-                        spent.push(Replacement::Vector(std::mem::replace(dst, new)));
-                    }
-                }
-                (SlotMut::Embedding(dst), Replacement::Embedding(new)) => {
-                    match (&mut *dst, &new) {
-                        (DenseWeight::Bf16(d), DenseWeight::Bf16(n)) if d.len() == n.len() => {
-                            d.copy_from_slice(n);
-                            spent.push(Replacement::Embedding(new));
-                        }
-                        (DenseWeight::F32(d), DenseWeight::F32(n)) if d.len() == n.len() => {
-                            d.copy_from_slice(n);
-                            spent.push(Replacement::Embedding(new));
-                        }
-                        _ => spent.push(Replacement::Embedding(std::mem::replace(dst, new))),
-                    }
-                    embedding_changed = true;
-                }
-                _ => panic!("replacement of the wrong kind for `{name}`"),
             }
-        }
-        assert!(
-            updates.is_empty(),
-            "unknown weight names: {:?}",
-            updates.keys().collect::<Vec<_>>()
-        );
+            assert!(
+                updates.is_empty(),
+                "unknown weight names: {:?}",
+                updates.keys().collect::<Vec<_>>()
+            );
+            let embedding = pairs
+                .iter()
+                .any(|(_, s, _)| matches!(s, SlotMut::Embedding(_)));
+            // Copies of independent slots: spread over the cores (the engine stands still).
+            let spent: Vec<Replacement> = pairs
+                .into_par_iter()
+                .map(|(name, slot, r)| write_slot(&name, slot, r))
+                .collect();
+            (spent, embedding)
+        };
         if embedding_changed && self.config.tie_word_embeddings {
             // Tied: lm_head is the embedding matrix.
             self.lm_head = make_linear(
@@ -275,6 +255,40 @@ impl Model {
             );
         }
         spent
+    }
+}
+
+/// Writes one replacement into its slot (in place when kind and size match, else by swapping)
+/// and returns what is left to free.
+fn write_slot(name: &str, slot: SlotMut<'_>, r: Replacement) -> Replacement {
+    match (slot, r) {
+        (SlotMut::Linear(dst), Replacement::Linear(new)) => {
+            if dst.overwrite_from(&*new) {
+                Replacement::Linear(new)
+            } else {
+                Replacement::Linear(std::mem::replace(dst, new))
+            }
+        }
+        (SlotMut::Vector(dst), Replacement::Vector(new)) => {
+            if dst.len() == new.len() {
+                dst.copy_from_slice(&new);
+                Replacement::Vector(new)
+            } else {
+                Replacement::Vector(std::mem::replace(dst, new))
+            }
+        }
+        (SlotMut::Embedding(dst), Replacement::Embedding(new)) => match (&mut *dst, &new) {
+            (DenseWeight::Bf16(d), DenseWeight::Bf16(n)) if d.len() == n.len() => {
+                d.copy_from_slice(n);
+                Replacement::Embedding(new)
+            }
+            (DenseWeight::F32(d), DenseWeight::F32(n)) if d.len() == n.len() => {
+                d.copy_from_slice(n);
+                Replacement::Embedding(new)
+            }
+            _ => Replacement::Embedding(std::mem::replace(dst, new)),
+        },
+        _ => panic!("replacement of the wrong kind for `{name}`"),
     }
 }
 

@@ -20,7 +20,7 @@ use super::errors::ApiError;
 use super::extract::{ApiBytes, ApiJson};
 use super::AppState;
 use crate::backend::cpu::linear::{make_linear, mxfp8_from_parts, nvfp4_from_parts, DenseWeight};
-use crate::checkpoint::{to_f32, OwnedTensor};
+use crate::checkpoint::to_f32;
 use crate::model::checksum;
 use crate::model::loader::{self, Quantization};
 use crate::model::slots::{replacements_checksum, Replacement, SlotShape};
@@ -135,11 +135,18 @@ pub fn next_version(v: &str) -> String {
 // ---------------------------------------------------------------------------------------------
 // The streamed session: begin, any number of PUT /update_weights buckets, end (or abort).
 
+/// A staged tensor: a slice of the bucket body it arrived in (no copy).
+pub struct StagedTensor {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: bytes::Bytes,
+}
+
 /// One open streamed update. Tensors are validated on arrival and held here until commit.
 pub struct Session {
     id: String,
     version: String,
-    staged: BTreeMap<String, OwnedTensor>,
+    staged: BTreeMap<String, StagedTensor>,
     bytes: usize,
     last_activity: Instant,
 }
@@ -252,7 +259,16 @@ pub async fn put_update_weights(
     let mut incoming = Vec::new();
     for (name, t) in st.tensors() {
         check_tensor(slots, &name, t.dtype(), t.shape())?;
-        incoming.push((name, OwnedTensor::from_view(&t)));
+        // The view borrows from `body`: keep a slice of it rather than a copy.
+        let start = t.data().as_ptr() as usize - body.as_ptr() as usize;
+        incoming.push((
+            name,
+            StagedTensor {
+                dtype: t.dtype(),
+                shape: t.shape().to_vec(),
+                data: body.slice(start..start + t.data().len()),
+            },
+        ));
     }
     let mut slot = state.updates.session.lock().await;
     let session = open_session(&mut slot, &q.session, state.updates.session_timeout)?;
@@ -489,7 +505,7 @@ pub async fn abort_weight_update(
     }
 }
 
-fn f32_of(name: &str, t: &OwnedTensor) -> Result<Vec<f32>, ApiError> {
+fn f32_of(name: &str, t: &StagedTensor) -> Result<Vec<f32>, ApiError> {
     let view = safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.data)
         .map_err(|e| ApiError::invalid(name, e.to_string()))?;
     to_f32(name, &view).map_err(|e| ApiError::invalid(name, e.to_string()))
@@ -500,10 +516,10 @@ fn f32_of(name: &str, t: &OwnedTensor) -> Result<Vec<f32>, ApiError> {
 /// scale, so both must be in the update); pre-quantized ones must be complete.
 fn build_replacements(
     info: &crate::engine::EngineInfo,
-    mut staged: BTreeMap<String, OwnedTensor>,
+    mut staged: BTreeMap<String, StagedTensor>,
 ) -> Result<Vec<(String, Replacement)>, ApiError> {
     let num_layers = info.config.num_layers;
-    let mut modules: BTreeMap<String, BTreeMap<String, OwnedTensor>> = BTreeMap::new();
+    let mut modules: BTreeMap<String, BTreeMap<String, StagedTensor>> = BTreeMap::new();
     for (name, t) in std::mem::take(&mut staged) {
         let (slot, part) = split_name(&name);
         modules.entry(slot).or_default().insert(part.to_string(), t);
@@ -554,11 +570,11 @@ fn build_replacements(
                 };
                 let s2 = f32_of(slot_name, need("weight_scale_2")?)?;
                 let fmt = info.recipe.format_for(module, num_layers);
-                let scales = need("weight_scale")?.data.clone();
+                let scales = need("weight_scale")?.data.to_vec();
                 Replacement::Linear(nvfp4_from_parts(
                     *rows,
                     *cols,
-                    weight.data.clone(),
+                    weight.data.to_vec(),
                     scales,
                     s2[0],
                     &fmt,
@@ -578,8 +594,8 @@ fn build_replacements(
                 Replacement::Linear(mxfp8_from_parts(
                     *rows,
                     *cols,
-                    weight.data.clone(),
-                    scales.data.clone(),
+                    weight.data.to_vec(),
+                    scales.data.to_vec(),
                 ))
             }
             SlotShape::Linear { .. } => {
@@ -594,14 +610,14 @@ fn build_replacements(
     Ok(out)
 }
 
-fn dense_weight(name: &str, t: &OwnedTensor) -> Result<DenseWeight, ApiError> {
+fn dense_weight(name: &str, t: &StagedTensor) -> Result<DenseWeight, ApiError> {
     Ok(match t.dtype {
-        Dtype::BF16 => DenseWeight::Bf16(
-            t.data
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]))
-                .collect(),
-        ),
+        // One memcpy (the body slice may be unaligned for a direct cast).
+        Dtype::BF16 => {
+            let mut v = vec![half::bf16::ZERO; t.data.len() / 2];
+            bytemuck::cast_slice_mut::<half::bf16, u8>(&mut v).copy_from_slice(&t.data);
+            DenseWeight::Bf16(v)
+        }
         _ => DenseWeight::F32(f32_of(name, t)?),
     })
 }
@@ -611,7 +627,7 @@ fn dense_weight(name: &str, t: &OwnedTensor) -> Result<DenseWeight, ApiError> {
 fn gate_up_level(
     module: &str,
     slots: &BTreeMap<String, SlotShape>,
-    modules: &BTreeMap<String, BTreeMap<String, OwnedTensor>>,
+    modules: &BTreeMap<String, BTreeMap<String, StagedTensor>>,
     fmt: crate::quant::TensorFormat,
     cache: &mut BTreeMap<String, SecondLevel>,
 ) -> Result<Option<SecondLevel>, ApiError> {
