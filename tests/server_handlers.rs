@@ -765,7 +765,7 @@ async fn checksums_agree_across_server_quantization_client_quantization_and_conv
         let files: serde_json::Map<String, Value> = ckpt
             .names()
             .map(|n| {
-                let h = xxhash_rust::xxh3::xxh3_64(&ckpt.tensor(n).unwrap().data());
+                let h = xxhash_rust::xxh3::xxh3_64(ckpt.tensor(n).unwrap().data());
                 (n.to_string(), json!(format!("{h:016x}")))
             })
             .collect();

@@ -195,20 +195,13 @@ impl Model {
         self.slots_mut()
             .into_iter()
             .map(|(name, slot)| {
-                // `&mut` -> `&` by move, so the parts may borrow for the whole of `self`'s loan.
                 let parts = match slot {
-                    SlotMut::Linear(l) => {
-                        let l: &Box<dyn Linear> = l;
-                        l.checkpoint_parts()
-                    }
+                    SlotMut::Linear(l) => shared(l).checkpoint_parts(),
                     SlotMut::Vector(v) => {
-                        let v: &Vec<f32> = v;
+                        let v = shared(v);
                         vec![CheckpointPart::from_f32("weight", vec![v.len()], v)]
                     }
-                    SlotMut::Embedding(e) => {
-                        let e: &DenseWeight = e;
-                        dense_parts(e, hidden)
-                    }
+                    SlotMut::Embedding(e) => dense_parts(shared(e), hidden),
                 };
                 (module_of(&name).to_string(), parts)
             })
@@ -256,6 +249,11 @@ impl Model {
         }
         spent
     }
+}
+
+/// `&mut` -> `&` by move, so what borrows from it may live for the whole of the loan.
+fn shared<T: ?Sized>(r: &mut T) -> &T {
+    r
 }
 
 /// Writes one replacement into its slot (in place when kind and size match, else by swapping)
