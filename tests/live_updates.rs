@@ -396,3 +396,71 @@ async fn pause_modes_around_an_update() {
         assert_eq!(spans.last().unwrap()["end"], LONG);
     }
 }
+
+/// A bucket PUT that fails with a 5xx is retried (bounded), a 4xx is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_buckets_are_retried_within_the_bound_and_refusals_are_not() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    // A stand-in server: answers `status` to the first `failures` PUTs, then 200.
+    async fn flaky(status: u16, failures: usize) -> (String, Arc<AtomicUsize>) {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = calls.clone();
+        let app = axum::Router::new().route(
+            "/update_weights",
+            axum::routing::put(move || {
+                let n = seen.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    let code = if n < failures { status } else { 200 };
+                    (
+                        axum::http::StatusCode::from_u16(code).unwrap(),
+                        axum::Json(json!({"success": code == 200, "message": "stand-in"})),
+                    )
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        (url, calls)
+    }
+    let with_retries = |url: &str, retries| {
+        Server::new(
+            url,
+            None,
+            RetryPolicy {
+                retries,
+                backoff: Duration::from_millis(1),
+                timeout: Duration::from_secs(30),
+            },
+        )
+        .unwrap()
+    };
+    let body = bytes::Bytes::from_static(b"bucket");
+
+    let (url, calls) = flaky(503, 2).await;
+    assert!(with_retries(&url, 2)
+        .put_bucket("s", body.clone())
+        .await
+        .is_ok());
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        3,
+        "two failures, then success"
+    );
+
+    let (url, calls) = flaky(503, 2).await;
+    assert!(with_retries(&url, 1)
+        .put_bucket("s", body.clone())
+        .await
+        .is_err());
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "one retry, no more");
+
+    let (url, calls) = flaky(400, 1).await;
+    let err = with_retries(&url, 3)
+        .put_bucket("s", body)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("400"), "{err}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "a refusal is not retried");
+}
