@@ -464,3 +464,49 @@ async fn failed_buckets_are_retried_within_the_bound_and_refusals_are_not() {
     assert!(err.to_string().contains("400"), "{err}");
     assert_eq!(calls.load(Ordering::SeqCst), 1, "a refusal is not retried");
 }
+
+/// The `lockstep push` command itself: flags to options, the JSON report, the exit status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_push_command_updates_a_server_and_reports() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    bf16_checkpoint(&a, 1.0);
+    bf16_checkpoint(&b, 1.25);
+    let s = Proc::start(&["--model-path", a.to_str().unwrap()]).await;
+    let push = |extra: &[&str]| {
+        let mut args = vec![
+            "push",
+            "--server",
+            &s.url,
+            "--checkpoint",
+            b.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let out = Command::new(env!("CARGO_BIN_EXE_lockstep"))
+            .args(&args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, stdout, stderr) = push(&["--weight-version", "cli", "--bucket-mb", "1", "--json"]);
+    assert!(ok, "{stderr}");
+    let report: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(report["weight_version"], "cli");
+    assert!(report["buckets"].as_u64().unwrap() >= 1);
+    assert_eq!(
+        report["servers"][0]["checksum"],
+        json!(overall(&s.client()).await)
+    );
+    assert!(stderr.contains("GB/s"), "{stderr}");
+    assert_eq!(version(&s.client()).await, "cli");
+
+    // A bad flag value fails with the flag named, before anything is sent.
+    let (ok, _, stderr) = push(&["--bucket-mb", "0"]);
+    assert!(!ok);
+    assert!(stderr.contains("bucket-mb"), "{stderr}");
+    assert_eq!(version(&s.client()).await, "cli");
+}
