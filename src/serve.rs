@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::backend::cpu::attention::KvDtype;
-use crate::engine::{Engine, EngineConfig, EngineHandle, EngineInfo};
+use crate::engine::{CudaSource, Engine, EngineConfig, EngineHandle, EngineInfo, RunnerSpec};
 use crate::model::loader::{self, Quantization};
 use crate::model::ModelConfig;
 use crate::quant::Recipe;
@@ -27,6 +27,18 @@ pub enum LoadFormat {
     /// Deterministic random weights for the checkpoint's (or config file's) config.
     Dummy,
 }
+
+/// Where the model runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceChoice {
+    /// A CUDA GPU when a driver, a device and NVRTC are present, else the CPU.
+    Auto,
+    Cuda,
+    Cpu,
+}
+
+/// Default KV capacity on the CPU (on CUDA the cache is sized from device memory).
+const CPU_MAX_TOTAL_TOKENS: usize = 65536;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum KvCacheDtype {
@@ -68,6 +80,32 @@ pub struct ServeArgs {
         help_heading = "Model"
     )]
     pub load_format: LoadFormat,
+    /// Where the model runs.
+    #[arg(
+        long,
+        value_enum,
+        default_value = "auto",
+        env = "LOCKSTEP_DEVICE",
+        help_heading = "Model"
+    )]
+    pub device: DeviceChoice,
+    /// CUDA device ordinal (SGLang's --base-gpu-id).
+    #[arg(
+        long,
+        default_value_t = 0,
+        env = "LOCKSTEP_BASE_GPU_ID",
+        help_heading = "Model"
+    )]
+    pub base_gpu_id: usize,
+    /// Share of GPU memory for weights and the KV cache; the KV cache gets what the weights and
+    /// activation buffers leave of it.
+    #[arg(
+        long,
+        default_value_t = 0.85,
+        env = "LOCKSTEP_MEM_FRACTION_STATIC",
+        help_heading = "Model"
+    )]
+    pub mem_fraction_static: f32,
     /// Longest prompt + output in tokens (default: the model's max_position_embeddings).
     #[arg(long, env = "LOCKSTEP_CONTEXT_LENGTH", help_heading = "Model")]
     pub context_length: Option<usize>,
@@ -110,14 +148,10 @@ pub struct ServeArgs {
         help_heading = "Scheduling"
     )]
     pub max_running_requests: usize,
-    /// KV cache capacity in tokens.
-    #[arg(
-        long,
-        default_value_t = 65536,
-        env = "LOCKSTEP_MAX_TOTAL_TOKENS",
-        help_heading = "Scheduling"
-    )]
-    pub max_total_tokens: usize,
+    /// KV cache capacity in tokens (default: 65536 on the CPU; on CUDA, what
+    /// --mem-fraction-static leaves, capped by this when given).
+    #[arg(long, env = "LOCKSTEP_MAX_TOTAL_TOKENS", help_heading = "Scheduling")]
+    pub max_total_tokens: Option<usize>,
     /// Tokens computed per step (prefill chunks + decodes).
     #[arg(
         long,
@@ -231,10 +265,16 @@ fn check_sizes(args: &ServeArgs) -> Result<(), ServeError> {
             args.chunked_prefill_size, args.max_running_requests
         ));
     }
-    if args.max_total_tokens < args.page_size {
+    if let Some(t) = args.max_total_tokens.filter(|&t| t < args.page_size) {
         return bad(format!(
-            "--max-total-tokens {} is smaller than one page (--page-size {})",
-            args.max_total_tokens, args.page_size
+            "--max-total-tokens {t} is smaller than one page (--page-size {})",
+            args.page_size
+        ));
+    }
+    if !(args.mem_fraction_static > 0.0 && args.mem_fraction_static <= 1.0) {
+        return bad(format!(
+            "--mem-fraction-static {} must be in (0, 1]",
+            args.mem_fraction_static
         ));
     }
     if args.context_length == Some(0) {
@@ -243,20 +283,58 @@ fn check_sizes(args: &ServeArgs) -> Result<(), ServeError> {
     Ok(())
 }
 
+/// Picks the device: `auto` uses CUDA when a driver, a device and NVRTC are all present.
+fn resolve_device(choice: DeviceChoice) -> Result<bool, ServeError> {
+    let gpu_ready = || {
+        crate::backend::cuda::device_count() > 0 && crate::backend::cuda::kernels::nvrtc_available()
+    };
+    match choice {
+        DeviceChoice::Cpu => Ok(false),
+        DeviceChoice::Auto => Ok(gpu_ready()),
+        DeviceChoice::Cuda if gpu_ready() => Ok(true),
+        DeviceChoice::Cuda => Err(ServeError::Config(
+            "--device cuda: no usable CUDA device (needs libcuda, a GPU and libnvrtc)".into(),
+        )),
+    }
+}
+
+/// The weights as start-up has them: built on the host, or (dummy weights for the GPU) only
+/// their config, to be drawn on the device.
+enum Loaded {
+    Host(Box<crate::model::Model>),
+    DeviceDummy(ModelConfig),
+}
+
+impl Loaded {
+    fn config(&self) -> &ModelConfig {
+        match self {
+            Loaded::Host(m) => &m.config,
+            Loaded::DeviceDummy(c) => c,
+        }
+    }
+}
+
 /// Loads the model and starts the engine thread.
 pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeError> {
     check_sizes(args)?;
+    let cuda = resolve_device(args.device)?;
     let recipe = args.recipe.as_deref().map(Recipe::from_file).transpose()?;
-    let (model, tokenizer, recipe, model_path, name, stored_f32) = match &args.model_path {
+    let dummy = |cfg: ModelConfig, recipe: &Recipe| -> Result<Loaded, ServeError> {
+        Ok(if cuda {
+            Loaded::DeviceDummy(cfg)
+        } else {
+            Loaded::Host(Box::new(loader::dummy_model(cfg, recipe, EMBEDDED_SEED)?))
+        })
+    };
+    let (loaded, tokenizer, recipe, model_path, name, stored_f32) = match &args.model_path {
         None => {
             let cfg = ModelConfig::from_json(
                 serde_json::from_str(EMBEDDED_CONFIG).expect("embedded config is JSON"),
             )
             .map_err(loader::LoadError::from)?;
             let recipe = loader::serving_recipe(args.quantization, None, recipe)?;
-            let model = loader::dummy_model(cfg, &recipe, EMBEDDED_SEED)?;
             (
-                model,
+                dummy(cfg, &recipe)?,
                 Tokenizer::embedded(),
                 recipe,
                 "embedded".to_string(),
@@ -277,22 +355,19 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
             let f32_weights = ["torch_dtype", "dtype"]
                 .iter()
                 .any(|k| raw.get(*k).and_then(|v| v.as_str()) == Some("float32"));
-            let (model, recipe) = match args.load_format {
-                LoadFormat::Auto => loader::load_model(dir, args.quantization, recipe)?,
+            let (loaded, recipe) = match args.load_format {
+                LoadFormat::Auto => {
+                    let (m, r) = loader::load_model(dir, args.quantization, recipe)?;
+                    (Loaded::Host(Box::new(m)), r)
+                }
                 LoadFormat::Dummy => {
                     let recipe = loader::serving_recipe(args.quantization, None, recipe)?;
-                    (
-                        loader::dummy_model(
-                            ModelConfig::from_json(raw).map_err(loader::LoadError::from)?,
-                            &recipe,
-                            EMBEDDED_SEED,
-                        )?,
-                        recipe,
-                    )
+                    let cfg = ModelConfig::from_json(raw).map_err(loader::LoadError::from)?;
+                    (dummy(cfg, &recipe)?, recipe)
                 }
             };
             (
-                model,
+                loaded,
                 tokenizer,
                 recipe,
                 dir.display().to_string(),
@@ -301,40 +376,77 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
             )
         }
     };
-    if tokenizer.vocab_size() > model.config.vocab_size {
+    let config = loaded.config().clone();
+    if tokenizer.vocab_size() > config.vocab_size {
         tracing::warn!(
             "tokenizer has {} tokens, the model {}; ids beyond the model are refused",
             tokenizer.vocab_size(),
-            model.config.vocab_size
+            config.vocab_size
         );
     }
     let context_len = args
         .context_length
-        .unwrap_or(model.config.max_position_embeddings);
+        .unwrap_or(config.max_position_embeddings);
     let kv_dtype = match args.kv_cache_dtype {
         KvCacheDtype::Bf16 => KvDtype::Bf16,
+        KvCacheDtype::F32 if cuda => {
+            return Err(ServeError::Config(
+                "--kv-cache-dtype f32 is CPU-only; the CUDA KV cache is BF16".into(),
+            ))
+        }
         KvCacheDtype::F32 => KvDtype::F32,
-        KvCacheDtype::Auto if stored_f32 => KvDtype::F32,
+        KvCacheDtype::Auto if stored_f32 && !cuda => KvDtype::F32,
         KvCacheDtype::Auto => KvDtype::Bf16,
     };
     let limits = Limits {
         max_n: args.max_n,
         max_top_logprobs: args.max_top_logprobs,
         context_len,
-        vocab_size: model.config.vocab_size,
+        vocab_size: config.vocab_size,
         allow_routed_experts: args.enable_return_routed_experts,
     };
     let quantization = args
         .quantization
         .map(|q| format!("{q:?}").to_lowercase())
         .unwrap_or_else(|| recipe.name.clone());
-    let mut model = model;
-    let slots = model.slot_shapes();
-    let checksum = Arc::new(model.weights_checksum());
+    // Slot shapes (what a streamed update may replace) exist for host-built models only.
+    // So is the checksum: dummy weights built on the device have no host copy to hash.
+    let (spec, slots, checksum) = match loaded {
+        Loaded::Host(mut model) => {
+            let slots = model.slot_shapes();
+            let checksum = model.weights_checksum();
+            let spec = if cuda {
+                RunnerSpec::Cuda {
+                    device: args.base_gpu_id,
+                    weights: CudaSource::Model(*model),
+                    mem_fraction_static: args.mem_fraction_static,
+                    max_total_tokens: args.max_total_tokens,
+                }
+            } else {
+                RunnerSpec::Cpu(*model)
+            };
+            (spec, slots, checksum)
+        }
+        Loaded::DeviceDummy(config) => (
+            RunnerSpec::Cuda {
+                device: args.base_gpu_id,
+                weights: CudaSource::Dummy {
+                    config,
+                    recipe: recipe.clone(),
+                    seed: EMBEDDED_SEED,
+                },
+                mem_fraction_static: args.mem_fraction_static,
+                max_total_tokens: args.max_total_tokens,
+            },
+            Default::default(),
+            Default::default(),
+        ),
+    };
+    let checksum = Arc::new(checksum);
     let info = EngineInfo {
         model_path,
         served_model_name: args.served_model_name.clone().unwrap_or(name),
-        config: model.config.clone(),
+        config,
         tokenizer: Arc::new(tokenizer),
         quantization,
         recipe_name: recipe.name.clone(),
@@ -349,13 +461,31 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
     let cfg = EngineConfig {
         max_running_requests: args.max_running_requests,
         max_batch_tokens: args.chunked_prefill_size,
-        max_total_tokens: args.max_total_tokens,
+        max_total_tokens: args.max_total_tokens.unwrap_or(CPU_MAX_TOTAL_TOKENS),
         block_size: args.page_size,
         max_context_len: context_len,
         max_queued_requests: args.max_queued_requests,
         kv_dtype,
     };
-    Ok((Engine::start(model, info, cfg), limits))
+    let engine = Engine::start_with(spec, info, cfg);
+    wait_until_warm(&engine)?;
+    Ok((engine, limits))
+}
+
+/// Start-up failures on the engine thread (a device that cannot be opened, a kernel that does
+/// not compile, too little memory) end `serve` with their message instead of an unhealthy
+/// server.
+fn wait_until_warm(engine: &EngineHandle) -> Result<(), ServeError> {
+    use std::sync::atomic::Ordering;
+    loop {
+        if engine.shared.warm.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if let Some(e) = engine.shared.last_error.lock().expect("error lock").clone() {
+            return Err(ServeError::Config(e));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// Builds the server state over a started engine.

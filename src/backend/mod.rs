@@ -7,6 +7,7 @@
 //! functions of `cpu`. A CUDA backend provides the same ops and is tested against these.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::quant::Format;
 
@@ -34,4 +35,18 @@ pub trait Linear: Send + Sync {
     fn overwrite_from(&mut self, new: &dyn Linear) -> bool;
     /// For [`Linear::overwrite_from`]: the concrete layer behind the trait object.
     fn as_any(&self) -> &dyn std::any::Any;
+    /// The stored weights as they are, for uploading to another backend.
+    fn storage(&self) -> Storage<'_>;
+}
+
+/// A linear layer's weights in their storage format.
+pub enum Storage<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [half::bf16]),
+    Mxfp8(&'a crate::quant::Mxfp8Tensor),
+    Nvfp4 {
+        weight: &'a crate::quant::Nvfp4Tensor,
+        activation_scale: crate::quant::nvfp4::ScaleGranularity,
+        four_over_six: Option<crate::quant::FourOverSix>,
+    },
 }

@@ -11,8 +11,9 @@ use tokio::sync::mpsc;
 use super::request::{
     EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan,
 };
+use super::runner::{Runner, RunnerSpec};
 use super::{Command, EngineError, EngineHandle, EngineInfo, EngineShared, PauseMode};
-use crate::backend::cpu::attention::{KvDtype, KvMemory};
+use crate::backend::cpu::attention::KvDtype;
 use crate::kv::KvPool;
 use crate::model::{ForwardBatch, Model, SeqInput};
 use crate::sampling::{
@@ -75,6 +76,11 @@ pub struct Engine;
 impl Engine {
     /// Starts the engine thread and returns its handle once the model has run a warm-up step.
     pub fn start(model: Model, info: EngineInfo, cfg: EngineConfig) -> EngineHandle {
+        Self::start_with(RunnerSpec::Cpu(model), info, cfg)
+    }
+
+    /// Starts the engine on the backend `spec` names (built on the engine thread).
+    pub fn start_with(spec: RunnerSpec, info: EngineInfo, cfg: EngineConfig) -> EngineHandle {
         let (tx, rx) = std::sync::mpsc::sync_channel(cfg.max_queued_requests.max(1) * 2);
         let shared = Arc::new(EngineShared::default());
         let info = Arc::new(info);
@@ -89,7 +95,9 @@ impl Engine {
             .spawn(move || {
                 // Start-up is inside the guard too: a failure there must fail /health, not hang.
                 let result = catch_unwind(AssertUnwindSafe(|| {
-                    let mut core = Core::new(model, info, shared.clone(), &cfg);
+                    let runner = Runner::build(spec, &cfg)
+                        .unwrap_or_else(|e| panic!("backend start-up failed: {e}"));
+                    let mut core = Core::new(runner, info, shared.clone(), &cfg);
                     shared.healthy.store(true, Ordering::Release);
                     core.warm_up();
                     shared.warm.store(true, Ordering::Release);
@@ -139,8 +147,7 @@ fn drain_after_failure(rx: &std::sync::mpsc::Receiver<Command>, shared: &EngineS
 }
 
 struct Core {
-    model: Model,
-    kv: KvMemory,
+    runner: Runner,
     sched: Scheduler,
     seqs: HashMap<SeqId, Active>,
     next_id: u64,
@@ -155,21 +162,13 @@ struct Core {
 
 impl Core {
     fn new(
-        model: Model,
+        runner: Runner,
         info: Arc<EngineInfo>,
         shared: Arc<EngineShared>,
         cfg: &EngineConfig,
     ) -> Core {
-        let c = &model.config;
-        let num_blocks = cfg.max_total_tokens.div_ceil(cfg.block_size).max(1);
-        let kv = KvMemory::new(
-            cfg.kv_dtype,
-            c.num_layers,
-            num_blocks,
-            cfg.block_size,
-            c.num_kv_heads,
-            c.head_dim,
-        );
+        let c = runner.config();
+        let num_blocks = runner.num_kv_blocks();
         let pool = KvPool::new(num_blocks, cfg.block_size);
         let sched = Scheduler::new(
             SchedulerConfig {
@@ -188,8 +187,7 @@ impl Core {
             }
         }
         Core {
-            model,
-            kv,
+            runner,
             sched,
             seqs: HashMap::new(),
             next_id: 1,
@@ -215,7 +213,7 @@ impl Core {
                 logits_from: Some(0),
             }],
         };
-        self.model.forward(&batch, &mut self.kv);
+        self.runner.forward(&batch);
     }
 
     fn run(&mut self, rx: &std::sync::mpsc::Receiver<Command>) {
@@ -330,9 +328,11 @@ impl Core {
                 reply,
             } => {
                 let started = Instant::now();
-                let spent = self.model.apply_replacements(updates);
-                self.begin_weight_version(version, checksum);
-                let _ = reply.send((started.elapsed(), spent));
+                let result = self.runner.apply(updates).map(|spent| {
+                    self.begin_weight_version(version, checksum);
+                    (started.elapsed(), spent)
+                });
+                let _ = reply.send(result);
             }
             Command::Shutdown => {
                 self.shutting_down = true;
@@ -351,12 +351,14 @@ impl Core {
         version: String,
         abort_all: bool,
     ) -> Result<usize, EngineError> {
-        let (mut old, mut new) = (self.model.config.clone(), model.config.clone());
+        let (mut old, mut new) = (self.runner.config().clone(), model.config.clone());
         old.raw = serde_json::Value::Null;
         new.raw = serde_json::Value::Null;
         if old != new {
             return Err(EngineError::Conflict("the new weights' config.json differs from the served model's (architecture or shapes)".into()));
         }
+        // Swap first: if the backend refuses the weights, nothing else has changed.
+        self.runner.swap(model)?;
         let aborted = if abort_all {
             let ids: Vec<SeqId> = self.seqs.keys().copied().collect();
             for &id in &ids {
@@ -366,7 +368,6 @@ impl Core {
         } else {
             0
         };
-        self.model = model;
         self.begin_weight_version(version, checksum);
         Ok(aborted)
     }
@@ -483,7 +484,7 @@ impl Core {
         if out.seqs.is_empty() {
             return;
         }
-        let vocab = self.model.config.vocab_size;
+        let vocab = self.runner.config().vocab_size;
         let logits_from: Vec<Option<usize>> = out
             .seqs
             .iter()
@@ -506,8 +507,8 @@ impl Core {
                 })
                 .collect(),
         };
-        let fwd = self.model.forward(&batch, &mut self.kv);
-        let per_token = self.model.num_moe_layers() * self.model.top_k();
+        let fwd = self.runner.forward(&batch);
+        let per_token = self.runner.num_moe_layers() * self.runner.top_k();
         let version = self
             .info
             .weight_version
@@ -690,8 +691,8 @@ impl Core {
             input_logprobs: (a.req.return_logprob && a.req.logprob_start_len.is_some())
                 .then(|| std::mem::take(&mut a.input_logprobs)),
             routed_experts,
-            moe_layers: self.model.num_moe_layers(),
-            top_k: self.model.top_k(),
+            moe_layers: self.runner.num_moe_layers(),
+            top_k: self.runner.top_k(),
             weight_versions: spans(&a.token_versions),
             queue_time: a.queue_time.unwrap_or(0.0),
             output_ids: std::mem::take(&mut a.output),

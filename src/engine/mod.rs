@@ -5,6 +5,7 @@
 
 mod core;
 mod request;
+mod runner;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -13,6 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 
 pub use self::core::{Engine, EngineConfig};
 pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
+pub use runner::{CudaSource, RunnerSpec};
 
 use crate::model::checksum::WeightsChecksum;
 use crate::model::slots::Replacement;
@@ -66,7 +68,7 @@ pub(crate) enum Command {
         version: String,
         /// Answers how long the engine stood still, and what is left to free (dropped by the
         /// caller, off the engine thread).
-        reply: oneshot::Sender<(std::time::Duration, Vec<Replacement>)>,
+        reply: oneshot::Sender<Result<(std::time::Duration, Vec<Replacement>), EngineError>>,
     },
     Shutdown,
 }
@@ -226,7 +228,7 @@ impl EngineHandle {
             reply,
         })?;
         rx.await
-            .map_err(|_| EngineError::Stopped(self.last_error()))
+            .map_err(|_| EngineError::Stopped(self.last_error()))?
     }
 
     pub fn shutdown(&self) {

@@ -283,16 +283,28 @@ enum DummyInit {
     Ones,
 }
 
+/// The key of tensor `name`'s dummy values (FNV-1a of the name, seeded). The CUDA backend
+/// generates the same values on the device from this key (kernels/elementwise.cu).
+pub fn dummy_key(seed: u64, name: &str) -> u64 {
+    let mut key = seed ^ 0xcbf2_9ce4_8422_2325;
+    for b in name.bytes() {
+        key = (key ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    key
+}
+
+/// Dummy weights are uniform in `[-bound, bound]`: standard deviation 1/sqrt(fan_in).
+pub fn dummy_bound(fan_in: usize) -> f32 {
+    (3.0 / fan_in as f32).sqrt()
+}
+
 /// A counter-based generator: value i of tensor `name` depends only on (seed, name, i).
 fn dummy_values(seed: u64, name: &str, n: usize, init: DummyInit) -> Vec<bf16> {
     let DummyInit::FanIn(fan_in) = init else {
         return vec![bf16::ONE; n];
     };
-    let mut key = seed ^ 0xcbf2_9ce4_8422_2325;
-    for b in name.bytes() {
-        key = (key ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    let bound = (3.0 / fan_in as f32).sqrt();
+    let key = dummy_key(seed, name);
+    let bound = dummy_bound(fan_in);
     (0..n as u64)
         .map(|i| {
             let mut z = key.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));

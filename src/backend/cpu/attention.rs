@@ -109,6 +109,22 @@ impl KvMemory {
         2 * num_layers * kv_heads * head_dim * elem
     }
 
+    /// The raw BF16 bits of layer `layer`'s K cache (tests compare other backends' caches).
+    pub fn k_bits(&self, layer: usize) -> Vec<u16> {
+        match &self.data {
+            KvData::Bf16 { k, .. } => k[layer].iter().map(|v| v.to_bits()).collect(),
+            KvData::F32 { .. } => panic!("k_bits of an F32 cache"),
+        }
+    }
+
+    /// The raw BF16 bits of layer `layer`'s V cache.
+    pub fn v_bits(&self, layer: usize) -> Vec<u16> {
+        match &self.data {
+            KvData::Bf16 { v, .. } => v[layer].iter().map(|x| x.to_bits()).collect(),
+            KvData::F32 { .. } => panic!("v_bits of an F32 cache"),
+        }
+    }
+
     /// Stores K and V (`[kv_heads * head_dim]` each) of the token at `pos`.
     pub fn write(&mut self, layer: usize, block_table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
         let s = slot(

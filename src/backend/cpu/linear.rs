@@ -10,7 +10,7 @@ use half::bf16;
 use rayon::prelude::*;
 use safetensors::tensor::Dtype;
 
-use crate::backend::Linear;
+use crate::backend::{Linear, Storage};
 use crate::checkpoint::CheckpointPart;
 use crate::quant::{self, Format, GlobalScale, Nvfp4Options, ScaleGranularity, TensorFormat};
 
@@ -169,6 +169,9 @@ impl Linear for DenseF32 {
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
+    fn storage(&self) -> Storage<'_> {
+        Storage::F32(&self.weight)
+    }
 }
 
 /// Dense BF16 weights, widened to f32 inside the kernel.
@@ -213,6 +216,9 @@ impl Linear for DenseBf16 {
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+    fn storage(&self) -> Storage<'_> {
+        Storage::Bf16(&self.weight)
     }
 }
 
@@ -280,6 +286,9 @@ impl Linear for Mxfp8Linear {
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+    fn storage(&self) -> Storage<'_> {
+        Storage::Mxfp8(&self.weight)
     }
 }
 
@@ -412,6 +421,13 @@ impl Linear for Nvfp4Linear {
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+    fn storage(&self) -> Storage<'_> {
+        Storage::Nvfp4 {
+            weight: &self.weight,
+            activation_scale: self.activation_scale,
+            four_over_six: self.four_over_six,
+        }
     }
 }
 

@@ -1,0 +1,243 @@
+//! The CUDA baseline of issue 5: copy bandwidth, then for each expert format the prefill and
+//! decode throughput of a model config with dummy weights drawn on the device, with the bytes
+//! each decode step must move and the fraction of the bandwidth roofline reached.
+//!
+//! cargo run --release --example cuda_bench -- configs/qwen3-30b-a3b.json \
+//!     [--formats bf16,mxfp8,nvfp4] [--batches 1,8,64,256] [--prompt 512] [--steps 256]
+//!     [--prefill 8x2048] [--layers N]
+//!
+//! Times are host clocks around whole forward passes (each ends with the logits copied to the
+//! host, as in serving), after a warm-up pass. Prints one table row per measurement.
+
+use std::time::Instant;
+
+use lockstep::backend::cuda::model::{CudaModel, CudaSizes, CudaWeights};
+use lockstep::backend::cuda::Gpu;
+use lockstep::model::{ForwardBatch, ModelConfig, SeqInput};
+use lockstep::quant::{Format, Recipe};
+
+struct Args {
+    config: String,
+    formats: Vec<String>,
+    batches: Vec<usize>,
+    prompt: usize,
+    steps: usize,
+    prefill: (usize, usize),
+    layers: Option<usize>,
+}
+
+fn parse() -> Args {
+    let mut it = std::env::args().skip(1);
+    let mut a = Args {
+        config: it.next().expect("usage: cuda_bench CONFIG.json [options]"),
+        formats: vec!["bf16".into(), "mxfp8".into(), "nvfp4".into()],
+        batches: vec![1, 8, 64, 256],
+        prompt: 512,
+        steps: 256,
+        prefill: (8, 2048),
+        layers: None,
+    };
+    while let Some(flag) = it.next() {
+        let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--formats" => a.formats = v.split(',').map(String::from).collect(),
+            "--batches" => a.batches = v.split(',').map(|b| b.parse().expect("batch")).collect(),
+            "--prompt" => a.prompt = v.parse().expect("prompt"),
+            "--steps" => a.steps = v.parse().expect("steps"),
+            "--layers" => a.layers = Some(v.parse().expect("layers")),
+            "--prefill" => {
+                let (n, len) = v.split_once('x').expect("--prefill NxLEN");
+                a.prefill = (n.parse().expect("N"), len.parse().expect("LEN"));
+            }
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    a
+}
+
+/// Device-to-device copy bandwidth, bytes read + written per second.
+fn copy_bandwidth(gpu: &Gpu) -> f64 {
+    let n = 1usize << 30;
+    let src = gpu.alloc::<u8>(n).expect("alloc");
+    let mut dst = gpu.alloc::<u8>(n).expect("alloc");
+    gpu.stream.memcpy_dtod(&src, &mut dst).expect("copy");
+    gpu.synchronize().expect("sync");
+    let mut times = Vec::new();
+    for _ in 0..10 {
+        let t = Instant::now();
+        gpu.stream.memcpy_dtod(&src, &mut dst).expect("copy");
+        gpu.synchronize().expect("sync");
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    2.0 * n as f64 / times[times.len() / 2]
+}
+
+fn weight_bytes_per_param(f: Format) -> f64 {
+    match f {
+        Format::Bf16 => 2.0,
+        Format::Mxfp8 => 1.0 + 1.0 / 32.0,
+        Format::Nvfp4 => 0.5 + 1.0 / 16.0,
+    }
+}
+
+/// Bytes a decode step of `batch` sequences at context `ctx` must read at least: dense weights,
+/// the experts the batch is expected to touch (uniform routing), the lm_head and the KV cache.
+fn decode_bytes(c: &ModelConfig, expert_format: Format, batch: usize, ctx: usize) -> f64 {
+    let h = c.hidden_size as f64;
+    let attn = (2.0 * c.q_size() as f64 * h + 2.0 * c.kv_size() as f64 * h) * 2.0;
+    let moe = c.moe.as_ref().expect("an MoE config");
+    let e = moe.num_experts as f64;
+    let touched = e * (1.0 - (1.0 - moe.top_k as f64 / e).powi(batch as i32));
+    let expert = 3.0 * h * moe.intermediate_size as f64 * weight_bytes_per_param(expert_format);
+    let router = e * h * 2.0;
+    let kv = batch as f64 * ctx as f64 * 2.0 * c.kv_size() as f64 * 2.0;
+    let per_layer = attn + router + touched * expert + kv;
+    c.num_layers as f64 * per_layer + c.vocab_size as f64 * h * 2.0
+}
+
+fn main() {
+    let a = parse();
+    let mut raw: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&a.config).expect("config")).expect("json");
+    if let Some(l) = a.layers {
+        raw["num_hidden_layers"] = l.into();
+    }
+    let cfg = ModelConfig::from_json(raw).expect("config");
+    let gpu = Gpu::open(0).expect("CUDA device");
+    let bw = copy_bandwidth(&gpu);
+    println!(
+        "device {} ({}), copy bandwidth {:.0} GB/s",
+        gpu.name,
+        gpu.arch,
+        bw / 1e9
+    );
+    drop(gpu);
+    let max_batch = *a.batches.iter().max().unwrap_or(&1);
+    let block = 16;
+    println!("| experts | what | batch | tokens/s | ms/step | bytes/step (GB) | roofline ms | of roofline |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for f in &a.formats {
+        let recipe = Recipe::builtin(f).unwrap_or_else(|| panic!("recipe {f}"));
+        let expert_format = recipe
+            .format_for("model.layers.0.mlp.experts.0.gate_proj", cfg.num_layers)
+            .format;
+        let gpu = Gpu::open(0).expect("CUDA device");
+        let t = Instant::now();
+        let weights = CudaWeights::dummy(&gpu, &cfg, &recipe, 0).expect("dummy weights");
+        gpu.synchronize().expect("sync");
+        let load_s = t.elapsed().as_secs_f64();
+        let ctx_len = (a.prompt + a.steps + 1).max(a.prefill.1);
+        let mut model = CudaModel::new(
+            gpu,
+            cfg.clone(),
+            weights,
+            CudaSizes {
+                max_batch_tokens: 8192.max(max_batch),
+                max_running_requests: max_batch.max(a.prefill.0),
+                block_size: block,
+                max_context_len: ctx_len,
+                mem_fraction_static: 0.9,
+                max_total_tokens: None,
+            },
+        )
+        .expect("model");
+        eprintln!(
+            "{f}: weights {:.2} GiB drawn and quantized on the device in {load_s:.1}s",
+            model.weight_bytes as f64 / (1u64 << 30) as f64
+        );
+        let blocks_per_seq = ctx_len.div_ceil(block);
+        let tables: Vec<Vec<u32>> = (0..max_batch.max(a.prefill.0))
+            .map(|s| ((s * blocks_per_seq) as u32..((s + 1) * blocks_per_seq) as u32).collect())
+            .collect();
+        assert!(
+            tables.len() * blocks_per_seq <= model.num_kv_blocks(),
+            "KV cache too small for the benchmark"
+        );
+        let token = |i: usize| ((i * 7919) % 150000) as u32;
+
+        // Prefill: N prompts of LEN tokens, 8192 tokens per step.
+        let (pn, plen) = a.prefill;
+        let prompts: Vec<Vec<u32>> = (0..pn)
+            .map(|s| (0..plen).map(|i| token(s * plen + i)).collect())
+            .collect();
+        let run_prefill = |model: &mut CudaModel| {
+            let per_step = (8192 / plen).max(1);
+            for group in (0..pn).collect::<Vec<_>>().chunks(per_step) {
+                let batch = ForwardBatch {
+                    seqs: group
+                        .iter()
+                        .map(|&s| SeqInput {
+                            tokens: &prompts[s][..plen.min(8192)],
+                            start_pos: 0,
+                            block_table: &tables[s],
+                            logits_from: Some(plen.min(8192) - 1),
+                        })
+                        .collect(),
+                };
+                model.forward(&batch).expect("prefill");
+            }
+        };
+        run_prefill(&mut model);
+        let t = Instant::now();
+        run_prefill(&mut model);
+        let s = t.elapsed().as_secs_f64();
+        println!(
+            "| {f} | prefill {pn}x{plen} | {pn} | {:.0} | {:.1} | | | |",
+            (pn * plen) as f64 / s,
+            s * 1e3
+        );
+
+        for &b in &a.batches {
+            // Prompts first (not timed), then `steps` decode steps of all b sequences.
+            let prompt: Vec<u32> = (0..a.prompt).map(token).collect();
+            let per_step = (8192 / a.prompt).max(1);
+            for group in (0..b).collect::<Vec<_>>().chunks(per_step) {
+                let batch = ForwardBatch {
+                    seqs: group
+                        .iter()
+                        .map(|&s| SeqInput {
+                            tokens: &prompt,
+                            start_pos: 0,
+                            block_table: &tables[s],
+                            logits_from: Some(a.prompt - 1),
+                        })
+                        .collect(),
+                };
+                model.forward(&batch).expect("prompt");
+            }
+            let ids: Vec<[u32; 1]> = (0..b).map(|s| [token(s)]).collect();
+            let step = |model: &mut CudaModel, i: usize| {
+                let batch = ForwardBatch {
+                    seqs: (0..b)
+                        .map(|s| SeqInput {
+                            tokens: &ids[s],
+                            start_pos: a.prompt + i,
+                            block_table: &tables[s],
+                            logits_from: Some(0),
+                        })
+                        .collect(),
+                };
+                model.forward(&batch).expect("decode");
+            };
+            step(&mut model, 0);
+            let t = Instant::now();
+            for i in 1..a.steps {
+                step(&mut model, i);
+            }
+            let s = t.elapsed().as_secs_f64() / (a.steps - 1).max(1) as f64;
+            let bytes = decode_bytes(&cfg, expert_format, b, a.prompt + a.steps / 2);
+            let roof = bytes / bw;
+            println!(
+                "| {f} | decode (prompt {}, {} steps) | {b} | {:.0} | {:.2} | {:.2} | {:.2} | {:.0}% |",
+                a.prompt,
+                a.steps,
+                b as f64 / s,
+                s * 1e3,
+                bytes / 1e9,
+                roof * 1e3,
+                100.0 * roof / s
+            );
+        }
+    }
+}

@@ -1,0 +1,50 @@
+// Shared by every kernel file: prepended to each source before NVRTC compiles it, so the
+// kernels need no CUDA headers at run time (BF16 is carried as raw 16-bit patterns).
+//
+// Arithmetic that must match the CPU reference bit for bit (the quantizers, the dummy-weight
+// generator, the residual and combine sums) uses the explicit __f*_rn intrinsics: they are
+// never contracted into FMAs, whatever the compiler options.
+
+typedef unsigned short bf16_t;
+typedef unsigned char u8;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define INFINITY __uint_as_float(0x7f800000u)
+
+__device__ __forceinline__ float bf16_to_f32(bf16_t v) { return __uint_as_float(((u32)v) << 16); }
+
+// Round to nearest even, NaN kept quiet (as the `half` crate does).
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    u32 b = __float_as_uint(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((b >> 16) | 0x40u);
+    return (bf16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a block of up to 1024 threads (blockDim.x a multiple of 32); every thread gets it.
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    __shared__ float total;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float s = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.0f;
+        s = warp_sum(s);
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    return total;
+}

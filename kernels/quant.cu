@@ -1,0 +1,262 @@
+// The contract's quantizers on the GPU, byte for byte the `quant` module's: MXFP8 1x32 rowwise
+// and NVFP4 (per-tensor level given, or per-token levels computed here; optional
+// four-over-six). Used for activations before every quantized GEMM and for weights quantized at
+// load (`--quantization nvfp4_online|mxfp8`, dummy weights).
+
+#define R448 __uint_as_float(0x3B124925u)  // fl(1/448)
+#define R6 __uint_as_float(0x3E2AAAABu)    // fl(1/6)
+#define F32_MAX __uint_as_float(0x7f7fffffu)
+
+__device__ __forceinline__ u8 e4m3_encode(float x) {
+    u32 bits = __float_as_uint(x);
+    u32 sign = (bits >> 24) & 0x80u;
+    u32 mag = bits & 0x7fffffffu;
+    u32 rounded = (mag + 0x7ffffu + ((mag >> 20) & 1u)) >> 20;
+    u32 normal = rounded - ((127u - 7u) << 3);
+    float v = __fmul_rn(__uint_as_float(min(mag, 0x3c800000u)), 512.0f);
+    u32 subnormal = (u32)__fsub_rn(__fadd_rn(v, 12582912.0f), 12582912.0f);
+    u32 code = mag < 0x3c800000u ? subnormal : normal;
+    code = mag >= 0x43e00000u ? 0x7eu : code;
+    u8 byte = (u8)(sign | code);
+    return mag > 0x7f800000u ? (u8)0x7f : byte;
+}
+
+__device__ __forceinline__ float e4m3_decode(u8 c) {
+    u32 e = (c >> 3) & 15u, m = c & 7u;
+    if (e == 15u && m == 7u) return __uint_as_float(0x7fc00000u);
+    float mag = e == 0u ? __fmul_rn((float)m, 1.0f / 512.0f) : __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return (c & 0x80u) ? -mag : mag;
+}
+
+__device__ __forceinline__ u8 e2m1_encode(float x) {
+    if (isnan(x)) return 0x7;
+    u8 sign = (u8)((__float_as_uint(x) >> 28) & 0x8u);
+    float a = fabsf(x);
+    u8 code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+    return sign | code;
+}
+
+__device__ __forceinline__ float e2m1_decode(u8 c) {
+    const float v[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    float mag = v[c & 7];
+    return (c & 8) ? -mag : mag;
+}
+
+__device__ __forceinline__ u8 e8m0_round_up(float v) {
+    if (isnan(v)) return 0xff;
+    if (isinf(v) && v > 0.0f) return 0xfe;
+    if (v == 0.0f) return 0;
+    u32 bits = __float_as_uint(v);
+    u32 e = bits >> 23, m = bits & 0x7fffffu;
+    if (m > 0u && e != 0xfeu && !(e == 0u && m <= 0x400000u)) e += 1u;
+    return (u8)e;
+}
+
+__device__ __forceinline__ float e8m0_decode(u8 c) {
+    if (c == 0xff) return __uint_as_float(0x7fc00000u);
+    if (c == 0) return __uint_as_float(0x00400000u);
+    return __uint_as_float(((u32)c) << 23);
+}
+
+__device__ __forceinline__ float e8m0_inverse(u8 c) {
+    if (c == 0xff) return __uint_as_float(0x7fc00000u);
+    if (c == 0xfe) return __uint_as_float(0x00400000u);
+    return __uint_as_float((254u - c) << 23);
+}
+
+// |x| bits with NaN mapped to 0, so an unsigned max over them is the NaN-skipping amax.
+__device__ __forceinline__ u32 amax_bits(float x) {
+    u32 b = __float_as_uint(x) & 0x7fffffffu;
+    return b <= 0x7f800000u ? b : 0u;
+}
+
+__device__ __forceinline__ float load_elem(const float* x, u64 i) { return x[i]; }
+__device__ __forceinline__ float load_elem(const bf16_t* x, u64 i) { return bf16_to_f32(x[i]); }
+
+// One thread per 1x32 block. `deq` (optional) receives the exact dequantized values.
+template <typename T>
+__device__ void mxfp8_rowwise(const T* x, u64 blocks, u8* data, u8* scales, float* deq) {
+    for (u64 b = blockIdx.x * (u64)blockDim.x + threadIdx.x; b < blocks; b += (u64)gridDim.x * blockDim.x) {
+        u32 mb = 0u;
+        bool any_number = false;
+        float v[32];
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            v[i] = load_elem(x, b * 32 + i);
+            mb = max(mb, amax_bits(v[i]));
+            any_number |= !isnan(v[i]);
+        }
+        float amax = any_number ? __uint_as_float(mb) : __uint_as_float(0x7fc00000u);
+        u8 code = e8m0_round_up(__fmul_rn(amax, R448));
+        float inv = e8m0_inverse(code), dec = e8m0_decode(code);
+        scales[b] = code;
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            u8 q = e4m3_encode(__fmul_rn(v[i], inv));
+            data[b * 32 + i] = q;
+            if (deq) deq[b * 32 + i] = __fmul_rn(e4m3_decode(q), dec);
+        }
+    }
+}
+
+extern "C" __global__ void mxfp8_quantize_f32(const float* x, u64 blocks, u8* data, u8* scales, float* deq) {
+    mxfp8_rowwise(x, blocks, data, scales, deq);
+}
+
+extern "C" __global__ void mxfp8_quantize_bf16(const bf16_t* x, u64 blocks, u8* data, u8* scales) {
+    mxfp8_rowwise(x, blocks, data, scales, (float*)0);
+}
+
+struct Level {
+    float amax, s_enc, s_dec;
+};
+
+// `S_enc = RN(range / A)` clamped (1 for a zero amax), `S_dec = RN(1 / S_enc)`.
+__device__ __forceinline__ Level level_from_amax(float a, float range) {
+    float s = fminf(__fdiv_rn(range, a), F32_MAX);
+    if (a == 0.0f || s == 0.0f) s = 1.0f;
+    Level l = {a, s, __fdiv_rn(1.0f, s)};
+    return l;
+}
+
+__device__ __forceinline__ float element_multiplier(u8 s8, float s_dec) {
+    return fminf(__fdiv_rn(1.0f, __fmul_rn(e4m3_decode(s8), s_dec)), F32_MAX);
+}
+
+// One 16-element block: codes out, its scale byte returned. fos_range > 0 turns on
+// four-over-six with that E4M3 range; fos_squared picks the squared error.
+__device__ u8 nvfp4_block(const float* v, Level lv, float fos_range, int fos_squared, u8* codes) {
+    u32 mb = 0u;
+    bool any_number = false;
+    for (int i = 0; i < 16; i++) {
+        mb = max(mb, amax_bits(v[i]));
+        any_number |= !isnan(v[i]);
+    }
+    float block_amax = any_number ? __uint_as_float(mb) : __uint_as_float(0x7fc00000u);
+    if (fos_range <= 0.0f) {
+        u8 s8 = e4m3_encode(__fmul_rn(block_amax, __fmul_rn(lv.s_enc, R6)));
+        float enc = element_multiplier(s8, lv.s_dec);
+        for (int i = 0; i < 16; i++) codes[i] = e2m1_encode(__fmul_rn(v[i], enc));
+        return s8;
+    }
+    float range = __fmul_rn(6.0f, fos_range);
+    float base = __fmul_rn(__fdiv_rn(block_amax, 6.0f), lv.s_enc);
+    u8 s6 = e4m3_encode(fminf(base, 448.0f));
+    u8 s4 = e4m3_encode(fminf(__fmul_rn(base, 1.5f), 448.0f));
+    float enc6 = element_multiplier(s6, lv.s_dec), enc4 = element_multiplier(s4, lv.s_dec);
+    float d6 = e4m3_decode(s6), d4 = e4m3_decode(s4);
+    float err6 = 0.0f, err4 = 0.0f;
+    u8 c4[16];
+    for (int i = 0; i < 16; i++) {
+        codes[i] = e2m1_encode(__fmul_rn(v[i], enc6));
+        c4[i] = e2m1_encode(__fmul_rn(v[i], enc4));
+    }
+    for (int i = 0; i < 16; i++) {
+        float a = __fsub_rn(__fdiv_rn(__fmul_rn(__fmul_rn(e2m1_decode(codes[i]), d6), lv.amax), range), v[i]);
+        float b = __fsub_rn(__fdiv_rn(__fmul_rn(__fmul_rn(e2m1_decode(c4[i]), d4), lv.amax), range), v[i]);
+        err6 = __fadd_rn(err6, fos_squared ? __fmul_rn(a, a) : fabsf(a));
+        err4 = __fadd_rn(err4, fos_squared ? __fmul_rn(b, b) : fabsf(b));
+    }
+    if (err4 < err6) {
+        for (int i = 0; i < 16; i++) codes[i] = c4[i];
+        return s4;
+    }
+    return s6;
+}
+
+// One block per row. Per token (`per_token`): the row's own level, and s_tok (0 for an all-zero
+// row) written to row_s_dec. Otherwise the given level (a per-tensor scale, e.g. the one gate and
+// up share). `deq` (optional): the block-scaled values e2m1 * e4m3, the GEMM's operand.
+template <typename T>
+__device__ void nvfp4_rows(const T* x, int cols, int per_token, float amax, float range, float fos_range,
+                           int fos_squared, u8* data, u8* scales, float* row_s_dec, float* deq) {
+    u64 r = blockIdx.x;
+    const T* row = x + r * cols;
+    Level lv;
+    if (per_token) {
+        __shared__ u32 red_bits[32];
+        __shared__ int red_any[32];
+        u32 mb = 0u;
+        int any_number = 0;
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+            float v = load_elem(row, i);
+            mb = max(mb, amax_bits(v));
+            any_number |= !isnan(v);
+        }
+        mb = __reduce_max_sync(0xffffffffu, mb);
+        any_number = __reduce_or_sync(0xffffffffu, any_number);
+        if ((threadIdx.x & 31) == 0) {
+            red_bits[threadIdx.x >> 5] = mb;
+            red_any[threadIdx.x >> 5] = any_number;
+        }
+        __syncthreads();
+        mb = 0u;
+        any_number = 0;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) {
+            mb = max(mb, red_bits[w]);
+            any_number |= red_any[w];
+        }
+        float a = (any_number || cols == 0) ? __uint_as_float(mb) : __uint_as_float(0x7fc00000u);
+        lv = level_from_amax(a, range);
+        if (threadIdx.x == 0) row_s_dec[r] = lv.amax == 0.0f ? 0.0f : lv.s_dec;
+    } else {
+        lv = level_from_amax(amax, range);
+        if (row_s_dec && threadIdx.x == 0) row_s_dec[r] = lv.s_dec;
+    }
+    for (int b = threadIdx.x; b < cols / 16; b += blockDim.x) {
+        float v[16];
+        u8 codes[16];
+        for (int i = 0; i < 16; i++) v[i] = load_elem(row, b * 16 + i);
+        u8 s8 = nvfp4_block(v, lv, fos_range, fos_squared, codes);
+        scales[r * (cols / 16) + b] = s8;
+        for (int i = 0; i < 8; i++) data[r * (cols / 2) + b * 8 + i] = (u8)((codes[2 * i + 1] << 4) | codes[2 * i]);
+        if (deq) {
+            float d = e4m3_decode(s8);
+            for (int i = 0; i < 16; i++) deq[r * cols + b * 16 + i] = __fmul_rn(e2m1_decode(codes[i]), d);
+        }
+    }
+}
+
+// Activations. Per tensor, the amax comes from `amax_f32` on the device (no host round trip).
+extern "C" __global__ void nvfp4_quantize_f32(const float* x, int cols, int per_token, const u32* tensor_amax,
+                                              float range, float fos_range, int fos_squared, u8* data, u8* scales,
+                                              float* row_s_dec, float* deq) {
+    float amax = 0.0f;
+    if (!per_token) amax = tensor_amax[1] ? __uint_as_float(tensor_amax[0]) : __uint_as_float(0x7fc00000u);
+    nvfp4_rows(x, cols, per_token, amax, range, fos_range, fos_squared, data, scales, row_s_dec, deq);
+}
+
+extern "C" __global__ void nvfp4_quantize_bf16(const bf16_t* x, int cols, float amax, float range,
+                                               float fos_range, int fos_squared, u8* data, u8* scales) {
+    nvfp4_rows(x, cols, 0, amax, range, fos_range, fos_squared, data, scales, (float*)0, (float*)0);
+}
+
+// out[0] = max |x| bits (NaN skipped), out[1] |= 1 if any element is a number. Zero `out` first.
+extern "C" __global__ void amax_bf16(const bf16_t* x, u64 n, u32* out) {
+    u32 mb = 0u, any_number = 0u;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        float v = bf16_to_f32(x[i]);
+        mb = max(mb, amax_bits(v));
+        any_number |= !isnan(v);
+    }
+    mb = __reduce_max_sync(0xffffffffu, mb);
+    any_number = __reduce_or_sync(0xffffffffu, any_number);
+    if ((threadIdx.x & 31) == 0) {
+        atomicMax(&out[0], mb);
+        atomicOr(&out[1], any_number);
+    }
+}
+
+extern "C" __global__ void amax_f32(const float* x, u64 n, u32* out) {
+    u32 mb = 0u, any_number = 0u;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        mb = max(mb, amax_bits(x[i]));
+        any_number |= !isnan(x[i]);
+    }
+    mb = __reduce_max_sync(0xffffffffu, mb);
+    any_number = __reduce_or_sync(0xffffffffu, any_number);
+    if ((threadIdx.x & 31) == 0) {
+        atomicMax(&out[0], mb);
+        atomicOr(&out[1], any_number);
+    }
+}

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The GPU test run (shared/GPU.md): on a CUDA host, with binaries built on the dev machine and
+# carried in .bin/ (lockstep, cuda_ops, cuda_bench; see docs/gpu.md), from the repo root:
+#   scripts/gpu-check.sh [quick|full] [LOG_DIR]
+# Runs every CUDA-vs-CPU op and model test, a smoke `lockstep serve --device cuda`, and the
+# baseline benchmark (quick: 4 layers, few steps; full: the whole Qwen3-30B-A3B config plus the
+# transformers peer), then prints a summary table.
+set -uo pipefail
+mode=${1:-quick}
+logs=${2:-${OUT:-/tmp/gpu-check}}
+mkdir -p "$logs"
+bin=.bin
+export LOCKSTEP_KERNEL_CACHE=${LOCKSTEP_KERNEL_CACHE:-/tmp/lockstep-kernels}
+# NVRTC and cuBLAS from the CUDA toolkit, or from pip's nvidia-* wheels (e.g. PyTorch's).
+libdirs=$( (ls -d /usr/local/cuda/lib64 /usr/local/cuda/targets/*/lib 2>/dev/null;
+  find / -xdev \( -name 'libnvrtc.so*' -o -name 'libcublas.so*' \) -printf '%h\n' 2>/dev/null) | sort -u | tr '\n' ':')
+export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:-}"
+export RAYON_NUM_THREADS=$(nproc)
+declare -a summary
+record() { summary+=("| $1 | $2 |"); }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$logs/gpu.txt"
+
+echo "== CUDA vs CPU: ops and models"
+if "$bin"/cuda_ops --ignored --test-threads=1 --nocapture 2>&1 | tee "$logs/cuda_ops.log"; then
+  record "cuda_ops (ops, quantizers, models vs CPU)" "pass"
+else
+  record "cuda_ops (ops, quantizers, models vs CPU)" "FAIL (see cuda_ops.log)"
+fi
+
+echo "== smoke: lockstep serve --device cuda"
+"$bin"/lockstep serve --device cuda --port 30555 >"$logs/serve.log" 2>&1 &
+pid=$!
+ok=fail
+for _ in $(seq 1 120); do
+  curl -sf localhost:30555/health >/dev/null 2>&1 && break
+  sleep 1
+done
+gen=$(curl -s localhost:30555/generate -H 'Content-Type: application/json' \
+  -d '{"text":"The capital","sampling_params":{"max_new_tokens":8,"temperature":0}}')
+chat=$(curl -s localhost:30555/v1/chat/completions -H 'Content-Type: application/json' \
+  -d '{"model":"lockstep-embedded","messages":[{"role":"user","content":"hi"}],"max_tokens":8}')
+echo "generate: $gen"; echo "chat: $chat"
+if echo "$gen" | grep -q '"text"' && echo "$chat" | grep -q '"choices"'; then ok=pass; fi
+kill $pid 2>/dev/null; wait $pid 2>/dev/null
+record "serve --device cuda: /generate + /v1/chat/completions" "$ok"
+
+echo "== baseline benchmark"
+if [ "$mode" = full ]; then
+  bench_args=(configs/qwen3-30b-a3b.json)
+else
+  bench_args=(configs/qwen3-30b-a3b.json --layers 4 --steps 16 --batches 1,64 --prefill 2x2048)
+fi
+if "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench.md"; then
+  record "cuda_bench ${bench_args[*]}" "done (bench.md)"
+else
+  record "cuda_bench" "FAIL"
+fi
+if [ "$mode" = full ]; then
+  PYTHONUNBUFFERED=1 python3 scripts/hf_peer_bench.py configs/qwen3-30b-a3b.json 2>&1 | tee "$logs/hf_peer.md" \
+    && record "transformers peer (bf16)" "done (hf_peer.md)" || record "transformers peer" "FAIL"
+fi
+
+echo
+echo "| check | result |"
+echo "|---|---|"
+printf '%s\n' "${summary[@]}"

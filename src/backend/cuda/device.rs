@@ -1,0 +1,188 @@
+//! One CUDA device as the engine uses it: its context, the one engine stream every kernel and
+//! copy is queued on, a cuBLAS handle bound to that stream, and the loaded kernels.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg, ValidAsZeroBits,
+};
+
+use super::kernels::{self, Kernel, Source};
+use super::CudaError;
+
+/// A kernel argument: device pointers travel as 64-bit addresses (0 for an absent optional).
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    Ptr(u64),
+    I32(i32),
+    U64(u64),
+    F32(f32),
+}
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub blas: CudaBlas,
+    pub arch: &'static str,
+    pub name: String,
+    pub sm_count: u32,
+    functions: HashMap<Kernel, CudaFunction>,
+}
+
+/// Whether a CUDA driver and at least one device are present (never panics: cudarc panics
+/// when a library is missing, so its presence is checked first).
+pub fn device_count() -> usize {
+    // SAFETY: only tries to dlopen libcuda.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return 0;
+    }
+    std::panic::catch_unwind(|| CudaContext::device_count().unwrap_or(0).max(0) as usize)
+        .unwrap_or(0)
+}
+
+impl Gpu {
+    /// Opens device `ordinal`, compiles (or loads from the cache) every kernel for its
+    /// architecture and creates the engine stream and the cuBLAS handle.
+    pub fn open(ordinal: usize) -> Result<Gpu, CudaError> {
+        if device_count() <= ordinal {
+            return Err(CudaError::NoDevice(format!(
+                "CUDA device {ordinal} not found (driver library or device missing)"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        let (major, minor) = ctx.compute_capability()?;
+        let arch = kernels::arch_for(major, minor);
+        let name = ctx.name()?;
+        let sm_count = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as u32;
+        let mut driver = 0;
+        // SAFETY: plain out-parameter of a loaded driver.
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+        let stream = ctx.new_stream()?;
+        let blas = CudaBlas::new(stream.clone())?;
+        let mut functions = HashMap::new();
+        for source in Source::ALL {
+            let ptx = kernels::cached_ptx(source, arch, driver)?;
+            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
+            for &k in Kernel::ALL.iter().filter(|k| k.source() == source) {
+                functions.insert(k, module.load_function(k.symbol())?);
+            }
+        }
+        tracing::info!("CUDA device {ordinal}: {name} ({arch}, {sm_count} SMs)");
+        Ok(Gpu {
+            ctx,
+            stream,
+            blas,
+            arch,
+            name,
+            sm_count,
+            functions,
+        })
+    }
+
+    /// Queues `kernel` on the engine stream.
+    pub fn launch(
+        &self,
+        kernel: Kernel,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+    ) -> Result<(), CudaError> {
+        let f = &self.functions[&kernel];
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::Ptr(p) => b.arg(p),
+                Arg::I32(v) => b.arg(v),
+                Arg::U64(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: each wrapper in `ops` passes the argument list its kernel declares, with
+        // buffers it has checked to be large enough.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Grid size for a grid-stride loop over `n` elements.
+    pub fn grid_for(&self, n: usize, block: u32) -> u32 {
+        (n.div_ceil(block as usize) as u32).clamp(1, self.sm_count.max(1) * 32)
+    }
+
+    pub fn alloc<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.stream.alloc_zeros::<T>(n.max(1))?)
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        if host.is_empty() {
+            // SAFETY: a one-element buffer nobody reads; zero-length allocations are refused.
+            return Ok(unsafe { self.stream.alloc::<T>(1) }?);
+        }
+        Ok(self.stream.clone_htod(host)?)
+    }
+
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaSlice<T>,
+        n: usize,
+    ) -> Result<Vec<T>, CudaError> {
+        let mut host = vec![T::default(); n];
+        if n > 0 {
+            self.stream.memcpy_dtoh(&dev.slice(0..n), &mut host)?;
+        }
+        Ok(host)
+    }
+
+    /// Copies `host` into the start of `dev`.
+    pub fn write<T: DeviceRepr>(
+        &self,
+        host: &[T],
+        dev: &mut CudaSlice<T>,
+    ) -> Result<(), CudaError> {
+        if host.is_empty() {
+            return Ok(());
+        }
+        if host.len() > dev.len() {
+            return Err(CudaError::Capacity(format!(
+                "{} elements into a buffer of {}",
+                host.len(),
+                dev.len()
+            )));
+        }
+        self.stream
+            .memcpy_htod(host, &mut dev.slice_mut(0..host.len()))?;
+        Ok(())
+    }
+
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn memory(&self) -> Result<(usize, usize), CudaError> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+}
+
+/// The device address of a buffer, as a kernel argument.
+pub fn ptr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> Arg {
+    let (p, _sync) = s.device_ptr(&gpu.stream);
+    Arg::Ptr(p)
+}
+
+/// An optional buffer: its address, or null.
+pub fn opt_ptr<T>(gpu: &Gpu, s: Option<&CudaSlice<T>>) -> Arg {
+    s.map_or(Arg::Ptr(0), |s| ptr(gpu, s))
+}

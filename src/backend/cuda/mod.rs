@@ -1,0 +1,32 @@
+//! The CUDA backend: the same forward pass as [`crate::backend::cpu`], on an NVIDIA GPU.
+//!
+//! libcuda, NVRTC and cuBLAS are loaded at run time (cudarc's dynamic loading), so the binary
+//! builds and runs on machines without CUDA; `--device auto` uses a GPU when one is present.
+//! Kernels live in kernels/*.cu, are embedded in the binary and compiled by NVRTC at start-up
+//! for the device's architecture ([`kernels`]). Every op is tested against the CPU reference
+//! on fresh random data (tests/cuda_ops.rs, run on a GPU host by scripts/gpu-check.sh).
+
+pub mod device;
+pub mod kernels;
+pub mod model;
+pub mod ops;
+pub mod weights;
+
+pub use device::{device_count, Gpu};
+pub use model::CudaModel;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("no CUDA device: {0}")]
+    NoDevice(String),
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    #[error("cuBLAS: {0}")]
+    Blas(#[from] cudarc::cublas::result::CublasError),
+    #[error("NVRTC: {0}")]
+    Nvrtc(String),
+    #[error("not supported on the CUDA backend yet: {0}")]
+    Unsupported(String),
+    #[error("buffer too small: {0}")]
+    Capacity(String),
+}

@@ -1,0 +1,871 @@
+//! The forward pass on a CUDA device: the same architecture, batch metadata and outputs as
+//! [`crate::model::Model::forward`], with weights, KV cache and activations in GPU memory.
+//!
+//! Memory is planned once at start-up (weights, then activation scratch sized for the largest
+//! step, then the paged BF16 KV cache from what `--mem-fraction-static` leaves); a step only
+//! copies its small metadata in and its logits and routed-expert ids out.
+
+use cudarc::driver::CudaSlice;
+
+use super::ops::{
+    self, AttnRows, AttnShape, CublasOperand, GemmRows, MoePlan, Nvfp4Out, Table, WeightData,
+};
+use super::weights::{Activation, DummyWeights, GpuMatrix};
+use super::{CudaError, Gpu};
+use crate::backend::cpu::linear::DenseWeight;
+use crate::backend::cpu::ops::rope_inv_freq;
+use crate::model::{ForwardBatch, ForwardOutput, Mlp, Model, ModelConfig};
+use crate::quant::{Format, Recipe};
+
+pub enum CudaMlp {
+    Dense {
+        gate_up: GpuMatrix,
+        down: GpuMatrix,
+        inter: usize,
+    },
+    Moe {
+        router: GpuMatrix,
+        gate_up: GpuMatrix,
+        down: GpuMatrix,
+        inter: usize,
+        experts: usize,
+        top_k: usize,
+        renormalize: bool,
+    },
+}
+
+pub struct CudaLayer {
+    pub input_norm: CudaSlice<f32>,
+    pub post_attention_norm: CudaSlice<f32>,
+    pub q: GpuMatrix,
+    pub k: GpuMatrix,
+    pub v: GpuMatrix,
+    pub o: GpuMatrix,
+    pub qk_norm: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    pub mlp: CudaMlp,
+}
+
+/// The model's weights on the device.
+pub struct CudaWeights {
+    pub embed: Table,
+    /// None: tied to the embedding table.
+    pub lm_head: Option<GpuMatrix>,
+    pub layers: Vec<CudaLayer>,
+    pub norm: CudaSlice<f32>,
+}
+
+/// What the engine asks of the device.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaSizes {
+    /// Tokens per step (the chunked-prefill budget).
+    pub max_batch_tokens: usize,
+    /// Sequences per step.
+    pub max_running_requests: usize,
+    pub block_size: usize,
+    pub max_context_len: usize,
+    /// Share of device memory for weights + KV cache (SGLang's `--mem-fraction-static`).
+    pub mem_fraction_static: f32,
+    /// Upper bound on KV tokens, if the user set one.
+    pub max_total_tokens: Option<usize>,
+}
+
+/// The lm_head runs on at most this many rows at a time (a step asking for input logprobs of
+/// a long chunk needs logits for every row; the vocabulary makes each row large).
+const LOGIT_CHUNK_ROWS: usize = 256;
+
+/// Per-step activation buffers, allocated once for the largest step.
+struct Scratch {
+    tokens: CudaSlice<u32>,
+    pos: CudaSlice<i32>,
+    slots: CudaSlice<i32>,
+    row_seq: CudaSlice<i32>,
+    table_offsets: CudaSlice<i32>,
+    block_tables: CudaSlice<i32>,
+    logit_rows: CudaSlice<i32>,
+    x: CudaSlice<f32>,
+    normed: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    attn: CudaSlice<f32>,
+    o: CudaSlice<f32>,
+    y: CudaSlice<f32>,
+    router_logits: CudaSlice<f32>,
+    topk_ids: CudaSlice<i32>,
+    topk_w: CudaSlice<f32>,
+    plan: Option<MoePlan>,
+    gu: CudaSlice<f32>,
+    h: CudaSlice<f32>,
+    expert_out: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    routed: CudaSlice<i32>,
+    quant: QuantScratch,
+}
+
+/// Buffers of the activation quantizers and the BF16 cast for cuBLAS.
+struct QuantScratch {
+    xb: CudaSlice<u16>,
+    data: CudaSlice<u8>,
+    scales: CudaSlice<u8>,
+    deq: CudaSlice<f32>,
+    row_scale: CudaSlice<f32>,
+    amax: CudaSlice<u32>,
+}
+
+struct KvCache {
+    k: Vec<CudaSlice<u16>>,
+    v: Vec<CudaSlice<u16>>,
+    num_blocks: usize,
+}
+
+pub struct CudaModel {
+    pub gpu: Gpu,
+    pub config: ModelConfig,
+    weights: CudaWeights,
+    inv_freq: CudaSlice<f32>,
+    kv: KvCache,
+    s: Scratch,
+    sizes: CudaSizes,
+    max_table_entries: usize,
+    pub weight_bytes: usize,
+}
+
+fn norm_vec(gpu: &Gpu, v: &[f32]) -> Result<CudaSlice<f32>, CudaError> {
+    gpu.upload(v)
+}
+
+impl CudaWeights {
+    /// Uploads a model the CPU loader built (any checkpoint format, quantized by `quant`).
+    pub fn upload(gpu: &Gpu, model: &Model) -> Result<CudaWeights, CudaError> {
+        let embed = match &model.embed_tokens {
+            DenseWeight::Bf16(w) => {
+                Table::Bf16(gpu.upload(&w.iter().map(|v| v.to_bits()).collect::<Vec<_>>())?)
+            }
+            DenseWeight::F32(w) => Table::F32(gpu.upload(w)?),
+        };
+        let mut layers = Vec::with_capacity(model.layers.len());
+        for layer in &model.layers {
+            let one = |l: &dyn crate::backend::Linear| GpuMatrix::upload(gpu, &[vec![l]]);
+            let mlp = match &layer.mlp {
+                Mlp::Dense(m) => CudaMlp::Dense {
+                    gate_up: GpuMatrix::upload(gpu, &[vec![&*m.gate, &*m.up]])?,
+                    down: one(&*m.down)?,
+                    inter: m.gate.out_features(),
+                },
+                Mlp::Moe(moe) => {
+                    let gate_up: Vec<Vec<&dyn crate::backend::Linear>> =
+                        moe.experts.iter().map(|e| vec![&*e.gate, &*e.up]).collect();
+                    let down: Vec<Vec<&dyn crate::backend::Linear>> =
+                        moe.experts.iter().map(|e| vec![&*e.down]).collect();
+                    CudaMlp::Moe {
+                        router: one(&*moe.router)?,
+                        gate_up: GpuMatrix::upload(gpu, &gate_up)?,
+                        down: GpuMatrix::upload(gpu, &down)?,
+                        inter: moe.experts[0].gate.out_features(),
+                        experts: moe.experts.len(),
+                        top_k: moe.top_k,
+                        renormalize: moe.norm_topk_prob,
+                    }
+                }
+            };
+            let qk_norm = match (&layer.q_norm, &layer.k_norm) {
+                (Some(q), Some(k)) => Some((norm_vec(gpu, q)?, norm_vec(gpu, k)?)),
+                _ => None,
+            };
+            layers.push(CudaLayer {
+                input_norm: norm_vec(gpu, &layer.input_norm)?,
+                post_attention_norm: norm_vec(gpu, &layer.post_attention_norm)?,
+                q: one(&*layer.q_proj)?,
+                k: one(&*layer.k_proj)?,
+                v: one(&*layer.v_proj)?,
+                o: one(&*layer.o_proj)?,
+                qk_norm,
+                mlp,
+            });
+        }
+        Ok(CudaWeights {
+            embed,
+            lm_head: Some(GpuMatrix::upload(gpu, &[vec![&*model.lm_head]])?),
+            layers,
+            norm: norm_vec(gpu, &model.norm)?,
+        })
+    }
+
+    /// Dummy weights drawn on the device: the values `loader::dummy_model(cfg, recipe, seed)`
+    /// builds on the CPU, in the same formats.
+    pub fn dummy(
+        gpu: &Gpu,
+        cfg: &ModelConfig,
+        recipe: &Recipe,
+        seed: u64,
+    ) -> Result<CudaWeights, CudaError> {
+        let d = DummyWeights { gpu, seed };
+        let h = cfg.hidden_size;
+        let fmt =
+            |module: &str, cols: usize| recipe.format_for(module, cfg.num_layers).fitting(cols);
+        let single = |module: String, rows: usize, cols: usize| {
+            let f = fmt(&module, cols);
+            d.matrix(&[vec![(format!("{module}.weight"), rows)]], cols, &f, false)
+        };
+        let ones = |n: usize| gpu.upload(&vec![1f32; n]);
+        // A SwiGLU (dense MLP or each expert): gate+up stacked, and down; NVFP4 gate/up share
+        // one second-level scale as in the CPU loader.
+        let swiglu =
+            |prefixes: &[String], inter: usize| -> Result<(GpuMatrix, GpuMatrix), CudaError> {
+                let (g, u) = (
+                    fmt(&format!("{}.gate_proj", prefixes[0]), h),
+                    fmt(&format!("{}.up_proj", prefixes[0]), h),
+                );
+                if g != u {
+                    return Err(CudaError::Unsupported(
+                        "gate and up in different formats".into(),
+                    ));
+                }
+                let share = g.format == Format::Nvfp4;
+                let gate_up: Vec<Vec<(String, usize)>> = prefixes
+                    .iter()
+                    .map(|p| {
+                        vec![
+                            (format!("{p}.gate_proj.weight"), inter),
+                            (format!("{p}.up_proj.weight"), inter),
+                        ]
+                    })
+                    .collect();
+                let down: Vec<Vec<(String, usize)>> = prefixes
+                    .iter()
+                    .map(|p| vec![(format!("{p}.down_proj.weight"), h)])
+                    .collect();
+                let df = fmt(&format!("{}.down_proj", prefixes[0]), inter);
+                Ok((
+                    d.matrix(&gate_up, h, &g, share)?,
+                    d.matrix(&down, inter, &df, false)?,
+                ))
+            };
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}");
+            let mlp = if cfg.is_moe_layer(l) {
+                let moe = cfg.moe.as_ref().expect("moe layer has a moe config");
+                let prefixes: Vec<String> = (0..moe.num_experts)
+                    .map(|e| format!("{p}.mlp.experts.{e}"))
+                    .collect();
+                let (gate_up, down) = swiglu(&prefixes, moe.intermediate_size)?;
+                let router = d.matrix(
+                    &[vec![(format!("{p}.mlp.gate.weight"), moe.num_experts)]],
+                    h,
+                    &crate::quant::TensorFormat::BF16,
+                    false,
+                )?;
+                CudaMlp::Moe {
+                    router,
+                    gate_up,
+                    down,
+                    inter: moe.intermediate_size,
+                    experts: moe.num_experts,
+                    top_k: moe.top_k,
+                    renormalize: moe.norm_topk_prob,
+                }
+            } else {
+                let (gate_up, down) = swiglu(&[format!("{p}.mlp")], cfg.intermediate_size)?;
+                CudaMlp::Dense {
+                    gate_up,
+                    down,
+                    inter: cfg.intermediate_size,
+                }
+            };
+            layers.push(CudaLayer {
+                input_norm: ones(h)?,
+                post_attention_norm: ones(h)?,
+                q: single(format!("{p}.self_attn.q_proj"), cfg.q_size(), h)?,
+                k: single(format!("{p}.self_attn.k_proj"), cfg.kv_size(), h)?,
+                v: single(format!("{p}.self_attn.v_proj"), cfg.kv_size(), h)?,
+                o: single(format!("{p}.self_attn.o_proj"), h, cfg.q_size())?,
+                qk_norm: if cfg.qk_norm {
+                    Some((ones(cfg.head_dim)?, ones(cfg.head_dim)?))
+                } else {
+                    None
+                },
+                mlp,
+            });
+        }
+        let embed = Table::Bf16(d.bf16("model.embed_tokens.weight", cfg.vocab_size, h)?);
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(d.matrix(
+                &[vec![("lm_head.weight".to_string(), cfg.vocab_size)]],
+                h,
+                &crate::quant::TensorFormat::BF16,
+                false,
+            )?)
+        };
+        Ok(CudaWeights {
+            embed,
+            lm_head,
+            layers,
+            norm: ones(h)?,
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        let table = match &self.embed {
+            Table::Bf16(t) => t.len() * 2,
+            Table::F32(t) => t.len() * 4,
+        };
+        let mut total = table + self.lm_head.as_ref().map_or(0, GpuMatrix::bytes);
+        for l in &self.layers {
+            total += l.q.bytes() + l.k.bytes() + l.v.bytes() + l.o.bytes();
+            total += match &l.mlp {
+                CudaMlp::Dense { gate_up, down, .. } => gate_up.bytes() + down.bytes(),
+                CudaMlp::Moe {
+                    router,
+                    gate_up,
+                    down,
+                    ..
+                } => router.bytes() + gate_up.bytes() + down.bytes(),
+            };
+        }
+        total
+    }
+}
+
+/// `out = x W^T` for one layer or expert stack, quantizing x first as the format requires.
+/// `x_rows` rows of x are quantized (per token, before any routing); `rows` says which output
+/// rows are computed and `row_index` maps them to x rows.
+#[allow(clippy::too_many_arguments)]
+fn linear(
+    gpu: &Gpu,
+    m: &GpuMatrix,
+    x: &CudaSlice<f32>,
+    x_rows: usize,
+    rows: GemmRows<'_>,
+    row_index: Option<&CudaSlice<i32>>,
+    out_rows: usize,
+    out: &mut CudaSlice<f32>,
+    q: &mut QuantScratch,
+) -> Result<(), CudaError> {
+    let (n, k) = (m.n, m.k);
+    match (&m.data, &rows, row_index) {
+        (WeightData::F32(w), GemmRows::Dense(r), None) => {
+            return ops::cublas_gemm(
+                gpu,
+                CublasOperand::F32(x),
+                CublasOperand::F32(w),
+                *r,
+                n,
+                k,
+                out,
+            )
+        }
+        (WeightData::Bf16(w), GemmRows::Dense(r), None) => {
+            ops::f32_to_bf16(gpu, x, &mut q.xb, r * k)?;
+            return ops::cublas_gemm(
+                gpu,
+                CublasOperand::Bf16(&q.xb),
+                CublasOperand::Bf16(w),
+                *r,
+                n,
+                k,
+                out,
+            );
+        }
+        _ => {}
+    }
+    match m.act {
+        Activation::Plain => {
+            ops::grouped_gemm(gpu, x, row_index, None, &m.data, rows, out_rows, n, k, out)
+        }
+        Activation::Mxfp8 => {
+            ops::mxfp8_quantize_f32(
+                gpu,
+                x,
+                x_rows * k,
+                &mut q.data,
+                &mut q.scales,
+                Some(&mut q.deq),
+            )?;
+            ops::grouped_gemm(
+                gpu, &q.deq, row_index, None, &m.data, rows, out_rows, n, k, out,
+            )
+        }
+        Activation::Nvfp4 { per_token, params } => {
+            if !per_token {
+                if m.experts > 1 {
+                    return Err(CudaError::Unsupported(
+                        "per-tensor NVFP4 activations for experts (the CPU scales each expert's rows)".into(),
+                    ));
+                }
+                ops::amax_f32(gpu, x, x_rows * k, &mut q.amax)?;
+            }
+            ops::nvfp4_quantize_f32(
+                gpu,
+                x,
+                x_rows,
+                k,
+                per_token,
+                (!per_token).then_some(&q.amax),
+                params,
+                Nvfp4Out {
+                    data: &mut q.data,
+                    scales: &mut q.scales,
+                    row_s_dec: &mut q.row_scale,
+                    deq: Some(&mut q.deq),
+                },
+            )?;
+            ops::grouped_gemm(
+                gpu,
+                &q.deq,
+                row_index,
+                Some(&q.row_scale),
+                &m.data,
+                rows,
+                out_rows,
+                n,
+                k,
+                out,
+            )
+        }
+    }
+}
+
+impl CudaModel {
+    /// Puts `weights` to work: allocates the step scratch and sizes the KV cache.
+    pub fn new(
+        gpu: Gpu,
+        config: ModelConfig,
+        weights: CudaWeights,
+        sizes: CudaSizes,
+    ) -> Result<CudaModel, CudaError> {
+        let c = &config;
+        let t = sizes.max_batch_tokens.max(1);
+        let (h, v) = (c.hidden_size, c.vocab_size);
+        let (experts, top_k, moe_inter) = c
+            .moe
+            .as_ref()
+            .map_or((0, 1, 0), |m| (m.num_experts, m.top_k, m.intermediate_size));
+        let inter = c.intermediate_size.max(moe_inter);
+        let pairs = t * top_k.max(1);
+        // Widest GEMM input: x (hidden), attention output (q_size) or, per routed pair, the
+        // expert's intermediate activations.
+        let in_width = h.max(c.q_size()).max(c.intermediate_size);
+        let quant_elems = (t * in_width).max(pairs * moe_inter);
+        let moe_layers = (0..c.num_layers).filter(|&l| c.is_moe_layer(l)).count();
+        let seqs = sizes.max_running_requests.max(1);
+        let max_table_entries = seqs * sizes.max_context_len.div_ceil(sizes.block_size).max(1);
+        let s = Scratch {
+            tokens: gpu.alloc(t)?,
+            pos: gpu.alloc(t)?,
+            slots: gpu.alloc(t)?,
+            row_seq: gpu.alloc(t)?,
+            table_offsets: gpu.alloc(seqs)?,
+            block_tables: gpu.alloc(max_table_entries)?,
+            logit_rows: gpu.alloc(t)?,
+            x: gpu.alloc(t * h)?,
+            normed: gpu.alloc(t * h)?,
+            q: gpu.alloc(t * c.q_size())?,
+            k: gpu.alloc(t * c.kv_size())?,
+            v: gpu.alloc(t * c.kv_size())?,
+            attn: gpu.alloc(t * c.q_size())?,
+            o: gpu.alloc(t * h)?,
+            y: gpu.alloc(t * h)?,
+            router_logits: gpu.alloc(t * experts.max(1))?,
+            topk_ids: gpu.alloc(pairs)?,
+            topk_w: gpu.alloc(pairs)?,
+            plan: if experts > 0 {
+                Some(MoePlan::new(&gpu, pairs, experts)?)
+            } else {
+                None
+            },
+            gu: gpu.alloc(pairs * 2 * inter)?,
+            h: gpu.alloc(pairs * inter)?,
+            expert_out: gpu.alloc(pairs * h)?,
+            logits: gpu.alloc(t.min(LOGIT_CHUNK_ROWS) * v)?,
+            routed: gpu.alloc(moe_layers.max(1) * pairs)?,
+            quant: QuantScratch {
+                xb: gpu.alloc(t * in_width)?,
+                data: gpu.alloc(quant_elems)?,
+                scales: gpu.alloc(quant_elems / 16 + 1)?,
+                deq: gpu.alloc(quant_elems)?,
+                row_scale: gpu.alloc(pairs.max(t))?,
+                amax: gpu.alloc(2)?,
+            },
+        };
+        gpu.synchronize()?;
+        let (free, total) = gpu.memory()?;
+        let per_block = 2 * c.num_layers * c.kv_size() * 2 * sizes.block_size;
+        let budget =
+            (total as f64 * sizes.mem_fraction_static as f64) as i64 - (total - free) as i64;
+        let mut num_blocks = (budget.max(0) as usize) / per_block;
+        if let Some(cap) = sizes.max_total_tokens {
+            num_blocks = num_blocks.min(cap.div_ceil(sizes.block_size));
+        }
+        if num_blocks == 0 {
+            return Err(CudaError::Capacity(format!(
+                "no device memory left for the KV cache: weights and scratch use {:.1} GiB of {:.1} GiB (raise --mem-fraction-static or lower --chunked-prefill-size)",
+                (total - free) as f64 / (1u64 << 30) as f64,
+                total as f64 / (1u64 << 30) as f64
+            )));
+        }
+        let cache_len = num_blocks * sizes.block_size * c.kv_size();
+        let kv = KvCache {
+            k: (0..c.num_layers)
+                .map(|_| gpu.alloc::<u16>(cache_len))
+                .collect::<Result<_, _>>()?,
+            v: (0..c.num_layers)
+                .map(|_| gpu.alloc::<u16>(cache_len))
+                .collect::<Result<_, _>>()?,
+            num_blocks,
+        };
+        let inv_freq = gpu.upload(&rope_inv_freq(c.head_dim, c.rope_theta, &c.rope_scaling))?;
+        let weight_bytes = weights.bytes();
+        tracing::info!(
+            "CUDA memory: weights {:.2} GiB, KV cache {num_blocks} blocks of {} tokens ({:.2} GiB)",
+            weight_bytes as f64 / (1u64 << 30) as f64,
+            sizes.block_size,
+            (num_blocks * per_block) as f64 / (1u64 << 30) as f64
+        );
+        Ok(CudaModel {
+            gpu,
+            config,
+            weights,
+            inv_freq,
+            kv,
+            s,
+            sizes,
+            max_table_entries,
+            weight_bytes,
+        })
+    }
+
+    pub fn num_kv_blocks(&self) -> usize {
+        self.kv.num_blocks
+    }
+
+    pub fn num_moe_layers(&self) -> usize {
+        (0..self.config.num_layers)
+            .filter(|&l| self.config.is_moe_layer(l))
+            .count()
+    }
+
+    pub fn top_k(&self) -> usize {
+        self.config.moe.as_ref().map_or(0, |m| m.top_k)
+    }
+
+    /// Replaces the weights (a weight update): same config, new values.
+    pub fn replace_weights(&mut self, weights: CudaWeights) {
+        self.weights = weights;
+    }
+
+    pub fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<ForwardOutput, CudaError> {
+        let c = &self.config;
+        let bs = self.sizes.block_size;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let mut tokens = Vec::new();
+        let (mut pos, mut slots, mut row_seq) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut table_offsets, mut tables) = (Vec::new(), Vec::new());
+        let (mut logit_idx, mut logit_rows) = (Vec::new(), Vec::new());
+        for (i, s) in batch.seqs.iter().enumerate() {
+            table_offsets.push(tables.len() as i32);
+            tables.extend(s.block_table.iter().map(|&b| b as i32));
+            let from = s.logits_from.unwrap_or(s.tokens.len()).min(s.tokens.len());
+            logit_rows.push((logit_idx.len(), s.tokens.len() - from));
+            for (j, &t) in s.tokens.iter().enumerate() {
+                let p = s.start_pos + j;
+                if j >= from {
+                    logit_idx.push(tokens.len() as i32);
+                }
+                tokens.push(t);
+                pos.push(p as i32);
+                slots.push((s.block_table[p / bs] as usize * bs + p % bs) as i32);
+                row_seq.push(i as i32);
+            }
+        }
+        let n = tokens.len();
+        if n > self.sizes.max_batch_tokens
+            || batch.seqs.len() > self.sizes.max_running_requests.max(1)
+            || tables.len() > self.max_table_entries
+        {
+            return Err(CudaError::Capacity(format!(
+                "a step of {n} tokens in {} sequences exceeds the sizes the device was planned for",
+                batch.seqs.len()
+            )));
+        }
+        let moe_layers = self.num_moe_layers();
+        let top_k = self.top_k();
+        let (gpu, w, s, kv) = (&self.gpu, &self.weights, &mut self.s, &mut self.kv);
+        gpu.write(&tokens, &mut s.tokens)?;
+        gpu.write(&pos, &mut s.pos)?;
+        gpu.write(&slots, &mut s.slots)?;
+        gpu.write(&row_seq, &mut s.row_seq)?;
+        gpu.write(&table_offsets, &mut s.table_offsets)?;
+        gpu.write(&tables, &mut s.block_tables)?;
+        gpu.write(&logit_idx, &mut s.logit_rows)?;
+        ops::embedding(gpu, &s.tokens, n, &w.embed, &mut s.x, h)?;
+        let shape = AttnShape {
+            heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+            head_dim: hd,
+            block_size: bs,
+        };
+        let eps = c.rms_norm_eps;
+        let mut moe_index = 0;
+        for (l, layer) in w.layers.iter().enumerate() {
+            // The previous layer's MLP output joins the residual stream inside the norm.
+            let residual = (l > 0).then_some(&s.y);
+            ops::rms_norm(
+                gpu,
+                &mut s.x,
+                residual,
+                &layer.input_norm,
+                &mut s.normed,
+                None,
+                n,
+                h,
+                eps,
+            )?;
+            let q = &mut s.quant;
+            linear(
+                gpu,
+                &layer.q,
+                &s.normed,
+                n,
+                GemmRows::Dense(n),
+                None,
+                n,
+                &mut s.q,
+                q,
+            )?;
+            linear(
+                gpu,
+                &layer.k,
+                &s.normed,
+                n,
+                GemmRows::Dense(n),
+                None,
+                n,
+                &mut s.k,
+                q,
+            )?;
+            linear(
+                gpu,
+                &layer.v,
+                &s.normed,
+                n,
+                GemmRows::Dense(n),
+                None,
+                n,
+                &mut s.v,
+                q,
+            )?;
+            ops::qk_norm_rope_store(
+                gpu,
+                &mut s.q,
+                &mut s.k,
+                &s.v,
+                layer.qk_norm.as_ref().map(|(a, b)| (a, b)),
+                &self.inv_freq,
+                &s.pos,
+                &s.slots,
+                &mut kv.k[l],
+                &mut kv.v[l],
+                n,
+                shape,
+                eps,
+            )?;
+            let meta = AttnRows {
+                pos: &s.pos,
+                seq: &s.row_seq,
+                table_offsets: &s.table_offsets,
+                block_tables: &s.block_tables,
+            };
+            ops::paged_attention(gpu, &s.q, &mut s.attn, &kv.k[l], &kv.v[l], &meta, n, shape)?;
+            linear(
+                gpu,
+                &layer.o,
+                &s.attn,
+                n,
+                GemmRows::Dense(n),
+                None,
+                n,
+                &mut s.o,
+                q,
+            )?;
+            ops::rms_norm(
+                gpu,
+                &mut s.x,
+                Some(&s.o),
+                &layer.post_attention_norm,
+                &mut s.normed,
+                None,
+                n,
+                h,
+                eps,
+            )?;
+            match &layer.mlp {
+                CudaMlp::Dense {
+                    gate_up,
+                    down,
+                    inter,
+                } => {
+                    linear(
+                        gpu,
+                        gate_up,
+                        &s.normed,
+                        n,
+                        GemmRows::Dense(n),
+                        None,
+                        n,
+                        &mut s.gu,
+                        q,
+                    )?;
+                    ops::silu_mul(gpu, &s.gu, &mut s.h, n, *inter)?;
+                    linear(gpu, down, &s.h, n, GemmRows::Dense(n), None, n, &mut s.y, q)?;
+                }
+                CudaMlp::Moe {
+                    router,
+                    gate_up,
+                    down,
+                    inter,
+                    experts,
+                    top_k,
+                    renormalize,
+                } => {
+                    let pairs = n * top_k;
+                    linear(
+                        gpu,
+                        router,
+                        &s.normed,
+                        n,
+                        GemmRows::Dense(n),
+                        None,
+                        n,
+                        &mut s.router_logits,
+                        q,
+                    )?;
+                    ops::moe_route(
+                        gpu,
+                        &s.router_logits,
+                        n,
+                        *experts,
+                        *top_k,
+                        *renormalize,
+                        &mut s.topk_ids,
+                        &mut s.topk_w,
+                    )?;
+                    let plan = s.plan.as_mut().expect("MoE scratch exists for MoE models");
+                    plan.build(gpu, &s.topk_ids, n, *top_k, *experts)?;
+                    let plan = &*plan;
+                    linear(
+                        gpu,
+                        gate_up,
+                        &s.normed,
+                        n,
+                        GemmRows::Plan(plan),
+                        Some(&plan.row_token),
+                        pairs,
+                        &mut s.gu,
+                        q,
+                    )?;
+                    ops::silu_mul(gpu, &s.gu, &mut s.h, pairs, *inter)?;
+                    linear(
+                        gpu,
+                        down,
+                        &s.h,
+                        pairs,
+                        GemmRows::Plan(plan),
+                        None,
+                        pairs,
+                        &mut s.expert_out,
+                        q,
+                    )?;
+                    ops::moe_combine(gpu, &s.expert_out, plan, &s.topk_w, &mut s.y, n, *top_k, h)?;
+                    if pairs > 0 {
+                        let at = moe_index * n * top_k;
+                        gpu.stream.memcpy_dtod(
+                            &s.topk_ids.slice(0..pairs),
+                            &mut s.routed.slice_mut(at..at + pairs),
+                        )?;
+                    }
+                    moe_index += 1;
+                }
+            }
+        }
+        // Final norm (with the last MLP output added) and lm_head on the logit rows only.
+        let rows = logit_idx.len();
+        let last = (!w.layers.is_empty()).then_some(&s.y);
+        ops::rms_norm(
+            gpu,
+            &mut s.x,
+            last,
+            &w.norm,
+            &mut s.normed,
+            Some(&s.logit_rows),
+            rows,
+            h,
+            eps,
+        )?;
+        let v = c.vocab_size;
+        let mut logits = vec![0f32; rows * v];
+        for first in (0..rows).step_by(LOGIT_CHUNK_ROWS) {
+            let m = LOGIT_CHUNK_ROWS.min(rows - first);
+            let x = s.normed.slice(first * h..(first + m) * h);
+            // cuBLAS and the casts take whole buffers: copy the chunk's rows to the front.
+            gpu.stream.memcpy_dtod(&x, &mut s.o.slice_mut(0..m * h))?;
+            match (&w.lm_head, &w.embed) {
+                (Some(head), _) => linear(
+                    gpu,
+                    head,
+                    &s.o,
+                    m,
+                    GemmRows::Dense(m),
+                    None,
+                    m,
+                    &mut s.logits,
+                    &mut s.quant,
+                )?,
+                (None, Table::Bf16(t)) => {
+                    ops::f32_to_bf16(gpu, &s.o, &mut s.quant.xb, m * h)?;
+                    ops::cublas_gemm(
+                        gpu,
+                        CublasOperand::Bf16(&s.quant.xb),
+                        CublasOperand::Bf16(t),
+                        m,
+                        v,
+                        h,
+                        &mut s.logits,
+                    )?;
+                }
+                (None, Table::F32(t)) => {
+                    ops::cublas_gemm(
+                        gpu,
+                        CublasOperand::F32(&s.o),
+                        CublasOperand::F32(t),
+                        m,
+                        v,
+                        h,
+                        &mut s.logits,
+                    )?;
+                }
+            }
+            gpu.stream.memcpy_dtoh(
+                &s.logits.slice(0..m * v),
+                &mut logits[first * v..(first + m) * v],
+            )?;
+        }
+        let by_layer = gpu.download(&s.routed, moe_layers * n * top_k)?;
+        gpu.synchronize()?;
+        // [layer][token][k] -> [token][layer][k], the CPU backend's order.
+        let mut routed = vec![0i32; n * moe_layers * top_k];
+        for m in 0..moe_layers {
+            for t in 0..n {
+                routed[(t * moe_layers + m) * top_k..][..top_k]
+                    .copy_from_slice(&by_layer[(m * n + t) * top_k..][..top_k]);
+            }
+        }
+        Ok(ForwardOutput {
+            logits,
+            logit_rows,
+            routed_experts: routed,
+        })
+    }
+}

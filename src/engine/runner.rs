@@ -1,0 +1,195 @@
+//! Where the forward pass runs: the CPU reference backend (model and KV cache in host memory)
+//! or a CUDA device. The engine loop sees one interface either way.
+
+use crate::backend::cpu::attention::KvMemory;
+use crate::backend::cuda::model::{CudaSizes, CudaWeights};
+use crate::backend::cuda::{CudaError, CudaModel, Gpu};
+use crate::model::slots::Replacement;
+use crate::model::{ForwardBatch, ForwardOutput, Model, ModelConfig};
+use crate::quant::Recipe;
+
+use super::core::EngineConfig;
+use super::EngineError;
+
+/// What the engine is started with.
+pub enum RunnerSpec {
+    Cpu(Model),
+    Cuda {
+        device: usize,
+        weights: CudaSource,
+        mem_fraction_static: f32,
+        /// Cap on KV tokens; None sizes the cache from memory alone.
+        max_total_tokens: Option<usize>,
+    },
+}
+
+/// How the CUDA runner gets its weights.
+pub enum CudaSource {
+    /// A model the CPU loader built from a checkpoint; it is kept in host memory so streamed
+    /// updates can be applied to it and re-uploaded.
+    Model(Model),
+    /// `--load-format dummy`: drawn on the device, nothing on the host.
+    Dummy {
+        config: ModelConfig,
+        recipe: Recipe,
+        seed: u64,
+    },
+}
+
+pub(crate) enum Runner {
+    Cpu {
+        model: Model,
+        kv: KvMemory,
+    },
+    Cuda {
+        model: Box<CudaModel>,
+        host: Option<Model>,
+    },
+}
+
+impl Runner {
+    /// Builds the runner on the engine thread (the CUDA context lives where it is used).
+    pub(crate) fn build(spec: RunnerSpec, cfg: &EngineConfig) -> Result<Runner, CudaError> {
+        match spec {
+            RunnerSpec::Cpu(model) => {
+                let c = &model.config;
+                let num_blocks = cfg.max_total_tokens.div_ceil(cfg.block_size).max(1);
+                let kv = KvMemory::new(
+                    cfg.kv_dtype,
+                    c.num_layers,
+                    num_blocks,
+                    cfg.block_size,
+                    c.num_kv_heads,
+                    c.head_dim,
+                );
+                Ok(Runner::Cpu { model, kv })
+            }
+            RunnerSpec::Cuda {
+                device,
+                weights,
+                mem_fraction_static,
+                max_total_tokens,
+            } => {
+                let gpu = Gpu::open(device)?;
+                let sizes = CudaSizes {
+                    max_batch_tokens: cfg.max_batch_tokens,
+                    max_running_requests: cfg.max_running_requests,
+                    block_size: cfg.block_size,
+                    max_context_len: cfg.max_context_len,
+                    mem_fraction_static,
+                    max_total_tokens,
+                };
+                let (config, dev_weights, host) = match weights {
+                    CudaSource::Model(model) => {
+                        let w = CudaWeights::upload(&gpu, &model)?;
+                        (model.config.clone(), w, Some(model))
+                    }
+                    CudaSource::Dummy {
+                        config,
+                        recipe,
+                        seed,
+                    } => {
+                        let w = CudaWeights::dummy(&gpu, &config, &recipe, seed)?;
+                        (config, w, None)
+                    }
+                };
+                let model = CudaModel::new(gpu, config, dev_weights, sizes)?;
+                Ok(Runner::Cuda {
+                    model: Box::new(model),
+                    host,
+                })
+            }
+        }
+    }
+
+    pub(crate) fn config(&self) -> &ModelConfig {
+        match self {
+            Runner::Cpu { model, .. } => &model.config,
+            Runner::Cuda { model, .. } => &model.config,
+        }
+    }
+
+    pub(crate) fn num_kv_blocks(&self) -> usize {
+        match self {
+            Runner::Cpu { kv, .. } => kv.num_blocks,
+            Runner::Cuda { model, .. } => model.num_kv_blocks(),
+        }
+    }
+
+    pub(crate) fn num_moe_layers(&self) -> usize {
+        match self {
+            Runner::Cpu { model, .. } => model.num_moe_layers(),
+            Runner::Cuda { model, .. } => model.num_moe_layers(),
+        }
+    }
+
+    pub(crate) fn top_k(&self) -> usize {
+        match self {
+            Runner::Cpu { model, .. } => model.top_k(),
+            Runner::Cuda { model, .. } => model.top_k(),
+        }
+    }
+
+    /// A device failure mid-step cannot be recovered from: the engine thread's panic guard
+    /// reports it on /health and to every waiting request.
+    pub(crate) fn forward(&mut self, batch: &ForwardBatch<'_>) -> ForwardOutput {
+        match self {
+            Runner::Cpu { model, kv } => model.forward(batch, kv),
+            Runner::Cuda { model, .. } => model
+                .forward(batch)
+                .unwrap_or_else(|e| panic!("CUDA forward failed: {e}")),
+        }
+    }
+
+    /// Replaces the whole model (same config), e.g. after `/update_weights_from_disk`.
+    pub(crate) fn swap(&mut self, new: Model) -> Result<(), EngineError> {
+        match self {
+            Runner::Cpu { model, .. } => {
+                *model = new;
+                Ok(())
+            }
+            Runner::Cuda { model, host } => {
+                let w = CudaWeights::upload(&model.gpu, &new).map_err(device_error)?;
+                model.replace_weights(w);
+                *host = Some(new);
+                Ok(())
+            }
+        }
+    }
+
+    /// Replaces some tensors (a streamed update). Returns what is left to free (see
+    /// [`Model::apply_replacements`]).
+    pub(crate) fn apply(
+        &mut self,
+        updates: Vec<(String, Replacement)>,
+    ) -> Result<Vec<Replacement>, EngineError> {
+        match self {
+            Runner::Cpu { model, .. } => Ok(model.apply_replacements(updates)),
+            Runner::Cuda { model, host } => {
+                let Some(h) = host else {
+                    return Err(EngineError::Conflict(
+                        "streamed weight updates need a model loaded from a checkpoint on the CUDA backend (this one has dummy weights)".into(),
+                    ));
+                };
+                let spent = h.apply_replacements(updates);
+                match CudaWeights::upload(&model.gpu, h) {
+                    Ok(w) => {
+                        model.replace_weights(w);
+                        Ok(spent)
+                    }
+                    Err(e) => {
+                        // The device still serves the old weights, complete; the host copy no
+                        // longer matches them, so later streamed updates are refused until a
+                        // full update from disk.
+                        *host = None;
+                        Err(device_error(e))
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn device_error(e: CudaError) -> EngineError {
+    EngineError::Conflict(format!("the device could not take the new weights: {e}"))
+}

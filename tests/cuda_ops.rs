@@ -1,0 +1,817 @@
+//! The CUDA backend against the CPU reference, op by op and model by model, on fresh random
+//! data. These need an NVIDIA GPU, so they are `#[ignore]`d here and run on the GPU host by
+//! scripts/gpu-check.sh (`cuda_ops --ignored`). Quantizers must match the `quant` module byte
+//! for byte; f32 arithmetic within 1e-5 relative; paths with BF16 operands within 3e-2.
+//!
+//! Paths are relative to the repository root (the GPU host runs the test binary from there).
+
+use half::bf16;
+use lockstep::backend::cpu::attention::{paged_attention, AttentionSeq, KvDtype, KvMemory};
+use lockstep::backend::cpu::linear::{make_linear, DenseWeight};
+use lockstep::backend::cpu::ops as cpu;
+use lockstep::backend::cuda::model::{CudaModel, CudaSizes, CudaWeights};
+use lockstep::backend::cuda::ops::{
+    self, AttnRows, AttnShape, GemmRows, MoePlan, Nvfp4Out, Nvfp4Params,
+};
+use lockstep::backend::cuda::weights::{DummyWeights, GpuMatrix};
+use lockstep::backend::cuda::Gpu;
+use lockstep::backend::Linear;
+use lockstep::model::loader::{dummy_model, load_model};
+use lockstep::model::{ForwardBatch, Model, ModelConfig, SeqInput};
+use lockstep::quant::nvfp4::{ErrorMetric, ScaleGranularity};
+use lockstep::quant::{self, Format, FourOverSix, Nvfp4Options, Recipe, TensorFormat};
+
+/// xorshift64*: fresh but reproducible data; the seed changes per test.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.uniform() * scale).collect()
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+fn seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1
+}
+
+/// Activations with a wide dynamic range: whole blocks near zero, E4M3 subnormals, outliers,
+/// and one all-zero row.
+fn activations(rng: &mut Rng, rows: usize, cols: usize) -> Vec<f32> {
+    let mut x = Vec::with_capacity(rows * cols);
+    for r in 0..rows {
+        for c in 0..cols {
+            let scale = match (r + c / 16) % 5 {
+                0 => 1e-6,
+                1 => 3e-3,
+                2 => 1.0,
+                3 => 40.0,
+                _ => 700.0,
+            };
+            x.push(if r == 1 { 0.0 } else { rng.uniform() * scale });
+        }
+    }
+    x
+}
+
+fn gpu() -> Gpu {
+    Gpu::open(0).expect("a CUDA device")
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn poisoned<T: cudarc::driver::DeviceRepr>(g: &Gpu, n: usize, v: T) -> cudarc::driver::CudaSlice<T>
+where
+    T: Clone,
+{
+    g.upload(&vec![v; n]).unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn dummy_weights_equal_the_cpu_generator() {
+    let g = gpu();
+    let cfg =
+        ModelConfig::from_json(serde_json::from_str(lockstep::serve::EMBEDDED_CONFIG).unwrap())
+            .unwrap();
+    let model = dummy_model(cfg.clone(), &Recipe::bf16(), 11).unwrap();
+    let DenseWeight::Bf16(want) = &model.embed_tokens else {
+        panic!("dummy embeddings are BF16")
+    };
+    let got = DummyWeights { gpu: &g, seed: 11 }
+        .bf16("model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size)
+        .unwrap();
+    let got = g.download(&got, want.len()).unwrap();
+    assert!(
+        got.iter().zip(want).all(|(a, b)| *a == b.to_bits()),
+        "dummy values differ"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn activation_quantizers_match_the_quant_module_byte_for_byte() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let (rows, cols) = (37, 256);
+    let x = activations(&mut rng, rows, cols);
+    let dx = g.upload(&x).unwrap();
+    let n = rows * cols;
+
+    // MXFP8 1x32.
+    let want = quant::mxfp8::quantize_rowwise(&x, rows, cols).unwrap();
+    let (mut data, mut scales, mut deq) = (
+        poisoned(&g, n, 0xAAu8),
+        poisoned(&g, n / 32, 0xAAu8),
+        poisoned(&g, n, f32::NAN),
+    );
+    ops::mxfp8_quantize_f32(&g, &dx, n, &mut data, &mut scales, Some(&mut deq)).unwrap();
+    assert_eq!(g.download(&data, n).unwrap(), want.data, "MXFP8 bytes");
+    assert_eq!(
+        g.download(&scales, n / 32).unwrap(),
+        want.scales,
+        "MXFP8 scales"
+    );
+    let deq_want = want.dequantize();
+    let deq_got = g.download(&deq, n).unwrap();
+    assert!(
+        deq_got
+            .iter()
+            .zip(&deq_want)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "MXFP8 values"
+    );
+
+    // NVFP4 per token and per tensor, plain and four-over-six.
+    let variants = [
+        None,
+        Some(FourOverSix {
+            e4m3_range: 256.0,
+            metric: ErrorMetric::Absolute,
+        }),
+        Some(FourOverSix {
+            e4m3_range: 448.0,
+            metric: ErrorMetric::Squared,
+        }),
+    ];
+    let mut amax = g.alloc::<u32>(2).unwrap();
+    for fos in variants {
+        for granularity in [ScaleGranularity::PerToken, ScaleGranularity::PerTensor] {
+            let want = quant::nvfp4::quantize(
+                &x,
+                rows,
+                cols,
+                &Nvfp4Options {
+                    granularity,
+                    four_over_six: fos,
+                },
+            )
+            .unwrap();
+            let (mut data, mut scales) =
+                (poisoned(&g, n / 2, 0xAAu8), poisoned(&g, n / 16, 0xAAu8));
+            let (mut s_dec, mut deq) = (poisoned(&g, rows, f32::NAN), poisoned(&g, n, f32::NAN));
+            let per_token = granularity == ScaleGranularity::PerToken;
+            if !per_token {
+                ops::amax_f32(&g, &dx, n, &mut amax).unwrap();
+            }
+            ops::nvfp4_quantize_f32(
+                &g,
+                &dx,
+                rows,
+                cols,
+                per_token,
+                (!per_token).then_some(&amax),
+                Nvfp4Params::from_four_over_six(fos),
+                Nvfp4Out {
+                    data: &mut data,
+                    scales: &mut scales,
+                    row_s_dec: &mut s_dec,
+                    deq: Some(&mut deq),
+                },
+            )
+            .unwrap();
+            let what = format!("NVFP4 {granularity:?} four_over_six={fos:?}");
+            assert_eq!(
+                g.download(&data, n / 2).unwrap(),
+                want.data,
+                "{what}: bytes"
+            );
+            assert_eq!(
+                g.download(&scales, n / 16).unwrap(),
+                want.scales,
+                "{what}: scales"
+            );
+            let s = g.download(&s_dec, rows).unwrap();
+            for (r, v) in s.iter().enumerate() {
+                assert_eq!(
+                    v.to_bits(),
+                    want.global.of_row(r).to_bits(),
+                    "{what}: s_dec of row {r}"
+                );
+            }
+            let deq_want = want.block_scaled_values();
+            let deq_got = g.download(&deq, n).unwrap();
+            assert!(
+                deq_got
+                    .iter()
+                    .zip(&deq_want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: values"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn weight_quantizers_match_the_quant_module_byte_for_byte() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let (rows, cols) = (48, 160);
+    let w: Vec<bf16> = rng
+        .vec(rows * cols, 0.05)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let wf: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+    let dw = g
+        .upload(&w.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
+        .unwrap();
+    let n = rows * cols;
+    let want = quant::mxfp8::quantize_rowwise(&wf, rows, cols).unwrap();
+    let (mut data, mut scales) = (poisoned(&g, n, 0xAAu8), poisoned(&g, n / 32, 0xAAu8));
+    ops::mxfp8_quantize_bf16(&g, &dw, n, &mut data, &mut scales).unwrap();
+    assert_eq!(g.download(&data, n).unwrap(), want.data);
+    assert_eq!(g.download(&scales, n / 32).unwrap(), want.scales);
+
+    let mut amax = g.alloc::<u32>(2).unwrap();
+    ops::amax_bf16(&g, &dw, n, &mut amax).unwrap();
+    let a = ops::amax_value(&g.download(&amax, 2).unwrap(), n);
+    assert_eq!(
+        a.to_bits(),
+        quant::nvfp4::parallel_amax(&wf).to_bits(),
+        "amax"
+    );
+    for fos in [None, Some(FourOverSix::default())] {
+        let want = quant::nvfp4::quantize(
+            &wf,
+            rows,
+            cols,
+            &Nvfp4Options {
+                granularity: ScaleGranularity::PerTensor,
+                four_over_six: fos,
+            },
+        )
+        .unwrap();
+        let (mut data, mut scales) = (poisoned(&g, n / 2, 0xAAu8), poisoned(&g, n / 16, 0xAAu8));
+        ops::nvfp4_quantize_bf16(
+            &g,
+            &dw,
+            rows,
+            cols,
+            a,
+            Nvfp4Params::from_four_over_six(fos),
+            &mut data,
+            &mut scales,
+        )
+        .unwrap();
+        assert_eq!(
+            g.download(&data, n / 2).unwrap(),
+            want.data,
+            "NVFP4 weight bytes ({fos:?})"
+        );
+        assert_eq!(
+            g.download(&scales, n / 16).unwrap(),
+            want.scales,
+            "NVFP4 weight scales ({fos:?})"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn norms_rope_attention_and_swiglu_match_the_cpu() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let (heads, kv_heads, hd, bs) = (8, 2, 128, 4);
+    let (h, eps) = (256, 1e-6f32);
+    // Two sequences: one with 9 cached positions plus a 5-token chunk, one fresh with 3.
+    let seqs = [(9usize, 5usize), (0, 3)];
+    let rows: usize = seqs.iter().map(|s| s.1).sum();
+    let tables: Vec<Vec<u32>> = vec![vec![5, 0, 3, 1], vec![2, 6]];
+    let num_blocks = 7;
+
+    // RMSNorm with the residual add, then on selected rows.
+    let x = rng.vec(rows * h, 2.0);
+    let res = rng.vec(rows * h, 2.0);
+    let w = rng.vec(h, 1.0);
+    let mut x_cpu = x.clone();
+    cpu::add_inplace(&mut x_cpu, &res);
+    let mut want = vec![0f32; rows * h];
+    cpu::rms_norm(&x_cpu, &w, eps, &mut want);
+    let (mut dx, dres, dw) = (
+        g.upload(&x).unwrap(),
+        g.upload(&res).unwrap(),
+        g.upload(&w).unwrap(),
+    );
+    let mut out = poisoned(&g, rows * h, f32::NAN);
+    ops::rms_norm(&g, &mut dx, Some(&dres), &dw, &mut out, None, rows, h, eps).unwrap();
+    let got = g.download(&out, rows * h).unwrap();
+    assert!(
+        rel_err(&got, &want) < 1e-6,
+        "rms_norm: {}",
+        rel_err(&got, &want)
+    );
+    assert_eq!(
+        g.download(&dx, rows * h).unwrap(),
+        x_cpu,
+        "residual add is the CPU's f32 add"
+    );
+    let pick = [3i32, 0, 6];
+    let dpick = g.upload(&pick).unwrap();
+    let mut out2 = poisoned(&g, 3 * h, f32::NAN);
+    ops::rms_norm(&g, &mut dx, None, &dw, &mut out2, Some(&dpick), 3, h, eps).unwrap();
+    let got2 = g.download(&out2, 3 * h).unwrap();
+    for (i, &r) in pick.iter().enumerate() {
+        assert!(
+            rel_err(&got2[i * h..][..h], &want[r as usize * h..][..h]) < 1e-6,
+            "rms_norm row {r}"
+        );
+    }
+
+    // q/k norm + RoPE + KV store, then attention, against the CPU on a BF16 cache.
+    let inv_freq = cpu::rope_inv_freq(hd, 1e6, &lockstep::model::config::RopeScaling::None);
+    let (qs, kvs) = (heads * hd, kv_heads * hd);
+    let mut cache = KvMemory::new(KvDtype::Bf16, 1, num_blocks, bs, kv_heads, hd);
+    // Fill the cached prefix of sequence 0 directly.
+    for p in 0..seqs[0].0 {
+        cache.write(0, &tables[0], p, &rng.vec(kvs, 1.0), &rng.vec(kvs, 1.0));
+    }
+    let (q, k, v) = (
+        rng.vec(rows * qs, 3.0),
+        rng.vec(rows * kvs, 3.0),
+        rng.vec(rows * kvs, 3.0),
+    );
+    let (qn, kn) = (rng.vec(hd, 1.0), rng.vec(hd, 1.0));
+    let (mut qc, mut kc) = (q.clone(), k.clone());
+    cpu::head_rms_norm_inplace(&mut qc, &qn, eps);
+    cpu::head_rms_norm_inplace(&mut kc, &kn, eps);
+    let (mut pos, mut slots, mut row_seq) = (Vec::new(), Vec::new(), Vec::new());
+    let mut r = 0;
+    for (si, &(start, len)) in seqs.iter().enumerate() {
+        for j in 0..len {
+            let p = start + j;
+            cpu::apply_rope(&mut qc[r * qs..][..qs], hd, p, &inv_freq);
+            cpu::apply_rope(&mut kc[r * kvs..][..kvs], hd, p, &inv_freq);
+            cache.write(
+                0,
+                &tables[si],
+                p,
+                &kc[r * kvs..][..kvs],
+                &v[r * kvs..][..kvs],
+            );
+            pos.push(p as i32);
+            slots.push((tables[si][p / bs] as usize * bs + p % bs) as i32);
+            row_seq.push(si as i32);
+            r += 1;
+        }
+    }
+    let attn_seqs: Vec<AttentionSeq<'_>> = seqs
+        .iter()
+        .zip(&tables)
+        .map(|(&(start, len), t)| AttentionSeq {
+            block_table: t,
+            start_pos: start,
+            len,
+        })
+        .collect();
+    let mut attn_want = vec![0f32; rows * qs];
+    paged_attention(&cache, 0, &attn_seqs, &qc, heads, &mut attn_want);
+
+    // The device cache starts as the CPU's, with the new tokens' slots poisoned so the kernel
+    // must write them.
+    let (mut dq, mut dk, dv) = (
+        g.upload(&q).unwrap(),
+        g.upload(&k).unwrap(),
+        g.upload(&v).unwrap(),
+    );
+    let (dqn, dkn, dinv) = (
+        g.upload(&qn).unwrap(),
+        g.upload(&kn).unwrap(),
+        g.upload(&inv_freq).unwrap(),
+    );
+    let (dpos, dslots, drow_seq) = (
+        g.upload(&pos).unwrap(),
+        g.upload(&slots).unwrap(),
+        g.upload(&row_seq).unwrap(),
+    );
+    let (mut kc_host, mut vc_host) = (cache.k_bits(0), cache.v_bits(0));
+    for &s in &slots {
+        kc_host[s as usize * kvs..][..kvs]
+            .iter_mut()
+            .for_each(|b| *b = 0xFFFF);
+        vc_host[s as usize * kvs..][..kvs]
+            .iter_mut()
+            .for_each(|b| *b = 0xFFFF);
+    }
+    let (mut dkc, mut dvc) = (g.upload(&kc_host).unwrap(), g.upload(&vc_host).unwrap());
+    let shape = AttnShape {
+        heads,
+        kv_heads,
+        head_dim: hd,
+        block_size: bs,
+    };
+    ops::qk_norm_rope_store(
+        &g,
+        &mut dq,
+        &mut dk,
+        &dv,
+        Some((&dqn, &dkn)),
+        &dinv,
+        &dpos,
+        &dslots,
+        &mut dkc,
+        &mut dvc,
+        rows,
+        shape,
+        eps,
+    )
+    .unwrap();
+    let q_got = g.download(&dq, rows * qs).unwrap();
+    assert!(
+        rel_err(&q_got, &qc) < 1e-5,
+        "q norm + rope: {}",
+        rel_err(&q_got, &qc)
+    );
+    let kc_got = g.download(&dkc, kc_host.len()).unwrap();
+    let kc_want = cache.k_bits(0);
+    assert_eq!(
+        g.download(&dvc, kc_host.len()).unwrap(),
+        cache.v_bits(0),
+        "cached V"
+    );
+    let differing = kc_got.iter().zip(&kc_want).filter(|(a, b)| a != b).count();
+    // RoPE's sin/cos may differ in the last bit, which can flip a BF16 rounding.
+    assert!(
+        differing * 100 <= kc_want.len(),
+        "{differing} of {} cached K values differ",
+        kc_want.len()
+    );
+    let offsets: Vec<i32> = vec![0, tables[0].len() as i32];
+    let flat: Vec<i32> = tables.iter().flatten().map(|&b| b as i32).collect();
+    let (doff, dflat) = (g.upload(&offsets).unwrap(), g.upload(&flat).unwrap());
+    let mut dattn = poisoned(&g, rows * qs, f32::NAN);
+    let meta = AttnRows {
+        pos: &dpos,
+        seq: &drow_seq,
+        table_offsets: &doff,
+        block_tables: &dflat,
+    };
+    // Attention reads the CPU's exact cache, so only the arithmetic order differs.
+    let dkc_exact = g.upload(&cache.k_bits(0)).unwrap();
+    let dq_exact = g.upload(&qc).unwrap();
+    ops::paged_attention(
+        &g, &dq_exact, &mut dattn, &dkc_exact, &dvc, &meta, rows, shape,
+    )
+    .unwrap();
+    let attn_got = g.download(&dattn, rows * qs).unwrap();
+    assert!(
+        rel_err(&attn_got, &attn_want) < 1e-5,
+        "attention: {}",
+        rel_err(&attn_got, &attn_want)
+    );
+
+    // SwiGLU on a [rows, 2 * inter] gate|up buffer.
+    let inter = 96;
+    let gu = rng.vec(rows * 2 * inter, 4.0);
+    let (mut gate, mut up) = (Vec::new(), Vec::new());
+    for row in gu.chunks(2 * inter) {
+        gate.extend_from_slice(&row[..inter]);
+        up.extend_from_slice(&row[inter..]);
+    }
+    let mut want = vec![0f32; rows * inter];
+    cpu::silu_mul(&gate, &up, &mut want);
+    let dgu = g.upload(&gu).unwrap();
+    let mut dh = poisoned(&g, rows * inter, f32::NAN);
+    ops::silu_mul(&g, &dgu, &mut dh, rows, inter).unwrap();
+    let got = g.download(&dh, rows * inter).unwrap();
+    assert!(
+        rel_err(&got, &want) < 1e-6,
+        "silu_mul: {}",
+        rel_err(&got, &want)
+    );
+}
+
+/// CPU experts of one format from random BF16 weights.
+fn cpu_experts(
+    rng: &mut Rng,
+    experts: usize,
+    n: usize,
+    k: usize,
+    fmt: &TensorFormat,
+) -> Vec<Box<dyn Linear>> {
+    (0..experts)
+        .map(|_| {
+            let w: Vec<bf16> = rng
+                .vec(n * k, 0.08)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
+            make_linear(DenseWeight::Bf16(w), n, k, fmt, None)
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let (tokens, experts, top_k, n, k) = (45, 6, 2, 96, 256);
+    let logits = rng.vec(tokens * experts, 3.0);
+    let (mut ids, mut wts) = (
+        g.alloc::<i32>(tokens * top_k).unwrap(),
+        g.alloc::<f32>(tokens * top_k).unwrap(),
+    );
+    let dlogits = g.upload(&logits).unwrap();
+    ops::moe_route(
+        &g, &dlogits, tokens, experts, top_k, true, &mut ids, &mut wts,
+    )
+    .unwrap();
+    let (ids_h, wts_h) = (
+        g.download(&ids, tokens * top_k).unwrap(),
+        g.download(&wts, tokens * top_k).unwrap(),
+    );
+    for t in 0..tokens {
+        let mut probs = logits[t * experts..][..experts].to_vec();
+        cpu::softmax_inplace(&mut probs);
+        let top = cpu::top_k(&probs, top_k);
+        let sum: f32 = top.iter().map(|&i| probs[i]).sum();
+        for (s, &e) in top.iter().enumerate() {
+            assert_eq!(ids_h[t * top_k + s], e as i32, "token {t} slot {s}");
+            assert!(
+                (wts_h[t * top_k + s] - probs[e] / sum).abs() < 1e-6,
+                "token {t} weight"
+            );
+        }
+    }
+    let mut plan = MoePlan::new(&g, tokens * top_k, experts).unwrap();
+    plan.build(&g, &ids, tokens, top_k, experts).unwrap();
+    let x = activations(&mut rng, tokens, k);
+    let dx = g.upload(&x).unwrap();
+    let pairs = tokens * top_k;
+    let nvfp4 = TensorFormat {
+        format: Format::Nvfp4,
+        activation_scale: ScaleGranularity::PerToken,
+        four_over_six: None,
+    };
+    let mxfp8 = TensorFormat {
+        format: Format::Mxfp8,
+        ..TensorFormat::BF16
+    };
+    for (fmt, tol) in [(TensorFormat::BF16, 1e-5), (mxfp8, 1e-5), (nvfp4, 1e-5)] {
+        let cpu_w = cpu_experts(&mut rng, experts, n, k, &fmt);
+        let parts: Vec<Vec<&dyn Linear>> = cpu_w.iter().map(|l| vec![&**l]).collect();
+        let m = GpuMatrix::upload(&g, &parts).unwrap();
+        // Activations quantized per token first, as the model does.
+        let mut deq = g.alloc::<f32>(tokens * k).unwrap();
+        let mut row_scale = g.alloc::<f32>(tokens).unwrap();
+        let (mut data, mut scales) = (
+            g.alloc::<u8>(tokens * k).unwrap(),
+            g.alloc::<u8>(tokens * k / 16).unwrap(),
+        );
+        let (xin, rs) = match fmt.format {
+            Format::Bf16 => (&dx, None),
+            Format::Mxfp8 => {
+                ops::mxfp8_quantize_f32(
+                    &g,
+                    &dx,
+                    tokens * k,
+                    &mut data,
+                    &mut scales,
+                    Some(&mut deq),
+                )
+                .unwrap();
+                (&deq, None)
+            }
+            Format::Nvfp4 => {
+                ops::nvfp4_quantize_f32(
+                    &g,
+                    &dx,
+                    tokens,
+                    k,
+                    true,
+                    None,
+                    Nvfp4Params::from_four_over_six(None),
+                    Nvfp4Out {
+                        data: &mut data,
+                        scales: &mut scales,
+                        row_s_dec: &mut row_scale,
+                        deq: Some(&mut deq),
+                    },
+                )
+                .unwrap();
+                (&deq, Some(&row_scale))
+            }
+        };
+        let mut out = poisoned(&g, pairs * n, f32::NAN);
+        ops::grouped_gemm(
+            &g,
+            xin,
+            Some(&plan.row_token),
+            rs,
+            &m.data,
+            GemmRows::Plan(&plan),
+            pairs,
+            n,
+            k,
+            &mut out,
+        )
+        .unwrap();
+        let got = g.download(&out, pairs * n).unwrap();
+        let slot_row = g.download(&plan.slot_row, pairs).unwrap();
+        let mut got_by_slot = Vec::with_capacity(pairs * n);
+        let mut want = Vec::with_capacity(pairs * n);
+        for t in 0..tokens {
+            for s in 0..top_k {
+                let e = ids_h[t * top_k + s] as usize;
+                let mut y = vec![0f32; n];
+                cpu_w[e].forward(&x[t * k..][..k], 1, &mut y);
+                want.extend_from_slice(&y);
+                got_by_slot.extend_from_slice(&got[slot_row[t * top_k + s] as usize * n..][..n]);
+            }
+        }
+        let err = rel_err(&got_by_slot, &want);
+        assert!(err < tol, "{:?} experts: relative error {err}", fmt.format);
+    }
+}
+
+fn embedded_config(layers: Option<usize>) -> ModelConfig {
+    let mut raw: serde_json::Value =
+        serde_json::from_str(lockstep::serve::EMBEDDED_CONFIG).unwrap();
+    if let Some(l) = layers {
+        raw["num_hidden_layers"] = l.into();
+    }
+    ModelConfig::from_json(raw).unwrap()
+}
+
+/// Teacher-forced logits of two sequences (one chunked on top of its own prefix) plus a decode
+/// step, CPU vs CUDA; returns the worst relative row error and the routed-expert agreement.
+fn compare_models(cpu_model: &Model, cuda: &mut CudaModel, rng: &mut Rng) -> (f64, f64) {
+    let c = &cpu_model.config;
+    let vocab = c.vocab_size.min(250);
+    let bs = 4;
+    let a: Vec<u32> = (0..13).map(|_| rng.below(vocab) as u32).collect();
+    let b: Vec<u32> = (0..6).map(|_| rng.below(vocab) as u32).collect();
+    let (ta, tb): (Vec<u32>, Vec<u32>) = ((0..5).rev().collect(), (5..8).collect());
+    let mut kv = KvMemory::new(
+        KvDtype::Bf16,
+        c.num_layers,
+        8,
+        bs,
+        c.num_kv_heads,
+        c.head_dim,
+    );
+    let steps: Vec<Vec<(&[u32], usize, &[u32])>> = vec![
+        vec![(&a[..8], 0, &ta[..])],
+        vec![(&a[8..], 8, &ta[..]), (&b[..], 0, &tb[..])],
+        vec![(&a[..1], 13, &ta[..]), (&b[..1], 6, &tb[..])],
+    ];
+    let (mut worst, mut same, mut total) = (0f64, 0usize, 0usize);
+    for step in steps {
+        let batch = ForwardBatch {
+            seqs: step
+                .iter()
+                .map(|&(tokens, start_pos, block_table)| SeqInput {
+                    tokens,
+                    start_pos,
+                    block_table,
+                    logits_from: Some(0),
+                })
+                .collect(),
+        };
+        let want = cpu_model.forward(&batch, &mut kv);
+        let got = cuda.forward(&batch).unwrap();
+        let v = c.vocab_size;
+        for (gr, wr) in got.logits.chunks(v).zip(want.logits.chunks(v)) {
+            worst = worst.max(rel_err(gr, wr));
+        }
+        same += got
+            .routed_experts
+            .iter()
+            .zip(&want.routed_experts)
+            .filter(|(x, y)| x == y)
+            .count();
+        total += want.routed_experts.len();
+    }
+    (
+        worst,
+        if total == 0 {
+            1.0
+        } else {
+            same as f64 / total as f64
+        },
+    )
+}
+
+fn sizes() -> CudaSizes {
+    CudaSizes {
+        max_batch_tokens: 64,
+        max_running_requests: 4,
+        block_size: 4,
+        max_context_len: 64,
+        mem_fraction_static: 0.9,
+        max_total_tokens: Some(64),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn models_match_the_cpu_in_every_format() {
+    let mut rng = Rng(seed());
+    let mut report = Vec::new();
+    let mut check = |what: String, cpu_model: Model, dummy: Option<(&Recipe, u64)>| {
+        let g = gpu();
+        let w = match dummy {
+            // Dummy weights drawn on the device must equal the CPU's, quantization included.
+            Some((recipe, seed)) => {
+                CudaWeights::dummy(&g, &cpu_model.config, recipe, seed).unwrap()
+            }
+            None => CudaWeights::upload(&g, &cpu_model).unwrap(),
+        };
+        let mut cuda = CudaModel::new(g, cpu_model.config.clone(), w, sizes()).unwrap();
+        let (err, agree) = compare_models(&cpu_model, &mut cuda, &mut rng);
+        println!(
+            "{what:<40} logits rel err {err:.2e}, routed experts equal {:.1}%",
+            agree * 100.0
+        );
+        report.push((what, err, agree));
+    };
+    for name in ["bf16", "mxfp8", "nvfp4"] {
+        let recipe = Recipe::builtin(name).unwrap();
+        for layers in [None, Some(2)] {
+            let cfg = embedded_config(layers);
+            let model = dummy_model(cfg.clone(), &recipe, 5).unwrap();
+            check(
+                format!("embedded {name} (upload, {} layers)", cfg.num_layers),
+                model,
+                None,
+            );
+            let model = dummy_model(cfg.clone(), &recipe, 6).unwrap();
+            check(
+                format!("embedded {name} (device dummy, {} layers)", cfg.num_layers),
+                model,
+                Some((&recipe, 6)),
+            );
+        }
+    }
+    for r in ["qwen3_moe", "qwen3", "llama"] {
+        let (model, _) = load_model(
+            std::path::Path::new(&format!("tests/data/reference/{r}")),
+            None,
+            None,
+        )
+        .unwrap();
+        check(format!("reference {r} (f32 checkpoint)"), model, None);
+    }
+    for (what, err, agree) in &report {
+        assert!(*err < 3e-2, "{what}: logits relative error {err}");
+        assert!(
+            *agree > 0.9,
+            "{what}: routed experts agree only {:.1}%",
+            agree * 100.0
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and a many-core host (scripts/gpu-check.sh)"]
+fn midsize_qwen3_30b_shape_matches_the_cpu() {
+    // Four layers of Qwen3-30B-A3B's shape (128 experts, top-8, vocab 151936): the CPU can
+    // still run it, so device dummy weights and every op meet real sizes.
+    let mut raw: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string("configs/qwen3-30b-a3b.json").unwrap())
+            .unwrap();
+    raw["num_hidden_layers"] = 4.into();
+    let cfg = ModelConfig::from_json(raw).unwrap();
+    let mut rng = Rng(seed());
+    for name in ["bf16", "nvfp4", "mxfp8"] {
+        let recipe = Recipe::builtin(name).unwrap();
+        let cpu_model = dummy_model(cfg.clone(), &recipe, 3).unwrap();
+        let g = gpu();
+        let w = CudaWeights::dummy(&g, &cfg, &recipe, 3).unwrap();
+        let mut cuda = CudaModel::new(g, cfg.clone(), w, sizes()).unwrap();
+        let (err, agree) = compare_models(&cpu_model, &mut cuda, &mut rng);
+        println!("qwen3-30b-a3b shape, 4 layers, {name:<6} logits rel err {err:.2e}, routed experts equal {:.1}%", agree * 100.0);
+        assert!(err < 3e-2, "{name}: logits relative error {err}");
+        assert!(
+            agree > 0.9,
+            "{name}: routed experts agree only {:.1}%",
+            agree * 100.0
+        );
+    }
+}
