@@ -372,3 +372,91 @@ impl ShardedWriter {
         Ok(self.total_bytes)
     }
 }
+
+/// One tensor of a served weight in checkpoint layout: the name suffix `lockstep convert`
+/// writes it under (`weight`, `weight_scale`, ...), its dtype, shape and bytes. What
+/// `GET /weights_checksum` hashes, and what `lockstep push --quantize-on-client` sends.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CheckpointPart<'a> {
+    pub suffix: &'static str,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub data: Cow<'a, [u8]>,
+}
+
+// Checkpoint bytes are little-endian; the borrowed views below reinterpret memory as such.
+#[cfg(target_endian = "big")]
+compile_error!("lockstep assumes a little-endian target (safetensors is little-endian)");
+
+impl<'a> CheckpointPart<'a> {
+    pub fn bf16(suffix: &'static str, shape: Vec<usize>, values: &'a [bf16]) -> Self {
+        CheckpointPart {
+            suffix,
+            dtype: Dtype::BF16,
+            shape,
+            data: Cow::Borrowed(bytemuck::cast_slice(values)),
+        }
+    }
+
+    /// A high-precision tensor the server holds widened to f32: written back as BF16 when
+    /// every value is a BF16 value (always so for a BF16 checkpoint, whose bytes this gives
+    /// back exactly), else as F32.
+    pub fn from_f32(suffix: &'static str, shape: Vec<usize>, values: &'a [f32]) -> Self {
+        let narrow = |v: &f32| v.to_bits() & 0xFFFF == 0;
+        if values.iter().all(narrow) {
+            CheckpointPart {
+                suffix,
+                dtype: Dtype::BF16,
+                shape,
+                data: Cow::Owned(
+                    values
+                        .iter()
+                        .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+                        .collect(),
+                ),
+            }
+        } else {
+            CheckpointPart {
+                suffix,
+                dtype: Dtype::F32,
+                shape,
+                data: Cow::Borrowed(bytemuck::cast_slice(values)),
+            }
+        }
+    }
+
+    pub fn bytes(suffix: &'static str, dtype: Dtype, shape: Vec<usize>, data: &'a [u8]) -> Self {
+        CheckpointPart {
+            suffix,
+            dtype,
+            shape,
+            data: Cow::Borrowed(data),
+        }
+    }
+
+    pub fn into_owned(self) -> CheckpointPart<'static> {
+        CheckpointPart {
+            data: Cow::Owned(self.data.into_owned()),
+            ..self
+        }
+    }
+
+    pub fn to_owned_tensor(&self) -> OwnedTensor {
+        OwnedTensor::new(self.dtype, self.shape.clone(), self.data.to_vec())
+    }
+}
+
+impl View for &CheckpointPart<'_> {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}

@@ -9,6 +9,7 @@ pub mod convert;
 pub mod engine;
 pub mod kv;
 pub mod model;
+pub mod push;
 pub mod quant;
 pub mod quantize;
 pub mod sampling;

@@ -28,6 +28,8 @@ enum Command {
     Quantize(QuantizeArgs),
     /// Convert a Hugging Face checkpoint (BF16 or block FP8) to MXFP8/NVFP4 following a recipe.
     Convert(ConvertArgs),
+    /// Push a checkpoint to running servers as a live weight update (verified by checksum).
+    Push(Box<lockstep::push::args::PushArgs>),
 }
 
 #[derive(clap::Args)]
@@ -111,6 +113,16 @@ fn main() -> anyhow::Result<()> {
             let n = lockstep::quantize::quantize_file(&a.input, &a.output, &opts)
                 .with_context(|| format!("quantizing {}", a.input.display()))?;
             eprintln!("quantized {n} tensors -> {}", a.output.display());
+        }
+        Command::Push(a) => {
+            init_logging("warn");
+            let opts = a.options()?;
+            let report = lockstep::push::run_blocking(&opts, &a.checkpoint)
+                .with_context(|| format!("pushing {}", a.checkpoint.display()))?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            }
+            eprint!("{}", report.render());
         }
         Command::Convert(a) => {
             let recipe = Recipe::from_file(&a.recipe)?;

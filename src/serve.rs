@@ -410,9 +410,11 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
         .map(|q| format!("{q:?}").to_lowercase())
         .unwrap_or_else(|| recipe.name.clone());
     // Slot shapes (what a streamed update may replace) exist for host-built models only.
-    let (spec, slots) = match loaded {
+    // So is the checksum: dummy weights built on the device have no host copy to hash.
+    let (spec, slots, checksum) = match loaded {
         Loaded::Host(mut model) => {
             let slots = model.slot_shapes();
+            let checksum = model.weights_checksum();
             let spec = if cuda {
                 RunnerSpec::Cuda {
                     device: args.base_gpu_id,
@@ -423,7 +425,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
             } else {
                 RunnerSpec::Cpu(*model)
             };
-            (spec, slots)
+            (spec, slots, checksum)
         }
         Loaded::DeviceDummy(config) => (
             RunnerSpec::Cuda {
@@ -437,8 +439,10 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
                 max_total_tokens: args.max_total_tokens,
             },
             Default::default(),
+            Default::default(),
         ),
     };
+    let checksum = Arc::new(checksum);
     let info = EngineInfo {
         model_path,
         served_model_name: args.served_model_name.clone().unwrap_or(name),
@@ -452,6 +456,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
         max_context_len: context_len,
         block_size: args.page_size,
         weight_version: std::sync::RwLock::new("default".to_string()),
+        weights_checksum: std::sync::RwLock::new(("default".to_string(), checksum)),
     };
     let cfg = EngineConfig {
         max_running_requests: args.max_running_requests,

@@ -28,7 +28,8 @@ fn engine_with(
 ) -> EngineHandle {
     let cfg = ModelConfig::from_json(serde_json::from_str(EMBEDDED_CONFIG).unwrap()).unwrap();
     let recipe = Recipe::bf16();
-    let model = loader::dummy_model(cfg.clone(), &recipe, 0).unwrap();
+    let mut model = loader::dummy_model(cfg.clone(), &recipe, 0).unwrap();
+    let checksum = Arc::new(model.weights_checksum());
     let info = EngineInfo {
         model_path: "embedded".into(),
         served_model_name: "test".into(),
@@ -42,6 +43,7 @@ fn engine_with(
         max_context_len: 512,
         block_size,
         weight_version: std::sync::RwLock::new("v0".into()),
+        weights_checksum: std::sync::RwLock::new(("v0".into(), checksum)),
     };
     let cfg = EngineConfig {
         max_running_requests: 16,
@@ -365,10 +367,9 @@ fn a_weight_swap_mid_request_is_attributed_to_version_spans() {
                 EngineEvent::Token(t) => {
                     tokens.push(t);
                     if tokens.len() == 5 {
-                        let aborted = h
-                            .swap_model(swap.take().unwrap(), "v1".into(), false)
-                            .await
-                            .unwrap();
+                        let mut model = swap.take().unwrap();
+                        let sum = Arc::new(model.weights_checksum());
+                        let aborted = h.swap_model(model, sum, "v1".into(), false).await.unwrap();
                         assert_eq!(aborted, 0);
                     }
                 }
@@ -398,7 +399,7 @@ fn a_weight_swap_mid_request_is_attributed_to_version_spans() {
     let small =
         loader::dummy_model(ModelConfig::from_json(other).unwrap(), &Recipe::bf16(), 1).unwrap();
     assert!(rt
-        .block_on(h.swap_model(small, "v2".into(), false))
+        .block_on(h.swap_model(small, Default::default(), "v2".into(), false))
         .is_err());
     assert_eq!(h.weight_version(), "v1");
 }

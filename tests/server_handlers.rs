@@ -674,3 +674,205 @@ fn impossible_sizes_are_refused_at_start_naming_the_flags() {
         assert!(err.contains(named), "{flags:?}: {err}");
     }
 }
+
+/// `dir` = the checkpoint at `src` with every tensor scaled and rounded to BF16 (a trainer's
+/// dtype), plus the minimal tokenizer of [`scaled_copy`].
+fn bf16_copy(
+    src: &std::path::Path,
+    dir: &std::path::Path,
+    scale: f32,
+) -> std::collections::BTreeMap<String, lockstep::checkpoint::OwnedTensor> {
+    use lockstep::checkpoint::{write_file, OwnedTensor};
+    let f32s = scaled_copy(src, dir, scale);
+    let tensors: std::collections::BTreeMap<String, OwnedTensor> = f32s
+        .iter()
+        .map(|(n, t)| {
+            let v: Vec<f32> = t
+                .data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (n.clone(), OwnedTensor::bf16(t.shape.clone(), &v))
+        })
+        .collect();
+    write_file(&dir.join("model.safetensors"), &tensors, None).unwrap();
+    tensors
+}
+
+async fn checksum_of(r: &axum::Router) -> Value {
+    let (s, v) = call(r, "GET", "/weights_checksum", None, &[]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["algorithm"], "xxh3_64");
+    v
+}
+
+/// Streams `tensors` as one session (one bucket) and ends it with `end_extra` fields.
+async fn stream_update(
+    r: &axum::Router,
+    version: &str,
+    body: Vec<u8>,
+    end_extra: &str,
+) -> (StatusCode, Value) {
+    let (s, v) = call(
+        r,
+        "POST",
+        "/begin_weight_update",
+        Some(&format!(r#"{{"weight_version": "{version}"}}"#)),
+        &[],
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let sid = v["session"].as_str().unwrap().to_string();
+    let (s, v) = put_raw(r, &sid, body).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let end = format!(r#"{{"session": "{sid}"{end_extra}}}"#);
+    call(r, "POST", "/end_weight_update", Some(&end), &[]).await
+}
+
+/// The server's checksums are of checkpoint layout: BF16 pushed into an NVFP4 or MXFP8 slot
+/// (quantized by the server), the same weights quantized by the client, and a checkpoint made
+/// by `lockstep convert` all hash the same, tensor by tensor, and equal the xxh3 of the
+/// converted files' own tensors. A wrong checksum at commit changes nothing.
+#[tokio::test]
+async fn checksums_agree_across_server_quantization_client_quantization_and_convert() {
+    use lockstep::checkpoint::Checkpoint;
+    use lockstep::push::prepare::{prepare_bucket, PrepareOptions, ServerLayout};
+    let src =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/reference/qwen3_moe");
+    for (quantization, recipe_name) in [("nvfp4_online", "nvfp4"), ("mxfp8", "mxfp8")] {
+        let tmp = tempfile::tempdir().unwrap();
+        let (a, b, c) = (
+            tmp.path().join("a"),
+            tmp.path().join("b"),
+            tmp.path().join("c"),
+        );
+        bf16_copy(&src, &a, 1.0);
+        let new = bf16_copy(&src, &b, 1.25);
+        let recipe = lockstep::quant::Recipe::builtin(recipe_name).unwrap();
+        lockstep::convert::convert(&lockstep::convert::ConvertOptions {
+            input: &b,
+            output: &c,
+            recipe: &recipe,
+            max_shard_bytes: 1 << 30,
+            progress: false,
+        })
+        .unwrap();
+        let q = ["--quantization", quantization];
+
+        // The converted checkpoint, served as stored.
+        let converted = checksum_of(&router_on(c.to_str().unwrap(), &[])).await;
+        let ckpt = Checkpoint::open(&c).unwrap();
+        let files: serde_json::Map<String, Value> = ckpt
+            .names()
+            .map(|n| {
+                let h = xxhash_rust::xxh3::xxh3_64(ckpt.tensor(n).unwrap().data());
+                (n.to_string(), json!(format!("{h:016x}")))
+            })
+            .collect();
+        assert_eq!(
+            converted["tensors"].as_object().unwrap(),
+            &files,
+            "{recipe_name}: the server hashes exactly the converted files' tensors"
+        );
+
+        // BF16 pushed, quantized by the server; committed with the converted checksum.
+        let r = router_on(a.to_str().unwrap(), &q);
+        let before = checksum_of(&r).await;
+        assert_ne!(before["overall"], converted["overall"]);
+        let all: Vec<(&String, &lockstep::checkpoint::OwnedTensor)> = new.iter().collect();
+        let body = safetensors::tensor::serialize(all.iter().map(|(n, t)| (n.as_str(), *t)), None)
+            .unwrap();
+        let greedy = r#"{"input_ids": [5, 17, 300, 42], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": true}, "return_logprob": true}"#;
+        let out_before = call(&r, "POST", "/generate", Some(greedy), &[]).await.1;
+
+        // A wrong or malformed checksum: 400 naming it, nothing changes.
+        for bad in [
+            r#", "checksum": "0123456789abcdef""#,
+            r#", "checksum": "zz""#,
+        ] {
+            let (s, v) = stream_update(&r, "wrong", body.clone(), bad).await;
+            assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+            assert!(
+                v["error"]["message"].as_str().unwrap().contains("checksum"),
+                "{v}"
+            );
+            assert_eq!(
+                checksum_of(&r).await,
+                before,
+                "{recipe_name}: nothing changed"
+            );
+            assert_eq!(
+                call(&r, "POST", "/generate", Some(greedy), &[]).await.1["meta_info"]
+                    ["output_token_logprobs"],
+                out_before["meta_info"]["output_token_logprobs"]
+            );
+        }
+        let ok = format!(r#", "checksum": {}"#, converted["overall"]);
+        let (s, v) = stream_update(&r, "v1", body, &ok).await;
+        assert_eq!(s, StatusCode::OK, "{recipe_name}: {v}");
+        let pushed = checksum_of(&r).await;
+        assert_eq!(pushed["weight_version"], "v1");
+        assert_eq!(pushed["tensors"], converted["tensors"], "{recipe_name}");
+        assert_eq!(pushed["overall"], converted["overall"]);
+
+        // The same weights quantized by the client (push's own preparation).
+        let r2 = router_on(a.to_str().unwrap(), &q);
+        let names: Vec<String> = checksum_of(&r2).await["tensors"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect();
+        let layout = ServerLayout::from_names(&names);
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = new
+            .iter()
+            .map(|(n, t)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.data)
+                        .unwrap(),
+                )
+            })
+            .collect();
+        let members: Vec<(&str, &safetensors::tensor::TensorView<'_>)> =
+            views.iter().map(|(n, v)| (n.as_str(), v)).collect();
+        let prepared = prepare_bucket(
+            &members,
+            &PrepareOptions {
+                layout: &layout,
+                recipe: Some(&recipe),
+                quantize_on_client: true,
+            },
+        )
+        .unwrap();
+        assert!(
+            prepared.tensors > new.len(),
+            "quantized slots travel as weight + scales"
+        );
+        assert_eq!(
+            format!(
+                "{:016x}",
+                before_overlaid(&checksum_of(&r2).await, &prepared.expected)
+            ),
+            converted["overall"].as_str().unwrap(),
+            "the client predicts the server's checksum"
+        );
+        let (s, v) = stream_update(&r2, "v1", prepared.body.to_vec(), &ok).await;
+        assert_eq!(s, StatusCode::OK, "{recipe_name}: {v}");
+        assert_eq!(checksum_of(&r2).await["tensors"], converted["tensors"]);
+    }
+}
+
+/// The overall checksum of a server's `/weights_checksum` with `changed` laid over it.
+fn before_overlaid(before: &Value, changed: &lockstep::model::checksum::WeightsChecksum) -> u64 {
+    use lockstep::model::checksum::{parse_hex, WeightsChecksum};
+    let base = WeightsChecksum {
+        tensors: before["tensors"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), parse_hex(v.as_str().unwrap()).unwrap()))
+            .collect(),
+    };
+    base.overlaid(changed).overall()
+}

@@ -25,6 +25,16 @@ pub trait Linear: Send + Sync {
     fn dequantized_weight(&self) -> Vec<f32>;
     /// Bytes of weight storage (weights and scales).
     fn storage_bytes(&self) -> usize;
+    /// The stored weight in checkpoint layout: the tensors `lockstep convert` writes for this
+    /// layer (BF16 `weight`; NVFP4 `weight`, `weight_scale`, `weight_scale_2`, `input_scale`;
+    /// MXFP8 `weight`, `weight_scale_inv`), borrowed where the layout is the held one.
+    fn checkpoint_parts(&self) -> Vec<crate::checkpoint::CheckpointPart<'_>>;
+    /// Copies `new`'s weights into this layer's existing buffers when both are the same kind
+    /// and size, so a live update allocates nothing here and the buffers never move (what a
+    /// GPU backend's captured graphs need). Returns false, changing nothing, otherwise.
+    fn overwrite_from(&mut self, new: &dyn Linear) -> bool;
+    /// For [`Linear::overwrite_from`]: the concrete layer behind the trait object.
+    fn as_any(&self) -> &dyn std::any::Any;
     /// The stored weights as they are, for uploading to another backend.
     fn storage(&self) -> Storage<'_>;
 }

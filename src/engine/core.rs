@@ -314,21 +314,24 @@ impl Core {
             }
             Command::SwapModel {
                 model,
+                checksum,
                 version,
                 abort_all,
                 reply,
             } => {
-                let _ = reply.send(self.swap_model(*model, version, abort_all));
+                let _ = reply.send(self.swap_model(*model, checksum, version, abort_all));
             }
             Command::ApplyWeights {
                 updates,
+                checksum,
                 version,
                 reply,
             } => {
-                let result = self.runner.apply(updates);
-                if result.is_ok() {
-                    self.begin_weight_version(version);
-                }
+                let started = Instant::now();
+                let result = self.runner.apply(updates).map(|spent| {
+                    self.begin_weight_version(version, checksum);
+                    (started.elapsed(), spent)
+                });
                 let _ = reply.send(result);
             }
             Command::Shutdown => {
@@ -344,6 +347,7 @@ impl Core {
     fn swap_model(
         &mut self,
         model: Model,
+        checksum: Arc<crate::model::checksum::WeightsChecksum>,
         version: String,
         abort_all: bool,
     ) -> Result<usize, EngineError> {
@@ -364,15 +368,20 @@ impl Core {
         } else {
             0
         };
-        self.begin_weight_version(version);
+        self.begin_weight_version(version, checksum);
         Ok(aborted)
     }
 
     /// After new weights are in place: cached prefix blocks hold KV of the old weights, so
     /// nobody may reuse them, and tokens from now on report the new version.
-    fn begin_weight_version(&mut self, version: String) {
+    fn begin_weight_version(
+        &mut self,
+        version: String,
+        checksum: Arc<crate::model::checksum::WeightsChecksum>,
+    ) {
         let pool = self.sched.pool();
         pool.flush(pool.weight_version() + 1);
+        *self.info.weights_checksum.write().expect("checksum lock") = (version.clone(), checksum);
         *self
             .info
             .weight_version

@@ -16,6 +16,7 @@ pub use self::core::{Engine, EngineConfig};
 pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
 pub use runner::{CudaSource, RunnerSpec};
 
+use crate::model::checksum::WeightsChecksum;
 use crate::model::slots::Replacement;
 use crate::model::{Model, ModelConfig};
 use crate::tokenizer::Tokenizer;
@@ -55,6 +56,7 @@ pub(crate) enum Command {
     /// Replace the weights between two steps (see [`EngineHandle::swap_model`]).
     SwapModel {
         model: Box<Model>,
+        checksum: Arc<WeightsChecksum>,
         version: String,
         abort_all: bool,
         reply: oneshot::Sender<Result<usize, EngineError>>,
@@ -62,8 +64,11 @@ pub(crate) enum Command {
     /// Replace some tensors between two steps (see [`EngineHandle::apply_weights`]).
     ApplyWeights {
         updates: Vec<(String, Replacement)>,
+        checksum: Arc<WeightsChecksum>,
         version: String,
-        reply: oneshot::Sender<Result<(), EngineError>>,
+        /// Answers how long the engine stood still, and what is left to free (dropped by the
+        /// caller, off the engine thread).
+        reply: oneshot::Sender<Result<(std::time::Duration, Vec<Replacement>), EngineError>>,
     },
     Shutdown,
 }
@@ -102,6 +107,8 @@ pub struct EngineInfo {
     pub max_context_len: usize,
     pub block_size: usize,
     pub weight_version: std::sync::RwLock<String>,
+    /// The served weights' checksum and the version it belongs to (set with the version).
+    pub weights_checksum: std::sync::RwLock<(String, Arc<WeightsChecksum>)>,
 }
 
 /// A cheap, cloneable handle to the engine thread.
@@ -182,15 +189,19 @@ impl EngineHandle {
     /// cache is flushed and the weight version set to `version`. With `abort_all`, requests in
     /// flight are aborted first; otherwise they continue on the new weights (their KV from the
     /// old weights is kept) and report the version spans. Returns how many were aborted.
+    /// `checksum` is the new model's ([`Model::weights_checksum`]), computed by the caller off
+    /// the engine thread.
     pub async fn swap_model(
         &self,
         model: Model,
+        checksum: Arc<WeightsChecksum>,
         version: String,
         abort_all: bool,
     ) -> Result<usize, EngineError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::SwapModel {
             model: Box::new(model),
+            checksum,
             version,
             abort_all,
             reply,
@@ -201,15 +212,18 @@ impl EngineHandle {
 
     /// Swaps validated tensor replacements in between two engine steps (all at once), flushes
     /// the prefix cache and sets the weight version. The names must come from the served
-    /// model's slot table.
+    /// model's slot table; `checksum` is the whole model's after the update. Returns the
+    /// time generation stood still, and the spent replacements for the caller to free.
     pub async fn apply_weights(
         &self,
         updates: Vec<(String, Replacement)>,
+        checksum: Arc<WeightsChecksum>,
         version: String,
-    ) -> Result<(), EngineError> {
+    ) -> Result<(std::time::Duration, Vec<Replacement>), EngineError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::ApplyWeights {
             updates,
+            checksum,
             version,
             reply,
         })?;
@@ -226,6 +240,15 @@ impl EngineHandle {
             .weight_version
             .read()
             .expect("weight version lock")
+            .clone()
+    }
+
+    /// The served weights' checksum with the version it belongs to.
+    pub fn weights_checksum(&self) -> (String, Arc<WeightsChecksum>) {
+        self.info
+            .weights_checksum
+            .read()
+            .expect("checksum lock")
             .clone()
     }
 

@@ -157,24 +157,25 @@ impl Runner {
         }
     }
 
-    /// Replaces some tensors (a streamed update).
-    pub(crate) fn apply(&mut self, updates: Vec<(String, Replacement)>) -> Result<(), EngineError> {
+    /// Replaces some tensors (a streamed update). Returns what is left to free (see
+    /// [`Model::apply_replacements`]).
+    pub(crate) fn apply(
+        &mut self,
+        updates: Vec<(String, Replacement)>,
+    ) -> Result<Vec<Replacement>, EngineError> {
         match self {
-            Runner::Cpu { model, .. } => {
-                model.apply_replacements(updates);
-                Ok(())
-            }
+            Runner::Cpu { model, .. } => Ok(model.apply_replacements(updates)),
             Runner::Cuda { model, host } => {
                 let Some(h) = host else {
                     return Err(EngineError::Conflict(
                         "streamed weight updates need a model loaded from a checkpoint on the CUDA backend (this one has dummy weights)".into(),
                     ));
                 };
-                h.apply_replacements(updates);
+                let spent = h.apply_replacements(updates);
                 match CudaWeights::upload(&model.gpu, h) {
                     Ok(w) => {
                         model.replace_weights(w);
-                        Ok(())
+                        Ok(spent)
                     }
                     Err(e) => {
                         // The device still serves the old weights, complete; the host copy no

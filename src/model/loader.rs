@@ -385,8 +385,10 @@ impl Builder<'_> {
                     DummyInit::FanIn(hidden),
                 )?
                 .to_f32();
-            Some(SecondLevel::standard(
+            // The range follows four-over-six as convert's quantize_gate_up does.
+            Some(quant::nvfp4::gate_up_level(
                 quant::nvfp4::parallel_amax(&gw).max(quant::nvfp4::parallel_amax(&uw)),
+                self.format(&g, hidden).four_over_six,
             ))
         } else {
             None

@@ -4,6 +4,7 @@
 //! positions, in which KV blocks) and returns logits for the rows asked for plus the routed
 //! expert ids of every token and MoE layer.
 
+pub mod checksum;
 pub mod config;
 pub mod loader;
 pub mod slots;

@@ -3,9 +3,13 @@
 
 use std::collections::BTreeMap;
 
+use rayon::prelude::*;
+
+use super::checksum::WeightsChecksum;
 use super::{Mlp, Model};
 use crate::backend::cpu::linear::{make_linear, DenseWeight};
 use crate::backend::Linear;
+use crate::checkpoint::CheckpointPart;
 use crate::quant::{Format, TensorFormat};
 
 /// What a checkpoint tensor name holds in the served model.
@@ -28,6 +32,40 @@ pub enum Replacement {
     Linear(Box<dyn Linear>),
     Vector(Vec<f32>),
     Embedding(DenseWeight),
+}
+
+impl Replacement {
+    /// The replacement in checkpoint layout (what the slot will hold after commit).
+    pub fn checkpoint_parts(&self, hidden: usize) -> Vec<CheckpointPart<'_>> {
+        match self {
+            Replacement::Linear(l) => l.checkpoint_parts(),
+            Replacement::Vector(v) => vec![CheckpointPart::from_f32("weight", vec![v.len()], v)],
+            Replacement::Embedding(e) => dense_parts(e, hidden),
+        }
+    }
+}
+
+fn dense_parts(w: &DenseWeight, cols: usize) -> Vec<CheckpointPart<'_>> {
+    let shape = vec![w.len() / cols, cols];
+    vec![match w {
+        DenseWeight::Bf16(v) => CheckpointPart::bf16("weight", shape, v),
+        DenseWeight::F32(v) => CheckpointPart::from_f32("weight", shape, v),
+    }]
+}
+
+/// The checksum entries of validated replacements (names from the slot table).
+pub fn replacements_checksum(updates: &[(String, Replacement)], hidden: usize) -> WeightsChecksum {
+    WeightsChecksum::of_parts(
+        updates
+            .iter()
+            .map(|(name, r)| (module_of(name).to_string(), r.checkpoint_parts(hidden)))
+            .collect(),
+    )
+}
+
+/// `x.weight` -> `x`: the parts of a slot are named `x.<suffix>`.
+fn module_of(slot: &str) -> &str {
+    slot.strip_suffix(".weight").unwrap_or(slot)
 }
 
 enum SlotMut<'a> {
@@ -134,30 +172,71 @@ impl Model {
             .collect()
     }
 
-    /// Swaps in validated replacements. Callers check names and shapes first
-    /// ([`Model::slot_shapes`]); an unknown name is a bug and panics.
-    pub fn apply_replacements(&mut self, updates: Vec<(String, Replacement)>) {
+    /// Every tensor the model holds, hashed in checkpoint layout.
+    pub fn weights_checksum(&mut self) -> WeightsChecksum {
+        WeightsChecksum::of_parts(self.checkpoint_parts())
+    }
+
+    /// Every tensor the model holds in checkpoint layout, copied out (what a trainer pushes,
+    /// and what a checkpoint of the served weights would hold).
+    pub fn checkpoint_tensors(&mut self) -> Vec<(String, crate::checkpoint::OwnedTensor)> {
+        self.checkpoint_parts()
+            .into_iter()
+            .flat_map(|(module, parts)| {
+                parts
+                    .into_iter()
+                    .map(move |p| (format!("{module}.{}", p.suffix), p.to_owned_tensor()))
+            })
+            .collect()
+    }
+
+    fn checkpoint_parts(&mut self) -> Vec<(String, Vec<CheckpointPart<'_>>)> {
+        let hidden = self.config.hidden_size;
+        self.slots_mut()
+            .into_iter()
+            .map(|(name, slot)| {
+                let parts = match slot {
+                    SlotMut::Linear(l) => shared(l).checkpoint_parts(),
+                    SlotMut::Vector(v) => {
+                        let v = shared(v);
+                        vec![CheckpointPart::from_f32("weight", vec![v.len()], v)]
+                    }
+                    SlotMut::Embedding(e) => dense_parts(shared(e), hidden),
+                };
+                (module_of(&name).to_string(), parts)
+            })
+            .collect()
+    }
+
+    /// Writes validated replacements into the served weights: into the existing buffers
+    /// where kind and size match (always, for replacements built from the slot table), else by
+    /// swapping. Returns what is left to free (the replacements copied from, or the values
+    /// swapped out), so the caller can drop it off the engine thread. Callers check names and
+    /// shapes first ([`Model::slot_shapes`]); an unknown name is a bug and panics.
+    pub fn apply_replacements(&mut self, updates: Vec<(String, Replacement)>) -> Vec<Replacement> {
         let mut updates: BTreeMap<String, Replacement> = updates.into_iter().collect();
-        let mut embedding_changed = false;
-        for (name, slot) in self.slots_mut() {
-            let Some(r) = updates.remove(&name) else {
-                continue;
-            };
-            match (slot, r) {
-                (SlotMut::Linear(dst), Replacement::Linear(new)) => *dst = new,
-                (SlotMut::Vector(dst), Replacement::Vector(new)) => *dst = new,
-                (SlotMut::Embedding(dst), Replacement::Embedding(new)) => {
-                    *dst = new;
-                    embedding_changed = true;
+        let (spent, embedding_changed) = {
+            let mut pairs = Vec::with_capacity(updates.len());
+            for (name, slot) in self.slots_mut() {
+                if let Some(r) = updates.remove(&name) {
+                    pairs.push((name, slot, r));
                 }
-                _ => panic!("replacement of the wrong kind for `{name}`"),
             }
-        }
-        assert!(
-            updates.is_empty(),
-            "unknown weight names: {:?}",
-            updates.keys().collect::<Vec<_>>()
-        );
+            assert!(
+                updates.is_empty(),
+                "unknown weight names: {:?}",
+                updates.keys().collect::<Vec<_>>()
+            );
+            let embedding = pairs
+                .iter()
+                .any(|(_, s, _)| matches!(s, SlotMut::Embedding(_)));
+            // Copies of independent slots: spread over the cores (the engine stands still).
+            let spent: Vec<Replacement> = pairs
+                .into_par_iter()
+                .map(|(name, slot, r)| write_slot(&name, slot, r))
+                .collect();
+            (spent, embedding)
+        };
         if embedding_changed && self.config.tie_word_embeddings {
             // Tied: lm_head is the embedding matrix.
             self.lm_head = make_linear(
@@ -167,6 +246,117 @@ impl Model {
                 &TensorFormat::BF16,
                 None,
             );
+        }
+        spent
+    }
+}
+
+/// `&mut` -> `&` by move, so what borrows from it may live for the whole of the loan.
+fn shared<T: ?Sized>(r: &mut T) -> &T {
+    r
+}
+
+/// Writes one replacement into its slot (in place when kind and size match, else by swapping)
+/// and returns what is left to free.
+fn write_slot(name: &str, slot: SlotMut<'_>, r: Replacement) -> Replacement {
+    match (slot, r) {
+        (SlotMut::Linear(dst), Replacement::Linear(new)) => {
+            if dst.overwrite_from(&*new) {
+                Replacement::Linear(new)
+            } else {
+                Replacement::Linear(std::mem::replace(dst, new))
+            }
+        }
+        (SlotMut::Vector(dst), Replacement::Vector(new)) => {
+            if dst.len() == new.len() {
+                dst.copy_from_slice(&new);
+                Replacement::Vector(new)
+            } else {
+                Replacement::Vector(std::mem::replace(dst, new))
+            }
+        }
+        (SlotMut::Embedding(dst), Replacement::Embedding(new)) => match (&mut *dst, &new) {
+            (DenseWeight::Bf16(d), DenseWeight::Bf16(n)) if d.len() == n.len() => {
+                d.copy_from_slice(n);
+                Replacement::Embedding(new)
+            }
+            (DenseWeight::F32(d), DenseWeight::F32(n)) if d.len() == n.len() => {
+                d.copy_from_slice(n);
+                Replacement::Embedding(new)
+            }
+            _ => Replacement::Embedding(std::mem::replace(dst, new)),
+        },
+        _ => panic!("replacement of the wrong kind for `{name}`"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::linear::DenseF32;
+    use std::borrow::Cow;
+
+    /// Every slot of `m` as a replacement (leaving empty values behind).
+    fn take_all(m: &mut Model) -> Vec<(String, Replacement)> {
+        let empty = || -> Box<dyn Linear> {
+            Box::new(DenseF32 {
+                weight: vec![],
+                out_features: 0,
+                in_features: 0,
+            })
+        };
+        m.slots_mut()
+            .into_iter()
+            .map(|(name, slot)| {
+                let r = match slot {
+                    SlotMut::Linear(l) => Replacement::Linear(std::mem::replace(l, empty())),
+                    SlotMut::Vector(v) => Replacement::Vector(std::mem::take(v)),
+                    SlotMut::Embedding(e) => {
+                        Replacement::Embedding(std::mem::replace(e, DenseWeight::F32(vec![])))
+                    }
+                };
+                (name, r)
+            })
+            .collect()
+    }
+
+    /// Addresses of every buffer the served weights live in.
+    fn buffers(m: &mut Model) -> Vec<usize> {
+        m.checkpoint_parts()
+            .iter()
+            .flat_map(|(_, parts)| parts.iter())
+            .filter_map(|p| match &p.data {
+                Cow::Borrowed(b) => Some(b.as_ptr() as usize),
+                Cow::Owned(_) => None,
+            })
+            .collect()
+    }
+
+    /// An update writes into the buffers the model already has (no allocation, no moving),
+    /// and the model then holds exactly the new weights.
+    #[test]
+    fn replacements_are_written_into_the_existing_buffers() {
+        let cfg: crate::model::ModelConfig = crate::model::ModelConfig::from_json(
+            serde_json::from_str(crate::serve::EMBEDDED_CONFIG).unwrap(),
+        )
+        .unwrap();
+        for recipe in ["bf16", "nvfp4", "mxfp8"] {
+            let recipe = crate::quant::Recipe::builtin(recipe).unwrap();
+            let mut served = crate::model::loader::dummy_model(cfg.clone(), &recipe, 0).unwrap();
+            let mut new = crate::model::loader::dummy_model(cfg.clone(), &recipe, 1).unwrap();
+            let want = new.weights_checksum();
+            assert_ne!(served.weights_checksum(), want);
+            let before = buffers(&mut served);
+            assert!(!before.is_empty());
+            let spent = served.apply_replacements(take_all(&mut new));
+            assert_eq!(spent.len(), served.slot_shapes().len());
+            assert_eq!(
+                buffers(&mut served),
+                before,
+                "{}: buffers moved",
+                recipe.name
+            );
+            assert_eq!(served.weights_checksum(), want, "{}", recipe.name);
         }
     }
 }

@@ -303,6 +303,12 @@ pub fn quantize_with_level<T: Element>(
     }
 }
 
+/// The second-level scale gate and up share, from the larger of their amaxes (with
+/// four-over-six, the range it targets; the same as [`quantize`] uses for one tensor).
+pub fn gate_up_level(amax: f32, fos: Option<FourOverSix>) -> SecondLevel {
+    SecondLevel::from_amax(amax, second_level_range(fos))
+}
+
 /// Gate (w1) and up (w3) of one expert as one tensor: one amax, one S_enc, one stored scale.
 pub fn quantize_gate_up<T: Element>(
     gate: &[T],
@@ -314,8 +320,7 @@ pub fn quantize_gate_up<T: Element>(
     check_len(gate.len(), rows, cols)?;
     check_len(up.len(), rows, cols)?;
     check_aligned(1, cols, NVFP4_BLOCK)?;
-    let a = parallel_amax(gate).max(parallel_amax(up));
-    let level = SecondLevel::from_amax(a, second_level_range(fos));
+    let level = gate_up_level(parallel_amax(gate).max(parallel_amax(up)), fos);
     Ok((
         quantize_with_level(gate, rows, cols, level, fos),
         quantize_with_level(up, rows, cols, level, fos),

@@ -99,6 +99,7 @@ pub async fn server_info(State(state): State<AppState>) -> Json<serde_json::Valu
         "kv_blocks_used": s.kv_used_blocks.load(Ordering::Acquire),
         "kv_blocks_total": s.kv_total_blocks.load(Ordering::Acquire),
         "paused": s.paused.load(Ordering::Acquire),
+        "generated_tokens": s.generated_tokens.load(Ordering::Relaxed),
         "uptime_s": state.started.elapsed().as_secs_f64(),
     }))
 }

@@ -103,6 +103,7 @@ pub fn app(state: AppState) -> Router {
         .route("/get_model_info", get(admin::model_info))
         .route("/get_server_info", get(admin::server_info))
         .route("/get_weight_version", get(admin::weight_version))
+        .route("/weights_checksum", get(weights::weights_checksum))
         .route("/metrics", get(metrics::render));
     Router::new()
         .merge(generation)

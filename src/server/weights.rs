@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::extract::{Query, State};
@@ -19,9 +20,10 @@ use super::errors::ApiError;
 use super::extract::{ApiBytes, ApiJson};
 use super::AppState;
 use crate::backend::cpu::linear::{make_linear, mxfp8_from_parts, nvfp4_from_parts, DenseWeight};
-use crate::checkpoint::{to_f32, OwnedTensor};
+use crate::checkpoint::to_f32;
+use crate::model::checksum;
 use crate::model::loader::{self, Quantization};
-use crate::model::slots::{Replacement, SlotShape};
+use crate::model::slots::{replacements_checksum, Replacement, SlotShape};
 use crate::quant::nvfp4::SecondLevel;
 use crate::quant::{Format, Recipe, MXFP8_BLOCK, NVFP4_BLOCK};
 
@@ -84,19 +86,29 @@ pub async fn update_weights_from_disk(
         return Err(ApiError::invalid("flush_cache", "flush_cache=false is not supported: the prefix cache always holds KV of the old weights"));
     }
     let load_path = path.clone();
-    let model = tokio::task::spawn_blocking(move || {
-        loader::load_model(&load_path, settings.quantization, settings.recipe.clone())
+    let (model, sum) = tokio::task::spawn_blocking(move || {
+        loader::load_model(&load_path, settings.quantization, settings.recipe.clone()).map(
+            |(mut model, _)| {
+                let sum = model.weights_checksum();
+                (model, sum)
+            },
+        )
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))?
-    .map_err(|e| ApiError::invalid("model_path", format!("{}: {e}", path.display())))?
-    .0;
+    .map_err(|e| ApiError::invalid("model_path", format!("{}: {e}", path.display())))?;
+    let _commit = state.updates.commit.lock().await;
     let version = body
         .weight_version
         .unwrap_or_else(|| next_version(&state.engine.weight_version()));
     let aborted = state
         .engine
-        .swap_model(model, version.clone(), body.abort_all_requests)
+        .swap_model(
+            model,
+            Arc::new(sum),
+            version.clone(),
+            body.abort_all_requests,
+        )
         .await
         .map_err(|e| match e {
             crate::engine::EngineError::Conflict(m) => ApiError::invalid("model_path", m),
@@ -112,7 +124,7 @@ pub async fn update_weights_from_disk(
 }
 
 /// "default" -> "1", "7" -> "8", anything else -> "<it>.1".
-fn next_version(v: &str) -> String {
+pub fn next_version(v: &str) -> String {
     match v.parse::<u64>() {
         Ok(n) => (n + 1).to_string(),
         Err(_) if v == "default" => "1".into(),
@@ -123,11 +135,18 @@ fn next_version(v: &str) -> String {
 // ---------------------------------------------------------------------------------------------
 // The streamed session: begin, any number of PUT /update_weights buckets, end (or abort).
 
+/// A staged tensor: a slice of the bucket body it arrived in (no copy).
+pub struct StagedTensor {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: bytes::Bytes,
+}
+
 /// One open streamed update. Tensors are validated on arrival and held here until commit.
 pub struct Session {
     id: String,
     version: String,
-    staged: BTreeMap<String, OwnedTensor>,
+    staged: BTreeMap<String, StagedTensor>,
     bytes: usize,
     last_activity: Instant,
 }
@@ -135,6 +154,9 @@ pub struct Session {
 /// The server's single update slot and its limits.
 pub struct WeightUpdates {
     session: tokio::sync::Mutex<Option<Session>>,
+    /// Held from reading the served checksum to the swap, so two commits (a session and an
+    /// update from disk) never overlay the same old checksum.
+    commit: tokio::sync::Mutex<()>,
     pub max_staged_bytes: usize,
     pub session_timeout: Duration,
 }
@@ -143,6 +165,7 @@ impl WeightUpdates {
     pub fn new(max_staged_bytes: usize, session_timeout: Duration) -> WeightUpdates {
         WeightUpdates {
             session: tokio::sync::Mutex::new(None),
+            commit: tokio::sync::Mutex::new(()),
             max_staged_bytes,
             session_timeout,
         }
@@ -236,7 +259,16 @@ pub async fn put_update_weights(
     let mut incoming = Vec::new();
     for (name, t) in st.tensors() {
         check_tensor(slots, &name, t.dtype(), t.shape())?;
-        incoming.push((name, OwnedTensor::from_view(&t)));
+        // The view borrows from `body`: keep a slice of it rather than a copy.
+        let start = t.data().as_ptr() as usize - body.as_ptr() as usize;
+        incoming.push((
+            name,
+            StagedTensor {
+                dtype: t.dtype(),
+                shape: t.shape().to_vec(),
+                data: body.slice(start..start + t.data().len()),
+            },
+        ));
     }
     let mut slot = state.updates.session.lock().await;
     let session = open_session(&mut slot, &q.session, state.updates.session_timeout)?;
@@ -372,18 +404,24 @@ pub async fn end_weight_update(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<EndBody>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    if body.checksum.is_some() {
-        return Err(ApiError::invalid(
-            "checksum",
-            "checksum verification is not implemented yet; leave it out",
-        ));
-    }
     // The session ends here whatever happens: a failed commit drops what it staged.
     let session = {
         let mut slot = state.updates.session.lock().await;
         open_session(&mut slot, &body.session, state.updates.session_timeout)?;
         slot.take().expect("checked open")
     };
+    let expected_checksum = body
+        .checksum
+        .as_deref()
+        .map(|c| {
+            checksum::parse_hex(c).ok_or_else(|| {
+                ApiError::invalid(
+                    "checksum",
+                    format!("checksum `{c}` is not a 64-bit hex number (16 hex digits, as GET /weights_checksum gives)"),
+                )
+            })
+        })
+        .transpose()?;
     if let Some(n) = body.expected_tensors {
         if n != session.staged.len() {
             return Err(ApiError::invalid(
@@ -398,20 +436,49 @@ pub async fn end_weight_update(
     let info = state.engine.info.clone();
     let staged = session.staged;
     let count = staged.len();
-    let updates = tokio::task::spawn_blocking(move || build_replacements(&info, staged))
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))??;
-    state
+    let (updates, changed) = tokio::task::spawn_blocking(move || {
+        let updates = build_replacements(&info, staged)?;
+        let changed = replacements_checksum(&updates, info.config.hidden_size);
+        Ok::<_, ApiError>((updates, changed))
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))??;
+    let _commit = state.updates.commit.lock().await;
+    let sum = state.engine.weights_checksum().1.overlaid(&changed);
+    if let Some(want) = expected_checksum {
+        let got = sum.overall();
+        if got != want {
+            return Err(ApiError::invalid(
+                "checksum",
+                format!(
+                    "checksum mismatch: expected {} but the staged weights give {}; nothing changed (compare GET /weights_checksum's tensors to find the tensor)",
+                    checksum::hex(want),
+                    checksum::hex(got)
+                ),
+            ));
+        }
+    }
+    let (pause, spent) = state
         .engine
-        .apply_weights(updates, session.version.clone())
+        .apply_weights(updates, Arc::new(sum), session.version.clone())
         .await?;
+    // Freeing gigabytes takes a while: not on the engine thread, not on the runtime.
+    tokio::task::spawn_blocking(move || drop(spent));
     tracing::info!(
         "weights updated from a streamed session: {count} tensors, version {}",
         session.version
     );
     Ok(Json(
-        json!({"success": true, "message": format!("{count} tensors committed, version {}", session.version), "weight_version": session.version}),
+        json!({"success": true, "message": format!("{count} tensors committed, version {}", session.version), "weight_version": session.version, "commit_pause_s": pause.as_secs_f64()}),
     ))
+}
+
+/// `GET /weights_checksum`: what the server holds, in checkpoint layout (model/checksum.rs).
+pub async fn weights_checksum(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let (version, sum) = state.engine.weights_checksum();
+    let mut body = sum.to_json();
+    body["weight_version"] = json!(version);
+    Json(body)
 }
 
 #[derive(Deserialize)]
@@ -438,7 +505,7 @@ pub async fn abort_weight_update(
     }
 }
 
-fn f32_of(name: &str, t: &OwnedTensor) -> Result<Vec<f32>, ApiError> {
+fn f32_of(name: &str, t: &StagedTensor) -> Result<Vec<f32>, ApiError> {
     let view = safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.data)
         .map_err(|e| ApiError::invalid(name, e.to_string()))?;
     to_f32(name, &view).map_err(|e| ApiError::invalid(name, e.to_string()))
@@ -449,10 +516,10 @@ fn f32_of(name: &str, t: &OwnedTensor) -> Result<Vec<f32>, ApiError> {
 /// scale, so both must be in the update); pre-quantized ones must be complete.
 fn build_replacements(
     info: &crate::engine::EngineInfo,
-    mut staged: BTreeMap<String, OwnedTensor>,
+    mut staged: BTreeMap<String, StagedTensor>,
 ) -> Result<Vec<(String, Replacement)>, ApiError> {
     let num_layers = info.config.num_layers;
-    let mut modules: BTreeMap<String, BTreeMap<String, OwnedTensor>> = BTreeMap::new();
+    let mut modules: BTreeMap<String, BTreeMap<String, StagedTensor>> = BTreeMap::new();
     for (name, t) in std::mem::take(&mut staged) {
         let (slot, part) = split_name(&name);
         modules.entry(slot).or_default().insert(part.to_string(), t);
@@ -476,7 +543,7 @@ fn build_replacements(
                 let mut fmt = info.recipe.format_for(module, num_layers).fitting(*cols);
                 fmt.format = *format;
                 let level = if *format == Format::Nvfp4 {
-                    gate_up_level(module, &modules, &mut shared)?
+                    gate_up_level(module, &info.slots, &modules, fmt, &mut shared)?
                 } else {
                     None
                 };
@@ -503,11 +570,11 @@ fn build_replacements(
                 };
                 let s2 = f32_of(slot_name, need("weight_scale_2")?)?;
                 let fmt = info.recipe.format_for(module, num_layers);
-                let scales = need("weight_scale")?.data.clone();
+                let scales = need("weight_scale")?.data.to_vec();
                 Replacement::Linear(nvfp4_from_parts(
                     *rows,
                     *cols,
-                    weight.data.clone(),
+                    weight.data.to_vec(),
                     scales,
                     s2[0],
                     &fmt,
@@ -527,8 +594,8 @@ fn build_replacements(
                 Replacement::Linear(mxfp8_from_parts(
                     *rows,
                     *cols,
-                    weight.data.clone(),
-                    scales.data.clone(),
+                    weight.data.to_vec(),
+                    scales.data.to_vec(),
                 ))
             }
             SlotShape::Linear { .. } => {
@@ -543,25 +610,37 @@ fn build_replacements(
     Ok(out)
 }
 
-fn dense_weight(name: &str, t: &OwnedTensor) -> Result<DenseWeight, ApiError> {
+fn dense_weight(name: &str, t: &StagedTensor) -> Result<DenseWeight, ApiError> {
     Ok(match t.dtype {
-        Dtype::BF16 => DenseWeight::Bf16(
-            t.data
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]))
-                .collect(),
-        ),
+        // One memcpy (the body slice may be unaligned for a direct cast).
+        Dtype::BF16 => {
+            let mut v = vec![half::bf16::ZERO; t.data.len() / 2];
+            bytemuck::cast_slice_mut::<half::bf16, u8>(&mut v).copy_from_slice(&t.data);
+            DenseWeight::Bf16(v)
+        }
         _ => DenseWeight::F32(f32_of(name, t)?),
     })
 }
 
-/// The shared second-level scale of an NVFP4 gate/up pair, from both halves of the update.
+/// The shared second-level scale of an NVFP4 gate/up pair, from both halves of the update
+/// (paired only when both are NVFP4 slots, as convert and the loader pair them).
 fn gate_up_level(
     module: &str,
-    modules: &BTreeMap<String, BTreeMap<String, OwnedTensor>>,
+    slots: &BTreeMap<String, SlotShape>,
+    modules: &BTreeMap<String, BTreeMap<String, StagedTensor>>,
+    fmt: crate::quant::TensorFormat,
     cache: &mut BTreeMap<String, SecondLevel>,
 ) -> Result<Option<SecondLevel>, ApiError> {
-    let Some(partner) = crate::convert::gate_up_partner(module) else {
+    let partner = crate::convert::gate_up_partner(module).filter(|p| {
+        matches!(
+            slots.get(&format!("{p}.weight")),
+            Some(SlotShape::Linear {
+                format: Format::Nvfp4,
+                ..
+            })
+        )
+    });
+    let Some(partner) = partner else {
         return Ok(None);
     };
     let key = if module.ends_with("gate_proj") {
@@ -584,7 +663,7 @@ fn gate_up_level(
     let a = crate::quant::nvfp4::parallel_amax(&f32_of(module, mine)?).max(
         crate::quant::nvfp4::parallel_amax(&f32_of(&partner, other)?),
     );
-    let level = SecondLevel::standard(a);
+    let level = crate::quant::nvfp4::gate_up_level(a, fmt.four_over_six);
     cache.insert(key, level);
     Ok(Some(level))
 }

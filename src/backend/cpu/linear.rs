@@ -8,8 +8,10 @@
 
 use half::bf16;
 use rayon::prelude::*;
+use safetensors::tensor::Dtype;
 
 use crate::backend::{Linear, Storage};
+use crate::checkpoint::CheckpointPart;
 use crate::quant::{self, Format, GlobalScale, Nvfp4Options, ScaleGranularity, TensorFormat};
 
 /// Dot product with 8 independent accumulators, reduced in a fixed order. The same
@@ -151,6 +153,22 @@ impl Linear for DenseF32 {
     fn storage_bytes(&self) -> usize {
         self.weight.len() * 4
     }
+    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
+        let shape = vec![self.out_features, self.in_features];
+        vec![CheckpointPart::from_f32("weight", shape, &self.weight)]
+    }
+    fn overwrite_from(&mut self, new: &dyn Linear) -> bool {
+        match new.as_any().downcast_ref::<DenseF32>() {
+            Some(n) if n.weight.len() == self.weight.len() => {
+                self.weight.copy_from_slice(&n.weight);
+                true
+            }
+            _ => false,
+        }
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
     fn storage(&self) -> Storage<'_> {
         Storage::F32(&self.weight)
     }
@@ -182,6 +200,22 @@ impl Linear for DenseBf16 {
     }
     fn storage_bytes(&self) -> usize {
         self.weight.len() * 2
+    }
+    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
+        let shape = vec![self.out_features, self.in_features];
+        vec![CheckpointPart::bf16("weight", shape, &self.weight)]
+    }
+    fn overwrite_from(&mut self, new: &dyn Linear) -> bool {
+        match new.as_any().downcast_ref::<DenseBf16>() {
+            Some(n) if n.weight.len() == self.weight.len() => {
+                self.weight.copy_from_slice(&n.weight);
+                true
+            }
+            _ => false,
+        }
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
     fn storage(&self) -> Storage<'_> {
         Storage::Bf16(&self.weight)
@@ -224,6 +258,34 @@ impl Linear for Mxfp8Linear {
     }
     fn storage_bytes(&self) -> usize {
         self.weight.data.len() + self.weight.scales.len()
+    }
+    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
+        let (w, k) = (&self.weight, self.weight.cols);
+        vec![
+            CheckpointPart::bytes("weight", Dtype::F8_E4M3, vec![w.rows, k], &w.data),
+            CheckpointPart::bytes(
+                "weight_scale_inv",
+                Dtype::U8,
+                vec![w.rows, k / quant::MXFP8_BLOCK],
+                &w.scales,
+            ),
+        ]
+    }
+    fn overwrite_from(&mut self, new: &dyn Linear) -> bool {
+        match new.as_any().downcast_ref::<Mxfp8Linear>() {
+            Some(n)
+                if (n.weight.rows, n.weight.cols, n.weight.axis)
+                    == (self.weight.rows, self.weight.cols, self.weight.axis) =>
+            {
+                self.weight.data.copy_from_slice(&n.weight.data);
+                self.weight.scales.copy_from_slice(&n.weight.scales);
+                true
+            }
+            _ => false,
+        }
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
     fn storage(&self) -> Storage<'_> {
         Storage::Mxfp8(&self.weight)
@@ -310,6 +372,55 @@ impl Linear for Nvfp4Linear {
     }
     fn storage_bytes(&self) -> usize {
         self.weight.data.len() + self.weight.scales.len() + 4
+    }
+    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
+        let (w, k) = (&self.weight, self.weight.cols);
+        let scalar = |v: f32| std::borrow::Cow::Owned(v.to_le_bytes().to_vec());
+        vec![
+            CheckpointPart::bytes("weight", Dtype::U8, vec![w.rows, k / 2], &w.data),
+            CheckpointPart::bytes(
+                "weight_scale",
+                Dtype::F8_E4M3,
+                vec![w.rows, k / quant::NVFP4_BLOCK],
+                &w.scales,
+            ),
+            CheckpointPart {
+                suffix: "weight_scale_2",
+                dtype: Dtype::F32,
+                shape: vec![],
+                data: scalar(self.weight_scale()),
+            },
+            // Activations are scaled per token at run time; convert writes 1.0 for loaders.
+            CheckpointPart {
+                suffix: "input_scale",
+                dtype: Dtype::F32,
+                shape: vec![],
+                data: scalar(1.0),
+            },
+        ]
+    }
+    fn overwrite_from(&mut self, new: &dyn Linear) -> bool {
+        let Some(n) = new.as_any().downcast_ref::<Nvfp4Linear>() else {
+            return false;
+        };
+        let same = (n.weight.rows, n.weight.cols) == (self.weight.rows, self.weight.cols)
+            && matches!(
+                (&n.weight.global, &self.weight.global),
+                (GlobalScale::PerTensor(_), GlobalScale::PerTensor(_))
+            );
+        if !same {
+            return false;
+        }
+        self.weight.data.copy_from_slice(&n.weight.data);
+        self.weight.scales.copy_from_slice(&n.weight.scales);
+        self.weight.global = n.weight.global.clone();
+        self.block_scaled.copy_from_slice(&n.block_scaled);
+        self.activation_scale = n.activation_scale;
+        self.four_over_six = n.four_over_six;
+        true
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
     fn storage(&self) -> Storage<'_> {
         Storage::Nvfp4 {
