@@ -845,9 +845,19 @@ fn midsize_qwen3_30b_shape_matches_the_cpu() {
         let mut cuda = CudaModel::new(g, cfg.clone(), w, sizes()).unwrap();
         let (err, agree) = compare_models(&cpu_model, &mut cuda, &mut rng);
         println!("qwen3-30b-a3b shape, 4 layers, {name:<6} logits rel err {err:.2e}, routed experts equal {:.1}%", agree * 100.0);
-        assert!(err < 3e-2, "{name}: logits relative error {err}");
+        // BF16 experts see the same f32 inputs as the CPU up to summation order. Quantized
+        // experts requantize those inputs: a 1e-7 difference can move a value across an NVFP4
+        // or E4M3 rounding boundary (a step of up to 1/6 of its block's amax), which can flip
+        // one of the top-8 of 128 random experts in a later layer. The quantizers and GEMMs
+        // themselves are checked byte for byte and to 1e-5 above; here the bound is looser.
+        let (tol, min_agree) = if name == "bf16" {
+            (3e-2, 0.9)
+        } else {
+            (0.15, 0.8)
+        };
+        assert!(err < tol, "{name}: logits relative error {err}");
         assert!(
-            agree > 0.9,
+            agree > min_agree,
             "{name}: routed experts agree only {:.1}%",
             agree * 100.0
         );
