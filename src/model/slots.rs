@@ -134,6 +134,21 @@ impl Model {
             .collect()
     }
 
+    /// Every replaceable tensor's values by checkpoint name (linear layers dequantized).
+    pub fn slot_values(&mut self) -> BTreeMap<String, Vec<f32>> {
+        self.slots_mut()
+            .into_iter()
+            .map(|(name, slot)| {
+                let v = match slot {
+                    SlotMut::Linear(l) => l.dequantized_weight(),
+                    SlotMut::Vector(v) => v.clone(),
+                    SlotMut::Embedding(e) => e.to_f32(),
+                };
+                (name, v)
+            })
+            .collect()
+    }
+
     /// Swaps in validated replacements. Callers check names and shapes first
     /// ([`Model::slot_shapes`]); an unknown name is a bug and panics.
     pub fn apply_replacements(&mut self, updates: Vec<(String, Replacement)>) {
