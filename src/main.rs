@@ -28,6 +28,8 @@ enum Command {
     Quantize(QuantizeArgs),
     /// Convert a Hugging Face checkpoint (BF16 or block FP8) to MXFP8/NVFP4 following a recipe.
     Convert(ConvertArgs),
+    /// GRPO on a verifiable task against running servers, pushing weights after every step.
+    Train(Box<lockstep::train::TrainArgs>),
 }
 
 #[derive(clap::Args)]
@@ -111,6 +113,15 @@ fn main() -> anyhow::Result<()> {
             let n = lockstep::quantize::quantize_file(&a.input, &a.output, &opts)
                 .with_context(|| format!("quantizing {}", a.input.display()))?;
             eprintln!("quantized {n} tensors -> {}", a.output.display());
+        }
+        Command::Train(a) => {
+            let mut trainer = lockstep::train::Trainer::new(*a)?;
+            let steps = trainer.run()?;
+            eprintln!(
+                "trained {} steps; metrics in {}",
+                steps.len(),
+                trainer.args.metrics.display()
+            );
         }
         Command::Convert(a) => {
             let recipe = Recipe::from_file(&a.recipe)?;

@@ -21,6 +21,7 @@ use crate::quant::{self, Format, MXFP8_BLOCK};
     Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
 )]
 #[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
 pub enum BackwardMode {
     HighPrecision,
     Dequantized,
