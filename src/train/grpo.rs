@@ -150,14 +150,29 @@ mod tests {
     #[test]
     fn pg_gradient_is_the_derivative_of_the_loss() {
         let mut r = Rng::fresh();
-        let lens = [3usize, 5, 2];
+        let lens = [6usize, 9, 5, 8];
         let lp_old: Vec<Vec<f32>> = lens
             .iter()
             .map(|&n| (0..n).map(|_| -r.normal().abs()).collect())
             .collect();
+        // Log-ratios either well inside the clip range (|d| <= 0.15 < ln 1.2) or well outside
+        // (|d| >= 0.3 > -ln 0.8), so no finite difference straddles a kink.
         let lp: Vec<Vec<f32>> = lp_old
             .iter()
-            .map(|s| s.iter().map(|x| x + 0.3 * r.normal()).collect())
+            .map(|s| {
+                s.iter()
+                    .map(|x| {
+                        let u = (r.next() >> 40) as f32 / (1u64 << 24) as f32;
+                        let sign = if r.next() & 1 == 0 { 1.0 } else { -1.0 };
+                        let mag = if r.next() & 1 == 0 {
+                            0.15 * u
+                        } else {
+                            0.3 + 0.3 * u
+                        };
+                        x + sign * mag
+                    })
+                    .collect()
+            })
             .collect();
         let lp_ref: Vec<Vec<f32>> = lp_old
             .iter()

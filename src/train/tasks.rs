@@ -129,7 +129,8 @@ mod tests {
             assert_eq!(c.reward(&[]), 0.0);
             let mut wrong = c.answer.clone();
             wrong[0] = b'z' as u32;
-            assert_eq!(c.reward(&wrong), 1.0 - 1.0 / c.answer.len() as f32);
+            let n = c.answer.len();
+            assert_eq!(c.reward(&wrong), (n - 1) as f32 / n as f32);
         }
     }
 }
