@@ -122,8 +122,8 @@ impl Ctx<'_> {
             }
         }
         let mut dx = vec![0f32; rows * h];
-        for ex in 0..e {
-            let Some(et) = t.experts[ex].as_ref() else {
+        for (ex, (et, d_out)) in t.experts.iter().zip(&d_expert_out).enumerate() {
+            let Some(et) = et.as_ref() else {
                 continue;
             };
             let mut xin = Vec::with_capacity(et.members.len() * h);
@@ -136,7 +136,7 @@ impl Ctx<'_> {
                 &xin,
                 et.members.len(),
                 &et.swiglu,
-                &d_expert_out[ex],
+                d_out,
             );
             for (j, &s) in et.members.iter().enumerate() {
                 let r = s / k;

@@ -89,6 +89,10 @@ pub fn routing_weights_backward(
     dp
 }
 
+/// One KV head's dk and dv rows (`[len, head_dim]` each) and the dq rows of each of its
+/// query heads, by head index.
+type KvHeadGrads = (Vec<f32>, Vec<f32>, Vec<(usize, Vec<f32>)>);
+
 /// Causal GQA attention of one sequence starting at position 0: `q` `[len, heads*hd]`,
 /// `k`/`v` `[len, kv_heads*hd]`, `d_out` like `q`. Returns (dq, dk, dv).
 pub fn attention_backward(
@@ -105,7 +109,7 @@ pub fn attention_backward(
     let group = num_heads / kv_heads;
     let scale = 1.0 / (head_dim as f32).sqrt();
     // Heads of one KV group write the same dk/dv rows, so work is split by KV head.
-    let per_kv: Vec<(Vec<f32>, Vec<f32>, Vec<(usize, Vec<f32>)>)> = (0..kv_heads)
+    let per_kv: Vec<KvHeadGrads> = (0..kv_heads)
         .into_par_iter()
         .map(|kvh| {
             let mut dk = vec![0f32; len * head_dim];
