@@ -178,3 +178,66 @@ fn grpo_raises_the_reward_on_copy() {
         assert_eq!(m.mismatch.max_abs, 0.0);
     }
 }
+
+/// Two servers: groups are spread over both, both receive every push, and afterwards they
+/// hold the same weights (same greedy outputs and logprobs, bit for bit). The saved master
+/// weights resume into a trainer whose first push reproduces those outputs.
+#[test]
+fn two_servers_stay_in_lockstep_and_a_saved_run_resumes() {
+    let (a, b) = (
+        serve(&["--quantization", "nvfp4_online"]),
+        serve(&["--quantization", "nvfp4_online"]),
+    );
+    let saved = tempfile::NamedTempFile::new().unwrap().into_temp_path();
+    let args = train_args(
+        &a,
+        &[
+            "--server",
+            &b,
+            "--quantization",
+            "nvfp4_online",
+            "--routing-replay",
+            "--steps",
+            "2",
+            "--warmup-steps",
+            "1",
+            "--prompts-per-step",
+            "4",
+            "--samples-per-prompt",
+            "4",
+            "--save",
+            saved.to_str().unwrap(),
+        ],
+    );
+    let steps = Trainer::new(args).unwrap().run().unwrap();
+    for m in steps.iter().filter(|m| m.phase == "grpo") {
+        assert_eq!(m.mismatch.max_abs, 0.0);
+    }
+    let (pa, pb) = (probe(&a), probe(&b));
+    assert_eq!(pa.2, "train-3");
+    assert_eq!(pa, pb, "both servers hold the same weights");
+
+    // Resume on a fresh server: zero steps, so only the initial push happens.
+    let c = serve(&["--quantization", "nvfp4_online"]);
+    let args = train_args(
+        &c,
+        &[
+            "--quantization",
+            "nvfp4_online",
+            "--steps",
+            "0",
+            "--warmup-steps",
+            "0",
+            "--resume",
+            saved.to_str().unwrap(),
+        ],
+    );
+    Trainer::new(args).unwrap().run().unwrap();
+    let pc = probe(&c);
+    assert_eq!(pc.2, "train-1");
+    assert_eq!(
+        (pc.0, pc.1),
+        (pa.0, pa.1),
+        "the resumed weights are the saved ones"
+    );
+}
