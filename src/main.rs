@@ -116,7 +116,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Train(a) => {
             let mut trainer = lockstep::train::Trainer::new(*a)?;
-            let steps = trainer.run()?;
+            let steps = trainer.run(true)?;
             eprintln!(
                 "trained {} steps; metrics in {}",
                 steps.len(),

@@ -136,7 +136,7 @@ fn every_push_moves_the_version_and_the_outputs() {
         ],
     );
     let mut trainer = Trainer::new(args).unwrap();
-    let steps = trainer.run().unwrap();
+    let steps = trainer.run(false).unwrap();
     let grpo: Vec<&StepMetrics> = steps.iter().filter(|m| m.phase == "grpo").collect();
     assert_eq!(grpo.len(), 3);
     // Version train-1 is the post-warm-up push; step k samples from train-(k+1).
@@ -169,7 +169,7 @@ fn grpo_raises_the_reward_on_copy() {
             "--task", "copy", "--steps", "30", "--lr", "5e-4", "--seed", "1",
         ],
     );
-    let steps = Trainer::new(args).unwrap().run().unwrap();
+    let steps = Trainer::new(args).unwrap().run(false).unwrap();
     let grpo: Vec<StepMetrics> = steps.into_iter().filter(|m| m.phase == "grpo").collect();
     let (first, last) = (mean(&grpo[..5]), mean(&grpo[grpo.len() - 5..]));
     eprintln!("reward first 5 steps {first:.3}, last 5 steps {last:.3}");
@@ -209,7 +209,7 @@ fn two_servers_stay_in_lockstep_and_a_saved_run_resumes() {
             saved.to_str().unwrap(),
         ],
     );
-    let steps = Trainer::new(args).unwrap().run().unwrap();
+    let steps = Trainer::new(args).unwrap().run(false).unwrap();
     for m in steps.iter().filter(|m| m.phase == "grpo") {
         assert_eq!(m.mismatch.max_abs, 0.0);
     }
@@ -232,7 +232,7 @@ fn two_servers_stay_in_lockstep_and_a_saved_run_resumes() {
             saved.to_str().unwrap(),
         ],
     );
-    Trainer::new(args).unwrap().run().unwrap();
+    Trainer::new(args).unwrap().run(false).unwrap();
     let pc = probe(&c);
     assert_eq!(pc.2, "train-1");
     assert_eq!(

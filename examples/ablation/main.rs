@@ -260,7 +260,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let targs = Cli::parse_from(train_argv(arm, &server, &args, &metrics)).train;
         let steps: Vec<StepMetrics> = Trainer::new(targs)?
-            .run()?
+            .run(false)?
             .into_iter()
             .filter(|m| m.phase == "grpo")
             .collect();

@@ -92,8 +92,21 @@ impl Trainer {
         })
     }
 
-    /// Runs warm-up and every GRPO step, writing metrics as it goes.
-    pub fn run(&mut self) -> Result<Vec<StepMetrics>, TrainError> {
+    /// Runs warm-up and every GRPO step, writing metrics as it goes; with `progress`, a
+    /// progress bar and one line per step on stderr.
+    pub fn run(&mut self, progress: bool) -> Result<Vec<StepMetrics>, TrainError> {
+        let bar = if progress {
+            let bar = indicatif::ProgressBar::new(self.args.steps as u64);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{spinner} GRPO [{bar:30}] {pos}/{len} steps {msg} {elapsed}",
+                )
+                .expect("valid template"),
+            );
+            bar
+        } else {
+            indicatif::ProgressBar::hidden()
+        };
         let mut writer = MetricsWriter::create(&self.args.metrics, &self.args)?;
         let mut all = Vec::new();
         for step in 0..self.args.warmup_steps {
@@ -111,14 +124,23 @@ impl Trainer {
         }
         for step in 0..self.args.steps {
             let m = self.grpo_step(step)?;
-            eprintln!(
+            let line = format!(
                 "step {step:>4}  reward {:.3} ± {:.3}  loss {:+.4}  |Δlp| mean {:.2e} max {:.2e}  k3 {:.2e}  grad {:.3}  (rollout {:.2}s train {:.2}s push {:.2}s)",
                 m.reward_mean, m.reward_std, m.loss, m.mismatch.mean_abs, m.mismatch.max_abs,
                 m.mismatch.k3, m.grad_norm, m.rollout_s, m.train_s, m.push_s
             );
+            // Not a terminal: indicatif draws nothing, so the lines go to stderr as they are.
+            if progress && bar.is_hidden() {
+                eprintln!("{line}");
+            } else {
+                bar.println(line);
+            }
+            bar.set_message(format!("reward {:.3}", m.reward_mean));
+            bar.inc(1);
             writer.write(&m)?;
             all.push(m);
         }
+        bar.finish_and_clear();
         if let Some(path) = &self.args.save {
             save_master(&self.params, path)?;
         }
