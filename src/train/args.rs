@@ -28,6 +28,11 @@ pub struct TrainArgs {
     #[arg(long)]
     pub routing_replay: bool,
 
+    /// Also measure the mismatch a trainer computing in plain BF16 (no quantized forward)
+    /// would see against these rollouts: what sharing the contract removes.
+    #[arg(long)]
+    pub report_bf16_mismatch: bool,
+
     #[arg(long, value_enum, default_value = "copy")]
     pub task: TaskKind,
     /// GRPO steps (one optimizer step and one push each).

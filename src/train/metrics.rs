@@ -15,6 +15,8 @@ pub struct StepMetrics {
     pub reward_mean: f64,
     pub reward_std: f64,
     pub mismatch: Mismatch,
+    /// With `--report-bf16-mismatch`: the mismatch of a plain-BF16 forward on the same weights.
+    pub mismatch_bf16_forward: Option<Mismatch>,
     pub grad_norm: f64,
     pub clip_fraction: f64,
     pub completion_tokens: usize,

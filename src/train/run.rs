@@ -276,6 +276,15 @@ impl Trainer {
         let adv: Vec<f32> = kept.iter().map(|&i| advantages[i]).collect();
         let fwd = policy::forward(&model, &seqs, KV_DTYPE, self.args.routing_replay);
         let mismatch = grpo::mismatch(&fwd.logprobs, &rollout_lp);
+        let mismatch_bf16_forward = if self.args.report_bf16_mismatch {
+            let plain = self
+                .params
+                .serving_model(&Recipe::bf16(), ServingPrecision::Bf16)?;
+            let lp = policy::forward(&plain, &seqs, KV_DTYPE, self.args.routing_replay).logprobs;
+            Some(grpo::mismatch(&lp, &rollout_lp))
+        } else {
+            None
+        };
         let reference = self
             .reference
             .as_ref()
@@ -311,6 +320,7 @@ impl Trainer {
             reward_mean,
             reward_std,
             mismatch,
+            mismatch_bf16_forward,
             grad_norm,
             clip_fraction: loss.clip_fraction,
             completion_tokens: mismatch.tokens,
