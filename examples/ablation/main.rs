@@ -420,11 +420,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 (a.name, mean(&v))
             })
             .collect();
-        let (bf16_arm, low): (Vec<&(&str, f64)>, Vec<&(&str, f64)>) =
-            plain.iter().partition(|(n, _)| *n == "BF16");
-        let low_min = low.iter().map(|x| x.1).fold(f64::MAX, f64::min);
-        let low_max = low.iter().map(|x| x.1).fold(0.0, f64::max);
-        let bf16_value = bf16_arm.first().map_or(0.0, |x| x.1);
+        let low: Vec<f64> = plain
+            .iter()
+            .filter(|(n, _)| *n != "BF16")
+            .map(|x| x.1)
+            .collect();
+        let low_min = low.iter().copied().fold(f64::MAX, f64::min);
+        let low_max = low.iter().copied().fold(0.0, f64::max);
+        let bf16_value = plain
+            .iter()
+            .find(|(n, _)| *n == "BF16")
+            .map_or(0.0, |x| x.1);
         writeln!(md, "\nThe counterfactual column shows the source the reference measures: a trainer that does")?;
         writeln!(md, "not share the quantized forward would see a mean |Δlogprob| of {bf16_value:.2e} against the")?;
         writeln!(md, "BF16 server and between {low_min:.2e} and {low_max:.2e} against the low-precision ones.")?;
