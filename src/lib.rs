@@ -17,3 +17,4 @@ pub mod scheduler;
 pub mod serve;
 pub mod server;
 pub mod tokenizer;
+pub mod train;

@@ -30,6 +30,8 @@ enum Command {
     Convert(ConvertArgs),
     /// Push a checkpoint to running servers as a live weight update (verified by checksum).
     Push(Box<lockstep::push::args::PushArgs>),
+    /// GRPO on a verifiable task against running servers, pushing weights after every step.
+    Train(Box<lockstep::train::TrainArgs>),
 }
 
 #[derive(clap::Args)]
@@ -123,6 +125,15 @@ fn main() -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             }
             eprint!("{}", report.render());
+        }
+        Command::Train(a) => {
+            let mut trainer = lockstep::train::Trainer::new(*a)?;
+            let steps = trainer.run(true)?;
+            eprintln!(
+                "trained {} steps; metrics in {}",
+                steps.len(),
+                trainer.args.metrics.display()
+            );
         }
         Command::Convert(a) => {
             let recipe = Recipe::from_file(&a.recipe)?;

@@ -23,6 +23,13 @@ pub trait Linear: Send + Sync {
     /// The dense weight the layer computes with, dequantized (`[out, in]`), for the trainer
     /// and for tests.
     fn dequantized_weight(&self) -> Vec<f32>;
+    /// The activation values this layer really multiplies for the input `x` (`[rows,
+    /// in_features]`): the quantized activation dequantized, its per-token scale folded in;
+    /// `x` itself for high-precision layers. The trainer's `dequantized` backward uses it.
+    fn effective_input(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        let _ = rows;
+        x.to_vec()
+    }
     /// Bytes of weight storage (weights and scales).
     fn storage_bytes(&self) -> usize;
     /// The stored weight in checkpoint layout: the tensors `lockstep convert` writes for this

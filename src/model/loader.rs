@@ -60,6 +60,8 @@ pub enum WeightSource<'a> {
     /// Deterministic pseudo-random weights: the same values for a (seed, tensor name) on every
     /// backend, so full-size configs can be benchmarked without checkpoints.
     Dummy { seed: u64 },
+    /// High-precision tensors in memory by checkpoint name (the trainer's serving weights).
+    Tensors(&'a std::collections::BTreeMap<String, DenseWeight>),
 }
 
 /// Detected checkpoint quantization from `quantization_config`.
@@ -132,6 +134,7 @@ impl WeightSource<'_> {
         match self {
             WeightSource::Checkpoint { ckpt, .. } => ckpt.contains(name),
             WeightSource::Dummy { .. } => false,
+            WeightSource::Tensors(map) => map.contains_key(name),
         }
     }
 
@@ -151,6 +154,16 @@ impl WeightSource<'_> {
                     rows * cols,
                     init,
                 )))
+            }
+            WeightSource::Tensors(map) => {
+                let w = map.get(name).ok_or_else(|| tensor_err(name, "missing"))?;
+                if w.len() != rows * cols {
+                    return Err(tensor_err(
+                        name,
+                        format!("{} values, expected [{rows}, {cols}]", w.len()),
+                    ));
+                }
+                return Ok(w.clone());
             }
             WeightSource::Checkpoint { ckpt, .. } => ckpt,
         };
@@ -202,6 +215,16 @@ impl WeightSource<'_> {
                 .into_iter()
                 .map(|v| v.to_f32())
                 .collect()),
+            WeightSource::Tensors(map) => {
+                let w = map.get(name).ok_or_else(|| tensor_err(name, "missing"))?;
+                if w.len() != len {
+                    return Err(tensor_err(
+                        name,
+                        format!("{} values, expected [{len}]", w.len()),
+                    ));
+                }
+                Ok(w.to_f32())
+            }
             WeightSource::Checkpoint { ckpt, .. } => {
                 let t = ckpt.tensor(name)?;
                 if t.shape() != [len] {
@@ -480,7 +503,7 @@ pub fn build_model(
     let norm = b.src.vector("model.norm.weight", h, DummyInit::Ones)?;
     // Tied embeddings (or a checkpoint without lm_head) reuse the embedding matrix.
     let lm_head = if cfg.tie_word_embeddings
-        || (matches!(b.src, WeightSource::Checkpoint { .. }) && !b.src.contains("lm_head.weight"))
+        || (!matches!(b.src, WeightSource::Dummy { .. }) && !b.src.contains("lm_head.weight"))
     {
         make_linear(embed.clone(), v, h, &TensorFormat::BF16, None)
     } else {

@@ -8,11 +8,13 @@ pub mod checksum;
 pub mod config;
 pub mod loader;
 pub mod slots;
+pub mod trace;
 
 use crate::backend::cpu::attention::{paged_attention, AttentionSeq, KvMemory};
 use crate::backend::cpu::ops;
 use crate::backend::Linear;
 pub use config::{Architecture, ModelConfig};
+pub use trace::{ExpertTrace, ForwardTrace, LayerTrace, MlpTrace, MoeTrace, SwiGluTrace};
 
 /// Dense SwiGLU MLP or expert: `down(silu(gate(x)) * up(x))`.
 pub struct SwiGlu {
@@ -22,7 +24,7 @@ pub struct SwiGlu {
 }
 
 impl SwiGlu {
-    fn forward(&self, x: &[f32], rows: usize) -> Vec<f32> {
+    fn forward(&self, x: &[f32], rows: usize, trace: Option<&mut SwiGluTrace>) -> Vec<f32> {
         let inter = self.gate.out_features();
         let (mut g, mut u) = (vec![0f32; rows * inter], vec![0f32; rows * inter]);
         self.gate.forward(x, rows, &mut g);
@@ -31,6 +33,13 @@ impl SwiGlu {
         ops::silu_mul(&g, &u, &mut h);
         let mut out = vec![0f32; rows * self.down.out_features()];
         self.down.forward(&h, rows, &mut out);
+        if let Some(t) = trace {
+            *t = SwiGluTrace {
+                gate: g,
+                up: u,
+                act: h,
+            };
+        }
         out
     }
 }
@@ -45,7 +54,17 @@ pub struct Moe {
 impl Moe {
     /// Routes every row, runs each expert on the rows sent to it and combines the outputs in
     /// a fixed order (by top-k slot), so a token's result does not depend on its batch.
-    fn forward(&self, x: &[f32], rows: usize, hidden: usize, routed: &mut [i32]) -> Vec<f32> {
+    /// `replay` (`[rows, top_k]`) replaces the router's top-k choice (routing replay); the
+    /// weights still come from this router's probabilities of the replayed experts.
+    fn forward(
+        &self,
+        x: &[f32],
+        rows: usize,
+        hidden: usize,
+        routed: &mut [i32],
+        replay: Option<&[i32]>,
+        mut trace: Option<&mut MoeTrace>,
+    ) -> Vec<f32> {
         let e = self.experts.len();
         let mut logits = vec![0f32; rows * e];
         self.router.forward(x, rows, &mut logits);
@@ -53,7 +72,13 @@ impl Moe {
         for r in 0..rows {
             let probs = &mut logits[r * e..][..e];
             ops::softmax_inplace(probs);
-            let top = ops::top_k(probs, self.top_k);
+            let given = replay
+                .map(|ids| &ids[r * self.top_k..][..self.top_k])
+                .filter(|ids| ids.iter().all(|&i| i >= 0 && (i as usize) < e));
+            let top = match given {
+                Some(ids) => ids.iter().map(|&i| i as usize).collect(),
+                None => ops::top_k(probs, self.top_k),
+            };
             let sum: f32 = top.iter().map(|&i| probs[i]).sum();
             for (slot, &i) in top.iter().enumerate() {
                 let w = if self.norm_topk_prob {
@@ -80,7 +105,15 @@ impl Moe {
                 xin.extend_from_slice(&x[(s / self.top_k) * hidden..][..hidden]);
                 row_in_expert[s] = j;
             }
-            *out = Some(self.experts[ex].forward(&xin, members.len()));
+            let expert_trace = trace.as_deref_mut().map(|t| {
+                t.experts[ex] = Some(ExpertTrace {
+                    members: members.clone(),
+                    swiglu: SwiGluTrace::default(),
+                    out: Vec::new(),
+                });
+                &mut t.experts[ex].as_mut().expect("just set").swiglu
+            });
+            *out = Some(self.experts[ex].forward(&xin, members.len(), expert_trace));
         }
         let mut y = vec![0f32; rows * hidden];
         for r in 0..rows {
@@ -92,6 +125,16 @@ impl Moe {
                     [..hidden];
                 for (a, b) in yr.iter_mut().zip(eo) {
                     *a += w * b;
+                }
+            }
+        }
+        if let Some(t) = trace {
+            t.probs = logits;
+            t.choice = choice;
+            t.row_in_expert = row_in_expert;
+            for (ex, out) in expert_out.into_iter().enumerate() {
+                if let (Some(et), Some(o)) = (t.experts[ex].as_mut(), out) {
+                    et.out = o;
                 }
             }
         }
@@ -199,6 +242,21 @@ impl Model {
     }
 
     pub fn forward(&self, batch: &ForwardBatch<'_>, kv: &mut KvMemory) -> ForwardOutput {
+        self.forward_traced(batch, kv, None, None)
+    }
+
+    /// The forward pass with the trainer's two options: `routing` (`[total_tokens,
+    /// num_moe_layers, top_k]`, batch order, as [`ForwardOutput::routed_experts`]) replaces
+    /// the routers' choice of experts (a row with an invalid id is routed normally), and
+    /// `trace` receives the activations the backward pass needs. Neither changes arithmetic:
+    /// with no routing given, the logits are the serving path's, bit for bit.
+    pub fn forward_traced(
+        &self,
+        batch: &ForwardBatch<'_>,
+        kv: &mut KvMemory,
+        routing: Option<&[i32]>,
+        mut trace: Option<&mut ForwardTrace>,
+    ) -> ForwardOutput {
         let cfg = &self.config;
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let tokens: Vec<u32> = batch
@@ -220,7 +278,11 @@ impl Model {
         let mut x = self.embed(&tokens);
         let mut normed = vec![0f32; n * h];
         let mut moe_index = 0;
+        if let Some(t) = trace.as_deref_mut() {
+            t.layers.clear();
+        }
         for (l, layer) in self.layers.iter().enumerate() {
+            let x_in = trace.is_some().then(|| x.clone());
             ops::rms_norm(&x, &layer.input_norm, cfg.rms_norm_eps, &mut normed);
             let (mut q, mut k, mut v) = (
                 vec![0f32; n * cfg.q_size()],
@@ -230,6 +292,9 @@ impl Model {
             layer.q_proj.forward(&normed, n, &mut q);
             layer.k_proj.forward(&normed, n, &mut k);
             layer.v_proj.forward(&normed, n, &mut v);
+            let pre_norm = trace
+                .is_some()
+                .then(|| (normed.clone(), q.clone(), k.clone()));
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                 ops::head_rms_norm_inplace(&mut q, qn, cfg.rms_norm_eps);
                 ops::head_rms_norm_inplace(&mut k, kn, cfg.rms_norm_eps);
@@ -269,6 +334,7 @@ impl Model {
             let mut o = vec![0f32; n * h];
             layer.o_proj.forward(&attn, n, &mut o);
             ops::add_inplace(&mut x, &o);
+            let x_mid = trace.is_some().then(|| x.clone());
 
             ops::rms_norm(
                 &x,
@@ -276,11 +342,37 @@ impl Model {
                 cfg.rms_norm_eps,
                 &mut normed,
             );
+            let mut mlp_trace = match &layer.mlp {
+                Mlp::Dense(_) => MlpTrace::Dense(SwiGluTrace::default()),
+                Mlp::Moe(moe) => MlpTrace::Moe(MoeTrace {
+                    experts: vec![None; moe.experts.len()],
+                    ..MoeTrace::default()
+                }),
+            };
             let y = match &layer.mlp {
-                Mlp::Dense(mlp) => mlp.forward(&normed, n),
+                Mlp::Dense(mlp) => {
+                    let t = match (&mut mlp_trace, trace.is_some()) {
+                        (MlpTrace::Dense(t), true) => Some(t),
+                        _ => None,
+                    };
+                    mlp.forward(&normed, n, t)
+                }
                 Mlp::Moe(moe) => {
                     let mut r = vec![0i32; n * top_k];
-                    let y = moe.forward(&normed, n, h, &mut r);
+                    let replay: Option<Vec<i32>> = routing.map(|ids| {
+                        (0..n)
+                            .flat_map(|t| {
+                                ids[(t * moe_layers + moe_index) * top_k..][..top_k]
+                                    .iter()
+                                    .copied()
+                            })
+                            .collect()
+                    });
+                    let t = match (&mut mlp_trace, trace.is_some()) {
+                        (MlpTrace::Moe(t), true) => Some(t),
+                        _ => None,
+                    };
+                    let y = moe.forward(&normed, n, h, &mut r, replay.as_deref(), t);
                     for t in 0..n {
                         routed[(t * moe_layers + moe_index) * top_k..][..top_k]
                             .copy_from_slice(&r[t * top_k..][..top_k]);
@@ -289,6 +381,22 @@ impl Model {
                     y
                 }
             };
+            if let Some(t) = trace.as_deref_mut() {
+                let (attn_in, q_proj, k_proj) = pre_norm.expect("recorded when tracing");
+                t.layers.push(LayerTrace {
+                    x_in: x_in.expect("recorded when tracing"),
+                    attn_in,
+                    q_proj,
+                    k_proj,
+                    k: kv.stored(&k),
+                    v: kv.stored(&v),
+                    q,
+                    attn_out: attn,
+                    x_mid: x_mid.expect("recorded when tracing"),
+                    mlp_in: normed.clone(),
+                    mlp: mlp_trace,
+                });
+            }
             ops::add_inplace(&mut x, &y);
         }
         // Final norm and lm_head only on the rows that need logits.
@@ -307,6 +415,11 @@ impl Model {
         }
         let mut logits = vec![0f32; rows.len() * cfg.vocab_size];
         self.lm_head.forward(&hsel, rows.len(), &mut logits);
+        if let Some(t) = trace {
+            t.x_final = x;
+            t.logit_source_rows = rows;
+            t.lm_head_in = hsel;
+        }
         ForwardOutput {
             logits,
             logit_rows,

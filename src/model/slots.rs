@@ -208,6 +208,21 @@ impl Model {
             .collect()
     }
 
+    /// Every replaceable tensor's values by checkpoint name (linear layers dequantized).
+    pub fn slot_values(&mut self) -> BTreeMap<String, Vec<f32>> {
+        self.slots_mut()
+            .into_iter()
+            .map(|(name, slot)| {
+                let v = match slot {
+                    SlotMut::Linear(l) => l.dequantized_weight(),
+                    SlotMut::Vector(v) => v.clone(),
+                    SlotMut::Embedding(e) => e.to_f32(),
+                };
+                (name, v)
+            })
+            .collect()
+    }
+
     /// Writes validated replacements into the served weights: into the existing buffers
     /// where kind and size match (always, for replacements built from the slot table), else by
     /// swapping. Returns what is left to free (the replacements copied from, or the values

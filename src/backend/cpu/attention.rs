@@ -125,6 +125,14 @@ impl KvMemory {
         }
     }
 
+    /// `x` as this cache stores it (rounded to its dtype): what attention reads back.
+    pub fn stored(&self, x: &[f32]) -> Vec<f32> {
+        match self.data {
+            KvData::Bf16 { .. } => x.iter().map(|&v| bf16::store(v).load()).collect(),
+            KvData::F32 { .. } => x.to_vec(),
+        }
+    }
+
     /// Stores K and V (`[kv_heads * head_dim]` each) of the token at `pos`.
     pub fn write(&mut self, layer: usize, block_table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
         let s = slot(

@@ -256,6 +256,11 @@ impl Linear for Mxfp8Linear {
     fn dequantized_weight(&self) -> Vec<f32> {
         self.weight.dequantize()
     }
+    fn effective_input(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        quant::mxfp8::quantize_rowwise(x, rows, self.weight.cols)
+            .expect("activation width is a multiple of 32")
+            .dequantize()
+    }
     fn storage_bytes(&self) -> usize {
         self.weight.data.len() + self.weight.scales.len()
     }
@@ -369,6 +374,25 @@ impl Linear for Nvfp4Linear {
     }
     fn dequantized_weight(&self) -> Vec<f32> {
         self.weight.dequantize()
+    }
+    fn effective_input(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        let k = self.weight.cols;
+        let xq = quant::nvfp4::quantize(
+            x,
+            rows,
+            k,
+            &Nvfp4Options {
+                granularity: self.activation_scale,
+                four_over_six: self.four_over_six,
+            },
+        )
+        .expect("activation width is a multiple of 16");
+        let mut xs = xq.block_scaled_values();
+        for (r, row) in xs.chunks_mut(k).enumerate() {
+            let s_tok = xq.global.of_row(r);
+            row.iter_mut().for_each(|v| *v *= s_tok);
+        }
+        xs
     }
     fn storage_bytes(&self) -> usize {
         self.weight.data.len() + self.weight.scales.len() + 4
