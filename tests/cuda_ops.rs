@@ -817,7 +817,13 @@ fn models_match_the_cpu_in_every_format() {
         check(format!("reference {r} (f32 checkpoint)"), model, None);
     }
     for (what, err, agree) in &report {
-        assert!(*err < 3e-2, "{what}: logits relative error {err}");
+        // Quantized formats requantize activations that differ from the CPU's by summation
+        // order; a value crossing an E2M1/E4M3 rounding boundary moves by up to a sixth of its
+        // block's amax (see midsize_qwen3_30b_shape_matches_the_cpu). Seen on the H200: BF16
+        // and f32 models <= 6e-4; quantized ones 3e-7 on most prompts, up to 6e-2 on some.
+        let quantized = what.contains("mxfp8") || what.contains("nvfp4");
+        let tol = if quantized { 0.15 } else { 3e-2 };
+        assert!(*err < tol, "{what}: logits relative error {err}");
         assert!(
             *agree > 0.9,
             "{what}: routed experts agree only {:.1}%",
