@@ -48,3 +48,24 @@ __device__ float block_sum(float v) {
     __syncthreads();
     return total;
 }
+
+// Decoders of the contract's element and scale codes (quant.cu has the encoders).
+__device__ __forceinline__ float e4m3_decode(u8 c) {
+    u32 e = (c >> 3) & 15u, m = c & 7u;
+    if (e == 15u && m == 7u) return __uint_as_float(0x7fc00000u);
+    float mag = e == 0u ? __fmul_rn((float)m, 1.0f / 512.0f) : __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return (c & 0x80u) ? -mag : mag;
+}
+
+__device__ __forceinline__ float e2m1_decode(u8 c) {
+    const float v[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    float mag = v[c & 7];
+    return (c & 8) ? -mag : mag;
+}
+
+__device__ __forceinline__ float e8m0_decode(u8 c) {
+    if (c == 0xff) return __uint_as_float(0x7fc00000u);
+    if (c == 0) return __uint_as_float(0x00400000u);
+    return __uint_as_float(((u32)c) << 23);
+}
+

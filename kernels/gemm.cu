@@ -11,34 +11,16 @@
 #define TN 64
 #define TK 32
 
-// e4m3 / e2m1 / e8m0 decoders (quant.cu holds the encoders; each file compiles on its own).
-__device__ __forceinline__ float g_e4m3_decode(u8 c) {
-    u32 e = (c >> 3) & 15u, m = c & 7u;
-    if (e == 15u && m == 7u) return __uint_as_float(0x7fc00000u);
-    float mag = e == 0u ? __fmul_rn((float)m, 1.0f / 512.0f) : __uint_as_float(((e + 120u) << 23) | (m << 20));
-    return (c & 0x80u) ? -mag : mag;
-}
-__device__ __forceinline__ float g_e2m1_decode(u8 c) {
-    const float v[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-    float mag = v[c & 7];
-    return (c & 8) ? -mag : mag;
-}
-__device__ __forceinline__ float g_e8m0_decode(u8 c) {
-    if (c == 0xff) return __uint_as_float(0x7fc00000u);
-    if (c == 0) return __uint_as_float(0x00400000u);
-    return __uint_as_float(((u32)c) << 23);
-}
-
 // Weight element (n, k) of expert e, decoded.
 template <int FMT>
 __device__ __forceinline__ float load_weight(const void* w, const u8* scales, u64 e, u64 n, u64 k, u64 N, u64 K) {
     u64 row = e * N + n;
     if (FMT == 0) return ((const float*)w)[row * K + k];
     if (FMT == 1) return bf16_to_f32(((const bf16_t*)w)[row * K + k]);
-    if (FMT == 2) return __fmul_rn(g_e4m3_decode(((const u8*)w)[row * K + k]), g_e8m0_decode(scales[row * (K / 32) + k / 32]));
+    if (FMT == 2) return __fmul_rn(e4m3_decode(((const u8*)w)[row * K + k]), e8m0_decode(scales[row * (K / 32) + k / 32]));
     u8 byte = ((const u8*)w)[row * (K / 2) + k / 2];
     u8 nib = (k & 1) ? (byte >> 4) : (byte & 15);
-    return __fmul_rn(g_e2m1_decode(nib), g_e4m3_decode(scales[row * (K / 16) + k / 16]));
+    return __fmul_rn(e2m1_decode(nib), e4m3_decode(scales[row * (K / 16) + k / 16]));
 }
 
 // Grid (ceil(N / TN), tiles), 256 threads, each a 2x4 patch of the 32x64 output tile.

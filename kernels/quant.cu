@@ -21,25 +21,12 @@ __device__ __forceinline__ u8 e4m3_encode(float x) {
     return mag > 0x7f800000u ? (u8)0x7f : byte;
 }
 
-__device__ __forceinline__ float e4m3_decode(u8 c) {
-    u32 e = (c >> 3) & 15u, m = c & 7u;
-    if (e == 15u && m == 7u) return __uint_as_float(0x7fc00000u);
-    float mag = e == 0u ? __fmul_rn((float)m, 1.0f / 512.0f) : __uint_as_float(((e + 120u) << 23) | (m << 20));
-    return (c & 0x80u) ? -mag : mag;
-}
-
 __device__ __forceinline__ u8 e2m1_encode(float x) {
     if (isnan(x)) return 0x7;
     u8 sign = (u8)((__float_as_uint(x) >> 28) & 0x8u);
     float a = fabsf(x);
     u8 code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
     return sign | code;
-}
-
-__device__ __forceinline__ float e2m1_decode(u8 c) {
-    const float v[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-    float mag = v[c & 7];
-    return (c & 8) ? -mag : mag;
 }
 
 __device__ __forceinline__ u8 e8m0_round_up(float v) {
@@ -50,12 +37,6 @@ __device__ __forceinline__ u8 e8m0_round_up(float v) {
     u32 e = bits >> 23, m = bits & 0x7fffffu;
     if (m > 0u && e != 0xfeu && !(e == 0u && m <= 0x400000u)) e += 1u;
     return (u8)e;
-}
-
-__device__ __forceinline__ float e8m0_decode(u8 c) {
-    if (c == 0xff) return __uint_as_float(0x7fc00000u);
-    if (c == 0) return __uint_as_float(0x00400000u);
-    return __uint_as_float(((u32)c) << 23);
 }
 
 __device__ __forceinline__ float e8m0_inverse(u8 c) {
@@ -103,8 +84,8 @@ extern "C" __global__ void mxfp8_quantize_f32(const float* x, u64 blocks, u8* da
     mxfp8_rowwise(x, blocks, data, scales, deq);
 }
 
-extern "C" __global__ void mxfp8_quantize_bf16(const bf16_t* x, u64 blocks, u8* data, u8* scales) {
-    mxfp8_rowwise(x, blocks, data, scales, (float*)0);
+extern "C" __global__ void mxfp8_quantize_bf16(const bf16_t* x, u64 blocks, u8* data, u8* scales, float* deq) {
+    mxfp8_rowwise(x, blocks, data, scales, deq);
 }
 
 struct Level {

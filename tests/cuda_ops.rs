@@ -129,7 +129,7 @@ fn activation_quantizers_match_the_quant_module_byte_for_byte() {
         poisoned(&g, n / 32, 0xAAu8),
         poisoned(&g, n, f32::NAN),
     );
-    ops::mxfp8_quantize_f32(&g, &dx, n, &mut data, &mut scales, Some(&mut deq)).unwrap();
+    ops::mxfp8_quantize(&g, &dx, n, &mut data, &mut scales, Some(&mut deq)).unwrap();
     assert_eq!(g.download(&data, n).unwrap(), want.data, "MXFP8 bytes");
     assert_eq!(
         g.download(&scales, n / 32).unwrap(),
@@ -176,7 +176,7 @@ fn activation_quantizers_match_the_quant_module_byte_for_byte() {
             let (mut s_dec, mut deq) = (poisoned(&g, rows, f32::NAN), poisoned(&g, n, f32::NAN));
             let per_token = granularity == ScaleGranularity::PerToken;
             if !per_token {
-                ops::amax_f32(&g, &dx, n, &mut amax).unwrap();
+                ops::amax(&g, &dx, n, &mut amax).unwrap();
             }
             ops::nvfp4_quantize_f32(
                 &g,
@@ -244,12 +244,12 @@ fn weight_quantizers_match_the_quant_module_byte_for_byte() {
     let n = rows * cols;
     let want = quant::mxfp8::quantize_rowwise(&wf, rows, cols).unwrap();
     let (mut data, mut scales) = (poisoned(&g, n, 0xAAu8), poisoned(&g, n / 32, 0xAAu8));
-    ops::mxfp8_quantize_bf16(&g, &dw, n, &mut data, &mut scales).unwrap();
+    ops::mxfp8_quantize(&g, &dw, n, &mut data, &mut scales, None).unwrap();
     assert_eq!(g.download(&data, n).unwrap(), want.data);
     assert_eq!(g.download(&scales, n / 32).unwrap(), want.scales);
 
     let mut amax = g.alloc::<u32>(2).unwrap();
-    ops::amax_bf16(&g, &dw, n, &mut amax).unwrap();
+    ops::amax(&g, &dw, n, &mut amax).unwrap();
     let a = ops::amax_value(&g.download(&amax, 2).unwrap(), n);
     assert_eq!(
         a.to_bits(),
@@ -625,15 +625,8 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
         let (xin, rs) = match fmt.format {
             Format::Bf16 => (&dx, None),
             Format::Mxfp8 => {
-                ops::mxfp8_quantize_f32(
-                    &g,
-                    &dx,
-                    tokens * k,
-                    &mut data,
-                    &mut scales,
-                    Some(&mut deq),
-                )
-                .unwrap();
+                ops::mxfp8_quantize(&g, &dx, tokens * k, &mut data, &mut scales, Some(&mut deq))
+                    .unwrap();
                 (&deq, None)
             }
             Format::Nvfp4 => {

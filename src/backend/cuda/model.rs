@@ -381,7 +381,7 @@ fn linear(
             ops::grouped_gemm(gpu, x, row_index, None, &m.data, rows, out_rows, n, k, out)
         }
         Activation::Mxfp8 => {
-            ops::mxfp8_quantize_f32(
+            ops::mxfp8_quantize(
                 gpu,
                 x,
                 x_rows * k,
@@ -400,7 +400,7 @@ fn linear(
                         "per-tensor NVFP4 activations for experts (the CPU scales each expert's rows)".into(),
                     ));
                 }
-                ops::amax_f32(gpu, x, x_rows * k, &mut q.amax)?;
+                ops::amax(gpu, x, x_rows * k, &mut q.amax)?;
             }
             ops::nvfp4_quantize_f32(
                 gpu,

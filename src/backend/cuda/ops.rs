@@ -468,10 +468,11 @@ pub fn moe_combine(
     )
 }
 
-/// MXFP8 1x32 quantization of f32 rows; `deq` gets the exact dequantized values.
-pub fn mxfp8_quantize_f32(
+/// MXFP8 1x32 quantization of `n` elements (whole rows); `deq` gets the exact dequantized
+/// values.
+pub fn mxfp8_quantize<T: QuantInput>(
     gpu: &Gpu,
-    x: &CudaSlice<f32>,
+    x: &CudaSlice<T>,
     n: usize,
     data: &mut CudaSlice<u8>,
     scales: &mut CudaSlice<u8>,
@@ -487,7 +488,7 @@ pub fn mxfp8_quantize_f32(
     }
     let deq = deq.map(|d| ptr(gpu, d)).unwrap_or(Arg::Ptr(0));
     gpu.launch(
-        Kernel::Mxfp8QuantizeF32,
+        T::MXFP8,
         (gpu.grid_for(blocks, 128), 1, 1),
         128,
         &[
@@ -496,34 +497,6 @@ pub fn mxfp8_quantize_f32(
             ptr(gpu, data),
             ptr(gpu, scales),
             deq,
-        ],
-    )
-}
-
-pub fn mxfp8_quantize_bf16(
-    gpu: &Gpu,
-    x: &CudaSlice<u16>,
-    n: usize,
-    data: &mut CudaSlice<u8>,
-    scales: &mut CudaSlice<u8>,
-) -> Result<(), CudaError> {
-    check_block(n, 32)?;
-    need(x, n, "mxfp8 x")?;
-    need(data, n, "mxfp8 data")?;
-    need(scales, n / 32, "mxfp8 scales")?;
-    let blocks = n / 32;
-    if blocks == 0 {
-        return Ok(());
-    }
-    gpu.launch(
-        Kernel::Mxfp8QuantizeBf16,
-        (gpu.grid_for(blocks, 128), 1, 1),
-        128,
-        &[
-            ptr(gpu, x),
-            Arg::U64(blocks as u64),
-            ptr(gpu, data),
-            ptr(gpu, scales),
         ],
     )
 }
@@ -574,7 +547,7 @@ pub struct Nvfp4Out<'a> {
     pub deq: Option<&'a mut CudaSlice<f32>>,
 }
 
-/// NVFP4 quantization of f32 rows, per token or per tensor (`tensor_amax` from [`amax_f32`]).
+/// NVFP4 quantization of f32 rows, per token or per tensor (`tensor_amax` from [`amax`]).
 #[allow(clippy::too_many_arguments)]
 pub fn nvfp4_quantize_f32(
     gpu: &Gpu,
@@ -656,10 +629,26 @@ pub fn nvfp4_quantize_bf16(
     )
 }
 
+/// Element types the quantizers read: f32 activations, BF16 weights (as raw bits).
+pub trait QuantInput: cudarc::driver::DeviceRepr {
+    const AMAX: Kernel;
+    const MXFP8: Kernel;
+}
+
+impl QuantInput for f32 {
+    const AMAX: Kernel = Kernel::AmaxF32;
+    const MXFP8: Kernel = Kernel::Mxfp8QuantizeF32;
+}
+
+impl QuantInput for u16 {
+    const AMAX: Kernel = Kernel::AmaxBf16;
+    const MXFP8: Kernel = Kernel::Mxfp8QuantizeBf16;
+}
+
 /// `out = [max |x| bits, any number]`, the contract's NaN-skipping amax.
-pub fn amax_f32(
+pub fn amax<T: QuantInput>(
     gpu: &Gpu,
-    x: &CudaSlice<f32>,
+    x: &CudaSlice<T>,
     n: usize,
     out: &mut CudaSlice<u32>,
 ) -> Result<(), CudaError> {
@@ -670,34 +659,14 @@ pub fn amax_f32(
         return Ok(());
     }
     gpu.launch(
-        Kernel::AmaxF32,
+        T::AMAX,
         (gpu.grid_for(n, BLOCK), 1, 1),
         BLOCK,
         &[ptr(gpu, x), Arg::U64(n as u64), ptr(gpu, out)],
     )
 }
 
-pub fn amax_bf16(
-    gpu: &Gpu,
-    x: &CudaSlice<u16>,
-    n: usize,
-    out: &mut CudaSlice<u32>,
-) -> Result<(), CudaError> {
-    need(x, n, "amax x")?;
-    need(out, 2, "amax out")?;
-    gpu.stream.memset_zeros(out)?;
-    if n == 0 {
-        return Ok(());
-    }
-    gpu.launch(
-        Kernel::AmaxBf16,
-        (gpu.grid_for(n, BLOCK), 1, 1),
-        BLOCK,
-        &[ptr(gpu, x), Arg::U64(n as u64), ptr(gpu, out)],
-    )
-}
-
-/// The amax from [`amax_bf16`]'s output (NaN when no element was a number).
+/// The amax from [`amax`]'s output (NaN when no element was a number).
 pub fn amax_value(bits: &[u32], n: usize) -> f32 {
     if n > 0 && bits[1] == 0 {
         f32::NAN

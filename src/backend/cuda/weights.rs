@@ -212,7 +212,7 @@ impl DummyWeights<'_> {
                     let t = self.bf16(name, *rows, k)?;
                     let m = rows * k;
                     let (mut d, mut s) = (gpu.alloc::<u8>(m)?, gpu.alloc::<u8>(m / 32)?);
-                    ops::mxfp8_quantize_bf16(gpu, &t, m, &mut d, &mut s)?;
+                    ops::mxfp8_quantize(gpu, &t, m, &mut d, &mut s, None)?;
                     gpu.stream
                         .memcpy_dtod(&d, &mut data.slice_mut(at..at + m))?;
                     gpu.stream
@@ -235,7 +235,7 @@ impl DummyWeights<'_> {
                         .collect::<Result<Vec<_>, _>>()?;
                     let mut amaxes = Vec::with_capacity(tensors.len());
                     for (t, (_, rows)) in tensors.iter().zip(matrix) {
-                        ops::amax_bf16(gpu, t, rows * k, &mut amax_buf)?;
+                        ops::amax(gpu, t, rows * k, &mut amax_buf)?;
                         amaxes.push(ops::amax_value(&gpu.download(&amax_buf, 2)?, rows * k));
                     }
                     // The CPU loader's gate/up scale: SecondLevel::standard of the joint amax.
