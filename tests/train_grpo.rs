@@ -105,6 +105,25 @@ fn probe(server: &str) -> (Vec<u64>, Vec<f64>, String) {
     )
 }
 
+/// `GET path` on the server, as JSON.
+fn get_json(server: &str, path: &str) -> Value {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http::<http_body_util::Full<bytes::Bytes>>();
+        let req = hyper::Request::get(format!("{server}{path}"))
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        let resp = client.request(req).await.unwrap();
+        use http_body_util::BodyExt;
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap()
+    })
+}
+
 fn mean(steps: &[StepMetrics]) -> f64 {
     steps.iter().map(|m| m.reward_mean).sum::<f64>() / steps.len() as f64
 }
@@ -153,6 +172,13 @@ fn every_push_moves_the_version_and_the_outputs() {
         (after.0, after.1),
         "new weights change the outputs"
     );
+    // The server holds exactly what the trainer quantized and pushed: its checksum equals the
+    // trainer's own serving model's (built by the loader, not by the push), and the one the
+    // push reported.
+    let held = get_json(&server, "/weights_checksum");
+    let held = held["overall"].as_str().unwrap();
+    assert_eq!(held, trainer.serving_checksum().unwrap());
+    assert_eq!(held, grpo.last().unwrap().pushed_checksum);
     // The metrics file has the settings line, then one line per step.
     let text = std::fs::read_to_string(&trainer.args.metrics).unwrap();
     assert_eq!(text.lines().count(), 1 + steps.len());
@@ -179,7 +205,8 @@ fn grpo_raises_the_reward_on_copy() {
     }
 }
 
-/// Two servers: groups are spread over both, both receive every push, and afterwards they
+/// Two servers: groups are spread over both, both receive every push (paused in place around
+/// each commit), and afterwards they
 /// hold the same weights (same greedy outputs and logprobs, bit for bit). The saved master
 /// weights resume into a trainer whose first push reproduces those outputs.
 #[test]
@@ -207,11 +234,18 @@ fn two_servers_stay_in_lockstep_and_a_saved_run_resumes() {
             "4",
             "--save",
             saved.to_str().unwrap(),
+            "--pause-mode",
+            "in_place",
         ],
     );
-    let steps = Trainer::new(args).unwrap().run(false).unwrap();
+    let mut trainer = Trainer::new(args).unwrap();
+    let steps = trainer.run(false).unwrap();
     for m in steps.iter().filter(|m| m.phase == "grpo") {
         assert_eq!(m.mismatch.max_abs, 0.0);
+    }
+    let want = trainer.serving_checksum().unwrap();
+    for s in [&a, &b] {
+        assert_eq!(get_json(s, "/weights_checksum")["overall"], json!(want));
     }
     let (pa, pb) = (probe(&a), probe(&b));
     assert_eq!(pa.2, "train-3");

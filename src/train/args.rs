@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use super::linear_grad::BackwardMode;
 use super::tasks::TaskKind;
 use crate::model::loader::Quantization;
+use crate::push::args::{PauseArg, DEFAULT_PAUSE};
 
 #[derive(clap::Args, Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct TrainArgs {
@@ -76,7 +77,10 @@ pub struct TrainArgs {
     /// Write the f32 master weights here (safetensors) at the end.
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Largest PUT /update_weights body, in MiB.
+    /// Largest PUT /update_weights body, in MiB (a gate/up pair is never split).
     #[arg(long, default_value_t = 8)]
     pub push_bucket_mb: usize,
+    /// Pause the servers' generation around each push's commit (as `lockstep push`).
+    #[arg(long, value_enum, default_value_t = DEFAULT_PAUSE)]
+    pub pause_mode: PauseArg,
 }

@@ -7,7 +7,7 @@
 //! - [`optim`]: AdamW with gradient clipping;
 //! - [`tasks`]: verifiable tasks with exact rewards;
 //! - [`grpo`]: advantages, the clipped policy-gradient loss, mismatch metrics;
-//! - [`client`]: rollouts and weight pushes over HTTP;
+//! - [`client`]: rollouts over HTTP (pushes go through [`crate::push`]);
 //! - [`run`]: the loop; [`args`] its settings; [`metrics`] its JSONL output.
 
 pub mod args;
@@ -30,10 +30,14 @@ pub use run::Trainer;
 pub enum TrainError {
     #[error("{url}: {reason}")]
     Http { url: String, reason: String },
+    #[error("--{flag}: {reason}")]
+    Arg { flag: &'static str, reason: String },
     #[error("{path}: {reason}")]
     Io { path: String, reason: String },
     #[error(transparent)]
     Load(#[from] crate::model::loader::LoadError),
+    #[error("weight push: {0}")]
+    Push(#[from] crate::push::PushError),
     #[error(transparent)]
     Recipe(#[from] crate::quant::recipe::RecipeError),
 }

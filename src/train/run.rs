@@ -4,6 +4,8 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use safetensors::tensor::TensorView;
+
 use super::args::TrainArgs;
 use super::client::{RolloutRequest, Sample, Server};
 use super::grpo::{self, PgConfig};
@@ -17,6 +19,8 @@ use crate::backend::cpu::attention::KvDtype;
 use crate::checkpoint::OwnedTensor;
 use crate::model::loader::serving_recipe;
 use crate::model::ModelConfig;
+use crate::push::client::RetryPolicy;
+use crate::push::PushOptions;
 use crate::quant::Recipe;
 
 /// The embedded model's KV cache dtype on the server (`--kv-cache-dtype auto`, BF16 weights).
@@ -45,6 +49,7 @@ pub struct Trainer {
     rt: tokio::runtime::Runtime,
     reference: Option<crate::model::Model>,
     version: u64,
+    push_opts: PushOptions,
 }
 
 impl Trainer {
@@ -73,6 +78,25 @@ impl Trainer {
             .iter()
             .map(|s| Server::new(s, args.admin_api_key.clone()))
             .collect();
+        if args.push_bucket_mb == 0 {
+            return Err(TrainError::Arg {
+                flag: "push-bucket-mb",
+                reason: "must be at least 1".into(),
+            });
+        }
+        // Quantized here with the serving recipe: each server receives exactly the bytes it
+        // will hold, and the push checks its checksum against what was sent.
+        let push_opts = PushOptions {
+            servers: args.servers.clone(),
+            api_key: args.admin_api_key.clone(),
+            bucket_bytes: args.push_bucket_mb << 20,
+            weight_version: None,
+            recipe: Some(recipe.clone()),
+            quantize_on_client: true,
+            pause_mode: args.pause_mode.mode(),
+            retry: RetryPolicy::default(),
+            progress: false,
+        };
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -89,6 +113,7 @@ impl Trainer {
             rt,
             reference: None,
             version: 0,
+            push_opts,
         })
     }
 
@@ -308,7 +333,7 @@ impl Trainer {
         let grad_norm = self.opt.step(&mut self.params, &mut grads);
         let train_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        let pushed_version = self.push()?;
+        let (pushed_version, pushed_checksum) = self.push()?;
         let (reward_mean, reward_std) = mean_std(&rewards);
         let mut versions: Vec<String> = samples.iter().map(|s| s.weight_version.clone()).collect();
         versions.sort();
@@ -326,26 +351,50 @@ impl Trainer {
             completion_tokens: mismatch.tokens,
             rollout_weight_versions: versions,
             pushed_version,
+            pushed_checksum,
             rollout_s,
             train_s,
             push_s: t.elapsed().as_secs_f64(),
         })
     }
 
-    /// Pushes the current weights to every server as the next version.
-    fn push(&mut self) -> Result<String, TrainError> {
+    /// Pushes the current weights to every server as the next version; returns the version
+    /// and the overall checksum the servers hold (verified by the push).
+    fn push(&mut self) -> Result<(String, String), TrainError> {
         self.version += 1;
         let version = format!("train-{}", self.version);
         let tensors = self.params.to_bf16_tensors();
-        let hash = self.recipe.hash();
-        let bucket = self.args.push_bucket_mb << 20;
-        let results = self.rt.block_on(futures_util::future::join_all(
-            self.servers
-                .iter()
-                .map(|s| s.push_weights(&tensors, &version, &hash, bucket)),
-        ));
-        results.into_iter().collect::<Result<Vec<()>, _>>()?;
-        Ok(version)
+        let views = tensors
+            .iter()
+            .map(|(n, t)| {
+                TensorView::new(t.dtype, t.shape.clone(), &t.data)
+                    .map(|v| (n.clone(), v))
+                    .map_err(|e| crate::push::PushError::Tensor {
+                        name: n.clone(),
+                        reason: e.to_string(),
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut opts = self.push_opts.clone();
+        opts.weight_version = Some(version.clone());
+        let report = self.rt.block_on(crate::push::push_tensors(&opts, views))?;
+        let checksum = report
+            .servers
+            .first()
+            .map(|s| s.checksum.clone())
+            .unwrap_or_default();
+        Ok((version, checksum))
+    }
+
+    /// The overall checksum of the serving model built from the current master weights, the
+    /// way the trainer's forward builds it (what every server must hold after a push).
+    pub fn serving_checksum(&self) -> Result<String, TrainError> {
+        let mut model = self
+            .params
+            .serving_model(&self.recipe, ServingPrecision::Bf16)?;
+        Ok(crate::model::checksum::hex(
+            model.weights_checksum().overall(),
+        ))
     }
 }
 
