@@ -136,9 +136,12 @@ fn every_push_moves_the_version_and_the_outputs() {
     let server = serve(&["--quantization", "mxfp8"]);
     let before = probe(&server);
     assert_eq!(before.2, "default");
+    let plots = tempfile::tempdir().unwrap();
     let args = train_args(
         &server,
         &[
+            "--plots",
+            plots.path().to_str().unwrap(),
             "--quantization",
             "mxfp8",
             "--routing-replay",
@@ -182,6 +185,10 @@ fn every_push_moves_the_version_and_the_outputs() {
     // The metrics file has the settings line, then one line per step.
     let text = std::fs::read_to_string(&trainer.args.metrics).unwrap();
     assert_eq!(text.lines().count(), 1 + steps.len());
+    for name in ["reward.png", "mismatch.png"] {
+        let bytes = std::fs::read(plots.path().join(name)).unwrap();
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{name} is a PNG");
+    }
 }
 
 /// A real learning signal on the easiest task, fixed seeds: the mean reward of the last five

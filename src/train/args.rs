@@ -74,6 +74,9 @@ pub struct TrainArgs {
     /// Metrics, one JSON object per line (the first line holds these settings).
     #[arg(long, default_value = "train_metrics.jsonl")]
     pub metrics: PathBuf,
+    /// Write `reward.png` and `mismatch.png` (per GRPO step) into this directory at the end.
+    #[arg(long)]
+    pub plots: Option<PathBuf>,
     /// Write the f32 master weights here (safetensors) at the end.
     #[arg(long)]
     pub save: Option<PathBuf>,

@@ -8,7 +8,7 @@
 //! - [`tasks`]: verifiable tasks with exact rewards;
 //! - [`grpo`]: advantages, the clipped policy-gradient loss, mismatch metrics;
 //! - [`client`]: rollouts over HTTP (pushes go through [`crate::push`]);
-//! - [`run`]: the loop; [`args`] its settings; [`metrics`] its JSONL output.
+//! - [`run`]: the loop; [`args`] its settings; [`metrics`] its JSONL output; [`plot`] PNG curves.
 
 pub mod args;
 pub mod backward;
@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod ops_grad;
 pub mod optim;
 pub mod params;
+pub mod plot;
 pub mod policy;
 pub mod run;
 pub mod tasks;

@@ -10,7 +10,7 @@ use super::args::TrainArgs;
 use super::client::{RolloutRequest, Sample, Server};
 use super::grpo::{self, PgConfig};
 use super::metrics::{MetricsWriter, StepMetrics};
-use super::optim::{AdamW, AdamWConfig};
+use super::optim::{exp_avg_name, exp_avg_sq_name, AdamW, AdamWConfig};
 use super::params::{Params, ServingPrecision};
 use super::policy::{self, Sequence};
 use super::tasks::Problem;
@@ -64,7 +64,7 @@ impl Trainer {
             Some(path) => load_master(cfg, path)?,
             None => Params::dummy(cfg, args.init_seed)?,
         };
-        let opt = AdamW::new(
+        let mut opt = AdamW::new(
             AdamWConfig {
                 lr: args.lr,
                 weight_decay: args.weight_decay,
@@ -73,6 +73,9 @@ impl Trainer {
             },
             &params,
         );
+        if let Some(path) = &args.resume {
+            load_optimizer(&mut opt, path)?;
+        }
         let servers = args
             .servers
             .iter()
@@ -167,7 +170,10 @@ impl Trainer {
         }
         bar.finish_and_clear();
         if let Some(path) = &self.args.save {
-            save_master(&self.params, path)?;
+            save_checkpoint(&self.params, &self.opt, path)?;
+        }
+        if let Some(dir) = &self.args.plots {
+            write_plots(dir, &all)?;
         }
         Ok(all)
     }
@@ -398,16 +404,76 @@ impl Trainer {
     }
 }
 
-fn save_master(params: &Params, path: &std::path::Path) -> Result<(), TrainError> {
-    let tensors: BTreeMap<String, OwnedTensor> = params
-        .tensors
-        .iter()
-        .map(|(n, p)| (n.clone(), OwnedTensor::f32(p.shape.clone(), &p.value)))
-        .collect();
-    crate::checkpoint::write_file(path, &tensors, None).map_err(|e| TrainError::Io {
+/// `reward.png` (mean reward) and `mismatch.png` (mean and max |Δlogprob|) of the GRPO steps.
+fn write_plots(dir: &std::path::Path, steps: &[StepMetrics]) -> Result<(), TrainError> {
+    std::fs::create_dir_all(dir).map_err(|e| TrainError::Io {
+        path: dir.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    let grpo: Vec<&StepMetrics> = steps.iter().filter(|m| m.phase == "grpo").collect();
+    let curve = |f: fn(&StepMetrics) -> f64| grpo.iter().map(|m| f(m)).collect::<Vec<f64>>();
+    super::plot::curves_png(
+        &dir.join("reward.png"),
+        (800, 450),
+        &[("reward", curve(|m| m.reward_mean))],
+    )?;
+    super::plot::curves_png(
+        &dir.join("mismatch.png"),
+        (800, 450),
+        &[
+            ("mean |Δlogprob|", curve(|m| m.mismatch.mean_abs)),
+            ("max |Δlogprob|", curve(|m| m.mismatch.max_abs)),
+        ],
+    )
+}
+
+/// Metadata key of the AdamW step count in a trainer checkpoint.
+const ADAMW_STEP_KEY: &str = "adamw_step";
+
+/// The f32 master weights under their names, AdamW's moments under
+/// `optimizer.exp_avg[_sq].<name>` and its step count in the metadata.
+fn save_checkpoint(params: &Params, opt: &AdamW, path: &std::path::Path) -> Result<(), TrainError> {
+    let mut tensors: BTreeMap<String, OwnedTensor> = BTreeMap::new();
+    for (n, p) in &params.tensors {
+        tensors.insert(n.clone(), OwnedTensor::f32(p.shape.clone(), &p.value));
+        if let Some((m, v)) = opt.moments(n) {
+            tensors.insert(exp_avg_name(n), OwnedTensor::f32(p.shape.clone(), m));
+            tensors.insert(exp_avg_sq_name(n), OwnedTensor::f32(p.shape.clone(), v));
+        }
+    }
+    let meta = [(ADAMW_STEP_KEY.to_string(), opt.steps().to_string())].into();
+    crate::checkpoint::write_file(path, &tensors, Some(meta)).map_err(|e| TrainError::Io {
         path: path.display().to_string(),
         reason: e.to_string(),
     })
+}
+
+/// Restores AdamW's state from a checkpoint [`save_checkpoint`] wrote. A file of master
+/// weights only (no step count) leaves the optimizer fresh.
+fn load_optimizer(opt: &mut AdamW, path: &std::path::Path) -> Result<(), TrainError> {
+    let io = |reason: String| TrainError::Io {
+        path: path.display().to_string(),
+        reason,
+    };
+    let bytes = std::fs::read(path).map_err(|e| io(e.to_string()))?;
+    let (_, meta) =
+        safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| io(e.to_string()))?;
+    let Some(step) = meta.metadata().as_ref().and_then(|m| m.get(ADAMW_STEP_KEY)) else {
+        tracing::warn!(
+            "{}: no AdamW state ({ADAMW_STEP_KEY}); the optimizer starts fresh",
+            path.display()
+        );
+        return Ok(());
+    };
+    let step: i32 = step
+        .parse()
+        .map_err(|_| io(format!("{ADAMW_STEP_KEY}: `{step}` is not a step count")))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| io(e.to_string()))?;
+    opt.restore(step, |key| {
+        let t = st.tensor(key).map_err(|e| format!("{key}: {e}"))?;
+        crate::checkpoint::to_f32(key, &t).map_err(|e| e.to_string())
+    })
+    .map_err(io)
 }
 
 fn load_master(cfg: ModelConfig, path: &std::path::Path) -> Result<Params, TrainError> {
@@ -430,4 +496,109 @@ fn load_master(cfg: ModelConfig, path: &std::path::Path) -> Result<Params, Train
         p.value = crate::checkpoint::to_f32(name, &t).map_err(|e| io(e.to_string()))?;
     }
     Ok(params)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trainer(extra: &[&str]) -> Trainer {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        // Warm-up steps need no server: nothing here is pushed or sampled.
+        let mut argv = vec![
+            "lockstep",
+            "--server",
+            "http://127.0.0.1:9",
+            "--warmup-batch",
+            "4",
+            "--lr",
+            "1e-2",
+        ];
+        argv.extend_from_slice(extra);
+        Trainer::new(Cli::parse_from(argv).train).unwrap()
+    }
+
+    fn bits(p: &Params) -> Vec<(String, Vec<u32>)> {
+        p.tensors
+            .iter()
+            .map(|(n, t)| (n.clone(), t.value.iter().map(|x| x.to_bits()).collect()))
+            .collect()
+    }
+
+    /// k steps, save, resume, one more step: the same weights, moments and step count, bit for
+    /// bit, as k + 1 steps in one run (with a fresh optimizer the weights would differ).
+    #[test]
+    fn resume_after_k_steps_then_one_more_equals_k_plus_one_steps() {
+        let k = 3;
+        let mut whole = trainer(&[]);
+        for s in 0..=k {
+            whole.warmup_step(s).unwrap();
+        }
+        let mut first = trainer(&[]);
+        for s in 0..k {
+            first.warmup_step(s).unwrap();
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ckpt.safetensors");
+        save_checkpoint(&first.params, &first.opt, &path).unwrap();
+        let mut resumed = trainer(&["--resume", path.to_str().unwrap()]);
+        assert_eq!(resumed.opt.steps(), k as i32);
+        resumed.warmup_step(k).unwrap();
+
+        assert_eq!(resumed.opt.steps(), whole.opt.steps());
+        assert!(
+            bits(&resumed.params) == bits(&whole.params),
+            "weights differ"
+        );
+        for name in whole.params.tensors.keys() {
+            let (a, b) = (whole.opt.moments(name), resumed.opt.moments(name));
+            let to_bits = |m: Option<(&[f32], &[f32])>| {
+                let (m, v) = m.unwrap();
+                (
+                    m.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                )
+            };
+            assert!(to_bits(a) == to_bits(b), "moments of {name} differ");
+        }
+
+        // The optimizer state matters: the same master weights with a fresh AdamW diverge.
+        let mut fresh = trainer(&["--resume", path.to_str().unwrap()]);
+        fresh.opt = AdamW::new(fresh.opt.config, &fresh.params);
+        fresh.warmup_step(k).unwrap();
+        assert!(bits(&fresh.params) != bits(&whole.params));
+    }
+
+    /// A checkpoint whose step count is present but a moment is missing is refused, naming it.
+    #[test]
+    fn a_checkpoint_missing_a_moment_is_refused_by_name() {
+        let t = trainer(&[]);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ckpt.safetensors");
+        save_checkpoint(&t.params, &t.opt, &path).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let victim = exp_avg_sq_name(t.params.tensors.keys().next().unwrap());
+        let kept: BTreeMap<String, OwnedTensor> = st
+            .tensors()
+            .into_iter()
+            .filter(|(n, _)| *n != victim)
+            .map(|(n, v)| {
+                (
+                    n,
+                    OwnedTensor::new(v.dtype(), v.shape().to_vec(), v.data().to_vec()),
+                )
+            })
+            .collect();
+        crate::checkpoint::write_file(&path, &kept, meta.metadata().clone()).unwrap();
+        let mut opt = AdamW::new(t.opt.config, &t.params);
+        let err = load_optimizer(&mut opt, &path).unwrap_err().to_string();
+        assert!(err.contains(&victim), "{err}");
+    }
 }
