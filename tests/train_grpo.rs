@@ -282,3 +282,51 @@ fn two_servers_stay_in_lockstep_and_a_saved_run_resumes() {
         "the resumed weights are the saved ones"
     );
 }
+
+/// With one update per batch the ratios are exactly 1 (mismatch 0), so nothing is clipped;
+/// with two mini-batch updates the second sees a moved policy and the clip acts.
+#[test]
+fn several_updates_per_batch_make_the_clip_act() {
+    let server = serve(&[]);
+    let run = |updates: &str| {
+        let args = train_args(
+            &server,
+            &[
+                "--updates-per-batch",
+                updates,
+                "--lr",
+                "3e-2",
+                "--clip-eps",
+                "0.05",
+                "--steps",
+                "2",
+                "--warmup-steps",
+                "1",
+                "--prompts-per-step",
+                "4",
+                "--samples-per-prompt",
+                "4",
+            ],
+        );
+        let steps = Trainer::new(args).unwrap().run(false).unwrap();
+        steps
+            .into_iter()
+            .filter(|m| m.phase == "grpo")
+            .collect::<Vec<StepMetrics>>()
+    };
+    for m in run("1") {
+        assert_eq!(m.mismatch.max_abs, 0.0);
+        assert_eq!(m.clip_fraction, 0.0);
+    }
+    // A step whose groups all have equal rewards has zero advantages and clips nothing, so
+    // the check is over the run.
+    let two = run("2");
+    for m in &two {
+        assert_eq!(m.mismatch.max_abs, 0.0, "measured before the first update");
+    }
+    assert!(
+        two.iter().any(|m| m.clip_fraction > 0.0),
+        "nothing clipped: {:?}",
+        two.iter().map(|m| m.clip_fraction).collect::<Vec<_>>()
+    );
+}

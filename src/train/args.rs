@@ -50,6 +50,10 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 16)]
     pub warmup_batch: usize,
 
+    /// Optimizer steps per rollout batch, each on the next of as many mini-batches (past the
+    /// first, the importance ratios differ from 1 and the clip acts).
+    #[arg(long, default_value_t = 1)]
+    pub updates_per_batch: usize,
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f32,
     #[arg(long, default_value_t = 0.0)]

@@ -81,6 +81,12 @@ impl Trainer {
             .iter()
             .map(|s| Server::new(s, args.admin_api_key.clone()))
             .collect();
+        if args.updates_per_batch == 0 {
+            return Err(TrainError::Arg {
+                flag: "updates-per-batch",
+                reason: "must be at least 1".into(),
+            });
+        }
         if args.push_bucket_mb == 0 {
             return Err(TrainError::Arg {
                 flag: "push-bucket-mb",
@@ -305,13 +311,16 @@ impl Trainer {
             .collect();
         let rollout_lp: Vec<Vec<f32>> = kept.iter().map(|&i| samples[i].logprobs.clone()).collect();
         let adv: Vec<f32> = kept.iter().map(|&i| advantages[i]).collect();
-        let fwd = policy::forward(&model, &seqs, KV_DTYPE, self.args.routing_replay);
-        let mismatch = grpo::mismatch(&fwd.logprobs, &rollout_lp);
+        let replay = self.args.routing_replay;
+        // The rollouts' policy is the model built before any update: the mismatch is measured
+        // against it on the whole batch.
+        let first = policy::forward(&model, &seqs, KV_DTYPE, replay);
+        let mismatch = grpo::mismatch(&first.logprobs, &rollout_lp);
         let mismatch_bf16_forward = if self.args.report_bf16_mismatch {
             let plain = self
                 .params
                 .serving_model(&Recipe::bf16(), ServingPrecision::Bf16)?;
-            let lp = policy::forward(&plain, &seqs, KV_DTYPE, self.args.routing_replay).logprobs;
+            let lp = policy::forward(&plain, &seqs, KV_DTYPE, replay).logprobs;
             Some(grpo::mismatch(&lp, &rollout_lp))
         } else {
             None
@@ -319,24 +328,66 @@ impl Trainer {
         let reference = self
             .reference
             .as_ref()
-            .map(|r| policy::forward(r, &seqs, KV_DTYPE, self.args.routing_replay).logprobs);
-        let loss = grpo::policy_gradient(
-            &fwd.logprobs,
-            &rollout_lp,
-            reference.as_deref(),
-            &adv,
-            &PgConfig {
-                clip_eps: self.args.clip_eps,
-                kl_coef: self.args.kl_coef,
-            },
-        );
-        let mut grads = fwd.backward(
-            &model,
-            &self.params.bf16_values(),
-            self.args.backward_mode,
-            &loss.d_logprob,
-        );
-        let grad_norm = self.opt.step(&mut self.params, &mut grads);
+            .map(|r| policy::forward(r, &seqs, KV_DTYPE, replay).logprobs);
+        let pg = PgConfig {
+            clip_eps: self.args.clip_eps,
+            kl_coef: self.args.kl_coef,
+        };
+        // `--updates-per-batch` optimizer steps, each on the next contiguous mini-batch, each
+        // against the rollout logprobs: after the first, the policy has moved, the importance
+        // ratios differ from 1 and the clip acts.
+        let updates = self.args.updates_per_batch;
+        let per = seqs.len().div_ceil(updates).max(1);
+        let (mut loss_sum, mut clipped, mut tokens, mut grad_norm) = (0f64, 0f64, 0usize, 0f64);
+        let mut first = Some(first);
+        for (u, range) in (0..seqs.len())
+            .step_by(per)
+            .map(|a| a..(a + per).min(seqs.len()))
+            .enumerate()
+        {
+            let built;
+            let (model, fwd) = if updates == 1 {
+                (&model, first.take().expect("one update"))
+            } else {
+                let _ = first.take();
+                built = if u == 0 {
+                    None
+                } else {
+                    Some(
+                        self.params
+                            .serving_model(&self.recipe, ServingPrecision::Bf16)?,
+                    )
+                };
+                let m = built.as_ref().unwrap_or(&model);
+                (
+                    m,
+                    policy::forward(m, &seqs[range.clone()], KV_DTYPE, replay),
+                )
+            };
+            let loss = grpo::policy_gradient(
+                &fwd.logprobs,
+                &rollout_lp[range.clone()],
+                reference.as_ref().map(|r| &r[range.clone()]),
+                &adv[range.clone()],
+                &pg,
+            );
+            let n: usize = fwd.logprobs.iter().map(Vec::len).sum();
+            loss_sum += loss.loss * n as f64;
+            clipped += loss.clip_fraction * n as f64;
+            tokens += n;
+            let mut grads = fwd.backward(
+                model,
+                &self.params.bf16_values(),
+                self.args.backward_mode,
+                &loss.d_logprob,
+            );
+            grad_norm = self.opt.step(&mut self.params, &mut grads);
+        }
+        let loss = grpo::TokenLoss {
+            loss: loss_sum / tokens.max(1) as f64,
+            d_logprob: Vec::new(),
+            clip_fraction: clipped / tokens.max(1) as f64,
+        };
         let train_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let (pushed_version, pushed_checksum) = self.push()?;
