@@ -124,7 +124,7 @@ mod tests {
         for i in 0..2 {
             let c = Palette99::pick(i).to_rgba();
             assert!(
-                px.iter().any(|p| *p == [c.0, c.1, c.2]),
+                px.contains(&[c.0, c.1, c.2]),
                 "series {i} drawn in {}",
                 series_color(i)
             );
