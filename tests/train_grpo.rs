@@ -105,6 +105,25 @@ fn probe(server: &str) -> (Vec<u64>, Vec<f64>, String) {
     )
 }
 
+/// `GET path` on the server, as JSON.
+fn get_json(server: &str, path: &str) -> Value {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http::<http_body_util::Full<bytes::Bytes>>();
+        let req = hyper::Request::get(format!("{server}{path}"))
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        let resp = client.request(req).await.unwrap();
+        use http_body_util::BodyExt;
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap()
+    })
+}
+
 fn mean(steps: &[StepMetrics]) -> f64 {
     steps.iter().map(|m| m.reward_mean).sum::<f64>() / steps.len() as f64
 }
@@ -117,9 +136,12 @@ fn every_push_moves_the_version_and_the_outputs() {
     let server = serve(&["--quantization", "mxfp8"]);
     let before = probe(&server);
     assert_eq!(before.2, "default");
+    let plots = tempfile::tempdir().unwrap();
     let args = train_args(
         &server,
         &[
+            "--plots",
+            plots.path().to_str().unwrap(),
             "--quantization",
             "mxfp8",
             "--routing-replay",
@@ -153,9 +175,20 @@ fn every_push_moves_the_version_and_the_outputs() {
         (after.0, after.1),
         "new weights change the outputs"
     );
+    // The server holds exactly what the trainer quantized and pushed: its checksum equals the
+    // trainer's own serving model's (built by the loader, not by the push), and the one the
+    // push reported.
+    let held = get_json(&server, "/weights_checksum");
+    let held = held["overall"].as_str().unwrap();
+    assert_eq!(held, trainer.serving_checksum().unwrap());
+    assert_eq!(held, grpo.last().unwrap().pushed_checksum);
     // The metrics file has the settings line, then one line per step.
     let text = std::fs::read_to_string(&trainer.args.metrics).unwrap();
     assert_eq!(text.lines().count(), 1 + steps.len());
+    for name in ["reward.png", "mismatch.png"] {
+        let bytes = std::fs::read(plots.path().join(name)).unwrap();
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{name} is a PNG");
+    }
 }
 
 /// A real learning signal on the easiest task, fixed seeds: the mean reward of the last five
@@ -179,7 +212,8 @@ fn grpo_raises_the_reward_on_copy() {
     }
 }
 
-/// Two servers: groups are spread over both, both receive every push, and afterwards they
+/// Two servers: groups are spread over both, both receive every push (paused in place around
+/// each commit), and afterwards they
 /// hold the same weights (same greedy outputs and logprobs, bit for bit). The saved master
 /// weights resume into a trainer whose first push reproduces those outputs.
 #[test]
@@ -207,11 +241,18 @@ fn two_servers_stay_in_lockstep_and_a_saved_run_resumes() {
             "4",
             "--save",
             saved.to_str().unwrap(),
+            "--pause-mode",
+            "in_place",
         ],
     );
-    let steps = Trainer::new(args).unwrap().run(false).unwrap();
+    let mut trainer = Trainer::new(args).unwrap();
+    let steps = trainer.run(false).unwrap();
     for m in steps.iter().filter(|m| m.phase == "grpo") {
         assert_eq!(m.mismatch.max_abs, 0.0);
+    }
+    let want = trainer.serving_checksum().unwrap();
+    for s in [&a, &b] {
+        assert_eq!(get_json(s, "/weights_checksum")["overall"], json!(want));
     }
     let (pa, pb) = (probe(&a), probe(&b));
     assert_eq!(pa.2, "train-3");
@@ -239,5 +280,53 @@ fn two_servers_stay_in_lockstep_and_a_saved_run_resumes() {
         (pc.0, pc.1),
         (pa.0, pa.1),
         "the resumed weights are the saved ones"
+    );
+}
+
+/// With one update per batch the ratios are exactly 1 (mismatch 0), so nothing is clipped;
+/// with two mini-batch updates the second sees a moved policy and the clip acts.
+#[test]
+fn several_updates_per_batch_make_the_clip_act() {
+    let server = serve(&[]);
+    let run = |updates: &str| {
+        let args = train_args(
+            &server,
+            &[
+                "--updates-per-batch",
+                updates,
+                "--lr",
+                "3e-2",
+                "--clip-eps",
+                "0.05",
+                "--steps",
+                "2",
+                "--warmup-steps",
+                "1",
+                "--prompts-per-step",
+                "4",
+                "--samples-per-prompt",
+                "4",
+            ],
+        );
+        let steps = Trainer::new(args).unwrap().run(false).unwrap();
+        steps
+            .into_iter()
+            .filter(|m| m.phase == "grpo")
+            .collect::<Vec<StepMetrics>>()
+    };
+    for m in run("1") {
+        assert_eq!(m.mismatch.max_abs, 0.0);
+        assert_eq!(m.clip_fraction, 0.0);
+    }
+    // A step whose groups all have equal rewards has zero advantages and clips nothing, so
+    // the check is over the run.
+    let two = run("2");
+    for m in &two {
+        assert_eq!(m.mismatch.max_abs, 0.0, "measured before the first update");
+    }
+    assert!(
+        two.iter().any(|m| m.clip_fraction > 0.0),
+        "nothing clipped: {:?}",
+        two.iter().map(|m| m.clip_fraction).collect::<Vec<_>>()
     );
 }

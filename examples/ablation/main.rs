@@ -1,7 +1,7 @@
 //! The low-precision RL ablation at a size two CPU cores run in about a minute: the embedded
 //! MoE model trained with GRPO on `copy` under six recipes, each against its own
 //! `lockstep serve` (started in this process, on a free port), all with routing replay and the
-//! last 15% of layers in BF16. Writes the metrics (JSONL per run), two SVG plots and
+//! last 15% of layers in BF16. Writes the metrics (JSONL per run), three plots (SVG and PNG) and
 //! docs/rl-ablation.md.
 //!
 //!     cargo run --release --example ablation -- [--steps 30] [--out docs]
@@ -181,7 +181,19 @@ fn train_argv(arm: &Arm, server: &str, args: &Args, metrics: &Path) -> Vec<Strin
     v
 }
 
+/// The SVG (with text) and a PNG beside it (no text: its legend is in the markdown).
 fn plot(path: &Path, title: &str, y_desc: &str, series: &[(&str, Vec<f64>)]) -> Result<(), String> {
+    lockstep::train::plot::curves_png(&path.with_extension("png"), (900, 500), series)
+        .map_err(|e| e.to_string())?;
+    plot_svg(path, title, y_desc, series)
+}
+
+fn plot_svg(
+    path: &Path,
+    title: &str,
+    y_desc: &str,
+    series: &[(&str, Vec<f64>)],
+) -> Result<(), String> {
     let e = |e: &dyn std::fmt::Display| e.to_string();
     let n = series.iter().map(|s| s.1.len()).max().unwrap_or(1).max(2);
     let y_max = series
@@ -335,6 +347,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         md,
         "![reward](rl-ablation-reward.svg)\n\n![mismatch](rl-ablation-mismatch.svg)\n\n![mismatch of a plain-BF16 trainer](rl-ablation-mismatch-bf16-trainer.svg)\n"
     )?;
+    writeln!(
+        md,
+        "The same curves as PNG (no text; x = GRPO step from 0, y from 0 to 1.1 x the largest value, grid at fifths):\n[reward](rl-ablation-reward.png), [mismatch](rl-ablation-mismatch.png),\n[plain-BF16 mismatch](rl-ablation-mismatch-bf16-trainer.png). Colours:\n"
+    )?;
+    for (i, (a, _, _)) in runs.iter().enumerate() {
+        writeln!(
+            md,
+            "- `{}` {}",
+            lockstep::train::plot::series_color(i),
+            a.name
+        )?;
+    }
+    writeln!(md)?;
     writeln!(
         md,
         "The last column and the last plot answer a counterfactual: the mismatch a trainer that"

@@ -8,14 +8,47 @@ use super::{PushError, PushOptions};
 use crate::engine::PauseMode;
 use crate::quant::Recipe;
 
+/// Retry defaults, shared by `lockstep push` and the trainer's pushes.
+pub const DEFAULT_RETRIES: usize = 3;
+pub const DEFAULT_BACKOFF_MS: u64 = 500;
+pub const DEFAULT_TIMEOUT_S: u64 = 600;
+
+impl Default for RetryPolicy {
+    fn default() -> RetryPolicy {
+        RetryPolicy {
+            retries: DEFAULT_RETRIES,
+            backoff: Duration::from_millis(DEFAULT_BACKOFF_MS),
+            timeout: Duration::from_secs(DEFAULT_TIMEOUT_S),
+        }
+    }
+}
+
+/// `--pause-mode`'s default: commit between two engine steps, nothing paused.
+pub const DEFAULT_PAUSE: PauseArg = PauseArg::None;
+
 /// `--pause-mode`: SGLang's pause modes, or none (commit between two engine steps).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
 pub enum PauseArg {
     Abort,
     Retract,
     #[value(name = "in_place")]
     InPlace,
     None,
+}
+
+impl PauseArg {
+    /// The engine's pause mode, or None for a commit between two engine steps.
+    pub fn mode(self) -> Option<PauseMode> {
+        match self {
+            PauseArg::Abort => Some(PauseMode::Abort),
+            PauseArg::Retract => Some(PauseMode::Retract),
+            PauseArg::InPlace => Some(PauseMode::InPlace),
+            PauseArg::None => None,
+        }
+    }
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -44,16 +77,16 @@ pub struct PushArgs {
     #[arg(long, env = "LOCKSTEP_ADMIN_API_KEY")]
     pub api_key: Option<String>,
     /// Pause generation around the commit.
-    #[arg(long, value_enum, default_value_t = PauseArg::None)]
+    #[arg(long, value_enum, default_value_t = DEFAULT_PAUSE)]
     pub pause_mode: PauseArg,
     /// Retries of a failed call (bucket, begin, checksum), with doubling backoff.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = DEFAULT_RETRIES)]
     pub retries: usize,
     /// First backoff in milliseconds.
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, default_value_t = DEFAULT_BACKOFF_MS)]
     pub backoff_ms: u64,
     /// Per-call timeout in seconds.
-    #[arg(long, default_value_t = 600)]
+    #[arg(long, default_value_t = DEFAULT_TIMEOUT_S)]
     pub timeout_s: u64,
     /// Print the report as JSON on stdout.
     #[arg(long)]
@@ -81,12 +114,7 @@ impl PushArgs {
             weight_version: self.weight_version.clone(),
             recipe,
             quantize_on_client: self.quantize_on_client,
-            pause_mode: match self.pause_mode {
-                PauseArg::Abort => Some(PauseMode::Abort),
-                PauseArg::Retract => Some(PauseMode::Retract),
-                PauseArg::InPlace => Some(PauseMode::InPlace),
-                PauseArg::None => None,
-            },
+            pause_mode: self.pause_mode.mode(),
             retry: RetryPolicy {
                 retries: self.retries,
                 backoff: Duration::from_millis(self.backoff_ms),

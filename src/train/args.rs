@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use super::linear_grad::BackwardMode;
 use super::tasks::TaskKind;
 use crate::model::loader::Quantization;
+use crate::push::args::{PauseArg, DEFAULT_PAUSE};
 
 #[derive(clap::Args, Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct TrainArgs {
@@ -49,6 +50,10 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 16)]
     pub warmup_batch: usize,
 
+    /// Optimizer steps per rollout batch, each on the next of as many mini-batches (past the
+    /// first, the importance ratios differ from 1 and the clip acts).
+    #[arg(long, default_value_t = 1)]
+    pub updates_per_batch: usize,
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f32,
     #[arg(long, default_value_t = 0.0)]
@@ -73,10 +78,16 @@ pub struct TrainArgs {
     /// Metrics, one JSON object per line (the first line holds these settings).
     #[arg(long, default_value = "train_metrics.jsonl")]
     pub metrics: PathBuf,
+    /// Write `reward.png` and `mismatch.png` (per GRPO step) into this directory at the end.
+    #[arg(long)]
+    pub plots: Option<PathBuf>,
     /// Write the f32 master weights here (safetensors) at the end.
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Largest PUT /update_weights body, in MiB.
+    /// Largest PUT /update_weights body, in MiB (a gate/up pair is never split).
     #[arg(long, default_value_t = 8)]
     pub push_bucket_mb: usize,
+    /// Pause the servers' generation around each push's commit (as `lockstep push`).
+    #[arg(long, value_enum, default_value_t = DEFAULT_PAUSE)]
+    pub pause_mode: PauseArg,
 }

@@ -1,11 +1,5 @@
-//! The trainer's HTTP side: rollouts from `/generate` and the streamed weight push
-//! (`/begin_weight_update`, `PUT /update_weights`, `/end_weight_update`).
-//!
-//! The push here is deliberately small: BF16 tensors in byte-bounded buckets, committed
-//! atomically by the server, which quantizes them with the recipe it shares with the trainer.
-//! `lockstep push` (src/push/) is the full client and replaces [`push_weights`] once merged.
-
-use std::collections::BTreeMap;
+//! The trainer's rollout side: batched `/generate` calls and their parsed samples. Weight
+//! pushes go through the `lockstep push` library ([`crate::push::push_tensors`]).
 
 use base64::Engine as _;
 use bytes::Bytes;
@@ -14,7 +8,6 @@ use hyper::{header, Method, Request};
 use serde_json::{json, Value};
 
 use super::TrainError;
-use crate::checkpoint::OwnedTensor;
 
 type Http = hyper_util::client::legacy::Client<
     hyper_util::client::legacy::connect::HttpConnector,
@@ -184,66 +177,5 @@ impl Server {
                 })
             })
             .collect()
-    }
-
-    /// Streams `tensors` as one atomic update to `version`: BF16 safetensors buckets of at most
-    /// `bucket_bytes`, then commit. The server refuses a recipe that differs from ours.
-    pub async fn push_weights(
-        &self,
-        tensors: &BTreeMap<String, OwnedTensor>,
-        version: &str,
-        recipe_hash: &str,
-        bucket_bytes: usize,
-    ) -> Result<(), TrainError> {
-        let v = self
-            .post(
-                "/begin_weight_update",
-                &json!({"weight_version": version, "recipe_hash": recipe_hash}),
-            )
-            .await?;
-        let session = v["session"].as_str().unwrap_or_default().to_string();
-        let result = async {
-            let mut bucket: Vec<(&String, &OwnedTensor)> = Vec::new();
-            let mut size = 0;
-            let names: Vec<&String> = tensors.keys().collect();
-            for (i, name) in names.iter().enumerate() {
-                let t = &tensors[*name];
-                bucket.push((name, t));
-                size += t.data.len();
-                if size >= bucket_bytes || i + 1 == names.len() {
-                    let body = safetensors::tensor::serialize(
-                        bucket.iter().map(|(n, t)| (n.as_str(), *t)),
-                        None,
-                    )
-                    .map_err(|e| TrainError::Http {
-                        url: self.base.clone(),
-                        reason: e.to_string(),
-                    })?;
-                    self.call(
-                        Method::PUT,
-                        &format!("/update_weights?session={session}"),
-                        Bytes::from(body),
-                        false,
-                    )
-                    .await?;
-                    bucket.clear();
-                    size = 0;
-                }
-            }
-            self.post(
-                "/end_weight_update",
-                &json!({"session": session, "expected_tensors": tensors.len()}),
-            )
-            .await
-            .map(|_| ())
-        }
-        .await;
-        if result.is_err() {
-            // Best effort: leave the server's update slot free; its weights never changed.
-            let _ = self
-                .post("/abort_weight_update", &json!({"session": session}))
-                .await;
-        }
-        result
     }
 }

@@ -207,6 +207,43 @@ mod tests {
         }
     }
 
+    /// A token whose ratio is past the clip in its advantage's direction (A > 0 and
+    /// rho > 1 + eps, or A < 0 and rho < 1 - eps) gets exactly zero gradient and counts as
+    /// clipped; past the clip the other way it keeps the unclipped gradient -A rho / tokens.
+    #[test]
+    fn clipped_tokens_have_zero_gradient() {
+        let cfg = PgConfig {
+            clip_eps: 0.2,
+            kl_coef: 0.0,
+        };
+        let old = vec![vec![0.0f32; 4]; 2];
+        let (up, down) = (1.5f32.ln(), 0.5f32.ln());
+        // Sequence 0: A = +1; sequence 1: A = -1. Tokens: past above, past below, inside, at 1.
+        let lp = vec![vec![up, down, 0.1f32.ln_1p(), 0.0]; 2];
+        let out = policy_gradient(&lp, &old, None, &[1.0, -1.0], &cfg);
+        let d = &out.d_logprob;
+        assert_eq!(d[0][0], 0.0, "A > 0, ratio 1.5 > 1.2");
+        assert_eq!(d[1][1], 0.0, "A < 0, ratio 0.5 < 0.8");
+        let n = 8.0f64;
+        let want = |a: f64, l: f32| (-a * (l as f64).exp() / n) as f32;
+        assert_eq!(
+            d[0][1],
+            want(1.0, down),
+            "A > 0 below the clip still pulls up"
+        );
+        assert_eq!(
+            d[1][0],
+            want(-1.0, up),
+            "A < 0 above the clip still pulls down"
+        );
+        for s in 0..2 {
+            let a = if s == 0 { 1.0 } else { -1.0 };
+            assert_eq!(d[s][2], want(a, lp[s][2]));
+            assert_eq!(d[s][3], want(a, 0.0));
+        }
+        assert_eq!(out.clip_fraction, 2.0 / 8.0);
+    }
+
     #[test]
     fn mismatch_is_zero_for_identical_logprobs_and_k3_is_nonnegative() {
         let mut r = Rng::fresh();

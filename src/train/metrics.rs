@@ -24,6 +24,9 @@ pub struct StepMetrics {
     pub rollout_weight_versions: Vec<String>,
     /// The version pushed after the step.
     pub pushed_version: String,
+    /// The overall checksum the servers reported after that push (verified by the push
+    /// against what the trainer quantized and sent).
+    pub pushed_checksum: String,
     pub rollout_s: f64,
     pub train_s: f64,
     pub push_s: f64,

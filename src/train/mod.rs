@@ -7,8 +7,8 @@
 //! - [`optim`]: AdamW with gradient clipping;
 //! - [`tasks`]: verifiable tasks with exact rewards;
 //! - [`grpo`]: advantages, the clipped policy-gradient loss, mismatch metrics;
-//! - [`client`]: rollouts and weight pushes over HTTP;
-//! - [`run`]: the loop; [`args`] its settings; [`metrics`] its JSONL output.
+//! - [`client`]: rollouts over HTTP (pushes go through [`crate::push`]);
+//! - [`run`]: the loop; [`args`] its settings; [`metrics`] its JSONL output; [`plot`] PNG curves.
 
 pub mod args;
 pub mod backward;
@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod ops_grad;
 pub mod optim;
 pub mod params;
+pub mod plot;
 pub mod policy;
 pub mod run;
 pub mod tasks;
@@ -30,10 +31,14 @@ pub use run::Trainer;
 pub enum TrainError {
     #[error("{url}: {reason}")]
     Http { url: String, reason: String },
+    #[error("--{flag}: {reason}")]
+    Arg { flag: &'static str, reason: String },
     #[error("{path}: {reason}")]
     Io { path: String, reason: String },
     #[error(transparent)]
     Load(#[from] crate::model::loader::LoadError),
+    #[error("weight push: {0}")]
+    Push(#[from] crate::push::PushError),
     #[error(transparent)]
     Recipe(#[from] crate::quant::recipe::RecipeError),
 }

@@ -44,7 +44,56 @@ pub fn grad_norm(grads: &Grads) -> f64 {
         .sqrt()
 }
 
+/// Checkpoint names of the moments of parameter `name` (PyTorch's state keys).
+pub fn exp_avg_name(name: &str) -> String {
+    format!("optimizer.exp_avg.{name}")
+}
+pub fn exp_avg_sq_name(name: &str) -> String {
+    format!("optimizer.exp_avg_sq.{name}")
+}
+
 impl AdamW {
+    /// Steps taken (the bias corrections' exponent).
+    pub fn steps(&self) -> i32 {
+        self.step
+    }
+
+    /// The first and second moments of one parameter.
+    pub fn moments(&self, name: &str) -> Option<(&[f32], &[f32])> {
+        Some((self.m.get(name)?, self.v.get(name)?))
+    }
+
+    /// Restores a saved state: `step` and, for every parameter, both moments (from `get`,
+    /// which returns a moment by its checkpoint name). A missing moment or one of the wrong
+    /// length is an error naming it.
+    pub fn restore(
+        &mut self,
+        step: i32,
+        mut get: impl FnMut(&str) -> Result<Vec<f32>, String>,
+    ) -> Result<(), String> {
+        for (name, m) in self.m.iter_mut() {
+            for (key, dst) in [
+                (exp_avg_name(name), &mut *m),
+                (
+                    exp_avg_sq_name(name),
+                    self.v.get_mut(name).expect("same names"),
+                ),
+            ] {
+                let got = get(&key)?;
+                if got.len() != dst.len() {
+                    return Err(format!(
+                        "{key}: {} values, expected {}",
+                        got.len(),
+                        dst.len()
+                    ));
+                }
+                *dst = got;
+            }
+        }
+        self.step = step;
+        Ok(())
+    }
+
     pub fn new(config: AdamWConfig, params: &Params) -> AdamW {
         AdamW {
             config,

@@ -4,11 +4,13 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use safetensors::tensor::TensorView;
+
 use super::args::TrainArgs;
 use super::client::{RolloutRequest, Sample, Server};
 use super::grpo::{self, PgConfig};
 use super::metrics::{MetricsWriter, StepMetrics};
-use super::optim::{AdamW, AdamWConfig};
+use super::optim::{exp_avg_name, exp_avg_sq_name, AdamW, AdamWConfig};
 use super::params::{Params, ServingPrecision};
 use super::policy::{self, Sequence};
 use super::tasks::Problem;
@@ -17,6 +19,8 @@ use crate::backend::cpu::attention::KvDtype;
 use crate::checkpoint::OwnedTensor;
 use crate::model::loader::serving_recipe;
 use crate::model::ModelConfig;
+use crate::push::client::RetryPolicy;
+use crate::push::PushOptions;
 use crate::quant::Recipe;
 
 /// The embedded model's KV cache dtype on the server (`--kv-cache-dtype auto`, BF16 weights).
@@ -45,6 +49,7 @@ pub struct Trainer {
     rt: tokio::runtime::Runtime,
     reference: Option<crate::model::Model>,
     version: u64,
+    push_opts: PushOptions,
 }
 
 impl Trainer {
@@ -59,7 +64,7 @@ impl Trainer {
             Some(path) => load_master(cfg, path)?,
             None => Params::dummy(cfg, args.init_seed)?,
         };
-        let opt = AdamW::new(
+        let mut opt = AdamW::new(
             AdamWConfig {
                 lr: args.lr,
                 weight_decay: args.weight_decay,
@@ -68,11 +73,39 @@ impl Trainer {
             },
             &params,
         );
+        if let Some(path) = &args.resume {
+            load_optimizer(&mut opt, path)?;
+        }
         let servers = args
             .servers
             .iter()
             .map(|s| Server::new(s, args.admin_api_key.clone()))
             .collect();
+        if args.updates_per_batch == 0 {
+            return Err(TrainError::Arg {
+                flag: "updates-per-batch",
+                reason: "must be at least 1".into(),
+            });
+        }
+        if args.push_bucket_mb == 0 {
+            return Err(TrainError::Arg {
+                flag: "push-bucket-mb",
+                reason: "must be at least 1".into(),
+            });
+        }
+        // Quantized here with the serving recipe: each server receives exactly the bytes it
+        // will hold, and the push checks its checksum against what was sent.
+        let push_opts = PushOptions {
+            servers: args.servers.clone(),
+            api_key: args.admin_api_key.clone(),
+            bucket_bytes: args.push_bucket_mb << 20,
+            weight_version: None,
+            recipe: Some(recipe.clone()),
+            quantize_on_client: true,
+            pause_mode: args.pause_mode.mode(),
+            retry: RetryPolicy::default(),
+            progress: false,
+        };
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -89,6 +122,7 @@ impl Trainer {
             rt,
             reference: None,
             version: 0,
+            push_opts,
         })
     }
 
@@ -142,7 +176,10 @@ impl Trainer {
         }
         bar.finish_and_clear();
         if let Some(path) = &self.args.save {
-            save_master(&self.params, path)?;
+            save_checkpoint(&self.params, &self.opt, path)?;
+        }
+        if let Some(dir) = &self.args.plots {
+            write_plots(dir, &all)?;
         }
         Ok(all)
     }
@@ -274,13 +311,16 @@ impl Trainer {
             .collect();
         let rollout_lp: Vec<Vec<f32>> = kept.iter().map(|&i| samples[i].logprobs.clone()).collect();
         let adv: Vec<f32> = kept.iter().map(|&i| advantages[i]).collect();
-        let fwd = policy::forward(&model, &seqs, KV_DTYPE, self.args.routing_replay);
-        let mismatch = grpo::mismatch(&fwd.logprobs, &rollout_lp);
+        let replay = self.args.routing_replay;
+        // The rollouts' policy is the model built before any update: the mismatch is measured
+        // against it on the whole batch.
+        let first = policy::forward(&model, &seqs, KV_DTYPE, replay);
+        let mismatch = grpo::mismatch(&first.logprobs, &rollout_lp);
         let mismatch_bf16_forward = if self.args.report_bf16_mismatch {
             let plain = self
                 .params
                 .serving_model(&Recipe::bf16(), ServingPrecision::Bf16)?;
-            let lp = policy::forward(&plain, &seqs, KV_DTYPE, self.args.routing_replay).logprobs;
+            let lp = policy::forward(&plain, &seqs, KV_DTYPE, replay).logprobs;
             Some(grpo::mismatch(&lp, &rollout_lp))
         } else {
             None
@@ -288,27 +328,69 @@ impl Trainer {
         let reference = self
             .reference
             .as_ref()
-            .map(|r| policy::forward(r, &seqs, KV_DTYPE, self.args.routing_replay).logprobs);
-        let loss = grpo::policy_gradient(
-            &fwd.logprobs,
-            &rollout_lp,
-            reference.as_deref(),
-            &adv,
-            &PgConfig {
-                clip_eps: self.args.clip_eps,
-                kl_coef: self.args.kl_coef,
-            },
-        );
-        let mut grads = fwd.backward(
-            &model,
-            &self.params.bf16_values(),
-            self.args.backward_mode,
-            &loss.d_logprob,
-        );
-        let grad_norm = self.opt.step(&mut self.params, &mut grads);
+            .map(|r| policy::forward(r, &seqs, KV_DTYPE, replay).logprobs);
+        let pg = PgConfig {
+            clip_eps: self.args.clip_eps,
+            kl_coef: self.args.kl_coef,
+        };
+        // `--updates-per-batch` optimizer steps, each on the next contiguous mini-batch, each
+        // against the rollout logprobs: after the first, the policy has moved, the importance
+        // ratios differ from 1 and the clip acts.
+        let updates = self.args.updates_per_batch;
+        let per = seqs.len().div_ceil(updates).max(1);
+        let (mut loss_sum, mut clipped, mut tokens, mut grad_norm) = (0f64, 0f64, 0usize, 0f64);
+        let mut first = Some(first);
+        for (u, range) in (0..seqs.len())
+            .step_by(per)
+            .map(|a| a..(a + per).min(seqs.len()))
+            .enumerate()
+        {
+            let built;
+            let (model, fwd) = if updates == 1 {
+                (&model, first.take().expect("one update"))
+            } else {
+                let _ = first.take();
+                built = if u == 0 {
+                    None
+                } else {
+                    Some(
+                        self.params
+                            .serving_model(&self.recipe, ServingPrecision::Bf16)?,
+                    )
+                };
+                let m = built.as_ref().unwrap_or(&model);
+                (
+                    m,
+                    policy::forward(m, &seqs[range.clone()], KV_DTYPE, replay),
+                )
+            };
+            let loss = grpo::policy_gradient(
+                &fwd.logprobs,
+                &rollout_lp[range.clone()],
+                reference.as_ref().map(|r| &r[range.clone()]),
+                &adv[range.clone()],
+                &pg,
+            );
+            let n: usize = fwd.logprobs.iter().map(Vec::len).sum();
+            loss_sum += loss.loss * n as f64;
+            clipped += loss.clip_fraction * n as f64;
+            tokens += n;
+            let mut grads = fwd.backward(
+                model,
+                &self.params.bf16_values(),
+                self.args.backward_mode,
+                &loss.d_logprob,
+            );
+            grad_norm = self.opt.step(&mut self.params, &mut grads);
+        }
+        let loss = grpo::TokenLoss {
+            loss: loss_sum / tokens.max(1) as f64,
+            d_logprob: Vec::new(),
+            clip_fraction: clipped / tokens.max(1) as f64,
+        };
         let train_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        let pushed_version = self.push()?;
+        let (pushed_version, pushed_checksum) = self.push()?;
         let (reward_mean, reward_std) = mean_std(&rewards);
         let mut versions: Vec<String> = samples.iter().map(|s| s.weight_version.clone()).collect();
         versions.sort();
@@ -326,39 +408,123 @@ impl Trainer {
             completion_tokens: mismatch.tokens,
             rollout_weight_versions: versions,
             pushed_version,
+            pushed_checksum,
             rollout_s,
             train_s,
             push_s: t.elapsed().as_secs_f64(),
         })
     }
 
-    /// Pushes the current weights to every server as the next version.
-    fn push(&mut self) -> Result<String, TrainError> {
+    /// Pushes the current weights to every server as the next version; returns the version
+    /// and the overall checksum the servers hold (verified by the push).
+    fn push(&mut self) -> Result<(String, String), TrainError> {
         self.version += 1;
         let version = format!("train-{}", self.version);
         let tensors = self.params.to_bf16_tensors();
-        let hash = self.recipe.hash();
-        let bucket = self.args.push_bucket_mb << 20;
-        let results = self.rt.block_on(futures_util::future::join_all(
-            self.servers
-                .iter()
-                .map(|s| s.push_weights(&tensors, &version, &hash, bucket)),
-        ));
-        results.into_iter().collect::<Result<Vec<()>, _>>()?;
-        Ok(version)
+        let views = tensors
+            .iter()
+            .map(|(n, t)| {
+                TensorView::new(t.dtype, t.shape.clone(), &t.data)
+                    .map(|v| (n.clone(), v))
+                    .map_err(|e| crate::push::PushError::Tensor {
+                        name: n.clone(),
+                        reason: e.to_string(),
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut opts = self.push_opts.clone();
+        opts.weight_version = Some(version.clone());
+        let report = self.rt.block_on(crate::push::push_tensors(&opts, views))?;
+        let checksum = report
+            .servers
+            .first()
+            .map(|s| s.checksum.clone())
+            .unwrap_or_default();
+        Ok((version, checksum))
+    }
+
+    /// The overall checksum of the serving model built from the current master weights, the
+    /// way the trainer's forward builds it (what every server must hold after a push).
+    pub fn serving_checksum(&self) -> Result<String, TrainError> {
+        let mut model = self
+            .params
+            .serving_model(&self.recipe, ServingPrecision::Bf16)?;
+        Ok(crate::model::checksum::hex(
+            model.weights_checksum().overall(),
+        ))
     }
 }
 
-fn save_master(params: &Params, path: &std::path::Path) -> Result<(), TrainError> {
-    let tensors: BTreeMap<String, OwnedTensor> = params
-        .tensors
-        .iter()
-        .map(|(n, p)| (n.clone(), OwnedTensor::f32(p.shape.clone(), &p.value)))
-        .collect();
-    crate::checkpoint::write_file(path, &tensors, None).map_err(|e| TrainError::Io {
+/// `reward.png` (mean reward) and `mismatch.png` (mean and max |Δlogprob|) of the GRPO steps.
+fn write_plots(dir: &std::path::Path, steps: &[StepMetrics]) -> Result<(), TrainError> {
+    std::fs::create_dir_all(dir).map_err(|e| TrainError::Io {
+        path: dir.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    let grpo: Vec<&StepMetrics> = steps.iter().filter(|m| m.phase == "grpo").collect();
+    let curve = |f: fn(&StepMetrics) -> f64| grpo.iter().map(|m| f(m)).collect::<Vec<f64>>();
+    super::plot::curves_png(
+        &dir.join("reward.png"),
+        (800, 450),
+        &[("reward", curve(|m| m.reward_mean))],
+    )?;
+    super::plot::curves_png(
+        &dir.join("mismatch.png"),
+        (800, 450),
+        &[
+            ("mean |Δlogprob|", curve(|m| m.mismatch.mean_abs)),
+            ("max |Δlogprob|", curve(|m| m.mismatch.max_abs)),
+        ],
+    )
+}
+
+/// Metadata key of the AdamW step count in a trainer checkpoint.
+const ADAMW_STEP_KEY: &str = "adamw_step";
+
+/// The f32 master weights under their names, AdamW's moments under
+/// `optimizer.exp_avg[_sq].<name>` and its step count in the metadata.
+fn save_checkpoint(params: &Params, opt: &AdamW, path: &std::path::Path) -> Result<(), TrainError> {
+    let mut tensors: BTreeMap<String, OwnedTensor> = BTreeMap::new();
+    for (n, p) in &params.tensors {
+        tensors.insert(n.clone(), OwnedTensor::f32(p.shape.clone(), &p.value));
+        if let Some((m, v)) = opt.moments(n) {
+            tensors.insert(exp_avg_name(n), OwnedTensor::f32(p.shape.clone(), m));
+            tensors.insert(exp_avg_sq_name(n), OwnedTensor::f32(p.shape.clone(), v));
+        }
+    }
+    let meta = [(ADAMW_STEP_KEY.to_string(), opt.steps().to_string())].into();
+    crate::checkpoint::write_file(path, &tensors, Some(meta)).map_err(|e| TrainError::Io {
         path: path.display().to_string(),
         reason: e.to_string(),
     })
+}
+
+/// Restores AdamW's state from a checkpoint [`save_checkpoint`] wrote. A file of master
+/// weights only (no step count) leaves the optimizer fresh.
+fn load_optimizer(opt: &mut AdamW, path: &std::path::Path) -> Result<(), TrainError> {
+    let io = |reason: String| TrainError::Io {
+        path: path.display().to_string(),
+        reason,
+    };
+    let bytes = std::fs::read(path).map_err(|e| io(e.to_string()))?;
+    let (_, meta) =
+        safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| io(e.to_string()))?;
+    let Some(step) = meta.metadata().as_ref().and_then(|m| m.get(ADAMW_STEP_KEY)) else {
+        tracing::warn!(
+            "{}: no AdamW state ({ADAMW_STEP_KEY}); the optimizer starts fresh",
+            path.display()
+        );
+        return Ok(());
+    };
+    let step: i32 = step
+        .parse()
+        .map_err(|_| io(format!("{ADAMW_STEP_KEY}: `{step}` is not a step count")))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| io(e.to_string()))?;
+    opt.restore(step, |key| {
+        let t = st.tensor(key).map_err(|e| format!("{key}: {e}"))?;
+        crate::checkpoint::to_f32(key, &t).map_err(|e| e.to_string())
+    })
+    .map_err(io)
 }
 
 fn load_master(cfg: ModelConfig, path: &std::path::Path) -> Result<Params, TrainError> {
@@ -381,4 +547,109 @@ fn load_master(cfg: ModelConfig, path: &std::path::Path) -> Result<Params, Train
         p.value = crate::checkpoint::to_f32(name, &t).map_err(|e| io(e.to_string()))?;
     }
     Ok(params)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trainer(extra: &[&str]) -> Trainer {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        // Warm-up steps need no server: nothing here is pushed or sampled.
+        let mut argv = vec![
+            "lockstep",
+            "--server",
+            "http://127.0.0.1:9",
+            "--warmup-batch",
+            "4",
+            "--lr",
+            "1e-2",
+        ];
+        argv.extend_from_slice(extra);
+        Trainer::new(Cli::parse_from(argv).train).unwrap()
+    }
+
+    fn bits(p: &Params) -> Vec<(String, Vec<u32>)> {
+        p.tensors
+            .iter()
+            .map(|(n, t)| (n.clone(), t.value.iter().map(|x| x.to_bits()).collect()))
+            .collect()
+    }
+
+    /// k steps, save, resume, one more step: the same weights, moments and step count, bit for
+    /// bit, as k + 1 steps in one run (with a fresh optimizer the weights would differ).
+    #[test]
+    fn resume_after_k_steps_then_one_more_equals_k_plus_one_steps() {
+        let k = 3;
+        let mut whole = trainer(&[]);
+        for s in 0..=k {
+            whole.warmup_step(s).unwrap();
+        }
+        let mut first = trainer(&[]);
+        for s in 0..k {
+            first.warmup_step(s).unwrap();
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ckpt.safetensors");
+        save_checkpoint(&first.params, &first.opt, &path).unwrap();
+        let mut resumed = trainer(&["--resume", path.to_str().unwrap()]);
+        assert_eq!(resumed.opt.steps(), k as i32);
+        resumed.warmup_step(k).unwrap();
+
+        assert_eq!(resumed.opt.steps(), whole.opt.steps());
+        assert!(
+            bits(&resumed.params) == bits(&whole.params),
+            "weights differ"
+        );
+        for name in whole.params.tensors.keys() {
+            let (a, b) = (whole.opt.moments(name), resumed.opt.moments(name));
+            let to_bits = |m: Option<(&[f32], &[f32])>| {
+                let (m, v) = m.unwrap();
+                (
+                    m.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                )
+            };
+            assert!(to_bits(a) == to_bits(b), "moments of {name} differ");
+        }
+
+        // The optimizer state matters: the same master weights with a fresh AdamW diverge.
+        let mut fresh = trainer(&["--resume", path.to_str().unwrap()]);
+        fresh.opt = AdamW::new(fresh.opt.config, &fresh.params);
+        fresh.warmup_step(k).unwrap();
+        assert!(bits(&fresh.params) != bits(&whole.params));
+    }
+
+    /// A checkpoint whose step count is present but a moment is missing is refused, naming it.
+    #[test]
+    fn a_checkpoint_missing_a_moment_is_refused_by_name() {
+        let t = trainer(&[]);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ckpt.safetensors");
+        save_checkpoint(&t.params, &t.opt, &path).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let victim = exp_avg_sq_name(t.params.tensors.keys().next().unwrap());
+        let kept: BTreeMap<String, OwnedTensor> = st
+            .tensors()
+            .into_iter()
+            .filter(|(n, _)| *n != victim)
+            .map(|(n, v)| {
+                (
+                    n,
+                    OwnedTensor::new(v.dtype(), v.shape().to_vec(), v.data().to_vec()),
+                )
+            })
+            .collect();
+        crate::checkpoint::write_file(&path, &kept, meta.metadata().clone()).unwrap();
+        let mut opt = AdamW::new(t.opt.config, &t.params);
+        let err = load_optimizer(&mut opt, &path).unwrap_err().to_string();
+        assert!(err.contains(&victim), "{err}");
+    }
 }
