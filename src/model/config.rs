@@ -231,6 +231,13 @@ impl ModelConfig {
         })
     }
 
+    /// Layers whose MLP is a mixture of experts.
+    pub fn num_moe_layers(&self) -> usize {
+        (0..self.num_layers)
+            .filter(|&l| self.is_moe_layer(l))
+            .count()
+    }
+
     pub fn q_size(&self) -> usize {
         self.num_heads * self.head_dim
     }

@@ -135,10 +135,6 @@ pub struct CudaModel {
     pub weight_bytes: usize,
 }
 
-fn norm_vec(gpu: &Gpu, v: &[f32]) -> Result<CudaSlice<f32>, CudaError> {
-    gpu.upload(v)
-}
-
 impl CudaWeights {
     /// Uploads a model the CPU loader built (any checkpoint format, quantized by `quant`).
     pub fn upload(gpu: &Gpu, model: &Model) -> Result<CudaWeights, CudaError> {
@@ -174,12 +170,12 @@ impl CudaWeights {
                 }
             };
             let qk_norm = match (&layer.q_norm, &layer.k_norm) {
-                (Some(q), Some(k)) => Some((norm_vec(gpu, q)?, norm_vec(gpu, k)?)),
+                (Some(q), Some(k)) => Some((gpu.upload(q)?, gpu.upload(k)?)),
                 _ => None,
             };
             layers.push(CudaLayer {
-                input_norm: norm_vec(gpu, &layer.input_norm)?,
-                post_attention_norm: norm_vec(gpu, &layer.post_attention_norm)?,
+                input_norm: gpu.upload(&layer.input_norm)?,
+                post_attention_norm: gpu.upload(&layer.post_attention_norm)?,
                 q: one(&*layer.q_proj)?,
                 k: one(&*layer.k_proj)?,
                 v: one(&*layer.v_proj)?,
@@ -192,7 +188,7 @@ impl CudaWeights {
             embed,
             lm_head: Some(GpuMatrix::upload(gpu, &[vec![&*model.lm_head]])?),
             layers,
-            norm: norm_vec(gpu, &model.norm)?,
+            norm: gpu.upload(&model.norm)?,
         })
     }
 
@@ -454,7 +450,7 @@ impl CudaModel {
         // expert's intermediate activations.
         let in_width = h.max(c.q_size()).max(c.intermediate_size);
         let quant_elems = (t * in_width).max(pairs * moe_inter);
-        let moe_layers = (0..c.num_layers).filter(|&l| c.is_moe_layer(l)).count();
+        let moe_layers = c.num_moe_layers();
         let seqs = sizes.max_running_requests.max(1);
         let max_table_entries = seqs * sizes.max_context_len.div_ceil(sizes.block_size).max(1);
         let s = Scratch {
@@ -547,9 +543,7 @@ impl CudaModel {
     }
 
     pub fn num_moe_layers(&self) -> usize {
-        (0..self.config.num_layers)
-            .filter(|&l| self.config.is_moe_layer(l))
-            .count()
+        self.config.num_moe_layers()
     }
 
     pub fn top_k(&self) -> usize {
