@@ -105,6 +105,13 @@ kernels! {
     GroupedGemmBf16 => (Gemm, "grouped_gemm_bf16"),
     GroupedGemmMxfp8 => (Gemm, "grouped_gemm_mxfp8"),
     GroupedGemmNvfp4 => (Gemm, "grouped_gemm_nvfp4"),
+    GroupedGemmMmaBf16 => (Gemm, "grouped_gemm_mma_bf16"),
+    GroupedGemmMmaMxfp8 => (Gemm, "grouped_gemm_mma_mxfp8"),
+    GroupedGemmMmaNvfp4 => (Gemm, "grouped_gemm_mma_nvfp4"),
+    GroupedGemvF32 => (Gemm, "grouped_gemv_f32"),
+    GroupedGemvBf16 => (Gemm, "grouped_gemv_bf16"),
+    GroupedGemvMxfp8 => (Gemm, "grouped_gemv_mxfp8"),
+    GroupedGemvNvfp4 => (Gemm, "grouped_gemv_nvfp4"),
     PagedAttention => (Attention, "paged_attention"),
 }
 

@@ -346,8 +346,10 @@ pub fn moe_route(
 
 /// Rows per tile of the grouped GEMM (kernels/gemm.cu `TM`).
 pub const GEMM_TILE_ROWS: usize = 32;
-/// Columns per tile (kernels/gemm.cu `TN`).
+/// Columns per tile (kernels/gemm.cu `TN`, `MMA_TN`).
 pub const GEMM_TILE_COLS: usize = 64;
+/// Output columns per GEMV block (a warp each).
+const GEMV_COLS_PER_BLOCK: usize = 8;
 
 /// Device buffers of a routing plan for `pairs = tokens * top_k` (token, slot) pairs.
 pub struct MoePlan {
@@ -700,6 +702,51 @@ pub enum GemmRows<'a> {
     Plan(&'a MoePlan),
 }
 
+/// Which grouped-GEMM kernel runs (kernels/gemm.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmPath {
+    /// Picked from the shape: [`GemmPath::Gemv`] for groups of a few rows, tensor cores
+    /// otherwise, CUDA cores where K is not a multiple of 32 or the weights are F32.
+    Auto,
+    /// CUDA cores (FFMA), any shape: the exact-f32 path.
+    Ffma,
+    /// BF16 tensor cores (mma.sync), operands decoded to BF16 in shared memory.
+    TensorCore,
+    /// A warp per output column, for decode-sized groups.
+    Gemv,
+}
+
+/// Rows per group up to which [`GemmPath::Auto`] takes the GEMV (kernels/gemm.cu `GEMV_ROWS`
+/// rows per pass: one pass reads the weights once).
+pub const GEMV_MAX_ROWS_PER_GROUP: usize = 4;
+
+impl GemmPath {
+    fn resolve(self, w: &WeightData, rows: &GemmRows<'_>, max_rows: usize, k: usize) -> GemmPath {
+        let shape_ok = k % 32 == 0;
+        let f32_weights = matches!(w, WeightData::F32(_));
+        match self {
+            GemmPath::Auto => {
+                let groups = match rows {
+                    GemmRows::Dense(_) => 1,
+                    GemmRows::Plan(p) => p.counts.len(),
+                };
+                if !shape_ok {
+                    GemmPath::Ffma
+                } else if max_rows <= GEMV_MAX_ROWS_PER_GROUP * groups {
+                    GemmPath::Gemv
+                } else if f32_weights {
+                    GemmPath::Ffma
+                } else {
+                    GemmPath::TensorCore
+                }
+            }
+            GemmPath::TensorCore if f32_weights || !shape_ok => GemmPath::Ffma,
+            GemmPath::Gemv if !shape_ok => GemmPath::Ffma,
+            p => p,
+        }
+    }
+}
+
 /// `out[r] = x[row_index(r)] W_e^T` for every row of every group, W decoded in-kernel.
 /// `row_scale` is the NVFP4 s_tok of each x row (required for NVFP4).
 #[allow(clippy::too_many_arguments)]
@@ -715,24 +762,72 @@ pub fn grouped_gemm(
     k: usize,
     out: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
+    grouped_gemm_on(
+        GemmPath::Auto,
+        gpu,
+        x,
+        row_index,
+        row_scale,
+        w,
+        rows,
+        max_rows,
+        n,
+        k,
+        out,
+    )
+}
+
+/// [`grouped_gemm`] on a chosen kernel (the tests run each against the CPU).
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemm_on(
+    path: GemmPath,
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    row_index: Option<&CudaSlice<i32>>,
+    row_scale: Option<&CudaSlice<f32>>,
+    w: &WeightData,
+    rows: GemmRows<'_>,
+    max_rows: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
     need(out, max_rows * n, "gemm out")?;
+    let path = path.resolve(w, &rows, max_rows, k);
+    let pick = |ffma, mma, gemv| match path {
+        GemmPath::Gemv => gemv,
+        GemmPath::TensorCore => mma,
+        _ => ffma,
+    };
     let (kernel, wp, sp, dp, groups) = match w {
         WeightData::F32(d) => (
-            Kernel::GroupedGemmF32,
+            pick(
+                Kernel::GroupedGemmF32,
+                Kernel::GroupedGemmF32,
+                Kernel::GroupedGemvF32,
+            ),
             ptr(gpu, d),
             Arg::Ptr(0),
             Arg::Ptr(0),
             1,
         ),
         WeightData::Bf16(d) => (
-            Kernel::GroupedGemmBf16,
+            pick(
+                Kernel::GroupedGemmBf16,
+                Kernel::GroupedGemmMmaBf16,
+                Kernel::GroupedGemvBf16,
+            ),
             ptr(gpu, d),
             Arg::Ptr(0),
             Arg::Ptr(0),
             1,
         ),
         WeightData::Mxfp8 { data, scales } => (
-            Kernel::GroupedGemmMxfp8,
+            pick(
+                Kernel::GroupedGemmMxfp8,
+                Kernel::GroupedGemmMmaMxfp8,
+                Kernel::GroupedGemvMxfp8,
+            ),
             ptr(gpu, data),
             ptr(gpu, scales),
             Arg::Ptr(0),
@@ -750,7 +845,11 @@ pub fn grouped_gemm(
                 ));
             }
             (
-                Kernel::GroupedGemmNvfp4,
+                pick(
+                    Kernel::GroupedGemmNvfp4,
+                    Kernel::GroupedGemmMmaNvfp4,
+                    Kernel::GroupedGemvNvfp4,
+                ),
                 ptr(gpu, data),
                 ptr(gpu, scales),
                 ptr(gpu, s_dec),
@@ -777,10 +876,17 @@ pub fn grouped_gemm(
     if grid_y == 0 || n == 0 {
         return Ok(());
     }
+    // Block shapes: kernels/gemm.cu (FFMA 32x64 tiles on 256 threads, MMA 32x64 tiles on 4
+    // warps, GEMV 8 columns on 8 warps).
+    let (cols_per_block, threads) = match path {
+        GemmPath::Gemv => (GEMV_COLS_PER_BLOCK, 256),
+        GemmPath::TensorCore => (GEMM_TILE_COLS, 128),
+        _ => (GEMM_TILE_COLS, 256),
+    };
     gpu.launch(
         kernel,
-        (n.div_ceil(GEMM_TILE_COLS) as u32, grid_y as u32, 1),
-        256,
+        (n.div_ceil(cols_per_block) as u32, grid_y as u32, 1),
+        threads,
         &[
             ptr(gpu, x),
             opt_ptr(gpu, row_index),
