@@ -9,8 +9,10 @@
 // - grouped_gemm_*: CUDA cores (FFMA), any K; the only one for F32 weights (kept exact in f32).
 // - grouped_gemm_mma_*: BF16 tensor cores (mma.sync m16n8k16, FP32 accumulation). Operands are
 //   decoded to BF16 in shared memory: exact for MXFP8 (E4M3 x E8M0) and NVFP4 (E2M1 x E4M3)
-//   weights and for quantized activations (the quantizers' dequantized values); plain BF16
-//   layers round the f32 activations to BF16 as cuBLAS does.
+//   weights and for quantized activations (the quantizers' dequantized values). Plain BF16
+//   layers take f32 activations: each is split into two BF16 terms (hi + lo, 16 significant
+//   bits) multiplied separately, so the result stays within ~1e-5 of the CPU's f32 products
+//   instead of the ~2e-3 of rounding activations to BF16 (which flips MoE routing decisions).
 // - grouped_gemv_*: a warp per output column for groups of a few rows (decode), 16-byte weight
 //   loads; weight-bandwidth bound, where tensor cores would idle.
 
@@ -150,10 +152,36 @@ __device__ __forceinline__ WeightChunk load_weight_chunk(const void* w, const u8
     return c;
 }
 
+// Fast exact decoders for the inner loops. Two E4M3 codes (low byte first) to f32: one
+// hardware conversion to f16x2 on sm_89+ (every E4M3 value, NaN included, is an f16), else
+// the table-free decoder. E2M1 through a 16-entry table in shared memory (no bank conflicts).
+__device__ __forceinline__ void e4m3x2_to_f32(u32 pair, float& lo, float& hi) {
+#if __CUDA_ARCH__ >= 890
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)pair));
+    asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}"
+        : "=f"(lo), "=f"(hi)
+        : "r"(h2));
+#else
+    lo = e4m3_decode((u8)pair);
+    hi = e4m3_decode((u8)(pair >> 8));
+#endif
+}
+
+// Two f32 values that are exactly BF16 (decoded codes times block scales) packed as BF16x2.
+__device__ __forceinline__ u32 pack_exact_bf16(float lo, float hi) {
+    return __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632);
+}
+
+// The E2M1 table, filled by the block before first use (callers sync after it).
+__device__ __forceinline__ void fill_e2m1_table(float* table) {
+    if (threadIdx.x < 16) table[threadIdx.x] = e2m1_decode((u8)threadIdx.x);
+}
+
 // Decodes a chunk to 16 BF16 values (8 packed words). Exact: an E4M3 or E2M1 value times its
 // power-of-two or E4M3 block scale has at most 8 significant bits.
 template <int FMT>
-__device__ __forceinline__ void decode_weight_chunk(const WeightChunk& c, u32* out) {
+__device__ __forceinline__ void decode_weight_chunk(const WeightChunk& c, const float* e2m1, u32* out) {
     if (FMT == 1) {
         out[0] = c.lo.x; out[1] = c.lo.y; out[2] = c.lo.z; out[3] = c.lo.w;
         out[4] = c.hi.x; out[5] = c.hi.y; out[6] = c.hi.z; out[7] = c.hi.w;
@@ -164,15 +192,16 @@ __device__ __forceinline__ void decode_weight_chunk(const WeightChunk& c, u32* o
         float s = e8m0_decode(c.scale);
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            u32 word = words[i / 2] >> (16 * (i % 2));
-            out[i] = pack_bf16(__fmul_rn(e4m3_decode((u8)word), s), __fmul_rn(e4m3_decode((u8)(word >> 8)), s));
+            float lo, hi;
+            e4m3x2_to_f32(words[i / 2] >> (16 * (i % 2)), lo, hi);
+            out[i] = pack_exact_bf16(__fmul_rn(lo, s), __fmul_rn(hi, s));
         }
     } else {
         float s = e4m3_decode(c.scale);
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             u32 byte = (words[i / 4] >> (8 * (i % 4))) & 0xffu;
-            out[i] = pack_bf16(__fmul_rn(e2m1_decode(byte & 15u), s), __fmul_rn(e2m1_decode(byte >> 4), s));
+            out[i] = pack_exact_bf16(__fmul_rn(e2m1[byte & 15u], s), __fmul_rn(e2m1[byte >> 4], s));
         }
     }
 }
@@ -197,8 +226,13 @@ __device__ void grouped_gemm_mma(const float* x, const int* row_index, const flo
         r1 = min(r0 + MMA_TM, rows);
     }
     int n0 = blockIdx.x * MMA_TN;
+    // Plain BF16 layers (FMT 1) split the f32 activations: as = hi, as_lo = x - hi.
+    constexpr bool SPLIT = FMT == 1;
     __shared__ __align__(16) bf16_t as[MMA_TM][MMA_LD];
+    __shared__ __align__(16) bf16_t as_lo[SPLIT ? MMA_TM : 1][MMA_LD];
     __shared__ __align__(16) bf16_t ws[MMA_TN][MMA_LD];
+    __shared__ float e2m1[16];
+    fill_e2m1_table(e2m1);
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
     // Loader roles: A row tid / 4 (8 values from k (tid % 4) * 8); W row tid / 2 (16 values).
@@ -223,10 +257,21 @@ __device__ void grouped_gemm_mma(const float* x, const int* row_index, const flo
         if (w_live) wc = load_weight_chunk<FMT>(w, w_scales, w_row, k0 + w_k, K);
     };
     auto stash = [&]() {
-        uint4 a = make_uint4(pack_bf16(xa.x, xa.y), pack_bf16(xa.z, xa.w), pack_bf16(xb.x, xb.y), pack_bf16(xb.z, xb.w));
+        // Quantized activations are exact in BF16; plain ones are rounded (hi) and split.
+        auto pack = [](float lo, float hi) { return SPLIT ? pack_bf16(lo, hi) : pack_exact_bf16(lo, hi); };
+        uint4 a = make_uint4(pack(xa.x, xa.y), pack(xa.z, xa.w), pack(xb.x, xb.y), pack(xb.z, xb.w));
         *(uint4*)&as[a_row][a_k] = a;
+        if constexpr (SPLIT) {
+            u32 hi[4] = {a.x, a.y, a.z, a.w};
+            float v[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+            u32 lo[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                lo[i] = pack_bf16(v[2 * i] - __uint_as_float(hi[i] << 16), v[2 * i + 1] - __uint_as_float(hi[i] & 0xffff0000u));
+            *(uint4*)&as_lo[a_row][a_k] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        }
         u32 d[8];
-        decode_weight_chunk<FMT>(wc, d);
+        decode_weight_chunk<FMT>(wc, e2m1, d);
         *(uint4*)&ws[w_n][w_k] = make_uint4(d[0], d[1], d[2], d[3]);
         *(uint4*)&ws[w_n][w_k + 8] = make_uint4(d[4], d[5], d[6], d[7]);
     };
@@ -240,6 +285,7 @@ __device__ void grouped_gemm_mma(const float* x, const int* row_index, const flo
             for (int v = 0; v < 4; v++) acc[i][j][v] = 0.0f;
 
     fetch(0);
+    __syncthreads();  // the E2M1 table
     for (int k0 = 0; k0 < K; k0 += MMA_TK) {
         stash();
         __syncthreads();
@@ -265,6 +311,20 @@ __device__ void grouped_gemm_mma(const float* x, const int* row_index, const flo
             for (int mi = 0; mi < 2; mi++)
 #pragma unroll
                 for (int ni = 0; ni < 2; ni++) mma_bf16(acc[mi][ni], a[mi], b[ni]);
+            if constexpr (SPLIT) {
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) {
+                    int r = mi * 16 + g;
+                    a[mi][0] = *(const u32*)&as_lo[r][ks + 2 * t];
+                    a[mi][1] = *(const u32*)&as_lo[r + 8][ks + 2 * t];
+                    a[mi][2] = *(const u32*)&as_lo[r][ks + 2 * t + 8];
+                    a[mi][3] = *(const u32*)&as_lo[r + 8][ks + 2 * t + 8];
+                }
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                    for (int ni = 0; ni < 2; ni++) mma_bf16(acc[mi][ni], a[mi], b[ni]);
+            }
         }
         __syncthreads();
     }
@@ -297,7 +357,8 @@ __device__ void grouped_gemm_mma(const float* x, const int* row_index, const flo
 
 // The 8 weights (n, k..k+8) as f32. Requires K % 32 == 0 and k % 8 == 0.
 template <int FMT>
-__device__ __forceinline__ void load_weight8(const void* w, const u8* scales, u64 row, u64 k, u64 K, float* v) {
+__device__ __forceinline__ void load_weight8(const void* w, const u8* scales, const float* e2m1, u64 row, u64 k,
+                                             u64 K, float* v) {
     if (FMT == 0) {
         const float4* p = (const float4*)((const float*)w + row * K + k);
         float4 a = p[0], b = p[1];
@@ -316,12 +377,16 @@ __device__ __forceinline__ void load_weight8(const void* w, const u8* scales, u6
         float s = e8m0_decode(scales[row * (K / 32) + k / 32]);
         u32 words[2] = {q.x, q.y};
 #pragma unroll
-        for (int i = 0; i < 8; i++) v[i] = __fmul_rn(e4m3_decode((u8)(words[i / 4] >> (8 * (i % 4)))), s);
+        for (int i = 0; i < 4; i++) {
+            e4m3x2_to_f32(words[i / 2] >> (16 * (i % 2)), v[2 * i], v[2 * i + 1]);
+            v[2 * i] = __fmul_rn(v[2 * i], s);
+            v[2 * i + 1] = __fmul_rn(v[2 * i + 1], s);
+        }
     } else {
         u32 q = *(const u32*)((const u8*)w + row * (K / 2) + k / 2);
         float s = e4m3_decode(scales[row * (K / 16) + k / 16]);
 #pragma unroll
-        for (int i = 0; i < 8; i++) v[i] = __fmul_rn(e2m1_decode((q >> (4 * i)) & 15u), s);
+        for (int i = 0; i < 8; i++) v[i] = __fmul_rn(e2m1[(q >> (4 * i)) & 15u], s);
     }
 }
 
@@ -343,6 +408,9 @@ __device__ void grouped_gemv(const float* x, const int* row_index, const float* 
         if (r0 >= rows) return;
         r1 = min(r0 + TM, rows);
     }
+    __shared__ float e2m1[16];
+    fill_e2m1_table(e2m1);
+    __syncthreads();
     int col = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (col >= N) return;
     u64 w_row = (u64)e * N + col;
@@ -357,7 +425,7 @@ __device__ void grouped_gemv(const float* x, const int* row_index, const float* 
         }
         for (int k = lane * 8; k < K; k += 256) {
             float wv[8];
-            load_weight8<FMT>(w, w_scales, w_row, k, K, wv);
+            load_weight8<FMT>(w, w_scales, e2m1, w_row, k, K, wv);
 #pragma unroll
             for (int r = 0; r < GEMV_ROWS; r++) {
                 if (r >= live) break;

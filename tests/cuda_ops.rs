@@ -686,9 +686,11 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             }
             let err = rel_err(&got_by_slot, &want);
             // Tensor cores take BF16 operands: exact for quantized activations (E4M3/E2M1
-            // times a block scale), a rounding of the f32 activations for plain BF16 layers.
+            // times a block scale); plain BF16 layers split f32 activations into two BF16
+            // terms (16 significant bits), and the tensor cores' FP32 accumulation is not
+            // IEEE-exact, hence the looser bound there.
             let bound = if path == GemmPath::TensorCore && fmt.format == Format::Bf16 {
-                1e-2
+                1e-4
             } else {
                 tol
             };
@@ -720,7 +722,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             cpu_w[0].forward(&x[..rows * k], rows, &mut want);
             let err = rel_err(&g.download(&out, rows * n).unwrap(), &want);
             let bound = if path == GemmPath::TensorCore && fmt.format == Format::Bf16 {
-                1e-2
+                1e-4
             } else {
                 tol
             };
@@ -742,9 +744,22 @@ fn embedded_config(layers: Option<usize>) -> ModelConfig {
     ModelConfig::from_json(raw).unwrap()
 }
 
+/// How a CUDA model's teacher-forced logits compare with the CPU's.
+struct Comparison {
+    /// Worst relative row error over the "clean" rows: those of sequences whose tokens so far
+    /// were all routed to the same experts on both backends. A flipped routing decision (a
+    /// near-tie among random experts) changes that token's output and, through the KV cache,
+    /// every later token of its sequence, so those rows are not a kernel comparison.
+    worst_clean: f64,
+    clean_rows: usize,
+    rows: usize,
+    /// Fraction of routed-expert decisions that are equal.
+    agree: f64,
+}
+
 /// Teacher-forced logits of two sequences (one chunked on top of its own prefix) plus a decode
-/// step, CPU vs CUDA; returns the worst relative row error and the routed-expert agreement.
-fn compare_models(cpu_model: &Model, cuda: &mut CudaModel, rng: &mut Rng) -> (f64, f64) {
+/// step, CPU vs CUDA.
+fn compare_models(cpu_model: &Model, cuda: &mut CudaModel, rng: &mut Rng) -> Comparison {
     let c = &cpu_model.config;
     let vocab = c.vocab_size.min(250);
     let bs = 4;
@@ -759,17 +774,26 @@ fn compare_models(cpu_model: &Model, cuda: &mut CudaModel, rng: &mut Rng) -> (f6
         c.num_kv_heads,
         c.head_dim,
     );
-    let steps: Vec<Vec<(&[u32], usize, &[u32])>> = vec![
-        vec![(&a[..8], 0, &ta[..])],
-        vec![(&a[8..], 8, &ta[..]), (&b[..], 0, &tb[..])],
-        vec![(&a[..1], 13, &ta[..]), (&b[..1], 6, &tb[..])],
+    // (sequence, tokens, start position, block table)
+    let steps: Vec<Vec<(usize, &[u32], usize, &[u32])>> = vec![
+        vec![(0, &a[..8], 0, &ta[..])],
+        vec![(0, &a[8..], 8, &ta[..]), (1, &b[..], 0, &tb[..])],
+        vec![(0, &a[..1], 13, &ta[..]), (1, &b[..1], 6, &tb[..])],
     ];
-    let (mut worst, mut same, mut total) = (0f64, 0usize, 0usize);
+    let per_token = cuda.num_moe_layers() * cuda.top_k();
+    let mut clean = [true, true];
+    let mut cmp = Comparison {
+        worst_clean: 0.0,
+        clean_rows: 0,
+        rows: 0,
+        agree: 1.0,
+    };
+    let (mut same, mut total) = (0usize, 0usize);
     for step in steps {
         let batch = ForwardBatch {
             seqs: step
                 .iter()
-                .map(|&(tokens, start_pos, block_table)| SeqInput {
+                .map(|&(_, tokens, start_pos, block_table)| SeqInput {
                     tokens,
                     start_pos,
                     block_table,
@@ -780,25 +804,49 @@ fn compare_models(cpu_model: &Model, cuda: &mut CudaModel, rng: &mut Rng) -> (f6
         let want = cpu_model.forward(&batch, &mut kv);
         let got = cuda.forward(&batch).unwrap();
         let v = c.vocab_size;
-        for (gr, wr) in got.logits.chunks(v).zip(want.logits.chunks(v)) {
-            worst = worst.max(rel_err(gr, wr));
+        let mut row = 0;
+        for &(seq, tokens, _, _) in &step {
+            for _ in tokens {
+                let routed = |r: &[i32]| r[row * per_token..][..per_token].to_vec();
+                let (gr, wr) = (routed(&got.routed_experts), routed(&want.routed_experts));
+                same += gr.iter().zip(&wr).filter(|(x, y)| x == y).count();
+                total += per_token;
+                clean[seq] &= gr == wr;
+                if clean[seq] {
+                    let err = rel_err(&got.logits[row * v..][..v], &want.logits[row * v..][..v]);
+                    cmp.worst_clean = cmp.worst_clean.max(err);
+                    cmp.clean_rows += 1;
+                }
+                cmp.rows += 1;
+                row += 1;
+            }
         }
-        same += got
-            .routed_experts
-            .iter()
-            .zip(&want.routed_experts)
-            .filter(|(x, y)| x == y)
-            .count();
-        total += want.routed_experts.len();
     }
-    (
-        worst,
-        if total == 0 {
-            1.0
-        } else {
-            same as f64 / total as f64
-        },
-    )
+    if total > 0 {
+        cmp.agree = same as f64 / total as f64;
+    }
+    cmp
+}
+
+/// The checks every model comparison must pass: most rows comparable, their logits within
+/// `tol`, and routing decisions mostly equal.
+fn assert_close(what: &str, cmp: &Comparison, tol: f64, min_agree: f64) {
+    assert!(
+        cmp.clean_rows * 2 >= cmp.rows,
+        "{what}: only {} of {} rows kept the CPU's routing",
+        cmp.clean_rows,
+        cmp.rows
+    );
+    assert!(
+        cmp.worst_clean < tol,
+        "{what}: logits relative error {}",
+        cmp.worst_clean
+    );
+    assert!(
+        cmp.agree > min_agree,
+        "{what}: routed experts agree only {:.1}%",
+        cmp.agree * 100.0
+    );
 }
 
 fn sizes() -> CudaSizes {
@@ -827,12 +875,15 @@ fn models_match_the_cpu_in_every_format() {
             None => CudaWeights::upload(&g, &cpu_model).unwrap(),
         };
         let mut cuda = CudaModel::new(g, cpu_model.config.clone(), w, sizes()).unwrap();
-        let (err, agree) = compare_models(&cpu_model, &mut cuda, &mut rng);
+        let cmp = compare_models(&cpu_model, &mut cuda, &mut rng);
         println!(
-            "{what:<40} logits rel err {err:.2e}, routed experts equal {:.1}%",
-            agree * 100.0
+            "{what:<40} logits rel err {:.2e} over {}/{} rows, routed experts equal {:.1}%",
+            cmp.worst_clean,
+            cmp.clean_rows,
+            cmp.rows,
+            cmp.agree * 100.0
         );
-        report.push((what, err, agree));
+        report.push((what, cmp));
     };
     for name in ["bf16", "mxfp8", "nvfp4"] {
         let recipe = Recipe::builtin(name).unwrap();
@@ -861,19 +912,14 @@ fn models_match_the_cpu_in_every_format() {
         .unwrap();
         check(format!("reference {r} (f32 checkpoint)"), model, None);
     }
-    for (what, err, agree) in &report {
+    for (what, cmp) in &report {
         // Quantized formats requantize activations that differ from the CPU's by summation
         // order; a value crossing an E2M1/E4M3 rounding boundary moves by up to a sixth of its
         // block's amax (see midsize_qwen3_30b_shape_matches_the_cpu). Seen on the H200: BF16
-        // and f32 models <= 6e-4; quantized ones 3e-7 on most prompts, up to 6e-2 on some.
+        // and f32 models <= 2e-3; quantized ones 3e-6 on most prompts, up to 8e-2 on some.
         let quantized = what.contains("mxfp8") || what.contains("nvfp4");
         let tol = if quantized { 0.15 } else { 3e-2 };
-        assert!(*err < tol, "{what}: logits relative error {err}");
-        assert!(
-            *agree > 0.9,
-            "{what}: routed experts agree only {:.1}%",
-            agree * 100.0
-        );
+        assert_close(what, cmp, tol, 0.9);
     }
 }
 
@@ -894,8 +940,14 @@ fn midsize_qwen3_30b_shape_matches_the_cpu() {
         let g = gpu();
         let w = CudaWeights::dummy(&g, &cfg, &recipe, 3).unwrap();
         let mut cuda = CudaModel::new(g, cfg.clone(), w, sizes()).unwrap();
-        let (err, agree) = compare_models(&cpu_model, &mut cuda, &mut rng);
-        println!("qwen3-30b-a3b shape, 4 layers, {name:<6} logits rel err {err:.2e}, routed experts equal {:.1}%", agree * 100.0);
+        let cmp = compare_models(&cpu_model, &mut cuda, &mut rng);
+        println!(
+            "qwen3-30b-a3b shape, 4 layers, {name:<6} logits rel err {:.2e} over {}/{} rows, routed experts equal {:.1}%",
+            cmp.worst_clean,
+            cmp.clean_rows,
+            cmp.rows,
+            cmp.agree * 100.0
+        );
         // BF16 experts see the same f32 inputs as the CPU up to summation order. Quantized
         // experts requantize those inputs: a 1e-7 difference can move a value across an NVFP4
         // or E4M3 rounding boundary (a step of up to 1/6 of its block's amax), which can flip
@@ -906,11 +958,6 @@ fn midsize_qwen3_30b_shape_matches_the_cpu() {
         } else {
             (0.15, 0.8)
         };
-        assert!(err < tol, "{name}: logits relative error {err}");
-        assert!(
-            agree > min_agree,
-            "{name}: routed experts agree only {:.1}%",
-            agree * 100.0
-        );
+        assert_close(name, &cmp, tol, min_agree);
     }
 }

@@ -716,9 +716,12 @@ pub enum GemmPath {
     Gemv,
 }
 
-/// Rows per group up to which [`GemmPath::Auto`] takes the GEMV (kernels/gemm.cu `GEMV_ROWS`
-/// rows per pass: one pass reads the weights once).
-pub const GEMV_MAX_ROWS_PER_GROUP: usize = 4;
+/// Rows up to which [`GemmPath::Auto`] takes the GEMV for one dense group (kernels/gemm.cu
+/// `GEMV_ROWS` rows per pass: one pass reads the weights once) and, on average per expert, for
+/// a routing plan. Measured on the H200 (examples/cuda_kernel_bench.rs, docs/performance.md):
+/// at 0.5 rows per expert the GEMV takes 0.7x the tensor-core kernel's time, at 4 rows 1.4x.
+pub const GEMV_MAX_DENSE_ROWS: usize = 4;
+pub const GEMV_MAX_ROWS_PER_EXPERT: usize = 2;
 
 impl GemmPath {
     fn resolve(self, w: &WeightData, rows: &GemmRows<'_>, max_rows: usize, k: usize) -> GemmPath {
@@ -726,13 +729,13 @@ impl GemmPath {
         let f32_weights = matches!(w, WeightData::F32(_));
         match self {
             GemmPath::Auto => {
-                let groups = match rows {
-                    GemmRows::Dense(_) => 1,
-                    GemmRows::Plan(p) => p.counts.len(),
+                let gemv_rows = match rows {
+                    GemmRows::Dense(_) => GEMV_MAX_DENSE_ROWS,
+                    GemmRows::Plan(p) => GEMV_MAX_ROWS_PER_EXPERT * p.counts.len(),
                 };
                 if !shape_ok {
                     GemmPath::Ffma
-                } else if max_rows <= GEMV_MAX_ROWS_PER_GROUP * groups {
+                } else if max_rows <= gemv_rows {
                     GemmPath::Gemv
                 } else if f32_weights {
                     GemmPath::Ffma

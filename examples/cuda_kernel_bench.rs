@@ -1,0 +1,268 @@
+//! The grouped expert GEMM kernels alone, on a model's expert shapes: for each weight format
+//! and each kernel (FFMA, BF16 tensor cores, GEMV), the time of one gate/up projection over
+//! `tokens * top_k` routed rows, with the bytes it must read and the FLOPs it must do, against
+//! the measured copy bandwidth and the H200's dense BF16 tensor rate.
+//!
+//! cargo run --release --example cuda_kernel_bench -- configs/qwen3-30b-a3b.json \
+//!     [--tokens 1,8,64,256,4096]
+//!
+//! Then paged attention alone at prefill and decode shapes, against the bytes of K/V it reads.
+//!
+//! Random routing (uniform), dummy weights drawn on the device; median of 20 timed runs after
+//! a warm-up, host clock around a synchronized launch.
+
+use std::time::Instant;
+
+use lockstep::backend::cuda::ops::{
+    self, AttnRows, AttnShape, GemmPath, GemmRows, MoePlan, Nvfp4Out,
+};
+use lockstep::backend::cuda::weights::{Activation, DummyWeights};
+use lockstep::backend::cuda::Gpu;
+use lockstep::model::ModelConfig;
+use lockstep::quant::{Format, Recipe};
+
+/// Dense BF16 tensor-core rate used for the compute roofline (docs: ~790-900 TFLOP/s measured
+/// with cuBLAS on the H200; the lower end).
+const TENSOR_FLOPS: f64 = 790e12;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let mut it = std::env::args().skip(1);
+    let config = it.next().expect("usage: cuda_kernel_bench CONFIG.json [--tokens a,b]");
+    let mut token_counts = vec![1usize, 8, 64, 256, 4096];
+    while let Some(flag) = it.next() {
+        let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--tokens" => token_counts = v.split(',').map(|t| t.parse().expect("tokens")).collect(),
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    let raw: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).expect("config")).expect("json");
+    let cfg = ModelConfig::from_json(raw).expect("config");
+    let moe = cfg.moe.clone().expect("an MoE config");
+    let (experts, top_k, k) = (moe.num_experts, moe.top_k, cfg.hidden_size);
+    let n = 2 * moe.intermediate_size;
+    let gpu = Gpu::open(0).expect("CUDA device");
+    let bw = copy_bw(&gpu);
+    println!(
+        "device {} ({}), copy bandwidth {:.0} GB/s; gate_up of {experts} experts [{n} x {k}], top-{top_k}",
+        gpu.name,
+        gpu.arch,
+        bw / 1e9
+    );
+    println!("| experts | kernel | tokens | rows | us | GB/s | TFLOP/s | of roofline |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let max_tokens = *token_counts.iter().max().unwrap_or(&1);
+    let dummy = DummyWeights { gpu: &gpu, seed: 7 };
+    let x_host: Vec<f32> = (0..max_tokens * k)
+        .map(|i| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / 8.4e6 - 1.0)
+        .collect();
+    let x = gpu.upload(&x_host).expect("x");
+    let mut deq = gpu.alloc::<f32>(max_tokens * k).expect("deq");
+    let mut data = gpu.alloc::<u8>(max_tokens * k).expect("data");
+    let mut scales = gpu.alloc::<u8>(max_tokens * k / 16).expect("scales");
+    let mut row_scale = gpu.alloc::<f32>(max_tokens).expect("row scale");
+    let mut out = gpu.alloc::<f32>(max_tokens * top_k * n).expect("out");
+    attention(&gpu, &cfg, bw);
+    for name in ["bf16", "mxfp8", "nvfp4"] {
+        let recipe = Recipe::builtin(name).expect("recipe");
+        let fmt = recipe.format_for("model.layers.0.mlp.experts.0.gate_proj", cfg.num_layers);
+        let parts: Vec<Vec<(String, usize)>> = (0..experts)
+            .map(|e| {
+                vec![
+                    (format!("e{e}.gate"), moe.intermediate_size),
+                    (format!("e{e}.up"), moe.intermediate_size),
+                ]
+            })
+            .collect();
+        let m = dummy.matrix(&parts, k, &fmt, true).expect("weights");
+        let bytes_per_param = match fmt.format {
+            Format::Bf16 => 2.0,
+            Format::Mxfp8 => 1.0 + 1.0 / 32.0,
+            Format::Nvfp4 => 0.5 + 1.0 / 16.0,
+        };
+        for &tokens in &token_counts {
+            // Uniform random routing: token t picks top_k distinct experts.
+            let ids: Vec<i32> = (0..tokens)
+                .flat_map(|t| {
+                    let start = (t * 7919) % experts;
+                    (0..top_k).map(move |s| ((start + s * 13) % experts) as i32)
+                })
+                .collect();
+            let dids = gpu.upload(&ids).expect("ids");
+            let pairs = tokens * top_k;
+            let mut plan = MoePlan::new(&gpu, pairs, experts).expect("plan");
+            plan.build(&gpu, &dids, tokens, top_k, experts).expect("plan");
+            let (xin, rs) = match m.act {
+                Activation::Plain => (&x, None),
+                Activation::Mxfp8 => {
+                    ops::mxfp8_quantize(&gpu, &x, tokens * k, &mut data, &mut scales, Some(&mut deq))
+                        .expect("quantize");
+                    (&deq, None)
+                }
+                Activation::Nvfp4 { params, .. } => {
+                    ops::nvfp4_quantize_f32(
+                        &gpu,
+                        &x,
+                        tokens,
+                        k,
+                        true,
+                        None,
+                        params,
+                        Nvfp4Out {
+                            data: &mut data,
+                            scales: &mut scales,
+                            row_s_dec: &mut row_scale,
+                            deq: Some(&mut deq),
+                        },
+                    )
+                    .expect("quantize");
+                    (&deq, Some(&row_scale))
+                }
+            };
+            let touched = ids.iter().collect::<std::collections::BTreeSet<_>>().len();
+            let bytes = touched as f64 * (n * k) as f64 * bytes_per_param
+                + (tokens * k * 4) as f64
+                + (pairs * n * 4) as f64;
+            let flops = 2.0 * (pairs * n * k) as f64;
+            let roofline = (bytes / bw).max(flops / TENSOR_FLOPS);
+            for path in [GemmPath::Ffma, GemmPath::TensorCore, GemmPath::Gemv, GemmPath::Auto] {
+                let mut run = || {
+                    ops::grouped_gemm_on(
+                        path,
+                        &gpu,
+                        xin,
+                        Some(&plan.row_token),
+                        rs,
+                        &m.data,
+                        GemmRows::Plan(&plan),
+                        pairs,
+                        n,
+                        k,
+                        &mut out,
+                    )
+                    .expect("gemm");
+                };
+                run();
+                gpu.synchronize().expect("sync");
+                let times: Vec<f64> = (0..20)
+                    .map(|_| {
+                        let t = Instant::now();
+                        run();
+                        gpu.synchronize().expect("sync");
+                        t.elapsed().as_secs_f64()
+                    })
+                    .collect();
+                let s = median(times);
+                println!(
+                    "| {name} | {path:?} | {tokens} | {pairs} | {:.1} | {:.0} | {:.1} | {:.0}% |",
+                    s * 1e6,
+                    bytes / s / 1e9,
+                    flops / s / 1e12,
+                    100.0 * roofline / s
+                );
+            }
+        }
+    }
+}
+
+fn time(gpu: &Gpu, mut run: impl FnMut()) -> f64 {
+    run();
+    gpu.synchronize().expect("sync");
+    median(
+        (0..20)
+            .map(|_| {
+                let t = Instant::now();
+                run();
+                gpu.synchronize().expect("sync");
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    )
+}
+
+/// Paged attention of one layer: `seqs` sequences of context `ctx`, the last `rows_per_seq`
+/// positions of each as query rows (prefill: all of them; decode: one).
+fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
+    let shape = AttnShape {
+        heads: cfg.num_heads,
+        kv_heads: cfg.num_kv_heads,
+        head_dim: cfg.head_dim,
+        block_size: 16,
+    };
+    println!("| attention | seqs | context | query rows | us | K/V GB/s | of roofline |");
+    println!("|---|---|---|---|---|---|---|");
+    for (what, seqs, ctx, rows_per_seq) in [
+        ("prefill", 1usize, 512usize, 512usize),
+        ("prefill", 2, 2048, 2048),
+        ("decode", 1, 8192, 1),
+        ("decode", 64, 512, 1),
+        ("decode", 256, 512, 1),
+        ("decode", 64, 4096, 1),
+    ] {
+        let blocks_per_seq = ctx.div_ceil(shape.block_size);
+        let kv_width = shape.kv_heads * shape.head_dim;
+        let cache_elems = seqs * blocks_per_seq * shape.block_size * kv_width;
+        let cache: Vec<u16> = (0..cache_elems)
+            .map(|i| 0x3c00 ^ ((i as u16).wrapping_mul(40503) & 0x00ff))
+            .collect();
+        let (k, v) = (gpu.upload(&cache).expect("k"), gpu.upload(&cache).expect("v"));
+        let rows = seqs * rows_per_seq;
+        let (mut pos, mut seq) = (Vec::new(), Vec::new());
+        for s in 0..seqs {
+            for p in ctx - rows_per_seq..ctx {
+                pos.push(p as i32);
+                seq.push(s as i32);
+            }
+        }
+        let offsets: Vec<i32> = (0..seqs).map(|s| (s * blocks_per_seq) as i32).collect();
+        let tables: Vec<i32> = (0..(seqs * blocks_per_seq) as i32).collect();
+        let q_host: Vec<f32> = (0..rows * shape.heads * shape.head_dim)
+            .map(|i| ((i * 37) % 101) as f32 / 101.0 - 0.5)
+            .collect();
+        let q = gpu.upload(&q_host).expect("q");
+        let mut out = gpu.alloc::<f32>(q_host.len()).expect("out");
+        let (pos, seq) = (gpu.upload(&pos).expect("pos"), gpu.upload(&seq).expect("seq"));
+        let (offsets, tables) = (
+            gpu.upload(&offsets).expect("offsets"),
+            gpu.upload(&tables).expect("tables"),
+        );
+        let meta = AttnRows {
+            pos: &pos,
+            seq: &seq,
+            table_offsets: &offsets,
+            block_tables: &tables,
+        };
+        let s = time(gpu, || {
+            ops::paged_attention(gpu, &q, &mut out, &k, &v, &meta, rows, shape).expect("attention")
+        });
+        let bytes = 2.0 * (cache_elems * 2) as f64;
+        println!(
+            "| {what} | {seqs} | {ctx} | {rows} | {:.1} | {:.0} | {:.0}% |",
+            s * 1e6,
+            bytes / s / 1e9,
+            100.0 * bytes / bw / s
+        );
+    }
+}
+
+/// Device-to-device copy bandwidth, bytes read + written per second.
+fn copy_bw(gpu: &Gpu) -> f64 {
+    let n = 1usize << 30;
+    let src = gpu.alloc::<u8>(n).expect("alloc");
+    let mut dst = gpu.alloc::<u8>(n).expect("alloc");
+    let times: Vec<f64> = (0..10)
+        .map(|_| {
+            let t = Instant::now();
+            gpu.stream.memcpy_dtod(&src, &mut dst).expect("copy");
+            gpu.synchronize().expect("sync");
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    2.0 * n as f64 / median(times)
+}
