@@ -32,7 +32,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     let mut it = std::env::args().skip(1);
-    let config = it.next().expect("usage: cuda_kernel_bench CONFIG.json [--tokens a,b]");
+    let config = it
+        .next()
+        .expect("usage: cuda_kernel_bench CONFIG.json [--tokens a,b]");
     let mut token_counts = vec![1usize, 8, 64, 256, 4096];
     while let Some(flag) = it.next() {
         let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
@@ -97,12 +99,20 @@ fn main() {
             let dids = gpu.upload(&ids).expect("ids");
             let pairs = tokens * top_k;
             let mut plan = MoePlan::new(&gpu, pairs, experts).expect("plan");
-            plan.build(&gpu, &dids, tokens, top_k, experts).expect("plan");
+            plan.build(&gpu, &dids, tokens, top_k, experts)
+                .expect("plan");
             let (xin, rs) = match m.act {
                 Activation::Plain => (&x, None),
                 Activation::Mxfp8 => {
-                    ops::mxfp8_quantize(&gpu, &x, tokens * k, &mut data, &mut scales, Some(&mut deq))
-                        .expect("quantize");
+                    ops::mxfp8_quantize(
+                        &gpu,
+                        &x,
+                        tokens * k,
+                        &mut data,
+                        &mut scales,
+                        Some(&mut deq),
+                    )
+                    .expect("quantize");
                     (&deq, None)
                 }
                 Activation::Nvfp4 { params, .. } => {
@@ -131,7 +141,12 @@ fn main() {
                 + (pairs * n * 4) as f64;
             let flops = 2.0 * (pairs * n * k) as f64;
             let roofline = (bytes / bw).max(flops / TENSOR_FLOPS);
-            for path in [GemmPath::Ffma, GemmPath::TensorCore, GemmPath::Gemv, GemmPath::Auto] {
+            for path in [
+                GemmPath::Ffma,
+                GemmPath::TensorCore,
+                GemmPath::Gemv,
+                GemmPath::Auto,
+            ] {
                 let mut run = || {
                     ops::grouped_gemm_on(
                         path,
@@ -211,7 +226,10 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
         let cache: Vec<u16> = (0..cache_elems)
             .map(|i| 0x3c00 ^ ((i as u16).wrapping_mul(40503) & 0x00ff))
             .collect();
-        let (k, v) = (gpu.upload(&cache).expect("k"), gpu.upload(&cache).expect("v"));
+        let (k, v) = (
+            gpu.upload(&cache).expect("k"),
+            gpu.upload(&cache).expect("v"),
+        );
         let rows = seqs * rows_per_seq;
         let (mut pos, mut seq) = (Vec::new(), Vec::new());
         for s in 0..seqs {
@@ -227,7 +245,10 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
             .collect();
         let q = gpu.upload(&q_host).expect("q");
         let mut out = gpu.alloc::<f32>(q_host.len()).expect("out");
-        let (pos, seq) = (gpu.upload(&pos).expect("pos"), gpu.upload(&seq).expect("seq"));
+        let (pos, seq) = (
+            gpu.upload(&pos).expect("pos"),
+            gpu.upload(&seq).expect("seq"),
+        );
         let (offsets, tables) = (
             gpu.upload(&offsets).expect("offsets"),
             gpu.upload(&tables).expect("tables"),
@@ -238,16 +259,36 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
             table_offsets: &offsets,
             block_tables: &tables,
         };
-        let s = time(gpu, || {
-            ops::paged_attention(gpu, &q, &mut out, &k, &v, &meta, rows, shape).expect("attention")
-        });
         let bytes = 2.0 * (cache_elems * 2) as f64;
-        println!(
-            "| {what} | {seqs} | {ctx} | {rows} | {:.1} | {:.0} | {:.0}% |",
-            s * 1e6,
-            bytes / s / 1e9,
-            100.0 * bytes / bw / s
-        );
+        let tiles = ops::prefill_tiles(std::iter::repeat_n(rows_per_seq, seqs));
+        let dtiles = gpu.upload(&tiles).expect("tiles");
+        for kernel in ["paged_attention", "prefill_attention"] {
+            let s = time(gpu, || {
+                if kernel == "paged_attention" {
+                    ops::paged_attention(gpu, &q, &mut out, &k, &v, &meta, rows, shape)
+                } else {
+                    ops::prefill_attention(
+                        gpu,
+                        &q,
+                        &mut out,
+                        &k,
+                        &v,
+                        &meta,
+                        &dtiles,
+                        tiles.len() / 2,
+                        rows,
+                        shape,
+                    )
+                }
+                .expect("attention")
+            });
+            println!(
+                "| {what}, {kernel} | {seqs} | {ctx} | {rows} | {:.1} | {:.0} | {:.0}% |",
+                s * 1e6,
+                bytes / s / 1e9,
+                100.0 * bytes / bw / s
+            );
+        }
     }
 }
 

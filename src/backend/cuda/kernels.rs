@@ -19,15 +19,17 @@ pub enum Source {
     Quant,
     Gemm,
     Attention,
+    PrefillAttention,
 }
 
 impl Source {
-    pub const ALL: [Source; 5] = [
+    pub const ALL: [Source; 6] = [
         Source::Elementwise,
         Source::Moe,
         Source::Quant,
         Source::Gemm,
         Source::Attention,
+        Source::PrefillAttention,
     ];
 
     pub fn file_name(self) -> &'static str {
@@ -37,6 +39,7 @@ impl Source {
             Source::Quant => "quant.cu",
             Source::Gemm => "gemm.cu",
             Source::Attention => "attention.cu",
+            Source::PrefillAttention => "prefill_attention.cu",
         }
     }
 
@@ -47,6 +50,7 @@ impl Source {
             Source::Quant => include_str!("../../../kernels/quant.cu"),
             Source::Gemm => include_str!("../../../kernels/gemm.cu"),
             Source::Attention => include_str!("../../../kernels/attention.cu"),
+            Source::PrefillAttention => include_str!("../../../kernels/prefill_attention.cu"),
         }
     }
 
@@ -113,6 +117,9 @@ kernels! {
     GroupedGemvMxfp8 => (Gemm, "grouped_gemv_mxfp8"),
     GroupedGemvNvfp4 => (Gemm, "grouped_gemv_nvfp4"),
     PagedAttention => (Attention, "paged_attention"),
+    PrefillAttentionHd32 => (PrefillAttention, "prefill_attention_hd32"),
+    PrefillAttentionHd64 => (PrefillAttention, "prefill_attention_hd64"),
+    PrefillAttentionHd128 => (PrefillAttention, "prefill_attention_hd128"),
 }
 
 /// NVRTC options. Default precision (IEEE division and square root); the bit-exact paths

@@ -74,6 +74,9 @@ pub struct CudaSizes {
 /// way, and routing decisions then match the CPU reference far more often).
 const CUBLAS_MIN_ROWS: usize = 16;
 
+/// A step with a sequence of at least this many rows runs the tensor-core prefill attention.
+const PREFILL_ATTENTION_MIN_ROWS: usize = 2;
+
 /// The lm_head runs on at most this many rows at a time (a step asking for input logprobs of
 /// a long chunk needs logits for every row; the vocabulary makes each row large).
 const LOGIT_CHUNK_ROWS: usize = 256;
@@ -87,6 +90,8 @@ struct Scratch {
     table_offsets: CudaSlice<i32>,
     block_tables: CudaSlice<i32>,
     logit_rows: CudaSlice<i32>,
+    /// Tiles of the tensor-core prefill attention (`ops::prefill_tiles`).
+    attn_tiles: CudaSlice<i32>,
     x: CudaSlice<f32>,
     normed: CudaSlice<f32>,
     q: CudaSlice<f32>,
@@ -461,6 +466,8 @@ impl CudaModel {
             table_offsets: gpu.alloc(seqs)?,
             block_tables: gpu.alloc(max_table_entries)?,
             logit_rows: gpu.alloc(t)?,
+            // At most one partial tile per sequence plus the full ones.
+            attn_tiles: gpu.alloc(2 * (t / ops::PREFILL_TILE_ROWS + seqs))?,
             x: gpu.alloc(t * h)?,
             normed: gpu.alloc(t * h)?,
             q: gpu.alloc(t * c.q_size())?,
@@ -591,6 +598,24 @@ impl CudaModel {
         }
         let moe_layers = self.num_moe_layers();
         let top_k = self.top_k();
+        let shape = AttnShape {
+            heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+            head_dim: hd,
+            block_size: bs,
+        };
+        // Steps with a multi-token chunk run attention on tensor cores, a tile of up to 64
+        // consecutive rows of one sequence per block; decode-only steps keep a block per row.
+        let prefill = ops::prefill_attention_supports(shape)
+            && batch
+                .seqs
+                .iter()
+                .any(|s| s.tokens.len() >= PREFILL_ATTENTION_MIN_ROWS);
+        let attn_tiles = if prefill {
+            ops::prefill_tiles(batch.seqs.iter().map(|s| s.tokens.len()))
+        } else {
+            Vec::new()
+        };
         let (gpu, w, s, kv) = (&self.gpu, &self.weights, &mut self.s, &mut self.kv);
         gpu.write(&tokens, &mut s.tokens)?;
         gpu.write(&pos, &mut s.pos)?;
@@ -599,13 +624,8 @@ impl CudaModel {
         gpu.write(&table_offsets, &mut s.table_offsets)?;
         gpu.write(&tables, &mut s.block_tables)?;
         gpu.write(&logit_idx, &mut s.logit_rows)?;
+        gpu.write(&attn_tiles, &mut s.attn_tiles)?;
         ops::embedding(gpu, &s.tokens, n, &w.embed, &mut s.x, h)?;
-        let shape = AttnShape {
-            heads: c.num_heads,
-            kv_heads: c.num_kv_heads,
-            head_dim: hd,
-            block_size: bs,
-        };
         let eps = c.rms_norm_eps;
         let mut moe_index = 0;
         for (l, layer) in w.layers.iter().enumerate() {
@@ -677,7 +697,22 @@ impl CudaModel {
                 table_offsets: &s.table_offsets,
                 block_tables: &s.block_tables,
             };
-            ops::paged_attention(gpu, &s.q, &mut s.attn, &kv.k[l], &kv.v[l], &meta, n, shape)?;
+            if prefill {
+                ops::prefill_attention(
+                    gpu,
+                    &s.q,
+                    &mut s.attn,
+                    &kv.k[l],
+                    &kv.v[l],
+                    &meta,
+                    &s.attn_tiles,
+                    attn_tiles.len() / 2,
+                    n,
+                    shape,
+                )?;
+            } else {
+                ops::paged_attention(gpu, &s.q, &mut s.attn, &kv.k[l], &kv.v[l], &meta, n, shape)?;
+            }
             linear(
                 gpu,
                 &layer.o,

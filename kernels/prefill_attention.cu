@@ -1,0 +1,216 @@
+// Prefill attention on BF16 tensor cores (flash-attention style): a block takes up to 64
+// consecutive query rows of one sequence (a prefill chunk, possibly on top of cached prefix
+// blocks) and one head, walks the sequence's keys in tiles of 64 through its block table with
+// an online softmax, and never materializes the score matrix.
+//
+// Precision: the CPU reference computes q.k and p.v in f32 over the BF16 cache. Here q and the
+// probabilities p are f32 values split into two BF16 terms (hi + lo, 16 significant bits) and
+// multiplied separately, with FP32 accumulation, so the result stays within ~1e-5 of the CPU's
+// instead of the ~1e-3 of rounding them to BF16. K and V are BF16 already (exact).
+//
+// Grid (tiles, heads), 128 threads: warp w owns query rows 16w..16w+15 of the tile. Needs
+// head_dim 32, 64 or 128 (the host checks; other shapes use paged_attention).
+
+#define FA_ROWS 64
+#define FA_KEYS 64
+#define FA_MAX_HD 128
+#define FA_LD (FA_MAX_HD + 8)  // padded rows: fragment loads spread over the banks
+
+__device__ __forceinline__ u32 fa_pack(float lo, float hi) {
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+}
+
+__device__ __forceinline__ void fa_mma(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Splits f32 pairs into BF16 hi and lo words: hi = bf16(v), lo = bf16(v - hi).
+__device__ __forceinline__ void fa_split(float a, float b, u32& hi, u32& lo) {
+    hi = fa_pack(a, b);
+    lo = fa_pack(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
+}
+
+// `tiles[2i]` = first row of tile i, `tiles[2i + 1]` = its row count (<= 64); the rows are
+// consecutive positions of one sequence.
+template <int HD>
+__device__ void prefill_attention(const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache,
+                                  const int* row_pos, const int* row_seq, const int* table_offsets,
+                                  const int* block_tables, const int* tiles, int heads, int kv_heads,
+                                  int block_size, float scale) {
+    constexpr int KSTEPS = HD / 16;  // k16 steps of q.k
+    constexpr int DTILES = HD / 8;   // n8 tiles of the output
+    __shared__ __align__(16) bf16_t ks[FA_KEYS][FA_LD];
+    __shared__ __align__(16) bf16_t vs[FA_KEYS][FA_LD];
+    int first = tiles[2 * blockIdx.x], count = tiles[2 * blockIdx.x + 1];
+    int h = blockIdx.y, kvh = h / (heads / kv_heads);
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    int pos0 = row_pos[first];
+    int last_pos = pos0 + count - 1;
+    const int* table = block_tables + table_offsets[row_seq[first]];
+    u64 kv_width = (u64)kv_heads * HD;
+
+    // This thread's two query rows (g and g + 8 of the warp's 16) and their positions.
+    int r_lo = warp * 16 + g, r_hi = r_lo + 8;
+    int p_lo = pos0 + r_lo, p_hi = pos0 + r_hi;
+    bool live_lo = r_lo < count, live_hi = r_hi < count;
+
+    // Q fragments (A operand, row-major 16 x HD), split into hi and lo BF16 terms, pre-scaled.
+    u32 qa_hi[KSTEPS][4], qa_lo[KSTEPS][4];
+    {
+        const float* q_lo = q + ((u64)(first + r_lo) * heads + h) * HD;
+        const float* q_hi = q + ((u64)(first + r_hi) * heads + h) * HD;
+#pragma unroll
+        for (int s = 0; s < KSTEPS; s++) {
+            int c0 = s * 16 + 2 * t, c1 = c0 + 8;
+            float a0 = live_lo ? q_lo[c0] * scale : 0.0f, a1 = live_lo ? q_lo[c0 + 1] * scale : 0.0f;
+            float b0 = live_hi ? q_hi[c0] * scale : 0.0f, b1 = live_hi ? q_hi[c0 + 1] * scale : 0.0f;
+            float a2 = live_lo ? q_lo[c1] * scale : 0.0f, a3 = live_lo ? q_lo[c1 + 1] * scale : 0.0f;
+            float b2 = live_hi ? q_hi[c1] * scale : 0.0f, b3 = live_hi ? q_hi[c1 + 1] * scale : 0.0f;
+            fa_split(a0, a1, qa_hi[s][0], qa_lo[s][0]);
+            fa_split(b0, b1, qa_hi[s][1], qa_lo[s][1]);
+            fa_split(a2, a3, qa_hi[s][2], qa_lo[s][2]);
+            fa_split(b2, b3, qa_hi[s][3], qa_lo[s][3]);
+        }
+    }
+
+    float o[DTILES][4];
+#pragma unroll
+    for (int d = 0; d < DTILES; d++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[d][i] = 0.0f;
+    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
+
+    for (int k0 = 0; k0 <= last_pos; k0 += FA_KEYS) {
+        __syncthreads();  // the previous tile's readers are done
+        // K and V tiles: 64 keys x HD, 16-byte chunks; keys past last_pos are zero.
+        constexpr int CHUNKS = HD / 8;
+        for (int c = tid; c < FA_KEYS * CHUNKS; c += 128) {
+            int key = c / CHUNKS, part = (c % CHUNKS) * 8, kpos = k0 + key;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
+            if (kpos <= last_pos) {
+                u64 base = ((u64)table[kpos / block_size] * block_size + kpos % block_size) * kv_width +
+                           (u64)kvh * HD + part;
+                kv = *(const uint4*)(k_cache + base);
+                vv = *(const uint4*)(v_cache + base);
+            }
+            *(uint4*)&ks[key][part] = kv;
+            *(uint4*)&vs[key][part] = vv;
+        }
+        __syncthreads();
+
+        // S = q k^T for this warp's 16 rows x 64 keys: 8 n8 tiles.
+        float s[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) s[j][i] = 0.0f;
+#pragma unroll
+            for (int st = 0; st < KSTEPS; st++) {
+                int key = j * 8 + g, c = st * 16 + 2 * t;
+                u32 b0 = *(const u32*)&ks[key][c], b1 = *(const u32*)&ks[key][c + 8];
+                fa_mma(s[j], qa_hi[st], b0, b1);
+                fa_mma(s[j], qa_lo[st], b0, b1);
+            }
+        }
+        // Causal mask and the online softmax; the quad (t = 0..3) shares each row.
+        float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                int key = k0 + j * 8 + 2 * t + i;
+                if (!live_lo || key > p_lo) s[j][i] = -INFINITY;
+                if (!live_hi || key > p_hi) s[j][2 + i] = -INFINITY;
+                mx_lo = fmaxf(mx_lo, s[j][i]);
+                mx_hi = fmaxf(mx_hi, s[j][2 + i]);
+            }
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+            mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
+            mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
+        }
+        float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+        // A fully masked row so far keeps m = -inf: use 0 as the reference to avoid inf - inf.
+        float ref_lo = mn_lo == -INFINITY ? 0.0f : mn_lo, ref_hi = mn_hi == -INFINITY ? 0.0f : mn_hi;
+        float c_lo = expf(m_lo - ref_lo), c_hi = expf(m_hi - ref_hi);
+        float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                s[j][i] = expf(s[j][i] - ref_lo);
+                s[j][2 + i] = expf(s[j][2 + i] - ref_hi);
+                sum_lo += s[j][i];
+                sum_hi += s[j][2 + i];
+            }
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+            sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, off);
+            sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, off);
+        }
+        l_lo = l_lo * c_lo + sum_lo;
+        l_hi = l_hi * c_hi + sum_hi;
+        m_lo = mn_lo;
+        m_hi = mn_hi;
+#pragma unroll
+        for (int d = 0; d < DTILES; d++) {
+            o[d][0] *= c_lo;
+            o[d][1] *= c_lo;
+            o[d][2] *= c_hi;
+            o[d][3] *= c_hi;
+        }
+        // O += P V: the S accumulators of key tiles (2kk, 2kk + 1) are the A fragment of the
+        // k16 step kk; V's B fragment pairs keys (2t, 2t + 1) and (2t + 8, 2t + 9) at column g.
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            u32 p_hi[4], p_lo[4];
+            fa_split(s[2 * kk][0], s[2 * kk][1], p_hi[0], p_lo[0]);
+            fa_split(s[2 * kk][2], s[2 * kk][3], p_hi[1], p_lo[1]);
+            fa_split(s[2 * kk + 1][0], s[2 * kk + 1][1], p_hi[2], p_lo[2]);
+            fa_split(s[2 * kk + 1][2], s[2 * kk + 1][3], p_hi[3], p_lo[3]);
+            int key = kk * 16 + 2 * t;
+#pragma unroll
+            for (int d = 0; d < DTILES; d++) {
+                int col = d * 8 + g;
+                u32 b0 = (u32)vs[key][col] | ((u32)vs[key + 1][col] << 16);
+                u32 b1 = (u32)vs[key + 8][col] | ((u32)vs[key + 9][col] << 16);
+                fa_mma(o[d], p_hi, b0, b1);
+                fa_mma(o[d], p_lo, b0, b1);
+            }
+        }
+    }
+
+    // C fragment: (g, 2t), (g, 2t + 1) of row lo, (g + 8, ...) of row hi.
+    float inv_lo = l_lo > 0.0f ? 1.0f / l_lo : 0.0f, inv_hi = l_hi > 0.0f ? 1.0f / l_hi : 0.0f;
+    float* out_lo = out + ((u64)(first + r_lo) * heads + h) * HD;
+    float* out_hi = out + ((u64)(first + r_hi) * heads + h) * HD;
+#pragma unroll
+    for (int d = 0; d < DTILES; d++) {
+        int col = d * 8 + 2 * t;
+        if (live_lo) {
+            out_lo[col] = o[d][0] * inv_lo;
+            out_lo[col + 1] = o[d][1] * inv_lo;
+        }
+        if (live_hi) {
+            out_hi[col] = o[d][2] * inv_hi;
+            out_hi[col + 1] = o[d][3] * inv_hi;
+        }
+    }
+}
+
+#define PREFILL_ATTENTION(HD)                                                                                     \
+    extern "C" __global__ void prefill_attention_hd##HD(                                                          \
+        const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,             \
+        const int* row_seq, const int* table_offsets, const int* block_tables, const int* tiles, int heads,       \
+        int kv_heads, int block_size, float scale) {                                                              \
+        prefill_attention<HD>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, tiles,     \
+                              heads, kv_heads, block_size, scale);                                                \
+    }
+
+PREFILL_ATTENTION(32)
+PREFILL_ATTENTION(64)
+PREFILL_ATTENTION(128)
