@@ -372,10 +372,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
                         quantization: args.quantization,
                         recipe,
                     };
-                    (
-                        Loaded::DeviceCheckpoint(opened.config, disk),
-                        opened.recipe,
-                    )
+                    (Loaded::DeviceCheckpoint(opened.config, disk), opened.recipe)
                 }
                 LoadFormat::Auto => {
                     let (m, r) = loader::load_model(dir, args.quantization, recipe)?;

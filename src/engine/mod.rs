@@ -111,7 +111,8 @@ pub struct EngineInfo {
     pub recipe: crate::quant::Recipe,
     /// Every tensor a live update may replace, by checkpoint name: set before the engine
     /// starts for host-built models, by the engine once device-loaded weights are in place.
-    pub slots: std::sync::OnceLock<std::collections::BTreeMap<String, crate::model::slots::SlotShape>>,
+    pub slots:
+        std::sync::OnceLock<std::collections::BTreeMap<String, crate::model::slots::SlotShape>>,
     /// The weights live only on the device (a checkpoint loaded straight to the GPU): updates
     /// from disk are loaded by the engine thread, onto the device.
     pub weights_on_device: bool,

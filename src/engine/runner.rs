@@ -69,8 +69,8 @@ pub(crate) fn same_shapes(a: &ModelConfig, b: &ModelConfig) -> bool {
 fn load_to_device(gpu: &Gpu, w: &DiskWeights) -> Result<(ModelConfig, CudaWeights), String> {
     let src = open_serving_checkpoint(&w.dir, w.quantization, w.recipe.clone())
         .map_err(|e| format!("{}: {e}", w.dir.display()))?;
-    let weights = CudaWeights::from_checkpoint(gpu, &src)
-        .map_err(|e| format!("{}: {e}", w.dir.display()))?;
+    let weights =
+        CudaWeights::from_checkpoint(gpu, &src).map_err(|e| format!("{}: {e}", w.dir.display()))?;
     Ok((src.config, weights))
 }
 
@@ -258,7 +258,10 @@ impl Runner {
     /// device beside the served weights (so it needs room for a second copy), its shapes
     /// checked, then swapped in; on any failure the old weights keep serving. Returns the new
     /// weights' checksum.
-    pub(crate) fn swap_from_disk(&mut self, w: &DiskWeights) -> Result<WeightsChecksum, EngineError> {
+    pub(crate) fn swap_from_disk(
+        &mut self,
+        w: &DiskWeights,
+    ) -> Result<WeightsChecksum, EngineError> {
         let Runner::Cuda { model, host } = self else {
             return Err(EngineError::Conflict(
                 "updates loaded on the engine thread are for device-loaded CUDA weights".into(),

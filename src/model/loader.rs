@@ -189,7 +189,7 @@ impl WeightSource<'_> {
                 };
                 let scale = fp8_scale_inv(ckpt, name)?;
                 DenseWeight::F32(
-                    fp8_block::dequantize(&t.data(), &scale, rows, cols, *block)
+                    fp8_block::dequantize(t.data(), &scale, rows, cols, *block)
                         .map_err(|e| tensor_err(name, e))?,
                 )
             }
@@ -236,7 +236,11 @@ impl WeightSource<'_> {
             return Ok(None);
         };
         Ok(match prequantized_parts(ckpt, module, rows, cols)? {
-            Some(Prequantized::Nvfp4 { data, scales, s_dec }) => Some(nvfp4_from_parts(
+            Some(Prequantized::Nvfp4 {
+                data,
+                scales,
+                s_dec,
+            }) => Some(nvfp4_from_parts(
                 rows,
                 cols,
                 data.to_vec(),
@@ -304,7 +308,14 @@ pub fn prequantized_parts<'a>(
         let w = ckpt.tensor(&w_name)?;
         let s = ckpt.tensor(&sinv_name)?;
         if w.shape() != [rows, cols] || s.shape() != [rows, cols / MXFP8_BLOCK] {
-            return Err(tensor_err(&w_name, format!("MXFP8 shapes weight {:?} / weight_scale_inv {:?} do not fit [{rows}, {cols}]", w.shape(), s.shape())));
+            return Err(tensor_err(
+                &w_name,
+                format!(
+                    "MXFP8 shapes weight {:?} / weight_scale_inv {:?} do not fit [{rows}, {cols}]",
+                    w.shape(),
+                    s.shape()
+                ),
+            ));
         }
         return Ok(Some(Prequantized::Mxfp8 {
             data: w.data(),
@@ -338,13 +349,22 @@ pub fn fp8_scale_inv(ckpt: &Checkpoint, name: &str) -> Result<Vec<f32>, LoadErro
 
 /// The format the recipe gives linear layer `module` (of `cols` inputs) in a model of
 /// `num_layers` layers.
-pub fn linear_format(recipe: &Recipe, module: &str, num_layers: usize, cols: usize) -> TensorFormat {
+pub fn linear_format(
+    recipe: &Recipe,
+    module: &str,
+    num_layers: usize,
+    cols: usize,
+) -> TensorFormat {
     recipe.format_for(module, num_layers).fitting(cols)
 }
 
 /// Whether an NVFP4 gate/up pair is quantized at load with one shared second-level scale:
 /// both NVFP4 in the recipe and not stored quantized already.
-pub fn gate_up_shares_level(gate: &TensorFormat, up: &TensorFormat, gate_stored_nvfp4: bool) -> bool {
+pub fn gate_up_shares_level(
+    gate: &TensorFormat,
+    up: &TensorFormat,
+    gate_stored_nvfp4: bool,
+) -> bool {
     gate.format == Format::Nvfp4 && up.format == Format::Nvfp4 && !gate_stored_nvfp4
 }
 

@@ -73,12 +73,7 @@ struct DeviceLoader<'a> {
 
 impl DeviceLoader<'_> {
     fn format(&self, module: &str, cols: usize) -> TensorFormat {
-        linear_format(
-            &self.src.recipe,
-            module,
-            self.src.config.num_layers,
-            cols,
-        )
+        linear_format(&self.src.recipe, module, self.src.config.num_layers, cols)
     }
 
     /// Tensor `name` `[rows, cols]` in high precision on the device (block FP8 dequantized
@@ -292,8 +287,16 @@ impl DeviceLoader<'_> {
                 let uw = self.dense(&format!("{u}.weight"), inter, hidden)?;
                 let n = inter * hidden;
                 let amax = self.amax(&gw, n)?.max(self.amax(&uw, n)?);
-                gate_up.push(gpu, self.quantize(gw, inter, hidden, &gf, Some(amax))?, inter)?;
-                gate_up.push(gpu, self.quantize(uw, inter, hidden, &uf, Some(amax))?, inter)?;
+                gate_up.push(
+                    gpu,
+                    self.quantize(gw, inter, hidden, &gf, Some(amax))?,
+                    inter,
+                )?;
+                gate_up.push(
+                    gpu,
+                    self.quantize(uw, inter, hidden, &uf, Some(amax))?,
+                    inter,
+                )?;
             } else {
                 gate_up.push(gpu, self.linear(&g, inter, hidden, None)?, inter)?;
                 gate_up.push(gpu, self.linear(&u, inter, hidden, None)?, inter)?;
@@ -428,7 +431,12 @@ impl Stack {
 
 /// A copy of the embedding table as a BF16-format matrix: lm_head when it is the embedding
 /// (what uploading the CPU model's lm_head gives).
-fn table_matrix(gpu: &Gpu, table: &Table, rows: usize, cols: usize) -> Result<GpuMatrix, CudaError> {
+fn table_matrix(
+    gpu: &Gpu,
+    table: &Table,
+    rows: usize,
+    cols: usize,
+) -> Result<GpuMatrix, CudaError> {
     let data = match table {
         Table::Bf16(t) => WeightData::Bf16(gpu.stream.clone_dtod(t)?),
         Table::F32(t) => WeightData::F32(gpu.stream.clone_dtod(t)?),
@@ -492,7 +500,8 @@ impl CudaWeights {
             };
             layers.push(CudaLayer {
                 input_norm: d.vector(&format!("{p}.input_layernorm.weight"), h)?,
-                post_attention_norm: d.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                post_attention_norm: d
+                    .vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
                 q: d.single(&format!("{p}.self_attn.q_proj"), cfg.q_size(), h)?,
                 k: d.single(&format!("{p}.self_attn.k_proj"), cfg.kv_size(), h)?,
                 v: d.single(&format!("{p}.self_attn.v_proj"), cfg.kv_size(), h)?,

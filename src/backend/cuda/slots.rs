@@ -137,10 +137,18 @@ impl CudaWeights {
                 })
             }
             Loc::QNorm(l) => DeviceSlot::Vector(
-                &mut self.layers[l].qk_norm.as_mut().expect("listed only when present").0,
+                &mut self.layers[l]
+                    .qk_norm
+                    .as_mut()
+                    .expect("listed only when present")
+                    .0,
             ),
             Loc::KNorm(l) => DeviceSlot::Vector(
-                &mut self.layers[l].qk_norm.as_mut().expect("listed only when present").1,
+                &mut self.layers[l]
+                    .qk_norm
+                    .as_mut()
+                    .expect("listed only when present")
+                    .1,
             ),
             Loc::Router(l) => match &mut self.layers[l].mlp {
                 CudaMlp::Moe { router, .. } => whole(router),
@@ -328,7 +336,12 @@ fn checkpoint_parts(
             match &matrix.data {
                 WeightData::F32(w) => vec![f32_part(shape, &down(gpu, w, a, m)?)],
                 WeightData::Bf16(w) => {
-                    vec![owned("weight", Dtype::BF16, shape, bytes_of(&down(gpu, w, a, m)?))]
+                    vec![owned(
+                        "weight",
+                        Dtype::BF16,
+                        shape,
+                        bytes_of(&down(gpu, w, a, m)?),
+                    )]
                 }
                 WeightData::Mxfp8 { data, scales } => vec![
                     owned("weight", Dtype::F8_E4M3, shape, down(gpu, data, a, m)?),
@@ -347,7 +360,12 @@ fn checkpoint_parts(
                 } => {
                     let s = down(gpu, s_dec, expert * groups + group, 1)?[0];
                     vec![
-                        owned("weight", Dtype::U8, vec![*rows, k / 2], down(gpu, data, a / 2, m / 2)?),
+                        owned(
+                            "weight",
+                            Dtype::U8,
+                            vec![*rows, k / 2],
+                            down(gpu, data, a / 2, m / 2)?,
+                        ),
                         owned(
                             "weight_scale",
                             Dtype::F8_E4M3,
@@ -373,13 +391,11 @@ fn fits(name: &str, slot: &DeviceSlot<'_>, r: &Replacement) -> Result<(), CudaEr
     };
     match (slot, r) {
         (DeviceSlot::Vector(v), Replacement::Vector(n)) if v.len() == n.len() => Ok(()),
-        (DeviceSlot::Embedding { table, .. }, Replacement::Embedding(e)) => {
-            match (table, e) {
-                (Table::Bf16(t), DenseWeight::Bf16(n)) if t.len() == n.len() => Ok(()),
-                (Table::F32(t), DenseWeight::F32(n)) if t.len() == n.len() => Ok(()),
-                _ => refuse("the embedding's dtype or size differs from the served table"),
-            }
-        }
+        (DeviceSlot::Embedding { table, .. }, Replacement::Embedding(e)) => match (table, e) {
+            (Table::Bf16(t), DenseWeight::Bf16(n)) if t.len() == n.len() => Ok(()),
+            (Table::F32(t), DenseWeight::F32(n)) if t.len() == n.len() => Ok(()),
+            _ => refuse("the embedding's dtype or size differs from the served table"),
+        },
         (DeviceSlot::Linear { matrix, rows, .. }, Replacement::Linear(l)) => {
             if l.out_features() != *rows || l.in_features() != matrix.k {
                 return refuse("shape differs from the served layer");
@@ -471,7 +487,12 @@ fn write_slot(gpu: &Gpu, slot: DeviceSlot<'_>, r: &Replacement) -> Result<(), Cu
                 ) => {
                     put(gpu, &weight.data, data, a / 2)?;
                     put(gpu, &weight.scales, scales, a / NVFP4_BLOCK)?;
-                    put(gpu, &[weight.global.of_row(0)], s_dec, expert * *groups + group)
+                    put(
+                        gpu,
+                        &[weight.global.of_row(0)],
+                        s_dec,
+                        expert * *groups + group,
+                    )
                 }
                 _ => unreachable!("checked by `fits`"),
             }
