@@ -123,8 +123,7 @@ impl Runner {
                         (model.config.clone(), w, Some(model))
                     }
                     CudaSource::Checkpoint(disk) => {
-                        let (config, w) =
-                            load_to_device(&gpu, &disk).map_err(CudaError::Unsupported)?;
+                        let (config, w) = load_to_device(&gpu, &disk).map_err(CudaError::Load)?;
                         (config, w, None)
                     }
                     CudaSource::Dummy {

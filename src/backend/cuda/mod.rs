@@ -31,4 +31,6 @@ pub enum CudaError {
     Unsupported(String),
     #[error("buffer too small: {0}")]
     Capacity(String),
+    #[error("loading weights: {0}")]
+    Load(String),
 }
