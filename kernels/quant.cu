@@ -241,3 +241,23 @@ extern "C" __global__ void amax_f32(const float* x, u64 n, u32* out) {
         atomicOr(&out[1], any_number);
     }
 }
+
+// x * y with x86-64's NaN results (what the CPU reference computes): a NaN operand comes back
+// quieted (the first one if both are), an invalid product (0 * inf) is the negative default NaN.
+__device__ __forceinline__ float x86_mul(float x, float y) {
+    if (isnan(x)) return __uint_as_float(__float_as_uint(x) | 0x400000u);
+    if (isnan(y)) return __uint_as_float(__float_as_uint(y) | 0x400000u);
+    float r = __fmul_rn(x, y);
+    return isnan(r) ? __uint_as_float(0xffc00000u) : r;
+}
+
+// DeepSeek-style block FP8 at load, bit for bit `quant::fp8_block::dequantize`:
+// out[i, j] = e4m3(q[i, j]) * scale_inv[i / bn, j / bk], scale_inv `[ceil(rows/bn), ceil(cols/bk)]`.
+extern "C" __global__ void fp8_block_dequantize(const u8* q, const float* scale_inv, u64 rows, u64 cols, u64 bn,
+                                                u64 bk, float* out) {
+    u64 n = rows * cols, scale_cols = (cols + bk - 1) / bk;
+    for (u64 idx = blockIdx.x * (u64)blockDim.x + threadIdx.x; idx < n; idx += (u64)gridDim.x * blockDim.x) {
+        u64 i = idx / cols, j = idx - i * cols;
+        out[idx] = x86_mul(e4m3_decode(q[idx]), scale_inv[(i / bn) * scale_cols + j / bk]);
+    }
+}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU test run (shared/GPU.md): on a CUDA host, with binaries built on the dev machine and
-# carried in .bin/ (lockstep, cuda_ops, cuda_bench; see docs/gpu.md), from the repo root:
+# carried in .bin/ (lockstep, cuda_ops, cuda_load, cuda_bench; see docs/gpu.md), from the repo root:
 #   scripts/gpu-check.sh [quick|full] [LOG_DIR]
 # Runs every CUDA-vs-CPU op and model test, a smoke `lockstep serve --device cuda`, and the
 # baseline benchmark (quick: 4 layers, few steps; full: the whole Qwen3-30B-A3B config plus the
@@ -29,6 +29,15 @@ elif "$bin"/cuda_ops --ignored --test-threads=1 --nocapture 2>&1 | tee "$logs/cu
   record "cuda_ops (ops, quantizers, models vs CPU)" "pass"
 else
   record "cuda_ops (ops, quantizers, models vs CPU)" "FAIL (see cuda_ops.log)"
+fi
+
+echo "== checkpoints loaded straight to the GPU vs the uploaded CPU model"
+if [ "${SKIP_TESTS:-0}" = 1 ] || [ ! -x "$bin"/cuda_load ]; then
+  record "cuda_load" "skipped (SKIP_TESTS=1 or no .bin/cuda_load)"
+elif "$bin"/cuda_load --ignored --test-threads=1 --nocapture 2>&1 | tee "$logs/cuda_load.log"; then
+  record "cuda_load (device loading byte for byte, streamed update)" "pass"
+else
+  record "cuda_load (device loading byte for byte, streamed update)" "FAIL (see cuda_load.log)"
 fi
 
 echo "== smoke: lockstep serve --device cuda"

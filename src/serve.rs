@@ -89,6 +89,11 @@ pub struct ServeArgs {
         help_heading = "Model"
     )]
     pub device: DeviceChoice,
+    /// CUDA with --model-path: build the model on the host and upload it, keeping the host
+    /// copy (streamed updates then re-upload the whole model). Off: the checkpoint is loaded
+    /// straight to the GPU and nothing stays on the host.
+    #[arg(long, env = "LOCKSTEP_CUDA_HOST_COPY", help_heading = "Model")]
+    pub cuda_host_copy: bool,
     /// CUDA device ordinal (SGLang's --base-gpu-id).
     #[arg(
         long,
@@ -303,13 +308,15 @@ fn resolve_device(choice: DeviceChoice) -> Result<bool, ServeError> {
 enum Loaded {
     Host(Box<crate::model::Model>),
     DeviceDummy(ModelConfig),
+    /// A checkpoint the engine loads straight to the GPU (only its config read here).
+    DeviceCheckpoint(ModelConfig, crate::engine::DiskWeights),
 }
 
 impl Loaded {
     fn config(&self) -> &ModelConfig {
         match self {
             Loaded::Host(m) => &m.config,
-            Loaded::DeviceDummy(c) => c,
+            Loaded::DeviceDummy(c) | Loaded::DeviceCheckpoint(c, _) => c,
         }
     }
 }
@@ -356,6 +363,17 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
                 .iter()
                 .any(|k| raw.get(*k).and_then(|v| v.as_str()) == Some("float32"));
             let (loaded, recipe) = match args.load_format {
+                LoadFormat::Auto if cuda && !args.cuda_host_copy => {
+                    // Opening reads headers and config only; the engine loads the tensors.
+                    let opened =
+                        loader::open_serving_checkpoint(dir, args.quantization, recipe.clone())?;
+                    let disk = crate::engine::DiskWeights {
+                        dir: dir.clone(),
+                        quantization: args.quantization,
+                        recipe,
+                    };
+                    (Loaded::DeviceCheckpoint(opened.config, disk), opened.recipe)
+                }
                 LoadFormat::Auto => {
                     let (m, r) = loader::load_model(dir, args.quantization, recipe)?;
                     (Loaded::Host(Box::new(m)), r)
@@ -409,8 +427,10 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
         .quantization
         .map(|q| format!("{q:?}").to_lowercase())
         .unwrap_or_else(|| recipe.name.clone());
-    // Slot shapes (what a streamed update may replace) exist for host-built models only.
-    // So is the checksum: dummy weights built on the device have no host copy to hash.
+    // Slot shapes (what a streamed update may replace) and the checksum of host-built models
+    // are known now; those of a checkpoint loaded to the device are published by the engine
+    // once loaded; dummy weights drawn on the device have neither.
+    let weights_on_device = matches!(loaded, Loaded::DeviceCheckpoint(..));
     let (spec, slots, checksum) = match loaded {
         Loaded::Host(mut model) => {
             let slots = model.slot_shapes();
@@ -425,8 +445,18 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
             } else {
                 RunnerSpec::Cpu(*model)
             };
-            (spec, slots, checksum)
+            (spec, std::sync::OnceLock::from(slots), checksum)
         }
+        Loaded::DeviceCheckpoint(_, disk) => (
+            RunnerSpec::Cuda {
+                device: args.base_gpu_id,
+                weights: CudaSource::Checkpoint(disk),
+                mem_fraction_static: args.mem_fraction_static,
+                max_total_tokens: args.max_total_tokens,
+            },
+            std::sync::OnceLock::new(),
+            Default::default(),
+        ),
         Loaded::DeviceDummy(config) => (
             RunnerSpec::Cuda {
                 device: args.base_gpu_id,
@@ -453,6 +483,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
         recipe_hash: recipe.hash(),
         recipe: recipe.clone(),
         slots,
+        weights_on_device,
         max_context_len: context_len,
         block_size: args.page_size,
         weight_version: std::sync::RwLock::new("default".to_string()),

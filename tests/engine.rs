@@ -40,6 +40,7 @@ fn engine_with(
         recipe_hash: recipe.hash(),
         recipe: recipe.clone(),
         slots: Default::default(),
+        weights_on_device: false,
         max_context_len: 512,
         block_size,
         weight_version: std::sync::RwLock::new("v0".into()),

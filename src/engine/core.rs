@@ -95,8 +95,18 @@ impl Engine {
             .spawn(move || {
                 // Start-up is inside the guard too: a failure there must fail /health, not hang.
                 let result = catch_unwind(AssertUnwindSafe(|| {
-                    let runner = Runner::build(spec, &cfg)
+                    let mut runner = Runner::build(spec, &cfg)
                         .unwrap_or_else(|e| panic!("backend start-up failed: {e}"));
+                    // Device-only weights: their slot table and checksum come from the device.
+                    match runner.device_catalog() {
+                        Ok(Some(c)) => {
+                            let _ = info.slots.set(c.slots);
+                            *info.weights_checksum.write().expect("checksum lock") =
+                                ("default".to_string(), Arc::new(c.checksum));
+                        }
+                        Ok(None) => {}
+                        Err(e) => panic!("backend start-up failed: {e}"),
+                    }
                     let mut core = Core::new(runner, info, shared.clone(), &cfg);
                     shared.healthy.store(true, Ordering::Release);
                     core.warm_up();
@@ -321,6 +331,19 @@ impl Core {
             } => {
                 let _ = reply.send(self.swap_model(*model, checksum, version, abort_all));
             }
+            Command::SwapFromDisk {
+                weights,
+                version,
+                abort_all,
+                reply,
+            } => {
+                let result = self.runner.swap_from_disk(&weights).map(|checksum| {
+                    let aborted = self.abort_all_for_update(abort_all);
+                    self.begin_weight_version(version, Arc::new(checksum));
+                    aborted
+                });
+                let _ = reply.send(result);
+            }
             Command::ApplyWeights {
                 updates,
                 checksum,
@@ -351,25 +374,26 @@ impl Core {
         version: String,
         abort_all: bool,
     ) -> Result<usize, EngineError> {
-        let (mut old, mut new) = (self.runner.config().clone(), model.config.clone());
-        old.raw = serde_json::Value::Null;
-        new.raw = serde_json::Value::Null;
-        if old != new {
+        if !super::runner::same_shapes(self.runner.config(), &model.config) {
             return Err(EngineError::Conflict("the new weights' config.json differs from the served model's (architecture or shapes)".into()));
         }
         // Swap first: if the backend refuses the weights, nothing else has changed.
         self.runner.swap(model)?;
-        let aborted = if abort_all {
-            let ids: Vec<SeqId> = self.seqs.keys().copied().collect();
-            for &id in &ids {
-                self.abort(id, "aborted for a weight update");
-            }
-            ids.len()
-        } else {
-            0
-        };
+        let aborted = self.abort_all_for_update(abort_all);
         self.begin_weight_version(version, checksum);
         Ok(aborted)
+    }
+
+    /// With `abort_all`, aborts every request (after new weights are in place).
+    fn abort_all_for_update(&mut self, abort_all: bool) -> usize {
+        if !abort_all {
+            return 0;
+        }
+        let ids: Vec<SeqId> = self.seqs.keys().copied().collect();
+        for &id in &ids {
+            self.abort(id, "aborted for a weight update");
+        }
+        ids.len()
     }
 
     /// After new weights are in place: cached prefix blocks hold KV of the old weights, so

@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 
 pub use self::core::{Engine, EngineConfig};
 pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
-pub use runner::{CudaSource, RunnerSpec};
+pub use runner::{CudaSource, DiskWeights, RunnerSpec};
 
 use crate::model::checksum::WeightsChecksum;
 use crate::model::slots::Replacement;
@@ -61,6 +61,13 @@ pub(crate) enum Command {
         abort_all: bool,
         reply: oneshot::Sender<Result<usize, EngineError>>,
     },
+    /// Load a checkpoint to the device and swap it in (see [`EngineHandle::swap_from_disk`]).
+    SwapFromDisk {
+        weights: DiskWeights,
+        version: String,
+        abort_all: bool,
+        reply: oneshot::Sender<Result<usize, EngineError>>,
+    },
     /// Replace some tensors between two steps (see [`EngineHandle::apply_weights`]).
     ApplyWeights {
         updates: Vec<(String, Replacement)>,
@@ -102,13 +109,27 @@ pub struct EngineInfo {
     pub recipe_hash: String,
     /// The recipe linear layers were quantized with (live updates quantize the same way).
     pub recipe: crate::quant::Recipe,
-    /// Every tensor a live update may replace, by checkpoint name.
-    pub slots: std::collections::BTreeMap<String, crate::model::slots::SlotShape>,
+    /// Every tensor a live update may replace, by checkpoint name: set before the engine
+    /// starts for host-built models, by the engine once device-loaded weights are in place.
+    pub slots:
+        std::sync::OnceLock<std::collections::BTreeMap<String, crate::model::slots::SlotShape>>,
+    /// The weights live only on the device (a checkpoint loaded straight to the GPU): updates
+    /// from disk are loaded by the engine thread, onto the device.
+    pub weights_on_device: bool,
     pub max_context_len: usize,
     pub block_size: usize,
     pub weight_version: std::sync::RwLock<String>,
     /// The served weights' checksum and the version it belongs to (set with the version).
     pub weights_checksum: std::sync::RwLock<(String, Arc<WeightsChecksum>)>,
+}
+
+impl EngineInfo {
+    /// The slot table (empty while unknown, e.g. device-drawn dummy weights).
+    pub fn slots(&self) -> &std::collections::BTreeMap<String, crate::model::slots::SlotShape> {
+        static NONE: std::collections::BTreeMap<String, crate::model::slots::SlotShape> =
+            std::collections::BTreeMap::new();
+        self.slots.get().unwrap_or(&NONE)
+    }
 }
 
 /// A cheap, cloneable handle to the engine thread.
@@ -202,6 +223,27 @@ impl EngineHandle {
         self.send(Command::SwapModel {
             model: Box::new(model),
             checksum,
+            version,
+            abort_all,
+            reply,
+        })?;
+        rx.await
+            .map_err(|_| EngineError::Stopped(self.last_error()))?
+    }
+
+    /// [`EngineHandle::swap_model`] for weights that live only on the device: the engine loads
+    /// the checkpoint `weights` onto the device (generation stands still meanwhile), checks its
+    /// shapes, swaps it in and computes its checksum there. On failure the old weights keep
+    /// serving. Returns how many requests were aborted.
+    pub async fn swap_from_disk(
+        &self,
+        weights: DiskWeights,
+        version: String,
+        abort_all: bool,
+    ) -> Result<usize, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::SwapFromDisk {
+            weights,
             version,
             abort_all,
             reply,

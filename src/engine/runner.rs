@@ -4,7 +4,9 @@
 use crate::backend::cpu::attention::KvMemory;
 use crate::backend::cuda::model::{CudaSizes, CudaWeights};
 use crate::backend::cuda::{CudaError, CudaModel, Gpu};
-use crate::model::slots::Replacement;
+use crate::model::checksum::WeightsChecksum;
+use crate::model::loader::{open_serving_checkpoint, Quantization};
+use crate::model::slots::{Replacement, SlotShape};
 use crate::model::{ForwardBatch, ForwardOutput, Model, ModelConfig};
 use crate::quant::Recipe;
 
@@ -28,12 +30,48 @@ pub enum CudaSource {
     /// A model the CPU loader built from a checkpoint; it is kept in host memory so streamed
     /// updates can be applied to it and re-uploaded.
     Model(Model),
+    /// A checkpoint loaded straight to the device (`CudaWeights::from_checkpoint`): nothing
+    /// stays on the host; streamed updates are written into the device buffers by slot name
+    /// and the checksum is computed from the device.
+    Checkpoint(DiskWeights),
     /// `--load-format dummy`: drawn on the device, nothing on the host.
     Dummy {
         config: ModelConfig,
         recipe: Recipe,
         seed: u64,
     },
+}
+
+/// A checkpoint directory and how to serve it (the server's `--quantization`/`--recipe`).
+#[derive(Clone, Debug)]
+pub struct DiskWeights {
+    pub dir: std::path::PathBuf,
+    pub quantization: Option<Quantization>,
+    pub recipe: Option<Recipe>,
+}
+
+/// The slot table and checksum of weights that live only on the device, published by the
+/// engine once they are loaded.
+pub(crate) struct DeviceCatalog {
+    pub slots: std::collections::BTreeMap<String, SlotShape>,
+    pub checksum: WeightsChecksum,
+}
+
+/// Two configs describe the same shapes (their raw JSON aside).
+pub(crate) fn same_shapes(a: &ModelConfig, b: &ModelConfig) -> bool {
+    let (mut a, mut b) = (a.clone(), b.clone());
+    a.raw = serde_json::Value::Null;
+    b.raw = serde_json::Value::Null;
+    a == b
+}
+
+/// Opens `w` and loads it into device memory.
+fn load_to_device(gpu: &Gpu, w: &DiskWeights) -> Result<(ModelConfig, CudaWeights), String> {
+    let src = open_serving_checkpoint(&w.dir, w.quantization, w.recipe.clone())
+        .map_err(|e| format!("{}: {e}", w.dir.display()))?;
+    let weights =
+        CudaWeights::from_checkpoint(gpu, &src).map_err(|e| format!("{}: {e}", w.dir.display()))?;
+    Ok((src.config, weights))
 }
 
 pub(crate) enum Runner {
@@ -83,6 +121,10 @@ impl Runner {
                     CudaSource::Model(model) => {
                         let w = CudaWeights::upload(&gpu, &model)?;
                         (model.config.clone(), w, Some(model))
+                    }
+                    CudaSource::Checkpoint(disk) => {
+                        let (config, w) = load_to_device(&gpu, &disk).map_err(CudaError::Load)?;
+                        (config, w, None)
                     }
                     CudaSource::Dummy {
                         config,
@@ -167,9 +209,13 @@ impl Runner {
             Runner::Cpu { model, .. } => Ok(model.apply_replacements(updates)),
             Runner::Cuda { model, host } => {
                 let Some(h) = host else {
-                    return Err(EngineError::Conflict(
-                        "streamed weight updates need a model loaded from a checkpoint on the CUDA backend (this one has dummy weights)".into(),
-                    ));
+                    // Weights only on the device: written into its buffers by slot name.
+                    let m = &mut **model;
+                    let config = m.config.clone();
+                    let (gpu, weights) = m.parts_mut();
+                    return weights
+                        .write_replacements(gpu, &config, updates)
+                        .map_err(device_error);
                 };
                 let spent = h.apply_replacements(updates);
                 match CudaWeights::upload(&model.gpu, h) {
@@ -187,6 +233,50 @@ impl Runner {
                 }
             }
         }
+    }
+
+    /// The slot table and checksum of device-only weights loaded from a checkpoint (None for
+    /// the CPU backend, a host copy, or dummy weights).
+    pub(crate) fn device_catalog(&mut self) -> Result<Option<DeviceCatalog>, EngineError> {
+        match self {
+            Runner::Cuda { model, host: None } => {
+                let m = &mut **model;
+                let config = m.config.clone();
+                let (gpu, weights) = m.parts_mut();
+                let slots = weights.slot_shapes(&config);
+                let checksum = weights
+                    .weights_checksum(gpu, &config)
+                    .map_err(device_error)?;
+                Ok(Some(DeviceCatalog { slots, checksum }))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// `/update_weights_from_disk` for device-only weights: the checkpoint is loaded to the
+    /// device beside the served weights (so it needs room for a second copy), its shapes
+    /// checked, then swapped in; on any failure the old weights keep serving. Returns the new
+    /// weights' checksum.
+    pub(crate) fn swap_from_disk(
+        &mut self,
+        w: &DiskWeights,
+    ) -> Result<WeightsChecksum, EngineError> {
+        let Runner::Cuda { model, host } = self else {
+            return Err(EngineError::Conflict(
+                "updates loaded on the engine thread are for device-loaded CUDA weights".into(),
+            ));
+        };
+        let m = &mut **model;
+        let (config, mut new) = load_to_device(&m.gpu, w).map_err(EngineError::Conflict)?;
+        if !same_shapes(&config, &m.config) {
+            return Err(EngineError::Conflict("the new weights' config.json differs from the served model's (architecture or shapes)".into()));
+        }
+        let checksum = new
+            .weights_checksum(&m.gpu, &m.config)
+            .map_err(device_error)?;
+        m.replace_weights(new);
+        *host = None;
+        Ok(checksum)
     }
 }
 

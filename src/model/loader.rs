@@ -25,7 +25,7 @@ pub enum LoadError {
     Quantization { requested: String, reason: String },
 }
 
-fn tensor_err(name: &str, reason: impl ToString) -> LoadError {
+pub(crate) fn tensor_err(name: &str, reason: impl ToString) -> LoadError {
     LoadError::Tensor {
         name: name.to_string(),
         reason: reason.to_string(),
@@ -167,13 +167,7 @@ impl WeightSource<'_> {
             }
             WeightSource::Checkpoint { ckpt, .. } => ckpt,
         };
-        let t = ckpt.tensor(name)?;
-        if t.shape() != [rows, cols] {
-            return Err(tensor_err(
-                name,
-                format!("shape {:?}, expected [{rows}, {cols}]", t.shape()),
-            ));
-        }
+        let t = checked_tensor(ckpt, name, &[rows, cols])?;
         Ok(match t.dtype() {
             Dtype::BF16 => DenseWeight::Bf16(
                 t.data()
@@ -193,10 +187,9 @@ impl WeightSource<'_> {
                         "F8_E4M3 weight without a block-FP8 quantization_config",
                     ));
                 };
-                let scale_name = format!("{}_scale_inv", name);
-                let scale = to_f32(&scale_name, &ckpt.tensor(&scale_name)?)?;
+                let scale = fp8_scale_inv(ckpt, name)?;
                 DenseWeight::F32(
-                    fp8_block::dequantize(&t.data(), &scale, rows, cols, *block)
+                    fp8_block::dequantize(t.data(), &scale, rows, cols, *block)
                         .map_err(|e| tensor_err(name, e))?,
                 )
             }
@@ -226,14 +219,7 @@ impl WeightSource<'_> {
                 Ok(w.to_f32())
             }
             WeightSource::Checkpoint { ckpt, .. } => {
-                let t = ckpt.tensor(name)?;
-                if t.shape() != [len] {
-                    return Err(tensor_err(
-                        name,
-                        format!("shape {:?}, expected [{len}]", t.shape()),
-                    ));
-                }
-                Ok(to_f32(name, &t)?)
+                Ok(to_f32(name, &checked_tensor(ckpt, name, &[len])?)?)
             }
         }
     }
@@ -249,52 +235,142 @@ impl WeightSource<'_> {
         let WeightSource::Checkpoint { ckpt, .. } = self else {
             return Ok(None);
         };
-        let (w_name, s2_name, sinv_name) = (
-            format!("{module}.weight"),
-            format!("{module}.weight_scale_2"),
-            format!("{module}.weight_scale_inv"),
-        );
-        if ckpt.contains(&s2_name) {
-            let w = ckpt.tensor(&w_name)?;
-            let s = ckpt.tensor(&format!("{module}.weight_scale"))?;
-            let g = to_f32(&s2_name, &ckpt.tensor(&s2_name)?)?;
-            if w.shape() != [rows, cols / 2]
-                || s.shape() != [rows, cols / NVFP4_BLOCK]
-                || g.len() != 1
-            {
-                return Err(tensor_err(
-                    &w_name,
-                    format!(
-                        "NVFP4 shapes weight {:?} / weight_scale {:?} do not fit [{rows}, {cols}]",
-                        w.shape(),
-                        s.shape()
-                    ),
-                ));
-            }
-            return Ok(Some(nvfp4_from_parts(
+        Ok(match prequantized_parts(ckpt, module, rows, cols)? {
+            Some(Prequantized::Nvfp4 {
+                data,
+                scales,
+                s_dec,
+            }) => Some(nvfp4_from_parts(
                 rows,
                 cols,
-                w.data().to_vec(),
-                s.data().to_vec(),
-                g[0],
+                data.to_vec(),
+                scales.to_vec(),
+                s_dec,
                 fmt,
-            )));
-        }
-        if ckpt.contains(&sinv_name) && ckpt.tensor(&sinv_name)?.dtype() == Dtype::U8 {
-            let w = ckpt.tensor(&w_name)?;
-            let s = ckpt.tensor(&sinv_name)?;
-            if w.shape() != [rows, cols] || s.shape() != [rows, cols / MXFP8_BLOCK] {
-                return Err(tensor_err(&w_name, format!("MXFP8 shapes weight {:?} / weight_scale_inv {:?} do not fit [{rows}, {cols}]", w.shape(), s.shape())));
+            )),
+            Some(Prequantized::Mxfp8 { data, scales }) => {
+                Some(mxfp8_from_parts(rows, cols, data.to_vec(), scales.to_vec()))
             }
-            return Ok(Some(mxfp8_from_parts(
-                rows,
-                cols,
-                w.data().to_vec(),
-                s.data().to_vec(),
-            )));
-        }
-        Ok(None)
+            None => None,
+        })
     }
+}
+
+/// A linear layer stored already quantized in a checkpoint (`lockstep convert`'s layouts):
+/// its parts as the checkpoint holds them, shapes checked.
+pub enum Prequantized<'a> {
+    /// ModelOpt NVFP4: packed E2M1 `[rows, cols/2]`, E4M3 block scales `[rows, cols/16]` and
+    /// the weight's S_dec (`weight_scale_2`).
+    Nvfp4 {
+        data: &'a [u8],
+        scales: &'a [u8],
+        s_dec: f32,
+    },
+    /// MXFP8: E4M3 `[rows, cols]` and E8M0 `weight_scale_inv` `[rows, cols/32]`.
+    Mxfp8 { data: &'a [u8], scales: &'a [u8] },
+}
+
+/// The stored quantized parts of the linear layer `module`, if the checkpoint has them
+/// (an NVFP4 `weight_scale_2`, or a U8 `weight_scale_inv`: block FP8's is a float tensor).
+pub fn prequantized_parts<'a>(
+    ckpt: &'a Checkpoint,
+    module: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<Option<Prequantized<'a>>, LoadError> {
+    let (w_name, s2_name, sinv_name) = (
+        format!("{module}.weight"),
+        format!("{module}.weight_scale_2"),
+        format!("{module}.weight_scale_inv"),
+    );
+    if ckpt.contains(&s2_name) {
+        let w = ckpt.tensor(&w_name)?;
+        let s = ckpt.tensor(&format!("{module}.weight_scale"))?;
+        let g = to_f32(&s2_name, &ckpt.tensor(&s2_name)?)?;
+        if w.shape() != [rows, cols / 2] || s.shape() != [rows, cols / NVFP4_BLOCK] || g.len() != 1
+        {
+            return Err(tensor_err(
+                &w_name,
+                format!(
+                    "NVFP4 shapes weight {:?} / weight_scale {:?} do not fit [{rows}, {cols}]",
+                    w.shape(),
+                    s.shape()
+                ),
+            ));
+        }
+        return Ok(Some(Prequantized::Nvfp4 {
+            data: w.data(),
+            scales: s.data(),
+            s_dec: g[0],
+        }));
+    }
+    if ckpt.contains(&sinv_name) && ckpt.tensor(&sinv_name)?.dtype() == Dtype::U8 {
+        let w = ckpt.tensor(&w_name)?;
+        let s = ckpt.tensor(&sinv_name)?;
+        if w.shape() != [rows, cols] || s.shape() != [rows, cols / MXFP8_BLOCK] {
+            return Err(tensor_err(
+                &w_name,
+                format!(
+                    "MXFP8 shapes weight {:?} / weight_scale_inv {:?} do not fit [{rows}, {cols}]",
+                    w.shape(),
+                    s.shape()
+                ),
+            ));
+        }
+        return Ok(Some(Prequantized::Mxfp8 {
+            data: w.data(),
+            scales: s.data(),
+        }));
+    }
+    Ok(None)
+}
+
+/// Tensor `name` of the checkpoint, with its shape checked.
+pub fn checked_tensor<'a>(
+    ckpt: &'a Checkpoint,
+    name: &str,
+    shape: &[usize],
+) -> Result<safetensors::tensor::TensorView<'a>, LoadError> {
+    let t = ckpt.tensor(name)?;
+    if t.shape() != shape {
+        return Err(tensor_err(
+            name,
+            format!("shape {:?}, expected {shape:?}", t.shape()),
+        ));
+    }
+    Ok(t)
+}
+
+/// The f32 `weight_scale_inv` of a block-FP8 weight `name`.
+pub fn fp8_scale_inv(ckpt: &Checkpoint, name: &str) -> Result<Vec<f32>, LoadError> {
+    let scale_name = format!("{name}_scale_inv");
+    Ok(to_f32(&scale_name, &ckpt.tensor(&scale_name)?)?)
+}
+
+/// The format the recipe gives linear layer `module` (of `cols` inputs) in a model of
+/// `num_layers` layers.
+pub fn linear_format(
+    recipe: &Recipe,
+    module: &str,
+    num_layers: usize,
+    cols: usize,
+) -> TensorFormat {
+    recipe.format_for(module, num_layers).fitting(cols)
+}
+
+/// Whether an NVFP4 gate/up pair is quantized at load with one shared second-level scale:
+/// both NVFP4 in the recipe and not stored quantized already.
+pub fn gate_up_shares_level(
+    gate: &TensorFormat,
+    up: &TensorFormat,
+    gate_stored_nvfp4: bool,
+) -> bool {
+    gate.format == Format::Nvfp4 && up.format == Format::Nvfp4 && !gate_stored_nvfp4
+}
+
+/// Whether lm_head is the embedding matrix: tied, or a checkpoint without `lm_head.weight`.
+pub fn lm_head_is_embedding(cfg: &ModelConfig, ckpt: Option<&Checkpoint>) -> bool {
+    cfg.tie_word_embeddings || ckpt.is_some_and(|c| !c.contains("lm_head.weight"))
 }
 
 /// How dummy values are drawn for a tensor.
@@ -348,9 +424,7 @@ struct Builder<'a> {
 
 impl Builder<'_> {
     fn format(&self, module: &str, cols: usize) -> TensorFormat {
-        self.recipe
-            .format_for(module, self.num_layers)
-            .fitting(cols)
+        linear_format(self.recipe, module, self.num_layers, cols)
     }
 
     fn linear(
@@ -386,10 +460,11 @@ impl Builder<'_> {
             format!("{prefix}.down_proj"),
         );
         // NVFP4 gate and up share one second-level scale (from the amax of both).
-        let shared = if self.format(&g, hidden).format == Format::Nvfp4
-            && self.format(&u, hidden).format == Format::Nvfp4
-            && !self.src.contains(&format!("{g}.weight_scale_2"))
-        {
+        let shared = if gate_up_shares_level(
+            &self.format(&g, hidden),
+            &self.format(&u, hidden),
+            self.src.contains(&format!("{g}.weight_scale_2")),
+        ) {
             let gw = self
                 .src
                 .dense(
@@ -518,12 +593,23 @@ pub fn build_model(
     Ok(Model::new(cfg, embed, layers, norm, lm_head))
 }
 
-/// Loads a Hugging Face model directory for serving.
-pub fn load_model(
+/// A checkpoint opened for serving: its config, the recipe its layers are served in and its
+/// block-FP8 block size. Shared by the CPU loader and the CUDA device loader.
+pub struct ServingCheckpoint {
+    pub ckpt: Checkpoint,
+    pub config: ModelConfig,
+    pub recipe: Recipe,
+    /// Some for a DeepSeek-style block-FP8 checkpoint: `weight_block_size` (rows, cols).
+    pub fp8_block: Option<(usize, usize)>,
+}
+
+/// Opens a Hugging Face model directory (memory-mapped; no tensor is read yet) and settles
+/// the recipe: `recipe`, else the one `lockstep convert` recorded, then `--quantization`.
+pub fn open_serving_checkpoint(
     dir: &Path,
     quantization: Option<Quantization>,
     recipe: Option<Recipe>,
-) -> Result<(Model, Recipe), LoadError> {
+) -> Result<ServingCheckpoint, LoadError> {
     let ckpt = Checkpoint::open(dir)?;
     let raw = ckpt
         .config()?
@@ -549,16 +635,31 @@ pub fn load_model(
             b.get(1).and_then(|v| v.as_u64()).unwrap_or(128) as usize,
         )
     });
-    let cfg = ModelConfig::from_json(raw)?;
+    let config = ModelConfig::from_json(raw)?;
+    Ok(ServingCheckpoint {
+        ckpt,
+        config,
+        recipe,
+        fp8_block,
+    })
+}
+
+/// Loads a Hugging Face model directory for serving.
+pub fn load_model(
+    dir: &Path,
+    quantization: Option<Quantization>,
+    recipe: Option<Recipe>,
+) -> Result<(Model, Recipe), LoadError> {
+    let s = open_serving_checkpoint(dir, quantization, recipe)?;
     let model = build_model(
-        cfg,
+        s.config,
         WeightSource::Checkpoint {
-            ckpt: &ckpt,
-            fp8_block,
+            ckpt: &s.ckpt,
+            fp8_block: s.fp8_block,
         },
-        &recipe,
+        &s.recipe,
     )?;
-    Ok((model, recipe))
+    Ok((model, s.recipe))
 }
 
 /// A model with deterministic dummy weights (`--load-format dummy`, the embedded default).

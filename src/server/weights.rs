@@ -85,6 +85,9 @@ pub async fn update_weights_from_disk(
     if !body.flush_cache {
         return Err(ApiError::invalid("flush_cache", "flush_cache=false is not supported: the prefix cache always holds KV of the old weights"));
     }
+    if state.engine.info.weights_on_device {
+        return update_on_device(&state, body, path, settings).await;
+    }
     let load_path = path.clone();
     let (model, sum) = tokio::task::spawn_blocking(move || {
         loader::load_model(&load_path, settings.quantization, settings.recipe.clone()).map(
@@ -116,6 +119,40 @@ pub async fn update_weights_from_disk(
         })?;
     tracing::info!(
         "weights updated from {} to version {version}",
+        body.model_path
+    );
+    Ok(Json(
+        json!({"success": true, "message": format!("weights updated to version {version}"), "num_paused_requests": aborted}),
+    ))
+}
+
+/// `/update_weights_from_disk` when the weights live only on the GPU: the engine loads the
+/// checkpoint straight to the device and swaps it in (it stands still while it loads).
+async fn update_on_device(
+    state: &AppState,
+    body: UpdateFromDisk,
+    path: PathBuf,
+    settings: Arc<WeightSettings>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let _commit = state.updates.commit.lock().await;
+    let version = body
+        .weight_version
+        .unwrap_or_else(|| next_version(&state.engine.weight_version()));
+    let weights = crate::engine::DiskWeights {
+        dir: path,
+        quantization: settings.quantization,
+        recipe: settings.recipe.clone(),
+    };
+    let aborted = state
+        .engine
+        .swap_from_disk(weights, version.clone(), body.abort_all_requests)
+        .await
+        .map_err(|e| match e {
+            crate::engine::EngineError::Conflict(m) => ApiError::invalid("model_path", m),
+            other => other.into(),
+        })?;
+    tracing::info!(
+        "weights updated from {} to version {version} (loaded on the device)",
         body.model_path
     );
     Ok(Json(
@@ -255,7 +292,7 @@ pub async fn put_update_weights(
             format!("not a complete safetensors file (cut off?): {e}"),
         )
     })?;
-    let slots = &state.engine.info.slots;
+    let slots = state.engine.info.slots();
     let mut incoming = Vec::new();
     for (name, t) in st.tensors() {
         check_tensor(slots, &name, t.dtype(), t.shape())?;
@@ -527,7 +564,7 @@ fn build_replacements(
     let mut out = Vec::new();
     let mut shared: BTreeMap<String, SecondLevel> = BTreeMap::new();
     for (slot_name, parts) in &modules {
-        let slot = &info.slots[slot_name];
+        let slot = &info.slots()[slot_name];
         let module = slot_name.trim_end_matches(".weight");
         let weight = parts.get("weight").ok_or_else(|| {
             ApiError::invalid(
@@ -543,7 +580,7 @@ fn build_replacements(
                 let mut fmt = info.recipe.format_for(module, num_layers).fitting(*cols);
                 fmt.format = *format;
                 let level = if *format == Format::Nvfp4 {
-                    gate_up_level(module, &info.slots, &modules, fmt, &mut shared)?
+                    gate_up_level(module, info.slots(), &modules, fmt, &mut shared)?
                 } else {
                     None
                 };

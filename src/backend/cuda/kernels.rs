@@ -105,6 +105,7 @@ kernels! {
     Nvfp4QuantizeBf16 => (Quant, "nvfp4_quantize_bf16"),
     AmaxBf16 => (Quant, "amax_bf16"),
     AmaxF32 => (Quant, "amax_f32"),
+    Fp8BlockDequantize => (Quant, "fp8_block_dequantize"),
     GroupedGemmF32 => (Gemm, "grouped_gemm_f32"),
     GroupedGemmBf16 => (Gemm, "grouped_gemm_bf16"),
     GroupedGemmMxfp8 => (Gemm, "grouped_gemm_mxfp8"),

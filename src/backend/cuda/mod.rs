@@ -8,8 +8,10 @@
 
 pub mod device;
 pub mod kernels;
+pub mod load;
 pub mod model;
 pub mod ops;
+pub mod slots;
 pub mod weights;
 
 pub use device::{device_count, Gpu};
@@ -29,4 +31,6 @@ pub enum CudaError {
     Unsupported(String),
     #[error("buffer too small: {0}")]
     Capacity(String),
+    #[error("loading weights: {0}")]
+    Load(String),
 }

@@ -714,6 +714,51 @@ pub fn nvfp4_quantize_bf16(
     )
 }
 
+/// Block-FP8 weights dequantized on the device, bit for bit `quant::fp8_block::dequantize`:
+/// `q` E4M3 `[rows, cols]`, `scale_inv` `[ceil(rows/bn), ceil(cols/bk)]` (checked by the caller).
+#[allow(clippy::too_many_arguments)]
+pub fn fp8_block_dequantize(
+    gpu: &Gpu,
+    q: &CudaSlice<u8>,
+    scale_inv: &CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+    block: (usize, usize),
+    out: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    let (bn, bk) = block;
+    if bn == 0 || bk == 0 {
+        return Err(CudaError::Capacity(
+            "weight_block_size must be positive".into(),
+        ));
+    }
+    let n = rows * cols;
+    need(q, n, "fp8 dequantize q")?;
+    need(
+        scale_inv,
+        rows.div_ceil(bn) * cols.div_ceil(bk),
+        "fp8 dequantize scale_inv",
+    )?;
+    need(out, n, "fp8 dequantize out")?;
+    if n == 0 {
+        return Ok(());
+    }
+    gpu.launch(
+        Kernel::Fp8BlockDequantize,
+        (gpu.grid_for(n, BLOCK), 1, 1),
+        BLOCK,
+        &[
+            ptr(gpu, q),
+            ptr(gpu, scale_inv),
+            Arg::U64(rows as u64),
+            Arg::U64(cols as u64),
+            Arg::U64(bn as u64),
+            Arg::U64(bk as u64),
+            ptr(gpu, out),
+        ],
+    )
+}
+
 /// Element types the quantizers read: f32 activations, BF16 weights (as raw bits).
 pub trait QuantInput: cudarc::driver::DeviceRepr {
     const AMAX: Kernel;

@@ -1,0 +1,502 @@
+//! The device weights by checkpoint name, for weights that live only on the GPU: the slot
+//! table a live update is checked against, the checksum in checkpoint layout (each tensor
+//! downloaded and hashed in turn), and streamed replacements written into the existing device
+//! buffers. Names and layouts follow [`crate::model::slots`] for the host model exactly.
+
+use std::collections::BTreeMap;
+
+use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use safetensors::tensor::Dtype;
+
+use super::model::{CudaMlp, CudaWeights};
+use super::ops::{Table, WeightData};
+use super::weights::GpuMatrix;
+use super::{CudaError, Gpu};
+use crate::backend::cpu::linear::DenseWeight;
+use crate::backend::Storage;
+use crate::checkpoint::CheckpointPart;
+use crate::model::checksum::WeightsChecksum;
+use crate::model::slots::{Replacement, SlotShape};
+use crate::model::ModelConfig;
+use crate::quant::{Format, MXFP8_BLOCK, NVFP4_BLOCK};
+
+/// Where one checkpoint tensor lives on the device.
+enum DeviceSlot<'a> {
+    /// Rows `row0..row0 + rows` of matrix `expert` of a stack: group `group` of its parts.
+    Linear {
+        matrix: &'a mut GpuMatrix,
+        expert: usize,
+        group: usize,
+        row0: usize,
+        rows: usize,
+    },
+    Vector(&'a mut CudaSlice<f32>),
+    /// The table, and lm_head when it is tied to it (kept equal on update).
+    Embedding {
+        table: &'a mut Table,
+        tied_head: Option<&'a mut GpuMatrix>,
+        cols: usize,
+    },
+}
+
+fn whole(matrix: &mut GpuMatrix) -> DeviceSlot<'_> {
+    let rows = matrix.n;
+    DeviceSlot::Linear {
+        matrix,
+        expert: 0,
+        group: 0,
+        row0: 0,
+        rows,
+    }
+}
+
+/// Which buffer a slot lives in (resolved to a [`DeviceSlot`] one at a time).
+#[derive(Clone, Copy)]
+enum Loc {
+    Embedding,
+    Norm,
+    LmHead,
+    InputNorm(usize),
+    PostAttentionNorm(usize),
+    /// q, k, v, o.
+    Attention(usize, usize),
+    QNorm(usize),
+    KNorm(usize),
+    Router(usize),
+    /// Layer, expert (0 for a dense MLP), 0 gate / 1 up.
+    GateUp(usize, usize, usize),
+    Down(usize, usize),
+}
+
+impl CudaWeights {
+    /// Every slot in [`crate::model::Model`]'s order and names.
+    fn slot_locations(&self, cfg: &ModelConfig) -> Vec<(String, Loc)> {
+        let mut out = vec![
+            ("model.embed_tokens.weight".to_string(), Loc::Embedding),
+            ("model.norm.weight".to_string(), Loc::Norm),
+        ];
+        if !cfg.tie_word_embeddings && self.lm_head.is_some() {
+            out.push(("lm_head.weight".into(), Loc::LmHead));
+        }
+        for (l, layer) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{l}");
+            out.push((format!("{p}.input_layernorm.weight"), Loc::InputNorm(l)));
+            out.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                Loc::PostAttentionNorm(l),
+            ));
+            for (i, name) in ["q_proj", "k_proj", "v_proj", "o_proj"].iter().enumerate() {
+                out.push((format!("{p}.self_attn.{name}.weight"), Loc::Attention(l, i)));
+            }
+            if layer.qk_norm.is_some() {
+                out.push((format!("{p}.self_attn.q_norm.weight"), Loc::QNorm(l)));
+                out.push((format!("{p}.self_attn.k_norm.weight"), Loc::KNorm(l)));
+            }
+            let prefixes: Vec<String> = match &layer.mlp {
+                CudaMlp::Dense { .. } => vec![format!("{p}.mlp")],
+                CudaMlp::Moe { experts, .. } => {
+                    out.push((format!("{p}.mlp.gate.weight"), Loc::Router(l)));
+                    (0..*experts)
+                        .map(|e| format!("{p}.mlp.experts.{e}"))
+                        .collect()
+                }
+            };
+            for (e, prefix) in prefixes.iter().enumerate() {
+                out.push((format!("{prefix}.gate_proj.weight"), Loc::GateUp(l, e, 0)));
+                out.push((format!("{prefix}.up_proj.weight"), Loc::GateUp(l, e, 1)));
+                out.push((format!("{prefix}.down_proj.weight"), Loc::Down(l, e)));
+            }
+        }
+        out
+    }
+
+    fn slot(&mut self, loc: Loc, cfg: &ModelConfig) -> DeviceSlot<'_> {
+        match loc {
+            Loc::Embedding => DeviceSlot::Embedding {
+                table: &mut self.embed,
+                tied_head: if cfg.tie_word_embeddings {
+                    self.lm_head.as_mut()
+                } else {
+                    None
+                },
+                cols: cfg.hidden_size,
+            },
+            Loc::Norm => DeviceSlot::Vector(&mut self.norm),
+            Loc::LmHead => whole(self.lm_head.as_mut().expect("listed only when present")),
+            Loc::InputNorm(l) => DeviceSlot::Vector(&mut self.layers[l].input_norm),
+            Loc::PostAttentionNorm(l) => {
+                DeviceSlot::Vector(&mut self.layers[l].post_attention_norm)
+            }
+            Loc::Attention(l, i) => {
+                let layer = &mut self.layers[l];
+                whole(match i {
+                    0 => &mut layer.q,
+                    1 => &mut layer.k,
+                    2 => &mut layer.v,
+                    _ => &mut layer.o,
+                })
+            }
+            Loc::QNorm(l) => DeviceSlot::Vector(
+                &mut self.layers[l]
+                    .qk_norm
+                    .as_mut()
+                    .expect("listed only when present")
+                    .0,
+            ),
+            Loc::KNorm(l) => DeviceSlot::Vector(
+                &mut self.layers[l]
+                    .qk_norm
+                    .as_mut()
+                    .expect("listed only when present")
+                    .1,
+            ),
+            Loc::Router(l) => match &mut self.layers[l].mlp {
+                CudaMlp::Moe { router, .. } => whole(router),
+                CudaMlp::Dense { .. } => unreachable!("listed only for MoE layers"),
+            },
+            Loc::GateUp(l, e, group) => {
+                let (CudaMlp::Dense { gate_up, inter, .. } | CudaMlp::Moe { gate_up, inter, .. }) =
+                    &mut self.layers[l].mlp;
+                let inter = *inter;
+                DeviceSlot::Linear {
+                    matrix: gate_up,
+                    expert: e,
+                    group,
+                    row0: group * inter,
+                    rows: inter,
+                }
+            }
+            Loc::Down(l, e) => {
+                let (CudaMlp::Dense { down, .. } | CudaMlp::Moe { down, .. }) =
+                    &mut self.layers[l].mlp;
+                let rows = down.n;
+                DeviceSlot::Linear {
+                    matrix: down,
+                    expert: e,
+                    group: 0,
+                    row0: 0,
+                    rows,
+                }
+            }
+        }
+    }
+
+    /// What a live update may replace, by checkpoint name (as `Model::slot_shapes`).
+    pub fn slot_shapes(&mut self, cfg: &ModelConfig) -> BTreeMap<String, SlotShape> {
+        self.slot_locations(cfg)
+            .into_iter()
+            .map(|(name, loc)| {
+                let shape = match self.slot(loc, cfg) {
+                    DeviceSlot::Linear { matrix, rows, .. } => SlotShape::Linear {
+                        rows,
+                        cols: matrix.k,
+                        format: match matrix.data {
+                            WeightData::F32(_) | WeightData::Bf16(_) => Format::Bf16,
+                            WeightData::Mxfp8 { .. } => Format::Mxfp8,
+                            WeightData::Nvfp4 { .. } => Format::Nvfp4,
+                        },
+                    },
+                    DeviceSlot::Vector(v) => SlotShape::Vector { len: v.len() },
+                    DeviceSlot::Embedding { table, cols, .. } => SlotShape::Embedding {
+                        rows: table_len(table) / cols,
+                        cols,
+                    },
+                };
+                (name, shape)
+            })
+            .collect()
+    }
+
+    /// Every tensor in checkpoint layout, downloaded one slot at a time and hashed (the same
+    /// bytes and hashes as `Model::weights_checksum` of the equal host model).
+    pub fn weights_checksum(
+        &mut self,
+        gpu: &Gpu,
+        cfg: &ModelConfig,
+    ) -> Result<WeightsChecksum, CudaError> {
+        let mut sum = WeightsChecksum::default();
+        for (name, loc) in self.slot_locations(cfg) {
+            let module = name.strip_suffix(".weight").unwrap_or(&name).to_string();
+            let parts = checkpoint_parts(gpu, &self.slot(loc, cfg))?;
+            sum.insert_parts(&module, &parts);
+        }
+        Ok(sum)
+    }
+
+    /// Writes validated replacements (names from the slot table) into the device buffers the
+    /// weights already live in: every replacement is checked against its slot before any is
+    /// written, so a refused update changes nothing. Returns the replacements, for the caller
+    /// to free off the engine thread.
+    pub fn write_replacements(
+        &mut self,
+        gpu: &Gpu,
+        cfg: &ModelConfig,
+        updates: Vec<(String, Replacement)>,
+    ) -> Result<Vec<Replacement>, CudaError> {
+        let mut updates: BTreeMap<String, Replacement> = updates.into_iter().collect();
+        let mut pairs = Vec::with_capacity(updates.len());
+        for (name, loc) in self.slot_locations(cfg) {
+            if let Some(r) = updates.remove(&name) {
+                fits(&name, &self.slot(loc, cfg), &r)?;
+                pairs.push((loc, r));
+            }
+        }
+        if !updates.is_empty() {
+            return Err(CudaError::Unsupported(format!(
+                "unknown weight names: {:?}",
+                updates.keys().collect::<Vec<_>>()
+            )));
+        }
+        let mut spent = Vec::with_capacity(pairs.len());
+        for (loc, r) in pairs {
+            write_slot(gpu, self.slot(loc, cfg), &r)?;
+            spent.push(r);
+        }
+        gpu.synchronize()?;
+        Ok(spent)
+    }
+}
+
+fn table_len(t: &Table) -> usize {
+    match t {
+        Table::Bf16(t) => t.len(),
+        Table::F32(t) => t.len(),
+    }
+}
+
+fn down<T: DeviceRepr + Default + Clone + ValidAsZeroBits>(
+    gpu: &Gpu,
+    s: &CudaSlice<T>,
+    from: usize,
+    len: usize,
+) -> Result<Vec<T>, CudaError> {
+    let mut host = vec![T::default(); len];
+    if len > 0 {
+        gpu.stream
+            .memcpy_dtoh(&s.slice(from..from + len), &mut host)?;
+    }
+    Ok(host)
+}
+
+fn bytes_of<T: bytemuck::Pod>(v: &[T]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+/// A high-precision tensor as `CheckpointPart::from_f32` writes it (BF16 when every value is
+/// one), owned.
+fn f32_part(shape: Vec<usize>, values: &[f32]) -> CheckpointPart<'static> {
+    CheckpointPart::from_f32("weight", shape, values).into_owned()
+}
+
+fn scalar(suffix: &'static str, v: f32) -> CheckpointPart<'static> {
+    CheckpointPart {
+        suffix,
+        dtype: Dtype::F32,
+        shape: vec![],
+        data: std::borrow::Cow::Owned(v.to_le_bytes().to_vec()),
+    }
+}
+
+/// One slot's tensors in checkpoint layout (the host `Linear::checkpoint_parts`).
+fn checkpoint_parts(
+    gpu: &Gpu,
+    slot: &DeviceSlot<'_>,
+) -> Result<Vec<CheckpointPart<'static>>, CudaError> {
+    let owned = |suffix, dtype, shape, data: Vec<u8>| CheckpointPart {
+        suffix,
+        dtype,
+        shape,
+        data: std::borrow::Cow::Owned(data),
+    };
+    Ok(match slot {
+        DeviceSlot::Vector(v) => vec![f32_part(vec![v.len()], &down(gpu, v, 0, v.len())?)],
+        DeviceSlot::Embedding { table, cols, .. } => {
+            let shape = vec![table_len(table) / cols, *cols];
+            match table {
+                Table::Bf16(t) => vec![owned(
+                    "weight",
+                    Dtype::BF16,
+                    shape,
+                    bytes_of(&down(gpu, t, 0, t.len())?),
+                )],
+                Table::F32(t) => vec![f32_part(shape, &down(gpu, t, 0, t.len())?)],
+            }
+        }
+        DeviceSlot::Linear {
+            matrix,
+            expert,
+            group,
+            row0,
+            rows,
+        } => {
+            let k = matrix.k;
+            let a = (expert * matrix.n + row0) * k;
+            let m = rows * k;
+            let shape = vec![*rows, k];
+            match &matrix.data {
+                WeightData::F32(w) => vec![f32_part(shape, &down(gpu, w, a, m)?)],
+                WeightData::Bf16(w) => {
+                    vec![owned(
+                        "weight",
+                        Dtype::BF16,
+                        shape,
+                        bytes_of(&down(gpu, w, a, m)?),
+                    )]
+                }
+                WeightData::Mxfp8 { data, scales } => vec![
+                    owned("weight", Dtype::F8_E4M3, shape, down(gpu, data, a, m)?),
+                    owned(
+                        "weight_scale_inv",
+                        Dtype::U8,
+                        vec![*rows, k / MXFP8_BLOCK],
+                        down(gpu, scales, a / MXFP8_BLOCK, m / MXFP8_BLOCK)?,
+                    ),
+                ],
+                WeightData::Nvfp4 {
+                    data,
+                    scales,
+                    s_dec,
+                    groups,
+                } => {
+                    let s = down(gpu, s_dec, expert * groups + group, 1)?[0];
+                    vec![
+                        owned(
+                            "weight",
+                            Dtype::U8,
+                            vec![*rows, k / 2],
+                            down(gpu, data, a / 2, m / 2)?,
+                        ),
+                        owned(
+                            "weight_scale",
+                            Dtype::F8_E4M3,
+                            vec![*rows, k / NVFP4_BLOCK],
+                            down(gpu, scales, a / NVFP4_BLOCK, m / NVFP4_BLOCK)?,
+                        ),
+                        scalar("weight_scale_2", s),
+                        // As the host layer writes it: activations are scaled per token.
+                        scalar("input_scale", 1.0),
+                    ]
+                }
+            }
+        }
+    })
+}
+
+/// Checks that `r` has the kind, storage and size of `slot`.
+fn fits(name: &str, slot: &DeviceSlot<'_>, r: &Replacement) -> Result<(), CudaError> {
+    let refuse = |why: &str| {
+        Err(CudaError::Unsupported(format!(
+            "replacement for `{name}`: {why}"
+        )))
+    };
+    match (slot, r) {
+        (DeviceSlot::Vector(v), Replacement::Vector(n)) if v.len() == n.len() => Ok(()),
+        (DeviceSlot::Embedding { table, .. }, Replacement::Embedding(e)) => match (table, e) {
+            (Table::Bf16(t), DenseWeight::Bf16(n)) if t.len() == n.len() => Ok(()),
+            (Table::F32(t), DenseWeight::F32(n)) if t.len() == n.len() => Ok(()),
+            _ => refuse("the embedding's dtype or size differs from the served table"),
+        },
+        (DeviceSlot::Linear { matrix, rows, .. }, Replacement::Linear(l)) => {
+            if l.out_features() != *rows || l.in_features() != matrix.k {
+                return refuse("shape differs from the served layer");
+            }
+            let same = matches!(
+                (&matrix.data, l.storage()),
+                (WeightData::F32(_), Storage::F32(_))
+                    | (WeightData::Bf16(_), Storage::Bf16(_))
+                    | (WeightData::Mxfp8 { .. }, Storage::Mxfp8(_))
+                    | (WeightData::Nvfp4 { .. }, Storage::Nvfp4 { .. })
+            );
+            if same {
+                Ok(())
+            } else {
+                refuse("storage format differs from the served layer")
+            }
+        }
+        _ => refuse("the wrong kind of tensor"),
+    }
+}
+
+fn put<T: DeviceRepr>(
+    gpu: &Gpu,
+    host: &[T],
+    dev: &mut CudaSlice<T>,
+    at: usize,
+) -> Result<(), CudaError> {
+    if !host.is_empty() {
+        gpu.stream
+            .memcpy_htod(host, &mut dev.slice_mut(at..at + host.len()))?;
+    }
+    Ok(())
+}
+
+/// Copies a checked replacement into its slot's device buffers.
+fn write_slot(gpu: &Gpu, slot: DeviceSlot<'_>, r: &Replacement) -> Result<(), CudaError> {
+    match (slot, r) {
+        (DeviceSlot::Vector(v), Replacement::Vector(n)) => put(gpu, n, v, 0),
+        (
+            DeviceSlot::Embedding {
+                table, tied_head, ..
+            },
+            Replacement::Embedding(e),
+        ) => {
+            match (table, e) {
+                (Table::Bf16(t), DenseWeight::Bf16(n)) => {
+                    put(gpu, bytemuck::cast_slice::<_, u16>(n), t, 0)?
+                }
+                (Table::F32(t), DenseWeight::F32(n)) => put(gpu, n, t, 0)?,
+                _ => unreachable!("checked by `fits`"),
+            }
+            // Tied: lm_head is the embedding matrix (the host model rebuilds it likewise).
+            match (tied_head.map(|h| &mut h.data), e) {
+                (Some(WeightData::Bf16(h)), DenseWeight::Bf16(n)) => {
+                    put(gpu, bytemuck::cast_slice::<_, u16>(n), h, 0)
+                }
+                (Some(WeightData::F32(h)), DenseWeight::F32(n)) => put(gpu, n, h, 0),
+                _ => Ok(()),
+            }
+        }
+        (
+            DeviceSlot::Linear {
+                matrix,
+                expert,
+                group,
+                row0,
+                ..
+            },
+            Replacement::Linear(l),
+        ) => {
+            let a = (expert * matrix.n + row0) * matrix.k;
+            match (&mut matrix.data, l.storage()) {
+                (WeightData::F32(w), Storage::F32(n)) => put(gpu, n, w, a),
+                (WeightData::Bf16(w), Storage::Bf16(n)) => {
+                    put(gpu, bytemuck::cast_slice::<_, u16>(n), w, a)
+                }
+                (WeightData::Mxfp8 { data, scales }, Storage::Mxfp8(t)) => {
+                    put(gpu, &t.data, data, a)?;
+                    put(gpu, &t.scales, scales, a / MXFP8_BLOCK)
+                }
+                (
+                    WeightData::Nvfp4 {
+                        data,
+                        scales,
+                        s_dec,
+                        groups,
+                    },
+                    Storage::Nvfp4 { weight, .. },
+                ) => {
+                    put(gpu, &weight.data, data, a / 2)?;
+                    put(gpu, &weight.scales, scales, a / NVFP4_BLOCK)?;
+                    put(
+                        gpu,
+                        &[weight.global.of_row(0)],
+                        s_dec,
+                        expert * *groups + group,
+                    )
+                }
+                _ => unreachable!("checked by `fits`"),
+            }
+        }
+        _ => unreachable!("checked by `fits`"),
+    }
+}

@@ -1,0 +1,472 @@
+//! Checkpoints loaded straight to the GPU (`CudaWeights::from_checkpoint`) against the CPU
+//! loader's model uploaded (`CudaWeights::upload(load_model(..))`): every device buffer equal
+//! byte for byte, the same slot table and checksum, identical logits; and a streamed update
+//! written into device-loaded weights equal to the same update applied to the host model.
+//! These need an NVIDIA GPU, so they are `#[ignore]`d here and run on the GPU host by
+//! scripts/gpu-check.sh (`cuda_load --ignored`), from the repository root.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use lockstep::backend::cpu::linear::{DenseF32, DenseWeight};
+use lockstep::backend::cuda::model::{CudaMlp, CudaModel, CudaSizes, CudaWeights};
+use lockstep::backend::cuda::ops::{Table, WeightData};
+use lockstep::backend::cuda::weights::GpuMatrix;
+use lockstep::backend::cuda::Gpu;
+use lockstep::backend::Linear;
+use lockstep::checkpoint::{write_file, Checkpoint, OwnedTensor};
+use lockstep::model::loader::{dummy_model, load_model, open_serving_checkpoint, Quantization};
+use lockstep::model::slots::Replacement;
+use lockstep::model::{ForwardBatch, Mlp, Model, ModelConfig, SeqInput};
+use lockstep::quant::Recipe;
+use safetensors::tensor::Dtype;
+
+fn seed() -> u64 {
+    std::env::var("LOCKSTEP_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                % 1_000_000
+        })
+}
+
+fn gpu() -> Gpu {
+    Gpu::open(0).expect("a CUDA device")
+}
+
+fn embedded_config() -> serde_json::Value {
+    serde_json::from_str(lockstep::serve::EMBEDDED_CONFIG).unwrap()
+}
+
+fn write_checkpoint(dir: &Path, tensors: BTreeMap<String, OwnedTensor>, config: serde_json::Value) {
+    std::fs::create_dir_all(dir).unwrap();
+    write_file(&dir.join("model.safetensors"), &tensors, None).unwrap();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+}
+
+/// A BF16 checkpoint of the embedded Qwen3-MoE with fresh random weights.
+fn bf16_checkpoint(dir: &Path, seed: u64) {
+    let cfg = ModelConfig::from_json(embedded_config()).unwrap();
+    let mut m = dummy_model(cfg, &Recipe::bf16(), seed).unwrap();
+    write_checkpoint(
+        dir,
+        m.checkpoint_tensors().into_iter().collect(),
+        embedded_config(),
+    );
+}
+
+/// The same model as a DeepSeek-style block-FP8 checkpoint with a ragged block (48 x 80) and
+/// random per-block scales, so the device dequantization's indexing is exercised.
+fn block_fp8_checkpoint(bf16_dir: &Path, dir: &Path, seed: u64) {
+    let (bn, bk) = (48usize, 80usize);
+    let src = Checkpoint::open(bf16_dir).unwrap();
+    let mut s = seed | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 40) as f32 / (1u64 << 24) as f32
+    };
+    let mut tensors = BTreeMap::new();
+    for name in src.names() {
+        let t = src.tensor(name).unwrap();
+        let owned = OwnedTensor::from_view(&t);
+        if !(t.shape().len() == 2 && name.ends_with("_proj.weight")) {
+            tensors.insert(name.to_string(), owned);
+            continue;
+        }
+        let (rows, cols) = (t.shape()[0], t.shape()[1]);
+        let x = lockstep::checkpoint::to_f32(name, &t).unwrap();
+        let scales: Vec<f32> = (0..rows.div_ceil(bn) * cols.div_ceil(bk))
+            .map(|_| 2f32.powi(-9) * (0.5 + next()))
+            .collect();
+        let q: Vec<u8> = x
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| {
+                let s = scales[(i / cols / bn) * cols.div_ceil(bk) + (i % cols) / bk];
+                lockstep::quant::codec::e4m3_encode(v / s)
+            })
+            .collect();
+        tensors.insert(
+            format!("{name}_scale_inv"),
+            OwnedTensor::f32(vec![rows.div_ceil(bn), cols.div_ceil(bk)], &scales),
+        );
+        tensors.insert(
+            name.to_string(),
+            OwnedTensor::new(Dtype::F8_E4M3, vec![rows, cols], q),
+        );
+    }
+    let mut config = embedded_config();
+    config["quantization_config"] =
+        serde_json::json!({"quant_method": "fp8", "weight_block_size": [bn, bk]});
+    write_checkpoint(dir, tensors, config);
+}
+
+/// `lockstep convert` of `src` under a built-in recipe.
+fn converted(src: &Path, out: &Path, recipe: &str) {
+    let recipe = Recipe::builtin(recipe).unwrap();
+    lockstep::convert::convert(&lockstep::convert::ConvertOptions {
+        input: src,
+        output: out,
+        recipe: &recipe,
+        max_shard_bytes: 1 << 20,
+        progress: false,
+    })
+    .unwrap();
+}
+
+fn bytes<T: cudarc::driver::DeviceRepr + Default + Clone + bytemuck::Pod>(
+    g: &Gpu,
+    s: &cudarc::driver::CudaSlice<T>,
+) -> Vec<u8> {
+    bytemuck::cast_slice(&g.download(s, s.len()).unwrap()).to_vec()
+}
+
+fn matrix_buffers(g: &Gpu, what: &str, m: &GpuMatrix, out: &mut Vec<(String, Vec<u8>)>) {
+    out.push((
+        format!("{what} shape/act"),
+        format!("{} {} {} {:?}", m.experts, m.n, m.k, m.act).into_bytes(),
+    ));
+    match &m.data {
+        WeightData::F32(d) => out.push((format!("{what} f32"), bytes(g, d))),
+        WeightData::Bf16(d) => out.push((format!("{what} bf16"), bytes(g, d))),
+        WeightData::Mxfp8 { data, scales } => {
+            out.push((format!("{what} mxfp8 data"), bytes(g, data)));
+            out.push((format!("{what} mxfp8 scales"), bytes(g, scales)));
+        }
+        WeightData::Nvfp4 {
+            data,
+            scales,
+            s_dec,
+            groups,
+        } => {
+            out.push((format!("{what} nvfp4 data"), bytes(g, data)));
+            out.push((format!("{what} nvfp4 scales"), bytes(g, scales)));
+            out.push((format!("{what} nvfp4 s_dec"), bytes(g, s_dec)));
+            out.push((
+                format!("{what} nvfp4 groups"),
+                groups.to_le_bytes().to_vec(),
+            ));
+        }
+    }
+}
+
+/// Every device buffer of `w`, named, downloaded.
+fn buffers(g: &Gpu, w: &CudaWeights) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    match &w.embed {
+        Table::Bf16(t) => out.push(("embed bf16".into(), bytes(g, t))),
+        Table::F32(t) => out.push(("embed f32".into(), bytes(g, t))),
+    }
+    if let Some(h) = &w.lm_head {
+        matrix_buffers(g, "lm_head", h, &mut out);
+    }
+    out.push(("norm".into(), bytes(g, &w.norm)));
+    for (l, layer) in w.layers.iter().enumerate() {
+        let p = format!("layer {l}");
+        out.push((format!("{p} input_norm"), bytes(g, &layer.input_norm)));
+        out.push((
+            format!("{p} post_norm"),
+            bytes(g, &layer.post_attention_norm),
+        ));
+        if let Some((q, k)) = &layer.qk_norm {
+            out.push((format!("{p} q_norm"), bytes(g, q)));
+            out.push((format!("{p} k_norm"), bytes(g, k)));
+        }
+        for (n, m) in [
+            ("q", &layer.q),
+            ("k", &layer.k),
+            ("v", &layer.v),
+            ("o", &layer.o),
+        ] {
+            matrix_buffers(g, &format!("{p} {n}"), m, &mut out);
+        }
+        match &layer.mlp {
+            CudaMlp::Dense {
+                gate_up,
+                down,
+                inter,
+            } => {
+                out.push((format!("{p} inter"), inter.to_le_bytes().to_vec()));
+                matrix_buffers(g, &format!("{p} gate_up"), gate_up, &mut out);
+                matrix_buffers(g, &format!("{p} down"), down, &mut out);
+            }
+            CudaMlp::Moe {
+                router,
+                gate_up,
+                down,
+                inter,
+                experts,
+                top_k,
+                renormalize,
+            } => {
+                out.push((
+                    format!("{p} moe"),
+                    format!("{inter} {experts} {top_k} {renormalize}").into_bytes(),
+                ));
+                matrix_buffers(g, &format!("{p} router"), router, &mut out);
+                matrix_buffers(g, &format!("{p} gate_up"), gate_up, &mut out);
+                matrix_buffers(g, &format!("{p} down"), down, &mut out);
+            }
+        }
+    }
+    out
+}
+
+fn assert_same_buffers(what: &str, got: &[(String, Vec<u8>)], want: &[(String, Vec<u8>)]) {
+    assert_eq!(got.len(), want.len(), "{what}: buffer count");
+    for ((gn, gb), (wn, wb)) in got.iter().zip(want) {
+        assert_eq!(gn, wn, "{what}: buffer order");
+        assert!(gb == wb, "{what}: `{gn}` differs from the uploaded model's");
+    }
+}
+
+fn sizes() -> CudaSizes {
+    CudaSizes {
+        max_batch_tokens: 64,
+        max_running_requests: 4,
+        block_size: 4,
+        max_context_len: 64,
+        mem_fraction_static: 0.9,
+        max_total_tokens: Some(64),
+    }
+}
+
+/// Two prefill chunks and a decode step; the logits and routed experts of every step.
+fn run_steps(m: &mut CudaModel, seed: u64) -> Vec<(Vec<u32>, Vec<i32>)> {
+    let vocab = m.config.vocab_size.min(250) as u64;
+    let a: Vec<u32> = (0..13).map(|i| ((seed + i * 31) % vocab) as u32).collect();
+    let b: Vec<u32> = (0..6)
+        .map(|i| ((seed * 7 + i * 17) % vocab) as u32)
+        .collect();
+    let (ta, tb): (Vec<u32>, Vec<u32>) = ((0..5).rev().collect(), (5..8).collect());
+    let steps: Vec<Vec<(&[u32], usize, &[u32])>> = vec![
+        vec![(&a[..8], 0, &ta[..])],
+        vec![(&a[8..], 8, &ta[..]), (&b[..], 0, &tb[..])],
+        vec![(&a[..1], 13, &ta[..]), (&b[..1], 6, &tb[..])],
+    ];
+    steps
+        .into_iter()
+        .map(|step| {
+            let batch = ForwardBatch {
+                seqs: step
+                    .iter()
+                    .map(|&(tokens, start_pos, block_table)| SeqInput {
+                        tokens,
+                        start_pos,
+                        block_table,
+                        logits_from: Some(0),
+                    })
+                    .collect(),
+            };
+            let out = m.forward(&batch).unwrap();
+            (
+                out.logits.iter().map(|v| v.to_bits()).collect(),
+                out.routed_experts,
+            )
+        })
+        .collect()
+}
+
+/// Device-loaded vs uploaded: buffers, slot table, checksum, logits.
+fn check_load(what: &str, dir: &Path, quantization: Option<Quantization>, seed: u64) {
+    let g = gpu();
+    let (mut model, _) = load_model(dir, quantization, None).unwrap();
+    let uploaded = CudaWeights::upload(&g, &model).unwrap();
+    let src = open_serving_checkpoint(dir, quantization, None).unwrap();
+    let mut loaded = CudaWeights::from_checkpoint(&g, &src).unwrap();
+    assert_same_buffers(what, &buffers(&g, &loaded), &buffers(&g, &uploaded));
+    let cfg = model.config.clone();
+    assert_eq!(
+        loaded.slot_shapes(&cfg),
+        model.slot_shapes(),
+        "{what}: slots"
+    );
+    assert_eq!(
+        loaded.weights_checksum(&g, &cfg).unwrap(),
+        model.weights_checksum(),
+        "{what}: checksum from the device"
+    );
+    drop(g);
+    let mut a = CudaModel::new(gpu(), cfg.clone(), uploaded, sizes()).unwrap();
+    let want = run_steps(&mut a, seed);
+    drop(a);
+    let mut b = CudaModel::new(gpu(), cfg, loaded, sizes()).unwrap();
+    let got = run_steps(&mut b, seed);
+    assert!(got == want, "{what}: logits or routed experts differ");
+    println!("{what}: equal byte for byte, identical logits");
+}
+
+fn scratch(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join(name);
+    (tmp, p)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn device_loaded_weights_equal_the_uploaded_cpu_model() {
+    let seed = seed();
+    println!("seed {seed}");
+    for r in ["qwen3_moe", "qwen3", "llama"] {
+        let dir = PathBuf::from(format!("tests/data/reference/{r}"));
+        check_load(&format!("reference {r} (f32)"), &dir, None, seed);
+    }
+    let moe = Path::new("tests/data/reference/qwen3_moe");
+    // F32 weights quantized on the device (the f32 quantizer path).
+    check_load(
+        "reference qwen3_moe mxfp8",
+        moe,
+        Some(Quantization::Mxfp8),
+        seed,
+    );
+    check_load(
+        "reference qwen3_moe nvfp4_online",
+        moe,
+        Some(Quantization::Nvfp4Online),
+        seed,
+    );
+
+    let (_tmp, root) = scratch("ckpts");
+    let bf16 = root.join("bf16");
+    bf16_checkpoint(&bf16, seed);
+    check_load("bf16", &bf16, None, seed);
+    check_load("bf16 mxfp8", &bf16, Some(Quantization::Mxfp8), seed);
+    check_load(
+        "bf16 nvfp4_online",
+        &bf16,
+        Some(Quantization::Nvfp4Online),
+        seed,
+    );
+
+    let fp8 = root.join("fp8");
+    block_fp8_checkpoint(&bf16, &fp8, seed);
+    check_load("block-fp8", &fp8, Some(Quantization::Fp8), seed);
+    check_load("block-fp8 mxfp8", &fp8, Some(Quantization::Mxfp8), seed);
+    check_load(
+        "block-fp8 nvfp4_online",
+        &fp8,
+        Some(Quantization::Nvfp4Online),
+        seed,
+    );
+
+    for recipe in ["mxfp8", "nvfp4"] {
+        let out = root.join(format!("converted-{recipe}"));
+        converted(&bf16, &out, recipe);
+        check_load(&format!("converted {recipe}"), &out, None, seed);
+    }
+    let out = root.join("converted-fp8-nvfp4");
+    converted(&fp8, &out, "nvfp4");
+    check_load("converted block-fp8 -> nvfp4", &out, None, seed);
+}
+
+fn empty_linear() -> Box<dyn Linear> {
+    Box::new(DenseF32 {
+        weight: vec![],
+        out_features: 0,
+        in_features: 0,
+    })
+}
+
+/// Some slots of `m` as replacements: a norm, the embedding, an attention projection and one
+/// expert's gate, up and down (parts of the stacked expert buffers).
+fn some_replacements(m: &mut Model) -> Vec<(String, Replacement)> {
+    let mut out = vec![
+        (
+            "model.embed_tokens.weight".to_string(),
+            Replacement::Embedding(std::mem::replace(
+                &mut m.embed_tokens,
+                DenseWeight::F32(vec![]),
+            )),
+        ),
+        (
+            "model.layers.0.input_layernorm.weight".to_string(),
+            Replacement::Vector(std::mem::take(&mut m.layers[0].input_norm)),
+        ),
+        (
+            "model.layers.0.self_attn.q_proj.weight".to_string(),
+            Replacement::Linear(std::mem::replace(&mut m.layers[0].q_proj, empty_linear())),
+        ),
+    ];
+    let Mlp::Moe(moe) = &mut m.layers[1].mlp else {
+        panic!("the embedded model is MoE")
+    };
+    let e = 3;
+    let ex = &mut moe.experts[e];
+    for (part, lin) in [
+        ("gate_proj", &mut ex.gate),
+        ("up_proj", &mut ex.up),
+        ("down_proj", &mut ex.down),
+    ] {
+        out.push((
+            format!("model.layers.1.mlp.experts.{e}.{part}.weight"),
+            Replacement::Linear(std::mem::replace(lin, empty_linear())),
+        ));
+    }
+    out
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn streamed_update_on_device_loaded_weights_matches_the_host_model() {
+    let seed = seed();
+    println!("seed {seed}");
+    let (_tmp, root) = scratch("ckpts");
+    let (old, new) = (root.join("old"), root.join("new"));
+    bf16_checkpoint(&old, seed);
+    bf16_checkpoint(&new, seed + 1);
+    for q in [
+        None,
+        Some(Quantization::Mxfp8),
+        Some(Quantization::Nvfp4Online),
+    ] {
+        let what = format!("{q:?}");
+        let g = gpu();
+        let (mut host, _) = load_model(&old, q, None).unwrap();
+        let src = open_serving_checkpoint(&old, q, None).unwrap();
+        let mut dev = CudaWeights::from_checkpoint(&g, &src).unwrap();
+        // The same replacements twice (they are moved into their targets).
+        let for_host = some_replacements(&mut load_model(&new, q, None).unwrap().0);
+        let for_dev = some_replacements(&mut load_model(&new, q, None).unwrap().0);
+        let cfg = host.config.clone();
+        let before = dev.weights_checksum(&g, &cfg).unwrap();
+        host.apply_replacements(for_host);
+        dev.write_replacements(&g, &cfg, for_dev).unwrap();
+        let after = dev.weights_checksum(&g, &cfg).unwrap();
+        assert_ne!(before, after, "{what}: the update changed nothing");
+        assert_eq!(
+            after,
+            host.weights_checksum(),
+            "{what}: checksum after update"
+        );
+        let uploaded = CudaWeights::upload(&g, &host).unwrap();
+        assert_same_buffers(&what, &buffers(&g, &dev), &buffers(&g, &uploaded));
+        // A replacement of the wrong shape is refused and changes nothing.
+        let (mut other, _) = load_model(&new, q, None).unwrap();
+        let wrong = vec![
+            (
+                "model.layers.0.input_layernorm.weight".to_string(),
+                Replacement::Vector(std::mem::take(&mut other.layers[0].input_norm)),
+            ),
+            (
+                "model.layers.0.self_attn.k_proj.weight".to_string(),
+                Replacement::Linear(std::mem::replace(
+                    &mut other.layers[0].q_proj,
+                    empty_linear(),
+                )),
+            ),
+        ];
+        assert!(dev.write_replacements(&g, &cfg, wrong).is_err());
+        assert_eq!(
+            dev.weights_checksum(&g, &cfg).unwrap(),
+            after,
+            "{what}: refused update wrote"
+        );
+        println!("{what}: streamed update on the device equals the host model's");
+    }
+}
