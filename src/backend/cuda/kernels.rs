@@ -19,15 +19,17 @@ pub enum Source {
     Quant,
     Gemm,
     Attention,
+    Sampling,
 }
 
 impl Source {
-    pub const ALL: [Source; 5] = [
+    pub const ALL: [Source; 6] = [
         Source::Elementwise,
         Source::Moe,
         Source::Quant,
         Source::Gemm,
         Source::Attention,
+        Source::Sampling,
     ];
 
     pub fn file_name(self) -> &'static str {
@@ -37,6 +39,7 @@ impl Source {
             Source::Quant => "quant.cu",
             Source::Gemm => "gemm.cu",
             Source::Attention => "attention.cu",
+            Source::Sampling => "sampling.cu",
         }
     }
 
@@ -47,6 +50,7 @@ impl Source {
             Source::Quant => include_str!("../../../kernels/quant.cu"),
             Source::Gemm => include_str!("../../../kernels/gemm.cu"),
             Source::Attention => include_str!("../../../kernels/attention.cu"),
+            Source::Sampling => include_str!("../../../kernels/sampling.cu"),
         }
     }
 
@@ -106,6 +110,8 @@ kernels! {
     GroupedGemmMxfp8 => (Gemm, "grouped_gemm_mxfp8"),
     GroupedGemmNvfp4 => (Gemm, "grouped_gemm_nvfp4"),
     PagedAttention => (Attention, "paged_attention"),
+    SampleRows => (Sampling, "sample_rows"),
+    HostExpf => (Sampling, "host_expf_kernel"),
 }
 
 /// NVRTC options. Default precision (IEEE division and square root); the bit-exact paths
