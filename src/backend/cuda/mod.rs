@@ -10,6 +10,7 @@ pub mod device;
 pub mod kernels;
 pub mod model;
 pub mod ops;
+pub mod sampling;
 pub mod weights;
 
 pub use device::{device_count, Gpu};
