@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU test run (shared/GPU.md): on a CUDA host, with binaries built on the dev machine and
-# carried in .bin/ (lockstep, cuda_ops, cuda_bench; see docs/gpu.md), from the repo root:
+# carried in .bin/ (lockstep, cuda_ops, cuda_sampling, cuda_bench; see docs/gpu.md), from the repo root:
 #   scripts/gpu-check.sh [quick|full] [LOG_DIR]
 # Runs every CUDA-vs-CPU op and model test, a smoke `lockstep serve --device cuda`, and the
 # baseline benchmark (quick: 4 layers, few steps; full: the whole Qwen3-30B-A3B config plus the
@@ -29,6 +29,15 @@ elif "$bin"/cuda_ops --ignored --test-threads=1 --nocapture 2>&1 | tee "$logs/cu
   record "cuda_ops (ops, quantizers, models vs CPU)" "pass"
 else
   record "cuda_ops (ops, quantizers, models vs CPU)" "FAIL (see cuda_ops.log)"
+fi
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  if [ ! -x "$bin"/cuda_sampling ]; then
+    record "cuda_sampling" "missing (.bin/cuda_sampling not carried)"
+  elif "$bin"/cuda_sampling --ignored --test-threads=1 --nocapture 2>&1 | tee "$logs/cuda_sampling.log"; then
+    record "cuda_sampling (device sampler vs CPU sampler)" "pass"
+  else
+    record "cuda_sampling (device sampler vs CPU sampler)" "FAIL (see cuda_sampling.log)"
+  fi
 fi
 
 echo "== smoke: lockstep serve --device cuda"

@@ -522,7 +522,10 @@ impl Core {
             .seqs
             .iter()
             .map(|s| {
-                let a = self.seqs.get(&s.id).filter(|a| s.sample && a.finish.is_none())?;
+                let a = self
+                    .seqs
+                    .get(&s.id)
+                    .filter(|a| s.sample && a.finish.is_none())?;
                 Some(SampleInput {
                     params: &a.req.params,
                     history: &a.history,

@@ -166,7 +166,10 @@ impl Runner {
                 let sampled = samples
                     .iter()
                     .enumerate()
-                    .map(|(i, s)| s.as_ref().and_then(|s| sample_on_host(&forward, i, vocab, s, scratch)))
+                    .map(|(i, s)| {
+                        s.as_ref()
+                            .and_then(|s| sample_on_host(&forward, i, vocab, s, scratch))
+                    })
                     .collect();
                 StepOutput { forward, sampled }
             }

@@ -640,7 +640,8 @@ impl CudaModel {
         let moe_layers = self.num_moe_layers();
         let top_k = self.top_k();
         let top_n = samples.iter().flatten().map(|i| i.top_logprobs_num);
-        self.sampler.begin(top_n.max().unwrap_or(0).min(c.vocab_size))?;
+        self.sampler
+            .begin(top_n.max().unwrap_or(0).min(c.vocab_size))?;
         let (gpu, w, s, kv) = (&self.gpu, &self.weights, &mut self.s, &mut self.kv);
         let sampler = &mut self.sampler;
         gpu.write(&tokens, &mut s.tokens)?;

@@ -371,6 +371,29 @@ impl DeviceSampler {
     }
 }
 
+/// The device's port of the host's `expf` (what the probabilities use) on `n` values, for the
+/// test that checks it against `f32::exp` bit for bit.
+pub fn host_expf(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    n: usize,
+) -> Result<(), CudaError> {
+    if x.len() < n || out.len() < n {
+        return Err(CudaError::Capacity(format!(
+            "host_expf of {n} values with buffers of {} and {}",
+            x.len(),
+            out.len()
+        )));
+    }
+    gpu.launch(
+        Kernel::HostExpf,
+        (gpu.grid_for(n, 256), 1, 1),
+        256,
+        &[ptr(gpu, x), ptr(gpu, out), Arg::U64(n as u64)],
+    )
+}
+
 /// Samples `rows` of `logits` in one step: [`DeviceSampler::begin`], `sample`, `finish`.
 pub fn sample_rows(
     gpu: &Gpu,
@@ -424,7 +447,10 @@ mod tests {
         let mut entries = vec![PenaltyEntry::default()];
         let row = row_params(&input, 100, 6, &mut entries);
         assert_eq!(row.u, uniform(42, 2, 2));
-        assert_eq!((row.logits_row, row.top_k, row.top_n, row.greedy), (6, 40, 5, 0));
+        assert_eq!(
+            (row.logits_row, row.top_k, row.top_n, row.greedy),
+            (6, 40, 5, 0)
+        );
         assert_eq!((row.temperature, row.top_p, row.min_p), (0.7, 0.9, 0.05));
         assert_eq!((row.penalties_begin, row.penalties_end), (1, 6));
         let mut got = entries[1..].to_vec();
