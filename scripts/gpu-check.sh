@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test run (shared/GPU.md): on a CUDA host, with binaries built on the dev machine and
-# carried in .bin/ (lockstep, cuda_ops, cuda_load, cuda_bench; see docs/gpu.md), from the repo root:
+# carried in .bin/ (lockstep, cuda_ops, cuda_load, cuda_sampling, cuda_bench, cuda_kernel_bench;
+# see docs/gpu.md), from the repo root:
 #   scripts/gpu-check.sh [quick|full] [LOG_DIR]
 # Runs every CUDA-vs-CPU op and model test, a smoke `lockstep serve --device cuda`, and the
 # baseline benchmark (quick: 4 layers, few steps; full: the whole Qwen3-30B-A3B config plus the
@@ -22,23 +23,27 @@ record() { summary+=("| $1 | $2 |"); }
 echo "library path: $LD_LIBRARY_PATH"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$logs/gpu.txt"
 
-echo "== CUDA vs CPU: ops and models"
-if [ "${SKIP_TESTS:-0}" = 1 ]; then
-  record "cuda_ops" "skipped (SKIP_TESTS=1)"
-elif "$bin"/cuda_ops --ignored --test-threads=1 --nocapture 2>&1 | tee "$logs/cuda_ops.log"; then
-  record "cuda_ops (ops, quantizers, models vs CPU)" "pass"
-else
-  record "cuda_ops (ops, quantizers, models vs CPU)" "FAIL (see cuda_ops.log)"
-fi
-
-echo "== checkpoints loaded straight to the GPU vs the uploaded CPU model"
-if [ "${SKIP_TESTS:-0}" = 1 ] || [ ! -x "$bin"/cuda_load ]; then
-  record "cuda_load" "skipped (SKIP_TESTS=1 or no .bin/cuda_load)"
-elif "$bin"/cuda_load --ignored --test-threads=1 --nocapture 2>&1 | tee "$logs/cuda_load.log"; then
-  record "cuda_load (device loading byte for byte, streamed update)" "pass"
-else
-  record "cuda_load (device loading byte for byte, streamed update)" "FAIL (see cuda_load.log)"
-fi
+# Every GPU test binary carried in .bin/ (cargo test --release --test NAME --no-run):
+# each runs its #[ignore]d GPU tests against the CPU reference.
+declare -A what=(
+  [cuda_ops]="ops, quantizers, GEMM kernels, attention, models vs CPU"
+  [cuda_sampling]="device sampler vs CPU sampler"
+  [cuda_load]="checkpoints loaded straight to the GPU, byte for byte; streamed update"
+  [cuda_attention]="split-K decode attention vs CPU"
+  [cuda_generate]="greedy generation, CUDA engine vs CPU engine"
+)
+for t in cuda_ops cuda_sampling cuda_load cuda_attention cuda_generate; do
+  echo "== $t: ${what[$t]}"
+  if [ "${SKIP_TESTS:-0}" = 1 ]; then
+    record "$t" "skipped (SKIP_TESTS=1)"
+  elif [ ! -x "$bin/$t" ]; then
+    record "$t" "MISSING (.bin/$t not carried)"
+  elif "$bin/$t" --ignored --test-threads=1 --nocapture 2>&1 | tee "$logs/$t.log"; then
+    record "$t (${what[$t]})" "pass"
+  else
+    record "$t (${what[$t]})" "FAIL (see $t.log)"
+  fi
+done
 
 echo "== smoke: lockstep serve --device cuda"
 "$bin"/lockstep serve --device cuda --port 30555 >"$logs/serve.log" 2>&1 &
@@ -56,6 +61,13 @@ echo "generate: $gen"; echo "chat: $chat"
 if echo "$gen" | grep -q '"text"' && echo "$chat" | grep -q '"choices"'; then ok=pass; fi
 kill $pid 2>/dev/null; wait $pid 2>/dev/null
 record "serve --device cuda: /generate + /v1/chat/completions" "$ok"
+
+echo "== kernel benchmark (expert GEMMs, attention)"
+if "$bin"/cuda_kernel_bench configs/qwen3-30b-a3b.json 2>&1 | tee "$logs/kernel_bench.md"; then
+  record "cuda_kernel_bench" "done (kernel_bench.md)"
+else
+  record "cuda_kernel_bench" "FAIL"
+fi
 
 echo "== baseline benchmark"
 if [ -n "${BENCH_ARGS:-}" ]; then

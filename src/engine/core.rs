@@ -17,7 +17,7 @@ use crate::backend::cpu::attention::KvDtype;
 use crate::kv::KvPool;
 use crate::model::{ForwardBatch, Model, SeqInput};
 use crate::sampling::{
-    self, Finish, SampleInput, SamplerScratch, StopChecker, StopStatus, TokenHistory,
+    self, Finish, SampleInput, StopChecker, StopStatus, TokenHistory, ValidSamplingParams,
 };
 use crate::scheduler::{FinishReason, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepResult};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
@@ -165,7 +165,6 @@ struct Core {
     eos: Vec<u32>,
     info: Arc<EngineInfo>,
     shared: Arc<EngineShared>,
-    scratch: SamplerScratch,
     /// Set by `Shutdown`: new requests are refused and the loop ends once nothing runs.
     shutting_down: bool,
 }
@@ -205,13 +204,13 @@ impl Core {
             eos,
             info,
             shared,
-            scratch: SamplerScratch::default(),
             shutting_down: false,
         }
     }
 
-    /// One forward pass over a short prompt so the first request does not pay for page faults
-    /// and thread-pool start-up; its KV blocks are freed right after.
+    /// One forward pass and one greedy sample over a short prompt so the first request does not
+    /// pay for page faults, thread-pool start-up or the first sampler launch; its KV blocks are
+    /// freed right after.
     fn warm_up(&mut self) {
         let table: Vec<u32> = vec![0];
         let tokens = [0u32];
@@ -223,7 +222,17 @@ impl Core {
                 logits_from: Some(0),
             }],
         };
-        self.runner.forward(&batch);
+        let params = ValidSamplingParams::default();
+        let history = TokenHistory::new(&tokens);
+        let input = SampleInput {
+            params: &params,
+            history: &history,
+            eos_token_ids: &self.eos,
+            seed: 0,
+            sample_index: 0,
+            top_logprobs_num: 0,
+        };
+        self.runner.step(&batch, &[Some(input)]);
     }
 
     fn run(&mut self, rx: &std::sync::mpsc::Receiver<Command>) {
@@ -531,7 +540,29 @@ impl Core {
                 })
                 .collect(),
         };
-        let fwd = self.runner.forward(&batch);
+        // The sampling inputs of every sequence that takes its next token this step; the runner
+        // samples on whichever device holds the logits.
+        let samples: Vec<Option<SampleInput<'_>>> = out
+            .seqs
+            .iter()
+            .map(|s| {
+                let a = self
+                    .seqs
+                    .get(&s.id)
+                    .filter(|a| s.sample && a.finish.is_none())?;
+                Some(SampleInput {
+                    params: &a.req.params,
+                    history: &a.history,
+                    eos_token_ids: &self.eos,
+                    seed: a.req.seed,
+                    sample_index: a.req.sample_index,
+                    top_logprobs_num: a.req.top_logprobs_num,
+                })
+            })
+            .collect();
+        let step = self.runner.step(&batch, &samples);
+        drop(samples);
+        let (fwd, mut sampled) = (step.forward, step.sampled);
         let per_token = self.runner.num_moe_layers() * self.runner.top_k();
         let version = self
             .info
@@ -596,17 +627,8 @@ impl Core {
                 token: None,
                 finished: false,
             };
-            if s.sample && num_rows > 0 && a.finish.is_none() {
-                let mut row = fwd.logits[(first_row + num_rows - 1) * vocab..][..vocab].to_vec();
-                let input = SampleInput {
-                    params: &a.req.params,
-                    history: &a.history,
-                    eos_token_ids: &self.eos,
-                    seed: a.req.seed,
-                    sample_index: a.req.sample_index,
-                    top_logprobs_num: a.req.top_logprobs_num,
-                };
-                match sampling::sample(&mut row, &input, &mut self.scratch) {
+            if let Some(sample) = sampled[i].take() {
+                match sample {
                     Ok(t) => {
                         a.history.push(t.token);
                         a.output.push(t.token);

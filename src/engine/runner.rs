@@ -1,14 +1,17 @@
-//! Where the forward pass runs: the CPU reference backend (model and KV cache in host memory)
-//! or a CUDA device. The engine loop sees one interface either way.
+//! Where the forward pass and sampling run: the CPU reference backend (model and KV cache in
+//! host memory, rows sampled by `sampling::sample`) or a CUDA device (rows sampled on the device,
+//! only the tokens, logprobs and top-N copied back). The engine loop sees one interface either way.
 
 use crate::backend::cpu::attention::KvMemory;
-use crate::backend::cuda::model::{CudaSizes, CudaWeights};
+use crate::backend::cuda::model::{CudaSizes, CudaWeights, Sampled};
+use crate::backend::cuda::sampling::MAX_DEVICE_TOP_LOGPROBS;
 use crate::backend::cuda::{CudaError, CudaModel, Gpu};
 use crate::model::checksum::WeightsChecksum;
 use crate::model::loader::{open_serving_checkpoint, Quantization};
 use crate::model::slots::{Replacement, SlotShape};
 use crate::model::{ForwardBatch, ForwardOutput, Model, ModelConfig};
 use crate::quant::Recipe;
+use crate::sampling::{self, SampleInput, SamplerScratch};
 
 use super::core::EngineConfig;
 use super::EngineError;
@@ -78,11 +81,23 @@ pub(crate) enum Runner {
     Cpu {
         model: Model,
         kv: KvMemory,
+        scratch: SamplerScratch,
     },
     Cuda {
         model: Box<CudaModel>,
         host: Option<Model>,
+        /// For the rare rows the device sampler does not take.
+        scratch: SamplerScratch,
     },
+}
+
+/// One step's results.
+pub(crate) struct StepOutput {
+    /// The asked-for logits rows on the host, except rows sampled on the device (on CUDA, a
+    /// sampled sequence's last row): what prompt logprobs read.
+    pub forward: ForwardOutput,
+    /// Per sequence of the batch: its sampled token, when it was given sampling inputs.
+    pub sampled: Sampled,
 }
 
 impl Runner {
@@ -100,7 +115,11 @@ impl Runner {
                     c.num_kv_heads,
                     c.head_dim,
                 );
-                Ok(Runner::Cpu { model, kv })
+                Ok(Runner::Cpu {
+                    model,
+                    kv,
+                    scratch: SamplerScratch::default(),
+                })
             }
             RunnerSpec::Cuda {
                 device,
@@ -139,6 +158,7 @@ impl Runner {
                 Ok(Runner::Cuda {
                     model: Box::new(model),
                     host,
+                    scratch: SamplerScratch::default(),
                 })
             }
         }
@@ -172,14 +192,46 @@ impl Runner {
         }
     }
 
+    /// Runs the forward pass and samples the last logits row of every sequence `i` with
+    /// `samples[i]` given (such a sequence asks for logits from its last row at the latest).
     /// A device failure mid-step cannot be recovered from: the engine thread's panic guard
     /// reports it on /health and to every waiting request.
-    pub(crate) fn forward(&mut self, batch: &ForwardBatch<'_>) -> ForwardOutput {
+    pub(crate) fn step(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        samples: &[Option<SampleInput<'_>>],
+    ) -> StepOutput {
         match self {
-            Runner::Cpu { model, kv } => model.forward(batch, kv),
-            Runner::Cuda { model, .. } => model
-                .forward(batch)
-                .unwrap_or_else(|e| panic!("CUDA forward failed: {e}")),
+            Runner::Cpu { model, kv, scratch } => {
+                let forward = model.forward(batch, kv);
+                let vocab = model.config.vocab_size;
+                let sampled = samples
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| {
+                        s.as_ref()
+                            .and_then(|s| sample_on_host(&forward, i, vocab, s, scratch))
+                    })
+                    .collect();
+                StepOutput { forward, sampled }
+            }
+            Runner::Cuda { model, scratch, .. } => {
+                // Rows asking for more alternatives than the device reports stay on the host.
+                let on_device: Vec<Option<SampleInput<'_>>> = samples
+                    .iter()
+                    .map(|s| s.filter(|s| s.top_logprobs_num <= MAX_DEVICE_TOP_LOGPROBS))
+                    .collect();
+                let (forward, mut sampled) = model
+                    .forward_and_sample(batch, &on_device)
+                    .unwrap_or_else(|e| panic!("CUDA forward failed: {e}"));
+                let vocab = model.config.vocab_size;
+                for (i, s) in samples.iter().enumerate() {
+                    if let (Some(s), None) = (s, &on_device[i]) {
+                        sampled[i] = sample_on_host(&forward, i, vocab, s, scratch);
+                    }
+                }
+                StepOutput { forward, sampled }
+            }
         }
     }
 
@@ -190,7 +242,7 @@ impl Runner {
                 *model = new;
                 Ok(())
             }
-            Runner::Cuda { model, host } => {
+            Runner::Cuda { model, host, .. } => {
                 let w = CudaWeights::upload(&model.gpu, &new).map_err(device_error)?;
                 model.replace_weights(w);
                 *host = Some(new);
@@ -207,7 +259,7 @@ impl Runner {
     ) -> Result<Vec<Replacement>, EngineError> {
         match self {
             Runner::Cpu { model, .. } => Ok(model.apply_replacements(updates)),
-            Runner::Cuda { model, host } => {
+            Runner::Cuda { model, host, .. } => {
                 let Some(h) = host else {
                     // Weights only on the device: written into its buffers by slot name.
                     let m = &mut **model;
@@ -278,6 +330,22 @@ impl Runner {
         *host = None;
         Ok(checksum)
     }
+}
+
+/// Samples sequence `i`'s last host logits row with the CPU sampler (None when it has none).
+fn sample_on_host(
+    forward: &ForwardOutput,
+    i: usize,
+    vocab: usize,
+    input: &SampleInput<'_>,
+    scratch: &mut SamplerScratch,
+) -> Option<Result<sampling::TokenLogprobs, sampling::SamplingError>> {
+    let (first, rows) = forward.logit_rows[i];
+    if rows == 0 {
+        return None;
+    }
+    let mut row = forward.logits[(first + rows - 1) * vocab..][..vocab].to_vec();
+    Some(sampling::sample(&mut row, input, scratch))
 }
 
 fn device_error(e: CudaError) -> EngineError {

@@ -42,6 +42,17 @@ impl TokenHistory {
     pub fn output_count(&self, token: u32) -> u32 {
         self.output_counts.get(&token).copied().unwrap_or(0)
     }
+
+    /// The distinct tokens of prompt and output (what the repetition penalty touches), in no
+    /// particular order.
+    pub fn seen_tokens(&self) -> impl Iterator<Item = u32> + '_ {
+        self.seen.iter().copied()
+    }
+
+    /// `(token, count)` for every token of the output, in no particular order.
+    pub fn output_counts(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        self.output_counts.iter().map(|(&t, &c)| (t, c))
+    }
 }
 
 /// Applies the penalties to `logits` in place.

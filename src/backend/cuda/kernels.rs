@@ -20,16 +20,18 @@ pub enum Source {
     Gemm,
     Attention,
     PrefillAttention,
+    Sampling,
 }
 
 impl Source {
-    pub const ALL: [Source; 6] = [
+    pub const ALL: [Source; 7] = [
         Source::Elementwise,
         Source::Moe,
         Source::Quant,
         Source::Gemm,
         Source::Attention,
         Source::PrefillAttention,
+        Source::Sampling,
     ];
 
     pub fn file_name(self) -> &'static str {
@@ -40,6 +42,7 @@ impl Source {
             Source::Gemm => "gemm.cu",
             Source::Attention => "attention.cu",
             Source::PrefillAttention => "prefill_attention.cu",
+            Source::Sampling => "sampling.cu",
         }
     }
 
@@ -51,6 +54,7 @@ impl Source {
             Source::Gemm => include_str!("../../../kernels/gemm.cu"),
             Source::Attention => include_str!("../../../kernels/attention.cu"),
             Source::PrefillAttention => include_str!("../../../kernels/prefill_attention.cu"),
+            Source::Sampling => include_str!("../../../kernels/sampling.cu"),
         }
     }
 
@@ -121,6 +125,8 @@ kernels! {
     PrefillAttentionHd32 => (PrefillAttention, "prefill_attention_hd32"),
     PrefillAttentionHd64 => (PrefillAttention, "prefill_attention_hd64"),
     PrefillAttentionHd128 => (PrefillAttention, "prefill_attention_hd128"),
+    SampleRows => (Sampling, "sample_rows"),
+    HostExpf => (Sampling, "host_expf_kernel"),
 }
 
 /// NVRTC options. Default precision (IEEE division and square root); the bit-exact paths

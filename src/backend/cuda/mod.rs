@@ -12,6 +12,7 @@ pub mod load;
 pub mod model;
 pub mod ops;
 pub mod slots;
+pub mod sampling;
 pub mod weights;
 
 pub use device::{device_count, Gpu};

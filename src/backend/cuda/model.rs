@@ -1,21 +1,27 @@
 //! The forward pass on a CUDA device: the same architecture, batch metadata and outputs as
 //! [`crate::model::Model::forward`], with weights, KV cache and activations in GPU memory.
 //!
-//! Memory is planned once at start-up (weights, then activation scratch sized for the largest
-//! step, then the paged BF16 KV cache from what `--mem-fraction-static` leaves); a step only
-//! copies its small metadata in and its logits and routed-expert ids out.
+//! Memory is planned once at start-up (weights, then activation and sampling scratch sized for
+//! the largest step, then the paged BF16 KV cache from what `--mem-fraction-static` leaves); a
+//! step only copies its small metadata in and its routed-expert ids and either its logits or,
+//! with [`CudaModel::forward_and_sample`], its sampled tokens out.
 
 use cudarc::driver::CudaSlice;
 
 use super::ops::{
     self, AttnRows, AttnShape, CublasOperand, GemmRows, MoePlan, Nvfp4Out, Table, WeightData,
 };
+use super::sampling::DeviceSampler;
 use super::weights::{Activation, DummyWeights, GpuMatrix};
 use super::{CudaError, Gpu};
 use crate::backend::cpu::linear::DenseWeight;
 use crate::backend::cpu::ops::rope_inv_freq;
 use crate::model::{ForwardBatch, ForwardOutput, Mlp, Model, ModelConfig};
 use crate::quant::{Format, Recipe};
+use crate::sampling::{SampleInput, SamplingError, TokenLogprobs};
+
+/// Per sequence of a batch: its sampled token, when it asked for one.
+pub type Sampled = Vec<Option<Result<TokenLogprobs, SamplingError>>>;
 
 pub enum CudaMlp {
     Dense {
@@ -137,6 +143,7 @@ pub struct CudaModel {
     s: Scratch,
     sizes: CudaSizes,
     max_table_entries: usize,
+    sampler: DeviceSampler,
     pub weight_bytes: usize,
 }
 
@@ -498,6 +505,14 @@ impl CudaModel {
                 amax: gpu.alloc(2)?,
             },
         };
+        // One sampled row per sequence; a launch samples at most one lm_head chunk's rows.
+        let sampler = DeviceSampler::new(
+            &gpu,
+            v,
+            seqs.min(LOGIT_CHUNK_ROWS),
+            seqs,
+            (sizes.max_context_len + 1024).max(1 << 16),
+        )?;
         gpu.synchronize()?;
         let (free, total) = gpu.memory()?;
         let per_block = 2 * c.num_layers * c.kv_size() * 2 * sizes.block_size;
@@ -527,8 +542,9 @@ impl CudaModel {
         let inv_freq = gpu.upload(&rope_inv_freq(c.head_dim, c.rope_theta, &c.rope_scaling))?;
         let weight_bytes = weights.bytes();
         tracing::info!(
-            "CUDA memory: weights {:.2} GiB, KV cache {num_blocks} blocks of {} tokens ({:.2} GiB)",
+            "CUDA memory: weights {:.2} GiB, sampler {:.2} GiB, KV cache {num_blocks} blocks of {} tokens ({:.2} GiB)",
             weight_bytes as f64 / (1u64 << 30) as f64,
+            sampler.bytes() as f64 / (1u64 << 30) as f64,
             sizes.block_size,
             (num_blocks * per_block) as f64 / (1u64 << 30) as f64
         );
@@ -541,6 +557,7 @@ impl CudaModel {
             s,
             sizes,
             max_table_entries,
+            sampler,
             weight_bytes,
         })
     }
@@ -567,7 +584,22 @@ impl CudaModel {
         self.weights = weights;
     }
 
+    /// The forward pass with every asked-for logits row copied to the host.
     pub fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<ForwardOutput, CudaError> {
+        Ok(self.forward_and_sample(batch, &[])?.0)
+    }
+
+    /// The forward pass, sampling on the device the last logits row of every sequence `i` with
+    /// `samples[i]` given (missing entries: none). Those rows stay on the device: the output's
+    /// `logits` and `logit_rows` hold the other asked-for rows only (for a sampled sequence,
+    /// its rows before the last), and the second value has each sampled sequence's token.
+    /// A sequence sampled here must ask for logits from its last row at the latest, and for at
+    /// most [`super::sampling::MAX_DEVICE_TOP_LOGPROBS`] alternatives.
+    pub fn forward_and_sample(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        samples: &[Option<SampleInput<'_>>],
+    ) -> Result<(ForwardOutput, Sampled), CudaError> {
         let c = &self.config;
         let bs = self.sizes.block_size;
         let (h, hd) = (c.hidden_size, c.head_dim);
@@ -575,11 +607,27 @@ impl CudaModel {
         let (mut pos, mut slots, mut row_seq) = (Vec::new(), Vec::new(), Vec::new());
         let (mut table_offsets, mut tables) = (Vec::new(), Vec::new());
         let (mut logit_idx, mut logit_rows) = (Vec::new(), Vec::new());
+        // Per logits row: its place among the host rows, or the sequence sampling it here.
+        let mut row_dest = Vec::new();
+        let mut host_rows = 0;
         for (i, s) in batch.seqs.iter().enumerate() {
             table_offsets.push(tables.len() as i32);
             tables.extend(s.block_table.iter().map(|&b| b as i32));
             let from = s.logits_from.unwrap_or(s.tokens.len()).min(s.tokens.len());
-            logit_rows.push((logit_idx.len(), s.tokens.len() - from));
+            let rows = s.tokens.len() - from;
+            let on_device = samples.get(i).is_some_and(Option::is_some);
+            if on_device && rows == 0 {
+                return Err(CudaError::Unsupported(format!(
+                    "sequence {i} is sampled but asks for no logits"
+                )));
+            }
+            let to_host = rows - on_device as usize;
+            logit_rows.push((host_rows, to_host));
+            row_dest.extend((0..to_host).map(|k| RowDest::Host(host_rows + k)));
+            if on_device {
+                row_dest.push(RowDest::Device(i));
+            }
+            host_rows += to_host;
             for (j, &t) in s.tokens.iter().enumerate() {
                 let p = s.start_pos + j;
                 if j >= from {
@@ -621,7 +669,11 @@ impl CudaModel {
         } else {
             Vec::new()
         };
+        let top_n = samples.iter().flatten().map(|i| i.top_logprobs_num);
+        self.sampler
+            .begin(top_n.max().unwrap_or(0).min(c.vocab_size))?;
         let (gpu, w, s, kv) = (&self.gpu, &self.weights, &mut self.s, &mut self.kv);
+        let sampler = &mut self.sampler;
         gpu.write(&tokens, &mut s.tokens)?;
         gpu.write(&pos, &mut s.pos)?;
         gpu.write(&slots, &mut s.slots)?;
@@ -844,7 +896,8 @@ impl CudaModel {
             eps,
         )?;
         let v = c.vocab_size;
-        let mut logits = vec![0f32; rows * v];
+        let mut logits = vec![0f32; host_rows * v];
+        let mut sampled_seqs = Vec::new();
         for first in (0..rows).step_by(LOGIT_CHUNK_ROWS) {
             let m = LOGIT_CHUNK_ROWS.min(rows - first);
             let x = s.normed.slice(first * h..(first + m) * h);
@@ -886,10 +939,39 @@ impl CudaModel {
                     )?;
                 }
             }
-            gpu.stream.memcpy_dtoh(
-                &s.logits.slice(0..m * v),
-                &mut logits[first * v..(first + m) * v],
-            )?;
+            // Host rows in runs of consecutive rows, one copy each; the sampled rows are
+            // sampled right here, before the next chunk's GEMM reuses the buffer.
+            let mut device_rows = Vec::new();
+            let mut r = 0;
+            while r < m {
+                match row_dest[first + r] {
+                    RowDest::Host(dest) => {
+                        let mut run = 1;
+                        while r + run < m && row_dest[first + r + run] == RowDest::Host(dest + run)
+                        {
+                            run += 1;
+                        }
+                        gpu.stream.memcpy_dtoh(
+                            &s.logits.slice(r * v..(r + run) * v),
+                            &mut logits[dest * v..(dest + run) * v],
+                        )?;
+                        r += run;
+                    }
+                    RowDest::Device(i) => {
+                        let input = samples[i].expect("device rows have sampling inputs");
+                        device_rows.push((r, input));
+                        sampled_seqs.push(i);
+                        r += 1;
+                    }
+                }
+            }
+            if !device_rows.is_empty() {
+                sampler.sample(gpu, &mut s.logits, &device_rows)?;
+            }
+        }
+        let mut sampled: Sampled = vec![None; batch.seqs.len()];
+        for (i, result) in sampled_seqs.into_iter().zip(sampler.finish(gpu)?) {
+            sampled[i] = Some(result);
         }
         let by_layer = gpu.download(&s.routed, moe_layers * n * top_k)?;
         gpu.synchronize()?;
@@ -901,10 +983,22 @@ impl CudaModel {
                     .copy_from_slice(&by_layer[(m * n + t) * top_k..][..top_k]);
             }
         }
-        Ok(ForwardOutput {
-            logits,
-            logit_rows,
-            routed_experts: routed,
-        })
+        Ok((
+            ForwardOutput {
+                logits,
+                logit_rows,
+                routed_experts: routed,
+            },
+            sampled,
+        ))
     }
+}
+
+/// Where one lm_head output row goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RowDest {
+    /// This row of the host logits.
+    Host(usize),
+    /// Sampled on the device for this sequence of the batch.
+    Device(usize),
 }

@@ -1,0 +1,500 @@
+// Sampling on the device: one thread block per sampled row implements the definition at the top of
+// src/sampling/sample.rs (penalties, min_new_tokens mask, temperature, probabilities, the canonical
+// order, the kept set, the inverse-CDF draw, logprobs and top-N), so that only the chosen token, its
+// logprob and the top-N cross to the host.
+//
+// Exactness. Processing uses the CPU's f32 operations one by one (__f*_rn: never contracted), and
+// p = exp(l - max) uses a port of glibc's expf (the function Rust's f32::exp calls on Linux): the
+// probabilities, hence the order and every tie, are the CPU's bit for bit. Sums in f64 (the
+// normalizer, cumulative and kept mass) are added in another order than the CPU's, so a cut or a
+// draw whose target lies within rounding (~1e-16 relative) of a cumulative boundary may differ.
+// Counts (top-k, top-N) are exact. Every sum has a fixed order: results are deterministic.
+//
+// Selection. Keys are 64 bits, (descending value bits << 32 | token id): the canonical order is the
+// integer order. A radix select over 8-bit digits builds per-digit histograms of count and weight
+// (weight = p for mass targets, 1 for counts), keeps the bin where the running weight reaches the
+// target, and once the range holds at most GATHER_CAP keys, gathers, sorts and walks them.
+
+#define SAMPLE_THREADS 512
+#define SAMPLE_WARPS (SAMPLE_THREADS / 32)
+#define GATHER_CAP 2048
+#define NO_KEY 0xffffffffffffffffull
+
+#define PENALTY_REPEAT 1u
+#define PENALTY_MASK 2u
+
+#define STATUS_OK 0
+#define STATUS_NON_FINITE 1
+#define STATUS_NO_CANDIDATES 2
+
+#define KIND_PROB 0     // kept-set members: p > 0, p >= min_p, keyed by p
+#define KIND_LOGPROB 1  // every token, keyed by its logprob
+
+// Layouts asserted on the Rust side (src/backend/cuda/sampling.rs).
+struct RowParams {
+    double u;  // uniform(seed, sample_index, position), drawn on the host
+    int logits_row;
+    int penalties_begin;
+    int penalties_end;
+    int top_k;  // 0: no top-k
+    int top_n;  // logprobs to report
+    int greedy;
+    float temperature;
+    float top_p;
+    float min_p;
+    float repetition;
+    float frequency;
+    float presence;
+    int pad0, pad1;
+};
+
+struct PenaltyEntry {
+    u32 token;
+    u32 output_count;  // 0 when frequency and presence are both 0
+    u32 flags;
+};
+
+struct RowResult {
+    u32 token;
+    float logprob;
+    int status;
+    u32 bad_token;
+    float bad_value;
+    u32 num_top;
+};
+
+struct TopEntry {
+    u32 token;
+    float logprob;
+};
+
+// glibc's expf (sysdeps/ieee754/flt-32/e_expf.c, from Arm optimized-routines) as its x86-64 FMA
+// build computes it: 2^(k/32) from a table times a cubic in r, in f64, rounded once to f32.
+// On 2.2e9 arguments in [-110, 90] this equals Rust's f32::exp on glibc 2.36 bit for bit.
+__device__ const u64 EXP2F_TABLE[32] = {
+    0x3ff0000000000000ull, 0x3fefd9b0d3158574ull, 0x3fefb5586cf9890full, 0x3fef9301d0125b51ull,
+    0x3fef72b83c7d517bull, 0x3fef54873168b9aaull, 0x3fef387a6e756238ull, 0x3fef1e9df51fdee1ull,
+    0x3fef06fe0a31b715ull, 0x3feef1a7373aa9cbull, 0x3feedea64c123422ull, 0x3feece086061892dull,
+    0x3feebfdad5362a27ull, 0x3feeb42b569d4f82ull, 0x3feeab07dd485429ull, 0x3feea47eb03a5585ull,
+    0x3feea09e667f3bcdull, 0x3fee9f75e8ec5f74ull, 0x3feea11473eb0187ull, 0x3feea589994cce13ull,
+    0x3feeace5422aa0dbull, 0x3feeb737b0cdc5e5ull, 0x3feec49182a3f090ull, 0x3feed503b23e255dull,
+    0x3feee89f995ad3adull, 0x3feeff76f2fb5e47ull, 0x3fef199bdd85529cull, 0x3fef3720dcef9069ull,
+    0x3fef5818dcfba487ull, 0x3fef7c97337b9b5full, 0x3fefa4afa2a490daull, 0x3fefd0765b6e4540ull,
+};
+
+__device__ __forceinline__ float host_expf(float x, const u64* table) {
+    u32 ix = __float_as_uint(x);
+    u32 abstop = (ix >> 20) & 0x7ffu;
+    if (abstop >= 0x42bu) {  // |x| >= 88 or NaN
+        if (ix == 0xff800000u) return 0.0f;
+        if (abstop >= 0x7f8u) return x + x;
+        if (x > __uint_as_float(0x42b17217u)) return INFINITY;  // > ln(2^128)
+        if (x < __uint_as_float(0xc2cff1b4u)) return 0.0f;      // < ln(2^-150)
+    }
+    // Exact power-of-two scalings of the published constants.
+    const double inv_ln2_n = __longlong_as_double(0x3ff71547652b82fell) * 32.0;
+    const double shift = __longlong_as_double(0x4338000000000000ll);
+    const double c0 = __longlong_as_double(0x3fac6af84b912394ll) * (1.0 / 32768.0);
+    const double c1 = __longlong_as_double(0x3fcebfce50fac4f3ll) * (1.0 / 1024.0);
+    const double c2 = __longlong_as_double(0x3fe62e42ff0c52d6ll) * (1.0 / 32.0);
+    double xd = (double)x;
+    double kd = __fma_rn(inv_ln2_n, xd, shift);
+    u64 ki = (u64)__double_as_longlong(kd);
+    kd = __dsub_rn(kd, shift);
+    double r = __fma_rn(inv_ln2_n, xd, -kd);
+    u64 t = table[ki & 31u] + (ki << 47);
+    double s = __longlong_as_double((long long)t);
+    double z = __fma_rn(c0, r, c1);
+    double r2 = __dmul_rn(r, r);
+    double y = __fma_rn(c2, r, 1.0);
+    y = __fma_rn(z, r2, y);
+    y = __dmul_rn(y, s);
+    return __double2float_rn(y);
+}
+
+// For the test that checks the port against the host's expf.
+extern "C" __global__ void host_expf_kernel(const float* x, float* y, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        y[i] = host_expf(x[i], EXP2F_TABLE);
+}
+
+// A u32 whose ascending order is the descending order of x (IEEE total order).
+__device__ __forceinline__ u32 descending_f32(float x) {
+    u32 b = __float_as_uint(x);
+    u32 ascending = (b >> 31) ? ~b : (b | 0x80000000u);
+    return ~ascending;
+}
+
+// `(l as f64 - lse) as f32 + 0.0`: the + 0 folds -0 into +0 so equal logprobs tie.
+__device__ __forceinline__ float logprob_of(float l, double lse) {
+    return __fadd_rn(__double2float_rn(__dsub_rn((double)l, lse)), 0.0f);
+}
+
+struct RowView {
+    const float* l;  // the processed row
+    const float* p;  // exp(l - max) (sampling rows only)
+    int vocab;
+    float min_p;
+    double lse;
+    u64 limit;  // members have keys <= limit
+};
+
+struct SampleShared {
+    union {
+        double warp_hist[SAMPLE_WARPS][256];  // per-warp weights per digit: a fixed summation order
+        u64 keys[GATHER_CAP];
+    } u;
+    double stage[SAMPLE_WARPS][32];
+    double bin_w[256];
+    int bin_n[256];
+    double red_d[SAMPLE_WARPS];
+    float red_f[SAMPLE_WARPS];
+    int red_i[SAMPLE_WARPS];
+    u64 exp_table[32];
+    int gather_n;
+    int sel_bin, sel_count, sel_none;
+    double sel_before;
+    u64 sel_key;
+    u64 max_key;
+    int bad;
+    u32 argmax;
+};
+
+// Sum over the block in a fixed order; every thread gets it.
+__device__ double block_sum_f64(double v, SampleShared& sh) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if (lane == 0) sh.red_d[warp] = v;
+    __syncthreads();
+    double total = 0.0;
+    for (int w = 0; w < SAMPLE_WARPS; w++) total += sh.red_d[w];
+    return total;
+}
+
+__device__ float block_max_f32(float v, SampleShared& sh) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) sh.red_f[warp] = v;
+    __syncthreads();
+    float m = -INFINITY;
+    for (int w = 0; w < SAMPLE_WARPS; w++) m = fmaxf(m, sh.red_f[w]);
+    return m;
+}
+
+__device__ int block_min_i32(int v, SampleShared& sh) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if (lane == 0) sh.red_i[warp] = v;
+    __syncthreads();
+    int m = 0x7fffffff;
+    for (int w = 0; w < SAMPLE_WARPS; w++) m = min(m, sh.red_i[w]);
+    return m;
+}
+
+// Whether token t is a member of `kind`, and its key and weight.
+__device__ __forceinline__ bool member(const RowView& r, int kind, int by_mass, int t, u64& key, double& w) {
+    if (kind == KIND_PROB) {
+        float p = r.p[t];
+        if (!(p > 0.0f && p >= r.min_p)) return false;
+        key = ((u64)descending_f32(p) << 32) | (u32)t;
+        w = by_mass ? (double)p : 1.0;
+    } else {
+        key = ((u64)descending_f32(logprob_of(r.l[t], r.lse)) << 32) | (u32)t;
+        w = 1.0;
+    }
+    return key <= r.limit;
+}
+
+__device__ __forceinline__ bool in_prefix(u64 key, u64 prefix, int fixed) {
+    return fixed == 0 || (key >> (64 - fixed)) == prefix;
+}
+
+// Gathers the member keys whose top `fixed` bits are `prefix` (at most GATHER_CAP of them) into
+// sh.u.keys and sorts them ascending (bitonic). Returns their number.
+__device__ int gather_sorted(const RowView& r, int kind, u64 prefix, int fixed, SampleShared& sh) {
+    const int tid = threadIdx.x;
+    __syncthreads();
+    if (tid == 0) sh.gather_n = 0;
+    __syncthreads();
+    for (int t = tid; t < r.vocab; t += SAMPLE_THREADS) {
+        u64 key;
+        double w;
+        if (member(r, kind, 0, t, key, w) && in_prefix(key, prefix, fixed)) {
+            int slot = atomicAdd(&sh.gather_n, 1);
+            if (slot < GATHER_CAP) sh.u.keys[slot] = key;
+        }
+    }
+    __syncthreads();
+    int n = min(sh.gather_n, GATHER_CAP);
+    int padded = 1;
+    while (padded < n) padded <<= 1;
+    for (int i = n + tid; i < padded; i += SAMPLE_THREADS) sh.u.keys[i] = NO_KEY;
+    __syncthreads();
+    for (int k = 2; k <= padded; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = tid; i < padded; i += SAMPLE_THREADS) {
+                int partner = i ^ j;
+                if (partner > i) {
+                    u64 a = sh.u.keys[i], b = sh.u.keys[partner];
+                    bool ascending = (i & k) == 0;
+                    if ((a > b) == ascending) {
+                        sh.u.keys[i] = b;
+                        sh.u.keys[partner] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    return n;
+}
+
+// The first member key in canonical (ascending key) order at which the running weight reaches
+// `target` (cum >= target, or cum > target when `strict`); NO_KEY when the members' total never
+// does. When rounding makes a narrowed range fall short, its last key is taken (the CPU's draw
+// does the same with its last kept token). Every thread must call it; all get the result.
+__device__ u64 select_key(const RowView& r, int kind, int by_mass, double target, int strict, SampleShared& sh) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    u64 prefix = 0;
+    int fixed = 0;
+    double before = 0.0;  // weight of the members below the current range
+    int in_range = -1;    // unknown until the first pass
+    while (fixed < 64 && (in_range < 0 || in_range > GATHER_CAP)) {
+        const int shift = 56 - fixed;
+        __syncthreads();
+        for (int i = tid; i < SAMPLE_WARPS * 256; i += SAMPLE_THREADS) sh.u.warp_hist[i / 256][i % 256] = 0.0;
+        for (int i = tid; i < 256; i += SAMPLE_THREADS) sh.bin_n[i] = 0;
+        __syncthreads();
+        // Warp w takes the 32-token groups w, w + SAMPLE_WARPS, ...: a fixed order per warp.
+        for (int base = warp * 32; base < r.vocab; base += SAMPLE_THREADS) {
+            int t = base + lane;
+            u64 key = 0;
+            double w = 0.0;
+            bool in = t < r.vocab && member(r, kind, by_mass, t, key, w) && in_prefix(key, prefix, fixed);
+            u32 bin = in ? (u32)(key >> shift) & 255u : 256u;
+            sh.stage[warp][lane] = in ? w : 0.0;
+            u32 peers = __match_any_sync(0xffffffffu, bin);
+            __syncwarp();
+            if (in && lane == __ffs(peers) - 1) {
+                double s = 0.0;
+                for (u32 m = peers; m; m &= m - 1) s += sh.stage[warp][__ffs(m) - 1];
+                sh.u.warp_hist[warp][bin] += s;
+                atomicAdd(&sh.bin_n[bin], __popc(peers));
+            }
+            __syncwarp();
+        }
+        __syncthreads();
+        for (int b = tid; b < 256; b += SAMPLE_THREADS) {
+            double s = 0.0;
+            for (int w = 0; w < SAMPLE_WARPS; w++) s += sh.u.warp_hist[w][b];
+            sh.bin_w[b] = s;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            double acc = before, acc_last = before;
+            int chosen = -1, last = -1;
+            for (int b = 0; b < 256; b++) {
+                if (sh.bin_n[b] == 0) continue;
+                double next = acc + sh.bin_w[b];
+                if (strict ? next > target : next >= target) {
+                    chosen = b;
+                    break;
+                }
+                last = b;
+                acc_last = acc;
+                acc = next;
+            }
+            sh.sel_none = 0;
+            if (chosen >= 0) {
+                sh.sel_before = acc;
+            } else if (fixed == 0 || last < 0) {
+                sh.sel_none = 1;
+            } else {
+                chosen = last;
+                sh.sel_before = acc_last;
+            }
+            sh.sel_bin = chosen;
+            sh.sel_count = chosen >= 0 ? sh.bin_n[chosen] : 0;
+        }
+        __syncthreads();
+        if (sh.sel_none) return NO_KEY;
+        prefix = (prefix << 8) | (u64)sh.sel_bin;
+        fixed += 8;
+        before = sh.sel_before;
+        in_range = sh.sel_count;
+    }
+    int n = gather_sorted(r, kind, prefix, fixed, sh);
+    if (warp == 0) {
+        double acc = before;
+        u64 found = NO_KEY;
+        for (int base = 0; base < n && found == NO_KEY; base += 32) {
+            int i = base + lane;
+            double w = 0.0;
+            if (i < n) w = (kind == KIND_PROB && by_mass) ? (double)r.p[(u32)sh.u.keys[i]] : 1.0;
+            double c = w;  // inclusive scan over the warp
+            for (int o = 1; o < 32; o <<= 1) {
+                double v = __shfl_up_sync(0xffffffffu, c, o);
+                if (lane >= o) c += v;
+            }
+            double cum = acc + c;
+            bool hit = i < n && (strict ? cum > target : cum >= target);
+            u32 hits = __ballot_sync(0xffffffffu, hit);
+            if (hits) found = sh.u.keys[base + __ffs(hits) - 1];
+            acc += __shfl_sync(0xffffffffu, c, 31);
+        }
+        if (found == NO_KEY && n > 0) found = sh.u.keys[n - 1];
+        if (lane == 0) sh.sel_key = found;
+    }
+    __syncthreads();
+    return sh.sel_key;
+}
+
+// The kept mass: members' p summed (f64).
+__device__ double member_mass(const RowView& r, SampleShared& sh) {
+    double acc = 0.0;
+    for (int t = threadIdx.x; t < r.vocab; t += SAMPLE_THREADS) {
+        u64 key;
+        double w;
+        if (member(r, KIND_PROB, 1, t, key, w)) acc += w;
+    }
+    return block_sum_f64(acc, sh);
+}
+
+// The largest member key (the last kept token).
+__device__ u64 member_max_key(const RowView& r, SampleShared& sh) {
+    __syncthreads();
+    if (threadIdx.x == 0) sh.max_key = 0;
+    __syncthreads();
+    for (int t = threadIdx.x; t < r.vocab; t += SAMPLE_THREADS) {
+        u64 key;
+        double w;
+        if (member(r, KIND_PROB, 0, t, key, w)) atomicMax(&sh.max_key, key);
+    }
+    __syncthreads();
+    return sh.max_key;
+}
+
+// One block per sampled row. `logits` holds the lm_head chunk (row stride `vocab`); the row is
+// processed in place. `probs` has one row per block. Results go to slot first_slot + blockIdx.x.
+extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* logits, float* probs, int vocab, const RowParams* params, const PenaltyEntry* penalties,
+                int first_slot, int top_stride, RowResult* results, TopEntry* tops) {
+    __shared__ SampleShared sh;
+    const int tid = threadIdx.x;
+    const RowParams pr = params[blockIdx.x];
+    float* row = logits + (u64)pr.logits_row * vocab;
+    float* prow = probs + (u64)blockIdx.x * vocab;
+    RowResult* res = results + first_slot + blockIdx.x;
+    if (tid < 32) sh.exp_table[tid] = EXP2F_TABLE[tid];
+
+    // Penalties (each token at most once in the list), then the min_new_tokens mask.
+    for (int i = pr.penalties_begin + tid; i < pr.penalties_end; i += SAMPLE_THREADS) {
+        PenaltyEntry e = penalties[i];
+        if (e.flags & PENALTY_MASK) continue;
+        float l = row[e.token];
+        if (e.flags & PENALTY_REPEAT) l = l > 0.0f ? __fdiv_rn(l, pr.repetition) : __fmul_rn(l, pr.repetition);
+        if (e.output_count > 0) {
+            l = __fsub_rn(l, __fmul_rn(pr.frequency, (float)e.output_count));
+            l = __fsub_rn(l, pr.presence);
+        }
+        row[e.token] = l;
+    }
+    __syncthreads();
+    for (int i = pr.penalties_begin + tid; i < pr.penalties_end; i += SAMPLE_THREADS) {
+        PenaltyEntry e = penalties[i];
+        if (e.flags & PENALTY_MASK) row[e.token] = -INFINITY;
+    }
+    __syncthreads();
+
+    // Temperature, the max and the first non-finite logit.
+    const bool scale = !pr.greedy && pr.temperature != 1.0f;
+    float m = -INFINITY;
+    int bad = 0x7fffffff;
+    for (int t = tid; t < vocab; t += SAMPLE_THREADS) {
+        float l = row[t];
+        if (scale) {
+            l = __fdiv_rn(l, pr.temperature);
+            row[t] = l;
+        }
+        if (l != l || l == INFINITY) bad = min(bad, t);
+        m = fmaxf(m, l);
+    }
+    bad = block_min_i32(bad, sh);
+    m = block_max_f32(m, sh);
+    if (bad != 0x7fffffff || m == -INFINITY) {
+        if (tid == 0) {
+            res->token = 0;
+            res->logprob = 0.0f;
+            res->num_top = 0;
+            res->status = bad != 0x7fffffff ? STATUS_NON_FINITE : STATUS_NO_CANDIDATES;
+            res->bad_token = bad != 0x7fffffff ? (u32)bad : 0u;
+            res->bad_value = bad != 0x7fffffff ? row[bad] : 0.0f;
+        }
+        return;
+    }
+
+    // Probabilities and the normalizer; the greedy token (first maximum) on the way.
+    double acc = 0.0;
+    int first_max = 0x7fffffff;
+    for (int t = tid; t < vocab; t += SAMPLE_THREADS) {
+        float l = row[t];
+        float p = host_expf(__fsub_rn(l, m), sh.exp_table);
+        if (!pr.greedy) prow[t] = p;
+        acc += (double)p;
+        if (l == m) first_max = min(first_max, t);
+    }
+    double total = block_sum_f64(acc, sh);
+    first_max = block_min_i32(first_max, sh);
+    RowView view;
+    view.l = row;
+    view.p = prow;
+    view.vocab = vocab;
+    view.min_p = pr.min_p;
+    view.lse = (double)m + log(total);
+    view.limit = NO_KEY;
+    __syncthreads();  // prow is read across threads from here on
+
+    u32 token;
+    if (pr.greedy) {
+        token = (u32)first_max;
+    } else {
+        if (pr.top_k > 0) {
+            u64 k = select_key(view, KIND_PROB, 0, (double)pr.top_k, 0, sh);
+            if (k != NO_KEY) view.limit = k;
+        }
+        if (pr.top_p < 1.0f) {
+            u64 k = select_key(view, KIND_PROB, 1, (double)pr.top_p * total, 0, sh);
+            if (k != NO_KEY) view.limit = k;
+        }
+        double mass = member_mass(view, sh);
+        u64 k = select_key(view, KIND_PROB, 1, pr.u * mass, 1, sh);
+        if (k == NO_KEY) k = member_max_key(view, sh);
+        token = (u32)k;
+    }
+    float lp = logprob_of(row[token], view.lse);
+
+    int n = min(pr.top_n, vocab);
+    if (n > 0) {
+        RowView all = view;
+        all.limit = NO_KEY;
+        u64 last = select_key(all, KIND_LOGPROB, 0, (double)n, 0, sh);
+        all.limit = last;
+        n = gather_sorted(all, KIND_LOGPROB, 0, 0, sh);
+        TopEntry* out = tops + (u64)(first_slot + blockIdx.x) * top_stride;
+        for (int i = tid; i < n; i += SAMPLE_THREADS) {
+            u32 t = (u32)sh.u.keys[i];
+            out[i].token = t;
+            out[i].logprob = logprob_of(row[t], view.lse);
+        }
+    }
+    if (tid == 0) {
+        res->token = token;
+        res->logprob = lp;
+        res->status = STATUS_OK;
+        res->bad_token = 0;
+        res->bad_value = 0.0f;
+        res->num_top = (u32)max(n, 0);
+    }
+}
