@@ -6,8 +6,9 @@
 //!     [--formats bf16,mxfp8,nvfp4] [--batches 1,8,64,256] [--prompt 512] [--steps 256]
 //!     [--prefill 8x2048] [--layers N]
 //!
-//! Times are host clocks around whole forward passes (each ends with the logits copied to the
-//! host, as in serving), after a warm-up pass. Prints one table row per measurement.
+//! Times are host clocks around whole forward passes after a warm-up pass: prefill ends with
+//! the last logits row copied to the host, decode with greedy sampling on the device (only the
+//! token comes back), as in serving. Prints one table row per measurement.
 
 use std::time::Instant;
 
@@ -15,6 +16,7 @@ use lockstep::backend::cuda::model::{CudaModel, CudaSizes, CudaWeights};
 use lockstep::backend::cuda::Gpu;
 use lockstep::model::{ForwardBatch, ModelConfig, SeqInput};
 use lockstep::quant::{Format, Recipe};
+use lockstep::sampling::{SampleInput, SamplingParams, TokenHistory};
 
 struct Args {
     config: String,
@@ -207,6 +209,13 @@ fn main() {
                 model.forward(&batch).expect("prompt");
             }
             let ids: Vec<[u32; 1]> = (0..b).map(|s| [token(s)]).collect();
+            let params = SamplingParams {
+                temperature: 0.0,
+                ..Default::default()
+            }
+            .validate(&Default::default())
+            .expect("greedy params");
+            let history = TokenHistory::new(&prompt);
             let step = |model: &mut CudaModel, i: usize| {
                 let batch = ForwardBatch {
                     seqs: (0..b)
@@ -218,7 +227,21 @@ fn main() {
                         })
                         .collect(),
                 };
-                model.forward(&batch).expect("decode");
+                // Sampled on the device, as in serving: only the token comes back.
+                let greedy: Vec<Option<SampleInput<'_>>> = (0..b)
+                    .map(|_| {
+                        Some(SampleInput {
+                            params: &params,
+                            history: &history,
+                            eos_token_ids: &[],
+                            seed: 0,
+                            sample_index: 0,
+                            top_logprobs_num: 0,
+                        })
+                    })
+                    .collect();
+                let (_, sampled) = model.forward_and_sample(&batch, &greedy).expect("decode");
+                assert!(sampled.iter().all(|t| matches!(t, Some(Ok(_)))));
             };
             step(&mut model, 0);
             let t = Instant::now();

@@ -291,7 +291,9 @@ impl Runner {
     /// the CPU backend, a host copy, or dummy weights).
     pub(crate) fn device_catalog(&mut self) -> Result<Option<DeviceCatalog>, EngineError> {
         match self {
-            Runner::Cuda { model, host: None } => {
+            Runner::Cuda {
+                model, host: None, ..
+            } => {
                 let m = &mut **model;
                 let config = m.config.clone();
                 let (gpu, weights) = m.parts_mut();
@@ -313,7 +315,7 @@ impl Runner {
         &mut self,
         w: &DiskWeights,
     ) -> Result<WeightsChecksum, EngineError> {
-        let Runner::Cuda { model, host } = self else {
+        let Runner::Cuda { model, host, .. } = self else {
             return Err(EngineError::Conflict(
                 "updates loaded on the engine thread are for device-loaded CUDA weights".into(),
             ));
