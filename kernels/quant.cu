@@ -261,3 +261,41 @@ extern "C" __global__ void fp8_block_dequantize(const u8* q, const float* scale_
         out[idx] = x86_mul(e4m3_decode(q[idx]), scale_inv[(i / bn) * scale_cols + j / bk]);
     }
 }
+
+// ---- Operand preparation for the Blackwell block-scaled GEMMs (cuBLASLt, sm_100) ----
+
+// Block scales [rows, cols] (row-major, one byte each) into cuBLASLt's 1D block-scaling layout:
+// 128 x 4 tiles of 512 bytes, tiles row-block major; inside a tile, scale (r, c) sits at
+// (r % 32) * 16 + (r / 32) * 4 + c. Padding (rows to 128, cols to 4) is zero.
+extern "C" __global__ void swizzle_block_scales(const u8* src, int rows, int cols, u8* dst) {
+    int padded_rows = (rows + 127) / 128 * 128, padded_cols = (cols + 3) / 4 * 4;
+    u64 total = (u64)padded_rows * padded_cols;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        int r = (int)(i / padded_cols), c = (int)(i % padded_cols);
+        u64 tile = (u64)(r / 128) * (padded_cols / 4) + c / 4;
+        int in_tile = (r % 32) * 16 + ((r % 128) / 32) * 4 + c % 4;
+        dst[tile * 512 + in_tile] = (r < rows && c < cols) ? src[(u64)r * cols + c] : (u8)0;
+    }
+}
+
+// dst[r] = src[row_index[r]] for rows of `width` bytes (quantized activations permuted into
+// their experts' row groups, data and scales alike).
+extern "C" __global__ void gather_rows_u8(const u8* src, const int* row_index, int rows, int width, u8* dst) {
+    u64 total = (u64)rows * width;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 r = i / width, c = i % width;
+        dst[i] = src[(u64)row_index[r] * width + c];
+    }
+}
+
+// The NVFP4 second-level scales after a block-scaled GEMM, in the contract's order:
+// out[r, n] = (out[r, n] * s_tok[row_index(r)]) * S_dec[e * groups + n / (N / groups)].
+extern "C" __global__ void nvfp4_epilogue(float* out, const float* row_scale, const int* row_index,
+                                          const float* w_sdec, int e, int groups, int rows, int N) {
+    u64 total = (u64)rows * N;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        int r = (int)(i / N), n = (int)(i % N);
+        int src = row_index ? row_index[r] : r;
+        out[i] = __fmul_rn(__fmul_rn(out[i], row_scale[src]), w_sdec[e * groups + n / (N / groups)]);
+    }
+}

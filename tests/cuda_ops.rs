@@ -630,6 +630,60 @@ fn prefill_attention_matches_the_cpu() {
     }
 }
 
+/// The operand preparation of the Blackwell block-scaled path (its cuBLASLt GEMMs need sm_100
+/// and are not run): the scale swizzle against the layout's definition, zero padding included,
+/// and the row gather.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn block_scaled_operand_preparation_matches_its_definition() {
+    use lockstep::backend::cuda::block_scaled::{
+        gather_rows, swizzle_scales, swizzled_len, swizzled_offset,
+    };
+    use lockstep::backend::cuda::device::ptr;
+    let raw = |a: lockstep::backend::cuda::device::Arg| match a {
+        lockstep::backend::cuda::device::Arg::Ptr(p) => p,
+        _ => unreachable!(),
+    };
+    let g = gpu();
+    let mut rng = Rng(seed());
+    for (rows, cols) in [(200, 7), (128, 4), (5, 128), (300, 64)] {
+        let src: Vec<u8> = (0..rows * cols).map(|_| 1 + rng.below(255) as u8).collect();
+        let dsrc = g.upload(&src).unwrap();
+        let len = swizzled_len(rows, cols);
+        let dst = poisoned(&g, len, 0xAAu8);
+        swizzle_scales(&g, raw(ptr(&g, &dsrc)), rows, cols, raw(ptr(&g, &dst))).unwrap();
+        let got = g.download(&dst, len).unwrap();
+        let mut want = vec![0u8; len];
+        for r in 0..rows {
+            for c in 0..cols {
+                want[swizzled_offset(r, c, cols)] = src[r * cols + c];
+            }
+        }
+        assert_eq!(got, want, "swizzle of [{rows}, {cols}]");
+    }
+    let (rows, width) = (37, 24);
+    let src: Vec<u8> = (0..rows * width).map(|_| rng.below(256) as u8).collect();
+    let index: Vec<i32> = (0..50).map(|_| rng.below(rows) as i32).collect();
+    let (dsrc, didx) = (g.upload(&src).unwrap(), g.upload(&index).unwrap());
+    let dst = poisoned(&g, index.len() * width, 0u8);
+    gather_rows(
+        &g,
+        raw(ptr(&g, &dsrc)),
+        raw(ptr(&g, &didx)),
+        index.len(),
+        width,
+        raw(ptr(&g, &dst)),
+    )
+    .unwrap();
+    let got = g.download(&dst, index.len() * width).unwrap();
+    for (r, &i) in index.iter().enumerate() {
+        assert_eq!(
+            &got[r * width..][..width],
+            &src[i as usize * width..][..width]
+        );
+    }
+}
+
 /// CPU experts of one format from random BF16 weights.
 fn cpu_experts(
     rng: &mut Rng,

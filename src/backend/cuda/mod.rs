@@ -6,13 +6,14 @@
 //! for the device's architecture ([`kernels`]). Every op is tested against the CPU reference
 //! on fresh random data (tests/cuda_ops.rs, run on a GPU host by scripts/gpu-check.sh).
 
+pub mod block_scaled;
 pub mod device;
 pub mod kernels;
 pub mod load;
 pub mod model;
 pub mod ops;
-pub mod slots;
 pub mod sampling;
+pub mod slots;
 pub mod weights;
 
 pub use device::{device_count, Gpu};

@@ -8,6 +8,7 @@
 
 use cudarc::driver::CudaSlice;
 
+use super::block_scaled::{BlockFormat, BlockScaledGemm};
 use super::ops::{
     self, AttnRows, AttnShape, CublasOperand, GemmRows, MoePlan, Nvfp4Out, Table, WeightData,
 };
@@ -126,6 +127,8 @@ struct QuantScratch {
     deq: CudaSlice<f32>,
     row_scale: CudaSlice<f32>,
     amax: CudaSlice<u32>,
+    /// The Blackwell block-scaled GEMMs (sm_100 only; compiled, never run: see block_scaled.rs).
+    block_scaled: Option<BlockScaledGemm>,
 }
 
 struct KvCache {
@@ -397,6 +400,21 @@ fn linear(
                 &mut q.scales,
                 Some(&mut q.deq),
             )?;
+            if let Some(bs) = &mut q.block_scaled {
+                return bs.run(
+                    gpu,
+                    BlockFormat::Mxfp8,
+                    &m.data,
+                    &q.data,
+                    &q.scales,
+                    None,
+                    rows,
+                    row_index,
+                    n,
+                    k,
+                    out,
+                );
+            }
             ops::grouped_gemm(
                 gpu, &q.deq, row_index, None, &m.data, rows, out_rows, n, k, out,
             )
@@ -425,6 +443,21 @@ fn linear(
                     deq: Some(&mut q.deq),
                 },
             )?;
+            if let Some(bs) = &mut q.block_scaled {
+                return bs.run(
+                    gpu,
+                    BlockFormat::Nvfp4,
+                    &m.data,
+                    &q.data,
+                    &q.scales,
+                    Some(&q.row_scale),
+                    rows,
+                    row_index,
+                    n,
+                    k,
+                    out,
+                );
+            }
             ops::grouped_gemm(
                 gpu,
                 &q.deq,
@@ -503,6 +536,12 @@ impl CudaModel {
                 deq: gpu.alloc(quant_elems)?,
                 row_scale: gpu.alloc(pairs.max(t))?,
                 amax: gpu.alloc(2)?,
+                block_scaled: if BlockScaledGemm::available(&gpu) {
+                    let widest = v.max(2 * inter).max(c.q_size()).max(h);
+                    Some(BlockScaledGemm::new(&gpu, pairs.max(t), widest, in_width)?)
+                } else {
+                    None
+                },
             },
         };
         // One sampled row per sequence; a launch samples at most one lm_head chunk's rows.
