@@ -130,6 +130,8 @@ kernels! {
     PrefillAttentionHd128 => (PrefillAttention, "prefill_attention_hd128"),
     SampleRows => (Sampling, "sample_rows"),
     HostExpf => (Sampling, "host_expf_kernel"),
+    PagedAttentionSplit => (Attention, "paged_attention_split"),
+    PagedAttentionCombine => (Attention, "paged_attention_combine"),
 }
 
 /// NVRTC options. Default precision (IEEE division and square root); the bit-exact paths

@@ -10,7 +10,8 @@ use cudarc::driver::CudaSlice;
 
 use super::block_scaled::{BlockFormat, BlockScaledGemm};
 use super::ops::{
-    self, AttnRows, AttnShape, CublasOperand, GemmRows, MoePlan, Nvfp4Out, Table, WeightData,
+    self, AttnRows, AttnShape, CublasOperand, GemmRows, KeySplit, MoePlan, Nvfp4Out,
+    SplitScratch, Table, WeightData,
 };
 use super::sampling::DeviceSampler;
 use super::weights::{Activation, DummyWeights, GpuMatrix};
@@ -88,6 +89,11 @@ const PREFILL_ATTENTION_MIN_ROWS: usize = 2;
 /// a long chunk needs logits for every row; the vocabulary makes each row large).
 const LOGIT_CHUNK_ROWS: usize = 256;
 
+/// Split decode attention keeps this many partial results per (sequence, query head): a
+/// step of `max_running_requests` rows may split each row's keys this many ways, a step of
+/// fewer rows proportionally more (up to `KeySplit::MAX_SPLITS`).
+const SPLIT_PARTIALS_PER_HEAD: usize = 16;
+
 /// Per-step activation buffers, allocated once for the largest step.
 struct Scratch {
     tokens: CudaSlice<u32>,
@@ -105,6 +111,7 @@ struct Scratch {
     k: CudaSlice<f32>,
     v: CudaSlice<f32>,
     attn: CudaSlice<f32>,
+    attn_split: SplitScratch,
     o: CudaSlice<f32>,
     y: CudaSlice<f32>,
     router_logits: CudaSlice<f32>,
@@ -514,6 +521,11 @@ impl CudaModel {
             k: gpu.alloc(t * c.kv_size())?,
             v: gpu.alloc(t * c.kv_size())?,
             attn: gpu.alloc(t * c.q_size())?,
+            attn_split: SplitScratch::new(
+                &gpu,
+                seqs * c.num_heads * SPLIT_PARTIALS_PER_HEAD,
+                c.head_dim,
+            )?,
             o: gpu.alloc(t * h)?,
             y: gpu.alloc(t * h)?,
             router_logits: gpu.alloc(t * experts.max(1))?,
@@ -679,6 +691,12 @@ impl CudaModel {
             }
         }
         let n = tokens.len();
+        let longest = batch
+            .seqs
+            .iter()
+            .map(|s| s.start_pos + s.tokens.len())
+            .max()
+            .unwrap_or(0);
         if n > self.sizes.max_batch_tokens
             || batch.seqs.len() > self.sizes.max_running_requests.max(1)
             || tables.len() > self.max_table_entries
@@ -805,6 +823,23 @@ impl CudaModel {
                     attn_tiles.len() / 2,
                     n,
                     shape,
+                )?;
+            } else if n <= self.sizes.max_running_requests {
+                // Decode steps take the GQA-aware kernel, which also splits long contexts
+                // over the keys.
+                let split =
+                    KeySplit::plan(n, shape, longest, gpu.sm_count, s.attn_split.partials);
+                ops::decode_attention(
+                    gpu,
+                    &s.q,
+                    &mut s.attn,
+                    &kv.k[l],
+                    &kv.v[l],
+                    &meta,
+                    n,
+                    shape,
+                    split,
+                    &mut s.attn_split,
                 )?;
             } else {
                 ops::paged_attention(gpu, &s.q, &mut s.attn, &kv.k[l], &kv.v[l], &meta, n, shape)?;
