@@ -171,10 +171,7 @@ impl Problem {
         assert!(err < 1e-5, "{what}: relative error {err}");
         for (r, ctx) in self.row_ctx.iter().enumerate() {
             let e = rel_err(&got[r * width..][..width], &self.want[r * width..][..width]);
-            assert!(
-                e < 1e-4,
-                "{what}: row {r} ({ctx} keys) relative error {e}"
-            );
+            assert!(e < 1e-4, "{what}: row {r} ({ctx} keys) relative error {e}");
         }
         err
     }
@@ -213,10 +210,7 @@ fn splits_for(p: &Problem, s: AttnShape, sm_count: u32) -> Vec<KeySplit> {
 
 fn contexts(long: bool) -> (Vec<usize>, Vec<usize>) {
     if long {
-        (
-            vec![1, 16, 17, 1000, 3001, 4099],
-            vec![1, 1, 2, 1, 3, 1],
-        )
+        (vec![1, 16, 17, 1000, 3001, 4099], vec![1, 1, 2, 1, 3, 1])
     } else {
         (
             vec![1, 2, 3, 5, 15, 16, 17, 32, 33],

@@ -1,0 +1,479 @@
+//! End-to-end greedy generation, CUDA engine against CPU engine: the tiny transformers
+//! reference models (tests/data/reference; f32 checkpoints, and the MoE one quantized at load
+//! to MXFP8 and NVFP4) and 4 layers of the Qwen3-30B-A3B shape with dummy weights in BF16,
+//! MXFP8 and NVFP4 experts. Both engines run the real scheduler, KV cache (BF16 on both),
+//! sampler and logprobs; only the forward pass differs.
+//!
+//! The rule. Random weights give near-flat logits, so two correct backends may pick different
+//! tokens where the top two are closer than their numerical difference. With `lp_tol` the
+//! stated logprob tolerance of a path and `tie = 2 * lp_tol` (each of the two logprobs may move
+//! by lp_tol):
+//! - free-running: GPU tokens must equal the CPU's at every position up to the CPU's first
+//!   near-tie (top-1 minus top-2 logprob <= tie); there the continuations may part, and
+//! - teacher-forced, for every position: the CPU's prompt + output is sent to the GPU engine as
+//!   a prompt with input logprobs, and at every position whose CPU margin exceeds `tie` the
+//!   GPU's top-1 must be the CPU's token;
+//! - logprobs (of the CPU's token, and the sorted top-5 values) within `lp_tol` at every
+//!   compared position, free-running and teacher-forced.
+//!
+//! Tolerances. F32 checkpoints and BF16 weights: 1e-2 absolute. The model tests measured logit
+//! rows within 7e-4 relative (the GPU rounds activations to BF16 before cuBLAS on steps of more
+//! than 16 rows, and sums in another order); these models' logits have about unit spread
+//! (weights of std 1/sqrt(fan_in) after a final RMSNorm), so logprob errors are ~1e-3 and 1e-2
+//! leaves a 10x margin. MXFP8/NVFP4: 0.5 absolute. Activations are requantized on both sides
+//! from inputs that differ by summation order, and a value crossing a rounding boundary moves
+//! by up to a sixth of its block's amax; the model tests saw rows up to 0.13 relative and 10%
+//! of routing decisions differ on the 30B shape, so only gross errors can be told apart there
+//! (with tie = 1.0 few positions are decisive; the table says how many).
+//!
+//! A 1100-token prompt on the tiny models makes decode steps use the split-K attention kernel
+//! with several splits. These need an NVIDIA GPU (and, for the mid-size model, a many-core host
+//! for the CPU side), so they are `#[ignore]`d here and run on the GPU host.
+
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lockstep::backend::cpu::attention::KvDtype;
+use lockstep::engine::{
+    CudaSource, Engine, EngineConfig, EngineEvent, EngineHandle, EngineInfo, FinishInfo,
+    GenerateRequest, RunnerSpec, TokenOut,
+};
+use lockstep::model::loader::{dummy_model, load_model, Quantization};
+use lockstep::model::ModelConfig;
+use lockstep::quant::Recipe;
+use lockstep::sampling::SamplingParams;
+use lockstep::tokenizer::Tokenizer;
+
+const NEW_TOKENS: usize = 16;
+const TOP: usize = 5;
+const MAX_CONTEXT: usize = 2048;
+
+/// xorshift64*: fresh prompts each run; the seed is printed.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn prompt(&mut self, len: usize, vocab: usize) -> Vec<u32> {
+        (0..len)
+            .map(|_| (self.next() % vocab as u64) as u32)
+            .collect()
+    }
+}
+
+fn seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1
+}
+
+/// A word-level tokenizer with one made-up word per model token: the engine refuses ids its
+/// tokenizer does not know, and text is not compared here.
+fn word_tokenizer(vocab: usize) -> Tokenizer {
+    let words: serde_json::Map<String, serde_json::Value> =
+        (0..vocab).map(|i| (format!("w{i}"), i.into())).collect();
+    let json = serde_json::json!({
+        "version": "1.0", "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": words, "unk_token": "w0"}
+    });
+    let path = std::env::temp_dir().join(format!(
+        "lockstep-cuda-generate-{}-{vocab}.json",
+        std::process::id()
+    ));
+    std::fs::write(&path, json.to_string()).unwrap();
+    let t = Tokenizer::from_file(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    t
+}
+
+fn start(spec: RunnerSpec, config: ModelConfig, recipe: &Recipe) -> EngineHandle {
+    let tokenizer = Arc::new(word_tokenizer(config.vocab_size));
+    let info = EngineInfo {
+        model_path: "test".into(),
+        served_model_name: "test".into(),
+        config,
+        tokenizer,
+        quantization: recipe.name.clone(),
+        recipe_name: recipe.name.clone(),
+        recipe_hash: recipe.hash(),
+        recipe: recipe.clone(),
+        slots: Default::default(),
+        max_context_len: MAX_CONTEXT,
+        block_size: 16,
+        weight_version: std::sync::RwLock::new("v0".into()),
+        weights_checksum: std::sync::RwLock::new(("v0".into(), Default::default())),
+    };
+    let cfg = EngineConfig {
+        max_running_requests: 8,
+        max_batch_tokens: 512,
+        max_total_tokens: 8192,
+        block_size: 16,
+        max_context_len: MAX_CONTEXT,
+        max_queued_requests: 64,
+        // The CUDA cache is BF16; the CPU's must be too for the same keys and values.
+        kv_dtype: KvDtype::Bf16,
+    };
+    let h = Engine::start_with(spec, info, cfg);
+    let t = Instant::now();
+    while !h.shared.warm.load(Ordering::Acquire) {
+        if let Some(e) = h.shared.last_error.lock().unwrap().clone() {
+            panic!("engine start-up failed: {e}");
+        }
+        assert!(t.elapsed() < Duration::from_secs(600), "engine warms up");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    h
+}
+
+fn cuda(weights: CudaSource) -> RunnerSpec {
+    RunnerSpec::Cuda {
+        device: 0,
+        weights,
+        mem_fraction_static: 0.9,
+        max_total_tokens: Some(8192),
+    }
+}
+
+/// Greedy, with the chosen token's logprob and the top alternatives; or, with `teacher`, a
+/// prompt-only pass returning input logprobs from position `teacher` on.
+fn request(rid: String, ids: Vec<u32>, max_new: usize, teacher: Option<usize>) -> GenerateRequest {
+    let params = SamplingParams {
+        max_new_tokens: Some(max_new as i64),
+        temperature: 0.0,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    GenerateRequest {
+        rid,
+        input_ids: ids,
+        params: params.validate(&Default::default()).unwrap(),
+        seed: 1,
+        sample_index: 0,
+        return_logprob: true,
+        logprob_start_len: teacher,
+        top_logprobs_num: TOP,
+        return_routed_experts: false,
+    }
+}
+
+/// Runs the requests concurrently (one batch) and returns (tokens, finish) in order.
+fn run(h: &EngineHandle, reqs: Vec<GenerateRequest>) -> Vec<(Vec<TokenOut>, FinishInfo)> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let rxs: Vec<_> = reqs.into_iter().map(|r| h.submit(r).unwrap()).collect();
+    rt.block_on(async {
+        let mut out = Vec::new();
+        for mut rx in rxs {
+            let mut tokens = Vec::new();
+            loop {
+                match rx.recv().await.expect("event") {
+                    EngineEvent::Token(t) => tokens.push(t),
+                    EngineEvent::Finished(f) => {
+                        out.push((tokens, *f));
+                        break;
+                    }
+                    EngineEvent::Error(e) => panic!("engine error: {e}"),
+                }
+            }
+        }
+        out
+    })
+}
+
+/// One position's distribution as a backend reports it.
+struct Step {
+    token: u32,
+    logprob: f32,
+    top: Vec<(u32, f32)>,
+}
+
+impl Step {
+    fn margin(&self) -> f32 {
+        match self.top.as_slice() {
+            [a, b, ..] => a.1 - b.1,
+            _ => f32::INFINITY,
+        }
+    }
+}
+
+fn steps(tokens: &[TokenOut]) -> Vec<Step> {
+    tokens
+        .iter()
+        .map(|t| Step {
+            token: t.id,
+            logprob: t.logprob.expect("logprob asked for"),
+            top: t.top_logprobs.clone(),
+        })
+        .collect()
+}
+
+/// What one model/format comparison found (all positions of all prompts).
+#[derive(Default)]
+struct Tally {
+    positions: usize,
+    /// Free-running positions before each prompt's first CPU near-tie (all must be equal).
+    free_equal: usize,
+    /// Length of the common prefix of the GPU's and CPU's free-running outputs, ties included.
+    common_prefix: usize,
+    decisive: usize,
+    teacher_top1_equal: usize,
+    worst_lp: f32,
+}
+
+/// |a - b| of the sorted top values (robust to near-tied ids trading places) and of the
+/// chosen token's logprob; fails past `tol`.
+fn check_logprobs(what: &str, cpu: &Step, gpu_lp: f32, gpu_top: &[(u32, f32)], tol: f32) -> f32 {
+    let mut worst = (gpu_lp - cpu.logprob).abs();
+    assert_eq!(gpu_top.len(), cpu.top.len(), "{what}: top list length");
+    for (g, c) in gpu_top.iter().zip(&cpu.top) {
+        worst = worst.max((g.1 - c.1).abs());
+    }
+    assert!(
+        worst <= tol,
+        "{what}: logprobs differ by {worst} (tolerance {tol}); cpu {} {:?}, gpu {gpu_lp} {gpu_top:?}",
+        cpu.logprob,
+        cpu.top
+    );
+    worst
+}
+
+/// Generates greedily on both engines and applies the rule of the module docs.
+fn compare(
+    name: &str,
+    cpu: &EngineHandle,
+    gpu: &EngineHandle,
+    prompts: &[Vec<u32>],
+    lp_tol: f32,
+) -> Tally {
+    let tie = 2.0 * lp_tol;
+    let reqs = |tag: &str| -> Vec<GenerateRequest> {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| request(format!("{tag}{i}"), p.clone(), NEW_TOKENS, None))
+            .collect()
+    };
+    let want: Vec<Vec<Step>> = run(cpu, reqs("cpu")).iter().map(|r| steps(&r.0)).collect();
+    let got: Vec<Vec<Step>> = run(gpu, reqs("gpu")).iter().map(|r| steps(&r.0)).collect();
+    // Teacher forcing: the CPU's continuation as a prompt, scored from its first output token.
+    let forced: Vec<GenerateRequest> = prompts
+        .iter()
+        .zip(&want)
+        .enumerate()
+        .map(|(i, (p, w))| {
+            let mut ids = p.clone();
+            ids.extend(w.iter().map(|s| s.token));
+            request(format!("teacher{i}"), ids, 1, Some(p.len()))
+        })
+        .collect();
+    let forced = run(gpu, forced);
+    let mut t = Tally::default();
+    for (i, ((w, g), (_, f))) in want.iter().zip(&got).zip(&forced).enumerate() {
+        assert_eq!(w.len(), NEW_TOKENS, "{name} prompt {i}: CPU tokens");
+        assert_eq!(g.len(), NEW_TOKENS, "{name} prompt {i}: GPU tokens");
+        let input = f.input_logprobs.as_ref().expect("input logprobs");
+        assert_eq!(
+            input.len(),
+            NEW_TOKENS,
+            "{name} prompt {i}: teacher positions"
+        );
+        let mut free = true;
+        t.common_prefix += w
+            .iter()
+            .zip(g)
+            .take_while(|(a, b)| a.token == b.token)
+            .count();
+        for (j, c) in w.iter().enumerate() {
+            t.positions += 1;
+            let what = format!(
+                "{name} prompt {i} ({} tokens) position {j}",
+                prompts[i].len()
+            );
+            if free && c.margin() <= tie {
+                free = false;
+            }
+            if free {
+                assert_eq!(
+                    g[j].token,
+                    c.token,
+                    "{what}: free-running token differs with CPU margin {} > {tie}",
+                    c.margin()
+                );
+                t.free_equal += 1;
+                let e = check_logprobs(
+                    &format!("{what} (free)"),
+                    c,
+                    g[j].logprob,
+                    &g[j].top,
+                    lp_tol,
+                );
+                t.worst_lp = t.worst_lp.max(e);
+            }
+            let lp = &input[j];
+            assert_eq!(lp.token, c.token, "{what}: teacher-forced token");
+            let lp_value = lp.logprob.expect("scored position");
+            let e = check_logprobs(
+                &format!("{what} (teacher-forced)"),
+                c,
+                lp_value,
+                &lp.top,
+                lp_tol,
+            );
+            t.worst_lp = t.worst_lp.max(e);
+            let top1 = lp.top.first().map(|x| x.0);
+            if top1 == Some(c.token) {
+                t.teacher_top1_equal += 1;
+            }
+            if c.margin() > tie {
+                t.decisive += 1;
+                assert_eq!(
+                    top1,
+                    Some(c.token),
+                    "{what}: teacher-forced top-1 differs with CPU margin {} > {tie}",
+                    c.margin()
+                );
+            }
+        }
+    }
+    t
+}
+
+fn print_table(rows: &[(String, f32, Tally)]) {
+    println!(
+        "{:<34} {:>7} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9}",
+        "model / format",
+        "lp_tol",
+        "positions",
+        "free eq",
+        "common",
+        "decisive",
+        "forced eq",
+        "worst lp"
+    );
+    for (name, tol, t) in rows {
+        println!(
+            "{name:<34} {tol:>7.0e} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9.2e}",
+            t.positions,
+            t.free_equal,
+            t.common_prefix,
+            t.decisive,
+            t.teacher_top1_equal,
+            t.worst_lp
+        );
+    }
+    println!(
+        "free eq: free-running positions before the first CPU near-tie (all equal); common: \
+         common prefix of the free-running outputs, ties included; decisive: CPU margin > 2 lp_tol (teacher-forced \
+         top-1 equal, all); forced eq: teacher-forced top-1 equal, ties included"
+    );
+}
+
+const F32_BF16_TOL: f32 = 1e-2;
+const QUANTIZED_TOL: f32 = 0.5;
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn greedy_generation_of_the_reference_models_matches_the_cpu() {
+    let seed = seed();
+    println!("seed {seed}");
+    let mut rng = Rng(seed);
+    let mut table = Vec::new();
+    let cases: [(&str, Option<Quantization>); 5] = [
+        ("qwen3_moe", None),
+        ("qwen3", None),
+        ("llama", None),
+        ("qwen3_moe", Some(Quantization::Mxfp8)),
+        ("qwen3_moe", Some(Quantization::Nvfp4Online)),
+    ];
+    for (model, quant) in cases {
+        let dir = Path::new("tests/data/reference").join(model);
+        let (cpu_model, recipe) = load_model(&dir, quant, None).unwrap();
+        let (gpu_model, _) = load_model(&dir, quant, None).unwrap();
+        let config = cpu_model.config.clone();
+        let vocab = config.vocab_size;
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+                .unwrap();
+        let mut prompts: Vec<Vec<u32>> = meta["prompts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| {
+                p.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_u64().unwrap() as u32)
+                    .collect()
+            })
+            .collect();
+        // Long enough that decode steps split the keys (ops::KeySplit::MIN_CHUNK is 256).
+        prompts.push(rng.prompt(1100, vocab));
+        let cpu = start(RunnerSpec::Cpu(cpu_model), config.clone(), &recipe);
+        let gpu = start(cuda(CudaSource::Model(gpu_model)), config, &recipe);
+        let tol = if quant.is_some() {
+            QUANTIZED_TOL
+        } else {
+            F32_BF16_TOL
+        };
+        let name = format!("reference {model} ({})", recipe.name);
+        let t = compare(&name, &cpu, &gpu, &prompts, tol);
+        cpu.shutdown();
+        gpu.shutdown();
+        table.push((name, tol, t));
+    }
+    print_table(&table);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and a many-core host (scripts/gpu-check.sh)"]
+fn greedy_generation_of_a_midsize_qwen3_30b_shape_matches_the_cpu() {
+    let seed = seed();
+    println!("seed {seed}");
+    let mut rng = Rng(seed);
+    let mut raw: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string("configs/qwen3-30b-a3b.json").unwrap())
+            .unwrap();
+    raw["num_hidden_layers"] = 4.into();
+    let config = ModelConfig::from_json(raw).unwrap();
+    let prompts: Vec<Vec<u32>> = [5, 19, 40]
+        .iter()
+        .map(|&n| rng.prompt(n, config.vocab_size))
+        .collect();
+    let mut table = Vec::new();
+    for name in ["bf16", "mxfp8", "nvfp4"] {
+        let recipe = Recipe::builtin(name).unwrap();
+        // The same counter-based weights on both sides: drawn by the CPU loader and on the device.
+        let cpu_model = dummy_model(config.clone(), &recipe, 3).unwrap();
+        let cpu = start(RunnerSpec::Cpu(cpu_model), config.clone(), &recipe);
+        let gpu = start(
+            cuda(CudaSource::Dummy {
+                config: config.clone(),
+                recipe: recipe.clone(),
+                seed: 3,
+            }),
+            config.clone(),
+            &recipe,
+        );
+        let tol = if name == "bf16" {
+            F32_BF16_TOL
+        } else {
+            QUANTIZED_TOL
+        };
+        let what = format!("qwen3-30b-a3b x4 layers ({name})");
+        let t = compare(&what, &cpu, &gpu, &prompts, tol);
+        cpu.shutdown();
+        gpu.shutdown();
+        table.push((what, tol, t));
+    }
+    print_table(&table);
+}
