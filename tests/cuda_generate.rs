@@ -106,6 +106,8 @@ fn start(spec: RunnerSpec, config: ModelConfig, recipe: &Recipe) -> EngineHandle
         recipe_hash: recipe.hash(),
         recipe: recipe.clone(),
         slots: Default::default(),
+        // Updates are not exercised; the CUDA runners here keep or need no host copy.
+        weights_on_device: false,
         max_context_len: MAX_CONTEXT,
         block_size: 16,
         weight_version: std::sync::RwLock::new("v0".into()),
@@ -425,7 +427,11 @@ fn greedy_generation_of_the_reference_models_matches_the_cpu() {
         } else {
             F32_BF16_TOL
         };
-        let name = format!("reference {model} ({})", recipe.name);
+        let format = match quant {
+            None => "f32 checkpoint".to_string(),
+            Some(_) => recipe.name.clone(),
+        };
+        let name = format!("reference {model} ({format})");
         let t = compare(&name, &cpu, &gpu, &prompts, tol);
         cpu.shutdown();
         gpu.shutdown();

@@ -10,8 +10,8 @@ use cudarc::driver::CudaSlice;
 
 use super::block_scaled::{BlockFormat, BlockScaledGemm};
 use super::ops::{
-    self, AttnRows, AttnShape, CublasOperand, GemmRows, KeySplit, MoePlan, Nvfp4Out,
-    SplitScratch, Table, WeightData,
+    self, AttnRows, AttnShape, CublasOperand, GemmRows, KeySplit, MoePlan, Nvfp4Out, SplitScratch,
+    Table, WeightData,
 };
 use super::sampling::DeviceSampler;
 use super::weights::{Activation, DummyWeights, GpuMatrix};
@@ -827,8 +827,7 @@ impl CudaModel {
             } else if n <= self.sizes.max_running_requests {
                 // Decode steps take the GQA-aware kernel, which also splits long contexts
                 // over the keys.
-                let split =
-                    KeySplit::plan(n, shape, longest, gpu.sm_count, s.attn_split.partials);
+                let split = KeySplit::plan(n, shape, longest, gpu.sm_count, s.attn_split.partials);
                 ops::decode_attention(
                     gpu,
                     &s.q,
