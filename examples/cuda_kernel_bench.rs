@@ -14,7 +14,7 @@
 use std::time::Instant;
 
 use lockstep::backend::cuda::ops::{
-    self, AttnRows, AttnShape, GemmPath, GemmRows, MoePlan, Nvfp4Out,
+    self, AttnRows, AttnShape, GemmPath, GemmRows, KeySplit, MoePlan, Nvfp4Out, SplitScratch,
 };
 use lockstep::backend::cuda::weights::{Activation, DummyWeights};
 use lockstep::backend::cuda::Gpu;
@@ -262,10 +262,36 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
         let bytes = 2.0 * (cache_elems * 2) as f64;
         let tiles = ops::prefill_tiles(std::iter::repeat_n(rows_per_seq, seqs));
         let dtiles = gpu.upload(&tiles).expect("tiles");
-        for kernel in ["paged_attention", "prefill_attention"] {
+        let decode = rows_per_seq == 1;
+        let mut scratch =
+            SplitScratch::new(gpu, rows * shape.heads * 16, shape.head_dim).expect("split scratch");
+        let split = KeySplit::plan(rows, shape, ctx, gpu.sm_count, scratch.partials);
+        let kernels: &[&str] = if decode {
+            &[
+                "paged_attention",
+                "prefill_attention",
+                "decode_attention (split)",
+            ]
+        } else {
+            &["paged_attention", "prefill_attention"]
+        };
+        for &kernel in kernels {
             let s = time(gpu, || {
                 if kernel == "paged_attention" {
                     ops::paged_attention(gpu, &q, &mut out, &k, &v, &meta, rows, shape)
+                } else if decode && kernel != "prefill_attention" {
+                    ops::decode_attention(
+                        gpu,
+                        &q,
+                        &mut out,
+                        &k,
+                        &v,
+                        &meta,
+                        rows,
+                        shape,
+                        split,
+                        &mut scratch,
+                    )
                 } else {
                     ops::prefill_attention(
                         gpu,
