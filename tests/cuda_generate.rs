@@ -16,11 +16,12 @@
 //! - logprobs (of the CPU's token, and the sorted top-5 values) within `lp_tol` at every
 //!   compared position, free-running and teacher-forced.
 //!
-//! Tolerances. F32 checkpoints and BF16 weights: 1e-2 absolute. The model tests measured logit
-//! rows within 7e-4 relative (the GPU rounds activations to BF16 before cuBLAS on steps of more
-//! than 16 rows, and sums in another order); these models' logits have about unit spread
-//! (weights of std 1/sqrt(fan_in) after a final RMSNorm), so logprob errors are ~1e-3 and 1e-2
-//! leaves a 10x margin. MXFP8/NVFP4: 0.5 absolute. Activations are requantized on both sides
+//! Tolerances. F32 checkpoints and BF16 weights: 3e-2 absolute. The model tests measured logit
+//! rows within 2e-3 relative (the GPU rounds activations to BF16 before cuBLAS on steps of more
+//! than 16 rows, and sums in another order), and over long prompts the BF16 KV cache adds its
+//! own drift: RoPE's sin/cos may differ in the last bit, which flips about 1% of the cache's
+//! BF16 roundings. The first H200 run saw up to 1.1e-2 (a 1100-token prompt on the f32 llama,
+//! and the 30B shape in BF16 at logprobs near -8), so 3e-2 leaves a margin of about 3x. MXFP8/NVFP4: 0.5 absolute. Activations are requantized on both sides
 //! from inputs that differ by summation order, and a value crossing a rounding boundary moves
 //! by up to a sixth of its block's amax; the model tests saw rows up to 0.13 relative and 10%
 //! of routing decisions differ on the 30B shape, so only gross errors can be told apart there
@@ -380,7 +381,7 @@ fn print_table(rows: &[(String, f32, Tally)]) {
     );
 }
 
-const F32_BF16_TOL: f32 = 1e-2;
+const F32_BF16_TOL: f32 = 3e-2;
 const QUANTIZED_TOL: f32 = 0.5;
 
 #[test]
