@@ -202,8 +202,8 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
     }
 }
 
-#define PREFILL_ATTENTION(HD)                                                                                     \
-    extern "C" __global__ void prefill_attention_hd##HD(                                                          \
+#define PREFILL_ATTENTION(NAME, HD)                                                                               \
+    extern "C" __global__ void NAME(                                                          \
         const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,             \
         const int* row_seq, const int* table_offsets, const int* block_tables, const int* tiles, int heads,       \
         int kv_heads, int block_size, float scale) {                                                              \
@@ -211,6 +211,6 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
                               heads, kv_heads, block_size, scale);                                                \
     }
 
-PREFILL_ATTENTION(32)
-PREFILL_ATTENTION(64)
-PREFILL_ATTENTION(128)
+PREFILL_ATTENTION(prefill_attention_hd32, 32)
+PREFILL_ATTENTION(prefill_attention_hd64, 64)
+PREFILL_ATTENTION(prefill_attention_hd128, 128)

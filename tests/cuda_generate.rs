@@ -382,6 +382,11 @@ fn print_table(rows: &[(String, f32, Tally)]) {
 }
 
 const F32_BF16_TOL: f32 = 3e-2;
+/// BF16 on the 30B shape: 32 top-8-of-128 routing decisions per token over near-uniform random
+/// routers, where a near-tie flip (cuda_ops sees 99% of decisions equal) swaps one of eight
+/// experts; the H200 saw logprobs near -8 move by 4.3e-2 after one. Tokens still must match
+/// wherever the CPU's margin exceeds 2 x 0.1.
+const MIDSIZE_BF16_TOL: f32 = 0.1;
 const QUANTIZED_TOL: f32 = 0.5;
 
 #[test]
@@ -419,7 +424,7 @@ fn greedy_generation_of_the_reference_models_matches_the_cpu() {
                     .collect()
             })
             .collect();
-        // Long enough that decode steps split the keys (ops::KeySplit::MIN_CHUNK is 256).
+        // Long enough that decode steps split the keys (ops::KeySplit::MIN_CHUNK keys per range).
         prompts.push(rng.prompt(1100, vocab));
         let cpu = start(RunnerSpec::Cpu(cpu_model), config.clone(), &recipe);
         let gpu = start(cuda(CudaSource::Model(gpu_model)), config, &recipe);
@@ -472,7 +477,7 @@ fn greedy_generation_of_a_midsize_qwen3_30b_shape_matches_the_cpu() {
             &recipe,
         );
         let tol = if name == "bf16" {
-            F32_BF16_TOL
+            MIDSIZE_BF16_TOL
         } else {
             QUANTIZED_TOL
         };

@@ -271,7 +271,8 @@ mod tests {
             let body = k.source().body();
             assert!(
                 body.contains(&format!("void {}(", k.symbol()))
-                    || body.contains(&format!("GEMM_ENTRY({},", k.symbol())),
+                    || body.contains(&format!(", {}, ", k.symbol()))
+                    || body.contains(&format!("({}, ", k.symbol())),
                 "{k:?}: `{}` not defined in {}",
                 k.symbol(),
                 k.source().file_name()

@@ -375,8 +375,9 @@ pub struct KeySplit {
 
 impl KeySplit {
     /// No range shorter than this is split off: below it the combine costs more than the
-    /// extra parallelism saves.
-    pub const MIN_CHUNK: usize = 256;
+    /// extra parallelism saves. Small: a batch-1 decode step has only a few blocks per KV
+    /// head, and each walks its keys one after another (latency-bound).
+    pub const MIN_CHUNK: usize = 64;
     pub const MAX_SPLITS: usize = 64;
     /// Blocks per SM the plan aims for, so memory latency is hidden.
     const BLOCKS_PER_SM: usize = 4;
@@ -993,10 +994,11 @@ pub enum GemmPath {
 }
 
 /// Rows up to which [`GemmPath::Auto`] takes the GEMV for one dense group (kernels/gemm.cu
-/// `GEMV_ROWS` rows per pass: one pass reads the weights once) and, on average per expert, for
-/// a routing plan. Measured on the H200 (examples/cuda_kernel_bench.rs, docs/performance.md):
-/// at 0.5 rows per expert the GEMV takes 0.7x the tensor-core kernel's time, at 4 rows 1.4x.
-pub const GEMV_MAX_DENSE_ROWS: usize = 4;
+/// `GEMV_ROWS` rows per pass, later passes read the weights from L2; the tensor-core kernel
+/// would give a 4096-wide layer only 64 blocks) and, on average per expert, for a routing plan.
+/// Measured on the H200 (examples/cuda_kernel_bench.rs, docs/performance.md): at 0.5 rows per
+/// expert the GEMV takes 0.7x the tensor-core kernel's time, at 4 rows 1.4x.
+pub const GEMV_MAX_DENSE_ROWS: usize = 16;
 pub const GEMV_MAX_ROWS_PER_EXPERT: usize = 2;
 
 impl GemmPath {
@@ -1293,8 +1295,9 @@ mod tests {
     #[test]
     fn key_split_splits_long_contexts_of_few_rows_only() {
         let room = 64 * 32 * 16;
-        assert_eq!(KeySplit::plan(1, QWEN3_30B, 600, 132, room).splits, 2);
-        assert_eq!(KeySplit::plan(1, QWEN3_30B, 500, 132, room).splits, 1);
+        // One row of 4 KV-head blocks: ranges of MIN_CHUNK (64) keys.
+        assert_eq!(KeySplit::plan(1, QWEN3_30B, 600, 132, room).splits, 9);
+        assert_eq!(KeySplit::plan(1, QWEN3_30B, 100, 132, room).splits, 1);
         let one_row = KeySplit::plan(1, QWEN3_30B, 32768, 132, room);
         assert_eq!(one_row.splits, KeySplit::MAX_SPLITS);
         // 64 rows x 4 KV heads already give 256 blocks; 528 wanted: 3 splits.
