@@ -20,6 +20,25 @@
 #define TN 64
 #define TK 32
 
+// The rows of this block's tile (blockIdx.y): from the routing plan's `tiles` (expert, first
+// row), or the tile-th run of TM rows of one dense group. False: no such tile this step.
+__device__ __forceinline__ bool tile_rows(const int* tiles, const int* num_tiles, const int* offsets, int rows, int& e,
+                                          int& r0, int& r1) {
+    int tile = blockIdx.y;
+    if (tiles) {
+        if (tile >= *num_tiles) return false;
+        e = tiles[2 * tile];
+        r0 = tiles[2 * tile + 1];
+        r1 = min(r0 + TM, offsets[e + 1]);
+    } else {
+        e = 0;
+        r0 = tile * TM;
+        if (r0 >= rows) return false;
+        r1 = min(r0 + TM, rows);
+    }
+    return true;
+}
+
 // Weight element (n, k) of expert e, decoded.
 template <int FMT>
 __device__ __forceinline__ float load_weight(const void* w, const u8* scales, u64 e, u64 n, u64 k, u64 N, u64 K) {
@@ -40,19 +59,8 @@ template <int FMT>
 __device__ void grouped_gemm(const float* x, const int* row_index, const float* row_scale, const void* w,
                              const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                              const int* num_tiles, const int* offsets, int rows, int N, int K, float* out) {
-    int tile = blockIdx.y;
     int e, r0, r1;
-    if (tiles) {
-        if (tile >= *num_tiles) return;
-        e = tiles[2 * tile];
-        r0 = tiles[2 * tile + 1];
-        r1 = min(r0 + TM, offsets[e + 1]);
-    } else {
-        e = 0;
-        r0 = tile * TM;
-        if (r0 >= rows) return;
-        r1 = min(r0 + TM, rows);
-    }
+    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
     int n0 = blockIdx.x * TN;
     __shared__ float xs[TK][TM + 1];
     __shared__ float ws[TK][TN + 1];
@@ -107,7 +115,7 @@ __device__ void grouped_gemm(const float* x, const int* row_index, const float* 
 
 // ---- BF16 tensor cores: 32x64 tiles, 4 warps each 32 rows x 16 columns, K steps of 32 ----
 
-#define MMA_TM 32
+#define MMA_TM TM  // the routing plan's tile rows
 #define MMA_TN 64
 #define MMA_TK 32
 #define MMA_LD (MMA_TK + 8)  // padded row: the fragment loads hit 32 distinct banks
@@ -212,19 +220,8 @@ template <int FMT>
 __device__ void grouped_gemm_mma(const float* x, const int* row_index, const float* row_scale, const void* w,
                                  const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                  const int* num_tiles, const int* offsets, int rows, int N, int K, float* out) {
-    int tile = blockIdx.y;
     int e, r0, r1;
-    if (tiles) {
-        if (tile >= *num_tiles) return;
-        e = tiles[2 * tile];
-        r0 = tiles[2 * tile + 1];
-        r1 = min(r0 + MMA_TM, offsets[e + 1]);
-    } else {
-        e = 0;
-        r0 = tile * MMA_TM;
-        if (r0 >= rows) return;
-        r1 = min(r0 + MMA_TM, rows);
-    }
+    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
     int n0 = blockIdx.x * MMA_TN;
     // Plain BF16 layers (FMT 1) split the f32 activations: as = hi, as_lo = x - hi.
     constexpr bool SPLIT = FMT == 1;
@@ -395,19 +392,8 @@ template <int FMT>
 __device__ void grouped_gemv(const float* x, const int* row_index, const float* row_scale, const void* w,
                              const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                              const int* num_tiles, const int* offsets, int rows, int N, int K, float* out) {
-    int tile = blockIdx.y;
     int e, r0, r1;
-    if (tiles) {
-        if (tile >= *num_tiles) return;
-        e = tiles[2 * tile];
-        r0 = tiles[2 * tile + 1];
-        r1 = min(r0 + TM, offsets[e + 1]);
-    } else {
-        e = 0;
-        r0 = tile * TM;
-        if (r0 >= rows) return;
-        r1 = min(r0 + TM, rows);
-    }
+    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
     __shared__ float e2m1[16];
     fill_e2m1_table(e2m1);
     __syncthreads();

@@ -21,22 +21,8 @@ use lockstep::model::{ForwardBatch, Mlp, Model, ModelConfig, SeqInput};
 use lockstep::quant::Recipe;
 use safetensors::tensor::Dtype;
 
-fn seed() -> u64 {
-    std::env::var("LOCKSTEP_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                % 1_000_000
-        })
-}
-
-fn gpu() -> Gpu {
-    Gpu::open(0).expect("a CUDA device")
-}
+mod common;
+use common::cuda::{gpu, seed};
 
 fn embedded_config() -> serde_json::Value {
     serde_json::from_str(lockstep::serve::EMBEDDED_CONFIG).unwrap()

@@ -14,40 +14,14 @@ use lockstep::backend::cuda::ops::{
     self, AttnRows, AttnShape, GemmPath, GemmRows, MoePlan, Nvfp4Out, Nvfp4Params,
 };
 use lockstep::backend::cuda::weights::{DummyWeights, GpuMatrix};
-use lockstep::backend::cuda::Gpu;
 use lockstep::backend::Linear;
 use lockstep::model::loader::{dummy_model, load_model};
 use lockstep::model::{ForwardBatch, Model, ModelConfig, SeqInput};
 use lockstep::quant::nvfp4::{ErrorMetric, ScaleGranularity};
 use lockstep::quant::{self, Format, FourOverSix, Nvfp4Options, Recipe, TensorFormat};
 
-/// xorshift64*: fresh but reproducible data; the seed changes per test.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform() * scale).collect()
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
-fn seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1
-}
+mod common;
+use common::cuda::{gpu, poisoned, rel_err, seed, Rng};
 
 /// Activations with a wide dynamic range: whole blocks near zero, E4M3 subnormals, outliers,
 /// and one all-zero row.
@@ -66,29 +40,6 @@ fn activations(rng: &mut Rng, rows: usize, cols: usize) -> Vec<f32> {
         }
     }
     x
-}
-
-fn gpu() -> Gpu {
-    Gpu::open(0).expect("a CUDA device")
-}
-
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| ((a - b) as f64).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
-}
-
-fn poisoned<T: cudarc::driver::DeviceRepr>(g: &Gpu, n: usize, v: T) -> cudarc::driver::CudaSlice<T>
-where
-    T: Clone,
-{
-    g.upload(&vec![v; n]).unwrap()
 }
 
 #[test]

@@ -24,40 +24,8 @@ use lockstep::sampling::{
     ValidSamplingParams,
 };
 
-/// xorshift64*: fresh but reproducible data; the seed changes per run and is printed.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// In [0, 1).
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
-        xs[self.below(xs.len())]
-    }
-}
-
-fn seed() -> u64 {
-    let s = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1;
-    println!("seed {s}");
-    s
-}
-
-fn gpu() -> Gpu {
-    Gpu::open(0).expect("a CUDA device")
-}
+mod common;
+use common::cuda::{gpu, seed, Rng};
 
 /// Row shapes: flat and wide ranges, one dominant token, coarse grids with many exact ties and
 /// masked tokens, all equal, and occasionally broken rows.

@@ -1,6 +1,8 @@
 //! Helpers shared by the model-level integration tests.
 #![allow(dead_code)]
 
+pub mod cuda;
+
 use lockstep::backend::cpu::attention::{KvDtype, KvMemory};
 use lockstep::model::{ForwardBatch, Model, SeqInput};
 

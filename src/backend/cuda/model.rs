@@ -82,6 +82,9 @@ pub struct CudaSizes {
 /// way, and routing decisions then match the CPU reference far more often).
 const CUBLAS_MIN_ROWS: usize = 16;
 
+/// Decode steps with fewer (row, head) pairs than this many per SM use the split kernel.
+const SPLIT_DECODE_BLOCKS_PER_SM: usize = 4;
+
 /// A step with a sequence of at least this many rows runs the tensor-core prefill attention.
 const PREFILL_ATTENTION_MIN_ROWS: usize = 2;
 
@@ -824,9 +827,12 @@ impl CudaModel {
                     n,
                     shape,
                 )?;
-            } else if n <= self.sizes.max_running_requests {
-                // Decode steps take the GQA-aware kernel, which also splits long contexts
-                // over the keys.
+            } else if n <= self.sizes.max_running_requests
+                && n * c.num_heads < SPLIT_DECODE_BLOCKS_PER_SM * gpu.sm_count as usize
+            {
+                // Decode steps of few rows take the GQA-aware kernel, which also splits long
+                // contexts over the keys; with rows enough to fill the GPU, one block per
+                // (row, head) is faster (H200, docs/performance.md: 265 vs 299 us at 64 rows).
                 let split = KeySplit::plan(n, shape, longest, gpu.sm_count, s.attn_split.partials);
                 ops::decode_attention(
                     gpu,
