@@ -21,11 +21,13 @@
 //! than 16 rows, and sums in another order), and over long prompts the BF16 KV cache adds its
 //! own drift: RoPE's sin/cos may differ in the last bit, which flips about 1% of the cache's
 //! BF16 roundings. The first H200 run saw up to 1.1e-2 (a 1100-token prompt on the f32 llama,
-//! and the 30B shape in BF16 at logprobs near -8), so 3e-2 leaves a margin of about 3x. MXFP8/NVFP4: 0.5 absolute. Activations are requantized on both sides
-//! from inputs that differ by summation order, and a value crossing a rounding boundary moves
-//! by up to a sixth of its block's amax; the model tests saw rows up to 0.13 relative and 10%
-//! of routing decisions differ on the 30B shape, so only gross errors can be told apart there
-//! (with tie = 1.0 few positions are decisive; the table says how many).
+//! and the 30B shape in BF16 at logprobs near -8), so 3e-2 leaves a margin of about 3x.
+//! MXFP8/NVFP4, and every format on the 30B shape: 1.0 absolute. Activations are requantized
+//! on both sides from inputs that differ by summation order, and a value crossing a rounding
+//! boundary moves by up to a sixth of its block's amax; near-tie routing flips among random
+//! experts swap experts. The H200 saw worst differences of 0.08, 0.10 and 0.42 (reference MoE
+//! in MXFP8, three runs) and 0.23-0.28 (30B shape), so only gross errors can be told apart there
+//! (with tie = 2.0 few positions are decisive; the table says how many).
 //!
 //! A 1100-token prompt on the tiny models makes decode steps use the split-K attention kernel
 //! with several splits. These need an NVIDIA GPU (and, for the mid-size model, a many-core host
@@ -386,10 +388,10 @@ const F32_BF16_TOL: f32 = 3e-2;
 /// near-uniform random routers, where a near-tie flip (cuda_ops sees 99% of BF16 decisions
 /// equal, 88-90% of quantized ones) swaps one of eight experts of a token. The H200 saw BF16
 /// logprobs near -8 move by 4.3e-2 and 1.4e-1 after one, so the shape gets the quantized
-/// tolerance: gross errors only, and tokens must match where the CPU's margin exceeds 1.0.
+/// tolerance: gross errors only, and tokens must match where the CPU's margin exceeds 2.0.
 /// The kernels themselves are held to 1e-5 by cuda_ops.
 const MIDSIZE_TOL: f32 = QUANTIZED_TOL;
-const QUANTIZED_TOL: f32 = 0.5;
+const QUANTIZED_TOL: f32 = 1.0;
 
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
