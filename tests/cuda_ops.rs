@@ -1017,8 +1017,22 @@ fn models_match_the_cpu_in_every_format() {
         );
         report.push((what, cmp));
     };
-    for name in ["bf16", "mxfp8", "nvfp4"] {
-        let recipe = Recipe::builtin(name).unwrap();
+    // NVFP4 experts with four-over-six (256, squared error): its gate/up second-level range
+    // differs from plain NVFP4's, and device-drawn weights must follow the CPU loader there too.
+    let four_over_six = Recipe::from_yaml(
+        &include_str!("../configs/nvfp4.yaml")
+            .replace("name: nvfp4", "name: nvfp4-4o6")
+            .replace(
+                "four_over_six: false",
+                "four_over_six: true, four_over_six_range: 256, four_over_six_metric: squared",
+            ),
+    )
+    .unwrap();
+    for name in ["bf16", "mxfp8", "nvfp4", "nvfp4-4o6"] {
+        let recipe = match name {
+            "nvfp4-4o6" => four_over_six.clone(),
+            _ => Recipe::builtin(name).unwrap(),
+        };
         for layers in [None, Some(2)] {
             let cfg = embedded_config(layers);
             let model = dummy_model(cfg.clone(), &recipe, 5).unwrap();

@@ -238,18 +238,16 @@ impl DummyWeights<'_> {
                         ops::amax(gpu, t, rows * k, &mut amax_buf)?;
                         amaxes.push(ops::amax_value(&gpu.download(&amax_buf, 2)?, rows * k));
                     }
-                    // The CPU loader's gate/up scale: SecondLevel::standard of the joint amax.
+                    // The CPU loader's gate/up scale (`nvfp4::gate_up_level`): the joint amax
+                    // over the recipe's second-level range (6 x the E4M3 range with
+                    // four-over-six, 2688 without).
                     let shared = share_level.then(|| amaxes.iter().fold(0f32, |a, &b| a.max(b)));
                     for ((t, (_, rows)), a) in tensors.iter().zip(matrix).zip(&amaxes) {
-                        let (amax, range) = match shared {
-                            Some(s) => (s, 2688.0),
-                            None => (*a, params.range),
-                        };
-                        s_dec.push(SecondLevel::from_amax(amax, range).s_dec);
+                        let amax = shared.unwrap_or(*a);
+                        s_dec.push(SecondLevel::from_amax(amax, params.range).s_dec);
                         let m = rows * k;
                         let (mut d, mut s) = (gpu.alloc::<u8>(m / 2)?, gpu.alloc::<u8>(m / 16)?);
-                        let p = Nvfp4Params { range, ..params };
-                        ops::nvfp4_quantize_bf16(gpu, t, *rows, k, amax, p, &mut d, &mut s)?;
+                        ops::nvfp4_quantize_bf16(gpu, t, *rows, k, amax, params, &mut d, &mut s)?;
                         gpu.stream
                             .memcpy_dtod(&d, &mut data.slice_mut(at / 2..(at + m) / 2))?;
                         gpu.stream
