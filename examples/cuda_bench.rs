@@ -12,6 +12,7 @@
 
 use std::time::Instant;
 
+use lockstep::backend::cuda::device::copy_bandwidth;
 use lockstep::backend::cuda::model::{CudaModel, CudaSizes, CudaWeights};
 use lockstep::backend::cuda::Gpu;
 use lockstep::model::{ForwardBatch, ModelConfig, SeqInput};
@@ -57,32 +58,6 @@ fn parse() -> Args {
     a
 }
 
-/// Device-to-device copy bandwidth, bytes read + written per second.
-fn copy_bandwidth(gpu: &Gpu) -> f64 {
-    let n = 1usize << 30;
-    let src = gpu.alloc::<u8>(n).expect("alloc");
-    let mut dst = gpu.alloc::<u8>(n).expect("alloc");
-    gpu.stream.memcpy_dtod(&src, &mut dst).expect("copy");
-    gpu.synchronize().expect("sync");
-    let mut times = Vec::new();
-    for _ in 0..10 {
-        let t = Instant::now();
-        gpu.stream.memcpy_dtod(&src, &mut dst).expect("copy");
-        gpu.synchronize().expect("sync");
-        times.push(t.elapsed().as_secs_f64());
-    }
-    times.sort_by(f64::total_cmp);
-    2.0 * n as f64 / times[times.len() / 2]
-}
-
-fn weight_bytes_per_param(f: Format) -> f64 {
-    match f {
-        Format::Bf16 => 2.0,
-        Format::Mxfp8 => 1.0 + 1.0 / 32.0,
-        Format::Nvfp4 => 0.5 + 1.0 / 16.0,
-    }
-}
-
 /// Bytes a decode step of `batch` sequences at context `ctx` must read at least: dense weights,
 /// the experts the batch is expected to touch (uniform routing), the lm_head and the KV cache.
 fn decode_bytes(c: &ModelConfig, expert_format: Format, batch: usize, ctx: usize) -> f64 {
@@ -91,7 +66,7 @@ fn decode_bytes(c: &ModelConfig, expert_format: Format, batch: usize, ctx: usize
     let moe = c.moe.as_ref().expect("an MoE config");
     let e = moe.num_experts as f64;
     let touched = e * (1.0 - (1.0 - moe.top_k as f64 / e).powi(batch as i32));
-    let expert = 3.0 * h * moe.intermediate_size as f64 * weight_bytes_per_param(expert_format);
+    let expert = 3.0 * h * moe.intermediate_size as f64 * expert_format.bytes_per_element();
     let router = e * h * 2.0;
     let kv = batch as f64 * ctx as f64 * 2.0 * c.kv_size() as f64 * 2.0;
     let per_layer = attn + router + touched * expert + kv;
@@ -107,7 +82,7 @@ fn main() {
     }
     let cfg = ModelConfig::from_json(raw).expect("config");
     let gpu = Gpu::open(0).expect("CUDA device");
-    let bw = copy_bandwidth(&gpu);
+    let bw = copy_bandwidth(&gpu).expect("copy bandwidth");
     println!(
         "device {} ({}), copy bandwidth {:.0} GB/s",
         gpu.name,

@@ -13,13 +13,14 @@
 
 use std::time::Instant;
 
+use lockstep::backend::cuda::device::copy_bandwidth;
 use lockstep::backend::cuda::ops::{
     self, AttnRows, AttnShape, GemmPath, GemmRows, KeySplit, MoePlan, Nvfp4Out, SplitScratch,
 };
 use lockstep::backend::cuda::weights::{Activation, DummyWeights};
 use lockstep::backend::cuda::Gpu;
 use lockstep::model::ModelConfig;
-use lockstep::quant::{Format, Recipe};
+use lockstep::quant::Recipe;
 
 /// Dense BF16 tensor-core rate used for the compute roofline (docs: ~790-900 TFLOP/s measured
 /// with cuBLAS on the H200; the lower end).
@@ -50,7 +51,7 @@ fn main() {
     let (experts, top_k, k) = (moe.num_experts, moe.top_k, cfg.hidden_size);
     let n = 2 * moe.intermediate_size;
     let gpu = Gpu::open(0).expect("CUDA device");
-    let bw = copy_bw(&gpu);
+    let bw = copy_bandwidth(&gpu).expect("copy bandwidth");
     println!(
         "device {} ({}), copy bandwidth {:.0} GB/s; gate_up of {experts} experts [{n} x {k}], top-{top_k}",
         gpu.name,
@@ -83,11 +84,7 @@ fn main() {
             })
             .collect();
         let m = dummy.matrix(&parts, k, &fmt, true).expect("weights");
-        let bytes_per_param = match fmt.format {
-            Format::Bf16 => 2.0,
-            Format::Mxfp8 => 1.0 + 1.0 / 32.0,
-            Format::Nvfp4 => 0.5 + 1.0 / 16.0,
-        };
+        let bytes_per_param = fmt.format.bytes_per_element();
         for &tokens in &token_counts {
             // Uniform random routing: token t picks top_k distinct experts.
             let ids: Vec<i32> = (0..tokens)
@@ -316,20 +313,4 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
             );
         }
     }
-}
-
-/// Device-to-device copy bandwidth, bytes read + written per second.
-fn copy_bw(gpu: &Gpu) -> f64 {
-    let n = 1usize << 30;
-    let src = gpu.alloc::<u8>(n).expect("alloc");
-    let mut dst = gpu.alloc::<u8>(n).expect("alloc");
-    let times: Vec<f64> = (0..10)
-        .map(|_| {
-            let t = Instant::now();
-            gpu.stream.memcpy_dtod(&src, &mut dst).expect("copy");
-            gpu.synchronize().expect("sync");
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    2.0 * n as f64 / median(times)
 }

@@ -40,8 +40,8 @@ use std::time::{Duration, Instant};
 
 use lockstep::backend::cpu::attention::KvDtype;
 use lockstep::engine::{
-    CudaSource, Engine, EngineConfig, EngineEvent, EngineHandle, EngineInfo, FinishInfo,
-    GenerateRequest, RunnerSpec, TokenOut,
+    CudaSource, Engine, EngineConfig, EngineHandle, EngineInfo, GenerateRequest, RunnerSpec,
+    TokenOut,
 };
 use lockstep::model::loader::{dummy_model, load_model, Quantization};
 use lockstep::model::ModelConfig;
@@ -49,32 +49,17 @@ use lockstep::quant::Recipe;
 use lockstep::sampling::SamplingParams;
 use lockstep::tokenizer::Tokenizer;
 
+mod common;
+use common::cuda::{seed, Rng};
+use common::run_requests;
+
 const NEW_TOKENS: usize = 16;
 const TOP: usize = 5;
 const MAX_CONTEXT: usize = 2048;
 
-/// xorshift64*: fresh prompts each run; the seed is printed.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn prompt(&mut self, len: usize, vocab: usize) -> Vec<u32> {
-        (0..len)
-            .map(|_| (self.next() % vocab as u64) as u32)
-            .collect()
-    }
-}
-
-fn seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1
+/// A random prompt of `len` token ids below `vocab`.
+fn prompt(rng: &mut Rng, len: usize, vocab: usize) -> Vec<u32> {
+    (0..len).map(|_| rng.below(vocab) as u32).collect()
 }
 
 /// A word-level tokenizer with one made-up word per model token: the engine refuses ids its
@@ -169,32 +154,6 @@ fn request(rid: String, ids: Vec<u32>, max_new: usize, teacher: Option<usize>) -
     }
 }
 
-/// Runs the requests concurrently (one batch) and returns (tokens, finish) in order.
-fn run(h: &EngineHandle, reqs: Vec<GenerateRequest>) -> Vec<(Vec<TokenOut>, FinishInfo)> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let rxs: Vec<_> = reqs.into_iter().map(|r| h.submit(r).unwrap()).collect();
-    rt.block_on(async {
-        let mut out = Vec::new();
-        for mut rx in rxs {
-            let mut tokens = Vec::new();
-            loop {
-                match rx.recv().await.expect("event") {
-                    EngineEvent::Token(t) => tokens.push(t),
-                    EngineEvent::Finished(f) => {
-                        out.push((tokens, *f));
-                        break;
-                    }
-                    EngineEvent::Error(e) => panic!("engine error: {e}"),
-                }
-            }
-        }
-        out
-    })
-}
-
 /// One position's distribution as a backend reports it.
 struct Step {
     token: u32,
@@ -268,8 +227,14 @@ fn compare(
             .map(|(i, p)| request(format!("{tag}{i}"), p.clone(), NEW_TOKENS, None))
             .collect()
     };
-    let want: Vec<Vec<Step>> = run(cpu, reqs("cpu")).iter().map(|r| steps(&r.0)).collect();
-    let got: Vec<Vec<Step>> = run(gpu, reqs("gpu")).iter().map(|r| steps(&r.0)).collect();
+    let want: Vec<Vec<Step>> = run_requests(cpu, reqs("cpu"))
+        .iter()
+        .map(|r| steps(&r.0))
+        .collect();
+    let got: Vec<Vec<Step>> = run_requests(gpu, reqs("gpu"))
+        .iter()
+        .map(|r| steps(&r.0))
+        .collect();
     // Teacher forcing: the CPU's continuation as a prompt, scored from its first output token.
     let forced: Vec<GenerateRequest> = prompts
         .iter()
@@ -281,7 +246,7 @@ fn compare(
             request(format!("teacher{i}"), ids, 1, Some(p.len()))
         })
         .collect();
-    let forced = run(gpu, forced);
+    let forced = run_requests(gpu, forced);
     let mut t = Tally::default();
     for (i, ((w, g), (_, f))) in want.iter().zip(&got).zip(&forced).enumerate() {
         assert_eq!(w.len(), NEW_TOKENS, "{name} prompt {i}: CPU tokens");
@@ -397,7 +362,6 @@ const QUANTIZED_TOL: f32 = 1.0;
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn greedy_generation_of_the_reference_models_matches_the_cpu() {
     let seed = seed();
-    println!("seed {seed}");
     let mut rng = Rng(seed);
     let mut table = Vec::new();
     let cases: [(&str, Option<Quantization>); 5] = [
@@ -429,7 +393,7 @@ fn greedy_generation_of_the_reference_models_matches_the_cpu() {
             })
             .collect();
         // Long enough that decode steps split the keys (ops::KeySplit::MIN_CHUNK keys per range).
-        prompts.push(rng.prompt(1100, vocab));
+        prompts.push(prompt(&mut rng, 1100, vocab));
         let cpu = start(RunnerSpec::Cpu(cpu_model), config.clone(), &recipe);
         let gpu = start(cuda(CudaSource::Model(gpu_model)), config, &recipe);
         let tol = if quant.is_some() {
@@ -454,7 +418,6 @@ fn greedy_generation_of_the_reference_models_matches_the_cpu() {
 #[ignore = "needs a CUDA GPU and a many-core host (scripts/gpu-check.sh)"]
 fn greedy_generation_of_a_midsize_qwen3_30b_shape_matches_the_cpu() {
     let seed = seed();
-    println!("seed {seed}");
     let mut rng = Rng(seed);
     let mut raw: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string("configs/qwen3-30b-a3b.json").unwrap())
@@ -463,7 +426,7 @@ fn greedy_generation_of_a_midsize_qwen3_30b_shape_matches_the_cpu() {
     let config = ModelConfig::from_json(raw).unwrap();
     let prompts: Vec<Vec<u32>> = [5, 19, 40]
         .iter()
-        .map(|&n| rng.prompt(n, config.vocab_size))
+        .map(|&n| prompt(&mut rng, n, config.vocab_size))
         .collect();
     let mut table = Vec::new();
     for name in ["bf16", "mxfp8", "nvfp4"] {

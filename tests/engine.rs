@@ -8,14 +8,16 @@ use std::time::{Duration, Instant};
 
 use lockstep::backend::cpu::attention::KvDtype;
 use lockstep::engine::{
-    Engine, EngineConfig, EngineEvent, EngineHandle, EngineInfo, FinishInfo, GenerateRequest,
-    TokenOut,
+    Engine, EngineConfig, EngineEvent, EngineHandle, EngineInfo, GenerateRequest, TokenOut,
 };
 use lockstep::model::{loader, ModelConfig};
 use lockstep::quant::Recipe;
 use lockstep::sampling::{Finish, SamplingParams};
 use lockstep::serve::EMBEDDED_CONFIG;
 use lockstep::tokenizer::Tokenizer;
+
+mod common;
+use common::run_requests;
 
 fn engine(max_total_tokens: usize, block_size: usize) -> EngineHandle {
     engine_with(max_total_tokens, block_size, 256)
@@ -96,32 +98,6 @@ fn prompt(len: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Runs the requests concurrently and returns their (tokens, finish) in order.
-fn run(h: &EngineHandle, reqs: Vec<GenerateRequest>) -> Vec<(Vec<TokenOut>, FinishInfo)> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let rxs: Vec<_> = reqs.into_iter().map(|r| h.submit(r).unwrap()).collect();
-    rt.block_on(async {
-        let mut out = Vec::new();
-        for mut rx in rxs {
-            let mut tokens = Vec::new();
-            loop {
-                match rx.recv().await.expect("event") {
-                    EngineEvent::Token(t) => tokens.push(t),
-                    EngineEvent::Finished(f) => {
-                        out.push((tokens, *f));
-                        break;
-                    }
-                    EngineEvent::Error(e) => panic!("engine error: {e}"),
-                }
-            }
-        }
-        out
-    })
-}
-
 fn wait_until(what: &str, cond: impl Fn() -> bool) {
     let t = Instant::now();
     while !cond() {
@@ -141,13 +117,13 @@ fn ids(tokens: &[TokenOut]) -> Vec<u32> {
 fn seeded_samples_do_not_depend_on_the_batch_and_differ_by_index() {
     let h = engine(8192, 16);
     let p = prompt(20, 1);
-    let alone = run(&h, vec![request(&p, 12, 1.0, 7, 0)]);
+    let alone = run_requests(&h, vec![request(&p, 12, 1.0, 7, 0)]);
     let mut crowd = vec![
         request(&prompt(33, 2), 9, 0.8, 1, 0),
         request(&p, 12, 1.0, 7, 0),
     ];
     crowd.extend((0..4).map(|i| request(&prompt(5 + i, 3 + i as u32), 15, 1.0, 99, i as u32)));
-    let batched = run(&h, crowd);
+    let batched = run_requests(&h, crowd);
     assert_eq!(
         ids(&alone[0].0),
         ids(&batched[1].0),
@@ -165,7 +141,7 @@ fn seeded_samples_do_not_depend_on_the_batch_and_differ_by_index() {
         "logprobs are bitwise batch-invariant"
     );
 
-    let samples = run(&h, (0..4).map(|i| request(&p, 12, 1.0, 7, i)).collect());
+    let samples = run_requests(&h, (0..4).map(|i| request(&p, 12, 1.0, 7, i)).collect());
     assert_eq!(ids(&samples[0].0), ids(&alone[0].0));
     for i in 1..4 {
         assert_ne!(
@@ -180,8 +156,8 @@ fn seeded_samples_do_not_depend_on_the_batch_and_differ_by_index() {
 fn repeated_prompts_hit_the_prefix_cache_with_identical_results() {
     let h = engine(8192, 4);
     let p = prompt(30, 5);
-    let first = run(&h, vec![request(&p, 6, 0.0, 0, 0)]);
-    let second = run(&h, vec![request(&p, 6, 0.0, 0, 0)]);
+    let first = run_requests(&h, vec![request(&p, 6, 0.0, 0, 0)]);
+    let second = run_requests(&h, vec![request(&p, 6, 0.0, 0, 0)]);
     assert_eq!(first[0].1.cached_tokens, 0);
     // 29 tokens may be reused (the last prompt token is always computed): 7 full blocks of 4.
     assert_eq!(second[0].1.cached_tokens, 28);
@@ -205,10 +181,10 @@ fn preemption_under_a_tiny_kv_pool_loses_and_changes_nothing() {
             .map(|i| request(&prompt(10, 10 + i), 20, 1.0, 100 + i as u64, 0))
             .collect::<Vec<_>>()
     };
-    let roomy = run(&engine(8192, 4), reqs());
+    let roomy = run_requests(&engine(8192, 4), reqs());
     // 16 blocks of 4 tokens = 64 tokens for 6 sequences that each grow to 30: preemptions.
     let tight_engine = engine(64, 4);
-    let tight = run(&tight_engine, reqs());
+    let tight = run_requests(&tight_engine, reqs());
     for (i, (a, b)) in roomy.iter().zip(&tight).enumerate() {
         assert_eq!(b.0.len(), 20, "request {i} got all its tokens exactly once");
         assert_eq!(
@@ -275,7 +251,7 @@ fn abort_by_rid_finishes_with_abort() {
 fn prompt_logprobs_agree_with_decode_logprobs_and_experts_are_captured() {
     let h = engine(8192, 4);
     let p = prompt(9, 4);
-    let gen = run(&h, vec![request(&p, 5, 1.0, 11, 0)]).remove(0);
+    let gen = run_requests(&h, vec![request(&p, 5, 1.0, 11, 0)]).remove(0);
     // Re-score prompt + generated tokens as a prompt: the logprob of each generated token must
     // be the same number the decode step reported (temperature 1, no penalties).
     let mut full = p.clone();
@@ -284,7 +260,7 @@ fn prompt_logprobs_agree_with_decode_logprobs_and_experts_are_captured() {
     rescore.logprob_start_len = Some(0);
     rescore.top_logprobs_num = 3;
     rescore.return_routed_experts = true;
-    let (_, f) = run(&h, vec![rescore]).remove(0);
+    let (_, f) = run_requests(&h, vec![rescore]).remove(0);
     let input = f.input_logprobs.expect("input logprobs");
     assert_eq!(input.len(), full.len());
     assert_eq!(input[0].logprob, None);
@@ -316,7 +292,7 @@ fn admission_is_bounded_and_never_refuses_below_the_bound() {
         let reqs = (0..6)
             .map(|i| request(&prompt(4, i), 2, 1.0, round * 10 + i as u64, 0))
             .collect();
-        assert_eq!(run(&h, reqs).len(), 6);
+        assert_eq!(run_requests(&h, reqs).len(), 6);
     }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

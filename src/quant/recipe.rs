@@ -31,6 +31,17 @@ pub enum Format {
     Nvfp4,
 }
 
+impl Format {
+    /// Stored bytes per weight, block scales included (the bandwidth a GEMM must read).
+    pub fn bytes_per_element(self) -> f64 {
+        match self {
+            Format::Bf16 => 2.0,
+            Format::Mxfp8 => 1.0 + 1.0 / 32.0,
+            Format::Nvfp4 => 0.5 + 1.0 / 16.0,
+        }
+    }
+}
+
 /// Everything needed to quantize one tensor and the activations that meet it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TensorFormat {

@@ -3,6 +3,8 @@
 
 pub mod cuda;
 
+use lockstep::engine::{EngineEvent, EngineHandle, FinishInfo, GenerateRequest, TokenOut};
+
 use lockstep::backend::cpu::attention::{KvDtype, KvMemory};
 use lockstep::model::{ForwardBatch, Model, SeqInput};
 
@@ -71,4 +73,34 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
         .iter()
         .map(|x| x.as_u64().unwrap() as u32)
         .collect()
+}
+
+/// Submits the requests together (so the engine batches them) and returns each one's tokens
+/// and finish, in order.
+pub fn run_requests(
+    h: &EngineHandle,
+    reqs: Vec<GenerateRequest>,
+) -> Vec<(Vec<TokenOut>, FinishInfo)> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let rxs: Vec<_> = reqs.into_iter().map(|r| h.submit(r).unwrap()).collect();
+    rt.block_on(async {
+        let mut out = Vec::new();
+        for mut rx in rxs {
+            let mut tokens = Vec::new();
+            loop {
+                match rx.recv().await.expect("event") {
+                    EngineEvent::Token(t) => tokens.push(t),
+                    EngineEvent::Finished(f) => {
+                        out.push((tokens, *f));
+                        break;
+                    }
+                    EngineEvent::Error(e) => panic!("engine error: {e}"),
+                }
+            }
+        }
+        out
+    })
 }

@@ -191,6 +191,25 @@ impl Gpu {
     }
 }
 
+/// Device-to-device copy bandwidth of `gpu` (bytes read + written per second), the median of
+/// 10 copies of 1 GiB after a warm-up: the denominator of the benchmarks' rooflines.
+pub fn copy_bandwidth(gpu: &Gpu) -> Result<f64, CudaError> {
+    let n = 1usize << 30;
+    let src = gpu.alloc::<u8>(n)?;
+    let mut dst = gpu.alloc::<u8>(n)?;
+    gpu.stream.memcpy_dtod(&src, &mut dst)?;
+    gpu.synchronize()?;
+    let mut times = Vec::with_capacity(10);
+    for _ in 0..10 {
+        let t = std::time::Instant::now();
+        gpu.stream.memcpy_dtod(&src, &mut dst)?;
+        gpu.synchronize()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(2.0 * n as f64 / times[times.len() / 2])
+}
+
 /// The device address of a buffer, as a kernel argument.
 pub fn ptr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> Arg {
     let (p, _sync) = s.device_ptr(&gpu.stream);
