@@ -13,7 +13,7 @@
 use std::time::Instant;
 
 use lockstep::backend::cuda::device::copy_bandwidth;
-use lockstep::backend::cuda::model::{CudaModel, CudaSizes, CudaWeights};
+use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
 use lockstep::backend::cuda::Gpu;
 use lockstep::model::{ForwardBatch, ModelConfig, SeqInput};
 use lockstep::quant::{Format, Recipe};

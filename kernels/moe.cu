@@ -2,8 +2,11 @@
 // plan that groups the (token, slot) pairs by expert for the grouped expert GEMMs.
 
 // One warp per token. Ties pick the lower expert id, like the CPU's stable sort.
+// `given` (optional, [tokens, top_k]): routing replay. A row whose given ids are all valid takes
+// them, weighted by this router's probabilities (renormalized over them, summed in slot order as
+// the CPU does); any other row is routed normally.
 extern "C" __global__ void moe_route(const float* logits, int tokens, int experts, int top_k, int renormalize,
-                                     int* topk_ids, float* topk_w) {
+                                     const int* given, int* topk_ids, float* topk_w) {
     int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (t >= tokens) return;
     const float* row = logits + (u64)t * experts;
@@ -13,6 +16,25 @@ extern "C" __global__ void moe_route(const float* logits, int tokens, int expert
     float sum = 0.0f;
     for (int e = lane; e < experts; e += 32) sum += expf(row[e] - m);
     sum = warp_sum(sum);
+    if (given) {
+        const int* g = given + (u64)t * top_k;
+        bool valid = true;
+        for (int s = 0; s < top_k; s++) valid = valid && g[s] >= 0 && g[s] < experts;
+        if (valid) {
+            float picked = 0.0f;
+            for (int s = 0; s < top_k; s++) {
+                float p = expf(row[g[s]] - m) / sum;
+                if (lane == 0) {
+                    topk_ids[t * top_k + s] = g[s];
+                    topk_w[t * top_k + s] = p;
+                }
+                picked += p;
+            }
+            __syncwarp();
+            if (renormalize && lane < top_k) topk_w[t * top_k + lane] = topk_w[t * top_k + lane] / picked;
+            return;
+        }
+    }
     float picked_sum = 0.0f;
     int prev_id = -1;
     float prev_p = INFINITY;

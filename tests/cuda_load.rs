@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use lockstep::backend::cpu::linear::{DenseF32, DenseWeight};
-use lockstep::backend::cuda::model::{CudaMlp, CudaModel, CudaSizes, CudaWeights};
+use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
 use lockstep::backend::cuda::ops::{Table, WeightData};
 use lockstep::backend::cuda::weights::GpuMatrix;
 use lockstep::backend::cuda::Gpu;
@@ -145,7 +145,7 @@ fn matrix_buffers(g: &Gpu, what: &str, m: &GpuMatrix, out: &mut Vec<(String, Vec
 /// Every device buffer of `w`, named, downloaded.
 fn buffers(g: &Gpu, w: &CudaWeights) -> Vec<(String, Vec<u8>)> {
     let mut out = Vec::new();
-    match &w.embed {
+    match &w.embed_tokens {
         Table::Bf16(t) => out.push(("embed bf16".into(), bytes(g, t))),
         Table::F32(t) => out.push(("embed f32".into(), bytes(g, t))),
     }
@@ -160,44 +160,34 @@ fn buffers(g: &Gpu, w: &CudaWeights) -> Vec<(String, Vec<u8>)> {
             format!("{p} post_norm"),
             bytes(g, &layer.post_attention_norm),
         ));
-        if let Some((q, k)) = &layer.qk_norm {
+        if let (Some(q), Some(k)) = (&layer.q_norm, &layer.k_norm) {
             out.push((format!("{p} q_norm"), bytes(g, q)));
             out.push((format!("{p} k_norm"), bytes(g, k)));
         }
         for (n, m) in [
-            ("q", &layer.q),
-            ("k", &layer.k),
-            ("v", &layer.v),
-            ("o", &layer.o),
+            ("q", &layer.q_proj),
+            ("k", &layer.k_proj),
+            ("v", &layer.v_proj),
+            ("o", &layer.o_proj),
         ] {
             matrix_buffers(g, &format!("{p} {n}"), m, &mut out);
         }
         match &layer.mlp {
-            CudaMlp::Dense {
-                gate_up,
-                down,
-                inter,
-            } => {
-                out.push((format!("{p} inter"), inter.to_le_bytes().to_vec()));
-                matrix_buffers(g, &format!("{p} gate_up"), gate_up, &mut out);
-                matrix_buffers(g, &format!("{p} down"), down, &mut out);
+            Mlp::Dense(m) => {
+                out.push((format!("{p} inter"), m.inter.to_le_bytes().to_vec()));
+                matrix_buffers(g, &format!("{p} gate_up"), &m.gate_up, &mut out);
+                matrix_buffers(g, &format!("{p} down"), &m.down, &mut out);
             }
-            CudaMlp::Moe {
-                router,
-                gate_up,
-                down,
-                inter,
-                experts,
-                top_k,
-                renormalize,
-            } => {
+            Mlp::Moe(moe) => {
+                let e = &moe.experts;
                 out.push((
                     format!("{p} moe"),
-                    format!("{inter} {experts} {top_k} {renormalize}").into_bytes(),
+                    format!("{} {} {} {}", e.inter, e.count, moe.top_k, moe.norm_topk_prob)
+                        .into_bytes(),
                 ));
-                matrix_buffers(g, &format!("{p} router"), router, &mut out);
-                matrix_buffers(g, &format!("{p} gate_up"), gate_up, &mut out);
-                matrix_buffers(g, &format!("{p} down"), down, &mut out);
+                matrix_buffers(g, &format!("{p} router"), &moe.router, &mut out);
+                matrix_buffers(g, &format!("{p} gate_up"), &e.gate_up, &mut out);
+                matrix_buffers(g, &format!("{p} down"), &e.down, &mut out);
             }
         }
     }

@@ -9,11 +9,12 @@ use half::bf16;
 use lockstep::backend::cpu::attention::{paged_attention, AttentionSeq, KvDtype, KvMemory};
 use lockstep::backend::cpu::linear::{make_linear, DenseWeight};
 use lockstep::backend::cpu::ops as cpu;
-use lockstep::backend::cuda::model::{CudaModel, CudaSizes, CudaWeights};
+use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
 use lockstep::backend::cuda::ops::{
     self, AttnRows, AttnShape, GemmPath, GemmRows, MoePlan, Nvfp4Out, Nvfp4Params,
 };
-use lockstep::backend::cuda::weights::{DummyWeights, GpuMatrix};
+use lockstep::backend::cuda::weights::GpuMatrix;
+use lockstep::model::cuda::DummyWeights;
 use lockstep::backend::Linear;
 use lockstep::model::loader::{dummy_model, load_model};
 use lockstep::model::{ForwardBatch, Model, ModelConfig, SeqInput};
@@ -295,7 +296,7 @@ fn norms_rope_attention_and_swiglu_match_the_cpu() {
     }
 
     // q/k norm + RoPE + KV store, then attention, against the CPU on a BF16 cache.
-    let inv_freq = cpu::rope_inv_freq(hd, 1e6, &lockstep::model::config::RopeScaling::None);
+    let inv_freq = lockstep::model::config::rope_inv_freq(hd, 1e6, &lockstep::model::config::RopeScaling::None);
     let (qs, kvs) = (heads * hd, kv_heads * hd);
     let mut cache = KvMemory::new(KvDtype::Bf16, 1, num_blocks, bs, kv_heads, hd);
     // Fill the cached prefix of sequence 0 directly.
@@ -669,7 +670,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
     );
     let dlogits = g.upload(&logits).unwrap();
     ops::moe_route(
-        &g, &dlogits, tokens, experts, top_k, true, &mut ids, &mut wts,
+        &g, &dlogits, tokens, experts, top_k, true, None, &mut ids, &mut wts,
     )
     .unwrap();
     let (ids_h, wts_h) = (

@@ -13,7 +13,7 @@
 //! never silently passed; they must stay rare.
 
 use cudarc::driver::CudaSlice;
-use lockstep::backend::cuda::model::{CudaModel, CudaSizes, CudaWeights};
+use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
 use lockstep::backend::cuda::sampling::{host_expf, sample_rows, DeviceSampler};
 use lockstep::backend::cuda::Gpu;
 use lockstep::model::{ForwardBatch, ModelConfig, SeqInput};

@@ -1,5 +1,7 @@
-//! The ops a forward pass needs, behind small traits, and the CPU implementation that is the
-//! reference for every other backend.
+//! The ops a forward pass needs, behind small traits, and two implementations: the CPU
+//! reference and CUDA. The forward itself is written once, in `model::forward`, against the
+//! [`Backend`] trait; this module depends on nothing above `quant`, `checkpoint` and
+//! `sampling`.
 //!
 //! Linear layers are the one place where formats differ (BF16/F32, MXFP8, NVFP4), so they are
 //! a trait with one implementation per format and a factory ([`cpu::linear::make_linear`]);
@@ -8,6 +10,10 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod step;
+pub mod trace;
+
+pub use step::{Backend, Buffers, Dims, Logits, MoeShape, Sampled, SeqPlan, StepPlan};
 
 use crate::quant::Format;
 

@@ -3,9 +3,9 @@
 //! only the tokens, logprobs and top-N copied back). The engine loop sees one interface either way.
 
 use crate::backend::cpu::attention::KvMemory;
-use crate::backend::cuda::model::{CudaSizes, CudaWeights, Sampled};
-use crate::backend::cuda::sampling::MAX_DEVICE_TOP_LOGPROBS;
-use crate::backend::cuda::{CudaError, CudaModel, Gpu};
+use crate::backend::cuda::{CudaError, CudaSizes, Gpu};
+use crate::backend::Sampled;
+use crate::model::cuda::{CudaModel, CudaWeights};
 use crate::model::checksum::WeightsChecksum;
 use crate::model::loader::{open_serving_checkpoint, Quantization};
 use crate::model::slots::{Replacement, SlotShape};
@@ -215,21 +215,10 @@ impl Runner {
                     .collect();
                 StepOutput { forward, sampled }
             }
-            Runner::Cuda { model, scratch, .. } => {
-                // Rows asking for more alternatives than the device reports stay on the host.
-                let on_device: Vec<Option<SampleInput<'_>>> = samples
-                    .iter()
-                    .map(|s| s.filter(|s| s.top_logprobs_num <= MAX_DEVICE_TOP_LOGPROBS))
-                    .collect();
-                let (forward, mut sampled) = model
-                    .forward_and_sample(batch, &on_device)
+            Runner::Cuda { model, .. } => {
+                let (forward, sampled) = model
+                    .forward_and_sample(batch, samples)
                     .unwrap_or_else(|e| panic!("CUDA forward failed: {e}"));
-                let vocab = model.config.vocab_size;
-                for (i, s) in samples.iter().enumerate() {
-                    if let (Some(s), None) = (s, &on_device[i]) {
-                        sampled[i] = sample_on_host(&forward, i, vocab, s, scratch);
-                    }
-                }
                 StepOutput { forward, sampled }
             }
         }
@@ -243,7 +232,7 @@ impl Runner {
                 Ok(())
             }
             Runner::Cuda { model, host, .. } => {
-                let w = CudaWeights::upload(&model.gpu, &new).map_err(device_error)?;
+                let w = CudaWeights::upload(model.gpu(), &new).map_err(device_error)?;
                 model.replace_weights(w);
                 *host = Some(new);
                 Ok(())
@@ -270,7 +259,7 @@ impl Runner {
                         .map_err(device_error);
                 };
                 let spent = h.apply_replacements(updates);
-                match CudaWeights::upload(&model.gpu, h) {
+                match CudaWeights::upload(model.gpu(), h) {
                     Ok(w) => {
                         model.replace_weights(w);
                         Ok(spent)
@@ -321,12 +310,12 @@ impl Runner {
             ));
         };
         let m = &mut **model;
-        let (config, mut new) = load_to_device(&m.gpu, w).map_err(EngineError::Conflict)?;
+        let (config, mut new) = load_to_device(m.gpu(), w).map_err(EngineError::Conflict)?;
         if !same_shapes(&config, &m.config) {
             return Err(EngineError::Conflict("the new weights' config.json differs from the served model's (architecture or shapes)".into()));
         }
         let checksum = new
-            .weights_checksum(&m.gpu, &m.config)
+            .weights_checksum(m.gpu(), &m.config)
             .map_err(device_error)?;
         m.replace_weights(new);
         *host = None;

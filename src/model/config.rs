@@ -36,6 +36,44 @@ pub enum RopeScaling {
     },
 }
 
+/// Inverse frequencies of RoPE for `head_dim`, with the config's scaling applied.
+pub fn rope_inv_freq(head_dim: usize, theta: f32, scaling: &RopeScaling) -> Vec<f32> {
+    let half = head_dim / 2;
+    (0..half)
+        .map(|i| {
+            let base = 1.0 / (theta as f64).powf((2 * i) as f64 / head_dim as f64);
+            let f = match *scaling {
+                RopeScaling::None => base,
+                RopeScaling::Linear { factor } => base / factor as f64,
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings,
+                } => {
+                    let (factor, low, high, orig) = (
+                        factor as f64,
+                        low_freq_factor as f64,
+                        high_freq_factor as f64,
+                        original_max_position_embeddings as f64,
+                    );
+                    let wavelen = 2.0 * std::f64::consts::PI / base;
+                    let (low_wavelen, high_wavelen) = (orig / low, orig / high);
+                    if wavelen < high_wavelen {
+                        base
+                    } else if wavelen > low_wavelen {
+                        base / factor
+                    } else {
+                        let smooth = (orig / wavelen - low) / (high - low);
+                        (1.0 - smooth) * base / factor + smooth * base
+                    }
+                }
+            };
+            f as f32
+        })
+        .collect()
+}
+
 #[derive(Debug, Deserialize)]
 struct RawConfig {
     #[serde(default)]
@@ -240,6 +278,23 @@ impl ModelConfig {
 
     pub fn q_size(&self) -> usize {
         self.num_heads * self.head_dim
+    }
+
+    /// RoPE's inverse frequencies for this model.
+    pub fn rope_inv_freq(&self) -> Vec<f32> {
+        rope_inv_freq(self.head_dim, self.rope_theta, &self.rope_scaling)
+    }
+
+    /// The shapes the backend ops need.
+    pub fn dims(&self) -> crate::backend::Dims {
+        crate::backend::Dims {
+            hidden: self.hidden_size,
+            heads: self.num_heads,
+            kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            vocab: self.vocab_size,
+            eps: self.rms_norm_eps,
+        }
     }
 
     pub fn kv_size(&self) -> usize {

@@ -191,7 +191,7 @@ pub fn backward(
         mode,
         grads,
     };
-    let inv_freq = ops::rope_inv_freq(hd, cfg.rope_theta, &cfg.rope_scaling);
+    let inv_freq = cfg.rope_inv_freq();
 
     // lm_head and the final norm, on the rows that had logits.
     let rows = trace.logit_source_rows.len();

@@ -2,5 +2,8 @@
 //! token's results never depend on what else is in the batch.
 
 pub mod attention;
+mod backend;
 pub mod linear;
 pub mod ops;
+
+pub use backend::{Cpu, CpuRoute, SwiGlu};

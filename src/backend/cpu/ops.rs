@@ -3,8 +3,6 @@
 
 use rayon::prelude::*;
 
-use crate::model::config::RopeScaling;
-
 /// `out = x / rms(x) * w` per row of width `w.len()` (f32, sequential sum of squares).
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
@@ -51,44 +49,6 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
         *o = silu(*g) * u;
     }
-}
-
-/// Inverse frequencies of RoPE for `head_dim`, with the config's scaling applied.
-pub fn rope_inv_freq(head_dim: usize, theta: f32, scaling: &RopeScaling) -> Vec<f32> {
-    let half = head_dim / 2;
-    (0..half)
-        .map(|i| {
-            let base = 1.0 / (theta as f64).powf((2 * i) as f64 / head_dim as f64);
-            let f = match *scaling {
-                RopeScaling::None => base,
-                RopeScaling::Linear { factor } => base / factor as f64,
-                RopeScaling::Llama3 {
-                    factor,
-                    low_freq_factor,
-                    high_freq_factor,
-                    original_max_position_embeddings,
-                } => {
-                    let (factor, low, high, orig) = (
-                        factor as f64,
-                        low_freq_factor as f64,
-                        high_freq_factor as f64,
-                        original_max_position_embeddings as f64,
-                    );
-                    let wavelen = 2.0 * std::f64::consts::PI / base;
-                    let (low_wavelen, high_wavelen) = (orig / low, orig / high);
-                    if wavelen < high_wavelen {
-                        base
-                    } else if wavelen > low_wavelen {
-                        base / factor
-                    } else {
-                        let smooth = (orig / wavelen - low) / (high - low);
-                        (1.0 - smooth) * base / factor + smooth * base
-                    }
-                }
-            };
-            f as f32
-        })
-        .collect()
 }
 
 /// Rotary embedding (rotate-half layout, as HF Llama/Qwen) in place on `[heads * head_dim]`.

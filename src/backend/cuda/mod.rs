@@ -1,4 +1,4 @@
-//! The CUDA backend: the same forward pass as [`crate::backend::cpu`], on an NVIDIA GPU.
+//! The CUDA backend: the ops of [`crate::backend::Backend`] on an NVIDIA GPU ([`backend::Cuda`]).
 //!
 //! libcuda, NVRTC and cuBLAS are loaded at run time (cudarc's dynamic loading), so the binary
 //! builds and runs on machines without CUDA; `--device auto` uses a GPU when one is present.
@@ -6,18 +6,16 @@
 //! for the device's architecture ([`kernels`]). Every op is tested against the CPU reference
 //! on fresh random data (tests/cuda_ops.rs, run on a GPU host by scripts/gpu-check.sh).
 
+pub mod backend;
 pub mod block_scaled;
 pub mod device;
 pub mod kernels;
-pub mod load;
-pub mod model;
 pub mod ops;
 pub mod sampling;
-pub mod slots;
 pub mod weights;
 
 pub use device::{device_count, Gpu};
-pub use model::CudaModel;
+pub use backend::{Cuda, CudaSizes};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {

@@ -536,7 +536,8 @@ pub fn silu_mul(
     )
 }
 
-/// Router softmax, top-k (ties to the lower id) and optional renormalisation.
+/// Router softmax, top-k (ties to the lower id) and optional renormalisation; with `given`
+/// (`[tokens, top_k]`), each row whose given ids are all valid takes them instead (replay).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_route(
     gpu: &Gpu,
@@ -545,6 +546,7 @@ pub fn moe_route(
     experts: usize,
     top_k: usize,
     renormalize: bool,
+    given: Option<&CudaSlice<i32>>,
     ids: &mut CudaSlice<i32>,
     weights: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
@@ -556,6 +558,9 @@ pub fn moe_route(
     need(logits, tokens * experts, "route logits")?;
     need(ids, tokens * top_k, "route ids")?;
     need(weights, tokens * top_k, "route weights")?;
+    if let Some(g) = given {
+        need(g, tokens * top_k, "route given ids")?;
+    }
     if tokens == 0 {
         return Ok(());
     }
@@ -570,6 +575,7 @@ pub fn moe_route(
             Arg::I32(experts as i32),
             Arg::I32(top_k as i32),
             Arg::I32(renormalize as i32),
+            opt_ptr(gpu, given),
             ptr(gpu, ids),
             ptr(gpu, weights),
         ],

@@ -8,16 +8,16 @@ use std::collections::BTreeMap;
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use safetensors::tensor::Dtype;
 
-use super::model::{CudaMlp, CudaWeights};
-use super::ops::{Table, WeightData};
-use super::weights::GpuMatrix;
-use super::{CudaError, Gpu};
+use super::CudaWeights;
+use crate::backend::cuda::ops::{Table, WeightData};
+use crate::backend::cuda::weights::GpuMatrix;
+use crate::backend::cuda::{CudaError, Gpu};
 use crate::backend::cpu::linear::DenseWeight;
 use crate::backend::Storage;
 use crate::checkpoint::CheckpointPart;
 use crate::model::checksum::WeightsChecksum;
 use crate::model::slots::{Replacement, SlotShape};
-use crate::model::ModelConfig;
+use crate::model::{Mlp, ModelConfig};
 use crate::quant::{Format, MXFP8_BLOCK, NVFP4_BLOCK};
 
 /// Where one checkpoint tensor lives on the device.
@@ -88,15 +88,15 @@ impl CudaWeights {
             for (i, name) in ["q_proj", "k_proj", "v_proj", "o_proj"].iter().enumerate() {
                 out.push((format!("{p}.self_attn.{name}.weight"), Loc::Attention(l, i)));
             }
-            if layer.qk_norm.is_some() {
+            if layer.q_norm.is_some() && layer.k_norm.is_some() {
                 out.push((format!("{p}.self_attn.q_norm.weight"), Loc::QNorm(l)));
                 out.push((format!("{p}.self_attn.k_norm.weight"), Loc::KNorm(l)));
             }
             let prefixes: Vec<String> = match &layer.mlp {
-                CudaMlp::Dense { .. } => vec![format!("{p}.mlp")],
-                CudaMlp::Moe { experts, .. } => {
+                Mlp::Dense(_) => vec![format!("{p}.mlp")],
+                Mlp::Moe(moe) => {
                     out.push((format!("{p}.mlp.gate.weight"), Loc::Router(l)));
-                    (0..*experts)
+                    (0..moe.experts.count)
                         .map(|e| format!("{p}.mlp.experts.{e}"))
                         .collect()
                 }
@@ -113,7 +113,7 @@ impl CudaWeights {
     fn slot(&mut self, loc: Loc, cfg: &ModelConfig) -> DeviceSlot<'_> {
         match loc {
             Loc::Embedding => DeviceSlot::Embedding {
-                table: &mut self.embed,
+                table: &mut self.embed_tokens,
                 tied_head: if cfg.tie_word_embeddings {
                     self.lm_head.as_mut()
                 } else {
@@ -130,34 +130,33 @@ impl CudaWeights {
             Loc::Attention(l, i) => {
                 let layer = &mut self.layers[l];
                 whole(match i {
-                    0 => &mut layer.q,
-                    1 => &mut layer.k,
-                    2 => &mut layer.v,
-                    _ => &mut layer.o,
+                    0 => &mut layer.q_proj,
+                    1 => &mut layer.k_proj,
+                    2 => &mut layer.v_proj,
+                    _ => &mut layer.o_proj,
                 })
             }
             Loc::QNorm(l) => DeviceSlot::Vector(
-                &mut self.layers[l]
-                    .qk_norm
+                self.layers[l]
+                    .q_norm
                     .as_mut()
-                    .expect("listed only when present")
-                    .0,
+                    .expect("listed only when present"),
             ),
             Loc::KNorm(l) => DeviceSlot::Vector(
-                &mut self.layers[l]
-                    .qk_norm
+                self.layers[l]
+                    .k_norm
                     .as_mut()
-                    .expect("listed only when present")
-                    .1,
+                    .expect("listed only when present"),
             ),
             Loc::Router(l) => match &mut self.layers[l].mlp {
-                CudaMlp::Moe { router, .. } => whole(router),
-                CudaMlp::Dense { .. } => unreachable!("listed only for MoE layers"),
+                Mlp::Moe(moe) => whole(&mut moe.router),
+                Mlp::Dense(_) => unreachable!("listed only for MoE layers"),
             },
             Loc::GateUp(l, e, group) => {
-                let (CudaMlp::Dense { gate_up, inter, .. } | CudaMlp::Moe { gate_up, inter, .. }) =
-                    &mut self.layers[l].mlp;
-                let inter = *inter;
+                let (gate_up, inter) = match &mut self.layers[l].mlp {
+                    Mlp::Dense(m) => (&mut m.gate_up, m.inter),
+                    Mlp::Moe(m) => (&mut m.experts.gate_up, m.experts.inter),
+                };
                 DeviceSlot::Linear {
                     matrix: gate_up,
                     expert: e,
@@ -167,8 +166,10 @@ impl CudaWeights {
                 }
             }
             Loc::Down(l, e) => {
-                let (CudaMlp::Dense { down, .. } | CudaMlp::Moe { down, .. }) =
-                    &mut self.layers[l].mlp;
+                let down = match &mut self.layers[l].mlp {
+                    Mlp::Dense(m) => &mut m.down,
+                    Mlp::Moe(m) => &mut m.experts.down,
+                };
                 let rows = down.n;
                 DeviceSlot::Linear {
                     matrix: down,

@@ -10,10 +10,12 @@
 use cudarc::driver::CudaSlice;
 use safetensors::tensor::Dtype;
 
-use super::model::{CudaLayer, CudaMlp, CudaWeights};
-use super::ops::{self, Nvfp4Out, Nvfp4Params, Table, WeightData};
-use super::weights::{Activation, GpuMatrix};
-use super::{CudaError, Gpu};
+use super::CudaWeights;
+use crate::backend::cuda::backend::{CudaExperts, CudaSwiGlu};
+use crate::backend::cuda::ops::{self, Nvfp4Out, Nvfp4Params, Table, WeightData};
+use crate::backend::cuda::weights::{Activation, GpuMatrix};
+use crate::backend::cuda::{CudaError, Gpu};
+use crate::model::{Layer, Mlp, Model, Moe};
 use crate::checkpoint::to_f32;
 use crate::model::loader::{
     checked_tensor, fp8_scale_inv, gate_up_shares_level, linear_format, lm_head_is_embedding,
@@ -473,40 +475,43 @@ impl CudaWeights {
                     .collect();
                 let router = d.plain(&format!("{p}.mlp.gate.weight"), moe.num_experts, h)?;
                 let (gate_up, down) = d.swiglu(&prefixes, h, moe.intermediate_size)?;
-                CudaMlp::Moe {
+                Mlp::Moe(Moe {
                     router,
-                    gate_up,
-                    down,
-                    inter: moe.intermediate_size,
-                    experts: moe.num_experts,
+                    experts: CudaExperts {
+                        gate_up,
+                        down,
+                        inter: moe.intermediate_size,
+                        count: moe.num_experts,
+                    },
                     top_k: moe.top_k,
-                    renormalize: moe.norm_topk_prob,
-                }
+                    norm_topk_prob: moe.norm_topk_prob,
+                })
             } else {
                 let (gate_up, down) = d.swiglu(&[format!("{p}.mlp")], h, cfg.intermediate_size)?;
-                CudaMlp::Dense {
+                Mlp::Dense(CudaSwiGlu {
                     gate_up,
                     down,
                     inter: cfg.intermediate_size,
-                }
+                })
             };
-            let qk_norm = if cfg.qk_norm {
-                Some((
-                    d.vector(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?,
-                    d.vector(&format!("{p}.self_attn.k_norm.weight"), cfg.head_dim)?,
-                ))
+            let (q_norm, k_norm) = if cfg.qk_norm {
+                (
+                    Some(d.vector(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?),
+                    Some(d.vector(&format!("{p}.self_attn.k_norm.weight"), cfg.head_dim)?),
+                )
             } else {
-                None
+                (None, None)
             };
-            layers.push(CudaLayer {
+            layers.push(Layer {
                 input_norm: d.vector(&format!("{p}.input_layernorm.weight"), h)?,
                 post_attention_norm: d
                     .vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                q: d.single(&format!("{p}.self_attn.q_proj"), cfg.q_size(), h)?,
-                k: d.single(&format!("{p}.self_attn.k_proj"), cfg.kv_size(), h)?,
-                v: d.single(&format!("{p}.self_attn.v_proj"), cfg.kv_size(), h)?,
-                o: d.single(&format!("{p}.self_attn.o_proj"), h, cfg.q_size())?,
-                qk_norm,
+                q_proj: d.single(&format!("{p}.self_attn.q_proj"), cfg.q_size(), h)?,
+                k_proj: d.single(&format!("{p}.self_attn.k_proj"), cfg.kv_size(), h)?,
+                v_proj: d.single(&format!("{p}.self_attn.v_proj"), cfg.kv_size(), h)?,
+                o_proj: d.single(&format!("{p}.self_attn.o_proj"), h, cfg.q_size())?,
+                q_norm,
+                k_norm,
                 mlp,
             });
         }
@@ -517,11 +522,13 @@ impl CudaWeights {
             d.plain("lm_head.weight", v, h)?
         };
         gpu.synchronize()?;
-        Ok(CudaWeights {
+        Ok(Model::on_device(
+            gpu,
+            cfg.clone(),
             embed,
-            lm_head: Some(lm_head),
             layers,
             norm,
-        })
+            Some(lm_head),
+        )?)
     }
 }

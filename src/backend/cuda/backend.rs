@@ -1,0 +1,1038 @@
+//! [`Backend`] on a CUDA device: weights, KV cache and activations in GPU memory, each op one
+//! or a few launches of the kernels in kernels/*.cu on the one engine stream. The kernel-choice
+//! policy (GEMV, tensor cores or cuBLAS per GEMM; prefill, split or per-row decode attention)
+//! lives here and nowhere else.
+//!
+//! Every buffer is allocated once, for the largest step the engine will run ([`CudaSizes`]);
+//! a step only copies its small metadata in and its routed-expert ids and either its logits
+//! or its sampled tokens out.
+
+use cudarc::driver::CudaSlice;
+
+use super::block_scaled::{BlockFormat, BlockScaledGemm};
+use super::ops::{
+    self, AttnRows, AttnShape, CublasOperand, GemmRows, KeySplit, MoePlan, Nvfp4Out, SplitScratch,
+    Table, WeightData,
+};
+use super::sampling::{DeviceSampler, MAX_DEVICE_TOP_LOGPROBS};
+use super::weights::{Activation, GpuMatrix};
+use super::{CudaError, Gpu};
+use crate::backend::step::{Backend, Buffers, Dims, Logits, MoeShape, Sampled, StepPlan};
+use crate::backend::trace::{MoeTrace, SwiGluTrace};
+use crate::sampling::{self, SampleInput, SamplerScratch};
+
+/// A dense SwiGLU on the device: gate and up stacked in one matrix (`[2 * inter, hidden]`).
+pub struct CudaSwiGlu {
+    pub gate_up: GpuMatrix,
+    pub down: GpuMatrix,
+    pub inter: usize,
+}
+
+/// An MoE layer's experts on the device: every expert's gate+up, and every down, stacked.
+pub struct CudaExperts {
+    pub gate_up: GpuMatrix,
+    pub down: GpuMatrix,
+    pub inter: usize,
+    pub count: usize,
+}
+
+/// What the engine asks of the device.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaSizes {
+    /// Tokens per step (the chunked-prefill budget).
+    pub max_batch_tokens: usize,
+    /// Sequences per step.
+    pub max_running_requests: usize,
+    pub block_size: usize,
+    pub max_context_len: usize,
+    /// Share of device memory for weights + KV cache (SGLang's `--mem-fraction-static`).
+    pub mem_fraction_static: f32,
+    /// Upper bound on KV tokens, if the user set one.
+    pub max_total_tokens: Option<usize>,
+}
+
+/// The model shapes the device buffers are planned for.
+#[derive(Clone, Copy, Debug)]
+pub struct ModelShape {
+    pub dims: Dims,
+    pub num_layers: usize,
+    /// The dense MLPs' intermediate size.
+    pub intermediate: usize,
+    pub moe: Option<MoeShape>,
+    pub moe_layers: usize,
+}
+
+impl ModelShape {
+    fn pairs(&self, rows: usize) -> usize {
+        rows * self.moe.map_or(1, |m| m.top_k.max(1))
+    }
+    fn widest_inter(&self) -> usize {
+        self.intermediate.max(self.moe.map_or(0, |m| m.inter))
+    }
+}
+
+/// The paged BF16 KV cache: per layer, `[blocks, block_size, kv_heads, head_dim]`.
+pub struct CudaKv {
+    pub k: Vec<CudaSlice<u16>>,
+    pub v: Vec<CudaSlice<u16>>,
+    pub num_blocks: usize,
+}
+
+/// One MoE layer's routing on the device, and every layer's kept ids.
+pub struct CudaRoute {
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    plan: MoePlan,
+    /// The replayed experts of this layer, uploaded.
+    replay: CudaSlice<i32>,
+    /// `[moe_layer][row][k]`.
+    kept: CudaSlice<i32>,
+    rows: usize,
+    top_k: usize,
+}
+
+/// Dense BF16 layers use cuBLAS (activations rounded to BF16) above this many rows; below it
+/// the in-house GEMM keeps f32 activations like the CPU (decode steps are memory-bound either
+/// way, and routing decisions then match the CPU reference far more often).
+const CUBLAS_MIN_ROWS: usize = 16;
+
+/// Decode steps with fewer (row, head) pairs than this many per SM use the split kernel.
+const SPLIT_DECODE_BLOCKS_PER_SM: usize = 4;
+
+/// A step with a sequence of at least this many rows runs the tensor-core prefill attention.
+const PREFILL_ATTENTION_MIN_ROWS: usize = 2;
+
+/// The lm_head runs on at most this many rows at a time (a step asking for input logprobs of
+/// a long chunk needs logits for every row; the vocabulary makes each row large).
+const LOGIT_CHUNK_ROWS: usize = 256;
+
+/// Split decode attention keeps this many partial results per (sequence, query head): a
+/// step of `max_running_requests` rows may split each row's keys this many ways, a step of
+/// fewer rows proportionally more (up to `KeySplit::MAX_SPLITS`).
+const SPLIT_PARTIALS_PER_HEAD: usize = 16;
+
+/// A step's metadata on the device.
+struct Meta {
+    tokens: CudaSlice<u32>,
+    pos: CudaSlice<i32>,
+    slots: CudaSlice<i32>,
+    row_seq: CudaSlice<i32>,
+    table_offsets: CudaSlice<i32>,
+    block_tables: CudaSlice<i32>,
+    logit_rows: CudaSlice<i32>,
+    /// Tiles of the tensor-core prefill attention (`ops::prefill_tiles`).
+    attn_tiles: CudaSlice<i32>,
+}
+
+/// Buffers of the activation quantizers and the BF16 cast for cuBLAS.
+struct QuantScratch {
+    xb: CudaSlice<u16>,
+    data: CudaSlice<u8>,
+    scales: CudaSlice<u8>,
+    deq: CudaSlice<f32>,
+    row_scale: CudaSlice<f32>,
+    amax: CudaSlice<u32>,
+    /// The Blackwell block-scaled GEMMs (sm_100 only; compiled, never run: see block_scaled.rs).
+    block_scaled: Option<BlockScaledGemm>,
+}
+
+/// How this step's attention runs (decided once per step, from the plan).
+#[derive(Clone, Copy, Debug, Default)]
+enum AttentionPath {
+    /// Tensor-core tiles of up to 64 rows of one sequence (steps with a multi-token chunk).
+    #[default]
+    Prefill,
+    /// GQA-aware, keys split over blocks (decode steps of few rows).
+    Split(KeySplit),
+    /// One block per (row, head).
+    PerRow,
+}
+
+/// The CUDA backend: the device, the step's metadata and scratch, the sampler.
+pub struct Cuda {
+    pub gpu: Gpu,
+    pub sizes: CudaSizes,
+    max_table_entries: usize,
+    meta: Meta,
+    quant: QuantScratch,
+    split: SplitScratch,
+    sampler: DeviceSampler,
+    /// lm_head output of one chunk of logit rows.
+    logits: CudaSlice<f32>,
+    /// For the rare rows the device sampler does not take.
+    host_scratch: SamplerScratch,
+    attention: AttentionPath,
+    prefill_tiles: usize,
+}
+
+impl Cuda {
+    /// The backend's own scratch for steps up to `sizes`.
+    pub fn new(gpu: Gpu, shape: &ModelShape, sizes: CudaSizes) -> Result<Cuda, CudaError> {
+        let d = &shape.dims;
+        let t = sizes.max_batch_tokens.max(1);
+        let pairs = shape.pairs(t);
+        let seqs = sizes.max_running_requests.max(1);
+        let max_table_entries = seqs * sizes.max_context_len.div_ceil(sizes.block_size).max(1);
+        // Widest GEMM input: x (hidden), attention output (q_size) or, per routed pair, the
+        // expert's intermediate activations.
+        let in_width = d.hidden.max(d.q_size()).max(shape.intermediate);
+        let moe_inter = shape.moe.map_or(0, |m| m.inter);
+        let quant_elems = (t * in_width).max(pairs * moe_inter);
+        let meta = Meta {
+            tokens: gpu.alloc(t)?,
+            pos: gpu.alloc(t)?,
+            slots: gpu.alloc(t)?,
+            row_seq: gpu.alloc(t)?,
+            table_offsets: gpu.alloc(seqs)?,
+            block_tables: gpu.alloc(max_table_entries)?,
+            logit_rows: gpu.alloc(t)?,
+            // At most one partial tile per sequence plus the full ones.
+            attn_tiles: gpu.alloc(2 * (t / ops::PREFILL_TILE_ROWS + seqs))?,
+        };
+        let quant = QuantScratch {
+            xb: gpu.alloc(t * in_width)?,
+            data: gpu.alloc(quant_elems)?,
+            scales: gpu.alloc(quant_elems / 16 + 1)?,
+            deq: gpu.alloc(quant_elems)?,
+            row_scale: gpu.alloc(pairs.max(t))?,
+            amax: gpu.alloc(2)?,
+            block_scaled: if BlockScaledGemm::available(&gpu) {
+                let widest = d.vocab.max(2 * shape.widest_inter()).max(d.q_size()).max(d.hidden);
+                Some(BlockScaledGemm::new(&gpu, pairs.max(t), widest, in_width)?)
+            } else {
+                None
+            },
+        };
+        let split = SplitScratch::new(&gpu, seqs * d.heads * SPLIT_PARTIALS_PER_HEAD, d.head_dim)?;
+        // One sampled row per sequence; a launch samples at most one lm_head chunk's rows.
+        let sampler = DeviceSampler::new(
+            &gpu,
+            d.vocab,
+            seqs.min(LOGIT_CHUNK_ROWS),
+            seqs,
+            (sizes.max_context_len + 1024).max(1 << 16),
+        )?;
+        let logits = gpu.alloc(t.min(LOGIT_CHUNK_ROWS) * d.vocab)?;
+        Ok(Cuda {
+            gpu,
+            sizes,
+            max_table_entries,
+            meta,
+            quant,
+            split,
+            sampler,
+            logits,
+            host_scratch: SamplerScratch::default(),
+            attention: AttentionPath::default(),
+            prefill_tiles: 0,
+        })
+    }
+
+    /// Device bytes of the sampler and the logits chunk.
+    pub fn sampler_bytes(&self) -> usize {
+        self.sampler.bytes() + self.logits.len() * 4
+    }
+
+    /// Activation buffers for the largest step.
+    pub fn buffers(&self, shape: &ModelShape) -> Result<Buffers<CudaSlice<f32>>, CudaError> {
+        let (gpu, d) = (&self.gpu, &shape.dims);
+        let t = self.sizes.max_batch_tokens.max(1);
+        let pairs = shape.pairs(t);
+        let inter = shape.widest_inter();
+        Ok(Buffers {
+            x: gpu.alloc(t * d.hidden)?,
+            normed: gpu.alloc(t * d.hidden)?,
+            q: gpu.alloc(t * d.q_size())?,
+            k: gpu.alloc(t * d.kv_size())?,
+            v: gpu.alloc(t * d.kv_size())?,
+            attn: gpu.alloc(t * d.q_size())?,
+            o: gpu.alloc(t * d.hidden)?,
+            y: gpu.alloc(t * d.hidden)?,
+            router_logits: gpu.alloc(t * shape.moe.map_or(1, |m| m.experts.max(1)))?,
+            gate_up: gpu.alloc(pairs * 2 * inter)?,
+            act: gpu.alloc(pairs * inter)?,
+            expert_out: gpu.alloc(pairs * d.hidden)?,
+        })
+    }
+
+    /// Routing buffers for the largest step.
+    pub fn route(&self, shape: &ModelShape) -> Result<CudaRoute, CudaError> {
+        let gpu = &self.gpu;
+        let pairs = shape.pairs(self.sizes.max_batch_tokens.max(1));
+        let experts = shape.moe.map_or(1, |m| m.experts.max(1));
+        Ok(CudaRoute {
+            ids: gpu.alloc(pairs)?,
+            weights: gpu.alloc(pairs)?,
+            plan: MoePlan::new(gpu, pairs, experts)?,
+            replay: gpu.alloc(pairs)?,
+            kept: gpu.alloc(shape.moe_layers.max(1) * pairs)?,
+            rows: 0,
+            top_k: 0,
+        })
+    }
+
+    /// The KV cache: whatever `mem_fraction_static` of the device leaves once everything else
+    /// is allocated (so call this last).
+    pub fn kv_cache(&self, shape: &ModelShape) -> Result<CudaKv, CudaError> {
+        let (gpu, d, sizes) = (&self.gpu, &shape.dims, &self.sizes);
+        gpu.synchronize()?;
+        let (free, total) = gpu.memory()?;
+        let per_block = 2 * shape.num_layers * d.kv_size() * 2 * sizes.block_size;
+        let budget =
+            (total as f64 * sizes.mem_fraction_static as f64) as i64 - (total - free) as i64;
+        let mut num_blocks = (budget.max(0) as usize) / per_block.max(1);
+        if let Some(cap) = sizes.max_total_tokens {
+            num_blocks = num_blocks.min(cap.div_ceil(sizes.block_size));
+        }
+        if num_blocks == 0 {
+            return Err(CudaError::Capacity(format!(
+                "no device memory left for the KV cache: weights and scratch use {:.1} GiB of {:.1} GiB (raise --mem-fraction-static or lower --chunked-prefill-size)",
+                (total - free) as f64 / (1u64 << 30) as f64,
+                total as f64 / (1u64 << 30) as f64
+            )));
+        }
+        let cache_len = num_blocks * sizes.block_size * d.kv_size();
+        let layers = || {
+            (0..shape.num_layers)
+                .map(|_| gpu.alloc::<u16>(cache_len))
+                .collect::<Result<Vec<_>, _>>()
+        };
+        Ok(CudaKv {
+            k: layers()?,
+            v: layers()?,
+            num_blocks,
+        })
+    }
+
+    fn attn_shape(&self, d: &Dims) -> AttnShape {
+        AttnShape {
+            heads: d.heads,
+            kv_heads: d.kv_heads,
+            head_dim: d.head_dim,
+            block_size: self.sizes.block_size,
+        }
+    }
+
+    fn gemm(
+        &mut self,
+        m: &GpuMatrix,
+        x: &CudaSlice<f32>,
+        x_rows: usize,
+        rows: GemmRows<'_>,
+        row_index: Option<&CudaSlice<i32>>,
+        out_rows: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        linear(
+            &self.gpu,
+            m,
+            x,
+            x_rows,
+            rows,
+            row_index,
+            out_rows,
+            out,
+            &mut self.quant,
+        )
+    }
+}
+
+/// `out = x W^T` for one layer or expert stack, quantizing x first as the format requires.
+/// `x_rows` rows of x are quantized (per token, before any routing); `rows` says which output
+/// rows are computed and `row_index` maps them to x rows.
+#[allow(clippy::too_many_arguments)]
+fn linear(
+    gpu: &Gpu,
+    m: &GpuMatrix,
+    x: &CudaSlice<f32>,
+    x_rows: usize,
+    rows: GemmRows<'_>,
+    row_index: Option<&CudaSlice<i32>>,
+    out_rows: usize,
+    out: &mut CudaSlice<f32>,
+    q: &mut QuantScratch,
+) -> Result<(), CudaError> {
+    let (n, k) = (m.n, m.k);
+    match (&m.data, &rows, row_index) {
+        (WeightData::F32(w), GemmRows::Dense(r), None) => {
+            return ops::cublas_gemm(
+                gpu,
+                CublasOperand::F32(x),
+                CublasOperand::F32(w),
+                *r,
+                n,
+                k,
+                out,
+            )
+        }
+        (WeightData::Bf16(w), GemmRows::Dense(r), None) if *r > CUBLAS_MIN_ROWS => {
+            ops::f32_to_bf16(gpu, x, &mut q.xb, r * k)?;
+            return ops::cublas_gemm(
+                gpu,
+                CublasOperand::Bf16(&q.xb),
+                CublasOperand::Bf16(w),
+                *r,
+                n,
+                k,
+                out,
+            );
+        }
+        _ => {}
+    }
+    match m.act {
+        Activation::Plain => {
+            ops::grouped_gemm(gpu, x, row_index, None, &m.data, rows, out_rows, n, k, out)
+        }
+        Activation::Mxfp8 => {
+            ops::mxfp8_quantize(
+                gpu,
+                x,
+                x_rows * k,
+                &mut q.data,
+                &mut q.scales,
+                Some(&mut q.deq),
+            )?;
+            if let Some(bs) = &mut q.block_scaled {
+                return bs.run(
+                    gpu,
+                    BlockFormat::Mxfp8,
+                    &m.data,
+                    &q.data,
+                    &q.scales,
+                    None,
+                    rows,
+                    row_index,
+                    n,
+                    k,
+                    out,
+                );
+            }
+            ops::grouped_gemm(
+                gpu, &q.deq, row_index, None, &m.data, rows, out_rows, n, k, out,
+            )
+        }
+        Activation::Nvfp4 { per_token, params } => {
+            if !per_token {
+                if m.experts > 1 {
+                    return Err(CudaError::Unsupported(
+                        "per-tensor NVFP4 activations for experts (the CPU scales each expert's rows)".into(),
+                    ));
+                }
+                ops::amax(gpu, x, x_rows * k, &mut q.amax)?;
+            }
+            ops::nvfp4_quantize_f32(
+                gpu,
+                x,
+                x_rows,
+                k,
+                per_token,
+                (!per_token).then_some(&q.amax),
+                params,
+                Nvfp4Out {
+                    data: &mut q.data,
+                    scales: &mut q.scales,
+                    row_s_dec: &mut q.row_scale,
+                    deq: Some(&mut q.deq),
+                },
+            )?;
+            if let Some(bs) = &mut q.block_scaled {
+                return bs.run(
+                    gpu,
+                    BlockFormat::Nvfp4,
+                    &m.data,
+                    &q.data,
+                    &q.scales,
+                    Some(&q.row_scale),
+                    rows,
+                    row_index,
+                    n,
+                    k,
+                    out,
+                );
+            }
+            ops::grouped_gemm(
+                gpu,
+                &q.deq,
+                row_index,
+                Some(&q.row_scale),
+                &m.data,
+                rows,
+                out_rows,
+                n,
+                k,
+                out,
+            )
+        }
+    }
+}
+
+/// Where one lm_head output row goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RowDest {
+    /// This row of the host logits.
+    Host(usize),
+    /// Sampled on the device for this sequence of the batch.
+    Device(usize),
+}
+
+impl Backend for Cuda {
+    type Error = CudaError;
+    type Act = CudaSlice<f32>;
+    type Vector = CudaSlice<f32>;
+    type Table = Table;
+    type Linear = GpuMatrix;
+    /// None: tied to the embedding table.
+    type LmHead = Option<GpuMatrix>;
+    type SwiGlu = CudaSwiGlu;
+    type Experts = CudaExperts;
+    type Kv = CudaKv;
+    type Route = CudaRoute;
+
+    fn begin(&mut self, plan: &StepPlan<'_>, dims: &Dims) -> Result<(), CudaError> {
+        let bs = self.sizes.block_size;
+        let n = plan.rows();
+        let mut tables = Vec::new();
+        let mut table_offsets = Vec::with_capacity(plan.seqs.len());
+        for s in &plan.seqs {
+            table_offsets.push(tables.len() as i32);
+            tables.extend(s.block_table.iter().map(|&b| b as i32));
+        }
+        if n > self.sizes.max_batch_tokens
+            || plan.seqs.len() > self.sizes.max_running_requests.max(1)
+            || tables.len() > self.max_table_entries
+        {
+            return Err(CudaError::Capacity(format!(
+                "a step of {n} tokens in {} sequences exceeds the sizes the device was planned for",
+                plan.seqs.len()
+            )));
+        }
+        let pos: Vec<i32> = plan.row_pos.iter().map(|&p| p as i32).collect();
+        let slots: Vec<i32> = plan
+            .row_seq
+            .iter()
+            .zip(&plan.row_pos)
+            .map(|(&s, &p)| (plan.seqs[s].block_table[p / bs] as usize * bs + p % bs) as i32)
+            .collect();
+        let row_seq: Vec<i32> = plan.row_seq.iter().map(|&s| s as i32).collect();
+        let logit_idx: Vec<i32> = plan.logit_rows.iter().map(|&r| r as i32).collect();
+        let shape = self.attn_shape(dims);
+        // Steps with a multi-token chunk run attention on tensor cores; decode-only steps of
+        // few rows take the GQA-aware kernel, which also splits long contexts over the keys;
+        // with rows enough to fill the GPU, one block per (row, head) is faster (H200,
+        // docs/performance.md: 265 vs 299 us at 64 rows).
+        let prefill = ops::prefill_attention_supports(shape)
+            && plan.seqs.iter().any(|s| s.len >= PREFILL_ATTENTION_MIN_ROWS);
+        let tiles = if prefill {
+            ops::prefill_tiles(plan.seqs.iter().map(|s| s.len))
+        } else {
+            Vec::new()
+        };
+        let sm = self.gpu.sm_count;
+        self.attention = if prefill {
+            AttentionPath::Prefill
+        } else if n <= self.sizes.max_running_requests
+            && n * dims.heads < SPLIT_DECODE_BLOCKS_PER_SM * sm as usize
+        {
+            let longest = plan
+                .seqs
+                .iter()
+                .map(|s| s.start_pos + s.len)
+                .max()
+                .unwrap_or(0);
+            AttentionPath::Split(KeySplit::plan(n, shape, longest, sm, self.split.partials))
+        } else {
+            AttentionPath::PerRow
+        };
+        self.prefill_tiles = tiles.len() / 2;
+        let (gpu, m) = (&self.gpu, &mut self.meta);
+        gpu.write(&plan.tokens, &mut m.tokens)?;
+        gpu.write(&pos, &mut m.pos)?;
+        gpu.write(&slots, &mut m.slots)?;
+        gpu.write(&row_seq, &mut m.row_seq)?;
+        gpu.write(&table_offsets, &mut m.table_offsets)?;
+        gpu.write(&tables, &mut m.block_tables)?;
+        gpu.write(&logit_idx, &mut m.logit_rows)?;
+        gpu.write(&tiles, &mut m.attn_tiles)?;
+        Ok(())
+    }
+
+    fn embed(
+        &mut self,
+        table: &Table,
+        plan: &StepPlan<'_>,
+        dims: &Dims,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        ops::embedding(
+            &self.gpu,
+            &self.meta.tokens,
+            plan.rows(),
+            table,
+            out,
+            dims.hidden,
+        )
+    }
+
+    fn rms_norm(
+        &mut self,
+        x: &mut CudaSlice<f32>,
+        residual: Option<&CudaSlice<f32>>,
+        w: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        rows: usize,
+        width: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        ops::rms_norm(&self.gpu, x, residual, w, out, None, rows, width, eps)
+    }
+
+    fn linear(
+        &mut self,
+        w: &GpuMatrix,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        self.gemm(w, x, rows, GemmRows::Dense(rows), None, rows, out)
+    }
+
+    fn qk_norm_rope_store(
+        &mut self,
+        layer: usize,
+        norms: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
+        inv_freq: &CudaSlice<f32>,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        kv: &mut CudaKv,
+        plan: &StepPlan<'_>,
+        dims: &Dims,
+    ) -> Result<(), CudaError> {
+        let shape = self.attn_shape(dims);
+        ops::qk_norm_rope_store(
+            &self.gpu,
+            q,
+            k,
+            v,
+            norms,
+            inv_freq,
+            &self.meta.pos,
+            &self.meta.slots,
+            &mut kv.k[layer],
+            &mut kv.v[layer],
+            plan.rows(),
+            shape,
+            dims.eps,
+        )
+    }
+
+    fn attention(
+        &mut self,
+        layer: usize,
+        q: &CudaSlice<f32>,
+        kv: &CudaKv,
+        plan: &StepPlan<'_>,
+        dims: &Dims,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let (n, shape) = (plan.rows(), self.attn_shape(dims));
+        let m = &self.meta;
+        let meta = AttnRows {
+            pos: &m.pos,
+            seq: &m.row_seq,
+            table_offsets: &m.table_offsets,
+            block_tables: &m.block_tables,
+        };
+        let (k, v) = (&kv.k[layer], &kv.v[layer]);
+        match self.attention {
+            AttentionPath::Prefill => ops::prefill_attention(
+                &self.gpu,
+                q,
+                out,
+                k,
+                v,
+                &meta,
+                &m.attn_tiles,
+                self.prefill_tiles,
+                n,
+                shape,
+            ),
+            AttentionPath::Split(split) => ops::decode_attention(
+                &self.gpu,
+                q,
+                out,
+                k,
+                v,
+                &meta,
+                n,
+                shape,
+                split,
+                &mut self.split,
+            ),
+            AttentionPath::PerRow => ops::paged_attention(&self.gpu, q, out, k, v, &meta, n, shape),
+        }
+    }
+
+    fn mlp_gate_up(
+        &mut self,
+        w: &CudaSwiGlu,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        self.linear(&w.gate_up, x, rows, out)
+    }
+
+    fn mlp_down(
+        &mut self,
+        w: &CudaSwiGlu,
+        act: &CudaSlice<f32>,
+        rows: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        self.linear(&w.down, act, rows, out)
+    }
+
+    fn silu_mul(
+        &mut self,
+        gate_up: &CudaSlice<f32>,
+        rows: usize,
+        inter: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        ops::silu_mul(&self.gpu, gate_up, out, rows, inter)
+    }
+
+    fn moe_route(
+        &mut self,
+        logits: &CudaSlice<f32>,
+        rows: usize,
+        shape: MoeShape,
+        replay: Option<&[i32]>,
+        route: &mut CudaRoute,
+    ) -> Result<(), CudaError> {
+        let gpu = &self.gpu;
+        if let Some(ids) = replay {
+            gpu.write(ids, &mut route.replay)?;
+        }
+        ops::moe_route(
+            gpu,
+            logits,
+            rows,
+            shape.experts,
+            shape.top_k,
+            shape.renormalize,
+            replay.map(|_| &route.replay),
+            &mut route.ids,
+            &mut route.weights,
+        )?;
+        route
+            .plan
+            .build(gpu, &route.ids, rows, shape.top_k, shape.experts)?;
+        route.rows = rows;
+        route.top_k = shape.top_k;
+        Ok(())
+    }
+
+    fn experts_gate_up(
+        &mut self,
+        w: &CudaExperts,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        route: &CudaRoute,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let pairs = rows * route.top_k;
+        let plan = &route.plan;
+        self.gemm(
+            &w.gate_up,
+            x,
+            rows,
+            GemmRows::Plan(plan),
+            Some(&plan.row_token),
+            pairs,
+            out,
+        )
+    }
+
+    fn experts_down(
+        &mut self,
+        w: &CudaExperts,
+        act: &CudaSlice<f32>,
+        route: &CudaRoute,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let pairs = route.rows * route.top_k;
+        self.gemm(
+            &w.down,
+            act,
+            pairs,
+            GemmRows::Plan(&route.plan),
+            None,
+            pairs,
+            out,
+        )
+    }
+
+    fn moe_combine(
+        &mut self,
+        expert_out: &CudaSlice<f32>,
+        route: &CudaRoute,
+        rows: usize,
+        hidden: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        ops::moe_combine(
+            &self.gpu,
+            expert_out,
+            &route.plan,
+            &route.weights,
+            out,
+            rows,
+            route.top_k,
+            hidden,
+        )
+    }
+
+    fn keep_routing(
+        &mut self,
+        route: &mut CudaRoute,
+        moe_index: usize,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        let pairs = rows * route.top_k;
+        if pairs > 0 {
+            let at = moe_index * pairs;
+            self.gpu.stream.memcpy_dtod(
+                &route.ids.slice(0..pairs),
+                &mut route.kept.slice_mut(at..at + pairs),
+            )?;
+        }
+        Ok(())
+    }
+
+    fn routed_experts(
+        &mut self,
+        route: &CudaRoute,
+        rows: usize,
+        moe_layers: usize,
+        top_k: usize,
+    ) -> Result<Vec<i32>, CudaError> {
+        let by_layer = self.gpu.download(&route.kept, moe_layers * rows * top_k)?;
+        // [layer][token][k] -> [token][layer][k], the CPU backend's order.
+        let mut routed = vec![0i32; rows * moe_layers * top_k];
+        for m in 0..moe_layers {
+            for t in 0..rows {
+                routed[(t * moe_layers + m) * top_k..][..top_k]
+                    .copy_from_slice(&by_layer[(m * rows + t) * top_k..][..top_k]);
+            }
+        }
+        Ok(routed)
+    }
+
+    fn logits(
+        &mut self,
+        bufs: &mut Buffers<CudaSlice<f32>>,
+        add_y: bool,
+        norm: &CudaSlice<f32>,
+        head: &Option<GpuMatrix>,
+        table: &Table,
+        plan: &StepPlan<'_>,
+        dims: &Dims,
+        samples: &[Option<SampleInput<'_>>],
+        trace: bool,
+    ) -> Result<Logits, CudaError> {
+        if trace {
+            return Err(CudaError::Unsupported(
+                "tracing a forward (the trainer's forward) on the device".into(),
+            ));
+        }
+        let (h, v) = (dims.hidden, dims.vocab);
+        // Rows asking for more alternatives than the device reports are sampled on the host.
+        let on_device = |i: usize| {
+            samples
+                .get(i)
+                .and_then(Option::as_ref)
+                .filter(|s| s.top_logprobs_num <= MAX_DEVICE_TOP_LOGPROBS)
+        };
+        // Per logits row: its place among the host rows, or the sequence sampling it here.
+        let mut row_dest = Vec::with_capacity(plan.logit_rows.len());
+        let mut logit_rows = Vec::with_capacity(plan.seqs.len());
+        let mut host_rows = 0;
+        for (i, s) in plan.seqs.iter().enumerate() {
+            let rows = s.logit_count();
+            let device = on_device(i).is_some();
+            if device && rows == 0 {
+                return Err(CudaError::Unsupported(format!(
+                    "sequence {i} is sampled but asks for no logits"
+                )));
+            }
+            let to_host = rows - device as usize;
+            logit_rows.push((host_rows, to_host));
+            row_dest.extend((0..to_host).map(|k| RowDest::Host(host_rows + k)));
+            if device {
+                row_dest.push(RowDest::Device(i));
+            }
+            host_rows += to_host;
+        }
+        let top_n = (0..plan.seqs.len()).filter_map(on_device).map(|s| s.top_logprobs_num);
+        self.sampler.begin(top_n.max().unwrap_or(0).min(v))?;
+        let rows = plan.logit_rows.len();
+        let gpu = &self.gpu;
+        // The final norm (with the last MLP output added) on the logit rows only.
+        ops::rms_norm(
+            gpu,
+            &mut bufs.x,
+            add_y.then_some(&bufs.y),
+            norm,
+            &mut bufs.normed,
+            Some(&self.meta.logit_rows),
+            rows,
+            h,
+            dims.eps,
+        )?;
+        let mut logits = vec![0f32; host_rows * v];
+        let mut sampled_seqs = Vec::new();
+        for first in (0..rows).step_by(LOGIT_CHUNK_ROWS) {
+            let m = LOGIT_CHUNK_ROWS.min(rows - first);
+            let x = bufs.normed.slice(first * h..(first + m) * h);
+            // cuBLAS and the casts take whole buffers: copy the chunk's rows to the front.
+            gpu.stream.memcpy_dtod(&x, &mut bufs.o.slice_mut(0..m * h))?;
+            let out = &mut self.logits;
+            match (head, table) {
+                (Some(head), _) => linear(
+                    gpu,
+                    head,
+                    &bufs.o,
+                    m,
+                    GemmRows::Dense(m),
+                    None,
+                    m,
+                    out,
+                    &mut self.quant,
+                )?,
+                (None, Table::Bf16(t)) => {
+                    ops::f32_to_bf16(gpu, &bufs.o, &mut self.quant.xb, m * h)?;
+                    ops::cublas_gemm(
+                        gpu,
+                        CublasOperand::Bf16(&self.quant.xb),
+                        CublasOperand::Bf16(t),
+                        m,
+                        v,
+                        h,
+                        out,
+                    )?;
+                }
+                (None, Table::F32(t)) => {
+                    ops::cublas_gemm(
+                        gpu,
+                        CublasOperand::F32(&bufs.o),
+                        CublasOperand::F32(t),
+                        m,
+                        v,
+                        h,
+                        out,
+                    )?;
+                }
+            }
+            // Host rows in runs of consecutive rows, one copy each; the sampled rows are
+            // sampled right here, before the next chunk's GEMM reuses the buffer.
+            let mut device_rows = Vec::new();
+            let mut r = 0;
+            while r < m {
+                match row_dest[first + r] {
+                    RowDest::Host(dest) => {
+                        let mut run = 1;
+                        while r + run < m && row_dest[first + r + run] == RowDest::Host(dest + run)
+                        {
+                            run += 1;
+                        }
+                        gpu.stream.memcpy_dtoh(
+                            &out.slice(r * v..(r + run) * v),
+                            &mut logits[dest * v..(dest + run) * v],
+                        )?;
+                        r += run;
+                    }
+                    RowDest::Device(i) => {
+                        let input = on_device(i).expect("device rows have sampling inputs");
+                        device_rows.push((r, *input));
+                        sampled_seqs.push(i);
+                        r += 1;
+                    }
+                }
+            }
+            if !device_rows.is_empty() {
+                self.sampler.sample(gpu, out, &device_rows)?;
+            }
+        }
+        let mut sampled: Sampled = vec![None; plan.seqs.len()];
+        for (i, result) in sampled_seqs.into_iter().zip(self.sampler.finish(gpu)?) {
+            sampled[i] = Some(result);
+        }
+        gpu.synchronize()?;
+        // The rows the device sampler does not take, from the host logits.
+        for (i, s) in samples.iter().enumerate() {
+            let Some(input) = s.as_ref().filter(|_| on_device(i).is_none()) else {
+                continue;
+            };
+            let (first, count) = logit_rows[i];
+            if count > 0 {
+                let mut row = logits[(first + count - 1) * v..][..v].to_vec();
+                sampled[i] = Some(sampling::sample(&mut row, input, &mut self.host_scratch));
+            }
+        }
+        Ok(Logits {
+            logits,
+            logit_rows,
+            sampled,
+            lm_head_in: None,
+        })
+    }
+
+    fn host(&mut self, a: &CudaSlice<f32>, len: usize) -> Result<Vec<f32>, CudaError> {
+        let out = self.gpu.download(a, len)?;
+        self.gpu.synchronize()?;
+        Ok(out)
+    }
+
+    fn kv_stored(
+        &mut self,
+        _kv: &CudaKv,
+        a: &CudaSlice<f32>,
+        len: usize,
+    ) -> Result<Vec<f32>, CudaError> {
+        // The device cache is BF16.
+        let values = self.host(a, len)?;
+        Ok(values
+            .into_iter()
+            .map(|x| half::bf16::from_f32(x).to_f32())
+            .collect())
+    }
+
+    fn mlp_trace(
+        &mut self,
+        _gate_up: &CudaSlice<f32>,
+        _act: &CudaSlice<f32>,
+        _rows: usize,
+        _inter: usize,
+    ) -> Result<SwiGluTrace, CudaError> {
+        Err(CudaError::Unsupported(
+            "tracing a forward (the trainer's forward) on the device".into(),
+        ))
+    }
+
+    fn moe_trace(
+        &mut self,
+        _route: &CudaRoute,
+        _gate_up: &CudaSlice<f32>,
+        _act: &CudaSlice<f32>,
+        _expert_out: &CudaSlice<f32>,
+        _rows: usize,
+        _shape: MoeShape,
+        _hidden: usize,
+    ) -> Result<MoeTrace, CudaError> {
+        Err(CudaError::Unsupported(
+            "tracing a forward (the trainer's forward) on the device".into(),
+        ))
+    }
+}

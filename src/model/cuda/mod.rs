@@ -1,0 +1,248 @@
+//! The model on a CUDA device: its weights as a [`Model<Cuda>`] (uploaded from a CPU-built
+//! model, loaded straight from a checkpoint, or drawn on the device), their slot table and
+//! checksum, and [`CudaModel`], which runs the one forward pass ([`super::forward`]) on them.
+
+mod dummy;
+pub use dummy::DummyWeights;
+pub mod load;
+pub mod slots;
+
+use cudarc::driver::CudaSlice;
+
+use super::forward::{forward, ForwardOptions, StepState};
+use super::{ForwardBatch, ForwardOutput, Layer, Mlp, Model, ModelConfig, Moe};
+use crate::backend::cpu::linear::DenseWeight;
+use crate::backend::cuda::backend::{CudaExperts, CudaKv, CudaSwiGlu, ModelShape};
+pub use crate::backend::cuda::backend::{Cuda, CudaSizes};
+use crate::backend::cuda::ops::Table;
+use crate::backend::cuda::weights::GpuMatrix;
+use crate::backend::cuda::{CudaError, Gpu};
+use crate::backend::{Linear, MoeShape, Sampled};
+use crate::sampling::SampleInput;
+
+/// The model's weights on the device.
+pub type CudaWeights = Model<Cuda>;
+
+impl Model<Cuda> {
+    /// Puts the device parts together (RoPE's frequencies are uploaded here).
+    pub fn on_device(
+        gpu: &Gpu,
+        config: ModelConfig,
+        embed_tokens: Table,
+        layers: Vec<Layer<Cuda>>,
+        norm: CudaSlice<f32>,
+        lm_head: Option<GpuMatrix>,
+    ) -> Result<CudaWeights, CudaError> {
+        let inv_freq = gpu.upload(&config.rope_inv_freq())?;
+        Ok(Model {
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+        })
+    }
+
+    /// Uploads a model the CPU loader built (any checkpoint format, quantized by `quant`).
+    pub fn upload(gpu: &Gpu, model: &Model) -> Result<CudaWeights, CudaError> {
+        let embed = match &model.embed_tokens {
+            DenseWeight::Bf16(w) => {
+                Table::Bf16(gpu.upload(&w.iter().map(|v| v.to_bits()).collect::<Vec<_>>())?)
+            }
+            DenseWeight::F32(w) => Table::F32(gpu.upload(w)?),
+        };
+        let one = |l: &dyn Linear| GpuMatrix::upload(gpu, &[vec![l]]);
+        let mut layers = Vec::with_capacity(model.layers.len());
+        for layer in &model.layers {
+            let mlp = match &layer.mlp {
+                Mlp::Dense(m) => Mlp::Dense(CudaSwiGlu {
+                    gate_up: GpuMatrix::upload(gpu, &[vec![&*m.gate, &*m.up]])?,
+                    down: one(&*m.down)?,
+                    inter: m.gate.out_features(),
+                }),
+                Mlp::Moe(moe) => {
+                    let gate_up: Vec<Vec<&dyn Linear>> =
+                        moe.experts.iter().map(|e| vec![&*e.gate, &*e.up]).collect();
+                    let down: Vec<Vec<&dyn Linear>> =
+                        moe.experts.iter().map(|e| vec![&*e.down]).collect();
+                    Mlp::Moe(Moe {
+                        router: one(&*moe.router)?,
+                        experts: CudaExperts {
+                            gate_up: GpuMatrix::upload(gpu, &gate_up)?,
+                            down: GpuMatrix::upload(gpu, &down)?,
+                            inter: moe.experts[0].gate.out_features(),
+                            count: moe.experts.len(),
+                        },
+                        top_k: moe.top_k,
+                        norm_topk_prob: moe.norm_topk_prob,
+                    })
+                }
+            };
+            let vector = |v: &Option<Vec<f32>>| v.as_ref().map(|v| gpu.upload(v)).transpose();
+            layers.push(Layer {
+                input_norm: gpu.upload(&layer.input_norm)?,
+                post_attention_norm: gpu.upload(&layer.post_attention_norm)?,
+                q_proj: one(&*layer.q_proj)?,
+                k_proj: one(&*layer.k_proj)?,
+                v_proj: one(&*layer.v_proj)?,
+                o_proj: one(&*layer.o_proj)?,
+                q_norm: vector(&layer.q_norm)?,
+                k_norm: vector(&layer.k_norm)?,
+                mlp,
+            });
+        }
+        let lm_head = Some(GpuMatrix::upload(gpu, &[vec![&*model.lm_head]])?);
+        let norm = gpu.upload(&model.norm)?;
+        Model::on_device(gpu, model.config.clone(), embed, layers, norm, lm_head)
+    }
+
+    /// Device bytes of the weights.
+    pub fn bytes(&self) -> usize {
+        let table = match &self.embed_tokens {
+            Table::Bf16(t) => t.len() * 2,
+            Table::F32(t) => t.len() * 4,
+        };
+        let mut total = table + self.lm_head.as_ref().map_or(0, GpuMatrix::bytes);
+        for l in &self.layers {
+            total += l.q_proj.bytes() + l.k_proj.bytes() + l.v_proj.bytes() + l.o_proj.bytes();
+            total += match &l.mlp {
+                Mlp::Dense(m) => m.gate_up.bytes() + m.down.bytes(),
+                Mlp::Moe(m) => m.router.bytes() + m.experts.gate_up.bytes() + m.experts.down.bytes(),
+            };
+        }
+        total
+    }
+}
+
+/// The shapes the device buffers are planned for.
+fn model_shape(c: &ModelConfig) -> ModelShape {
+    ModelShape {
+        dims: c.dims(),
+        num_layers: c.num_layers,
+        intermediate: c.intermediate_size,
+        moe: c.moe.as_ref().map(|m| MoeShape {
+            experts: m.num_experts,
+            top_k: m.top_k,
+            renormalize: m.norm_topk_prob,
+            inter: m.intermediate_size,
+        }),
+        moe_layers: c.num_moe_layers(),
+    }
+}
+
+/// Weights, KV cache and step buffers on one device, and the backend that runs the forward
+/// on them. Memory is planned once at start-up: weights, then the step's scratch for the
+/// largest step, then the paged BF16 KV cache from what `--mem-fraction-static` leaves.
+pub struct CudaModel {
+    pub backend: Cuda,
+    pub config: ModelConfig,
+    weights: CudaWeights,
+    kv: CudaKv,
+    state: StepState<Cuda>,
+    pub weight_bytes: usize,
+}
+
+impl CudaModel {
+    /// Puts `weights` to work: allocates the step scratch and sizes the KV cache.
+    pub fn new(
+        gpu: Gpu,
+        config: ModelConfig,
+        weights: CudaWeights,
+        sizes: CudaSizes,
+    ) -> Result<CudaModel, CudaError> {
+        let shape = model_shape(&config);
+        let backend = Cuda::new(gpu, &shape, sizes)?;
+        let state = StepState {
+            bufs: backend.buffers(&shape)?,
+            route: backend.route(&shape)?,
+        };
+        let kv = backend.kv_cache(&shape)?;
+        let weight_bytes = weights.bytes();
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        let per_block = 2 * config.num_layers * config.kv_size() * 2 * sizes.block_size;
+        tracing::info!(
+            "CUDA memory: weights {:.2} GiB, sampler {:.2} GiB, KV cache {} blocks of {} tokens ({:.2} GiB)",
+            gib(weight_bytes),
+            gib(backend.sampler_bytes()),
+            kv.num_blocks,
+            sizes.block_size,
+            gib(kv.num_blocks * per_block)
+        );
+        Ok(CudaModel {
+            backend,
+            config,
+            weights,
+            kv,
+            state,
+            weight_bytes,
+        })
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.backend.gpu
+    }
+
+    pub fn num_kv_blocks(&self) -> usize {
+        self.kv.num_blocks
+    }
+
+    pub fn num_moe_layers(&self) -> usize {
+        self.config.num_moe_layers()
+    }
+
+    pub fn top_k(&self) -> usize {
+        self.config.moe.as_ref().map_or(0, |m| m.top_k)
+    }
+
+    /// The device and the weights, borrowed apart (to write into the weights on the device).
+    pub fn parts_mut(&mut self) -> (&Gpu, &mut CudaWeights) {
+        (&self.backend.gpu, &mut self.weights)
+    }
+
+    /// Replaces the weights (a weight update): same config, new values.
+    pub fn replace_weights(&mut self, weights: CudaWeights) {
+        self.weight_bytes = weights.bytes();
+        self.weights = weights;
+    }
+
+    /// The forward pass with every asked-for logits row copied to the host.
+    pub fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<ForwardOutput, CudaError> {
+        Ok(self.forward_with(batch, &[], None)?.0)
+    }
+
+    /// The forward pass, sampling on the device the last logits row of every sequence `i` with
+    /// `samples[i]` given (missing entries: none). Those rows stay on the device: the output's
+    /// `logits` and `logit_rows` hold the other asked-for rows only (for a sampled sequence,
+    /// its rows before the last), and the second value has each sampled sequence's token.
+    pub fn forward_and_sample(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        samples: &[Option<SampleInput<'_>>],
+    ) -> Result<(ForwardOutput, Sampled), CudaError> {
+        self.forward_with(batch, samples, None)
+    }
+
+    /// [`CudaModel::forward_and_sample`] with routing replay: `routing` (`[total_tokens,
+    /// num_moe_layers, top_k]`, batch order) replaces the routers' choice of experts.
+    pub fn forward_with(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        samples: &[Option<SampleInput<'_>>],
+        routing: Option<&[i32]>,
+    ) -> Result<(ForwardOutput, Sampled), CudaError> {
+        let opts = ForwardOptions {
+            routing,
+            trace: None,
+            samples,
+        };
+        forward(
+            &mut self.backend,
+            &self.weights,
+            &mut self.kv,
+            &mut self.state,
+            batch,
+            opts,
+        )
+    }
+}
