@@ -1070,6 +1070,69 @@ fn models_match_the_cpu_in_every_format() {
     }
 }
 
+/// Random routing for `tokens` rows: `top_k` distinct experts per row and MoE layer,
+/// `[tokens, moe_layers, top_k]`.
+fn random_routing(rng: &mut Rng, tokens: usize, moe_layers: usize, top_k: usize, experts: usize) -> Vec<i32> {
+    let mut out = Vec::with_capacity(tokens * moe_layers * top_k);
+    for _ in 0..tokens * moe_layers {
+        let mut ids: Vec<i32> = (0..experts as i32).collect();
+        for i in 0..top_k {
+            let j = i + rng.below(experts - i);
+            ids.swap(i, j);
+        }
+        out.extend_from_slice(&ids[..top_k]);
+    }
+    out
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn routing_replay_uses_the_given_experts_like_the_cpu() {
+    // Replayed experts (random, so unlike the routers' own choice) drive both backends: the
+    // device must report exactly the given ids, and with routing equal by construction every
+    // row's logits are comparable, none lost to a near-tie flip.
+    let mut rng = Rng(seed());
+    for name in ["bf16", "nvfp4"] {
+        let recipe = Recipe::builtin(name).unwrap();
+        let cfg = embedded_config(None);
+        let cpu_model = dummy_model(cfg.clone(), &recipe, 8).unwrap();
+        let g = gpu();
+        let w = CudaWeights::upload(&g, &cpu_model).unwrap();
+        let mut cuda = CudaModel::new(g, cfg.clone(), w, sizes()).unwrap();
+        let moe = cfg.moe.as_ref().unwrap();
+        let (layers, top_k) = (cfg.num_moe_layers(), moe.top_k);
+        let mut kv = KvMemory::new(KvDtype::Bf16, cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim);
+        let a: Vec<u32> = (0..11).map(|_| rng.below(cfg.vocab_size.min(250)) as u32).collect();
+        let table: Vec<u32> = (0..4).collect();
+        let mut worst = 0f64;
+        // A prefill chunk, a second chunk on its cached prefix, then a decode step.
+        for (start, len) in [(0, 6), (6, 4), (10, 1)] {
+            let batch = ForwardBatch {
+                seqs: vec![SeqInput {
+                    tokens: &a[start..start + len],
+                    start_pos: start,
+                    block_table: &table,
+                    logits_from: Some(0),
+                }],
+            };
+            let replay = random_routing(&mut rng, len, layers, top_k, moe.num_experts);
+            let want = cpu_model.forward_traced(&batch, &mut kv, Some(&replay), None);
+            let (got, _) = cuda.forward_with(&batch, &[], Some(&replay)).unwrap();
+            assert_eq!(want.routed_experts, replay, "{name}: the CPU took the replayed experts");
+            assert_eq!(got.routed_experts, replay, "{name}: the device took the replayed experts");
+            let v = cfg.vocab_size;
+            for r in 0..len {
+                worst = worst.max(rel_err(&got.logits[r * v..][..v], &want.logits[r * v..][..v]));
+            }
+        }
+        println!("routing replay, embedded {name}: logits rel err {worst:.2e} over every row");
+        // As models_match_the_cpu_in_every_format: summation order alone for BF16; a
+        // requantized activation may cross a rounding boundary for NVFP4.
+        let tol = if name == "bf16" { 3e-2 } else { 0.15 };
+        assert!(worst < tol, "{name}: replayed logits relative error {worst}");
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU and a many-core host (scripts/gpu-check.sh)"]
 fn midsize_qwen3_30b_shape_matches_the_cpu() {
