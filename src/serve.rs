@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::backend::cpu::attention::KvDtype;
-use crate::engine::{CudaSource, Engine, EngineConfig, EngineHandle, EngineInfo, RunnerSpec};
+use crate::engine::{CudaSource, Engine, EngineConfig, EngineHandle, EngineInfo, ExecutorSpec};
 use crate::model::loader::{self, Quantization};
 use crate::model::ModelConfig;
 use crate::quant::Recipe;
@@ -436,19 +436,19 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
             let slots = model.slot_shapes();
             let checksum = model.weights_checksum();
             let spec = if cuda {
-                RunnerSpec::Cuda {
+                ExecutorSpec::Cuda {
                     device: args.base_gpu_id,
                     weights: CudaSource::Model(*model),
                     mem_fraction_static: args.mem_fraction_static,
                     max_total_tokens: args.max_total_tokens,
                 }
             } else {
-                RunnerSpec::Cpu(*model)
+                ExecutorSpec::Cpu(*model)
             };
             (spec, std::sync::OnceLock::from(slots), checksum)
         }
         Loaded::DeviceCheckpoint(_, disk) => (
-            RunnerSpec::Cuda {
+            ExecutorSpec::Cuda {
                 device: args.base_gpu_id,
                 weights: CudaSource::Checkpoint(disk),
                 mem_fraction_static: args.mem_fraction_static,
@@ -458,7 +458,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
             Default::default(),
         ),
         Loaded::DeviceDummy(config) => (
-            RunnerSpec::Cuda {
+            ExecutorSpec::Cuda {
                 device: args.base_gpu_id,
                 weights: CudaSource::Dummy {
                     config,
@@ -498,25 +498,11 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
         max_queued_requests: args.max_queued_requests,
         kv_dtype,
     };
-    let engine = Engine::start_with(spec, info, cfg);
-    wait_until_warm(&engine)?;
+    // Start-up failures on the engine thread (a device that cannot be opened, a kernel that
+    // does not compile, too little memory) end `serve` with their message.
+    let engine =
+        Engine::start_with(spec, info, cfg).map_err(|e| ServeError::Config(e.to_string()))?;
     Ok((engine, limits))
-}
-
-/// Start-up failures on the engine thread (a device that cannot be opened, a kernel that does
-/// not compile, too little memory) end `serve` with their message instead of an unhealthy
-/// server.
-fn wait_until_warm(engine: &EngineHandle) -> Result<(), ServeError> {
-    use std::sync::atomic::Ordering;
-    loop {
-        if engine.shared.warm.load(Ordering::Acquire) {
-            return Ok(());
-        }
-        if let Some(e) = engine.shared.last_error.lock().expect("error lock").clone() {
-            return Err(ServeError::Config(e));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// Builds the server state over a started engine.

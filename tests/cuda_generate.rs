@@ -34,13 +34,11 @@
 //! for the CPU side), so they are `#[ignore]`d here and run on the GPU host.
 
 use std::path::Path;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use lockstep::backend::cpu::attention::KvDtype;
 use lockstep::engine::{
-    CudaSource, Engine, EngineConfig, EngineHandle, EngineInfo, GenerateRequest, RunnerSpec,
+    CudaSource, Engine, EngineConfig, EngineHandle, EngineInfo, GenerateRequest, ExecutorSpec,
     TokenOut,
 };
 use lockstep::model::loader::{dummy_model, load_model, Quantization};
@@ -82,7 +80,7 @@ fn word_tokenizer(vocab: usize) -> Tokenizer {
     t
 }
 
-fn start(spec: RunnerSpec, config: ModelConfig, recipe: &Recipe) -> EngineHandle {
+fn start(spec: ExecutorSpec, config: ModelConfig, recipe: &Recipe) -> EngineHandle {
     let tokenizer = Arc::new(word_tokenizer(config.vocab_size));
     let info = EngineInfo {
         model_path: "test".into(),
@@ -111,20 +109,11 @@ fn start(spec: RunnerSpec, config: ModelConfig, recipe: &Recipe) -> EngineHandle
         // The CUDA cache is BF16; the CPU's must be too for the same keys and values.
         kv_dtype: KvDtype::Bf16,
     };
-    let h = Engine::start_with(spec, info, cfg);
-    let t = Instant::now();
-    while !h.shared.warm.load(Ordering::Acquire) {
-        if let Some(e) = h.shared.last_error.lock().unwrap().clone() {
-            panic!("engine start-up failed: {e}");
-        }
-        assert!(t.elapsed() < Duration::from_secs(600), "engine warms up");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    h
+    Engine::start_with(spec, info, cfg).unwrap_or_else(|e| panic!("{e}"))
 }
 
-fn cuda(weights: CudaSource) -> RunnerSpec {
-    RunnerSpec::Cuda {
+fn cuda(weights: CudaSource) -> ExecutorSpec {
+    ExecutorSpec::Cuda {
         device: 0,
         weights,
         mem_fraction_static: 0.9,
@@ -394,7 +383,7 @@ fn greedy_generation_of_the_reference_models_matches_the_cpu() {
             .collect();
         // Long enough that decode steps split the keys (ops::KeySplit::MIN_CHUNK keys per range).
         prompts.push(prompt(&mut rng, 1100, vocab));
-        let cpu = start(RunnerSpec::Cpu(cpu_model), config.clone(), &recipe);
+        let cpu = start(ExecutorSpec::Cpu(cpu_model), config.clone(), &recipe);
         let gpu = start(cuda(CudaSource::Model(gpu_model)), config, &recipe);
         let tol = if quant.is_some() {
             QUANTIZED_TOL
@@ -433,7 +422,7 @@ fn greedy_generation_of_a_midsize_qwen3_30b_shape_matches_the_cpu() {
         let recipe = Recipe::builtin(name).unwrap();
         // The same counter-based weights on both sides: drawn by the CPU loader and on the device.
         let cpu_model = dummy_model(config.clone(), &recipe, 3).unwrap();
-        let cpu = start(RunnerSpec::Cpu(cpu_model), config.clone(), &recipe);
+        let cpu = start(ExecutorSpec::Cpu(cpu_model), config.clone(), &recipe);
         let gpu = start(
             cuda(CudaSource::Dummy {
                 config: config.clone(),

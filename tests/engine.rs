@@ -57,12 +57,9 @@ fn engine_with(
         max_queued_requests,
         kv_dtype: KvDtype::Bf16,
     };
-    let h = Engine::start(model, info, cfg);
-    let t = Instant::now();
-    while !h.shared.warm.load(Ordering::Acquire) {
-        assert!(t.elapsed() < Duration::from_secs(30), "engine warms up");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    // Returns once the engine has run its warm-up step.
+    let h = Engine::start(model, info, cfg).expect("engine starts");
+    assert!(h.shared.warm.load(Ordering::Acquire), "warm once started");
     h
 }
 

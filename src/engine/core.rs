@@ -11,45 +11,18 @@ use tokio::sync::mpsc;
 use super::request::{
     EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan,
 };
-use super::runner::{Runner, RunnerSpec};
+use super::config::EngineConfig;
+use super::executor::{self, Executor, ExecutorSpec, StepOutput};
 use super::{Command, EngineError, EngineHandle, EngineInfo, EngineShared, PauseMode};
-use crate::backend::cpu::attention::KvDtype;
 use crate::kv::KvPool;
 use crate::model::{ForwardBatch, Model, SeqInput};
 use crate::sampling::{
     self, Finish, SampleInput, StopChecker, StopStatus, TokenHistory, ValidSamplingParams,
 };
-use crate::scheduler::{FinishReason, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepResult};
+use crate::scheduler::{
+    FinishReason, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, SeqRequest, StepResult,
+};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
-
-/// Sizes and limits of the engine. Defaults are defined once here; the CLI reads them.
-#[derive(Clone, Debug)]
-pub struct EngineConfig {
-    pub max_running_requests: usize,
-    /// Tokens computed per step (chunked prefill budget).
-    pub max_batch_tokens: usize,
-    /// KV cache capacity in tokens.
-    pub max_total_tokens: usize,
-    pub block_size: usize,
-    pub max_context_len: usize,
-    /// Requests waiting beyond this are refused (503) instead of queued.
-    pub max_queued_requests: usize,
-    pub kv_dtype: KvDtype,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            max_running_requests: 64,
-            max_batch_tokens: 2048,
-            max_total_tokens: 65536,
-            block_size: 16,
-            max_context_len: 4096,
-            max_queued_requests: 1024,
-            kv_dtype: KvDtype::Bf16,
-        }
-    }
-}
 
 /// One generating sequence as the engine sees it.
 struct Active {
@@ -74,14 +47,26 @@ struct Active {
 pub struct Engine;
 
 impl Engine {
-    /// Starts the engine thread and returns its handle once the model has run a warm-up step.
-    pub fn start(model: Model, info: EngineInfo, cfg: EngineConfig) -> EngineHandle {
-        Self::start_with(RunnerSpec::Cpu(model), info, cfg)
+    /// Starts the engine thread on the CPU and returns its handle once the model has run a
+    /// warm-up step.
+    pub fn start(
+        model: Model,
+        info: EngineInfo,
+        cfg: EngineConfig,
+    ) -> Result<EngineHandle, EngineError> {
+        Self::start_with(ExecutorSpec::Cpu(model), info, cfg)
     }
 
-    /// Starts the engine on the backend `spec` names (built on the engine thread).
-    pub fn start_with(spec: RunnerSpec, info: EngineInfo, cfg: EngineConfig) -> EngineHandle {
+    /// Starts the engine on the backend `spec` names (built on the engine thread) and returns
+    /// its handle once it has run a warm-up step, or why it could not start (a device that
+    /// cannot be opened, a kernel that does not compile, too little memory).
+    pub fn start_with(
+        spec: ExecutorSpec,
+        info: EngineInfo,
+        cfg: EngineConfig,
+    ) -> Result<EngineHandle, EngineError> {
         let (tx, rx) = std::sync::mpsc::sync_channel(cfg.max_queued_requests.max(1) * 2);
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let shared = Arc::new(EngineShared::default());
         let info = Arc::new(info);
         let handle = EngineHandle {
@@ -93,25 +78,27 @@ impl Engine {
         std::thread::Builder::new()
             .name("lockstep-engine".into())
             .spawn(move || {
-                // Start-up is inside the guard too: a failure there must fail /health, not hang.
+                // A panic is a bug; the guard still fails /health and answers every waiter.
                 let result = catch_unwind(AssertUnwindSafe(|| {
-                    let mut runner = Runner::build(spec, &cfg)
-                        .unwrap_or_else(|e| panic!("backend start-up failed: {e}"));
-                    // Device-only weights: their slot table and checksum come from the device.
-                    match runner.device_catalog() {
-                        Ok(Some(c)) => {
-                            let _ = info.slots.set(c.slots);
-                            *info.weights_checksum.write().expect("checksum lock") =
-                                ("default".to_string(), Arc::new(c.checksum));
+                    let mut core = match Core::start(spec, info, shared.clone(), &cfg) {
+                        Ok(core) => core,
+                        Err(e) => {
+                            *shared.last_error.lock().expect("error lock") = Some(e.to_string());
+                            let _ = ready_tx.send(Err(e));
+                            return;
                         }
-                        Ok(None) => {}
-                        Err(e) => panic!("backend start-up failed: {e}"),
-                    }
-                    let mut core = Core::new(runner, info, shared.clone(), &cfg);
+                    };
                     shared.healthy.store(true, Ordering::Release);
-                    core.warm_up();
+                    if let Err(e) = core.warm_up() {
+                        core.fail(&e);
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
                     shared.warm.store(true, Ordering::Release);
-                    core.run(&rx)
+                    let _ = ready_tx.send(Ok(()));
+                    if let Err(e) = core.run(&rx) {
+                        core.fail(&e);
+                    }
                 }));
                 if let Err(panic) = result {
                     let msg = panic
@@ -122,15 +109,20 @@ impl Engine {
                     tracing::error!("engine thread panicked: {msg}");
                     *shared.last_error.lock().expect("error lock") =
                         Some(format!("engine panicked: {msg}"));
-                    shared.healthy.store(false, Ordering::Release);
-                    // Requests in flight learn of it: their senders are dropped with the core.
-                    // Keep answering commands so nobody waits forever.
-                    drain_after_failure(&rx, &shared);
                 }
                 shared.healthy.store(false, Ordering::Release);
+                if shared.last_error.lock().expect("error lock").is_some() {
+                    // Requests in flight learned of it from `fail` or from their dropped
+                    // senders; keep answering commands so nobody waits forever.
+                    drain_after_failure(&rx, &shared);
+                }
             })
             .expect("spawn engine thread");
-        handle
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(handle),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(EngineError::Stopped(handle.last_error())),
+        }
     }
 }
 
@@ -157,7 +149,7 @@ fn drain_after_failure(rx: &std::sync::mpsc::Receiver<Command>, shared: &EngineS
 }
 
 struct Core {
-    runner: Runner,
+    exec: Box<dyn Executor>,
     sched: Scheduler,
     seqs: HashMap<SeqId, Active>,
     next_id: u64,
@@ -170,14 +162,24 @@ struct Core {
 }
 
 impl Core {
-    fn new(
-        runner: Runner,
+    /// Builds the executor and the scheduler over its KV blocks; device-only weights publish
+    /// their slot table and checksum here.
+    fn start(
+        spec: ExecutorSpec,
         info: Arc<EngineInfo>,
         shared: Arc<EngineShared>,
         cfg: &EngineConfig,
-    ) -> Core {
-        let c = runner.config();
-        let num_blocks = runner.num_kv_blocks();
+    ) -> Result<Core, EngineError> {
+        let mut exec = executor::build(spec, cfg)?;
+        let catalog = exec
+            .device_catalog()
+            .map_err(|e| EngineError::Start(e.to_string()))?;
+        if let Some(c) = catalog {
+            let _ = info.slots.set(c.slots);
+            *info.weights_checksum.write().expect("checksum lock") =
+                ("default".to_string(), Arc::new(c.checksum));
+        }
+        let num_blocks = exec.num_kv_blocks();
         let pool = KvPool::new(num_blocks, cfg.block_size);
         let sched = Scheduler::new(
             SchedulerConfig {
@@ -190,13 +192,13 @@ impl Core {
         shared.kv_total_blocks.store(num_blocks, Ordering::Release);
         let tokenizer = info.tokenizer.clone();
         let mut eos = tokenizer.eos_token_ids().to_vec();
-        for id in &c.eos_token_ids {
+        for id in &exec.config().eos_token_ids {
             if !eos.contains(id) {
                 eos.push(*id);
             }
         }
-        Core {
-            runner,
+        Ok(Core {
+            exec,
             sched,
             seqs: HashMap::new(),
             next_id: 1,
@@ -205,13 +207,31 @@ impl Core {
             info,
             shared,
             shutting_down: false,
+        })
+    }
+
+    /// The engine cannot go on (a device failure): every request learns why, /health fails.
+    fn fail(&mut self, e: &EngineError) {
+        tracing::error!("engine stopped: {e}");
+        *self.shared.last_error.lock().expect("error lock") = Some(e.to_string());
+        self.shared.healthy.store(false, Ordering::Release);
+        for (_, a) in self.seqs.drain() {
+            let _ = a.events.send(EngineEvent::Error(e.to_string()));
         }
+    }
+
+    fn num_moe_layers(&self) -> usize {
+        self.exec.config().num_moe_layers()
+    }
+
+    fn top_k(&self) -> usize {
+        self.exec.config().moe.as_ref().map_or(0, |m| m.top_k)
     }
 
     /// One forward pass and one greedy sample over a short prompt so the first request does not
     /// pay for page faults, thread-pool start-up or the first sampler launch; its KV blocks are
     /// freed right after.
-    fn warm_up(&mut self) {
+    fn warm_up(&mut self) -> Result<(), EngineError> {
         let table: Vec<u32> = vec![0];
         let tokens = [0u32];
         let batch = ForwardBatch {
@@ -232,27 +252,29 @@ impl Core {
             sample_index: 0,
             top_logprobs_num: 0,
         };
-        self.runner.step(&batch, &[Some(input)]);
+        self.exec.step(&batch, &[Some(input)]).map(drop)
     }
 
-    fn run(&mut self, rx: &std::sync::mpsc::Receiver<Command>) {
+    /// The loop: commands between steps, a step whenever there is work. Ends on shutdown, or
+    /// with the error of a step that failed.
+    fn run(&mut self, rx: &std::sync::mpsc::Receiver<Command>) -> Result<(), EngineError> {
         loop {
             // Block only when there is nothing to step.
             let idle = !self.sched.has_work() || self.sched.is_paused();
             if idle {
                 match rx.recv() {
                     Ok(cmd) => self.handle(cmd),
-                    Err(_) => return,
+                    Err(_) => return Ok(()),
                 }
             }
             while let Ok(cmd) = rx.try_recv() {
                 self.handle(cmd);
             }
             if self.shutting_down && self.seqs.is_empty() {
-                return;
+                return Ok(());
             }
             if !self.sched.is_paused() {
-                self.step();
+                self.step()?;
             }
             self.publish();
         }
@@ -346,7 +368,7 @@ impl Core {
                 abort_all,
                 reply,
             } => {
-                let result = self.runner.swap_from_disk(&weights).map(|checksum| {
+                let result = self.exec.swap_from_disk(&weights).map(|checksum| {
                     let aborted = self.abort_all_for_update(abort_all);
                     self.begin_weight_version(version, Arc::new(checksum));
                     aborted
@@ -360,7 +382,7 @@ impl Core {
                 reply,
             } => {
                 let started = Instant::now();
-                let result = self.runner.apply(updates).map(|spent| {
+                let result = self.exec.apply(updates).map(|spent| {
                     self.begin_weight_version(version, checksum);
                     (started.elapsed(), spent)
                 });
@@ -383,11 +405,11 @@ impl Core {
         version: String,
         abort_all: bool,
     ) -> Result<usize, EngineError> {
-        if !super::runner::same_shapes(self.runner.config(), &model.config) {
+        if !executor::same_shapes(self.exec.config(), &model.config) {
             return Err(EngineError::Conflict("the new weights' config.json differs from the served model's (architecture or shapes)".into()));
         }
         // Swap first: if the backend refuses the weights, nothing else has changed.
-        self.runner.swap(model)?;
+        self.exec.swap(model)?;
         let aborted = self.abort_all_for_update(abort_all);
         self.begin_weight_version(version, checksum);
         Ok(aborted)
@@ -502,22 +524,15 @@ impl Core {
         }
     }
 
-    fn step(&mut self) {
-        // A client that went away mid-prefill frees its KV before we spend a step on it.
-        let gone: Vec<SeqId> = self
-            .seqs
-            .iter()
-            .filter(|(_, a)| a.events.is_closed())
-            .map(|(id, _)| *id)
-            .collect();
-        for id in gone {
-            self.abort(id, "client disconnected");
-        }
+    /// One engine step: plan (schedule, the batch and its sampling inputs) -> execute ->
+    /// output processing (routed experts, input logprobs, the sampled token and its stop
+    /// check, per sequence) -> finish (the scheduler's update, finished requests answered).
+    fn step(&mut self) -> Result<(), EngineError> {
+        self.drop_disconnected();
         let out = self.sched.schedule();
         if out.seqs.is_empty() {
-            return;
+            return Ok(());
         }
-        let vocab = self.runner.config().vocab_size;
         let logits_from: Vec<Option<usize>> = out
             .seqs
             .iter()
@@ -527,11 +542,37 @@ impl Core {
                     .and_then(|a| logits_rows(a, s.start_pos, s.tokens.len(), s.sample))
             })
             .collect();
+        let step = self.execute(&out, &logits_from)?;
+        let results = self.process_outputs(&out, &logits_from, step);
+        self.finish(&results);
+        Ok(())
+    }
+
+    /// A client that went away mid-prefill frees its KV before we spend a step on it.
+    fn drop_disconnected(&mut self) {
+        let gone: Vec<SeqId> = self
+            .seqs
+            .iter()
+            .filter(|(_, a)| a.events.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            self.abort(id, "client disconnected");
+        }
+    }
+
+    /// The forward pass over the scheduled chunks, sampling every sequence that takes its next
+    /// token this step (on whichever device holds the logits).
+    fn execute(
+        &mut self,
+        out: &SchedulerOutput,
+        logits_from: &[Option<usize>],
+    ) -> Result<StepOutput, EngineError> {
         let batch = ForwardBatch {
             seqs: out
                 .seqs
                 .iter()
-                .zip(&logits_from)
+                .zip(logits_from)
                 .map(|(s, &from)| SeqInput {
                     tokens: &s.tokens,
                     start_pos: s.start_pos,
@@ -540,8 +581,6 @@ impl Core {
                 })
                 .collect(),
         };
-        // The sampling inputs of every sequence that takes its next token this step; the runner
-        // samples on whichever device holds the logits.
         let samples: Vec<Option<SampleInput<'_>>> = out
             .seqs
             .iter()
@@ -560,10 +599,19 @@ impl Core {
                 })
             })
             .collect();
-        let step = self.runner.step(&batch, &samples);
-        drop(samples);
+        self.exec.step(&batch, &samples)
+    }
+
+    /// Turns the step's output into each sequence's events and its scheduler result.
+    fn process_outputs(
+        &mut self,
+        out: &SchedulerOutput,
+        logits_from: &[Option<usize>],
+        step: StepOutput,
+    ) -> Vec<StepResult> {
         let (fwd, mut sampled) = (step.forward, step.sampled);
-        let per_token = self.runner.num_moe_layers() * self.runner.top_k();
+        let per_token = self.num_moe_layers() * self.top_k();
+        let vocab = self.exec.config().vocab_size;
         let version = self
             .info
             .weight_version
@@ -594,85 +642,15 @@ impl Core {
             }
             let (first_row, num_rows) = fwd.logit_rows[i];
             let from = logits_from[i].unwrap_or(n);
-            // Input logprobs: logits at position p score prompt token p + 1.
-            let prompt_len = a.req.input_ids.len();
-            for k in 0..num_rows {
-                let pos = s.start_pos + from + k;
-                let next = pos + 1;
-                if a.input_lp_next <= next && next < prompt_len && a.input_lp_next != usize::MAX {
-                    if a.input_logprobs.is_empty() && a.input_lp_next == 0 {
-                        a.input_logprobs.push(InputLogprob {
-                            token: a.req.input_ids[0],
-                            logprob: None,
-                            top: vec![],
-                        });
-                    }
-                    let row = &fwd.logits[(first_row + k) * vocab..][..vocab];
-                    if let Ok(lp) = sampling::prompt_logprobs(
-                        row,
-                        a.req.input_ids[next],
-                        a.req.top_logprobs_num,
-                    ) {
-                        a.input_logprobs.push(InputLogprob {
-                            token: lp.token,
-                            logprob: Some(lp.logprob),
-                            top: lp.top,
-                        });
-                    }
-                    a.input_lp_next = next + 1;
-                }
-            }
+            let logits = &fwd.logits[first_row * vocab..(first_row + num_rows) * vocab];
+            record_input_logprobs(a, s.start_pos + from, logits, vocab);
             let mut result = StepResult {
                 id: s.id,
                 token: None,
                 finished: false,
             };
             if let Some(sample) = sampled[i].take() {
-                match sample {
-                    Ok(t) => {
-                        a.history.push(t.token);
-                        a.output.push(t.token);
-                        a.token_versions.push(version.clone());
-                        let before = a.decoder.text().len();
-                        let text = match a.decoder.push(t.token) {
-                            Ok(_) => a.decoder.text()[before..].to_string(),
-                            Err(_) => String::new(),
-                        };
-                        let status = a.stop.check(t.token, a.decoder.text());
-                        let event = TokenOut {
-                            id: t.token,
-                            text,
-                            logprob: a.req.return_logprob.then_some(t.logprob),
-                            top_logprobs: t.top,
-                            weight_version: version.clone(),
-                        };
-                        self.shared.generated_tokens.fetch_add(1, Ordering::Relaxed);
-                        let alive = a.events.send(EngineEvent::Token(event)).is_ok();
-                        result.token = Some(t.token);
-                        if let StopStatus::Finished { finish, text_len } = status {
-                            a.finish = Some((finish, text_len));
-                            result.finished = true;
-                        } else if !alive {
-                            // The client went away: stop computing for it, free its KV now.
-                            a.finish = Some((
-                                Finish::Abort {
-                                    message: "client disconnected".into(),
-                                },
-                                0,
-                            ));
-                            result.finished = true;
-                        }
-                    }
-                    Err(e) => {
-                        a.finish = Some((
-                            Finish::Abort {
-                                message: format!("sampling failed: {e}"),
-                            },
-                            0,
-                        ));
-                        result.finished = true;
-                    }
-                }
+                take_token(a, sample, &version, &self.shared, &mut result);
             } else if s.sample && a.req.params.max_new_tokens == 0 {
                 // Prompt-only request: the prefill is done.
                 a.finish = Some((Finish::Length { length: 0 }, 0));
@@ -680,7 +658,13 @@ impl Core {
             }
             results.push(result);
         }
-        for f in self.sched.update_from_output(&results) {
+        results
+    }
+
+    /// The scheduler learns the step's tokens; requests that finished are answered.
+    fn finish(&mut self, results: &[StepResult]) {
+        let per_token = self.num_moe_layers() * self.top_k();
+        for f in self.sched.update_from_output(results) {
             if let Some(mut a) = self.seqs.remove(&f.id) {
                 if a.finish.is_none() {
                     let text_len = a.decoder.text().len();
@@ -737,13 +721,97 @@ impl Core {
             input_logprobs: (a.req.return_logprob && a.req.logprob_start_len.is_some())
                 .then(|| std::mem::take(&mut a.input_logprobs)),
             routed_experts,
-            moe_layers: self.runner.num_moe_layers(),
-            top_k: self.runner.top_k(),
+            moe_layers: self.num_moe_layers(),
+            top_k: self.top_k(),
             weight_versions: spans(&a.token_versions),
             queue_time: a.queue_time.unwrap_or(0.0),
             output_ids: std::mem::take(&mut a.output),
         };
         let _ = a.events.send(EngineEvent::Finished(Box::new(info)));
+    }
+}
+
+/// Input logprobs from a chunk's logits rows (the first at position `first_pos`): the logits
+/// at position p score prompt token p + 1.
+fn record_input_logprobs(a: &mut Active, first_pos: usize, logits: &[f32], vocab: usize) {
+    let prompt_len = a.req.input_ids.len();
+    for (k, row) in logits.chunks(vocab).enumerate() {
+        let next = first_pos + k + 1;
+        if a.input_lp_next <= next && next < prompt_len && a.input_lp_next != usize::MAX {
+            if a.input_logprobs.is_empty() && a.input_lp_next == 0 {
+                a.input_logprobs.push(InputLogprob {
+                    token: a.req.input_ids[0],
+                    logprob: None,
+                    top: vec![],
+                });
+            }
+            if let Ok(lp) =
+                sampling::prompt_logprobs(row, a.req.input_ids[next], a.req.top_logprobs_num)
+            {
+                a.input_logprobs.push(InputLogprob {
+                    token: lp.token,
+                    logprob: Some(lp.logprob),
+                    top: lp.top,
+                });
+            }
+            a.input_lp_next = next + 1;
+        }
+    }
+}
+
+/// A sampled token joins its sequence: history, detokenized text, the token event, the stop
+/// check.
+fn take_token(
+    a: &mut Active,
+    sample: Result<sampling::TokenLogprobs, sampling::SamplingError>,
+    version: &str,
+    shared: &EngineShared,
+    result: &mut StepResult,
+) {
+    let t = match sample {
+        Ok(t) => t,
+        Err(e) => {
+            a.finish = Some((
+                Finish::Abort {
+                    message: format!("sampling failed: {e}"),
+                },
+                0,
+            ));
+            result.finished = true;
+            return;
+        }
+    };
+    a.history.push(t.token);
+    a.output.push(t.token);
+    a.token_versions.push(version.to_string());
+    let before = a.decoder.text().len();
+    let text = match a.decoder.push(t.token) {
+        Ok(_) => a.decoder.text()[before..].to_string(),
+        Err(_) => String::new(),
+    };
+    let status = a.stop.check(t.token, a.decoder.text());
+    let event = TokenOut {
+        id: t.token,
+        text,
+        logprob: a.req.return_logprob.then_some(t.logprob),
+        top_logprobs: t.top,
+        weight_version: version.to_string(),
+    };
+    shared.generated_tokens.fetch_add(1, Ordering::Relaxed);
+    let alive = a.events.send(EngineEvent::Token(event)).is_ok();
+    result.token = Some(t.token);
+    if let StopStatus::Finished { finish, text_len } = status {
+        a.finish = Some((finish, text_len));
+        result.finished = true;
+    } else if !alive {
+        // The client went away: stop computing for it, free its KV now.
+        a.finish = Some((
+            Finish::Abort {
+                message: "client disconnected".into(),
+            },
+            0,
+        ));
+        result.finished = true;
     }
 }
 

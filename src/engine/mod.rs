@@ -3,18 +3,20 @@
 //! [`GenerateRequest`]s, results go out as per-request [`EngineEvent`]s (token ids, logprobs,
 //! routed experts, weight version, finish reason). Wire formats live in `server/`.
 
+mod config;
 mod core;
+mod executor;
 mod request;
-mod runner;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
 
-pub use self::core::{Engine, EngineConfig};
+pub use self::config::EngineConfig;
+pub use self::core::Engine;
 pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
-pub use runner::{CudaSource, DiskWeights, RunnerSpec};
+pub use executor::{CudaSource, DiskWeights, ExecutorSpec};
 
 use crate::model::checksum::WeightsChecksum;
 use crate::model::slots::Replacement;
@@ -29,6 +31,10 @@ pub enum EngineError {
     Stopped(String),
     #[error("{0}")]
     Conflict(String),
+    /// The backend could not be started (no device, a kernel that does not compile, too
+    /// little memory for the KV cache).
+    #[error("backend start-up failed: {0}")]
+    Start(String),
 }
 
 /// How `/pause_generation` treats running requests (SGLang's modes).

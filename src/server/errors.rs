@@ -110,7 +110,7 @@ impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> ApiError {
         match e {
             EngineError::Overloaded(_) => ApiError::Overloaded(e.to_string()),
-            EngineError::Stopped(_) => ApiError::Internal(e.to_string()),
+            EngineError::Stopped(_) | EngineError::Start(_) => ApiError::Internal(e.to_string()),
             EngineError::Conflict(m) => ApiError::Conflict(m),
         }
     }
