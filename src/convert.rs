@@ -5,6 +5,7 @@
 //! so memory stays near one shard plus one expert. Output appears under its final name only
 //! when everything succeeded.
 
+use crate::model::layout::{gate_up_partner, shares_gate_up_scale};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -126,7 +127,10 @@ pub fn convert(opts: &ConvertOptions<'_>) -> Result<ConvertReport, ConvertError>
             Format::Nvfp4 => {
                 let partner = gate_up_partner(module).filter(|p| {
                     ckpt.contains(&format!("{p}.weight"))
-                        && opts.recipe.format_for(p, num_layers).format == Format::Nvfp4
+                        && shares_gate_up_scale(
+                            fmt.format,
+                            opts.recipe.format_for(p, num_layers).format,
+                        )
                 });
                 match partner {
                     // Up is written with its gate, which sorts first.
@@ -215,17 +219,6 @@ fn source_format(config: &serde_json::Value) -> Result<Source, ConvertError> {
 fn linear_module<'n>(name: &'n str, shape: &[usize]) -> Option<&'n str> {
     let module = name.strip_suffix(".weight")?;
     (shape.len() == 2 && !always_high_precision(module)).then_some(module)
-}
-
-/// `...experts.3.gate_proj` <-> `...experts.3.up_proj` (or the dense MLP's pair).
-pub fn gate_up_partner(module: &str) -> Option<String> {
-    if let Some(prefix) = module.strip_suffix("gate_proj") {
-        Some(format!("{prefix}up_proj"))
-    } else {
-        module
-            .strip_suffix("up_proj")
-            .map(|prefix| format!("{prefix}gate_proj"))
-    }
 }
 
 fn load_f32(ckpt: &Checkpoint, name: &str, source: &Source) -> Result<Vec<f32>, ConvertError> {

@@ -365,7 +365,7 @@ pub fn gate_up_shares_level(
     up: &TensorFormat,
     gate_stored_nvfp4: bool,
 ) -> bool {
-    gate.format == Format::Nvfp4 && up.format == Format::Nvfp4 && !gate_stored_nvfp4
+    super::layout::shares_gate_up_scale(gate.format, up.format) && !gate_stored_nvfp4
 }
 
 /// Whether lm_head is the embedding matrix: tied, or a checkpoint without `lm_head.weight`.

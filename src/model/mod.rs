@@ -8,6 +8,7 @@ pub mod checksum;
 pub mod config;
 pub mod cuda;
 pub mod forward;
+pub mod layout;
 pub mod loader;
 pub mod plan;
 pub mod slots;

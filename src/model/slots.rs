@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use rayon::prelude::*;
 
 use super::checksum::WeightsChecksum;
-use super::{Mlp, Model};
+use super::layout::{Half, Place, Proj};
+use super::{Mlp, Model, SwiGlu};
 use crate::backend::cpu::linear::{make_linear, DenseWeight};
 use crate::backend::Linear;
 use crate::checkpoint::CheckpointPart;
@@ -75,78 +76,51 @@ enum SlotMut<'a> {
 }
 
 impl Model {
+    /// Every slot, in the layout's order ([`super::layout::places`]) and by its names.
     fn slots_mut(&mut self) -> Vec<(String, SlotMut<'_>)> {
-        let mut out: Vec<(String, SlotMut<'_>)> = Vec::new();
-        out.push((
-            "model.embed_tokens.weight".into(),
-            SlotMut::Embedding(&mut self.embed_tokens),
-        ));
-        out.push(("model.norm.weight".into(), SlotMut::Vector(&mut self.norm)));
+        let mut out: Vec<(Place, SlotMut<'_>)> = vec![
+            (Place::Embedding, SlotMut::Embedding(&mut self.embed_tokens)),
+            (Place::FinalNorm, SlotMut::Vector(&mut self.norm)),
+        ];
         if !self.config.tie_word_embeddings {
-            out.push(("lm_head.weight".into(), SlotMut::Linear(&mut self.lm_head)));
+            out.push((Place::LmHead, SlotMut::Linear(&mut self.lm_head)));
         }
         for (l, layer) in self.layers.iter_mut().enumerate() {
-            let p = format!("model.layers.{l}");
+            out.push((Place::InputNorm(l), SlotMut::Vector(&mut layer.input_norm)));
             out.push((
-                format!("{p}.input_layernorm.weight"),
-                SlotMut::Vector(&mut layer.input_norm),
-            ));
-            out.push((
-                format!("{p}.post_attention_layernorm.weight"),
+                Place::PostAttentionNorm(l),
                 SlotMut::Vector(&mut layer.post_attention_norm),
             ));
-            for (name, lin) in [
-                ("q_proj", &mut layer.q_proj),
-                ("k_proj", &mut layer.k_proj),
-                ("v_proj", &mut layer.v_proj),
-                ("o_proj", &mut layer.o_proj),
-            ] {
-                out.push((format!("{p}.self_attn.{name}.weight"), SlotMut::Linear(lin)));
+            for (proj, lin) in Proj::ALL.into_iter().zip([
+                &mut layer.q_proj,
+                &mut layer.k_proj,
+                &mut layer.v_proj,
+                &mut layer.o_proj,
+            ]) {
+                out.push((Place::Attention(l, proj), SlotMut::Linear(lin)));
             }
-            if let Some(n) = layer.q_norm.as_mut() {
-                out.push((format!("{p}.self_attn.q_norm.weight"), SlotMut::Vector(n)));
+            if let (Some(q), Some(k)) = (layer.q_norm.as_mut(), layer.k_norm.as_mut()) {
+                out.push((Place::QNorm(l), SlotMut::Vector(q)));
+                out.push((Place::KNorm(l), SlotMut::Vector(k)));
             }
-            if let Some(n) = layer.k_norm.as_mut() {
-                out.push((format!("{p}.self_attn.k_norm.weight"), SlotMut::Vector(n)));
+            fn swiglu(l: usize, e: Option<usize>, m: &mut SwiGlu) -> [(Place, SlotMut<'_>); 3] {
+                [
+                    (Place::GateUp(l, e, Half::Gate), SlotMut::Linear(&mut m.gate)),
+                    (Place::GateUp(l, e, Half::Up), SlotMut::Linear(&mut m.up)),
+                    (Place::Down(l, e), SlotMut::Linear(&mut m.down)),
+                ]
             }
             match &mut layer.mlp {
-                Mlp::Dense(m) => {
-                    out.push((
-                        format!("{p}.mlp.gate_proj.weight"),
-                        SlotMut::Linear(&mut m.gate),
-                    ));
-                    out.push((
-                        format!("{p}.mlp.up_proj.weight"),
-                        SlotMut::Linear(&mut m.up),
-                    ));
-                    out.push((
-                        format!("{p}.mlp.down_proj.weight"),
-                        SlotMut::Linear(&mut m.down),
-                    ));
-                }
+                Mlp::Dense(m) => out.extend(swiglu(l, None, m)),
                 Mlp::Moe(moe) => {
-                    out.push((
-                        format!("{p}.mlp.gate.weight"),
-                        SlotMut::Linear(&mut moe.router),
-                    ));
+                    out.push((Place::Router(l), SlotMut::Linear(&mut moe.router)));
                     for (e, ex) in moe.experts.iter_mut().enumerate() {
-                        out.push((
-                            format!("{p}.mlp.experts.{e}.gate_proj.weight"),
-                            SlotMut::Linear(&mut ex.gate),
-                        ));
-                        out.push((
-                            format!("{p}.mlp.experts.{e}.up_proj.weight"),
-                            SlotMut::Linear(&mut ex.up),
-                        ));
-                        out.push((
-                            format!("{p}.mlp.experts.{e}.down_proj.weight"),
-                            SlotMut::Linear(&mut ex.down),
-                        ));
+                        out.extend(swiglu(l, Some(e), ex));
                     }
                 }
             }
         }
-        out
+        out.into_iter().map(|(p, s)| (p.name(), s)).collect()
     }
 
     /// Every replaceable tensor by its checkpoint name.
@@ -333,6 +307,29 @@ mod tests {
                 (name, r)
             })
             .collect()
+    }
+
+    /// The slot table is the layout's: the same names in the same order.
+    #[test]
+    fn slots_follow_the_layout() {
+        let cfg: crate::model::ModelConfig = crate::model::ModelConfig::from_json(
+            serde_json::from_str(crate::serve::EMBEDDED_CONFIG).unwrap(),
+        )
+        .unwrap();
+        let recipe = crate::quant::Recipe::builtin("nvfp4").unwrap();
+        let mut m = crate::model::loader::dummy_model(cfg.clone(), &recipe, 0).unwrap();
+        let names: Vec<String> = m.slots_mut().into_iter().map(|(n, _)| n).collect();
+        let want: Vec<String> = crate::model::layout::places(&cfg).iter().map(Place::name).collect();
+        assert_eq!(names, want);
+        let shapes = m.slot_shapes();
+        for t in crate::model::layout::ModelLayout::of(&cfg, &recipe).tensors {
+            let (shape, format) = match &shapes[&t.name] {
+                SlotShape::Linear { rows, cols, format } => (vec![*rows, *cols], *format),
+                SlotShape::Embedding { rows, cols } => (vec![*rows, *cols], Format::Bf16),
+                SlotShape::Vector { len } => (vec![*len], Format::Bf16),
+            };
+            assert_eq!((shape, format), (t.shape.clone(), t.format.format), "{}", t.name);
+        }
     }
 
     /// Addresses of every buffer the served weights live in.

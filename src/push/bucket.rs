@@ -3,7 +3,7 @@
 //! server quantizes an NVFP4 pair with one shared scale, and a client quantizing for it needs
 //! both halves at hand.
 
-use crate::convert::gate_up_partner;
+use crate::model::layout::gate_up_partner;
 
 /// The layer a checkpoint tensor name belongs to, with a gate/up pair folded onto its gate:
 /// `...experts.3.up_proj.weight_scale` -> `...experts.3.gate_proj`.

@@ -15,7 +15,7 @@ use safetensors::tensor::{Dtype, TensorView};
 use super::bucket::module_of;
 use super::PushError;
 use crate::checkpoint::{to_f32, CheckpointPart};
-use crate::convert::gate_up_partner;
+use crate::model::layout::{gate_up_partner, shares_gate_up_scale};
 use crate::model::checksum::WeightsChecksum;
 use crate::quant::{self, Format, Recipe, TensorFormat};
 
@@ -57,8 +57,9 @@ impl ServerLayout {
         }
     }
 
-    fn is_nvfp4(&self, module: &str) -> bool {
-        self.formats.get(module) == Some(&Format::Nvfp4)
+    /// The served format of `module` (high precision when the server does not list it).
+    fn format_of(&self, module: &str) -> Format {
+        self.formats.get(module).copied().unwrap_or(Format::Bf16)
     }
 }
 
@@ -123,7 +124,7 @@ pub fn prepare_bucket(
             .fitting(cols);
         fmt.format = format;
         let parts = match gate_up_partner(module)
-            .filter(|p| format == Format::Nvfp4 && opts.layout.is_nvfp4(p))
+            .filter(|p| shares_gate_up_scale(format, opts.layout.format_of(p)))
         {
             Some(partner) => {
                 let partner_name = format!("{partner}.weight");

@@ -4,6 +4,7 @@
 //! only on success. The streamed session (begin, PUT buckets, end/abort) stages validated
 //! tensors in bounded memory and commits them the same way.
 
+use crate::model::layout::{gate_up_partner, shares_gate_up_scale};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -668,14 +669,9 @@ fn gate_up_level(
     fmt: crate::quant::TensorFormat,
     cache: &mut BTreeMap<String, SecondLevel>,
 ) -> Result<Option<SecondLevel>, ApiError> {
-    let partner = crate::convert::gate_up_partner(module).filter(|p| {
-        matches!(
-            slots.get(&format!("{p}.weight")),
-            Some(SlotShape::Linear {
-                format: Format::Nvfp4,
-                ..
-            })
-        )
+    let partner = gate_up_partner(module).filter(|p| match slots.get(&format!("{p}.weight")) {
+        Some(SlotShape::Linear { format, .. }) => shares_gate_up_scale(fmt.format, *format),
+        _ => false,
     });
     let Some(partner) = partner else {
         return Ok(None);

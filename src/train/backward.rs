@@ -4,6 +4,7 @@
 //! Rounding that the forward applies outside linear layers (the BF16 KV cache) is passed
 //! through as identity (straight-through); linear layers follow the [`BackwardMode`].
 
+use crate::model::layout::{Half, Place, Proj};
 use super::linear_grad::{linear_backward, BackwardMode};
 use super::ops_grad;
 use super::params::Grads;
@@ -50,9 +51,10 @@ impl Ctx<'_> {
         ops_grad::rms_norm_backward(x, w, eps, dy, dw)
     }
 
+    /// A SwiGLU's backward; `at` is its place as (layer, expert: None for a dense MLP).
     fn swiglu(
         &mut self,
-        prefix: &str,
+        at: (usize, Option<usize>),
         m: &SwiGlu,
         x: &[f32],
         rows: usize,
@@ -60,7 +62,7 @@ impl Ctx<'_> {
         dy: &[f32],
     ) -> Vec<f32> {
         let d_act = self.linear(
-            &format!("{prefix}.down_proj.weight"),
+            &Place::Down(at.0, at.1).name(),
             m.down.as_ref(),
             &t.act,
             rows,
@@ -68,14 +70,14 @@ impl Ctx<'_> {
         );
         let (dg, du) = ops_grad::silu_mul_backward(&t.gate, &t.up, &d_act);
         let mut dx = self.linear(
-            &format!("{prefix}.gate_proj.weight"),
+            &Place::GateUp(at.0, at.1, Half::Gate).name(),
             m.gate.as_ref(),
             x,
             rows,
             &dg,
         );
         let dx_up = self.linear(
-            &format!("{prefix}.up_proj.weight"),
+            &Place::GateUp(at.0, at.1, Half::Up).name(),
             m.up.as_ref(),
             x,
             rows,
@@ -88,7 +90,7 @@ impl Ctx<'_> {
     #[allow(clippy::too_many_arguments)]
     fn moe(
         &mut self,
-        prefix: &str,
+        layer: usize,
         moe: &crate::model::Moe,
         x: &[f32],
         rows: usize,
@@ -131,7 +133,7 @@ impl Ctx<'_> {
                 xin.extend_from_slice(&x[(s / k) * h..][..h]);
             }
             let dxin = self.swiglu(
-                &format!("{prefix}.experts.{ex}"),
+                (layer, Some(ex)),
                 &moe.experts[ex],
                 &xin,
                 et.members.len(),
@@ -157,7 +159,7 @@ impl Ctx<'_> {
             d_logits[r * e..][..e].copy_from_slice(&ops_grad::softmax_backward(probs, &dp));
         }
         let dx_router = self.linear(
-            &format!("{prefix}.gate.weight"),
+            &Place::Router(layer).name(),
             moe.router.as_ref(),
             x,
             rows,
@@ -196,12 +198,13 @@ pub fn backward(
     // lm_head and the final norm, on the rows that had logits.
     let rows = trace.logit_source_rows.len();
     let lm_name = if cfg.tie_word_embeddings {
-        "model.embed_tokens.weight"
+        Place::Embedding
     } else {
-        "lm_head.weight"
-    };
+        Place::LmHead
+    }
+    .name();
     let d_head_in = cx.linear(
-        lm_name,
+        &lm_name,
         model.lm_head.as_ref(),
         &trace.lm_head_in,
         rows,
@@ -213,26 +216,25 @@ pub fn backward(
         for &r in &trace.logit_source_rows {
             xs.extend_from_slice(&trace.x_final[r * h..][..h]);
         }
-        let d = cx.rms_norm("model.norm.weight", &model.norm, &xs, &d_head_in);
+        let d = cx.rms_norm(&Place::FinalNorm.name(), &model.norm, &xs, &d_head_in);
         for (j, &r) in trace.logit_source_rows.iter().enumerate() {
             ops::add_inplace(&mut dx[r * h..][..h], &d[j * h..][..h]);
         }
     }
 
     for (l, (layer, lt)) in model.layers.iter().zip(&trace.layers).enumerate().rev() {
-        let p = format!("model.layers.{l}");
         // MLP branch: x_out = x_mid + mlp(post_norm(x_mid)).
         let d_mlp_in = match (&layer.mlp, &lt.mlp) {
             (Mlp::Dense(m), MlpTrace::Dense(t)) => {
-                cx.swiglu(&format!("{p}.mlp"), m, &lt.mlp_in, n, t, &dx)
+                cx.swiglu((l, None), m, &lt.mlp_in, n, t, &dx)
             }
             (Mlp::Moe(m), MlpTrace::Moe(t)) => {
-                cx.moe(&format!("{p}.mlp"), m, &lt.mlp_in, n, t, &dx)
+                cx.moe(l, m, &lt.mlp_in, n, t, &dx)
             }
             _ => unreachable!("a trace records the layer's own MLP kind"),
         };
         let d = cx.rms_norm(
-            &format!("{p}.post_attention_layernorm.weight"),
+            &Place::PostAttentionNorm(l).name(),
             &layer.post_attention_norm,
             &lt.x_mid,
             &d_mlp_in,
@@ -241,7 +243,7 @@ pub fn backward(
 
         // Attention branch: x_mid = x_in + o_proj(attention(rope(norm(q)), rope(norm(k)), v)).
         let d_attn = cx.linear(
-            &format!("{p}.self_attn.o_proj.weight"),
+            &Place::Attention(l, Proj::O).name(),
             layer.o_proj.as_ref(),
             &lt.attn_out,
             n,
@@ -275,25 +277,25 @@ pub fn backward(
             start += len;
         }
         if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-            dq = cx.rms_norm(&format!("{p}.self_attn.q_norm.weight"), qn, &lt.q_proj, &dq);
-            dk = cx.rms_norm(&format!("{p}.self_attn.k_norm.weight"), kn, &lt.k_proj, &dk);
+            dq = cx.rms_norm(&Place::QNorm(l).name(), qn, &lt.q_proj, &dq);
+            dk = cx.rms_norm(&Place::KNorm(l).name(), kn, &lt.k_proj, &dk);
         }
         let mut d_attn_in = cx.linear(
-            &format!("{p}.self_attn.q_proj.weight"),
+            &Place::Attention(l, Proj::Q).name(),
             layer.q_proj.as_ref(),
             &lt.attn_in,
             n,
             &dq,
         );
         let d_k = cx.linear(
-            &format!("{p}.self_attn.k_proj.weight"),
+            &Place::Attention(l, Proj::K).name(),
             layer.k_proj.as_ref(),
             &lt.attn_in,
             n,
             &dk,
         );
         let d_v = cx.linear(
-            &format!("{p}.self_attn.v_proj.weight"),
+            &Place::Attention(l, Proj::V).name(),
             layer.v_proj.as_ref(),
             &lt.attn_in,
             n,
@@ -302,7 +304,7 @@ pub fn backward(
         ops::add_inplace(&mut d_attn_in, &d_k);
         ops::add_inplace(&mut d_attn_in, &d_v);
         let d = cx.rms_norm(
-            &format!("{p}.input_layernorm.weight"),
+            &Place::InputNorm(l).name(),
             &layer.input_norm,
             &lt.x_in,
             &d_attn_in,
@@ -313,7 +315,7 @@ pub fn backward(
     // Embedding rows receive the gradient of the tokens that looked them up.
     let de = cx
         .grads
-        .get_mut("model.embed_tokens.weight")
+        .get_mut(&Place::Embedding.name())
         .expect("embedding gradient slot");
     for (r, &t) in batch.tokens.iter().enumerate() {
         ops::add_inplace(&mut de[t as usize * h..][..h], &dx[r * h..][..h]);

@@ -9,6 +9,7 @@ use crate::backend::cuda::backend::{CudaExperts, CudaSwiGlu};
 use crate::backend::cuda::ops::{self, Nvfp4Params, Table, WeightData};
 use crate::backend::cuda::weights::{Activation, GpuMatrix};
 use crate::backend::cuda::{CudaError, Gpu};
+use crate::model::layout::shares_gate_up_scale;
 use crate::model::loader::{dummy_bound, dummy_key};
 use crate::model::{Layer, Mlp, Model, ModelConfig, Moe};
 use crate::quant::nvfp4::{ScaleGranularity, SecondLevel};
@@ -169,7 +170,7 @@ impl CudaWeights {
                         "gate and up in different formats".into(),
                     ));
                 }
-                let share = g.format == Format::Nvfp4;
+                let share = shares_gate_up_scale(g.format, u.format);
                 let gate_up: Vec<Vec<(String, usize)>> = prefixes
                     .iter()
                     .map(|p| {

@@ -17,6 +17,7 @@ use crate::backend::Storage;
 use crate::checkpoint::CheckpointPart;
 use crate::model::checksum::WeightsChecksum;
 use crate::model::slots::{Replacement, SlotShape};
+use crate::model::layout::{places, Half, Place, Proj};
 use crate::model::{Mlp, ModelConfig};
 use crate::quant::{Format, MXFP8_BLOCK, NVFP4_BLOCK};
 
@@ -50,69 +51,15 @@ fn whole(matrix: &mut GpuMatrix) -> DeviceSlot<'_> {
     }
 }
 
-/// Which buffer a slot lives in (resolved to a [`DeviceSlot`] one at a time).
-#[derive(Clone, Copy)]
-enum Loc {
-    Embedding,
-    Norm,
-    LmHead,
-    InputNorm(usize),
-    PostAttentionNorm(usize),
-    /// q, k, v, o.
-    Attention(usize, usize),
-    QNorm(usize),
-    KNorm(usize),
-    Router(usize),
-    /// Layer, expert (0 for a dense MLP), 0 gate / 1 up.
-    GateUp(usize, usize, usize),
-    Down(usize, usize),
-}
-
 impl CudaWeights {
-    /// Every slot in [`crate::model::Model`]'s order and names.
-    fn slot_locations(&self, cfg: &ModelConfig) -> Vec<(String, Loc)> {
-        let mut out = vec![
-            ("model.embed_tokens.weight".to_string(), Loc::Embedding),
-            ("model.norm.weight".to_string(), Loc::Norm),
-        ];
-        if !cfg.tie_word_embeddings && self.lm_head.is_some() {
-            out.push(("lm_head.weight".into(), Loc::LmHead));
-        }
-        for (l, layer) in self.layers.iter().enumerate() {
-            let p = format!("model.layers.{l}");
-            out.push((format!("{p}.input_layernorm.weight"), Loc::InputNorm(l)));
-            out.push((
-                format!("{p}.post_attention_layernorm.weight"),
-                Loc::PostAttentionNorm(l),
-            ));
-            for (i, name) in ["q_proj", "k_proj", "v_proj", "o_proj"].iter().enumerate() {
-                out.push((format!("{p}.self_attn.{name}.weight"), Loc::Attention(l, i)));
-            }
-            if layer.q_norm.is_some() && layer.k_norm.is_some() {
-                out.push((format!("{p}.self_attn.q_norm.weight"), Loc::QNorm(l)));
-                out.push((format!("{p}.self_attn.k_norm.weight"), Loc::KNorm(l)));
-            }
-            let prefixes: Vec<String> = match &layer.mlp {
-                Mlp::Dense(_) => vec![format!("{p}.mlp")],
-                Mlp::Moe(moe) => {
-                    out.push((format!("{p}.mlp.gate.weight"), Loc::Router(l)));
-                    (0..moe.experts.count)
-                        .map(|e| format!("{p}.mlp.experts.{e}"))
-                        .collect()
-                }
-            };
-            for (e, prefix) in prefixes.iter().enumerate() {
-                out.push((format!("{prefix}.gate_proj.weight"), Loc::GateUp(l, e, 0)));
-                out.push((format!("{prefix}.up_proj.weight"), Loc::GateUp(l, e, 1)));
-                out.push((format!("{prefix}.down_proj.weight"), Loc::Down(l, e)));
-            }
-        }
-        out
+    /// Every slot in the layout's order and names ([`crate::model::layout::places`]).
+    fn slot_locations(&self, cfg: &ModelConfig) -> Vec<(String, Place)> {
+        places(cfg).into_iter().map(|p| (p.name(), p)).collect()
     }
 
-    fn slot(&mut self, loc: Loc, cfg: &ModelConfig) -> DeviceSlot<'_> {
-        match loc {
-            Loc::Embedding => DeviceSlot::Embedding {
+    fn slot(&mut self, place: Place, cfg: &ModelConfig) -> DeviceSlot<'_> {
+        match place {
+            Place::Embedding => DeviceSlot::Embedding {
                 table: &mut self.embed_tokens,
                 tied_head: if cfg.tie_word_embeddings {
                     self.lm_head.as_mut()
@@ -121,38 +68,39 @@ impl CudaWeights {
                 },
                 cols: cfg.hidden_size,
             },
-            Loc::Norm => DeviceSlot::Vector(&mut self.norm),
-            Loc::LmHead => whole(self.lm_head.as_mut().expect("listed only when present")),
-            Loc::InputNorm(l) => DeviceSlot::Vector(&mut self.layers[l].input_norm),
-            Loc::PostAttentionNorm(l) => {
+            Place::FinalNorm => DeviceSlot::Vector(&mut self.norm),
+            Place::LmHead => whole(self.lm_head.as_mut().expect("listed only when present")),
+            Place::InputNorm(l) => DeviceSlot::Vector(&mut self.layers[l].input_norm),
+            Place::PostAttentionNorm(l) => {
                 DeviceSlot::Vector(&mut self.layers[l].post_attention_norm)
             }
-            Loc::Attention(l, i) => {
+            Place::Attention(l, proj) => {
                 let layer = &mut self.layers[l];
-                whole(match i {
-                    0 => &mut layer.q_proj,
-                    1 => &mut layer.k_proj,
-                    2 => &mut layer.v_proj,
-                    _ => &mut layer.o_proj,
+                whole(match proj {
+                    Proj::Q => &mut layer.q_proj,
+                    Proj::K => &mut layer.k_proj,
+                    Proj::V => &mut layer.v_proj,
+                    Proj::O => &mut layer.o_proj,
                 })
             }
-            Loc::QNorm(l) => DeviceSlot::Vector(
+            Place::QNorm(l) => DeviceSlot::Vector(
                 self.layers[l]
                     .q_norm
                     .as_mut()
                     .expect("listed only when present"),
             ),
-            Loc::KNorm(l) => DeviceSlot::Vector(
+            Place::KNorm(l) => DeviceSlot::Vector(
                 self.layers[l]
                     .k_norm
                     .as_mut()
                     .expect("listed only when present"),
             ),
-            Loc::Router(l) => match &mut self.layers[l].mlp {
+            Place::Router(l) => match &mut self.layers[l].mlp {
                 Mlp::Moe(moe) => whole(&mut moe.router),
                 Mlp::Dense(_) => unreachable!("listed only for MoE layers"),
             },
-            Loc::GateUp(l, e, group) => {
+            Place::GateUp(l, e, half) => {
+                let (e, group) = (e.unwrap_or(0), (half == Half::Up) as usize);
                 let (gate_up, inter) = match &mut self.layers[l].mlp {
                     Mlp::Dense(m) => (&mut m.gate_up, m.inter),
                     Mlp::Moe(m) => (&mut m.experts.gate_up, m.experts.inter),
@@ -165,7 +113,8 @@ impl CudaWeights {
                     rows: inter,
                 }
             }
-            Loc::Down(l, e) => {
+            Place::Down(l, e) => {
+                let e = e.unwrap_or(0);
                 let down = match &mut self.layers[l].mlp {
                     Mlp::Dense(m) => &mut m.down,
                     Mlp::Moe(m) => &mut m.experts.down,

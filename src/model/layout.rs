@@ -1,0 +1,302 @@
+//! Every tensor of a model, listed once: its checkpoint name, shape, kind, served format, its
+//! place in the model (layer, expert, gate/up half) and its gate/up partner. The slot tables
+//! (host and device), the checksums, the trainer's parameter and gradient names and the
+//! gate/up pairing of convert, push and live updates read it instead of restating it.
+
+use super::ModelConfig;
+use crate::quant::{Format, Recipe, TensorFormat};
+
+/// One of a layer's attention projections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Proj {
+    Q,
+    K,
+    V,
+    O,
+}
+
+impl Proj {
+    pub const ALL: [Proj; 4] = [Proj::Q, Proj::K, Proj::V, Proj::O];
+
+    fn name(self) -> &'static str {
+        match self {
+            Proj::Q => "q_proj",
+            Proj::K => "k_proj",
+            Proj::V => "v_proj",
+            Proj::O => "o_proj",
+        }
+    }
+}
+
+/// Which half of a stacked gate/up matrix (gate first, as the device stacks them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Half {
+    Gate,
+    Up,
+}
+
+/// Where a tensor lives in the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Place {
+    Embedding,
+    FinalNorm,
+    LmHead,
+    InputNorm(usize),
+    PostAttentionNorm(usize),
+    Attention(usize, Proj),
+    QNorm(usize),
+    KNorm(usize),
+    Router(usize),
+    /// Layer, expert (None: the dense MLP), half.
+    GateUp(usize, Option<usize>, Half),
+    /// Layer, expert (None: the dense MLP).
+    Down(usize, Option<usize>),
+}
+
+/// What a tensor is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TensorKind {
+    /// The token embedding, `[vocab, hidden]`.
+    Embedding,
+    /// A norm weight, `[len]`.
+    Norm,
+    /// A linear layer's weight, `[out, in]`.
+    Linear,
+}
+
+/// `...layers.{l}.mlp` or `...layers.{l}.mlp.experts.{e}`: a SwiGLU's module prefix.
+fn swiglu_prefix(layer: usize, expert: Option<usize>) -> String {
+    match expert {
+        Some(e) => format!("model.layers.{layer}.mlp.experts.{e}"),
+        None => format!("model.layers.{layer}.mlp"),
+    }
+}
+
+impl Place {
+    /// The checkpoint module (`model.layers.3.self_attn.q_proj`); the tensor is
+    /// `{module}.weight`.
+    pub fn module(&self) -> String {
+        match *self {
+            Place::Embedding => "model.embed_tokens".into(),
+            Place::FinalNorm => "model.norm".into(),
+            Place::LmHead => "lm_head".into(),
+            Place::InputNorm(l) => format!("model.layers.{l}.input_layernorm"),
+            Place::PostAttentionNorm(l) => format!("model.layers.{l}.post_attention_layernorm"),
+            Place::Attention(l, p) => format!("model.layers.{l}.self_attn.{}", p.name()),
+            Place::QNorm(l) => format!("model.layers.{l}.self_attn.q_norm"),
+            Place::KNorm(l) => format!("model.layers.{l}.self_attn.k_norm"),
+            Place::Router(l) => format!("model.layers.{l}.mlp.gate"),
+            Place::GateUp(l, e, Half::Gate) => format!("{}.gate_proj", swiglu_prefix(l, e)),
+            Place::GateUp(l, e, Half::Up) => format!("{}.up_proj", swiglu_prefix(l, e)),
+            Place::Down(l, e) => format!("{}.down_proj", swiglu_prefix(l, e)),
+        }
+    }
+
+    /// The checkpoint tensor name (`{module}.weight`).
+    pub fn name(&self) -> String {
+        format!("{}.weight", self.module())
+    }
+
+    /// The other half of a gate/up pair.
+    pub fn partner(&self) -> Option<Place> {
+        match *self {
+            Place::GateUp(l, e, Half::Gate) => Some(Place::GateUp(l, e, Half::Up)),
+            Place::GateUp(l, e, Half::Up) => Some(Place::GateUp(l, e, Half::Gate)),
+            _ => None,
+        }
+    }
+}
+
+/// One tensor of the model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorSpec {
+    pub place: Place,
+    /// Checkpoint name (`{module}.weight`).
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub kind: TensorKind,
+    /// The format it is served in (BF16 stands for high precision: BF16 or F32 as stored).
+    pub format: TensorFormat,
+}
+
+impl TensorSpec {
+    /// The checkpoint module (the name without `.weight`).
+    pub fn module(&self) -> &str {
+        self.name.strip_suffix(".weight").unwrap_or(&self.name)
+    }
+}
+
+/// Every tensor of a model under a recipe, in the order the model holds them: embedding,
+/// final norm, lm_head (untied), then each layer's norms, attention, q/k norms, router and
+/// SwiGLU(s) with gate, up, down per expert.
+#[derive(Clone, Debug)]
+pub struct ModelLayout {
+    pub tensors: Vec<TensorSpec>,
+}
+
+/// Every tensor's place, in the layout's order (no recipe needed).
+pub fn places(cfg: &ModelConfig) -> Vec<Place> {
+    let mut out = vec![Place::Embedding, Place::FinalNorm];
+    if !cfg.tie_word_embeddings {
+        out.push(Place::LmHead);
+    }
+    for l in 0..cfg.num_layers {
+        out.push(Place::InputNorm(l));
+        out.push(Place::PostAttentionNorm(l));
+        out.extend(Proj::ALL.map(|p| Place::Attention(l, p)));
+        if cfg.qk_norm {
+            out.extend([Place::QNorm(l), Place::KNorm(l)]);
+        }
+        let experts: Vec<Option<usize>> = match cfg.moe.as_ref().filter(|_| cfg.is_moe_layer(l)) {
+            Some(moe) => {
+                out.push(Place::Router(l));
+                (0..moe.num_experts).map(Some).collect()
+            }
+            None => vec![None],
+        };
+        for e in experts {
+            out.push(Place::GateUp(l, e, Half::Gate));
+            out.push(Place::GateUp(l, e, Half::Up));
+            out.push(Place::Down(l, e));
+        }
+    }
+    out
+}
+
+impl ModelLayout {
+    pub fn of(cfg: &ModelConfig, recipe: &Recipe) -> ModelLayout {
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let moe = cfg.moe.as_ref();
+        let inter = |e: Option<usize>| match e {
+            Some(_) => moe.map_or(0, |m| m.intermediate_size),
+            None => cfg.intermediate_size,
+        };
+        let tensors = places(cfg)
+            .into_iter()
+            .map(|place| {
+                let (kind, shape) = match place {
+                    Place::Embedding => (TensorKind::Embedding, vec![v, h]),
+                    Place::FinalNorm | Place::InputNorm(_) | Place::PostAttentionNorm(_) => {
+                        (TensorKind::Norm, vec![h])
+                    }
+                    Place::QNorm(_) | Place::KNorm(_) => (TensorKind::Norm, vec![cfg.head_dim]),
+                    Place::LmHead => (TensorKind::Linear, vec![v, h]),
+                    Place::Attention(_, Proj::Q) => (TensorKind::Linear, vec![cfg.q_size(), h]),
+                    Place::Attention(_, Proj::K | Proj::V) => {
+                        (TensorKind::Linear, vec![cfg.kv_size(), h])
+                    }
+                    Place::Attention(_, Proj::O) => (TensorKind::Linear, vec![h, cfg.q_size()]),
+                    Place::Router(_) => {
+                        (TensorKind::Linear, vec![moe.map_or(0, |m| m.num_experts), h])
+                    }
+                    Place::GateUp(_, e, _) => (TensorKind::Linear, vec![inter(e), h]),
+                    Place::Down(_, e) => (TensorKind::Linear, vec![h, inter(e)]),
+                };
+                let name = place.name();
+                // The router, lm_head, embeddings and norms are never quantized.
+                let format = match place {
+                    Place::Attention(..) | Place::GateUp(..) | Place::Down(..) => {
+                        let module = place.module();
+                        recipe.format_for(&module, cfg.num_layers).fitting(shape[1])
+                    }
+                    _ => TensorFormat::BF16,
+                };
+                TensorSpec {
+                    place,
+                    name,
+                    shape,
+                    kind,
+                    format,
+                }
+            })
+            .collect();
+        ModelLayout { tensors }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&TensorSpec> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// The NVFP4 gate/up partner whose second-level scale this tensor shares, if any.
+    pub fn scale_partner(&self, spec: &TensorSpec) -> Option<&TensorSpec> {
+        let partner = spec.place.partner()?;
+        let p = self.tensors.iter().find(|t| t.place == partner)?;
+        shares_gate_up_scale(spec.format.format, p.format.format).then_some(p)
+    }
+}
+
+/// `...experts.3.gate_proj` <-> `...experts.3.up_proj` (or the dense MLP's pair), by module
+/// name: for names that come from outside (a checkpoint, an update) before any layout check.
+pub fn gate_up_partner(module: &str) -> Option<String> {
+    if let Some(prefix) = module.strip_suffix("gate_proj") {
+        Some(format!("{prefix}up_proj"))
+    } else {
+        module
+            .strip_suffix("up_proj")
+            .map(|prefix| format!("{prefix}gate_proj"))
+    }
+}
+
+/// THE gate/up rule: an NVFP4 gate and up are quantized with one shared second-level scale
+/// (the larger of their amaxes, `quant::nvfp4::gate_up_level`) exactly when both are NVFP4.
+/// The loaders, convert, push and live updates all decide it here.
+pub fn shares_gate_up_scale(gate: Format, up: Format) -> bool {
+    gate == Format::Nvfp4 && up == Format::Nvfp4
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(tie: bool) -> ModelConfig {
+        let mut raw: serde_json::Value =
+            serde_json::from_str(crate::serve::EMBEDDED_CONFIG).unwrap();
+        raw["tie_word_embeddings"] = tie.into();
+        ModelConfig::from_json(raw).unwrap()
+    }
+
+    #[test]
+    fn names_shapes_and_formats_follow_the_config_and_recipe() {
+        let cfg = config(false);
+        let moe = cfg.moe.clone().unwrap();
+        let nvfp4 = ModelLayout::of(&cfg, &Recipe::builtin("nvfp4").unwrap());
+        // Each name once; per MoE layer a router and three tensors per expert.
+        let mut names: Vec<&str> = nvfp4.tensors.iter().map(|t| t.name.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), nvfp4.tensors.len());
+        let per_layer = 2 + 4 + 2 * cfg.qk_norm as usize + 1 + 3 * moe.num_experts;
+        assert_eq!(nvfp4.tensors.len(), 3 + cfg.num_layers * per_layer);
+        let up = nvfp4
+            .get("model.layers.1.mlp.experts.2.up_proj.weight")
+            .unwrap();
+        assert_eq!(up.shape, vec![moe.intermediate_size, cfg.hidden_size]);
+        assert_eq!(up.place, Place::GateUp(1, Some(2), Half::Up));
+        assert_eq!(up.format.format, Format::Nvfp4);
+        let router = nvfp4.get("model.layers.1.mlp.gate.weight").unwrap();
+        assert_eq!(router.format.format, Format::Bf16, "routers stay high precision");
+        let gate = nvfp4.scale_partner(up).unwrap();
+        assert_eq!(gate.name, "model.layers.1.mlp.experts.2.gate_proj.weight");
+        // BF16 experts share nothing; a tied model has no lm_head.
+        let bf16 = ModelLayout::of(&cfg, &Recipe::bf16());
+        assert!(bf16.scale_partner(bf16.get(&up.name).unwrap()).is_none());
+        assert!(nvfp4.get("lm_head.weight").is_some());
+        assert!(ModelLayout::of(&config(true), &Recipe::bf16())
+            .get("lm_head.weight")
+            .is_none());
+    }
+
+    #[test]
+    fn partners_pair_gate_and_up_only() {
+        assert_eq!(
+            gate_up_partner("model.layers.0.mlp.experts.3.gate_proj").as_deref(),
+            Some("model.layers.0.mlp.experts.3.up_proj")
+        );
+        assert_eq!(
+            gate_up_partner("model.layers.0.mlp.up_proj").as_deref(),
+            Some("model.layers.0.mlp.gate_proj")
+        );
+        assert_eq!(gate_up_partner("model.layers.0.mlp.down_proj"), None);
+        assert_eq!(Place::Down(0, None).partner(), None);
+    }
+}
