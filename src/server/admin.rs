@@ -73,7 +73,7 @@ pub async fn model_info(State(state): State<AppState>) -> Json<serde_json::Value
     let architectures = raw.get("architectures").cloned().unwrap_or(json!([]));
     Json(json!({
         "model_path": info.model_path,
-        "tokenizer_path": info.model_path,
+        "tokenizer_path": tokenizer_path(&state),
         "is_generation": true,
         "served_model_name": info.served_model_name,
         "preferred_sampling_params": null,
@@ -89,6 +89,18 @@ pub async fn model_info(State(state): State<AppState>) -> Json<serde_json::Value
         "num_moe_layers": info.config.num_layers,
         "vocab_size": info.config.vocab_size,
     }))
+}
+
+/// Where the tokenizer files are: the model directory, or null for the embedded model, whose
+/// byte vocabulary is built in code (gateways that load a worker's tokenizer would otherwise
+/// look for a model called `embedded` on the Hugging Face Hub).
+fn tokenizer_path(state: &AppState) -> serde_json::Value {
+    let path = &state.engine.info.model_path;
+    if std::path::Path::new(path).join("tokenizer.json").is_file() {
+        json!(path)
+    } else {
+        json!(null)
+    }
 }
 
 /// Requests queued for the engine: in its waiting queue, or submitted and not yet picked up.
@@ -116,7 +128,7 @@ pub async fn server_info(State(state): State<AppState>) -> Json<serde_json::Valu
         "version": env!("CARGO_PKG_VERSION"),
         "engine": "lockstep",
         "model_path": info.model_path,
-        "tokenizer_path": info.model_path,
+        "tokenizer_path": tokenizer_path(&state),
         "served_model_name": info.served_model_name,
         "context_length": info.max_context_len,
         "page_size": info.block_size,
