@@ -176,7 +176,8 @@ pub async fn version() -> Json<serde_json::Value> {
 pub async fn get_load(State(state): State<AppState>) -> Json<serde_json::Value> {
     let s = &state.engine.shared;
     let waiting = num_waiting(s);
-    let tokens = s.running_tokens.load(Ordering::Acquire) + s.waiting_tokens.load(Ordering::Acquire);
+    let tokens =
+        s.running_tokens.load(Ordering::Acquire) + s.waiting_tokens.load(Ordering::Acquire);
     Json(json!([{
         "dp_rank": 0,
         "num_reqs": s.running.load(Ordering::Acquire) + waiting,
@@ -220,8 +221,9 @@ pub async fn v1_loads(
     let dp_rank = q
         .get("dp_rank")
         .map(|r| {
-            r.parse::<i64>()
-                .map_err(|_| ApiError::invalid("dp_rank", format!("dp_rank `{r}` is not an integer")))
+            r.parse::<i64>().map_err(|_| {
+                ApiError::invalid("dp_rank", format!("dp_rank `{r}` is not an integer"))
+            })
         })
         .transpose()?;
     let prometheus = match q.get("format").map(String::as_str) {
@@ -336,7 +338,9 @@ pub async fn weight_version(State(state): State<AppState>) -> Json<serde_json::V
 }
 
 /// Control endpoints accept an empty body for their defaults (as SGLang's do).
-pub(super) fn optional_json<T: Default + serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+pub(super) fn optional_json<T: Default + serde::de::DeserializeOwned>(
+    body: &[u8],
+) -> Result<T, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }

@@ -104,9 +104,9 @@ pub fn app(state: AppState) -> Router {
             post(weights::weights_checker).get(weights::weights_checker),
         );
     let control = unsupported_routes(control).route_layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            auth::require_admin_key,
-        ));
+        state.clone(),
+        auth::require_admin_key,
+    ));
     let open = Router::new()
         .route("/health", get(admin::health))
         .route("/health_generate", get(admin::health_generate))

@@ -85,7 +85,9 @@ impl ByteTokenizer {
     /// The bytes token `id` stands for: its byte, or a special token's text.
     pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
         match special_index(id) {
-            None => Some(vec![u8::try_from(id).expect("ids below FIRST_SPECIAL are bytes")]),
+            None => Some(vec![
+                u8::try_from(id).expect("ids below FIRST_SPECIAL are bytes")
+            ]),
             Some(k) => k.map(|k| SPECIALS[k].as_bytes().to_vec()),
         }
     }

@@ -98,13 +98,18 @@ enum Spelling {
 /// GPT-2's byte-to-unicode table inverted: printable Latin-1 bytes stand for themselves, the
 /// other 68 are shifted to U+0100 and up, in byte order.
 fn byte_level_byte(c: char) -> Option<u8> {
-    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+    let printable = |b: u32| {
+        (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
+    };
     let cp = c as u32;
     if cp < 0x100 {
         return printable(cp).then_some(cp as u8);
     }
     let n = cp - 0x100;
-    (0u32..0x100).filter(|&b| !printable(b)).nth(n as usize).map(|b| b as u8)
+    (0u32..0x100)
+        .filter(|&b| !printable(b))
+        .nth(n as usize)
+        .map(|b| b as u8)
 }
 
 fn spelling_of(hf: &tokenizers::Tokenizer) -> Spelling {
@@ -351,7 +356,10 @@ impl Tokenizer {
         }
         let entry = self.id_to_token(id)?;
         let spelled = match self.spelling {
-            Spelling::ByteLevel => entry.chars().map(byte_level_byte).collect::<Option<Vec<u8>>>(),
+            Spelling::ByteLevel => entry
+                .chars()
+                .map(byte_level_byte)
+                .collect::<Option<Vec<u8>>>(),
             Spelling::ByteFallback => Some(
                 match entry
                     .strip_prefix("<0x")
@@ -461,7 +469,11 @@ mod tests {
         assert_eq!(byte_level_byte('Ā'), Some(0));
         assert_eq!(byte_level_byte('a'), Some(b'a'));
         assert_eq!(byte_level_byte('é'), Some(0xe9));
-        assert_eq!(byte_level_byte(' '), None, "a raw space is not in the alphabet");
+        assert_eq!(
+            byte_level_byte(' '),
+            None,
+            "a raw space is not in the alphabet"
+        );
         let all: std::collections::HashSet<u8> = (0u32..0x200)
             .filter_map(char::from_u32)
             .filter_map(byte_level_byte)

@@ -23,14 +23,22 @@ from e2e_util import wait_until
 from rl_util import byte_level_model_dir
 
 CLIENT_DIR = Path(os.environ.get("LOCKSTEP_SGLANG_CLIENT_DIR", REPO / ".cache" / "sglang-client"))
+REQUIREMENTS = Path(__file__).with_name("requirements-sglang.txt")
 INSTALL = ("python3 -m pip install --no-deps --target .cache/sglang-client "
-           "-r tests/e2e/requirements-sglang.txt")
+           "-r tests/e2e/requirements-sglang.txt && cp tests/e2e/requirements-sglang.txt "
+           ".cache/sglang-client/.requirements")
+
+
+def _installed() -> bool:
+    """scripts/test.sh leaves a copy of the pins it installed: a partial install has none."""
+    stamp = CLIENT_DIR / ".requirements"
+    return stamp.is_file() and stamp.read_bytes() == REQUIREMENTS.read_bytes()
+
 
 pytestmark = pytest.mark.skipif(
-    not (CLIENT_DIR / "sglang" / "bench_serving.py").is_file()
-    or not (CLIENT_DIR / "sglang_router").is_dir(),
-    reason=f"SGLang's client packages are not installed in {CLIENT_DIR} "
-           f"(scripts/test.sh installs them; by hand: {INSTALL})",
+    not _installed(),
+    reason=f"SGLang's client packages (requirements-sglang.txt) are not installed in {CLIENT_DIR}: "
+           f"scripts/test.sh installs them from PyPI; by hand: {INSTALL}",
 )
 
 
