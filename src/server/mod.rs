@@ -66,7 +66,8 @@ impl AppState {
 /// The whole API as a router, so tests can drive it with `oneshot` and no socket.
 pub fn app(state: AppState) -> Router {
     let generation = Router::new()
-        .route("/generate", post(native::generate))
+        // SGLang takes PUT as well.
+        .route("/generate", post(native::generate).put(native::generate))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
