@@ -161,7 +161,8 @@ pub async fn server_info(State(state): State<AppState>) -> Json<serde_json::Valu
         "generated_tokens": s.generated_tokens.load(Ordering::Relaxed),
         "uptime_s": state.started.elapsed().as_secs_f64(),
         // SGLang answers one entry per data-parallel rank; lockstep has one.
-        "internal_states": [{"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "paused": paused}],
+        // (`world_size`: the ranks behind this engine, which Miles sums into its GPU count).
+        "internal_states": [{"dp_rank": 0, "world_size": 1, "num_running_reqs": running, "num_waiting_reqs": waiting, "paused": paused}],
     }))
 }
 

@@ -89,6 +89,14 @@ def test_server_info_reports_the_real_deployment(server, routed_server):
     assert out.status_code == 200 and out.json()["meta_info"]["routed_experts"], out.text
 
 
+def test_generate_takes_put_as_sglang_does(server):
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0,
+                                                         "ignore_eos": True}}
+    put = requests.put(server.url + "/generate", json=body, timeout=60)
+    assert put.status_code == 200, put.text
+    assert put.json()["output_ids"] == server.post("/generate", json=body).json()["output_ids"]
+
+
 def test_version(server):
     v = server.get("/version").json()
     assert v["version"] == server.get("/server_info").json()["version"]
