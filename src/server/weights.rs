@@ -596,7 +596,8 @@ pub async fn end_weight_update(
 #[derive(Deserialize)]
 pub struct WeightVersionBody {
     new_version: String,
-    /// SGLang's default: requests in flight are aborted, so no output mixes two names.
+    /// SGLang's default: requests in flight are aborted (the abort is queued to the engine ahead
+    /// of the rename; a step already running may still label its token with the new name).
     #[serde(default = "yes")]
     abort_all_requests: bool,
 }
