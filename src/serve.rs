@@ -422,6 +422,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
         context_len,
         vocab_size: config.vocab_size,
         allow_routed_experts: args.enable_return_routed_experts,
+        on_gpu: cuda,
     };
     let quantization = args
         .quantization
@@ -520,6 +521,7 @@ pub fn app_state(args: &ServeArgs, engine: EngineHandle, limits: Limits) -> AppS
         shutting_down: Arc::new(AtomicBool::new(false)),
         started: Instant::now(),
         max_request_bytes: args.max_request_bytes,
+        max_running_requests: args.max_running_requests,
         weights: Arc::new(crate::server::weights::WeightSettings {
             quantization: args.quantization,
             recipe,

@@ -876,3 +876,162 @@ fn before_overlaid(before: &Value, changed: &lockstep::model::checksum::WeightsC
     };
     base.overlaid(changed).overall()
 }
+
+/// The SGLang names gateways and RL frameworks use, with lockstep's real values.
+#[tokio::test]
+async fn sglang_info_names_and_load_reports() {
+    let r = router(&["--enable-return-routed-experts"]);
+    for (new, old) in [
+        ("/server_info", "/get_server_info"),
+        ("/model_info", "/get_model_info"),
+    ] {
+        let (s1, mut a) = call(&r, "GET", new, None, &[]).await;
+        let (s2, mut b) = call(&r, "GET", old, None, &[]).await;
+        assert_eq!((s1, s2), (StatusCode::OK, StatusCode::OK));
+        a.as_object_mut().unwrap().remove("uptime_s");
+        b.as_object_mut().unwrap().remove("uptime_s");
+        assert_eq!(a, b, "{new} and {old}");
+    }
+    let (_, info) = call(&r, "GET", "/server_info", None, &[]).await;
+    assert_eq!(info["enable_return_routed_experts"], true, "the flag is on");
+    assert_eq!(info["enable_memory_saver"], false);
+    assert_eq!(info["num_gpus"], 0, "the CPU backend");
+    assert_eq!(info["tp_size"], 1);
+    let (_, model) = call(&r, "GET", "/model_info", None, &[]).await;
+    let config: Value = serde_json::from_str(lockstep::serve::EMBEDDED_CONFIG).unwrap();
+    assert_eq!(model["architectures"], config["architectures"]);
+    assert_eq!(model["model_type"], config["model_type"]);
+
+    let (s, load) = call(&r, "GET", "/get_load", None, &[]).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        load,
+        json!([{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}])
+    );
+    let (s, v) = call(&r, "GET", "/v1/loads?include=core", None, &[]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        v["loads"][0]["max_total_num_tokens"],
+        info["max_total_num_tokens"]
+    );
+    for (q, field) in [
+        ("include=core,nope", "include"),
+        ("format=yaml", "format"),
+        ("dp_rank=one", "dp_rank"),
+    ] {
+        let (s, v) = call(&r, "GET", &format!("/v1/loads?{q}"), None, &[]).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{q}: {v}");
+        assert_eq!(v["error"]["param"], field, "{v}");
+    }
+    for path in [
+        "/release_memory_occupation",
+        "/update_weights_from_distributed",
+    ] {
+        let (s, v) = call(&r, "POST", path, Some("{}"), &[]).await;
+        assert_eq!(s, StatusCode::NOT_IMPLEMENTED, "{path}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("not supported"),
+            "{v}"
+        );
+    }
+}
+
+/// Miles' bodies: `begin {"selector": "all"}`, buckets without a session id, `end {}`, then
+/// `/update_weight_version`; the weights checker sees exactly the pushed tensor change.
+#[tokio::test]
+async fn sglang_bodies_drive_a_streamed_update_and_the_weights_checker() {
+    let src = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/reference");
+    let tmp = tempfile::tempdir().unwrap();
+    scaled_copy(&src.join("qwen3_moe"), &tmp.path().join("a"), 1.0);
+    let new = scaled_copy(&src.join("qwen3_moe"), &tmp.path().join("b"), 1.5);
+    let r = router_on(tmp.path().join("a").to_str().unwrap(), &[]);
+    let (s, _) = call(
+        &r,
+        "POST",
+        "/weights_checker",
+        Some(r#"{"action": "snapshot"}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, v) = call(
+        &r,
+        "POST",
+        "/begin_weight_update",
+        Some(r#"{"selector": "all"}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let norm = "model.norm.weight".to_string();
+    let req = Request::builder()
+        .method("PUT")
+        .uri("/update_weights")
+        .body(Body::from(
+            safetensors::tensor::serialize([(norm.as_str(), &new[&norm])], None).unwrap(),
+        ))
+        .unwrap();
+    assert_eq!(
+        r.clone().oneshot(req).await.unwrap().status(),
+        StatusCode::OK
+    );
+    let (s, v) = call(&r, "POST", "/end_weight_update", Some("{}"), &[]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["weight_version"], "1", "the next after `default`");
+    let (s, v) = call(
+        &r,
+        "POST",
+        "/weights_checker",
+        Some(r#"{"action": "compare"}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        (v["success"].clone(), v["mismatched_tensors"].clone()),
+        (json!(false), json!([norm]))
+    );
+
+    let (s, v) = call(
+        &r,
+        "POST",
+        "/update_weight_version",
+        Some(r#"{"new_version": "step-2"}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        (s, v["new_version"].clone()),
+        (StatusCode::OK, json!("step-2"))
+    );
+    assert_eq!(
+        call(&r, "GET", "/get_weight_version", None, &[]).await.1["weight_version"],
+        "step-2"
+    );
+    let (_, sum) = call(&r, "GET", "/weights_checksum", None, &[]).await;
+    let (_, checked) = call(&r, "GET", "/weights_checker", None, &[]).await;
+    assert_eq!(sum["weight_version"], "step-2");
+    assert_eq!(checked["per_engine_checksum"], sum["overall"]);
+    assert_eq!(checked["ranks"][0]["checksums"], sum["tensors"]);
+
+    for (path, body, field) in [
+        ("/update_weight_version", "{}", "new_version"),
+        ("/end_weight_update", "{}", "session"),
+        (
+            "/begin_weight_update",
+            r#"{"selector": "draft"}"#,
+            "selector",
+        ),
+        ("/weights_checker", r#"{"action": "nope"}"#, "action"),
+    ] {
+        let (s, v) = call(&r, "POST", path, Some(body), &[]).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{path} {body}: {v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(field),
+            "{v}"
+        );
+    }
+}

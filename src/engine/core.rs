@@ -292,6 +292,12 @@ impl Core {
             .kv_used_blocks
             .store(stats.used_blocks, Ordering::Release);
         self.shared
+            .running_tokens
+            .store(self.sched.num_running_tokens(), Ordering::Release);
+        self.shared
+            .waiting_tokens
+            .store(self.sched.num_waiting_tokens(), Ordering::Release);
+        self.shared
             .prefix_hit_tokens
             .store(self.sched.stats().prefix_hit_tokens, Ordering::Release);
         self.shared

@@ -94,6 +94,10 @@ pub struct EngineShared {
     pub paused: AtomicBool,
     pub running: AtomicUsize,
     pub waiting: AtomicUsize,
+    /// Context tokens of the running requests, and prompt tokens of the waiting ones
+    /// (`/get_load`, `/v1/loads`).
+    pub running_tokens: AtomicUsize,
+    pub waiting_tokens: AtomicUsize,
     /// Submitted requests the engine thread has not picked up yet (still in the channel).
     pub in_channel: AtomicUsize,
     pub kv_used_blocks: AtomicUsize,

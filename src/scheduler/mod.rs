@@ -304,6 +304,18 @@ impl Scheduler {
         self.waiting.len()
     }
 
+    /// Tokens (prompt and generated so far) of the running sequences: the context they hold
+    /// KV for, whatever the block rounding. Load reports (`/get_load`) count these.
+    pub fn num_running_tokens(&self) -> usize {
+        self.running.iter().map(|s| s.tokens.len()).sum()
+    }
+
+    /// Tokens of the waiting sequences: what they will need once admitted (a retracted
+    /// sequence counts its generated tokens too, as they are recomputed).
+    pub fn num_waiting_tokens(&self) -> usize {
+        self.waiting.iter().map(|s| s.tokens.len()).sum()
+    }
+
     pub fn stats(&self) -> SchedulerStats {
         self.stats
     }

@@ -526,3 +526,20 @@ fn random_long_run_loses_nothing_and_shares_only_correct_kv() {
         "the run exercised both: {stats:?}"
     );
 }
+
+#[test]
+fn token_counts_follow_sequences_from_waiting_to_running_to_gone() {
+    // max_running_requests 1: the second request stays waiting while the first runs.
+    let mut s = scheduler(1, 64, 16, 4);
+    add(&mut s, 1, &[1, 2, 3, 4, 5], 3);
+    add(&mut s, 2, &[6, 7], 3);
+    assert_eq!((s.num_running_tokens(), s.num_waiting_tokens()), (0, 7));
+    step(&mut s);
+    // Sequence 1 prefilled and sampled one token; sequence 2 still waits.
+    assert_eq!((s.num_running_tokens(), s.num_waiting_tokens()), (6, 2));
+    step(&mut s);
+    assert_eq!(s.num_running_tokens(), 7);
+    assert!(s.abort(SeqId(1)));
+    assert!(s.abort(SeqId(2)));
+    assert_eq!((s.num_running_tokens(), s.num_waiting_tokens()), (0, 0));
+}

@@ -36,6 +36,10 @@ pub enum ApiError {
     Overloaded(String),
     #[error("{0}")]
     Unavailable(String),
+    /// An SGLang endpoint lockstep knows but does not implement (yet): the message says what
+    /// is not supported and what to use instead, so a client never mistakes it for a typo (404).
+    #[error("{0}")]
+    NotImplemented(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -66,6 +70,7 @@ impl ApiError {
             ApiError::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Overloaded(_) | ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -81,6 +86,7 @@ impl ApiError {
             ApiError::Conflict(_) => "conflict_error",
             ApiError::MethodNotAllowed(_) => "invalid_request_error",
             ApiError::Overloaded(_) | ApiError::Unavailable(_) => "service_unavailable",
+            ApiError::NotImplemented(_) => "not_implemented_error",
             ApiError::Internal(_) => "internal_error",
         }
     }

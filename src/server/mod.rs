@@ -51,6 +51,8 @@ pub struct AppState {
     pub shutting_down: Arc<AtomicBool>,
     pub started: Instant,
     pub max_request_bytes: usize,
+    /// `--max-running-requests` (reported by `/get_server_info` and `/v1/loads`).
+    pub max_running_requests: usize,
     pub weights: Arc<weights::WeightSettings>,
     pub updates: Arc<weights::WeightUpdates>,
 }
@@ -64,7 +66,8 @@ impl AppState {
 /// The whole API as a router, so tests can drive it with `oneshot` and no socket.
 pub fn app(state: AppState) -> Router {
     let generation = Router::new()
-        .route("/generate", post(native::generate))
+        // SGLang takes PUT as well.
+        .route("/generate", post(native::generate).put(native::generate))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
@@ -93,15 +96,28 @@ pub fn app(state: AppState) -> Router {
         )
         .route("/end_weight_update", post(weights::end_weight_update))
         .route("/abort_weight_update", post(weights::abort_weight_update))
-        .route_layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            auth::require_admin_key,
-        ));
+        .route(
+            "/update_weight_version",
+            post(weights::update_weight_version),
+        )
+        .route(
+            "/weights_checker",
+            post(weights::weights_checker).get(weights::weights_checker),
+        );
+    let control = unsupported_routes(control).route_layer(axum::middleware::from_fn_with_state(
+        state.clone(),
+        auth::require_admin_key,
+    ));
     let open = Router::new()
         .route("/health", get(admin::health))
         .route("/health_generate", get(admin::health_generate))
         .route("/get_model_info", get(admin::model_info))
+        .route("/model_info", get(admin::model_info))
         .route("/get_server_info", get(admin::server_info))
+        .route("/server_info", get(admin::server_info))
+        .route("/version", get(admin::version))
+        .route("/get_load", get(admin::get_load))
+        .route("/v1/loads", get(admin::v1_loads))
         .route("/get_weight_version", get(admin::weight_version))
         .route("/weights_checksum", get(weights::weights_checksum))
         .route("/metrics", get(metrics::render));
@@ -114,6 +130,32 @@ pub fn app(state: AppState) -> Router {
         .layer(axum::middleware::from_fn(metrics::track_http))
         .layer(DefaultBodyLimit::max(state.max_request_bytes))
         .with_state(state)
+}
+
+/// SGLang endpoints that RL frameworks call and lockstep does not implement yet, with why: each
+/// answers 501 in our error shape (admin-guarded like the rest of the control surface), so a
+/// client learns what is missing instead of seeing a 404. docs/api.md lists them all.
+const UNSUPPORTED: &[(&str, &str)] = &[
+    ("/release_memory_occupation", "releasing GPU memory between rollouts is not supported on this backend; keep the server resident (server_info reports enable_memory_saver: false)"),
+    ("/resume_memory_occupation", "memory is never released (see /release_memory_occupation), so there is nothing to resume"),
+    ("/update_weights_from_tensor", "in-process tensor handles (CUDA IPC) are not supported; stream safetensors buckets with PUT /update_weights or load from disk with /update_weights_from_disk"),
+    ("/init_weights_update_group", "NCCL weight-update groups are not supported; stream safetensors buckets with PUT /update_weights"),
+    ("/update_weights_from_distributed", "NCCL weight broadcast is not supported; stream safetensors buckets with PUT /update_weights"),
+    ("/destroy_weights_update_group", "NCCL weight-update groups are not supported (see /init_weights_update_group)"),
+    ("/update_weights_from_ipc", "checkpoint-engine IPC updates are not supported; use PUT /update_weights"),
+    ("/get_weights_by_name", "reading parameters back is not supported; compare checksums with GET /weights_checksum or /weights_checker"),
+    ("/init_weights_send_group_for_remote_instance", "serving weights to another instance is not supported"),
+    ("/send_weights_to_remote_instance", "serving weights to another instance is not supported"),
+    ("/load_lora_adapter", "LoRA adapters are not supported"),
+    ("/unload_lora_adapter", "LoRA adapters are not supported"),
+];
+
+fn unsupported_routes(mut router: Router<AppState>) -> Router<AppState> {
+    for &(path, reason) in UNSUPPORTED {
+        let h = admin::not_supported(reason);
+        router = router.route(path, post(h.clone()).get(h));
+    }
+    router
 }
 
 /// Serves until SIGINT/SIGTERM, then stops accepting, lets in-flight requests finish for up

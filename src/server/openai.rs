@@ -293,9 +293,13 @@ fn completion_logprobs(state: &AppState, tokens: &[TokenOut], text_offset_start:
 
 /// The chat logprobs object: `content[{token, bytes, logprob, top_logprobs}]`.
 fn chat_logprobs(state: &AppState, tokens: &[TokenOut]) -> Value {
+    let tok = &state.engine.info.tokenizer;
     let entry = |id: u32, lp: f32| {
         let t = token_text(state, id);
-        json!({"token": t, "bytes": t.as_bytes(), "logprob": lp})
+        // The token's own bytes (OpenAI's meaning), so tokens that split a UTF-8 character
+        // reassemble into it; the text is only a fallback for ids the vocabulary lacks.
+        let bytes = tok.token_bytes(id).unwrap_or_else(|| t.as_bytes().to_vec());
+        json!({"token": t, "bytes": bytes, "logprob": lp})
     };
     json!({"content": tokens.iter().map(|t| {
         let mut e = entry(t.id, t.logprob.unwrap_or(0.0));

@@ -31,6 +31,8 @@ pub struct Limits {
     pub vocab_size: usize,
     /// `--enable-return-routed-experts`.
     pub allow_routed_experts: bool,
+    /// The engine runs on a CUDA GPU (else on the CPU backend); `/get_server_info` reports it.
+    pub on_gpu: bool,
 }
 
 pub fn new_rid() -> String {

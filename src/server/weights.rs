@@ -22,7 +22,7 @@ use super::extract::{ApiBytes, ApiJson};
 use super::AppState;
 use crate::backend::cpu::linear::{make_linear, mxfp8_from_parts, nvfp4_from_parts, DenseWeight};
 use crate::checkpoint::to_f32;
-use crate::model::checksum;
+use crate::model::checksum::{self, WeightsChecksum};
 use crate::model::loader::{self, Quantization};
 use crate::model::slots::{replacements_checksum, Replacement, SlotShape};
 use crate::quant::nvfp4::SecondLevel;
@@ -183,7 +183,9 @@ pub struct StagedTensor {
 /// One open streamed update. Tensors are validated on arrival and held here until commit.
 pub struct Session {
     id: String,
-    version: String,
+    /// The version the commit names: from begin, or from `/update_weight_version` while the
+    /// session is open; None: the next after the served one.
+    version: Option<String>,
     staged: BTreeMap<String, StagedTensor>,
     bytes: usize,
     last_activity: Instant,
@@ -195,6 +197,8 @@ pub struct WeightUpdates {
     /// Held from reading the served checksum to the swap, so two commits (a session and an
     /// update from disk) never overlay the same old checksum.
     commit: tokio::sync::Mutex<()>,
+    /// `/weights_checker {action: snapshot}`: the served checksum then, with its version.
+    snapshot: std::sync::Mutex<Option<(String, Arc<WeightsChecksum>)>>,
     pub max_staged_bytes: usize,
     pub session_timeout: Duration,
 }
@@ -204,23 +208,54 @@ impl WeightUpdates {
         WeightUpdates {
             session: tokio::sync::Mutex::new(None),
             commit: tokio::sync::Mutex::new(()),
+            snapshot: std::sync::Mutex::new(None),
             max_staged_bytes,
             session_timeout,
         }
     }
 }
 
-#[derive(Deserialize)]
+/// Every field is optional so that SGLang's own body (`{"selector": "all"}`, what Miles sends)
+/// opens a session too; the version can then come from `/update_weight_version` or default to
+/// the next one at commit.
+#[derive(Deserialize, Default)]
 pub struct BeginBody {
-    weight_version: String,
+    #[serde(default)]
+    weight_version: Option<String>,
     #[serde(default)]
     recipe_hash: Option<String>,
+    #[serde(default)]
+    selector: Option<String>,
+}
+
+/// SGLang's `selector` (which model runners an operation applies to): lockstep serves one
+/// model and no draft model, so `all` and `target` both mean it.
+fn check_selector(selector: Option<&str>) -> Result<(), ApiError> {
+    match selector {
+        None | Some("all") | Some("target") => Ok(()),
+        Some("draft") => Err(ApiError::invalid(
+            "selector",
+            "selector `draft`: this server has no draft model (speculative decoding is not supported)",
+        )),
+        Some(other) => Err(ApiError::invalid(
+            "selector",
+            format!("selector `{other}` is not one of all, target, draft"),
+        )),
+    }
 }
 
 pub async fn begin_weight_update(
     State(state): State<AppState>,
-    ApiJson(body): ApiJson<BeginBody>,
+    ApiBytes(body): ApiBytes,
 ) -> Result<Json<serde_json::Value>, ApiError> {
+    let body: BeginBody = super::admin::optional_json(&body)?;
+    check_selector(body.selector.as_deref())?;
+    if body.weight_version.as_deref() == Some("") {
+        return Err(ApiError::invalid(
+            "weight_version",
+            "weight_version must not be empty",
+        ));
+    }
     if let Some(h) = &body.recipe_hash {
         if *h != state.engine.info.recipe_hash {
             return Err(ApiError::invalid(
@@ -258,14 +293,28 @@ pub async fn begin_weight_update(
 
 #[derive(Deserialize)]
 pub struct SessionQuery {
-    session: String,
+    #[serde(default)]
+    session: Option<String>,
 }
 
+/// The open session named `id`; with no `id`, the one open session (the server holds at most
+/// one, so a client that never saw the id, like SGLang's, still means it unambiguously).
 fn open_session<'a>(
     slot: &'a mut Option<Session>,
-    id: &str,
+    id: Option<&str>,
     timeout: Duration,
 ) -> Result<&'a mut Session, ApiError> {
+    let id = match (id, slot.as_ref()) {
+        (Some(id), _) => id.to_string(),
+        (None, Some(open)) => open.id.clone(),
+        (None, None) => {
+            return Err(ApiError::invalid(
+                "session",
+                "no session given and no weight update session is open: POST /begin_weight_update first",
+            ))
+        }
+    };
+    let id = id.as_str();
     match slot {
         Some(s) if s.id == id => {
             if s.last_activity.elapsed() < timeout {
@@ -309,7 +358,11 @@ pub async fn put_update_weights(
         ));
     }
     let mut slot = state.updates.session.lock().await;
-    let session = open_session(&mut slot, &q.session, state.updates.session_timeout)?;
+    let session = open_session(
+        &mut slot,
+        q.session.as_deref(),
+        state.updates.session_timeout,
+    )?;
     let new_bytes: usize = incoming.iter().map(|(_, t)| t.data.len()).sum();
     if session.bytes + new_bytes > state.updates.max_staged_bytes {
         return Err(ApiError::invalid(
@@ -429,9 +482,11 @@ fn check_tensor(
     Ok(())
 }
 
-#[derive(Deserialize)]
+/// `session` may be left out (SGLang's `{}`): the open session is meant.
+#[derive(Deserialize, Default)]
 pub struct EndBody {
-    session: String,
+    #[serde(default)]
+    session: Option<String>,
     #[serde(default)]
     expected_tensors: Option<usize>,
     #[serde(default)]
@@ -440,12 +495,17 @@ pub struct EndBody {
 
 pub async fn end_weight_update(
     State(state): State<AppState>,
-    ApiJson(body): ApiJson<EndBody>,
+    ApiBytes(body): ApiBytes,
 ) -> Result<Json<serde_json::Value>, ApiError> {
+    let body: EndBody = super::admin::optional_json(&body)?;
     // The session ends here whatever happens: a failed commit drops what it staged.
     let session = {
         let mut slot = state.updates.session.lock().await;
-        open_session(&mut slot, &body.session, state.updates.session_timeout)?;
+        open_session(
+            &mut slot,
+            body.session.as_deref(),
+            state.updates.session_timeout,
+        )?;
         slot.take().expect("checked open")
     };
     let expected_checksum = body
@@ -471,6 +531,27 @@ pub async fn end_weight_update(
             ));
         }
     }
+    if session.staged.is_empty() {
+        // SGLang's begin/end only bracket an update made by other means (NCCL, tensor
+        // handles), so a session with nothing staged is a legitimate no-op: the served
+        // weights keep their version rather than a new name for unchanged weights.
+        let (version, sum) = state.engine.weights_checksum();
+        if let Some(want) = expected_checksum {
+            if sum.overall() != want {
+                return Err(ApiError::invalid(
+                    "checksum",
+                    format!(
+                        "checksum mismatch: expected {} but nothing was staged and the served weights give {}",
+                        checksum::hex(want),
+                        checksum::hex(sum.overall())
+                    ),
+                ));
+            }
+        }
+        return Ok(Json(
+            json!({"success": true, "message": format!("no tensors were staged in session {}: weights and weight_version {version} unchanged", session.id), "weight_version": version, "committed_tensors": 0}),
+        ));
+    }
     let info = state.engine.info.clone();
     let staged = session.staged;
     let count = staged.len();
@@ -482,7 +563,12 @@ pub async fn end_weight_update(
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))??;
     let _commit = state.updates.commit.lock().await;
-    let sum = state.engine.weights_checksum().1.overlaid(&changed);
+    let (served_version, served) = state.engine.weights_checksum();
+    let version = session
+        .version
+        .clone()
+        .unwrap_or_else(|| next_version(&served_version));
+    let sum = served.overlaid(&changed);
     if let Some(want) = expected_checksum {
         let got = sum.overall();
         if got != want {
@@ -498,17 +584,182 @@ pub async fn end_weight_update(
     }
     let (pause, spent) = state
         .engine
-        .apply_weights(updates, Arc::new(sum), session.version.clone())
+        .apply_weights(updates, Arc::new(sum), version.clone())
         .await?;
     // Freeing gigabytes takes a while: not on the engine thread, not on the runtime.
     tokio::task::spawn_blocking(move || drop(spent));
-    tracing::info!(
-        "weights updated from a streamed session: {count} tensors, version {}",
-        session.version
-    );
+    tracing::info!("weights updated from a streamed session: {count} tensors, version {version}");
     Ok(Json(
-        json!({"success": true, "message": format!("{count} tensors committed, version {}", session.version), "weight_version": session.version, "commit_pause_s": pause.as_secs_f64()}),
+        json!({"success": true, "message": format!("{count} tensors committed, version {version}"), "weight_version": version, "committed_tensors": count, "commit_pause_s": pause.as_secs_f64()}),
     ))
+}
+
+#[derive(Deserialize)]
+pub struct WeightVersionBody {
+    new_version: String,
+    /// SGLang's default: requests in flight are aborted (the abort is queued to the engine ahead
+    /// of the rename; a step already running may still label its token with the new name).
+    #[serde(default = "yes")]
+    abort_all_requests: bool,
+}
+
+/// `POST /update_weight_version {new_version, abort_all_requests=true}`: names the weights.
+/// Trainers that push weights by other means call it after every step (Miles: after
+/// `/end_weight_update`). With no session open it renames the served weights (their checksum
+/// keeps the new name too); while a streamed session is open, it names what that session will
+/// commit instead, so the old weights never carry the new name.
+pub async fn update_weight_version(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<WeightVersionBody>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    if body.new_version.is_empty() {
+        return Err(ApiError::invalid(
+            "new_version",
+            "new_version must not be empty",
+        ));
+    }
+    if body.abort_all_requests {
+        state.engine.abort(None, true)?;
+    }
+    let version = body.new_version;
+    {
+        let mut slot = state.updates.session.lock().await;
+        if let Some(open) = slot
+            .as_mut()
+            .filter(|s| s.last_activity.elapsed() < state.updates.session_timeout)
+        {
+            open.version = Some(version.clone());
+            return Ok(Json(
+                json!({"success": true, "message": format!("weight update session {} will commit as version {version}", open.id), "new_version": version}),
+            ));
+        }
+    }
+    // Under the commit lock no update swaps weights meanwhile, so name and checksum stay paired.
+    let _commit = state.updates.commit.lock().await;
+    let info = &state.engine.info;
+    {
+        let mut pair = info.weights_checksum.write().expect("checksum lock");
+        pair.0 = version.clone();
+    }
+    *info.weight_version.write().expect("weight version lock") = version.clone();
+    tracing::info!("weight version set to {version}");
+    Ok(Json(
+        json!({"success": true, "message": format!("Weight version updated to {version}"), "new_version": version}),
+    ))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+pub struct CheckBody {
+    action: Option<String>,
+    /// Accepted for SGLang's clients; checksums here are exact, so it changes nothing.
+    #[allow(dead_code)]
+    allow_quant_error: bool,
+    skip_tensor_list: Option<Vec<String>>,
+    selector: Option<String>,
+}
+
+/// `/weights_checker {action: checksum|snapshot|compare}` (SGLang's names) over the served
+/// checksums (model/checksum.rs): `checksum` reports them in SGLang's `ranks` shape, `snapshot`
+/// keeps the current one, `compare` names every tensor that differs from the snapshot.
+/// `skip_tensor_list` drops tensors whose name contains any of its substrings.
+pub async fn weights_checker(
+    State(state): State<AppState>,
+    ApiBytes(body): ApiBytes,
+) -> Result<axum::response::Response, ApiError> {
+    use axum::response::IntoResponse;
+    let body: CheckBody = super::admin::optional_json(&body)?;
+    check_selector(body.selector.as_deref())?;
+    let skip = body.skip_tensor_list.unwrap_or_default();
+    let kept = |sum: &WeightsChecksum| WeightsChecksum {
+        tensors: sum
+            .tensors
+            .iter()
+            .filter(|(name, _)| !skip.iter().any(|p| name.contains(p.as_str())))
+            .map(|(n, h)| (n.clone(), *h))
+            .collect(),
+    };
+    let (version, served) = state.engine.weights_checksum();
+    if served.tensors.is_empty() {
+        return Err(ApiError::Conflict(
+            "the served weights have no checksum (dummy weights drawn on the device)".into(),
+        ));
+    }
+    let action = body.action.as_deref().unwrap_or("checksum");
+    match action {
+        "checksum" => {
+            let sum = kept(&served);
+            let hexes: serde_json::Map<String, serde_json::Value> = sum
+                .tensors
+                .iter()
+                .map(|(n, h)| (n.clone(), json!(checksum::hex(*h))))
+                .collect();
+            let overall = checksum::hex(sum.overall());
+            Ok(Json(json!({
+                "success": true,
+                "message": format!("{} tensors, {} over checkpoint-layout bytes", sum.tensors.len(), checksum::ALGORITHM),
+                "weight_version": version,
+                "algorithm": checksum::ALGORITHM,
+                "per_engine_checksum": overall,
+                "ranks": [{
+                    "checksums": hexes,
+                    "per_gpu_checksum": overall,
+                    "parallelism_info": {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1},
+                }],
+            }))
+            .into_response())
+        }
+        "snapshot" => {
+            let n = served.tensors.len();
+            *state.updates.snapshot.lock().expect("snapshot lock") = Some((version.clone(), served));
+            Ok(Json(json!({"success": true, "message": format!("snapshot of {n} tensors at weight_version {version}"), "weight_version": version})).into_response())
+        }
+        "compare" => {
+            let snap = state.updates.snapshot.lock().expect("snapshot lock").clone();
+            let Some((snap_version, snap)) = snap else {
+                return Err(ApiError::invalid(
+                    "action",
+                    "action `compare` needs an earlier `snapshot`",
+                ));
+            };
+            let (then, now) = (kept(&snap), kept(&served));
+            let names: std::collections::BTreeSet<&String> =
+                then.tensors.keys().chain(now.tensors.keys()).collect();
+            let differ: Vec<&String> = names
+                .into_iter()
+                .filter(|n| then.tensors.get(*n) != now.tensors.get(*n))
+                .collect();
+            if differ.is_empty() {
+                return Ok(Json(json!({"success": true, "message": format!("all {} tensors equal the snapshot (weight_version {snap_version} then, {version} now)", now.tensors.len()), "weight_version": version, "snapshot_weight_version": snap_version, "mismatched_tensors": []})).into_response());
+            }
+            let shown: Vec<&str> = differ.iter().take(20).map(|s| s.as_str()).collect();
+            let more = differ.len().saturating_sub(shown.len());
+            let message = format!(
+                "{} of {} tensors differ from the snapshot (weight_version {snap_version} then, {version} now): {}{}",
+                differ.len(),
+                now.tensors.len().max(then.tensors.len()),
+                shown.join(", "),
+                if more > 0 { format!(" and {more} more") } else { String::new() }
+            );
+            // SGLang answers a failed check with 400 and success: false; the error object
+            // is there too for clients that read our error shape.
+            let err = ApiError::Invalid { param: None, message: message.clone() };
+            let mut body = err.body();
+            body["success"] = json!(false);
+            body["message"] = json!(message);
+            body["weight_version"] = json!(version);
+            body["snapshot_weight_version"] = json!(snap_version);
+            body["mismatched_tensors"] = json!(differ);
+            Ok((axum::http::StatusCode::BAD_REQUEST, Json(body)).into_response())
+        }
+        "reset_tensors" => Err(ApiError::NotImplemented(
+            "action `reset_tensors` (overwriting the served weights with noise) is not supported: lockstep changes weights only through an update".into(),
+        )),
+        other => Err(ApiError::invalid(
+            "action",
+            format!("action `{other}` is not one of checksum, snapshot, compare, reset_tensors"),
+        )),
+    }
 }
 
 /// `GET /weights_checksum`: what the server holds, in checkpoint layout (model/checksum.rs).

@@ -82,6 +82,16 @@ impl ByteTokenizer {
         u8::from_str_radix(hex, 16).ok().map(u32::from)
     }
 
+    /// The bytes token `id` stands for: its byte, or a special token's text.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        match special_index(id) {
+            None => Some(vec![
+                u8::try_from(id).expect("ids below FIRST_SPECIAL are bytes")
+            ]),
+            Some(k) => k.map(|k| SPECIALS[k].as_bytes().to_vec()),
+        }
+    }
+
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         match special_index(id) {
             None => Some(format!("<0x{id:02X}>")),

@@ -61,6 +61,10 @@ pub type Result<T, E = TokenizerError> = std::result::Result<T, E>;
 /// Cheap to share behind an `Arc`; every method takes `&self`.
 pub struct Tokenizer {
     vocab: Vocab,
+    /// How a vocabulary entry spells its bytes (see [`Tokenizer::token_bytes`]).
+    spelling: Spelling,
+    /// Added tokens (specials and the like) by id: their text is their bytes.
+    added: std::collections::HashMap<u32, String>,
     vocab_size: usize,
     special_ids: HashSet<u32>,
     eos_token_ids: Vec<u32>,
@@ -77,6 +81,50 @@ const _: () = {
     shareable::<IncrementalDecoder>();
 };
 
+/// How the entries of a vocabulary spell the bytes of their tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Spelling {
+    /// GPT-2's byte-level BPE (Qwen, Llama 3, ...): each char of an entry stands for one byte
+    /// through the byte-to-unicode table.
+    ByteLevel,
+    /// SentencePiece with byte fallback (Llama 2, Mistral): `<0xNN>` is byte NN, `▁` a space.
+    ByteFallback,
+    /// Anything else: an entry is its decoded text.
+    Text,
+    /// The embedded byte vocabulary.
+    Bytes,
+}
+
+/// GPT-2's byte-to-unicode table inverted: printable Latin-1 bytes stand for themselves, the
+/// other 68 are shifted to U+0100 and up, in byte order.
+fn byte_level_byte(c: char) -> Option<u8> {
+    let printable = |b: u32| {
+        (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
+    };
+    let cp = c as u32;
+    if cp < 0x100 {
+        return printable(cp).then_some(cp as u8);
+    }
+    let n = cp - 0x100;
+    (0u32..0x100)
+        .filter(|&b| !printable(b))
+        .nth(n as usize)
+        .map(|b| b as u8)
+}
+
+fn spelling_of(hf: &tokenizers::Tokenizer) -> Spelling {
+    use tokenizers::DecoderWrapper as D;
+    fn of(d: &D) -> Option<Spelling> {
+        match d {
+            D::ByteLevel(_) => Some(Spelling::ByteLevel),
+            D::ByteFallback(_) => Some(Spelling::ByteFallback),
+            D::Sequence(s) => s.get_decoders().iter().find_map(of),
+            _ => None,
+        }
+    }
+    hf.get_decoder().and_then(of).unwrap_or(Spelling::Text)
+}
+
 /// The two vocabularies. An enum rather than a trait object: there are exactly two, both
 /// implement every operation, and the match keeps each call site a plain function call.
 enum Vocab {
@@ -90,6 +138,8 @@ impl Tokenizer {
         let vocab = ByteTokenizer;
         let special_ids = (bytes::FIRST_SPECIAL..ByteTokenizer::VOCAB_SIZE as u32).collect();
         Tokenizer {
+            spelling: Spelling::Bytes,
+            added: Default::default(),
             vocab_size: ByteTokenizer::VOCAB_SIZE,
             special_ids,
             eos_token_ids: vec![ByteTokenizer::IM_END, ByteTokenizer::ENDOFTEXT],
@@ -121,13 +171,19 @@ impl Tokenizer {
         })?;
         // get_vocab_size(true) builds the whole vocabulary map, so it is computed once here.
         let vocab_size = hf.get_vocab_size(true);
-        let special_ids = hf
-            .get_added_tokens_decoder()
-            .into_iter()
+        let added_tokens = hf.get_added_tokens_decoder();
+        let special_ids = added_tokens
+            .iter()
             .filter(|(_, t)| t.special)
-            .map(|(id, _)| id)
+            .map(|(id, _)| *id)
+            .collect();
+        let added = added_tokens
+            .into_iter()
+            .map(|(id, t)| (id, t.content))
             .collect();
         Ok(Tokenizer {
+            spelling: spelling_of(&hf),
+            added,
             vocab: Vocab::Hf(Box::new(hf)),
             vocab_size,
             special_ids,
@@ -289,6 +345,37 @@ impl Tokenizer {
         }
     }
 
+    /// The bytes token `id` stands for, as OpenAI's logprobs `bytes` reports them: a token that
+    /// holds part of a UTF-8 character gives that part, not U+FFFD. None past the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        if let Vocab::Bytes(b) = &self.vocab {
+            return b.token_bytes(id);
+        }
+        if let Some(text) = self.added.get(&id) {
+            return Some(text.as_bytes().to_vec());
+        }
+        let entry = self.id_to_token(id)?;
+        let spelled = match self.spelling {
+            Spelling::ByteLevel => entry
+                .chars()
+                .map(byte_level_byte)
+                .collect::<Option<Vec<u8>>>(),
+            Spelling::ByteFallback => Some(
+                match entry
+                    .strip_prefix("<0x")
+                    .and_then(|h| h.strip_suffix('>'))
+                    .filter(|h| h.len() == 2)
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+                {
+                    Some(b) => vec![b],
+                    None => entry.replace('\u{2581}', " ").into_bytes(),
+                },
+            ),
+            Spelling::Text | Spelling::Bytes => None,
+        };
+        spelled.or_else(|| self.decode(&[id], false).ok().map(String::into_bytes))
+    }
+
     /// Whether `id` is a special token (the ones `skip_special_tokens` drops).
     pub fn is_special(&self, id: u32) -> bool {
         self.special_ids.contains(&id)
@@ -372,6 +459,38 @@ fn read_json_if_exists(path: &Path) -> Result<Option<serde_json::Map<String, ser
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn byte_level_table_inverts_gpt2s() {
+        // GPT-2's table: space is `Ġ` (U+0120), newline `Ċ` (U+010A), NUL `Ā` (U+0100),
+        // printable ASCII and most of Latin-1 stand for themselves.
+        assert_eq!(byte_level_byte('Ġ'), Some(b' '));
+        assert_eq!(byte_level_byte('Ċ'), Some(b'\n'));
+        assert_eq!(byte_level_byte('Ā'), Some(0));
+        assert_eq!(byte_level_byte('a'), Some(b'a'));
+        assert_eq!(byte_level_byte('é'), Some(0xe9));
+        assert_eq!(
+            byte_level_byte(' '),
+            None,
+            "a raw space is not in the alphabet"
+        );
+        let all: std::collections::HashSet<u8> = (0u32..0x200)
+            .filter_map(char::from_u32)
+            .filter_map(byte_level_byte)
+            .collect();
+        assert_eq!(all.len(), 256, "every byte has exactly one char");
+    }
+
+    #[test]
+    fn embedded_token_bytes_are_single_bytes_and_special_texts() {
+        let tok = Tokenizer::embedded();
+        assert_eq!(tok.token_bytes(0xe2), Some(vec![0xe2]));
+        assert_eq!(
+            tok.token_bytes(ByteTokenizer::IM_END),
+            Some(b"<|im_end|>".to_vec())
+        );
+        assert_eq!(tok.token_bytes(ByteTokenizer::VOCAB_SIZE as u32), None);
+    }
 
     #[test]
     fn embedded_tokenizer_has_chatml_eos_and_specials() {

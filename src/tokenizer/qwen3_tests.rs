@@ -192,3 +192,25 @@ fn chat_template_tools_and_reasoning() {
         expected
     );
 }
+
+#[test]
+fn token_bytes_reassemble_the_text_even_inside_characters() {
+    let Some(tok) = qwen3() else { return };
+    let ids = tok.encode(TEXT, false).unwrap();
+    let joined: Vec<u8> = ids
+        .iter()
+        .flat_map(|&id| tok.token_bytes(id).unwrap())
+        .collect();
+    assert_eq!(joined, TEXT.as_bytes());
+    // Some token holds only part of a character: its text is U+FFFD, its bytes are not.
+    assert!(
+        ids.iter().any(|&id| {
+            let bytes = tok.token_bytes(id).unwrap();
+            std::str::from_utf8(&bytes).is_err()
+                && tok.decode(&[id], false).unwrap().contains('\u{FFFD}')
+        }),
+        "TEXT has a character split over tokens"
+    );
+    let im_end = tok.token_to_id("<|im_end|>").unwrap();
+    assert_eq!(tok.token_bytes(im_end).unwrap(), b"<|im_end|>");
+}

@@ -240,8 +240,6 @@ def test_chat_logprobs_shape(client):
         assert vals[0] == pytest.approx(e.logprob, abs=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="DEVIATION: chat logprobs `bytes` is the UTF-8 of the lossily "
-                   "decoded token text (U+FFFD -> [239,191,189]), not the token's own bytes")
 def test_chat_logprobs_bytes_are_the_token_bytes(client, server):
     # Every non-special token of the byte tokenizer is exactly one byte; OpenAI's `bytes` exists
     # precisely so that tokens which are not valid UTF-8 on their own can be reassembled.
