@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::backend::cpu::attention::KvDtype;
-use crate::engine::{CudaSource, Engine, EngineConfig, EngineHandle, EngineInfo, ExecutorSpec};
+use crate::engine::{defaults, CudaSource, Engine, EngineConfig, EngineHandle, EngineInfo, ExecutorSpec};
 use crate::model::loader::{self, Quantization};
 use crate::model::ModelConfig;
 use crate::quant::Recipe;
@@ -38,7 +38,6 @@ pub enum DeviceChoice {
 }
 
 /// Default KV capacity on the CPU (on CUDA the cache is sized from device memory).
-const CPU_MAX_TOTAL_TOKENS: usize = 65536;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum KvCacheDtype {
@@ -148,7 +147,7 @@ pub struct ServeArgs {
 
     #[arg(
         long,
-        default_value_t = 64,
+        default_value_t = defaults::MAX_RUNNING_REQUESTS,
         env = "LOCKSTEP_MAX_RUNNING_REQUESTS",
         help_heading = "Scheduling"
     )]
@@ -160,7 +159,7 @@ pub struct ServeArgs {
     /// Tokens computed per step (prefill chunks + decodes).
     #[arg(
         long,
-        default_value_t = 2048,
+        default_value_t = defaults::MAX_BATCH_TOKENS,
         env = "LOCKSTEP_CHUNKED_PREFILL_SIZE",
         help_heading = "Scheduling"
     )]
@@ -168,7 +167,7 @@ pub struct ServeArgs {
     /// KV cache block size in tokens.
     #[arg(
         long,
-        default_value_t = 16,
+        default_value_t = defaults::BLOCK_SIZE,
         env = "LOCKSTEP_PAGE_SIZE",
         help_heading = "Scheduling"
     )]
@@ -176,7 +175,7 @@ pub struct ServeArgs {
     /// Requests queued beyond this are answered 503 with Retry-After.
     #[arg(
         long,
-        default_value_t = 1024,
+        default_value_t = defaults::MAX_QUEUED_REQUESTS,
         env = "LOCKSTEP_MAX_QUEUED_REQUESTS",
         help_heading = "Scheduling"
     )]
@@ -493,7 +492,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
     let cfg = EngineConfig {
         max_running_requests: args.max_running_requests,
         max_batch_tokens: args.chunked_prefill_size,
-        max_total_tokens: args.max_total_tokens.unwrap_or(CPU_MAX_TOTAL_TOKENS),
+        max_total_tokens: args.max_total_tokens.unwrap_or(defaults::MAX_TOTAL_TOKENS),
         block_size: args.page_size,
         max_context_len: context_len,
         max_queued_requests: args.max_queued_requests,

@@ -3,40 +3,20 @@
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use lockstep::serve::{app_state, start_engine, ServeArgs};
-use lockstep::server::app;
+use lockstep::serve::{start_engine, ServeArgs};
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
+mod common;
+
 fn args(extra: &[&str]) -> ServeArgs {
-    use clap::Parser;
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        serve: ServeArgs,
-    }
-    let mut argv = vec![
-        "lockstep",
-        "--context-length",
-        "256",
-        "--max-request-bytes",
-        "4096",
-    ];
-    argv.extend_from_slice(extra);
-    Cli::parse_from(argv).serve
+    let mut flags = vec!["--context-length", "256", "--max-request-bytes", "4096"];
+    flags.extend_from_slice(extra);
+    common::server::serve_args(&flags)
 }
 
 fn router(extra: &[&str]) -> axum::Router {
-    let a = args(extra);
-    let (engine, limits) = start_engine(&a).unwrap();
-    while !engine
-        .shared
-        .warm
-        .load(std::sync::atomic::Ordering::Acquire)
-    {
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    app(app_state(&a, engine, limits))
+    common::server::router(&args(extra))
 }
 
 async fn call(

@@ -9,32 +9,18 @@ use base64::Engine as _;
 use lockstep::backend::cpu::attention::KvDtype;
 use lockstep::model::loader::{serving_recipe, Quantization};
 use lockstep::model::ModelConfig;
-use lockstep::serve::{app_state, start_engine, ServeArgs, EMBEDDED_CONFIG};
-use lockstep::server::app;
+use lockstep::serve::EMBEDDED_CONFIG;
 use lockstep::train::params::{Params, ServingPrecision};
 use lockstep::train::policy::{forward, Sequence};
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
+mod common;
+
 fn router(extra: &[&str]) -> axum::Router {
-    use clap::Parser;
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        serve: ServeArgs,
-    }
-    let mut argv = vec!["lockstep", "--enable-return-routed-experts"];
-    argv.extend_from_slice(extra);
-    let a = Cli::parse_from(argv).serve;
-    let (engine, limits) = start_engine(&a).unwrap();
-    while !engine
-        .shared
-        .warm
-        .load(std::sync::atomic::Ordering::Acquire)
-    {
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    app(app_state(&a, engine, limits))
+    let mut flags = vec!["--enable-return-routed-experts"];
+    flags.extend_from_slice(extra);
+    common::server::router(&common::server::serve_args(&flags))
 }
 
 async fn generate(r: &axum::Router, body: Value) -> Value {

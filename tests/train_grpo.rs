@@ -2,46 +2,17 @@
 //! trainer's logprobs match the rollouts' exactly at every step, every push moves the server's
 //! weight_version and changes what it generates, and GRPO raises the reward on the easiest task.
 
-use std::net::SocketAddr;
-
-use lockstep::serve::{app_state, start_engine, ServeArgs};
-use lockstep::server::app;
 use lockstep::train::metrics::StepMetrics;
 use lockstep::train::{TrainArgs, Trainer};
 use serde_json::{json, Value};
 
+mod common;
+
 /// Starts `lockstep serve` with `extra` flags on a free port, on its own thread.
 fn serve(extra: &[&str]) -> String {
-    use clap::Parser;
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        serve: ServeArgs,
-    }
-    let mut argv = vec!["lockstep", "--enable-return-routed-experts"];
-    argv.extend_from_slice(extra);
-    let a = Cli::parse_from(argv).serve;
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        rt.block_on(async move {
-            let (engine, limits) = start_engine(&a).unwrap();
-            while !engine
-                .shared
-                .warm
-                .load(std::sync::atomic::Ordering::Acquire)
-            {
-                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-            }
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr: SocketAddr = listener.local_addr().unwrap();
-            tx.send(format!("http://{addr}")).unwrap();
-            axum::serve(listener, app(app_state(&a, engine, limits)))
-                .await
-                .unwrap();
-        });
-    });
-    rx.recv().unwrap()
+    let mut flags = vec!["--enable-return-routed-experts"];
+    flags.extend_from_slice(extra);
+    common::server::spawn_server(common::server::serve_args(&flags))
 }
 
 fn train_args(server: &str, extra: &[&str]) -> TrainArgs {

@@ -2,7 +2,21 @@
 
 use crate::backend::cpu::attention::KvDtype;
 
-/// Sizes and limits of the engine. Defaults are defined once here; the CLI reads them.
+/// Every default of the engine's sizes, defined once: [`EngineConfig::default`] and the
+/// `serve` flags (`--max-running-requests`, `--chunked-prefill-size`, ...) read these.
+pub mod defaults {
+    pub const MAX_RUNNING_REQUESTS: usize = 64;
+    /// Tokens per step (`--chunked-prefill-size`).
+    pub const MAX_BATCH_TOKENS: usize = 2048;
+    /// KV capacity of the CPU backend (a device sizes its cache from memory).
+    pub const MAX_TOTAL_TOKENS: usize = 65536;
+    /// KV block size (`--page-size`).
+    pub const BLOCK_SIZE: usize = 16;
+    pub const MAX_CONTEXT_LEN: usize = 4096;
+    pub const MAX_QUEUED_REQUESTS: usize = 1024;
+}
+
+/// Sizes and limits of the engine.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     pub max_running_requests: usize,
@@ -20,12 +34,12 @@ pub struct EngineConfig {
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
-            max_running_requests: 64,
-            max_batch_tokens: 2048,
-            max_total_tokens: 65536,
-            block_size: 16,
-            max_context_len: 4096,
-            max_queued_requests: 1024,
+            max_running_requests: defaults::MAX_RUNNING_REQUESTS,
+            max_batch_tokens: defaults::MAX_BATCH_TOKENS,
+            max_total_tokens: defaults::MAX_TOTAL_TOKENS,
+            block_size: defaults::BLOCK_SIZE,
+            max_context_len: defaults::MAX_CONTEXT_LEN,
+            max_queued_requests: defaults::MAX_QUEUED_REQUESTS,
             kv_dtype: KvDtype::Bf16,
         }
     }

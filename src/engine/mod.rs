@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
 
-pub use self::config::EngineConfig;
+pub use self::config::{defaults, EngineConfig};
 pub use self::core::Engine;
 pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
 pub use executor::{CudaSource, DiskWeights, ExecutorSpec};

@@ -44,16 +44,6 @@ pub struct SchedulerConfig {
     pub max_context_len: usize,
 }
 
-impl Default for SchedulerConfig {
-    fn default() -> Self {
-        SchedulerConfig {
-            max_running_requests: 256,
-            max_batch_tokens: 8192,
-            max_context_len: 32768,
-        }
-    }
-}
-
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SeqRequest {
     pub id: SeqId,

@@ -17,7 +17,7 @@ fn scheduler(
     let config = SchedulerConfig {
         max_running_requests,
         max_batch_tokens,
-        ..SchedulerConfig::default()
+        max_context_len: 32768,
     };
     Scheduler::new(config, KvPool::new(num_blocks, block_size))
 }
@@ -326,8 +326,9 @@ fn retract_all_requeues_running_sequences_for_recompute() {
 #[test]
 fn finish_reasons() {
     let config = SchedulerConfig {
+        max_running_requests: 256,
+        max_batch_tokens: 8192,
         max_context_len: 6,
-        ..SchedulerConfig::default()
     };
     let mut s = Scheduler::new(config, KvPool::new(64, 4));
     add(&mut s, 1, &[1, 2, 3, 4], 10);

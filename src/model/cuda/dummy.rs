@@ -4,14 +4,13 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::CudaWeights;
-use crate::backend::cuda::backend::{CudaExperts, CudaSwiGlu};
+use super::{device_mlp, CudaWeights};
 use crate::backend::cuda::ops::{self, Nvfp4Params, Table, WeightData};
 use crate::backend::cuda::weights::{Activation, GpuMatrix};
 use crate::backend::cuda::{CudaError, Gpu};
 use crate::model::layout::shares_gate_up_scale;
 use crate::model::loader::{dummy_bound, dummy_key};
-use crate::model::{Layer, Mlp, Model, ModelConfig, Moe};
+use crate::model::{Layer, Model, ModelConfig};
 use crate::quant::nvfp4::{ScaleGranularity, SecondLevel};
 use crate::quant::{Format, Recipe, TensorFormat};
 
@@ -205,24 +204,10 @@ impl CudaWeights {
                     &TensorFormat::BF16,
                     false,
                 )?;
-                Mlp::Moe(Moe {
-                    router,
-                    experts: CudaExperts {
-                        gate_up,
-                        down,
-                        inter: moe.intermediate_size,
-                        count: moe.num_experts,
-                    },
-                    top_k: moe.top_k,
-                    norm_topk_prob: moe.norm_topk_prob,
-                })
+                device_mlp(cfg, Some(router), gate_up, down)
             } else {
                 let (gate_up, down) = swiglu(&[format!("{p}.mlp")], cfg.intermediate_size)?;
-                Mlp::Dense(CudaSwiGlu {
-                    gate_up,
-                    down,
-                    inter: cfg.intermediate_size,
-                })
+                device_mlp(cfg, None, gate_up, down)
             };
             let (q_norm, k_norm) = if cfg.qk_norm {
                 (Some(ones(cfg.head_dim)?), Some(ones(cfg.head_dim)?))

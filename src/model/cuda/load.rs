@@ -10,12 +10,11 @@
 use cudarc::driver::CudaSlice;
 use safetensors::tensor::Dtype;
 
-use super::CudaWeights;
-use crate::backend::cuda::backend::{CudaExperts, CudaSwiGlu};
+use super::{device_mlp, CudaWeights};
 use crate::backend::cuda::ops::{self, Nvfp4Out, Nvfp4Params, Table, WeightData};
 use crate::backend::cuda::weights::{Activation, GpuMatrix};
 use crate::backend::cuda::{CudaError, Gpu};
-use crate::model::{Layer, Mlp, Model, Moe};
+use crate::model::{Layer, Model};
 use crate::checkpoint::to_f32;
 use crate::model::loader::{
     checked_tensor, fp8_scale_inv, gate_up_shares_level, linear_format, lm_head_is_embedding,
@@ -475,24 +474,10 @@ impl CudaWeights {
                     .collect();
                 let router = d.plain(&format!("{p}.mlp.gate.weight"), moe.num_experts, h)?;
                 let (gate_up, down) = d.swiglu(&prefixes, h, moe.intermediate_size)?;
-                Mlp::Moe(Moe {
-                    router,
-                    experts: CudaExperts {
-                        gate_up,
-                        down,
-                        inter: moe.intermediate_size,
-                        count: moe.num_experts,
-                    },
-                    top_k: moe.top_k,
-                    norm_topk_prob: moe.norm_topk_prob,
-                })
+                device_mlp(cfg, Some(router), gate_up, down)
             } else {
                 let (gate_up, down) = d.swiglu(&[format!("{p}.mlp")], h, cfg.intermediate_size)?;
-                Mlp::Dense(CudaSwiGlu {
-                    gate_up,
-                    down,
-                    inter: cfg.intermediate_size,
-                })
+                device_mlp(cfg, None, gate_up, down)
             };
             let (q_norm, k_norm) = if cfg.qk_norm {
                 (

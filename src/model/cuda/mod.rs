@@ -55,28 +55,25 @@ impl Model<Cuda> {
         let one = |l: &dyn Linear| GpuMatrix::upload(gpu, &[vec![l]]);
         let mut layers = Vec::with_capacity(model.layers.len());
         for layer in &model.layers {
+            let cfg = &model.config;
             let mlp = match &layer.mlp {
-                Mlp::Dense(m) => Mlp::Dense(CudaSwiGlu {
-                    gate_up: GpuMatrix::upload(gpu, &[vec![&*m.gate, &*m.up]])?,
-                    down: one(&*m.down)?,
-                    inter: m.gate.out_features(),
-                }),
+                Mlp::Dense(m) => device_mlp(
+                    cfg,
+                    None,
+                    GpuMatrix::upload(gpu, &[vec![&*m.gate, &*m.up]])?,
+                    one(&*m.down)?,
+                ),
                 Mlp::Moe(moe) => {
                     let gate_up: Vec<Vec<&dyn Linear>> =
                         moe.experts.iter().map(|e| vec![&*e.gate, &*e.up]).collect();
                     let down: Vec<Vec<&dyn Linear>> =
                         moe.experts.iter().map(|e| vec![&*e.down]).collect();
-                    Mlp::Moe(Moe {
-                        router: one(&*moe.router)?,
-                        experts: CudaExperts {
-                            gate_up: GpuMatrix::upload(gpu, &gate_up)?,
-                            down: GpuMatrix::upload(gpu, &down)?,
-                            inter: moe.experts[0].gate.out_features(),
-                            count: moe.experts.len(),
-                        },
-                        top_k: moe.top_k,
-                        norm_topk_prob: moe.norm_topk_prob,
-                    })
+                    device_mlp(
+                        cfg,
+                        Some(one(&*moe.router)?),
+                        GpuMatrix::upload(gpu, &gate_up)?,
+                        GpuMatrix::upload(gpu, &down)?,
+                    )
                 }
             };
             let vector = |v: &Option<Vec<f32>>| v.as_ref().map(|v| gpu.upload(v)).transpose();
@@ -112,6 +109,33 @@ impl Model<Cuda> {
             };
         }
         total
+    }
+}
+
+/// A layer's MLP from its device matrices: an MoE when it has a router, else a dense SwiGLU.
+fn device_mlp(
+    cfg: &ModelConfig,
+    router: Option<GpuMatrix>,
+    gate_up: GpuMatrix,
+    down: GpuMatrix,
+) -> Mlp<Cuda> {
+    match (router, cfg.moe.as_ref()) {
+        (Some(router), Some(moe)) => Mlp::Moe(Moe {
+            router,
+            experts: CudaExperts {
+                gate_up,
+                down,
+                inter: moe.intermediate_size,
+                count: moe.num_experts,
+            },
+            top_k: moe.top_k,
+            norm_topk_prob: moe.norm_topk_prob,
+        }),
+        _ => Mlp::Dense(CudaSwiGlu {
+            gate_up,
+            down,
+            inter: cfg.intermediate_size,
+        }),
     }
 }
 
