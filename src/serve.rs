@@ -88,11 +88,6 @@ pub struct ServeArgs {
         help_heading = "Model"
     )]
     pub device: DeviceChoice,
-    /// CUDA with --model-path: build the model on the host and upload it, keeping the host
-    /// copy (streamed updates then re-upload the whole model). Off: the checkpoint is loaded
-    /// straight to the GPU and nothing stays on the host.
-    #[arg(long, env = "LOCKSTEP_CUDA_HOST_COPY", help_heading = "Model")]
-    pub cuda_host_copy: bool,
     /// CUDA device ordinal (SGLang's --base-gpu-id).
     #[arg(
         long,
@@ -362,7 +357,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
                 .iter()
                 .any(|k| raw.get(*k).and_then(|v| v.as_str()) == Some("float32"));
             let (loaded, recipe) = match args.load_format {
-                LoadFormat::Auto if cuda && !args.cuda_host_copy => {
+                LoadFormat::Auto if cuda => {
                     // Opening reads headers and config only; the engine loads the tensors.
                     let opened =
                         loader::open_serving_checkpoint(dir, args.quantization, recipe.clone())?;
@@ -428,23 +423,15 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
         .map(|q| format!("{q:?}").to_lowercase())
         .unwrap_or_else(|| recipe.name.clone());
     // Slot shapes (what a streamed update may replace) and the checksum of host-built models
-    // are known now; those of a checkpoint loaded to the device are published by the engine
-    // once loaded; dummy weights drawn on the device have neither.
-    let weights_on_device = matches!(loaded, Loaded::DeviceCheckpoint(..));
+    // are known now; those of weights on the device are published by the engine once there.
+    let weights_on_device = cuda;
     let (spec, slots, checksum) = match loaded {
+        // Host-built models are the CPU backend's (on CUDA, weights are loaded or drawn on
+        // the device).
         Loaded::Host(mut model) => {
             let slots = model.slot_shapes();
             let checksum = model.weights_checksum();
-            let spec = if cuda {
-                ExecutorSpec::Cuda {
-                    device: args.base_gpu_id,
-                    weights: CudaSource::Model(*model),
-                    mem_fraction_static: args.mem_fraction_static,
-                    max_total_tokens: args.max_total_tokens,
-                }
-            } else {
-                ExecutorSpec::Cpu(*model)
-            };
+            let spec = ExecutorSpec::Cpu(*model);
             (spec, std::sync::OnceLock::from(slots), checksum)
         }
         Loaded::DeviceCheckpoint(_, disk) => (

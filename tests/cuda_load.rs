@@ -411,7 +411,7 @@ fn streamed_update_on_device_loaded_weights_matches_the_host_model() {
         let for_dev = some_replacements(&mut load_model(&new, q, None).unwrap().0);
         let cfg = host.config.clone();
         let before = dev.weights_checksum(&g, &cfg).unwrap();
-        host.apply_replacements(for_host);
+        host.apply_replacements(for_host).unwrap();
         dev.write_replacements(&g, &cfg, for_dev).unwrap();
         let after = dev.weights_checksum(&g, &cfg).unwrap();
         assert_ne!(before, after, "{what}: the update changed nothing");

@@ -12,6 +12,7 @@ use crate::model::checksum::WeightsChecksum;
 use crate::model::cuda::{CudaModel, CudaWeights};
 use crate::model::loader::{open_serving_checkpoint, Quantization};
 use crate::model::slots::{Replacement, SlotShape};
+use crate::model::store::{StoreError, WeightStore};
 use crate::model::{forward, ForwardBatch, ForwardOptions, ForwardOutput, Model, ModelConfig, StepState};
 use crate::quant::Recipe;
 use crate::sampling::SampleInput;
@@ -33,8 +34,7 @@ pub enum ExecutorSpec {
 
 /// How the CUDA executor gets its weights.
 pub enum CudaSource {
-    /// A model the CPU loader built from a checkpoint; it is kept in host memory so streamed
-    /// updates can be applied to it and re-uploaded.
+    /// A model the CPU loader built, uploaded (nothing of it stays on the host).
     Model(Model),
     /// A checkpoint loaded straight to the device (`CudaWeights::from_checkpoint`): nothing
     /// stays on the host; streamed updates are written into the device buffers by slot name
@@ -91,8 +91,8 @@ pub(crate) trait Executor {
     /// Replaces the whole model (same config), e.g. after `/update_weights_from_disk`.
     fn swap(&mut self, new: Model) -> Result<(), EngineError>;
 
-    /// Replaces some tensors (a streamed update). Returns what is left to free (see
-    /// [`Model::apply_replacements`]).
+    /// Replaces some tensors (a streamed update) through the weights' [`WeightStore`]: all
+    /// checked, then written in place. Returns what is left to free.
     fn apply(
         &mut self,
         updates: Vec<(String, Replacement)>,
@@ -219,16 +219,14 @@ impl Executor for CpuExecutor {
         &mut self,
         updates: Vec<(String, Replacement)>,
     ) -> Result<Vec<Replacement>, EngineError> {
-        Ok(self.model.apply_replacements(updates))
+        self.model.write(updates).map_err(store_error)
     }
 }
 
-/// A CUDA device: weights, KV cache and step buffers in device memory.
+/// A CUDA device: weights, KV cache and step buffers in device memory; nothing of the model
+/// stays on the host.
 struct CudaExecutor {
     model: Box<CudaModel>,
-    /// `--cuda-host-copy`: the CPU-built model the device weights were uploaded from, kept so
-    /// streamed updates can be applied to it and re-uploaded.
-    host: Option<Model>,
 }
 
 /// Opens `w` and loads it into device memory.
@@ -243,34 +241,27 @@ fn load_to_device(gpu: &Gpu, w: &DiskWeights) -> Result<(ModelConfig, CudaWeight
 impl CudaExecutor {
     fn new(device: usize, weights: CudaSource, sizes: CudaSizes) -> Result<Self, CudaError> {
         let gpu = Gpu::open(device)?;
-        let (config, dev_weights, host) = match weights {
-            CudaSource::Model(model) => {
-                let w = CudaWeights::upload(&gpu, &model)?;
-                (model.config.clone(), w, Some(model))
-            }
-            CudaSource::Checkpoint(disk) => {
-                let (config, w) = load_to_device(&gpu, &disk).map_err(CudaError::Load)?;
-                (config, w, None)
-            }
+        let (config, dev_weights) = match weights {
+            CudaSource::Model(model) => (model.config.clone(), CudaWeights::upload(&gpu, &model)?),
+            CudaSource::Checkpoint(disk) => load_to_device(&gpu, &disk).map_err(CudaError::Load)?,
             CudaSource::Dummy {
                 config,
                 recipe,
                 seed,
             } => {
                 let w = CudaWeights::dummy(&gpu, &config, &recipe, seed)?;
-                (config, w, None)
+                (config, w)
             }
         };
         let model = CudaModel::new(gpu, config, dev_weights, sizes)?;
         Ok(CudaExecutor {
             model: Box::new(model),
-            host,
         })
     }
 }
 
-fn device_error(e: CudaError) -> EngineError {
-    EngineError::Conflict(format!("the device could not take the new weights: {e}"))
+fn store_error(e: StoreError) -> EngineError {
+    EngineError::Conflict(format!("the weights could not take the update: {e}"))
 }
 
 impl Executor for CudaExecutor {
@@ -294,53 +285,25 @@ impl Executor for CudaExecutor {
         Ok(StepOutput { forward, sampled })
     }
 
+    /// A host-built model is written into the device buffers, slot by slot, like a streamed
+    /// update of every tensor.
     fn swap(&mut self, new: Model) -> Result<(), EngineError> {
-        let w = CudaWeights::upload(self.model.gpu(), &new).map_err(device_error)?;
-        self.model.replace_weights(w);
-        self.host = Some(new);
-        Ok(())
+        self.model
+            .write(new.into_replacements())
+            .map(drop)
+            .map_err(store_error)
     }
 
     fn apply(
         &mut self,
         updates: Vec<(String, Replacement)>,
     ) -> Result<Vec<Replacement>, EngineError> {
-        let Some(h) = &mut self.host else {
-            // Weights only on the device: written into its buffers by slot name.
-            let m = &mut *self.model;
-            let config = m.config.clone();
-            let (gpu, weights) = m.parts_mut();
-            return weights
-                .write_replacements(gpu, &config, updates)
-                .map_err(device_error);
-        };
-        let spent = h.apply_replacements(updates);
-        match CudaWeights::upload(self.model.gpu(), h) {
-            Ok(w) => {
-                self.model.replace_weights(w);
-                Ok(spent)
-            }
-            Err(e) => {
-                // The device still serves the old weights, complete; the host copy no longer
-                // matches them, so later streamed updates are refused until a full update
-                // from disk.
-                self.host = None;
-                Err(device_error(e))
-            }
-        }
+        self.model.write(updates).map_err(store_error)
     }
 
     fn device_catalog(&mut self) -> Result<Option<DeviceCatalog>, EngineError> {
-        if self.host.is_some() {
-            return Ok(None);
-        }
-        let m = &mut *self.model;
-        let config = m.config.clone();
-        let (gpu, weights) = m.parts_mut();
-        let slots = weights.slot_shapes(&config);
-        let checksum = weights
-            .weights_checksum(gpu, &config)
-            .map_err(device_error)?;
+        let slots = self.model.slot_shapes();
+        let checksum = self.model.checksum().map_err(store_error)?;
         Ok(Some(DeviceCatalog { slots, checksum }))
     }
 
@@ -355,9 +318,8 @@ impl Executor for CudaExecutor {
         }
         let checksum = new
             .weights_checksum(m.gpu(), &m.config)
-            .map_err(device_error)?;
+            .map_err(|e| EngineError::Conflict(format!("the device could not take the new weights: {e}")))?;
         m.replace_weights(new);
-        self.host = None;
         Ok(checksum)
     }
 }

@@ -12,6 +12,7 @@ pub mod layout;
 pub mod loader;
 pub mod plan;
 pub mod slots;
+pub mod store;
 pub mod trace;
 
 use crate::backend::cpu::attention::KvMemory;

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use rayon::prelude::*;
 
 use super::checksum::WeightsChecksum;
+use super::store::{StoreError, WeightStore};
 use super::layout::{Half, Place, Proj};
 use super::{Mlp, Model, SwiGlu};
 use crate::backend::cpu::linear::{make_linear, DenseWeight};
@@ -182,6 +183,31 @@ impl Model {
             .collect()
     }
 
+    /// The whole model as replacements, one per slot (what a whole-model update writes into
+    /// another store of the same layout).
+    pub fn into_replacements(mut self) -> Vec<(String, Replacement)> {
+        let empty = || -> Box<dyn Linear> {
+            Box::new(crate::backend::cpu::linear::DenseF32 {
+                weight: vec![],
+                out_features: 0,
+                in_features: 0,
+            })
+        };
+        self.slots_mut()
+            .into_iter()
+            .map(|(name, slot)| {
+                let r = match slot {
+                    SlotMut::Linear(l) => Replacement::Linear(std::mem::replace(l, empty())),
+                    SlotMut::Vector(v) => Replacement::Vector(std::mem::take(v)),
+                    SlotMut::Embedding(e) => {
+                        Replacement::Embedding(std::mem::replace(e, DenseWeight::F32(vec![])))
+                    }
+                };
+                (name, r)
+            })
+            .collect()
+    }
+
     /// Every replaceable tensor's values by checkpoint name (linear layers dequantized).
     pub fn slot_values(&mut self) -> BTreeMap<String, Vec<f32>> {
         self.slots_mut()
@@ -197,25 +223,28 @@ impl Model {
             .collect()
     }
 
-    /// Writes validated replacements into the served weights: into the existing buffers
-    /// where kind and size match (always, for replacements built from the slot table), else by
-    /// swapping. Returns what is left to free (the replacements copied from, or the values
-    /// swapped out), so the caller can drop it off the engine thread. Callers check names and
-    /// shapes first ([`Model::slot_shapes`]); an unknown name is a bug and panics.
-    pub fn apply_replacements(&mut self, updates: Vec<(String, Replacement)>) -> Vec<Replacement> {
+    /// Writes replacements into the served weights: into the existing buffers where kind,
+    /// size and storage match (always, for replacements built from the slot table), else by
+    /// swapping a same-shaped value in. Every replacement is checked against its slot first,
+    /// so a refused update changes nothing. Returns what is left to free (the replacements
+    /// copied from, or the values swapped out), so the caller can drop it off the engine
+    /// thread.
+    pub fn apply_replacements(
+        &mut self,
+        updates: Vec<(String, Replacement)>,
+    ) -> Result<Vec<Replacement>, StoreError> {
         let mut updates: BTreeMap<String, Replacement> = updates.into_iter().collect();
         let (spent, embedding_changed) = {
             let mut pairs = Vec::with_capacity(updates.len());
             for (name, slot) in self.slots_mut() {
                 if let Some(r) = updates.remove(&name) {
+                    fits(&name, &slot, &r)?;
                     pairs.push((name, slot, r));
                 }
             }
-            assert!(
-                updates.is_empty(),
-                "unknown weight names: {:?}",
-                updates.keys().collect::<Vec<_>>()
-            );
+            if !updates.is_empty() {
+                return Err(StoreError::UnknownNames(updates.into_keys().collect()));
+            }
             let embedding = pairs
                 .iter()
                 .any(|(_, s, _)| matches!(s, SlotMut::Embedding(_)));
@@ -236,7 +265,51 @@ impl Model {
                 None,
             );
         }
-        spent
+        Ok(spent)
+    }
+}
+
+impl WeightStore for Model {
+    fn slot_shapes(&mut self) -> BTreeMap<String, SlotShape> {
+        Model::<crate::backend::cpu::Cpu>::slot_shapes(self)
+    }
+
+    fn checksum(&mut self) -> Result<WeightsChecksum, StoreError> {
+        Ok(self.weights_checksum())
+    }
+
+    fn write(
+        &mut self,
+        updates: Vec<(String, Replacement)>,
+    ) -> Result<Vec<Replacement>, StoreError> {
+        self.apply_replacements(updates)
+    }
+}
+
+/// Checks that `r` has the kind and shape of `slot` (a linear layer also its format).
+fn fits(name: &str, slot: &SlotMut<'_>, r: &Replacement) -> Result<(), StoreError> {
+    let refuse = |why: &str| {
+        Err(StoreError::Mismatch {
+            name: name.into(),
+            why: why.into(),
+        })
+    };
+    match (slot, r) {
+        (SlotMut::Vector(v), Replacement::Vector(n)) if v.len() == n.len() => Ok(()),
+        (SlotMut::Embedding(e), Replacement::Embedding(n)) if e.len() == n.len() => Ok(()),
+        (SlotMut::Linear(l), Replacement::Linear(n)) => {
+            if (l.out_features(), l.in_features()) != (n.out_features(), n.in_features()) {
+                refuse("shape differs from the served layer")
+            } else if l.format() != n.format() {
+                refuse("format differs from the served layer")
+            } else {
+                Ok(())
+            }
+        }
+        (SlotMut::Vector(_) | SlotMut::Embedding(_), Replacement::Vector(_) | Replacement::Embedding(_)) => {
+            refuse("size differs from the served tensor")
+        }
+        _ => refuse("the wrong kind of tensor"),
     }
 }
 
@@ -275,39 +348,14 @@ fn write_slot(name: &str, slot: SlotMut<'_>, r: Replacement) -> Replacement {
             }
             _ => Replacement::Embedding(std::mem::replace(dst, new)),
         },
-        _ => panic!("replacement of the wrong kind for `{name}`"),
+        _ => unreachable!("`{name}`: checked by `fits`"),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::linear::DenseF32;
     use std::borrow::Cow;
-
-    /// Every slot of `m` as a replacement (leaving empty values behind).
-    fn take_all(m: &mut Model) -> Vec<(String, Replacement)> {
-        let empty = || -> Box<dyn Linear> {
-            Box::new(DenseF32 {
-                weight: vec![],
-                out_features: 0,
-                in_features: 0,
-            })
-        };
-        m.slots_mut()
-            .into_iter()
-            .map(|(name, slot)| {
-                let r = match slot {
-                    SlotMut::Linear(l) => Replacement::Linear(std::mem::replace(l, empty())),
-                    SlotMut::Vector(v) => Replacement::Vector(std::mem::take(v)),
-                    SlotMut::Embedding(e) => {
-                        Replacement::Embedding(std::mem::replace(e, DenseWeight::F32(vec![])))
-                    }
-                };
-                (name, r)
-            })
-            .collect()
-    }
 
     /// The slot table is the layout's: the same names in the same order.
     #[test]
@@ -330,6 +378,51 @@ mod tests {
             };
             assert_eq!((shape, format), (t.shape.clone(), t.format.format), "{}", t.name);
         }
+    }
+
+    /// A refused update is an error naming the tensor, and changes nothing.
+    #[test]
+    fn refused_replacements_change_nothing() {
+        let cfg: crate::model::ModelConfig = crate::model::ModelConfig::from_json(
+            serde_json::from_str(crate::serve::EMBEDDED_CONFIG).unwrap(),
+        )
+        .unwrap();
+        let mut m = crate::model::loader::dummy_model(cfg, &crate::quant::Recipe::bf16(), 0).unwrap();
+        let before = m.weights_checksum();
+        let norm = "model.norm.weight".to_string();
+        let good = || Replacement::Vector(vec![0.5; m_hidden()]);
+        fn m_hidden() -> usize {
+            crate::model::ModelConfig::from_json(
+                serde_json::from_str(crate::serve::EMBEDDED_CONFIG).unwrap(),
+            )
+            .unwrap()
+            .hidden_size
+        }
+        let unknown = m.apply_replacements(vec![
+            (norm.clone(), good()),
+            ("model.layers.99.mlp.gate.weight".into(), good()),
+        ]);
+        assert_eq!(
+            unknown.err(),
+            Some(StoreError::UnknownNames(vec!["model.layers.99.mlp.gate.weight".into()]))
+        );
+        let short = m.apply_replacements(vec![
+            (norm.clone(), good()),
+            ("model.layers.0.input_layernorm.weight".into(), Replacement::Vector(vec![1.0; 3])),
+        ]);
+        assert!(
+            matches!(&short, Err(StoreError::Mismatch { name, .. }) if name == "model.layers.0.input_layernorm.weight"),
+            "{:?}",
+            short.err()
+        );
+        let kind = m.apply_replacements(vec![(
+            "model.layers.0.self_attn.q_proj.weight".into(),
+            good(),
+        )]);
+        assert!(matches!(kind, Err(StoreError::Mismatch { .. })));
+        assert_eq!(m.weights_checksum(), before, "refused updates wrote nothing");
+        m.apply_replacements(vec![(norm, good())]).unwrap();
+        assert_ne!(m.weights_checksum(), before);
     }
 
     /// Addresses of every buffer the served weights live in.
@@ -357,10 +450,11 @@ mod tests {
             let mut served = crate::model::loader::dummy_model(cfg.clone(), &recipe, 0).unwrap();
             let mut new = crate::model::loader::dummy_model(cfg.clone(), &recipe, 1).unwrap();
             let want = new.weights_checksum();
+            let new = new.into_replacements();
             assert_ne!(served.weights_checksum(), want);
             let before = buffers(&mut served);
             assert!(!before.is_empty());
-            let spent = served.apply_replacements(take_all(&mut new));
+            let spent = served.apply_replacements(new).unwrap();
             assert_eq!(spent.len(), served.slot_shapes().len());
             assert_eq!(
                 buffers(&mut served),

@@ -18,7 +18,11 @@ use crate::backend::cuda::ops::Table;
 use crate::backend::cuda::weights::GpuMatrix;
 use crate::backend::cuda::{CudaError, Gpu};
 use crate::backend::{Linear, MoeShape, Sampled};
+use crate::model::checksum::WeightsChecksum;
+use crate::model::slots::{Replacement, SlotShape};
+use crate::model::store::{StoreError, WeightStore};
 use crate::sampling::SampleInput;
+use std::collections::BTreeMap;
 
 /// The model's weights on the device.
 pub type CudaWeights = Model<Cuda>;
@@ -109,6 +113,29 @@ impl Model<Cuda> {
             };
         }
         total
+    }
+}
+
+impl WeightStore for CudaModel {
+    fn slot_shapes(&mut self) -> BTreeMap<String, SlotShape> {
+        let config = self.config.clone();
+        self.weights.slot_shapes(&config)
+    }
+
+    fn checksum(&mut self) -> Result<WeightsChecksum, StoreError> {
+        let (gpu, weights) = (&self.backend.gpu, &mut self.weights);
+        weights
+            .weights_checksum(gpu, &self.config)
+            .map_err(|e| StoreError::Device(e.to_string()))
+    }
+
+    /// Written into the device buffers the weights live in (see `CudaWeights::write_replacements`).
+    fn write(
+        &mut self,
+        updates: Vec<(String, Replacement)>,
+    ) -> Result<Vec<Replacement>, StoreError> {
+        let (gpu, weights) = (&self.backend.gpu, &mut self.weights);
+        weights.write_replacements(gpu, &self.config, updates)
     }
 }
 

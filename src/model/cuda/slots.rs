@@ -16,6 +16,7 @@ use crate::backend::cpu::linear::DenseWeight;
 use crate::backend::Storage;
 use crate::checkpoint::CheckpointPart;
 use crate::model::checksum::WeightsChecksum;
+use crate::model::store::StoreError;
 use crate::model::slots::{Replacement, SlotShape};
 use crate::model::layout::{places, Half, Place, Proj};
 use crate::model::{Mlp, ModelConfig};
@@ -182,7 +183,7 @@ impl CudaWeights {
         gpu: &Gpu,
         cfg: &ModelConfig,
         updates: Vec<(String, Replacement)>,
-    ) -> Result<Vec<Replacement>, CudaError> {
+    ) -> Result<Vec<Replacement>, StoreError> {
         let mut updates: BTreeMap<String, Replacement> = updates.into_iter().collect();
         let mut pairs = Vec::with_capacity(updates.len());
         for (name, loc) in self.slot_locations(cfg) {
@@ -192,17 +193,15 @@ impl CudaWeights {
             }
         }
         if !updates.is_empty() {
-            return Err(CudaError::Unsupported(format!(
-                "unknown weight names: {:?}",
-                updates.keys().collect::<Vec<_>>()
-            )));
+            return Err(StoreError::UnknownNames(updates.into_keys().collect()));
         }
+        let device = |e: CudaError| StoreError::Device(e.to_string());
         let mut spent = Vec::with_capacity(pairs.len());
         for (loc, r) in pairs {
-            write_slot(gpu, self.slot(loc, cfg), &r)?;
+            write_slot(gpu, self.slot(loc, cfg), &r).map_err(device)?;
             spent.push(r);
         }
-        gpu.synchronize()?;
+        gpu.synchronize().map_err(device)?;
         Ok(spent)
     }
 }
@@ -333,11 +332,12 @@ fn checkpoint_parts(
 }
 
 /// Checks that `r` has the kind, storage and size of `slot`.
-fn fits(name: &str, slot: &DeviceSlot<'_>, r: &Replacement) -> Result<(), CudaError> {
+fn fits(name: &str, slot: &DeviceSlot<'_>, r: &Replacement) -> Result<(), StoreError> {
     let refuse = |why: &str| {
-        Err(CudaError::Unsupported(format!(
-            "replacement for `{name}`: {why}"
-        )))
+        Err(StoreError::Mismatch {
+            name: name.into(),
+            why: why.into(),
+        })
     };
     match (slot, r) {
         (DeviceSlot::Vector(v), Replacement::Vector(n)) if v.len() == n.len() => Ok(()),
