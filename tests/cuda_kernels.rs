@@ -1,16 +1,43 @@
-//! Every CUDA kernel source compiles with NVRTC for Hopper (sm_90a) and Blackwell (sm_100a).
-//! Runs on machines without a GPU: NVRTC alone is enough (scripts/test.sh installs it from
-//! PyPI), so a kernel that stops compiling fails CI even though CI never runs it.
+//! Every CUDA kernel source compiles with NVRTC for Hopper (sm_90a) and Blackwell (sm_100a), and
+//! every kernel's declared parameters (`Kernel::params`, what each launch is checked against)
+//! are the ones its PTX `.entry` takes. Runs on machines without a GPU: NVRTC alone is enough
+//! (scripts/test.sh installs it from PyPI), so a kernel that stops compiling, or whose
+//! parameters change in the .cu but not in the registry, fails CI even though CI never runs it.
 
-use lockstep::backend::cuda::kernels::{compile, nvrtc_available, Kernel, Source};
+use lockstep::backend::cuda::kernels::{
+    compile, nvrtc_available, ptx_entry_params, Kernel, Param, Source,
+};
+
+/// How a kernel's declared parameters differ from the PTX `.entry` signature, if they do.
+fn signature_mismatch(k: Kernel, declared: &[Param], ptx: &[&str]) -> Option<String> {
+    let same =
+        declared.len() == ptx.len() && declared.iter().zip(ptx).all(|(p, t)| p.matches_ptx(t));
+    (!same).then(|| {
+        let first = declared
+            .iter()
+            .zip(ptx)
+            .position(|(p, t)| !p.matches_ptx(t))
+            .map_or(String::new(), |i| {
+                format!(" (first difference: parameter {i})")
+            });
+        format!(
+            "{k:?} (`{}` in {}): declared {} parameters {declared:?}, the PTX takes {} {ptx:?}{first}",
+            k.symbol(),
+            k.source().file_name(),
+            declared.len(),
+            ptx.len(),
+        )
+    })
+}
 
 #[test]
-fn every_kernel_compiles_for_hopper_and_blackwell() {
+fn every_kernel_compiles_for_hopper_and_blackwell_with_its_declared_parameters() {
     assert!(
         nvrtc_available(),
         "libnvrtc not found: install `nvidia-cuda-nvrtc` (scripts/test.sh does) and put its lib \
          directory on LD_LIBRARY_PATH"
     );
+    let mut mismatches = Vec::new();
     for arch in ["sm_90a", "sm_100a"] {
         for source in Source::ALL {
             let ptx = compile(source, arch).unwrap_or_else(|e| panic!("{e}"));
@@ -18,14 +45,39 @@ fn every_kernel_compiles_for_hopper_and_blackwell() {
                 ptx.contains(&format!(".target {arch}")),
                 "{source:?}: PTX for {arch}"
             );
-            for k in Kernel::ALL.iter().filter(|k| k.source() == source) {
-                assert!(
-                    ptx.contains(&format!(".entry {}(", k.symbol())),
-                    "{k:?}: `{}` missing from the PTX of {}",
-                    k.symbol(),
-                    source.file_name()
-                );
+            for &k in Kernel::ALL.iter().filter(|k| k.source() == source) {
+                let params = ptx_entry_params(&ptx, k.symbol()).unwrap_or_else(|| {
+                    panic!(
+                        "{k:?}: `{}` missing from the PTX of {}",
+                        k.symbol(),
+                        source.file_name()
+                    )
+                });
+                if let Some(m) = signature_mismatch(k, k.params(), &params) {
+                    mismatches.push(format!("{arch}: {m}"));
+                }
             }
         }
     }
+    assert!(
+        mismatches.is_empty(),
+        "kernel parameters declared in src/backend/cuda/kernels.rs differ from the kernels:\n{}",
+        mismatches.join("\n")
+    );
+}
+
+#[test]
+fn a_changed_signature_is_reported_with_the_kernel_name() {
+    let (k, declared) = (Kernel::AddInplace, &[Param::Ptr, Param::Ptr, Param::U64]);
+    assert_eq!(
+        signature_mismatch(k, declared, &[".u64", ".u64", ".u64"]),
+        None
+    );
+    let extra = signature_mismatch(k, declared, &[".u64", ".u64", ".u64", ".u32"]).unwrap();
+    assert!(
+        extra.contains("AddInplace") && extra.contains("add_inplace"),
+        "{extra}"
+    );
+    let kind = signature_mismatch(k, declared, &[".u64", ".u64", ".f32"]).unwrap();
+    assert!(kind.contains("parameter 2"), "{kind}");
 }

@@ -591,11 +591,7 @@ fn block_scaled_operand_preparation_matches_its_definition() {
     use lockstep::backend::cuda::block_scaled::{
         gather_rows, swizzle_scales, swizzled_len, swizzled_offset,
     };
-    use lockstep::backend::cuda::device::ptr;
-    let raw = |a: lockstep::backend::cuda::device::Arg| match a {
-        lockstep::backend::cuda::device::Arg::Ptr(p) => p,
-        _ => unreachable!(),
-    };
+    use lockstep::backend::cuda::args::addr;
     let g = gpu();
     let mut rng = Rng(seed());
     for (rows, cols) in [(200, 7), (128, 4), (5, 128), (300, 64)] {
@@ -603,7 +599,7 @@ fn block_scaled_operand_preparation_matches_its_definition() {
         let dsrc = g.upload(&src).unwrap();
         let len = swizzled_len(rows, cols);
         let dst = poisoned(&g, len, 0xAAu8);
-        swizzle_scales(&g, raw(ptr(&g, &dsrc)), rows, cols, raw(ptr(&g, &dst))).unwrap();
+        swizzle_scales(&g, addr(&g, &dsrc), rows, cols, addr(&g, &dst)).unwrap();
         let got = g.download(&dst, len).unwrap();
         let mut want = vec![0u8; len];
         for r in 0..rows {
@@ -620,11 +616,11 @@ fn block_scaled_operand_preparation_matches_its_definition() {
     let dst = poisoned(&g, index.len() * width, 0u8);
     gather_rows(
         &g,
-        raw(ptr(&g, &dsrc)),
-        raw(ptr(&g, &didx)),
+        addr(&g, &dsrc),
+        addr(&g, &didx),
         index.len(),
         width,
-        raw(ptr(&g, &dst)),
+        addr(&g, &dst),
     )
     .unwrap();
     let got = g.download(&dst, index.len() * width).unwrap();

@@ -17,7 +17,8 @@ use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 use cudarc::driver::{CudaSlice, DevicePtr};
 
-use super::device::{Arg, Gpu};
+use super::args::DevPtr;
+use super::device::Gpu;
 use super::kernels::Kernel;
 use super::ops::{GemmRows, WeightData};
 use super::CudaError;
@@ -78,12 +79,7 @@ pub fn swizzle_scales(
         Kernel::SwizzleBlockScales,
         (gpu.grid_for(total, 256), 1, 1),
         256,
-        &[
-            Arg::Ptr(src),
-            Arg::I32(rows as i32),
-            Arg::I32(cols as i32),
-            Arg::Ptr(dst),
-        ],
+        (DevPtr(src), rows as i32, cols as i32, DevPtr(dst)),
     )
 }
 
@@ -103,13 +99,13 @@ pub fn gather_rows(
         Kernel::GatherRowsU8,
         (gpu.grid_for(rows * width, 256), 1, 1),
         256,
-        &[
-            Arg::Ptr(src),
-            Arg::Ptr(row_index),
-            Arg::I32(rows as i32),
-            Arg::I32(width as i32),
-            Arg::Ptr(dst),
-        ],
+        (
+            DevPtr(src),
+            DevPtr(row_index),
+            rows as i32,
+            width as i32,
+            DevPtr(dst),
+        ),
     )
 }
 
@@ -267,16 +263,16 @@ impl BlockScaledGemm {
                     Kernel::Nvfp4Epilogue,
                     (gpu.grid_for(count * n, 256), 1, 1),
                     256,
-                    &[
-                        Arg::Ptr(d),
-                        Arg::Ptr(rs_at),
-                        Arg::Ptr(idx),
-                        Arg::Ptr(raw(gpu, sdec)),
-                        Arg::I32(e as i32),
-                        Arg::I32(groups as i32),
-                        Arg::I32(count as i32),
-                        Arg::I32(n as i32),
-                    ],
+                    (
+                        DevPtr(d),
+                        DevPtr(rs_at),
+                        DevPtr(idx),
+                        DevPtr(raw(gpu, sdec)),
+                        e as i32,
+                        groups as i32,
+                        count as i32,
+                        n as i32,
+                    ),
                 )?;
             }
         }

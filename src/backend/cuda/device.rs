@@ -6,21 +6,13 @@ use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
 };
 
+use super::args::{KernelArgs, Raw, MAX_PARAMS};
 use super::kernels::{self, Kernel, Source};
 use super::CudaError;
-
-/// A kernel argument: device pointers travel as 64-bit addresses (0 for an absent optional).
-#[derive(Clone, Copy, Debug)]
-pub enum Arg {
-    Ptr(u64),
-    I32(i32),
-    U64(u64),
-    F32(f32),
-}
 
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
@@ -99,22 +91,32 @@ impl Gpu {
         })
     }
 
-    /// Queues `kernel` on the engine stream.
-    pub fn launch(
+    /// Queues `kernel` on the engine stream, once `args` are checked to be of the kinds, in the
+    /// order, that the kernel declares (`Kernel::params`).
+    pub fn launch<A: KernelArgs>(
         &self,
         kernel: Kernel,
         grid: (u32, u32, u32),
         block: u32,
-        args: &[Arg],
+        args: A,
     ) -> Result<(), CudaError> {
+        if A::KINDS != kernel.params() {
+            return Err(CudaError::KernelArgs(format!(
+                "{kernel:?} (`{}`) takes {:?}, given {:?}",
+                kernel.symbol(),
+                kernel.params(),
+                A::KINDS
+            )));
+        }
+        let mut raw = [Raw::U64(0); MAX_PARAMS];
+        args.raw(self, &mut raw);
         let f = &self.functions[&kernel];
         let mut b = self.stream.launch_builder(f);
-        for a in args {
+        for a in &raw[..A::KINDS.len()] {
             match a {
-                Arg::Ptr(p) => b.arg(p),
-                Arg::I32(v) => b.arg(v),
-                Arg::U64(v) => b.arg(v),
-                Arg::F32(v) => b.arg(v),
+                Raw::U64(v) => b.arg(v),
+                Raw::I32(v) => b.arg(v),
+                Raw::F32(v) => b.arg(v),
             };
         }
         let cfg = LaunchConfig {
@@ -122,8 +124,9 @@ impl Gpu {
             block_dim: (block, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: each wrapper in `ops` passes the argument list its kernel declares, with
-        // buffers it has checked to be large enough.
+        // SAFETY: the arguments are of the kinds and in the order the kernel's signature has
+        // (checked above; tests/cuda_kernels.rs checks the declaration against the PTX), and
+        // every wrapper passes buffers it has checked to hold what the kernel touches.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
@@ -208,15 +211,4 @@ pub fn copy_bandwidth(gpu: &Gpu) -> Result<f64, CudaError> {
     }
     times.sort_by(f64::total_cmp);
     Ok(2.0 * n as f64 / times[times.len() / 2])
-}
-
-/// The device address of a buffer, as a kernel argument.
-pub fn ptr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> Arg {
-    let (p, _sync) = s.device_ptr(&gpu.stream);
-    Arg::Ptr(p)
-}
-
-/// An optional buffer: its address, or null.
-pub fn opt_ptr<T>(gpu: &Gpu, s: Option<&CudaSlice<T>>) -> Arg {
-    s.map_or(Arg::Ptr(0), |s| ptr(gpu, s))
 }

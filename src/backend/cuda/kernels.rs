@@ -1,6 +1,8 @@
 //! The kernel registry: every CUDA kernel lockstep launches, the source file it lives in
-//! (kernels/*.cu, embedded in the binary), and their NVRTC compilation for the device's
-//! architecture with an on-disk cache, so start-up compiles only when something changed.
+//! (kernels/*.cu, embedded in the binary) and its parameter kinds, declared once here (each
+//! launch is checked against them, and tests/cuda_kernels.rs checks them against the PTX); and
+//! their NVRTC compilation for the device's architecture with an on-disk cache, so start-up
+//! compiles only when something changed.
 
 use std::path::PathBuf;
 
@@ -68,8 +70,48 @@ impl Source {
     }
 }
 
+/// The kind of one kernel parameter. PTX types a pointer as `.u64`, so [`Param::Ptr`] and
+/// [`Param::U64`] look the same in the PTX; Rust keeps them apart ([`super::args`]: a `Ptr`
+/// takes a device view or address, a `U64` a `u64`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Param {
+    /// A device address (`T*`), 0 for an absent optional buffer.
+    Ptr,
+    /// `int`.
+    I32,
+    /// `u64` (unsigned long long).
+    U64,
+    /// `float`.
+    F32,
+}
+
+impl Param {
+    /// Whether a PTX `.param` type (`.u64`, `.u32`, `.s32`, `.f32`, ...) holds this kind.
+    pub fn matches_ptx(self, ty: &str) -> bool {
+        match self {
+            Param::Ptr | Param::U64 => matches!(ty, ".u64" | ".b64" | ".s64"),
+            Param::I32 => matches!(ty, ".s32" | ".u32" | ".b32"),
+            Param::F32 => ty == ".f32",
+        }
+    }
+}
+
+/// The parameter types of `.entry NAME(...)` in `ptx`, in order (`.u64`, `.u32`, `.f32`, ...;
+/// a by-value struct shows as `.align`); `None` when the PTX has no such entry.
+pub fn ptx_entry_params<'a>(ptx: &'a str, name: &str) -> Option<Vec<&'a str>> {
+    let start = ptx.find(&format!(".entry {name}("))? + ".entry (".len() + name.len();
+    let list = &ptx[start..start + ptx[start..].find(')')?];
+    Some(
+        list.split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(|p| p.split_whitespace().nth(1).unwrap_or(p))
+            .collect(),
+    )
+}
+
 macro_rules! kernels {
-    ($($variant:ident => ($source:ident, $name:literal)),* $(,)?) => {
+    ($($variant:ident => ($source:ident, $name:literal, $params:expr)),* $(,)?) => {
         /// Every kernel lockstep launches.
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
         pub enum Kernel { $($variant),* }
@@ -85,53 +127,89 @@ macro_rules! kernels {
             pub fn symbol(self) -> &'static str {
                 match self { $(Kernel::$variant => $name),* }
             }
+
+            /// Its parameters in order, as its `extern "C"` signature declares them: what every
+            /// launch is checked against (`Gpu::launch`), and what tests/cuda_kernels.rs checks
+            /// against the compiled PTX.
+            pub fn params(self) -> &'static [Param] {
+                match self { $(Kernel::$variant => $params),* }
+            }
         }
     };
 }
 
+use Param::{Ptr, F32, I32, U64};
+
+/// `GEMM_KERNEL` in gemm.cu: x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles,
+/// num_tiles, offsets, rows, N, K, out.
+const GROUPED_GEMM: &[Param] = &[
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, Ptr, Ptr, Ptr, I32, I32, I32, Ptr,
+];
+/// `PREFILL_ATTENTION` in prefill_attention.cu: q, out, k_cache, v_cache, row_pos, row_seq,
+/// table_offsets, block_tables, tiles, heads, kv_heads, block_size, scale.
+const PREFILL_ATTENTION: &[Param] = &[
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, F32,
+];
+/// x, blocks, data, scales, deq.
+const MXFP8_QUANTIZE: &[Param] = &[Ptr, U64, Ptr, Ptr, Ptr];
+/// x, n, out.
+const AMAX: &[Param] = &[Ptr, U64, Ptr];
+/// x, out, n: the casts and `host_expf_kernel`.
+const MAP_N: &[Param] = &[Ptr, Ptr, U64];
+
 kernels! {
-    DummyFillBf16 => (Elementwise, "dummy_fill_bf16"),
-    Bf16ToF32 => (Elementwise, "bf16_to_f32_kernel"),
-    F32ToBf16 => (Elementwise, "f32_to_bf16_kernel"),
-    Embedding => (Elementwise, "embedding"),
-    RmsNorm => (Elementwise, "rms_norm"),
-    AddInplace => (Elementwise, "add_inplace"),
-    QkNormRopeStore => (Elementwise, "qk_norm_rope_store"),
-    SiluMul => (Elementwise, "silu_mul"),
-    MoeCombine => (Elementwise, "moe_combine"),
-    MoeRoute => (Moe, "moe_route"),
-    MoeCount => (Moe, "moe_count"),
-    MoePlan => (Moe, "moe_plan"),
-    MoeScatter => (Moe, "moe_scatter"),
-    Mxfp8QuantizeF32 => (Quant, "mxfp8_quantize_f32"),
-    Mxfp8QuantizeBf16 => (Quant, "mxfp8_quantize_bf16"),
-    Nvfp4QuantizeF32 => (Quant, "nvfp4_quantize_f32"),
-    Nvfp4QuantizeBf16 => (Quant, "nvfp4_quantize_bf16"),
-    AmaxBf16 => (Quant, "amax_bf16"),
-    AmaxF32 => (Quant, "amax_f32"),
-    SwizzleBlockScales => (Quant, "swizzle_block_scales"),
-    GatherRowsU8 => (Quant, "gather_rows_u8"),
-    Nvfp4Epilogue => (Quant, "nvfp4_epilogue"),
-    Fp8BlockDequantize => (Quant, "fp8_block_dequantize"),
-    GroupedGemmF32 => (Gemm, "grouped_gemm_f32"),
-    GroupedGemmBf16 => (Gemm, "grouped_gemm_bf16"),
-    GroupedGemmMxfp8 => (Gemm, "grouped_gemm_mxfp8"),
-    GroupedGemmNvfp4 => (Gemm, "grouped_gemm_nvfp4"),
-    GroupedGemmMmaBf16 => (Gemm, "grouped_gemm_mma_bf16"),
-    GroupedGemmMmaMxfp8 => (Gemm, "grouped_gemm_mma_mxfp8"),
-    GroupedGemmMmaNvfp4 => (Gemm, "grouped_gemm_mma_nvfp4"),
-    GroupedGemvF32 => (Gemm, "grouped_gemv_f32"),
-    GroupedGemvBf16 => (Gemm, "grouped_gemv_bf16"),
-    GroupedGemvMxfp8 => (Gemm, "grouped_gemv_mxfp8"),
-    GroupedGemvNvfp4 => (Gemm, "grouped_gemv_nvfp4"),
-    PagedAttention => (Attention, "paged_attention"),
-    PrefillAttentionHd32 => (PrefillAttention, "prefill_attention_hd32"),
-    PrefillAttentionHd64 => (PrefillAttention, "prefill_attention_hd64"),
-    PrefillAttentionHd128 => (PrefillAttention, "prefill_attention_hd128"),
-    SampleRows => (Sampling, "sample_rows"),
-    HostExpf => (Sampling, "host_expf_kernel"),
-    PagedAttentionSplit => (Attention, "paged_attention_split"),
-    PagedAttentionCombine => (Attention, "paged_attention_combine"),
+    DummyFillBf16 => (Elementwise, "dummy_fill_bf16", &[Ptr, U64, U64, F32]),
+    Bf16ToF32 => (Elementwise, "bf16_to_f32_kernel", MAP_N),
+    F32ToBf16 => (Elementwise, "f32_to_bf16_kernel", MAP_N),
+    Embedding => (Elementwise, "embedding", &[Ptr, Ptr, I32, Ptr, I32]),
+    RmsNorm => (Elementwise, "rms_norm", &[Ptr, Ptr, Ptr, Ptr, Ptr, I32, F32]),
+    AddInplace => (Elementwise, "add_inplace", &[Ptr, Ptr, U64]),
+    QkNormRopeStore => (Elementwise, "qk_norm_rope_store", &[
+        Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, F32,
+    ]),
+    SiluMul => (Elementwise, "silu_mul", &[Ptr, Ptr, U64, I32]),
+    MoeCombine => (Elementwise, "moe_combine", &[Ptr, Ptr, Ptr, Ptr, I32, I32]),
+    MoeRoute => (Moe, "moe_route", &[Ptr, I32, I32, I32, I32, Ptr, Ptr, Ptr]),
+    MoeCount => (Moe, "moe_count", &[Ptr, I32, Ptr]),
+    MoePlan => (Moe, "moe_plan", &[Ptr, I32, I32, Ptr, Ptr, Ptr, Ptr]),
+    MoeScatter => (Moe, "moe_scatter", &[Ptr, I32, I32, Ptr, Ptr, Ptr]),
+    Mxfp8QuantizeF32 => (Quant, "mxfp8_quantize_f32", MXFP8_QUANTIZE),
+    Mxfp8QuantizeBf16 => (Quant, "mxfp8_quantize_bf16", MXFP8_QUANTIZE),
+    Nvfp4QuantizeF32 => (Quant, "nvfp4_quantize_f32", &[
+        Ptr, I32, I32, Ptr, F32, F32, I32, Ptr, Ptr, Ptr, Ptr,
+    ]),
+    Nvfp4QuantizeBf16 => (Quant, "nvfp4_quantize_bf16", &[Ptr, I32, F32, F32, F32, I32, Ptr, Ptr]),
+    AmaxBf16 => (Quant, "amax_bf16", AMAX),
+    AmaxF32 => (Quant, "amax_f32", AMAX),
+    SwizzleBlockScales => (Quant, "swizzle_block_scales", &[Ptr, I32, I32, Ptr]),
+    GatherRowsU8 => (Quant, "gather_rows_u8", &[Ptr, Ptr, I32, I32, Ptr]),
+    Nvfp4Epilogue => (Quant, "nvfp4_epilogue", &[Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32]),
+    Fp8BlockDequantize => (Quant, "fp8_block_dequantize", &[Ptr, Ptr, U64, U64, U64, U64, Ptr]),
+    GroupedGemmF32 => (Gemm, "grouped_gemm_f32", GROUPED_GEMM),
+    GroupedGemmBf16 => (Gemm, "grouped_gemm_bf16", GROUPED_GEMM),
+    GroupedGemmMxfp8 => (Gemm, "grouped_gemm_mxfp8", GROUPED_GEMM),
+    GroupedGemmNvfp4 => (Gemm, "grouped_gemm_nvfp4", GROUPED_GEMM),
+    GroupedGemmMmaBf16 => (Gemm, "grouped_gemm_mma_bf16", GROUPED_GEMM),
+    GroupedGemmMmaMxfp8 => (Gemm, "grouped_gemm_mma_mxfp8", GROUPED_GEMM),
+    GroupedGemmMmaNvfp4 => (Gemm, "grouped_gemm_mma_nvfp4", GROUPED_GEMM),
+    GroupedGemvF32 => (Gemm, "grouped_gemv_f32", GROUPED_GEMM),
+    GroupedGemvBf16 => (Gemm, "grouped_gemv_bf16", GROUPED_GEMM),
+    GroupedGemvMxfp8 => (Gemm, "grouped_gemv_mxfp8", GROUPED_GEMM),
+    GroupedGemvNvfp4 => (Gemm, "grouped_gemv_nvfp4", GROUPED_GEMM),
+    PagedAttention => (Attention, "paged_attention", &[
+        Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, F32,
+    ]),
+    PrefillAttentionHd32 => (PrefillAttention, "prefill_attention_hd32", PREFILL_ATTENTION),
+    PrefillAttentionHd64 => (PrefillAttention, "prefill_attention_hd64", PREFILL_ATTENTION),
+    PrefillAttentionHd128 => (PrefillAttention, "prefill_attention_hd128", PREFILL_ATTENTION),
+    SampleRows => (Sampling, "sample_rows", &[Ptr, Ptr, I32, Ptr, Ptr, I32, I32, Ptr, Ptr]),
+    HostExpf => (Sampling, "host_expf_kernel", MAP_N),
+    PagedAttentionSplit => (Attention, "paged_attention_split", &[
+        Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, F32,
+    ]),
+    PagedAttentionCombine => (Attention, "paged_attention_combine", &[
+        Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32,
+    ]),
 }
 
 /// NVRTC options. Default precision (IEEE division and square root); the bit-exact paths
@@ -278,6 +356,27 @@ mod tests {
                 k.source().file_name()
             );
         }
+    }
+
+    #[test]
+    fn ptx_entry_params_reads_the_signature() {
+        let ptx = "
+.visible .entry other(\n\t.param .f32 other_param_0\n)
+.visible .entry add_inplace(
+\t.param .u64 .ptr .align 1 add_inplace_param_0,
+\t.param .u64 add_inplace_param_1,
+\t.param .u32 add_inplace_param_2
+)
+.maxntid 256, 1, 1
+{";
+        assert_eq!(
+            ptx_entry_params(ptx, "add_inplace").unwrap(),
+            [".u64", ".u64", ".u32"]
+        );
+        assert_eq!(ptx_entry_params(ptx, "other").unwrap(), [".f32"]);
+        assert_eq!(ptx_entry_params(ptx, "add"), None);
+        assert!(Param::Ptr.matches_ptx(".u64") && !Param::I32.matches_ptx(".u64"));
+        assert!(Param::F32.matches_ptx(".f32") && !Param::F32.matches_ptx(".u32"));
     }
 
     #[test]

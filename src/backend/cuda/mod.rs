@@ -6,6 +6,7 @@
 //! for the device's architecture ([`kernels`]). Every op is tested against the CPU reference
 //! on fresh random data (tests/cuda_ops.rs, run on a GPU host by scripts/gpu-check.sh).
 
+pub mod args;
 pub mod backend;
 pub mod block_scaled;
 pub mod device;
@@ -31,6 +32,8 @@ pub enum CudaError {
     Unsupported(String),
     #[error("buffer too small: {0}")]
     Capacity(String),
+    #[error("kernel arguments: {0}")]
+    KernelArgs(String),
     #[error("loading weights: {0}")]
     Load(String),
 }

@@ -12,7 +12,8 @@
 
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 
-use super::device::{ptr, Arg, Gpu};
+use super::args::View;
+use super::device::Gpu;
 use super::kernels::Kernel;
 use super::CudaError;
 use crate::sampling::{uniform, Decoding, SampleInput, SamplingError, TokenLogprobs};
@@ -325,17 +326,19 @@ impl DeviceSampler {
             Kernel::SampleRows,
             (self.host_params.len() as u32, 1, 1),
             SAMPLE_THREADS,
-            &[
-                ptr(gpu, logits),
-                ptr(gpu, &self.probs),
-                Arg::I32(self.vocab as i32),
-                ptr(gpu, &self.params),
-                ptr(gpu, &self.penalties),
-                Arg::I32(first_slot as i32),
-                Arg::I32(self.top_stride as i32),
-                ptr(gpu, &self.results),
-                ptr(gpu, &self.tops),
-            ],
+            // Sized by `new` for the rows of one launch and the slots of a step; `begin` and
+            // `sample` check the rows, slots and penalty lists against them.
+            (
+                View::whole(logits),
+                View::whole(&self.probs),
+                self.vocab as i32,
+                View::whole(&self.params),
+                View::whole(&self.penalties),
+                first_slot as i32,
+                self.top_stride as i32,
+                View::whole(&self.results),
+                View::whole(&self.tops),
+            ),
         )
     }
 
@@ -390,7 +393,7 @@ pub fn host_expf(
         Kernel::HostExpf,
         (gpu.grid_for(n, 256), 1, 1),
         256,
-        &[ptr(gpu, x), ptr(gpu, out), Arg::U64(n as u64)],
+        (View::whole(x), View::whole(out), n as u64),
     )
 }
 

@@ -1,0 +1,247 @@
+//! Launches of kernels/elementwise.cu: dummy weights, casts, embedding, RMSNorm (+ residual),
+//! q/k norm + RoPE + KV store, SwiGLU and the MoE combine.
+
+use cudarc::driver::CudaSlice;
+
+use super::{need, AttnShape, MoePlan, BLOCK};
+use crate::backend::cuda::args::{addr, DevPtr, View};
+use crate::backend::cuda::kernels::Kernel;
+use crate::backend::cuda::{CudaError, Gpu};
+
+/// Dummy weights: the counter-based generator of `model::loader` (see `dummy_key`).
+pub fn dummy_fill_bf16(
+    gpu: &Gpu,
+    out: &mut CudaSlice<u16>,
+    n: usize,
+    key: u64,
+    bound: f32,
+) -> Result<(), CudaError> {
+    let out = need(out, n, "dummy_fill out")?;
+    gpu.launch(
+        Kernel::DummyFillBf16,
+        (gpu.grid_for(n, BLOCK), 1, 1),
+        BLOCK,
+        (out, n as u64, key, bound),
+    )
+}
+
+pub fn bf16_to_f32(
+    gpu: &Gpu,
+    x: &CudaSlice<u16>,
+    out: &mut CudaSlice<f32>,
+    n: usize,
+) -> Result<(), CudaError> {
+    let x = need(x, n, "bf16_to_f32 x")?;
+    let out = need(out, n, "bf16_to_f32 out")?;
+    gpu.launch(
+        Kernel::Bf16ToF32,
+        (gpu.grid_for(n, BLOCK), 1, 1),
+        BLOCK,
+        (x, out, n as u64),
+    )
+}
+
+pub fn f32_to_bf16(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    out: &mut CudaSlice<u16>,
+    n: usize,
+) -> Result<(), CudaError> {
+    let x = need(x, n, "f32_to_bf16 x")?;
+    let out = need(out, n, "f32_to_bf16 out")?;
+    gpu.launch(
+        Kernel::F32ToBf16,
+        (gpu.grid_for(n, BLOCK), 1, 1),
+        BLOCK,
+        (x, out, n as u64),
+    )
+}
+
+/// An embedding table in its stored dtype.
+pub enum Table {
+    Bf16(CudaSlice<u16>),
+    F32(CudaSlice<f32>),
+}
+
+pub fn embedding(
+    gpu: &Gpu,
+    tokens: &CudaSlice<u32>,
+    n: usize,
+    table: &Table,
+    out: &mut CudaSlice<f32>,
+    hidden: usize,
+) -> Result<(), CudaError> {
+    let tokens = need(tokens, n, "embedding tokens")?;
+    let out = need(out, n * hidden, "embedding out")?;
+    // The kernel takes the table untyped (`const void*`) with its dtype beside it.
+    let (table, is_bf16) = match table {
+        Table::Bf16(t) => (DevPtr(addr(gpu, t)), 1),
+        Table::F32(t) => (DevPtr(addr(gpu, t)), 0),
+    };
+    if n == 0 {
+        return Ok(());
+    }
+    gpu.launch(
+        Kernel::Embedding,
+        (n as u32, 1, 1),
+        128,
+        (tokens, table, is_bf16, out, hidden as i32),
+    )
+}
+
+/// `out[i] = rms_norm(x[rows[i]]) * w` for `out_rows` rows (rows: None = 0..out_rows); with a
+/// residual, `x += residual` first (written back to x).
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm(
+    gpu: &Gpu,
+    x: &mut CudaSlice<f32>,
+    residual: Option<&CudaSlice<f32>>,
+    w: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    rows: Option<&CudaSlice<i32>>,
+    out_rows: usize,
+    d: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
+    let w = need(w, d, "rms_norm weight")?;
+    let out = need(out, out_rows * d, "rms_norm out")?;
+    // With a row index, x is read at the rows it names: their bounds are the caller's.
+    let x = match rows {
+        None => need(x, out_rows * d, "rms_norm x")?,
+        Some(_) => View::whole(x),
+    };
+    if out_rows == 0 {
+        return Ok(());
+    }
+    gpu.launch(
+        Kernel::RmsNorm,
+        (out_rows as u32, 1, 1),
+        256,
+        (
+            x,
+            residual.map(View::whole),
+            w,
+            out,
+            rows.map(View::whole),
+            d as i32,
+            eps,
+        ),
+    )
+}
+
+pub fn add_inplace(
+    gpu: &Gpu,
+    x: &mut CudaSlice<f32>,
+    y: &CudaSlice<f32>,
+    n: usize,
+) -> Result<(), CudaError> {
+    let x = need(x, n, "add x")?;
+    let y = need(y, n, "add y")?;
+    gpu.launch(
+        Kernel::AddInplace,
+        (gpu.grid_for(n, BLOCK), 1, 1),
+        BLOCK,
+        (x, y, n as u64),
+    )
+}
+
+/// q/k per-head norm (when given), RoPE at `pos`, and K/V stored into `slots` of the cache.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope_store(
+    gpu: &Gpu,
+    q: &mut CudaSlice<f32>,
+    k: &mut CudaSlice<f32>,
+    v: &CudaSlice<f32>,
+    norms: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
+    inv_freq: &CudaSlice<f32>,
+    pos: &CudaSlice<i32>,
+    slots: &CudaSlice<i32>,
+    k_cache: &mut CudaSlice<u16>,
+    v_cache: &mut CudaSlice<u16>,
+    rows: usize,
+    s: AttnShape,
+    eps: f32,
+) -> Result<(), CudaError> {
+    let q = need(q, rows * s.heads * s.head_dim, "rope q")?;
+    let k = need(k, rows * s.kv_heads * s.head_dim, "rope k")?;
+    let v = need(v, rows * s.kv_heads * s.head_dim, "rope v")?;
+    let inv_freq = need(inv_freq, s.head_dim / 2, "rope inv_freq")?;
+    let pos = need(pos, rows, "rope positions")?;
+    let slots = need(slots, rows, "rope slots")?;
+    if rows == 0 {
+        return Ok(());
+    }
+    gpu.launch(
+        Kernel::QkNormRopeStore,
+        (rows as u32, (s.heads + s.kv_heads) as u32, 1),
+        32,
+        (
+            q,
+            k,
+            v,
+            norms.map(|n| View::whole(n.0)),
+            norms.map(|n| View::whole(n.1)),
+            inv_freq,
+            pos,
+            slots,
+            // The slots index the caches: the KV allocator keeps them in bounds.
+            View::whole(k_cache),
+            View::whole(v_cache),
+            s.heads as i32,
+            s.kv_heads as i32,
+            s.head_dim as i32,
+            eps,
+        ),
+    )
+}
+
+pub fn silu_mul(
+    gpu: &Gpu,
+    gu: &CudaSlice<f32>,
+    h: &mut CudaSlice<f32>,
+    rows: usize,
+    inter: usize,
+) -> Result<(), CudaError> {
+    let gu = need(gu, rows * 2 * inter, "silu_mul gate_up")?;
+    let h = need(h, rows * inter, "silu_mul out")?;
+    let n = rows * inter;
+    if n == 0 {
+        return Ok(());
+    }
+    gpu.launch(
+        Kernel::SiluMul,
+        (gpu.grid_for(n, BLOCK), 1, 1),
+        BLOCK,
+        (gu, h, rows as u64, inter as i32),
+    )
+}
+
+pub fn moe_combine(
+    gpu: &Gpu,
+    expert_out: &CudaSlice<f32>,
+    plan: &MoePlan,
+    weights: &CudaSlice<f32>,
+    y: &mut CudaSlice<f32>,
+    tokens: usize,
+    top_k: usize,
+    hidden: usize,
+) -> Result<(), CudaError> {
+    let expert_out = need(expert_out, tokens * top_k * hidden, "combine expert_out")?;
+    let y = need(y, tokens * hidden, "combine out")?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    gpu.launch(
+        Kernel::MoeCombine,
+        (tokens as u32, 1, 1),
+        256,
+        (
+            expert_out,
+            View::whole(&plan.slot_row),
+            View::whole(weights),
+            y,
+            top_k as i32,
+            hidden as i32,
+        ),
+    )
+}

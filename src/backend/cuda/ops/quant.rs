@@ -1,0 +1,255 @@
+//! Launches of kernels/quant.cu's quantizers: the contract's MXFP8 and NVFP4 quantization of
+//! activations and weights, the NaN-skipping amax, and block-FP8 dequantization at load. (The
+//! Blackwell operand preparation in the same file is launched by `super::super::block_scaled`.)
+
+use cudarc::driver::CudaSlice;
+
+use super::{need, BLOCK};
+use crate::backend::cuda::args::View;
+use crate::backend::cuda::kernels::Kernel;
+use crate::backend::cuda::{CudaError, Gpu};
+
+/// MXFP8 1x32 quantization of `n` elements (whole rows); `deq` gets the exact dequantized
+/// values.
+pub fn mxfp8_quantize<T: QuantInput>(
+    gpu: &Gpu,
+    x: &CudaSlice<T>,
+    n: usize,
+    data: &mut CudaSlice<u8>,
+    scales: &mut CudaSlice<u8>,
+    deq: Option<&mut CudaSlice<f32>>,
+) -> Result<(), CudaError> {
+    check_block(n, 32)?;
+    let x = need(x, n, "mxfp8 x")?;
+    let data = need(data, n, "mxfp8 data")?;
+    let scales = need(scales, n / 32, "mxfp8 scales")?;
+    let blocks = n / 32;
+    if blocks == 0 {
+        return Ok(());
+    }
+    gpu.launch(
+        T::MXFP8,
+        (gpu.grid_for(blocks, 128), 1, 1),
+        128,
+        (x, blocks as u64, data, scales, deq.map(|d| View::whole(d))),
+    )
+}
+
+fn check_block(n: usize, block: usize) -> Result<(), CudaError> {
+    if n % block != 0 {
+        return Err(CudaError::Capacity(format!(
+            "{n} elements are not whole blocks of {block}"
+        )));
+    }
+    Ok(())
+}
+
+/// NVFP4 options of one quantization: the second-level range (2688, or 6 * e4m3_range with
+/// four-over-six) and four-over-six's E4M3 range and metric.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Nvfp4Params {
+    pub range: f32,
+    /// 0: four-over-six off.
+    pub fos_range: f32,
+    pub fos_squared: bool,
+}
+
+impl Nvfp4Params {
+    pub fn from_four_over_six(fos: Option<crate::quant::FourOverSix>) -> Nvfp4Params {
+        match fos {
+            None => Nvfp4Params {
+                range: 2688.0,
+                fos_range: 0.0,
+                fos_squared: false,
+            },
+            Some(f) => Nvfp4Params {
+                range: 6.0 * f.e4m3_range,
+                fos_range: f.e4m3_range,
+                fos_squared: f.metric == crate::quant::nvfp4::ErrorMetric::Squared,
+            },
+        }
+    }
+}
+
+/// The outputs of an activation quantization.
+pub struct Nvfp4Out<'a> {
+    pub data: &'a mut CudaSlice<u8>,
+    pub scales: &'a mut CudaSlice<u8>,
+    /// Per row: s_tok (per token) or the tensor's S_dec.
+    pub row_s_dec: &'a mut CudaSlice<f32>,
+    /// Block-scaled values e2m1 * e4m3, the GEMM operand.
+    pub deq: Option<&'a mut CudaSlice<f32>>,
+}
+
+/// NVFP4 quantization of f32 rows, per token or per tensor (`tensor_amax` from [`amax`]).
+#[allow(clippy::too_many_arguments)]
+pub fn nvfp4_quantize_f32(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+    per_token: bool,
+    tensor_amax: Option<&CudaSlice<u32>>,
+    p: Nvfp4Params,
+    out: Nvfp4Out<'_>,
+) -> Result<(), CudaError> {
+    check_block(cols, 16)?;
+    let x = need(x, rows * cols, "nvfp4 x")?;
+    let data = need(out.data, rows * cols / 2, "nvfp4 data")?;
+    let scales = need(out.scales, rows * cols / 16, "nvfp4 scales")?;
+    let row_s_dec = need(out.row_s_dec, rows, "nvfp4 row scales")?;
+    if !per_token && tensor_amax.is_none() {
+        return Err(CudaError::Capacity(
+            "per-tensor NVFP4 needs the tensor amax".into(),
+        ));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    gpu.launch(
+        Kernel::Nvfp4QuantizeF32,
+        (rows as u32, 1, 1),
+        128,
+        (
+            x,
+            cols as i32,
+            per_token as i32,
+            tensor_amax.map(View::whole),
+            p.range,
+            p.fos_range,
+            p.fos_squared as i32,
+            data,
+            scales,
+            row_s_dec,
+            out.deq.map(|d| View::whole(d)),
+        ),
+    )
+}
+
+/// NVFP4 quantization of BF16 weight rows with a given (per-tensor or shared) amax.
+#[allow(clippy::too_many_arguments)]
+pub fn nvfp4_quantize_bf16(
+    gpu: &Gpu,
+    x: &CudaSlice<u16>,
+    rows: usize,
+    cols: usize,
+    amax: f32,
+    p: Nvfp4Params,
+    data: &mut CudaSlice<u8>,
+    scales: &mut CudaSlice<u8>,
+) -> Result<(), CudaError> {
+    check_block(cols, 16)?;
+    let x = need(x, rows * cols, "nvfp4 x")?;
+    let data = need(data, rows * cols / 2, "nvfp4 data")?;
+    let scales = need(scales, rows * cols / 16, "nvfp4 scales")?;
+    if rows == 0 {
+        return Ok(());
+    }
+    gpu.launch(
+        Kernel::Nvfp4QuantizeBf16,
+        (rows as u32, 1, 1),
+        128,
+        (
+            x,
+            cols as i32,
+            amax,
+            p.range,
+            p.fos_range,
+            p.fos_squared as i32,
+            data,
+            scales,
+        ),
+    )
+}
+
+/// Block-FP8 weights dequantized on the device, bit for bit `quant::fp8_block::dequantize`:
+/// `q` E4M3 `[rows, cols]`, `scale_inv` `[ceil(rows/bn), ceil(cols/bk)]` (checked by the caller).
+#[allow(clippy::too_many_arguments)]
+pub fn fp8_block_dequantize(
+    gpu: &Gpu,
+    q: &CudaSlice<u8>,
+    scale_inv: &CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+    block: (usize, usize),
+    out: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    let (bn, bk) = block;
+    if bn == 0 || bk == 0 {
+        return Err(CudaError::Capacity(
+            "weight_block_size must be positive".into(),
+        ));
+    }
+    let n = rows * cols;
+    let q = need(q, n, "fp8 dequantize q")?;
+    let scale_inv = need(
+        scale_inv,
+        rows.div_ceil(bn) * cols.div_ceil(bk),
+        "fp8 dequantize scale_inv",
+    )?;
+    let out = need(out, n, "fp8 dequantize out")?;
+    if n == 0 {
+        return Ok(());
+    }
+    gpu.launch(
+        Kernel::Fp8BlockDequantize,
+        (gpu.grid_for(n, BLOCK), 1, 1),
+        BLOCK,
+        (
+            q,
+            scale_inv,
+            rows as u64,
+            cols as u64,
+            bn as u64,
+            bk as u64,
+            out,
+        ),
+    )
+}
+
+/// Element types the quantizers read: f32 activations, BF16 weights (as raw bits).
+pub trait QuantInput: cudarc::driver::DeviceRepr {
+    const AMAX: Kernel;
+    const MXFP8: Kernel;
+}
+
+impl QuantInput for f32 {
+    const AMAX: Kernel = Kernel::AmaxF32;
+    const MXFP8: Kernel = Kernel::Mxfp8QuantizeF32;
+}
+
+impl QuantInput for u16 {
+    const AMAX: Kernel = Kernel::AmaxBf16;
+    const MXFP8: Kernel = Kernel::Mxfp8QuantizeBf16;
+}
+
+/// `out = [max |x| bits, any number]`, the contract's NaN-skipping amax.
+pub fn amax<T: QuantInput>(
+    gpu: &Gpu,
+    x: &CudaSlice<T>,
+    n: usize,
+    out: &mut CudaSlice<u32>,
+) -> Result<(), CudaError> {
+    let x = need(x, n, "amax x")?;
+    need(out, 2, "amax out")?;
+    gpu.stream.memset_zeros(out)?;
+    if n == 0 {
+        return Ok(());
+    }
+    gpu.launch(
+        T::AMAX,
+        (gpu.grid_for(n, BLOCK), 1, 1),
+        BLOCK,
+        // `out` was checked above, before it was zeroed.
+        (x, n as u64, View::whole(out)),
+    )
+}
+
+/// The amax from [`amax`]'s output (NaN when no element was a number).
+pub fn amax_value(bits: &[u32], n: usize) -> f32 {
+    if n > 0 && bits[1] == 0 {
+        f32::NAN
+    } else {
+        f32::from_bits(bits[0])
+    }
+}
