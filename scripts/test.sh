@@ -18,6 +18,16 @@ if [ ! -e "$nvrtc_dir/nvidia/cu13/lib/libnvrtc.so.13" ]; then
 fi
 export LD_LIBRARY_PATH="$PWD/$nvrtc_dir/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
+# Tests that cannot run here (an asset not fetched) record why; the list is printed below.
+export LOCKSTEP_SKIP_LOG="$PWD/target/skipped-tests.txt"
+mkdir -p target && rm -f "$LOCKSTEP_SKIP_LOG"
+print_skips() {
+  if [ -s "$LOCKSTEP_SKIP_LOG" ]; then
+    echo "== Rust tests that skipped:"
+    sort -u "$LOCKSTEP_SKIP_LOG"
+  fi
+}
+trap print_skips EXIT
 cargo test --release --all-targets -q
 cargo test --release --doc -q
 

@@ -18,3 +18,26 @@ pub mod serve;
 pub mod server;
 pub mod tokenizer;
 pub mod train;
+
+/// Support for the test suites (not part of the API).
+#[doc(hidden)]
+pub mod testing {
+    use std::io::Write;
+
+    /// A test that cannot run here (an asset that was not fetched) says so: on stderr, and in
+    /// the file `$LOCKSTEP_SKIP_LOG` names, which scripts/test.sh prints after the run, so a
+    /// skip is never silent behind a passing test.
+    pub fn skip(test: &str, why: &str) {
+        let line = format!("SKIPPED {test}: {why}");
+        eprintln!("{line}");
+        if let Some(path) = std::env::var_os("LOCKSTEP_SKIP_LOG") {
+            if let Ok(mut f) = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+            {
+                let _ = writeln!(f, "{line}");
+            }
+        }
+    }
+}

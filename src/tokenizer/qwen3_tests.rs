@@ -23,9 +23,9 @@ fn qwen3() -> Option<Arc<Tokenizer>> {
         })
     });
     if tok.is_none() {
-        eprintln!(
-            "skipping Qwen3 tokenizer test: {} is missing; run scripts/fetch_test_assets.sh",
-            path.display()
+        crate::testing::skip(
+            "Qwen3 tokenizer tests",
+            &format!("{} is missing; run scripts/fetch_test_assets.sh", path.display()),
         );
     }
     tok.clone()
