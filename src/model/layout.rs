@@ -92,6 +92,11 @@ impl Place {
         }
     }
 
+    /// A SwiGLU's module prefix (`...mlp` or `...mlp.experts.{e}`) for its gate/up/down.
+    pub fn swiglu_prefix(layer: usize, expert: Option<usize>) -> String {
+        swiglu_prefix(layer, expert)
+    }
+
     /// The checkpoint tensor name (`{module}.weight`).
     pub fn name(&self) -> String {
         format!("{}.weight", self.module())

@@ -4,13 +4,14 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{device_mlp, CudaWeights};
+use super::{assemble, CudaWeights, DeviceSource};
 use crate::backend::cuda::ops::{self, Nvfp4Params, Table, WeightData};
 use crate::backend::cuda::weights::{Activation, GpuMatrix};
 use crate::backend::cuda::{CudaError, Gpu};
 use crate::model::layout::shares_gate_up_scale;
 use crate::model::loader::{dummy_bound, dummy_key};
-use crate::model::{Layer, Model, ModelConfig};
+use crate::model::layout::Place;
+use crate::model::ModelConfig;
 use crate::quant::nvfp4::{ScaleGranularity, SecondLevel};
 use crate::quant::{Format, Recipe, TensorFormat};
 
@@ -138,6 +139,86 @@ impl DummyWeights<'_> {
     }
 }
 
+/// The dummy generator as a model source: the recipe's formats, norms of ones.
+struct DummySource<'a> {
+    d: DummyWeights<'a>,
+    cfg: &'a ModelConfig,
+    recipe: &'a Recipe,
+}
+
+impl DummySource<'_> {
+    fn format(&self, module: &str, cols: usize) -> TensorFormat {
+        self.recipe
+            .format_for(module, self.cfg.num_layers)
+            .fitting(cols)
+    }
+}
+
+impl DeviceSource for DummySource<'_> {
+    type Error = CudaError;
+
+    fn embedding(&self, place: Place, rows: usize, cols: usize) -> Result<Table, CudaError> {
+        Ok(Table::Bf16(self.d.bf16(&place.name(), rows, cols)?))
+    }
+
+    fn vector(&self, _place: Place, len: usize) -> Result<CudaSlice<f32>, CudaError> {
+        self.d.gpu.upload(&vec![1f32; len])
+    }
+
+    fn plain(&self, place: Place, rows: usize, cols: usize) -> Result<GpuMatrix, CudaError> {
+        self.d
+            .matrix(&[vec![(place.name(), rows)]], cols, &TensorFormat::BF16, false)
+    }
+
+    fn linear(&self, place: Place, rows: usize, cols: usize) -> Result<GpuMatrix, CudaError> {
+        let f = self.format(&place.module(), cols);
+        self.d.matrix(&[vec![(place.name(), rows)]], cols, &f, false)
+    }
+
+    fn swiglu(
+        &self,
+        prefixes: &[String],
+        hidden: usize,
+        inter: usize,
+    ) -> Result<(GpuMatrix, GpuMatrix), CudaError> {
+        let (g, u) = (
+            self.format(&format!("{}.gate_proj", prefixes[0]), hidden),
+            self.format(&format!("{}.up_proj", prefixes[0]), hidden),
+        );
+        if g != u {
+            return Err(CudaError::Unsupported(
+                "gate and up in different formats".into(),
+            ));
+        }
+        let gate_up: Vec<Vec<(String, usize)>> = prefixes
+            .iter()
+            .map(|p| {
+                vec![
+                    (format!("{p}.gate_proj.weight"), inter),
+                    (format!("{p}.up_proj.weight"), inter),
+                ]
+            })
+            .collect();
+        let down: Vec<Vec<(String, usize)>> = prefixes
+            .iter()
+            .map(|p| vec![(format!("{p}.down_proj.weight"), hidden)])
+            .collect();
+        let df = self.format(&format!("{}.down_proj", prefixes[0]), inter);
+        Ok((
+            self.d
+                .matrix(&gate_up, hidden, &g, shares_gate_up_scale(g.format, u.format))?,
+            self.d.matrix(&down, inter, &df, false)?,
+        ))
+    }
+
+    fn lm_head(&self, _table: &Table) -> Result<Option<GpuMatrix>, CudaError> {
+        let c = self.cfg;
+        (!c.tie_word_embeddings)
+            .then(|| self.plain(Place::LmHead, c.vocab_size, c.hidden_size))
+            .transpose()
+    }
+}
+
 impl CudaWeights {
     /// Dummy weights drawn on the device: the values `loader::dummy_model(cfg, recipe, seed)`
     /// builds on the CPU, in the same formats.
@@ -147,96 +228,11 @@ impl CudaWeights {
         recipe: &Recipe,
         seed: u64,
     ) -> Result<CudaWeights, CudaError> {
-        let d = DummyWeights { gpu, seed };
-        let h = cfg.hidden_size;
-        let fmt =
-            |module: &str, cols: usize| recipe.format_for(module, cfg.num_layers).fitting(cols);
-        let single = |module: String, rows: usize, cols: usize| {
-            let f = fmt(&module, cols);
-            d.matrix(&[vec![(format!("{module}.weight"), rows)]], cols, &f, false)
+        let src = DummySource {
+            d: DummyWeights { gpu, seed },
+            cfg,
+            recipe,
         };
-        let ones = |n: usize| gpu.upload(&vec![1f32; n]);
-        // A SwiGLU (dense MLP or each expert): gate+up stacked, and down; NVFP4 gate/up share
-        // one second-level scale as in the CPU loader.
-        let swiglu =
-            |prefixes: &[String], inter: usize| -> Result<(GpuMatrix, GpuMatrix), CudaError> {
-                let (g, u) = (
-                    fmt(&format!("{}.gate_proj", prefixes[0]), h),
-                    fmt(&format!("{}.up_proj", prefixes[0]), h),
-                );
-                if g != u {
-                    return Err(CudaError::Unsupported(
-                        "gate and up in different formats".into(),
-                    ));
-                }
-                let share = shares_gate_up_scale(g.format, u.format);
-                let gate_up: Vec<Vec<(String, usize)>> = prefixes
-                    .iter()
-                    .map(|p| {
-                        vec![
-                            (format!("{p}.gate_proj.weight"), inter),
-                            (format!("{p}.up_proj.weight"), inter),
-                        ]
-                    })
-                    .collect();
-                let down: Vec<Vec<(String, usize)>> = prefixes
-                    .iter()
-                    .map(|p| vec![(format!("{p}.down_proj.weight"), h)])
-                    .collect();
-                let df = fmt(&format!("{}.down_proj", prefixes[0]), inter);
-                Ok((
-                    d.matrix(&gate_up, h, &g, share)?,
-                    d.matrix(&down, inter, &df, false)?,
-                ))
-            };
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        for l in 0..cfg.num_layers {
-            let p = format!("model.layers.{l}");
-            let mlp = if cfg.is_moe_layer(l) {
-                let moe = cfg.moe.as_ref().expect("moe layer has a moe config");
-                let prefixes: Vec<String> = (0..moe.num_experts)
-                    .map(|e| format!("{p}.mlp.experts.{e}"))
-                    .collect();
-                let (gate_up, down) = swiglu(&prefixes, moe.intermediate_size)?;
-                let router = d.matrix(
-                    &[vec![(format!("{p}.mlp.gate.weight"), moe.num_experts)]],
-                    h,
-                    &TensorFormat::BF16,
-                    false,
-                )?;
-                device_mlp(cfg, Some(router), gate_up, down)
-            } else {
-                let (gate_up, down) = swiglu(&[format!("{p}.mlp")], cfg.intermediate_size)?;
-                device_mlp(cfg, None, gate_up, down)
-            };
-            let (q_norm, k_norm) = if cfg.qk_norm {
-                (Some(ones(cfg.head_dim)?), Some(ones(cfg.head_dim)?))
-            } else {
-                (None, None)
-            };
-            layers.push(Layer {
-                input_norm: ones(h)?,
-                post_attention_norm: ones(h)?,
-                q_proj: single(format!("{p}.self_attn.q_proj"), cfg.q_size(), h)?,
-                k_proj: single(format!("{p}.self_attn.k_proj"), cfg.kv_size(), h)?,
-                v_proj: single(format!("{p}.self_attn.v_proj"), cfg.kv_size(), h)?,
-                o_proj: single(format!("{p}.self_attn.o_proj"), h, cfg.q_size())?,
-                q_norm,
-                k_norm,
-                mlp,
-            });
-        }
-        let embed = Table::Bf16(d.bf16("model.embed_tokens.weight", cfg.vocab_size, h)?);
-        let lm_head = if cfg.tie_word_embeddings {
-            None
-        } else {
-            Some(d.matrix(
-                &[vec![("lm_head.weight".to_string(), cfg.vocab_size)]],
-                h,
-                &TensorFormat::BF16,
-                false,
-            )?)
-        };
-        Model::on_device(gpu, cfg.clone(), embed, layers, ones(h)?, lm_head)
+        assemble(gpu, cfg, &src)
     }
 }

@@ -10,11 +10,11 @@
 use cudarc::driver::CudaSlice;
 use safetensors::tensor::Dtype;
 
-use super::{device_mlp, CudaWeights};
+use super::{assemble, CudaWeights, DeviceSource};
 use crate::backend::cuda::ops::{self, Nvfp4Out, Nvfp4Params, Table, WeightData};
 use crate::backend::cuda::weights::{Activation, GpuMatrix};
 use crate::backend::cuda::{CudaError, Gpu};
-use crate::model::{Layer, Model};
+use crate::model::layout::Place;
 use crate::checkpoint::to_f32;
 use crate::model::loader::{
     checked_tensor, fp8_scale_inv, gate_up_shares_level, linear_format, lm_head_is_embedding,
@@ -451,69 +451,55 @@ fn table_matrix(
     })
 }
 
+impl DeviceSource for DeviceLoader<'_> {
+    type Error = DeviceLoadError;
+
+    fn embedding(&self, place: Place, rows: usize, cols: usize) -> Result<Table, Self::Error> {
+        Ok(match self.dense(&place.name(), rows, cols)? {
+            DeviceDense::Bf16(t) => Table::Bf16(t),
+            DeviceDense::F32(t) => Table::F32(t),
+        })
+    }
+
+    fn vector(&self, place: Place, len: usize) -> Result<CudaSlice<f32>, Self::Error> {
+        DeviceLoader::vector(self, &place.name(), len)
+    }
+
+    fn plain(&self, place: Place, rows: usize, cols: usize) -> Result<GpuMatrix, Self::Error> {
+        DeviceLoader::plain(self, &place.name(), rows, cols)
+    }
+
+    fn linear(&self, place: Place, rows: usize, cols: usize) -> Result<GpuMatrix, Self::Error> {
+        self.single(&place.module(), rows, cols)
+    }
+
+    fn swiglu(
+        &self,
+        prefixes: &[String],
+        hidden: usize,
+        inter: usize,
+    ) -> Result<(GpuMatrix, GpuMatrix), Self::Error> {
+        DeviceLoader::swiglu(self, prefixes, hidden, inter)
+    }
+
+    /// As the host loader: the table's copy when tied or the checkpoint has no lm_head.
+    fn lm_head(&self, table: &Table) -> Result<Option<GpuMatrix>, Self::Error> {
+        let cfg = &self.src.config;
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        Ok(Some(if lm_head_is_embedding(cfg, Some(&self.src.ckpt)) {
+            table_matrix(self.gpu, table, v, h)?
+        } else {
+            DeviceLoader::plain(self, &Place::LmHead.name(), v, h)?
+        }))
+    }
+}
+
 impl CudaWeights {
     /// Loads an opened checkpoint straight into device memory (see the module doc).
     pub fn from_checkpoint(
         gpu: &Gpu,
         src: &ServingCheckpoint,
     ) -> Result<CudaWeights, DeviceLoadError> {
-        let d = DeviceLoader { gpu, src };
-        let cfg = &src.config;
-        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-        let embed = match d.dense("model.embed_tokens.weight", v, h)? {
-            DeviceDense::Bf16(t) => Table::Bf16(t),
-            DeviceDense::F32(t) => Table::F32(t),
-        };
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        for l in 0..cfg.num_layers {
-            let p = format!("model.layers.{l}");
-            let mlp = if cfg.is_moe_layer(l) {
-                let moe = cfg.moe.as_ref().expect("moe layer has a moe config");
-                let prefixes: Vec<String> = (0..moe.num_experts)
-                    .map(|e| format!("{p}.mlp.experts.{e}"))
-                    .collect();
-                let router = d.plain(&format!("{p}.mlp.gate.weight"), moe.num_experts, h)?;
-                let (gate_up, down) = d.swiglu(&prefixes, h, moe.intermediate_size)?;
-                device_mlp(cfg, Some(router), gate_up, down)
-            } else {
-                let (gate_up, down) = d.swiglu(&[format!("{p}.mlp")], h, cfg.intermediate_size)?;
-                device_mlp(cfg, None, gate_up, down)
-            };
-            let (q_norm, k_norm) = if cfg.qk_norm {
-                (
-                    Some(d.vector(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?),
-                    Some(d.vector(&format!("{p}.self_attn.k_norm.weight"), cfg.head_dim)?),
-                )
-            } else {
-                (None, None)
-            };
-            layers.push(Layer {
-                input_norm: d.vector(&format!("{p}.input_layernorm.weight"), h)?,
-                post_attention_norm: d
-                    .vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                q_proj: d.single(&format!("{p}.self_attn.q_proj"), cfg.q_size(), h)?,
-                k_proj: d.single(&format!("{p}.self_attn.k_proj"), cfg.kv_size(), h)?,
-                v_proj: d.single(&format!("{p}.self_attn.v_proj"), cfg.kv_size(), h)?,
-                o_proj: d.single(&format!("{p}.self_attn.o_proj"), h, cfg.q_size())?,
-                q_norm,
-                k_norm,
-                mlp,
-            });
-        }
-        let norm = d.vector("model.norm.weight", h)?;
-        let lm_head = if lm_head_is_embedding(cfg, Some(&src.ckpt)) {
-            table_matrix(gpu, &embed, v, h)?
-        } else {
-            d.plain("lm_head.weight", v, h)?
-        };
-        gpu.synchronize()?;
-        Ok(Model::on_device(
-            gpu,
-            cfg.clone(),
-            embed,
-            layers,
-            norm,
-            Some(lm_head),
-        )?)
+        assemble(gpu, &src.config, &DeviceLoader { gpu, src })
     }
 }

@@ -19,6 +19,7 @@ use crate::backend::cuda::weights::GpuMatrix;
 use crate::backend::cuda::{CudaError, Gpu};
 use crate::backend::{Linear, MoeShape, Sampled};
 use crate::model::checksum::WeightsChecksum;
+use crate::model::layout::{Place, Proj};
 use crate::model::slots::{Replacement, SlotShape};
 use crate::model::store::{StoreError, WeightStore};
 use crate::sampling::SampleInput;
@@ -137,6 +138,77 @@ impl WeightStore for CudaModel {
         let (gpu, weights) = (&self.backend.gpu, &mut self.weights);
         weights.write_replacements(gpu, &self.config, updates)
     }
+}
+
+/// Where a device model's tensors come from (a checkpoint, or the dummy generator): each
+/// method makes one tensor (or one stack) of the layout on the device.
+trait DeviceSource {
+    type Error: From<CudaError>;
+    fn embedding(&self, place: Place, rows: usize, cols: usize) -> Result<Table, Self::Error>;
+    fn vector(&self, place: Place, len: usize) -> Result<CudaSlice<f32>, Self::Error>;
+    /// A high-precision matrix (a router).
+    fn plain(&self, place: Place, rows: usize, cols: usize) -> Result<GpuMatrix, Self::Error>;
+    /// A linear layer in its recipe's format.
+    fn linear(&self, place: Place, rows: usize, cols: usize) -> Result<GpuMatrix, Self::Error>;
+    /// The SwiGLUs `prefixes` (a dense MLP, or every expert of a layer) as a gate+up stack and
+    /// a down stack; an NVFP4 gate/up pair shares one second-level scale.
+    fn swiglu(
+        &self,
+        prefixes: &[String],
+        hidden: usize,
+        inter: usize,
+    ) -> Result<(GpuMatrix, GpuMatrix), Self::Error>;
+    /// lm_head (None: tied to the table).
+    fn lm_head(&self, table: &Table) -> Result<Option<GpuMatrix>, Self::Error>;
+}
+
+/// The whole model from `src`, in the layout's order.
+fn assemble<S: DeviceSource>(
+    gpu: &Gpu,
+    cfg: &ModelConfig,
+    src: &S,
+) -> Result<CudaWeights, S::Error> {
+    let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+    let embed = src.embedding(Place::Embedding, v, h)?;
+    let mut layers = Vec::with_capacity(cfg.num_layers);
+    for l in 0..cfg.num_layers {
+        let mlp = match cfg.moe.as_ref().filter(|_| cfg.is_moe_layer(l)) {
+            Some(moe) => {
+                let prefixes: Vec<String> = (0..moe.num_experts)
+                    .map(|e| Place::swiglu_prefix(l, Some(e)))
+                    .collect();
+                let router = src.plain(Place::Router(l), moe.num_experts, h)?;
+                let (gate_up, down) = src.swiglu(&prefixes, h, moe.intermediate_size)?;
+                device_mlp(cfg, Some(router), gate_up, down)
+            }
+            None => {
+                let prefixes = [Place::swiglu_prefix(l, None)];
+                let (gate_up, down) = src.swiglu(&prefixes, h, cfg.intermediate_size)?;
+                device_mlp(cfg, None, gate_up, down)
+            }
+        };
+        let qk = |place| {
+            cfg.qk_norm
+                .then(|| src.vector(place, cfg.head_dim))
+                .transpose()
+        };
+        let attention = |proj, rows, cols| src.linear(Place::Attention(l, proj), rows, cols);
+        layers.push(Layer {
+            input_norm: src.vector(Place::InputNorm(l), h)?,
+            post_attention_norm: src.vector(Place::PostAttentionNorm(l), h)?,
+            q_proj: attention(Proj::Q, cfg.q_size(), h)?,
+            k_proj: attention(Proj::K, cfg.kv_size(), h)?,
+            v_proj: attention(Proj::V, cfg.kv_size(), h)?,
+            o_proj: attention(Proj::O, h, cfg.q_size())?,
+            q_norm: qk(Place::QNorm(l))?,
+            k_norm: qk(Place::KNorm(l))?,
+            mlp,
+        });
+    }
+    let norm = src.vector(Place::FinalNorm, h)?;
+    let lm_head = src.lm_head(&embed)?;
+    gpu.synchronize()?;
+    Ok(Model::on_device(gpu, cfg.clone(), embed, layers, norm, lm_head)?)
 }
 
 /// A layer's MLP from its device matrices: an MoE when it has a router, else a dense SwiGLU.
