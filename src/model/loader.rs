@@ -1,6 +1,7 @@
 //! Building a [`Model`] from a checkpoint (BF16/F16/F32, block FP8, MXFP8, ModelOpt NVFP4) or
 //! from deterministic dummy weights, with linear layers in the formats a recipe assigns.
 
+use super::layout::{Place, Proj};
 use std::path::Path;
 
 use half::bf16;
@@ -499,59 +500,52 @@ impl Builder<'_> {
     }
 
     fn layer(&self, cfg: &ModelConfig, l: usize) -> Result<Layer, LoadError> {
-        let p = format!("model.layers.{l}");
         let h = cfg.hidden_size;
-        let qk_norm = |n: &str| -> Result<Option<Vec<f32>>, LoadError> {
-            if cfg.qk_norm {
-                Ok(Some(self.src.vector(
-                    &format!("{p}.self_attn.{n}.weight"),
-                    cfg.head_dim,
-                    DummyInit::Ones,
-                )?))
-            } else {
-                Ok(None)
+        let norm = |place: Place, len| self.src.vector(&place.name(), len, DummyInit::Ones);
+        let qk_norm = |place| cfg.qk_norm.then(|| norm(place, cfg.head_dim)).transpose();
+        let attention =
+            |proj, rows, cols| self.linear(&Place::Attention(l, proj).module(), rows, cols, None);
+        let mlp = match cfg.moe.as_ref().filter(|_| cfg.is_moe_layer(l)) {
+            Some(moe) => {
+                let router = make_linear(
+                    self.src.dense(
+                        &Place::Router(l).name(),
+                        moe.num_experts,
+                        h,
+                        DummyInit::FanIn(h),
+                    )?,
+                    moe.num_experts,
+                    h,
+                    &TensorFormat::BF16,
+                    None,
+                );
+                let experts = (0..moe.num_experts)
+                    .map(|e| {
+                        self.swiglu(&Place::swiglu_prefix(l, Some(e)), h, moe.intermediate_size)
+                    })
+                    .collect::<Result<_, _>>()?;
+                Mlp::Moe(Moe {
+                    router,
+                    experts,
+                    top_k: moe.top_k,
+                    norm_topk_prob: moe.norm_topk_prob,
+                })
             }
-        };
-        let mlp = if cfg.is_moe_layer(l) {
-            let moe = cfg.moe.as_ref().expect("moe layer has a moe config");
-            let router_name = format!("{p}.mlp.gate.weight");
-            let router = make_linear(
-                self.src
-                    .dense(&router_name, moe.num_experts, h, DummyInit::FanIn(h))?,
-                moe.num_experts,
+            None => Mlp::Dense(self.swiglu(
+                &Place::swiglu_prefix(l, None),
                 h,
-                &TensorFormat::BF16,
-                None,
-            );
-            let experts = (0..moe.num_experts)
-                .map(|e| self.swiglu(&format!("{p}.mlp.experts.{e}"), h, moe.intermediate_size))
-                .collect::<Result<_, _>>()?;
-            Mlp::Moe(Moe {
-                router,
-                experts,
-                top_k: moe.top_k,
-                norm_topk_prob: moe.norm_topk_prob,
-            })
-        } else {
-            Mlp::Dense(self.swiglu(&format!("{p}.mlp"), h, cfg.intermediate_size)?)
+                cfg.intermediate_size,
+            )?),
         };
         Ok(Layer {
-            input_norm: self.src.vector(
-                &format!("{p}.input_layernorm.weight"),
-                h,
-                DummyInit::Ones,
-            )?,
-            post_attention_norm: self.src.vector(
-                &format!("{p}.post_attention_layernorm.weight"),
-                h,
-                DummyInit::Ones,
-            )?,
-            q_proj: self.linear(&format!("{p}.self_attn.q_proj"), cfg.q_size(), h, None)?,
-            k_proj: self.linear(&format!("{p}.self_attn.k_proj"), cfg.kv_size(), h, None)?,
-            v_proj: self.linear(&format!("{p}.self_attn.v_proj"), cfg.kv_size(), h, None)?,
-            o_proj: self.linear(&format!("{p}.self_attn.o_proj"), h, cfg.q_size(), None)?,
-            q_norm: qk_norm("q_norm")?,
-            k_norm: qk_norm("k_norm")?,
+            input_norm: norm(Place::InputNorm(l), h)?,
+            post_attention_norm: norm(Place::PostAttentionNorm(l), h)?,
+            q_proj: attention(Proj::Q, cfg.q_size(), h)?,
+            k_proj: attention(Proj::K, cfg.kv_size(), h)?,
+            v_proj: attention(Proj::V, cfg.kv_size(), h)?,
+            o_proj: attention(Proj::O, h, cfg.q_size())?,
+            q_norm: qk_norm(Place::QNorm(l))?,
+            k_norm: qk_norm(Place::KNorm(l))?,
             mlp,
         })
     }
@@ -571,11 +565,11 @@ pub fn build_model(
     let (v, h) = (cfg.vocab_size, cfg.hidden_size);
     let embed = b
         .src
-        .dense("model.embed_tokens.weight", v, h, DummyInit::FanIn(h))?;
+        .dense(&Place::Embedding.name(), v, h, DummyInit::FanIn(h))?;
     let layers = (0..cfg.num_layers)
         .map(|l| b.layer(&cfg, l))
         .collect::<Result<Vec<_>, _>>()?;
-    let norm = b.src.vector("model.norm.weight", h, DummyInit::Ones)?;
+    let norm = b.src.vector(&Place::FinalNorm.name(), h, DummyInit::Ones)?;
     // Tied embeddings (or a checkpoint without lm_head) reuse the embedding matrix.
     let lm_head = if cfg.tie_word_embeddings
         || (!matches!(b.src, WeightSource::Dummy { .. }) && !b.src.contains("lm_head.weight"))
