@@ -207,8 +207,12 @@ mod tests {
             let mut grads: Grads = [("w".to_string(), g)].into();
             opt.step(&mut p, &mut grads);
         }
+        // With a constant learning rate Adam ends in an oscillation around the minimum whose
+        // amplitude scales with the step: up to lr/2 after 2000 steps (a NumPy replay of this
+        // loop over 60,000 normal targets saw at most 0.025). An optimizer that does not
+        // converge leaves most of the N(0, 1) targets much farther than lr.
         for (w, t) in p.tensors["w"].value.iter().zip(&target) {
-            assert!((w - t).abs() < 1e-2, "{w} vs {t}");
+            assert!((w - t).abs() < 0.05, "{w} vs {t}");
         }
     }
 }
