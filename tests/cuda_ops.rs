@@ -1130,6 +1130,101 @@ fn routing_replay_uses_the_given_experts_like_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn traced_forward_on_the_gpu_matches_the_cpu_trace() {
+    // The trainer's tap on the device: with the CPU's own routing replayed (so both backends
+    // use the same experts), every recorded activation is the CPU's up to summation order.
+    use lockstep::model::{ForwardTrace, MlpTrace};
+    let mut rng = Rng(seed());
+    let cfg = embedded_config(None);
+    let cpu_model = dummy_model(cfg.clone(), &Recipe::bf16(), 8).unwrap();
+    let g = gpu();
+    let w = CudaWeights::upload(&g, &cpu_model).unwrap();
+    let mut cuda = CudaModel::new(g, cfg.clone(), w, sizes()).unwrap();
+    let vocab = cfg.vocab_size.min(250);
+    let a: Vec<u32> = (0..7).map(|_| rng.below(vocab) as u32).collect();
+    let b: Vec<u32> = (0..4).map(|_| rng.below(vocab) as u32).collect();
+    let (ta, tb): (Vec<u32>, Vec<u32>) = ((0..2).collect(), (2..4).collect());
+    let batch = ForwardBatch {
+        seqs: vec![
+            SeqInput { tokens: &a, start_pos: 0, block_table: &ta, logits_from: Some(0) },
+            SeqInput { tokens: &b, start_pos: 0, block_table: &tb, logits_from: Some(2) },
+        ],
+    };
+    let kv = || KvMemory::new(KvDtype::Bf16, cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim);
+    let routing = cpu_model.forward(&batch, &mut kv()).routed_experts;
+    let mut want = ForwardTrace::default();
+    cpu_model.forward_traced(&batch, &mut kv(), Some(&routing), Some(&mut want));
+    let mut got = ForwardTrace::default();
+    let out = cuda.forward_traced(&batch, Some(&routing), Some(&mut got)).unwrap();
+    assert_eq!(out.routed_experts, routing);
+    let tol = 3e-2;
+    let close = |what: &str, g: &[f32], w: &[f32]| {
+        assert_eq!(g.len(), w.len(), "{what}: length");
+        let err = rel_err(g, w);
+        assert!(err < tol, "{what}: relative error {err}");
+    };
+    assert_eq!(got.layers.len(), want.layers.len());
+    for (l, (g, w)) in got.layers.iter().zip(&want.layers).enumerate() {
+        for (what, gv, wv) in [
+            ("x_in", &g.x_in, &w.x_in),
+            ("attn_in", &g.attn_in, &w.attn_in),
+            ("q_proj", &g.q_proj, &w.q_proj),
+            ("k_proj", &g.k_proj, &w.k_proj),
+            ("q", &g.q, &w.q),
+            ("k", &g.k, &w.k),
+            ("v", &g.v, &w.v),
+            ("attn_out", &g.attn_out, &w.attn_out),
+            ("x_mid", &g.x_mid, &w.x_mid),
+            ("mlp_in", &g.mlp_in, &w.mlp_in),
+        ] {
+            close(&format!("layer {l} {what}"), gv, wv);
+        }
+        let (MlpTrace::Moe(gm), MlpTrace::Moe(wm)) = (&g.mlp, &w.mlp) else {
+            panic!("layer {l}: the embedded model's layers are MoE");
+        };
+        close(&format!("layer {l} router probs"), &gm.probs, &wm.probs);
+        let ids = |c: &[(usize, f32)]| c.iter().map(|p| p.0).collect::<Vec<_>>();
+        assert_eq!(ids(&gm.choice), ids(&wm.choice), "layer {l}: replayed experts");
+        let weights = |c: &[(usize, f32)]| c.iter().map(|p| p.1).collect::<Vec<_>>();
+        close(&format!("layer {l} combine weights"), &weights(&gm.choice), &weights(&wm.choice));
+        for (ex, (ge, we)) in gm.experts.iter().zip(&wm.experts).enumerate() {
+            let (Some(ge), Some(we)) = (ge, we) else {
+                assert!(ge.is_none() && we.is_none(), "layer {l} expert {ex}: ran on one backend only");
+                continue;
+            };
+            // The device groups an expert's rows in its own order: compare member by member.
+            let mut members = ge.members.clone();
+            members.sort_unstable();
+            assert_eq!(members, we.members, "layer {l} expert {ex}: members");
+            let inter = we.swiglu.gate.len() / we.members.len();
+            let h = we.out.len() / we.members.len();
+            let reorder = |v: &[f32], width: usize| -> Vec<f32> {
+                we.members
+                    .iter()
+                    .flat_map(|s| {
+                        let j = ge.members.iter().position(|m| m == s).unwrap();
+                        v[j * width..(j + 1) * width].to_vec()
+                    })
+                    .collect()
+            };
+            let what = format!("layer {l} expert {ex}");
+            close(&format!("{what} gate"), &reorder(&ge.swiglu.gate, inter), &we.swiglu.gate);
+            close(&format!("{what} up"), &reorder(&ge.swiglu.up, inter), &we.swiglu.up);
+            close(&format!("{what} act"), &reorder(&ge.swiglu.act, inter), &we.swiglu.act);
+            close(&format!("{what} out"), &reorder(&ge.out, h), &we.out);
+            for (j, &s) in ge.members.iter().enumerate() {
+                assert_eq!(gm.row_in_expert[s], j, "{what}: row of entry {s}");
+            }
+        }
+    }
+    close("x_final", &got.x_final, &want.x_final);
+    assert_eq!(got.logit_source_rows, want.logit_source_rows);
+    close("lm_head_in", &got.lm_head_in, &want.lm_head_in);
+    println!("traced forward on the device: every recorded activation within {tol} of the CPU's");
+}
+
+#[test]
 #[ignore = "needs a CUDA GPU and a many-core host (scripts/gpu-check.sh)"]
 fn midsize_qwen3_30b_shape_matches_the_cpu() {
     // Four layers of Qwen3-30B-A3B's shape (128 experts, top-8, vocab 151936): the CPU can

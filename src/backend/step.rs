@@ -336,22 +336,18 @@ pub trait Backend {
     /// A dense MLP's trace from its buffers.
     fn mlp_trace(
         &mut self,
-        gate_up: &Self::Act,
-        act: &Self::Act,
+        bufs: &Buffers<Self::Act>,
         rows: usize,
         inter: usize,
     ) -> Result<SwiGluTrace, Self::Error>;
 
-    /// An MoE layer's trace from its routing and buffers.
-    #[allow(clippy::too_many_arguments)]
+    /// An MoE layer's trace from its routing and buffers (router logits, gate/up, act and
+    /// expert outputs).
     fn moe_trace(
         &mut self,
         route: &Self::Route,
-        gate_up: &Self::Act,
-        act: &Self::Act,
-        expert_out: &Self::Act,
+        bufs: &Buffers<Self::Act>,
         rows: usize,
         shape: MoeShape,
-        hidden: usize,
     ) -> Result<MoeTrace, Self::Error>;
 }

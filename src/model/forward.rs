@@ -121,7 +121,7 @@ pub fn forward<B: Backend>(
                 b.silu_mul(&s.gate_up, n, inter, &mut s.act)?;
                 b.mlp_down(mlp, &s.act, n, &mut s.y)?;
                 tracing
-                    .then(|| b.mlp_trace(&s.gate_up, &s.act, n, inter))
+                    .then(|| b.mlp_trace(s, n, inter))
                     .transpose()?
                     .map(MlpTrace::Dense)
             }
@@ -148,7 +148,7 @@ pub fn forward<B: Backend>(
                 b.keep_routing(route, moe_index, n)?;
                 moe_index += 1;
                 tracing
-                    .then(|| b.moe_trace(route, &s.gate_up, &s.act, &s.expert_out, n, shape, h))
+                    .then(|| b.moe_trace(route, s, n, shape))
                     .transpose()?
                     .map(MlpTrace::Moe)
             }

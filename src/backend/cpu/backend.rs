@@ -438,11 +438,11 @@ impl Backend for Cpu {
 
     fn mlp_trace(
         &mut self,
-        gate_up: &Vec<f32>,
-        act: &Vec<f32>,
+        bufs: &Buffers<Vec<f32>>,
         rows: usize,
         inter: usize,
     ) -> Result<SwiGluTrace, Self::Error> {
+        let (gate_up, act) = (&bufs.gate_up, &bufs.act);
         let n = rows * inter;
         Ok(SwiGluTrace {
             gate: gate_up[..n].to_vec(),
@@ -454,14 +454,14 @@ impl Backend for Cpu {
     fn moe_trace(
         &mut self,
         route: &CpuRoute,
-        gate_up: &Vec<f32>,
-        act: &Vec<f32>,
-        expert_out: &Vec<f32>,
-        _rows: usize,
+        bufs: &Buffers<Vec<f32>>,
+        rows: usize,
         _shape: MoeShape,
-        hidden: usize,
     ) -> Result<MoeTrace, Self::Error> {
+        let (gate_up, act, expert_out) = (&bufs.gate_up, &bufs.act, &bufs.expert_out);
         let (pairs, inter) = (route.pairs(), route.inter);
+        let hidden = expert_out.len() / pairs.max(1);
+        debug_assert_eq!(pairs, rows * route.top_k);
         let experts = route
             .members
             .iter()

@@ -18,7 +18,7 @@ use super::sampling::{DeviceSampler, MAX_DEVICE_TOP_LOGPROBS};
 use super::weights::{Activation, GpuMatrix};
 use super::{CudaError, Gpu};
 use crate::backend::step::{Backend, Buffers, Dims, Logits, MoeShape, Sampled, StepPlan};
-use crate::backend::trace::{MoeTrace, SwiGluTrace};
+use crate::backend::trace::{ExpertTrace, MoeTrace, SwiGluTrace};
 use crate::sampling::{self, SampleInput, SamplerScratch};
 
 /// A dense SwiGLU on the device: gate and up stacked in one matrix (`[2 * inter, hidden]`).
@@ -163,6 +163,8 @@ pub struct Cuda {
     host_scratch: SamplerScratch,
     attention: AttentionPath,
     prefill_tiles: usize,
+    /// The step's shapes (set by `begin`).
+    dims: Dims,
 }
 
 impl Cuda {
@@ -225,6 +227,7 @@ impl Cuda {
             host_scratch: SamplerScratch::default(),
             attention: AttentionPath::default(),
             prefill_tiles: 0,
+            dims: shape.dims,
         })
     }
 
@@ -544,6 +547,7 @@ impl Backend for Cuda {
             AttentionPath::PerRow
         };
         self.prefill_tiles = tiles.len() / 2;
+        self.dims = *dims;
         let (gpu, m) = (&self.gpu, &mut self.meta);
         gpu.write(&plan.tokens, &mut m.tokens)?;
         gpu.write(&pos, &mut m.pos)?;
@@ -842,11 +846,6 @@ impl Backend for Cuda {
         samples: &[Option<SampleInput<'_>>],
         trace: bool,
     ) -> Result<Logits, CudaError> {
-        if trace {
-            return Err(CudaError::Unsupported(
-                "tracing a forward (the trainer's forward) on the device".into(),
-            ));
-        }
         let (h, v) = (dims.hidden, dims.vocab);
         // Rows asking for more alternatives than the device reports are sampled on the host.
         let on_device = |i: usize| {
@@ -879,11 +878,16 @@ impl Backend for Cuda {
         self.sampler.begin(top_n.max().unwrap_or(0).min(v))?;
         let rows = plan.logit_rows.len();
         let gpu = &self.gpu;
-        // The final norm (with the last MLP output added) on the logit rows only.
+        // The final norm (with the last MLP output added) on the logit rows only; a trace
+        // records the whole residual stream, so there every row gets the add first.
+        let add_in_norm = add_y && !trace;
+        if add_y && trace {
+            ops::add_inplace(gpu, &mut bufs.x, &bufs.y, plan.rows() * h)?;
+        }
         ops::rms_norm(
             gpu,
             &mut bufs.x,
-            add_y.then_some(&bufs.y),
+            add_in_norm.then_some(&bufs.y),
             norm,
             &mut bufs.normed,
             Some(&self.meta.logit_rows),
@@ -891,6 +895,9 @@ impl Backend for Cuda {
             h,
             dims.eps,
         )?;
+        let lm_head_in = trace
+            .then(|| gpu.download(&bufs.normed, rows * h))
+            .transpose()?;
         let mut logits = vec![0f32; host_rows * v];
         let mut sampled_seqs = Vec::new();
         for first in (0..rows).step_by(LOGIT_CHUNK_ROWS) {
@@ -985,7 +992,7 @@ impl Backend for Cuda {
             logits,
             logit_rows,
             sampled,
-            lm_head_in: None,
+            lm_head_in,
         })
     }
 
@@ -1009,30 +1016,86 @@ impl Backend for Cuda {
             .collect())
     }
 
+    /// The stacked gate+up matrix writes each row as `[gate | up]`.
     fn mlp_trace(
         &mut self,
-        _gate_up: &CudaSlice<f32>,
-        _act: &CudaSlice<f32>,
-        _rows: usize,
-        _inter: usize,
+        bufs: &Buffers<CudaSlice<f32>>,
+        rows: usize,
+        inter: usize,
     ) -> Result<SwiGluTrace, CudaError> {
-        Err(CudaError::Unsupported(
-            "tracing a forward (the trainer's forward) on the device".into(),
-        ))
+        let gu = self.host(&bufs.gate_up, rows * 2 * inter)?;
+        let (gate, up) = split_gate_up(&gu, inter);
+        Ok(SwiGluTrace {
+            gate,
+            up,
+            act: self.host(&bufs.act, rows * inter)?,
+        })
     }
 
+    /// The device's grouping (the routing plan's rows) read back into the CPU's trace shape;
+    /// the router softmax is recomputed on the host from the device's logits.
     fn moe_trace(
         &mut self,
-        _route: &CudaRoute,
-        _gate_up: &CudaSlice<f32>,
-        _act: &CudaSlice<f32>,
-        _expert_out: &CudaSlice<f32>,
-        _rows: usize,
-        _shape: MoeShape,
-        _hidden: usize,
+        route: &CudaRoute,
+        bufs: &Buffers<CudaSlice<f32>>,
+        rows: usize,
+        shape: MoeShape,
     ) -> Result<MoeTrace, CudaError> {
-        Err(CudaError::Unsupported(
-            "tracing a forward (the trainer's forward) on the device".into(),
-        ))
+        let (e, k, inter, h) = (shape.experts, shape.top_k, shape.inter, self.dims.hidden);
+        let pairs = rows * k;
+        let gpu = &self.gpu;
+        let mut probs = gpu.download(&bufs.router_logits, rows * e)?;
+        let ids = gpu.download(&route.ids, pairs)?;
+        let weights = gpu.download(&route.weights, pairs)?;
+        let slot_row = gpu.download(&route.plan.slot_row, pairs)?;
+        let offsets = gpu.download(&route.plan.offsets, e + 1)?;
+        let gu = gpu.download(&bufs.gate_up, pairs * 2 * inter)?;
+        let act = gpu.download(&bufs.act, pairs * inter)?;
+        let out = gpu.download(&bufs.expert_out, pairs * h)?;
+        gpu.synchronize()?;
+        for row in probs.chunks_mut(e) {
+            crate::backend::cpu::ops::softmax_inplace(row);
+        }
+        let choice: Vec<(usize, f32)> = ids.iter().map(|&i| i as usize).zip(weights).collect();
+        let row_in_expert: Vec<usize> = (0..pairs)
+            .map(|s| (slot_row[s] - offsets[choice[s].0]) as usize)
+            .collect();
+        let (gate, up) = split_gate_up(&gu, inter);
+        let experts = (0..e)
+            .map(|ex| {
+                let (a, b) = (offsets[ex] as usize, offsets[ex + 1] as usize);
+                if a == b {
+                    return None;
+                }
+                // Members in the order of their rows in the group.
+                let mut members: Vec<usize> = (0..pairs).filter(|&s| choice[s].0 == ex).collect();
+                members.sort_by_key(|&s| slot_row[s]);
+                Some(ExpertTrace {
+                    members,
+                    swiglu: SwiGluTrace {
+                        gate: gate[a * inter..b * inter].to_vec(),
+                        up: up[a * inter..b * inter].to_vec(),
+                        act: act[a * inter..b * inter].to_vec(),
+                    },
+                    out: out[a * h..b * h].to_vec(),
+                })
+            })
+            .collect();
+        Ok(MoeTrace {
+            probs,
+            choice,
+            row_in_expert,
+            experts,
+        })
     }
+}
+
+/// Rows of `[gate | up]` (`inter` each) split into all gate rows and all up rows.
+fn split_gate_up(gu: &[f32], inter: usize) -> (Vec<f32>, Vec<f32>) {
+    let (mut gate, mut up) = (Vec::with_capacity(gu.len() / 2), Vec::with_capacity(gu.len() / 2));
+    for row in gu.chunks(2 * inter) {
+        gate.extend_from_slice(&row[..inter]);
+        up.extend_from_slice(&row[inter..]);
+    }
+    (gate, up)
 }

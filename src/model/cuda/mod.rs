@@ -10,7 +10,7 @@ pub mod slots;
 use cudarc::driver::CudaSlice;
 
 use super::forward::{forward, ForwardOptions, StepState};
-use super::{ForwardBatch, ForwardOutput, Layer, Mlp, Model, ModelConfig, Moe};
+use super::{ForwardBatch, ForwardOutput, ForwardTrace, Layer, Mlp, Model, ModelConfig, Moe};
 use crate::backend::cpu::linear::DenseWeight;
 use crate::backend::cuda::backend::{CudaExperts, CudaKv, CudaSwiGlu, ModelShape};
 pub use crate::backend::cuda::backend::{Cuda, CudaSizes};
@@ -344,6 +344,31 @@ impl CudaModel {
         samples: &[Option<SampleInput<'_>>],
     ) -> Result<(ForwardOutput, Sampled), CudaError> {
         self.forward_with(batch, samples, None)
+    }
+
+    /// The forward with the trainer's options on the device, as [`Model::forward_traced`] on
+    /// the CPU: `routing` replaces the routers' choice, `trace` receives the activations
+    /// (copied to the host as the layers run).
+    pub fn forward_traced(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        routing: Option<&[i32]>,
+        trace: Option<&mut ForwardTrace>,
+    ) -> Result<ForwardOutput, CudaError> {
+        let opts = ForwardOptions {
+            routing,
+            trace,
+            samples: &[],
+        };
+        let (out, _) = forward(
+            &mut self.backend,
+            &self.weights,
+            &mut self.kv,
+            &mut self.state,
+            batch,
+            opts,
+        )?;
+        Ok(out)
     }
 
     /// [`CudaModel::forward_and_sample`] with routing replay: `routing` (`[total_tokens,
