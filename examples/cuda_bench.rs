@@ -13,8 +13,8 @@
 use std::time::Instant;
 
 use lockstep::backend::cuda::device::copy_bandwidth;
-use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
 use lockstep::backend::cuda::Gpu;
+use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
 use lockstep::model::{ForwardBatch, ModelConfig, SeqInput};
 use lockstep::quant::{Format, Recipe};
 use lockstep::sampling::{SampleInput, SamplingParams, TokenHistory};

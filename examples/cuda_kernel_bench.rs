@@ -18,8 +18,8 @@ use lockstep::backend::cuda::ops::{
     self, AttnRows, AttnShape, GemmPath, GemmRows, KeySplit, MoePlan, Nvfp4Out, SplitScratch,
 };
 use lockstep::backend::cuda::weights::Activation;
-use lockstep::model::cuda::DummyWeights;
 use lockstep::backend::cuda::Gpu;
+use lockstep::model::cuda::DummyWeights;
 use lockstep::model::ModelConfig;
 use lockstep::quant::Recipe;
 

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::backend::cpu::attention::KvDtype;
-use crate::engine::{defaults, CudaSource, Engine, EngineConfig, EngineHandle, EngineInfo, ExecutorSpec};
+use crate::engine::{
+    defaults, CudaSource, Engine, EngineConfig, EngineHandle, EngineInfo, ExecutorSpec,
+};
 use crate::model::loader::{self, Quantization};
 use crate::model::ModelConfig;
 use crate::quant::Recipe;

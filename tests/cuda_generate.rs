@@ -38,7 +38,7 @@ use std::sync::Arc;
 
 use lockstep::backend::cpu::attention::KvDtype;
 use lockstep::engine::{
-    CudaSource, Engine, EngineConfig, EngineHandle, EngineInfo, GenerateRequest, ExecutorSpec,
+    CudaSource, Engine, EngineConfig, EngineHandle, EngineInfo, ExecutorSpec, GenerateRequest,
     TokenOut,
 };
 use lockstep::model::loader::{dummy_model, load_model, Quantization};

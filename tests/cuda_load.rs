@@ -9,12 +9,12 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use lockstep::backend::cpu::linear::{DenseF32, DenseWeight};
-use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
 use lockstep::backend::cuda::ops::{Table, WeightData};
 use lockstep::backend::cuda::weights::GpuMatrix;
 use lockstep::backend::cuda::Gpu;
 use lockstep::backend::Linear;
 use lockstep::checkpoint::{write_file, Checkpoint, OwnedTensor};
+use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
 use lockstep::model::loader::{dummy_model, load_model, open_serving_checkpoint, Quantization};
 use lockstep::model::slots::Replacement;
 use lockstep::model::{ForwardBatch, Mlp, Model, ModelConfig, SeqInput};
@@ -182,8 +182,11 @@ fn buffers(g: &Gpu, w: &CudaWeights) -> Vec<(String, Vec<u8>)> {
                 let e = &moe.experts;
                 out.push((
                     format!("{p} moe"),
-                    format!("{} {} {} {}", e.inter, e.count, moe.top_k, moe.norm_topk_prob)
-                        .into_bytes(),
+                    format!(
+                        "{} {} {} {}",
+                        e.inter, e.count, moe.top_k, moe.norm_topk_prob
+                    )
+                    .into_bytes(),
                 ));
                 matrix_buffers(g, &format!("{p} router"), &moe.router, &mut out);
                 matrix_buffers(g, &format!("{p} gate_up"), &e.gate_up, &mut out);

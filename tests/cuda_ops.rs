@@ -9,13 +9,13 @@ use half::bf16;
 use lockstep::backend::cpu::attention::{paged_attention, AttentionSeq, KvDtype, KvMemory};
 use lockstep::backend::cpu::linear::{make_linear, DenseWeight};
 use lockstep::backend::cpu::ops as cpu;
-use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
 use lockstep::backend::cuda::ops::{
     self, AttnRows, AttnShape, GemmPath, GemmRows, MoePlan, Nvfp4Out, Nvfp4Params,
 };
 use lockstep::backend::cuda::weights::GpuMatrix;
-use lockstep::model::cuda::DummyWeights;
 use lockstep::backend::Linear;
+use lockstep::model::cuda::DummyWeights;
+use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
 use lockstep::model::loader::{dummy_model, load_model};
 use lockstep::model::{ForwardBatch, Model, ModelConfig, SeqInput};
 use lockstep::quant::nvfp4::{ErrorMetric, ScaleGranularity};
@@ -296,7 +296,11 @@ fn norms_rope_attention_and_swiglu_match_the_cpu() {
     }
 
     // q/k norm + RoPE + KV store, then attention, against the CPU on a BF16 cache.
-    let inv_freq = lockstep::model::config::rope_inv_freq(hd, 1e6, &lockstep::model::config::RopeScaling::None);
+    let inv_freq = lockstep::model::config::rope_inv_freq(
+        hd,
+        1e6,
+        &lockstep::model::config::RopeScaling::None,
+    );
     let (qs, kvs) = (heads * hd, kv_heads * hd);
     let mut cache = KvMemory::new(KvDtype::Bf16, 1, num_blocks, bs, kv_heads, hd);
     // Fill the cached prefix of sequence 0 directly.
@@ -588,10 +592,10 @@ fn prefill_attention_matches_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn block_scaled_operand_preparation_matches_its_definition() {
+    use lockstep::backend::cuda::args::addr;
     use lockstep::backend::cuda::block_scaled::{
         gather_rows, swizzle_scales, swizzled_len, swizzled_offset,
     };
-    use lockstep::backend::cuda::args::addr;
     let g = gpu();
     let mut rng = Rng(seed());
     for (rows, cols) in [(200, 7), (128, 4), (5, 128), (300, 64)] {
@@ -1068,7 +1072,13 @@ fn models_match_the_cpu_in_every_format() {
 
 /// Random routing for `tokens` rows: `top_k` distinct experts per row and MoE layer,
 /// `[tokens, moe_layers, top_k]`.
-fn random_routing(rng: &mut Rng, tokens: usize, moe_layers: usize, top_k: usize, experts: usize) -> Vec<i32> {
+fn random_routing(
+    rng: &mut Rng,
+    tokens: usize,
+    moe_layers: usize,
+    top_k: usize,
+    experts: usize,
+) -> Vec<i32> {
     let mut out = Vec::with_capacity(tokens * moe_layers * top_k);
     for _ in 0..tokens * moe_layers {
         let mut ids: Vec<i32> = (0..experts as i32).collect();
@@ -1097,8 +1107,17 @@ fn routing_replay_uses_the_given_experts_like_the_cpu() {
         let mut cuda = CudaModel::new(g, cfg.clone(), w, sizes()).unwrap();
         let moe = cfg.moe.as_ref().unwrap();
         let (layers, top_k) = (cfg.num_moe_layers(), moe.top_k);
-        let mut kv = KvMemory::new(KvDtype::Bf16, cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim);
-        let a: Vec<u32> = (0..11).map(|_| rng.below(cfg.vocab_size.min(250)) as u32).collect();
+        let mut kv = KvMemory::new(
+            KvDtype::Bf16,
+            cfg.num_layers,
+            8,
+            4,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        );
+        let a: Vec<u32> = (0..11)
+            .map(|_| rng.below(cfg.vocab_size.min(250)) as u32)
+            .collect();
         let table: Vec<u32> = (0..4).collect();
         let mut worst = 0f64;
         // A prefill chunk, a second chunk on its cached prefix, then a decode step.
@@ -1114,18 +1133,30 @@ fn routing_replay_uses_the_given_experts_like_the_cpu() {
             let replay = random_routing(&mut rng, len, layers, top_k, moe.num_experts);
             let want = cpu_model.forward_traced(&batch, &mut kv, Some(&replay), None);
             let (got, _) = cuda.forward_with(&batch, &[], Some(&replay)).unwrap();
-            assert_eq!(want.routed_experts, replay, "{name}: the CPU took the replayed experts");
-            assert_eq!(got.routed_experts, replay, "{name}: the device took the replayed experts");
+            assert_eq!(
+                want.routed_experts, replay,
+                "{name}: the CPU took the replayed experts"
+            );
+            assert_eq!(
+                got.routed_experts, replay,
+                "{name}: the device took the replayed experts"
+            );
             let v = cfg.vocab_size;
             for r in 0..len {
-                worst = worst.max(rel_err(&got.logits[r * v..][..v], &want.logits[r * v..][..v]));
+                worst = worst.max(rel_err(
+                    &got.logits[r * v..][..v],
+                    &want.logits[r * v..][..v],
+                ));
             }
         }
         println!("routing replay, embedded {name}: logits rel err {worst:.2e} over every row");
         // As models_match_the_cpu_in_every_format: summation order alone for BF16; a
         // requantized activation may cross a rounding boundary for NVFP4.
         let tol = if name == "bf16" { 3e-2 } else { 0.15 };
-        assert!(worst < tol, "{name}: replayed logits relative error {worst}");
+        assert!(
+            worst < tol,
+            "{name}: replayed logits relative error {worst}"
+        );
     }
 }
 
@@ -1147,16 +1178,37 @@ fn traced_forward_on_the_gpu_matches_the_cpu_trace() {
     let (ta, tb): (Vec<u32>, Vec<u32>) = ((0..2).collect(), (2..4).collect());
     let batch = ForwardBatch {
         seqs: vec![
-            SeqInput { tokens: &a, start_pos: 0, block_table: &ta, logits_from: Some(0) },
-            SeqInput { tokens: &b, start_pos: 0, block_table: &tb, logits_from: Some(2) },
+            SeqInput {
+                tokens: &a,
+                start_pos: 0,
+                block_table: &ta,
+                logits_from: Some(0),
+            },
+            SeqInput {
+                tokens: &b,
+                start_pos: 0,
+                block_table: &tb,
+                logits_from: Some(2),
+            },
         ],
     };
-    let kv = || KvMemory::new(KvDtype::Bf16, cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim);
+    let kv = || {
+        KvMemory::new(
+            KvDtype::Bf16,
+            cfg.num_layers,
+            8,
+            4,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+    };
     let routing = cpu_model.forward(&batch, &mut kv()).routed_experts;
     let mut want = ForwardTrace::default();
     cpu_model.forward_traced(&batch, &mut kv(), Some(&routing), Some(&mut want));
     let mut got = ForwardTrace::default();
-    let out = cuda.forward_traced(&batch, Some(&routing), Some(&mut got)).unwrap();
+    let out = cuda
+        .forward_traced(&batch, Some(&routing), Some(&mut got))
+        .unwrap();
     assert_eq!(out.routed_experts, routing);
     let tol = 3e-2;
     let close = |what: &str, g: &[f32], w: &[f32]| {
@@ -1185,12 +1237,23 @@ fn traced_forward_on_the_gpu_matches_the_cpu_trace() {
         };
         close(&format!("layer {l} router probs"), &gm.probs, &wm.probs);
         let ids = |c: &[(usize, f32)]| c.iter().map(|p| p.0).collect::<Vec<_>>();
-        assert_eq!(ids(&gm.choice), ids(&wm.choice), "layer {l}: replayed experts");
+        assert_eq!(
+            ids(&gm.choice),
+            ids(&wm.choice),
+            "layer {l}: replayed experts"
+        );
         let weights = |c: &[(usize, f32)]| c.iter().map(|p| p.1).collect::<Vec<_>>();
-        close(&format!("layer {l} combine weights"), &weights(&gm.choice), &weights(&wm.choice));
+        close(
+            &format!("layer {l} combine weights"),
+            &weights(&gm.choice),
+            &weights(&wm.choice),
+        );
         for (ex, (ge, we)) in gm.experts.iter().zip(&wm.experts).enumerate() {
             let (Some(ge), Some(we)) = (ge, we) else {
-                assert!(ge.is_none() && we.is_none(), "layer {l} expert {ex}: ran on one backend only");
+                assert!(
+                    ge.is_none() && we.is_none(),
+                    "layer {l} expert {ex}: ran on one backend only"
+                );
                 continue;
             };
             // The device groups an expert's rows in its own order: compare member by member.
@@ -1209,9 +1272,21 @@ fn traced_forward_on_the_gpu_matches_the_cpu_trace() {
                     .collect()
             };
             let what = format!("layer {l} expert {ex}");
-            close(&format!("{what} gate"), &reorder(&ge.swiglu.gate, inter), &we.swiglu.gate);
-            close(&format!("{what} up"), &reorder(&ge.swiglu.up, inter), &we.swiglu.up);
-            close(&format!("{what} act"), &reorder(&ge.swiglu.act, inter), &we.swiglu.act);
+            close(
+                &format!("{what} gate"),
+                &reorder(&ge.swiglu.gate, inter),
+                &we.swiglu.gate,
+            );
+            close(
+                &format!("{what} up"),
+                &reorder(&ge.swiglu.up, inter),
+                &we.swiglu.up,
+            );
+            close(
+                &format!("{what} act"),
+                &reorder(&ge.swiglu.act, inter),
+                &we.swiglu.act,
+            );
             close(&format!("{what} out"), &reorder(&ge.out, h), &we.out);
             for (j, &s) in ge.members.iter().enumerate() {
                 assert_eq!(gm.row_in_expert[s], j, "{what}: row of entry {s}");

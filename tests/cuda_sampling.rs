@@ -13,9 +13,9 @@
 //! never silently passed; they must stay rare.
 
 use cudarc::driver::CudaSlice;
-use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
 use lockstep::backend::cuda::sampling::{host_expf, sample_rows, DeviceSampler};
 use lockstep::backend::cuda::Gpu;
+use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
 use lockstep::model::{ForwardBatch, ModelConfig, SeqInput};
 use lockstep::quant::Recipe;
 use lockstep::sampling::{

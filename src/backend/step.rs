@@ -330,8 +330,12 @@ pub trait Backend {
     fn host(&mut self, a: &Self::Act, len: usize) -> Result<Vec<f32>, Self::Error>;
 
     /// The first `len` values of `a` as the KV cache stores them (rounded to its dtype).
-    fn kv_stored(&mut self, kv: &Self::Kv, a: &Self::Act, len: usize)
-        -> Result<Vec<f32>, Self::Error>;
+    fn kv_stored(
+        &mut self,
+        kv: &Self::Kv,
+        a: &Self::Act,
+        len: usize,
+    ) -> Result<Vec<f32>, Self::Error>;
 
     /// A dense MLP's trace from its buffers.
     fn mlp_trace(

@@ -8,11 +8,11 @@ use std::time::Instant;
 
 use tokio::sync::mpsc;
 
+use super::config::EngineConfig;
+use super::executor::{self, Executor, ExecutorSpec, StepOutput};
 use super::request::{
     EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan,
 };
-use super::config::EngineConfig;
-use super::executor::{self, Executor, ExecutorSpec, StepOutput};
 use super::{Command, EngineError, EngineHandle, EngineInfo, EngineShared, PauseMode};
 use crate::kv::KvPool;
 use crate::model::{ForwardBatch, Model, SeqInput};

@@ -13,7 +13,9 @@ use crate::model::cuda::{CudaModel, CudaWeights};
 use crate::model::loader::{open_serving_checkpoint, Quantization};
 use crate::model::slots::{Replacement, SlotShape};
 use crate::model::store::{StoreError, WeightStore};
-use crate::model::{forward, ForwardBatch, ForwardOptions, ForwardOutput, Model, ModelConfig, StepState};
+use crate::model::{
+    forward, ForwardBatch, ForwardOptions, ForwardOutput, Model, ModelConfig, StepState,
+};
 use crate::quant::Recipe;
 use crate::sampling::SampleInput;
 
@@ -316,9 +318,9 @@ impl Executor for CudaExecutor {
         if !same_shapes(&config, &m.config) {
             return Err(EngineError::Conflict("the new weights' config.json differs from the served model's (architecture or shapes)".into()));
         }
-        let checksum = new
-            .weights_checksum(m.gpu(), &m.config)
-            .map_err(|e| EngineError::Conflict(format!("the device could not take the new weights: {e}")))?;
+        let checksum = new.weights_checksum(m.gpu(), &m.config).map_err(|e| {
+            EngineError::Conflict(format!("the device could not take the new weights: {e}"))
+        })?;
         m.replace_weights(new);
         Ok(checksum)
     }

@@ -15,8 +15,8 @@ use tokio::sync::{mpsc, oneshot};
 
 pub use self::config::{defaults, EngineConfig};
 pub use self::core::Engine;
-pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
 pub use executor::{CudaSource, DiskWeights, ExecutorSpec};
+pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
 
 use crate::model::checksum::WeightsChecksum;
 use crate::model::slots::Replacement;

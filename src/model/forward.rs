@@ -75,7 +75,15 @@ pub fn forward<B: Backend>(
     for (l, layer) in model.layers.iter().enumerate() {
         // The previous layer's MLP output joins the residual stream inside the norm.
         let residual = (l > 0).then_some(&s.y);
-        b.rms_norm(&mut s.x, residual, &layer.input_norm, &mut s.normed, n, h, eps)?;
+        b.rms_norm(
+            &mut s.x,
+            residual,
+            &layer.input_norm,
+            &mut s.normed,
+            n,
+            h,
+            eps,
+        )?;
         let x_in = tracing.then(|| b.host(&s.x, n * h)).transpose()?;
         b.linear(&layer.q_proj, &s.normed, n, &mut s.q)?;
         b.linear(&layer.k_proj, &s.normed, n, &mut s.k)?;

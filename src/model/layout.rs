@@ -191,9 +191,10 @@ impl ModelLayout {
                         (TensorKind::Linear, vec![cfg.kv_size(), h])
                     }
                     Place::Attention(_, Proj::O) => (TensorKind::Linear, vec![h, cfg.q_size()]),
-                    Place::Router(_) => {
-                        (TensorKind::Linear, vec![moe.map_or(0, |m| m.num_experts), h])
-                    }
+                    Place::Router(_) => (
+                        TensorKind::Linear,
+                        vec![moe.map_or(0, |m| m.num_experts), h],
+                    ),
                     Place::GateUp(_, e, _) => (TensorKind::Linear, vec![inter(e), h]),
                     Place::Down(_, e) => (TensorKind::Linear, vec![h, inter(e)]),
                 };
@@ -279,7 +280,11 @@ mod tests {
         assert_eq!(up.place, Place::GateUp(1, Some(2), Half::Up));
         assert_eq!(up.format.format, Format::Nvfp4);
         let router = nvfp4.get("model.layers.1.mlp.gate.weight").unwrap();
-        assert_eq!(router.format.format, Format::Bf16, "routers stay high precision");
+        assert_eq!(
+            router.format.format,
+            Format::Bf16,
+            "routers stay high precision"
+        );
         let gate = nvfp4.scale_partner(up).unwrap();
         assert_eq!(gate.name, "model.layers.1.mlp.experts.2.gate_proj.weight");
         // BF16 experts share nothing; a tied model has no lm_head.

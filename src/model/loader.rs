@@ -531,11 +531,9 @@ impl Builder<'_> {
                     norm_topk_prob: moe.norm_topk_prob,
                 })
             }
-            None => Mlp::Dense(self.swiglu(
-                &Place::swiglu_prefix(l, None),
-                h,
-                cfg.intermediate_size,
-            )?),
+            None => {
+                Mlp::Dense(self.swiglu(&Place::swiglu_prefix(l, None), h, cfg.intermediate_size)?)
+            }
         };
         Ok(Layer {
             input_norm: norm(Place::InputNorm(l), h)?,

@@ -17,8 +17,8 @@ pub mod trace;
 
 use crate::backend::cpu::attention::KvMemory;
 use crate::backend::cpu::Cpu;
-use crate::backend::Backend;
 pub use crate::backend::cpu::SwiGlu;
+use crate::backend::Backend;
 pub use config::{Architecture, ModelConfig};
 pub use forward::{forward, ForwardOptions, StepState};
 pub use trace::{ExpertTrace, ForwardTrace, LayerTrace, MlpTrace, MoeTrace, SwiGluTrace};

@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use rayon::prelude::*;
 
 use super::checksum::WeightsChecksum;
-use super::store::{StoreError, WeightStore};
 use super::layout::{Half, Place, Proj};
+use super::store::{StoreError, WeightStore};
 use super::{Mlp, Model, SwiGlu};
 use crate::backend::cpu::linear::{make_linear, DenseWeight};
 use crate::backend::Linear;
@@ -106,7 +106,10 @@ impl Model {
             }
             fn swiglu(l: usize, e: Option<usize>, m: &mut SwiGlu) -> [(Place, SlotMut<'_>); 3] {
                 [
-                    (Place::GateUp(l, e, Half::Gate), SlotMut::Linear(&mut m.gate)),
+                    (
+                        Place::GateUp(l, e, Half::Gate),
+                        SlotMut::Linear(&mut m.gate),
+                    ),
                     (Place::GateUp(l, e, Half::Up), SlotMut::Linear(&mut m.up)),
                     (Place::Down(l, e), SlotMut::Linear(&mut m.down)),
                 ]
@@ -306,9 +309,10 @@ fn fits(name: &str, slot: &SlotMut<'_>, r: &Replacement) -> Result<(), StoreErro
                 Ok(())
             }
         }
-        (SlotMut::Vector(_) | SlotMut::Embedding(_), Replacement::Vector(_) | Replacement::Embedding(_)) => {
-            refuse("size differs from the served tensor")
-        }
+        (
+            SlotMut::Vector(_) | SlotMut::Embedding(_),
+            Replacement::Vector(_) | Replacement::Embedding(_),
+        ) => refuse("size differs from the served tensor"),
         _ => refuse("the wrong kind of tensor"),
     }
 }
@@ -367,7 +371,10 @@ mod tests {
         let recipe = crate::quant::Recipe::builtin("nvfp4").unwrap();
         let mut m = crate::model::loader::dummy_model(cfg.clone(), &recipe, 0).unwrap();
         let names: Vec<String> = m.slots_mut().into_iter().map(|(n, _)| n).collect();
-        let want: Vec<String> = crate::model::layout::places(&cfg).iter().map(Place::name).collect();
+        let want: Vec<String> = crate::model::layout::places(&cfg)
+            .iter()
+            .map(Place::name)
+            .collect();
         assert_eq!(names, want);
         let shapes = m.slot_shapes();
         for t in crate::model::layout::ModelLayout::of(&cfg, &recipe).tensors {
@@ -376,7 +383,12 @@ mod tests {
                 SlotShape::Embedding { rows, cols } => (vec![*rows, *cols], Format::Bf16),
                 SlotShape::Vector { len } => (vec![*len], Format::Bf16),
             };
-            assert_eq!((shape, format), (t.shape.clone(), t.format.format), "{}", t.name);
+            assert_eq!(
+                (shape, format),
+                (t.shape.clone(), t.format.format),
+                "{}",
+                t.name
+            );
         }
     }
 
@@ -387,7 +399,8 @@ mod tests {
             serde_json::from_str(crate::serve::EMBEDDED_CONFIG).unwrap(),
         )
         .unwrap();
-        let mut m = crate::model::loader::dummy_model(cfg, &crate::quant::Recipe::bf16(), 0).unwrap();
+        let mut m =
+            crate::model::loader::dummy_model(cfg, &crate::quant::Recipe::bf16(), 0).unwrap();
         let before = m.weights_checksum();
         let norm = "model.norm.weight".to_string();
         let good = || Replacement::Vector(vec![0.5; m_hidden()]);
@@ -404,11 +417,16 @@ mod tests {
         ]);
         assert_eq!(
             unknown.err(),
-            Some(StoreError::UnknownNames(vec!["model.layers.99.mlp.gate.weight".into()]))
+            Some(StoreError::UnknownNames(vec![
+                "model.layers.99.mlp.gate.weight".into()
+            ]))
         );
         let short = m.apply_replacements(vec![
             (norm.clone(), good()),
-            ("model.layers.0.input_layernorm.weight".into(), Replacement::Vector(vec![1.0; 3])),
+            (
+                "model.layers.0.input_layernorm.weight".into(),
+                Replacement::Vector(vec![1.0; 3]),
+            ),
         ]);
         assert!(
             matches!(&short, Err(StoreError::Mismatch { name, .. }) if name == "model.layers.0.input_layernorm.weight"),
@@ -420,7 +438,11 @@ mod tests {
             good(),
         )]);
         assert!(matches!(kind, Err(StoreError::Mismatch { .. })));
-        assert_eq!(m.weights_checksum(), before, "refused updates wrote nothing");
+        assert_eq!(
+            m.weights_checksum(),
+            before,
+            "refused updates wrote nothing"
+        );
         m.apply_replacements(vec![(norm, good())]).unwrap();
         assert_ne!(m.weights_checksum(), before);
     }

@@ -31,6 +31,8 @@ pub trait WeightStore {
 
     /// Writes prepared replacements into the served weights, all or none. Returns them (or
     /// what they displaced) for the caller to free off the engine thread.
-    fn write(&mut self, updates: Vec<(String, Replacement)>)
-        -> Result<Vec<Replacement>, StoreError>;
+    fn write(
+        &mut self,
+        updates: Vec<(String, Replacement)>,
+    ) -> Result<Vec<Replacement>, StoreError>;
 }

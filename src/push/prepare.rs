@@ -15,8 +15,8 @@ use safetensors::tensor::{Dtype, TensorView};
 use super::bucket::module_of;
 use super::PushError;
 use crate::checkpoint::{to_f32, CheckpointPart};
-use crate::model::layout::{gate_up_partner, shares_gate_up_scale};
 use crate::model::checksum::WeightsChecksum;
+use crate::model::layout::{gate_up_partner, shares_gate_up_scale};
 use crate::quant::{self, Format, Recipe, TensorFormat};
 
 /// What a server holds, by the names of its checksum.

@@ -25,7 +25,10 @@ fn qwen3() -> Option<Arc<Tokenizer>> {
     if tok.is_none() {
         crate::testing::skip(
             "Qwen3 tokenizer tests",
-            &format!("{} is missing; run scripts/fetch_test_assets.sh", path.display()),
+            &format!(
+                "{} is missing; run scripts/fetch_test_assets.sh",
+                path.display()
+            ),
         );
     }
     tok.clone()

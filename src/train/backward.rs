@@ -4,12 +4,12 @@
 //! Rounding that the forward applies outside linear layers (the BF16 KV cache) is passed
 //! through as identity (straight-through); linear layers follow the [`BackwardMode`].
 
-use crate::model::layout::{Half, Place, Proj};
 use super::linear_grad::{linear_backward, BackwardMode};
 use super::ops_grad;
 use super::params::Grads;
 use crate::backend::cpu::ops;
 use crate::backend::Linear;
+use crate::model::layout::{Half, Place, Proj};
 use crate::model::{ForwardTrace, Mlp, MlpTrace, Model, MoeTrace, SwiGlu, SwiGluTrace};
 
 /// One traced batch: every sequence starts at position 0 (a whole sequence per forward).
@@ -225,12 +225,8 @@ pub fn backward(
     for (l, (layer, lt)) in model.layers.iter().zip(&trace.layers).enumerate().rev() {
         // MLP branch: x_out = x_mid + mlp(post_norm(x_mid)).
         let d_mlp_in = match (&layer.mlp, &lt.mlp) {
-            (Mlp::Dense(m), MlpTrace::Dense(t)) => {
-                cx.swiglu((l, None), m, &lt.mlp_in, n, t, &dx)
-            }
-            (Mlp::Moe(m), MlpTrace::Moe(t)) => {
-                cx.moe(l, m, &lt.mlp_in, n, t, &dx)
-            }
+            (Mlp::Dense(m), MlpTrace::Dense(t)) => cx.swiglu((l, None), m, &lt.mlp_in, n, t, &dx),
+            (Mlp::Moe(m), MlpTrace::Moe(t)) => cx.moe(l, m, &lt.mlp_in, n, t, &dx),
             _ => unreachable!("a trace records the layer's own MLP kind"),
         };
         let d = cx.rms_norm(

@@ -277,7 +277,11 @@ pub(crate) mod tests {
     fn rope_gradient_is_the_transposed_rotation() {
         let mut r = Rng::fresh();
         let (hd, heads) = (8, 2);
-        let inv = crate::model::config::rope_inv_freq(hd, 10000.0, &crate::model::config::RopeScaling::None);
+        let inv = crate::model::config::rope_inv_freq(
+            hd,
+            10000.0,
+            &crate::model::config::RopeScaling::None,
+        );
         let pos = r.below(50);
         let (x, c) = (r.vec(hd * heads), r.vec(hd * heads));
         let f = |x: &[f32]| {

@@ -289,7 +289,9 @@ impl Backend for Cpu {
                 xin.extend_from_slice(&x[(s / route.top_k) * hidden..][..hidden]);
             }
             let rows = route.offsets[ex] * inter..route.offsets[ex + 1] * inter;
-            w[ex].gate.forward(&xin, members.len(), &mut g[rows.clone()]);
+            w[ex]
+                .gate
+                .forward(&xin, members.len(), &mut g[rows.clone()]);
             w[ex].up.forward(&xin, members.len(), &mut u[rows]);
         }
         Ok(())

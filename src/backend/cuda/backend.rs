@@ -199,7 +199,11 @@ impl Cuda {
             row_scale: gpu.alloc(pairs.max(t))?,
             amax: gpu.alloc(2)?,
             block_scaled: if BlockScaledGemm::available(&gpu) {
-                let widest = d.vocab.max(2 * shape.widest_inter()).max(d.q_size()).max(d.hidden);
+                let widest = d
+                    .vocab
+                    .max(2 * shape.widest_inter())
+                    .max(d.q_size())
+                    .max(d.hidden);
                 Some(BlockScaledGemm::new(&gpu, pairs.max(t), widest, in_width)?)
             } else {
                 None
@@ -524,7 +528,10 @@ impl Backend for Cuda {
         // with rows enough to fill the GPU, one block per (row, head) is faster (H200,
         // docs/performance.md: 265 vs 299 us at 64 rows).
         let prefill = ops::prefill_attention_supports(shape)
-            && plan.seqs.iter().any(|s| s.len >= PREFILL_ATTENTION_MIN_ROWS);
+            && plan
+                .seqs
+                .iter()
+                .any(|s| s.len >= PREFILL_ATTENTION_MIN_ROWS);
         let tiles = if prefill {
             ops::prefill_tiles(plan.seqs.iter().map(|s| s.len))
         } else {
@@ -874,7 +881,9 @@ impl Backend for Cuda {
             }
             host_rows += to_host;
         }
-        let top_n = (0..plan.seqs.len()).filter_map(on_device).map(|s| s.top_logprobs_num);
+        let top_n = (0..plan.seqs.len())
+            .filter_map(on_device)
+            .map(|s| s.top_logprobs_num);
         self.sampler.begin(top_n.max().unwrap_or(0).min(v))?;
         let rows = plan.logit_rows.len();
         let gpu = &self.gpu;
@@ -904,7 +913,8 @@ impl Backend for Cuda {
             let m = LOGIT_CHUNK_ROWS.min(rows - first);
             let x = bufs.normed.slice(first * h..(first + m) * h);
             // cuBLAS and the casts take whole buffers: copy the chunk's rows to the front.
-            gpu.stream.memcpy_dtod(&x, &mut bufs.o.slice_mut(0..m * h))?;
+            gpu.stream
+                .memcpy_dtod(&x, &mut bufs.o.slice_mut(0..m * h))?;
             let out = &mut self.logits;
             match (head, table) {
                 (Some(head), _) => linear(
@@ -1092,7 +1102,10 @@ impl Backend for Cuda {
 
 /// Rows of `[gate | up]` (`inter` each) split into all gate rows and all up rows.
 fn split_gate_up(gu: &[f32], inter: usize) -> (Vec<f32>, Vec<f32>) {
-    let (mut gate, mut up) = (Vec::with_capacity(gu.len() / 2), Vec::with_capacity(gu.len() / 2));
+    let (mut gate, mut up) = (
+        Vec::with_capacity(gu.len() / 2),
+        Vec::with_capacity(gu.len() / 2),
+    );
     for row in gu.chunks(2 * inter) {
         gate.extend_from_slice(&row[..inter]);
         up.extend_from_slice(&row[inter..]);

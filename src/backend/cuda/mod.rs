@@ -15,8 +15,8 @@ pub mod ops;
 pub mod sampling;
 pub mod weights;
 
-pub use device::{device_count, Gpu};
 pub use backend::{Cuda, CudaSizes};
+pub use device::{device_count, Gpu};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {

@@ -9,8 +9,8 @@ use crate::backend::cuda::ops::{self, Nvfp4Params, Table, WeightData};
 use crate::backend::cuda::weights::{Activation, GpuMatrix};
 use crate::backend::cuda::{CudaError, Gpu};
 use crate::model::layout::shares_gate_up_scale;
-use crate::model::loader::{dummy_bound, dummy_key};
 use crate::model::layout::Place;
+use crate::model::loader::{dummy_bound, dummy_key};
 use crate::model::ModelConfig;
 use crate::quant::nvfp4::{ScaleGranularity, SecondLevel};
 use crate::quant::{Format, Recipe, TensorFormat};
@@ -166,13 +166,18 @@ impl DeviceSource for DummySource<'_> {
     }
 
     fn plain(&self, place: Place, rows: usize, cols: usize) -> Result<GpuMatrix, CudaError> {
-        self.d
-            .matrix(&[vec![(place.name(), rows)]], cols, &TensorFormat::BF16, false)
+        self.d.matrix(
+            &[vec![(place.name(), rows)]],
+            cols,
+            &TensorFormat::BF16,
+            false,
+        )
     }
 
     fn linear(&self, place: Place, rows: usize, cols: usize) -> Result<GpuMatrix, CudaError> {
         let f = self.format(&place.module(), cols);
-        self.d.matrix(&[vec![(place.name(), rows)]], cols, &f, false)
+        self.d
+            .matrix(&[vec![(place.name(), rows)]], cols, &f, false)
     }
 
     fn swiglu(
@@ -205,8 +210,12 @@ impl DeviceSource for DummySource<'_> {
             .collect();
         let df = self.format(&format!("{}.down_proj", prefixes[0]), inter);
         Ok((
-            self.d
-                .matrix(&gate_up, hidden, &g, shares_gate_up_scale(g.format, u.format))?,
+            self.d.matrix(
+                &gate_up,
+                hidden,
+                &g,
+                shares_gate_up_scale(g.format, u.format),
+            )?,
             self.d.matrix(&down, inter, &df, false)?,
         ))
     }

@@ -14,8 +14,8 @@ use super::{assemble, CudaWeights, DeviceSource};
 use crate::backend::cuda::ops::{self, Nvfp4Out, Nvfp4Params, Table, WeightData};
 use crate::backend::cuda::weights::{Activation, GpuMatrix};
 use crate::backend::cuda::{CudaError, Gpu};
-use crate::model::layout::Place;
 use crate::checkpoint::to_f32;
+use crate::model::layout::Place;
 use crate::model::loader::{
     checked_tensor, fp8_scale_inv, gate_up_shares_level, linear_format, lm_head_is_embedding,
     prequantized_parts, tensor_err, LoadError, Prequantized, ServingCheckpoint,

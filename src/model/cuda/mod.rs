@@ -12,8 +12,8 @@ use cudarc::driver::CudaSlice;
 use super::forward::{forward, ForwardOptions, StepState};
 use super::{ForwardBatch, ForwardOutput, ForwardTrace, Layer, Mlp, Model, ModelConfig, Moe};
 use crate::backend::cpu::linear::DenseWeight;
-use crate::backend::cuda::backend::{CudaExperts, CudaKv, CudaSwiGlu, ModelShape};
 pub use crate::backend::cuda::backend::{Cuda, CudaSizes};
+use crate::backend::cuda::backend::{CudaExperts, CudaKv, CudaSwiGlu, ModelShape};
 use crate::backend::cuda::ops::Table;
 use crate::backend::cuda::weights::GpuMatrix;
 use crate::backend::cuda::{CudaError, Gpu};
@@ -110,7 +110,9 @@ impl Model<Cuda> {
             total += l.q_proj.bytes() + l.k_proj.bytes() + l.v_proj.bytes() + l.o_proj.bytes();
             total += match &l.mlp {
                 Mlp::Dense(m) => m.gate_up.bytes() + m.down.bytes(),
-                Mlp::Moe(m) => m.router.bytes() + m.experts.gate_up.bytes() + m.experts.down.bytes(),
+                Mlp::Moe(m) => {
+                    m.router.bytes() + m.experts.gate_up.bytes() + m.experts.down.bytes()
+                }
             };
         }
         total
@@ -208,7 +210,14 @@ fn assemble<S: DeviceSource>(
     let norm = src.vector(Place::FinalNorm, h)?;
     let lm_head = src.lm_head(&embed)?;
     gpu.synchronize()?;
-    Ok(Model::on_device(gpu, cfg.clone(), embed, layers, norm, lm_head)?)
+    Ok(Model::on_device(
+        gpu,
+        cfg.clone(),
+        embed,
+        layers,
+        norm,
+        lm_head,
+    )?)
 }
 
 /// A layer's MLP from its device matrices: an MoE when it has a router, else a dense SwiGLU.

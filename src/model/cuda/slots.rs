@@ -9,16 +9,16 @@ use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use safetensors::tensor::Dtype;
 
 use super::CudaWeights;
+use crate::backend::cpu::linear::DenseWeight;
 use crate::backend::cuda::ops::{Table, WeightData};
 use crate::backend::cuda::weights::GpuMatrix;
 use crate::backend::cuda::{CudaError, Gpu};
-use crate::backend::cpu::linear::DenseWeight;
 use crate::backend::Storage;
 use crate::checkpoint::CheckpointPart;
 use crate::model::checksum::WeightsChecksum;
-use crate::model::store::StoreError;
-use crate::model::slots::{Replacement, SlotShape};
 use crate::model::layout::{places, Half, Place, Proj};
+use crate::model::slots::{Replacement, SlotShape};
+use crate::model::store::StoreError;
 use crate::model::{Mlp, ModelConfig};
 use crate::quant::{Format, MXFP8_BLOCK, NVFP4_BLOCK};
 
