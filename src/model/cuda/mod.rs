@@ -327,11 +327,6 @@ impl CudaModel {
         self.config.moe.as_ref().map_or(0, |m| m.top_k)
     }
 
-    /// The device and the weights, borrowed apart (to write into the weights on the device).
-    pub fn parts_mut(&mut self) -> (&Gpu, &mut CudaWeights) {
-        (&self.backend.gpu, &mut self.weights)
-    }
-
     /// Replaces the weights (a weight update): same config, new values.
     pub fn replace_weights(&mut self, weights: CudaWeights) {
         self.weight_bytes = weights.bytes();
