@@ -291,12 +291,7 @@ impl WeightStore for Model {
 
 /// Checks that `r` has the kind and shape of `slot` (a linear layer also its format).
 fn fits(name: &str, slot: &SlotMut<'_>, r: &Replacement) -> Result<(), StoreError> {
-    let refuse = |why: &str| {
-        Err(StoreError::Mismatch {
-            name: name.into(),
-            why: why.into(),
-        })
-    };
+    let refuse = |why: &str| Err(StoreError::mismatch(name, why));
     match (slot, r) {
         (SlotMut::Vector(v), Replacement::Vector(n)) if v.len() == n.len() => Ok(()),
         (SlotMut::Embedding(e), Replacement::Embedding(n)) if e.len() == n.len() => Ok(()),

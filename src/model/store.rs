@@ -20,6 +20,16 @@ pub enum StoreError {
     Device(String),
 }
 
+impl StoreError {
+    /// A replacement that does not fit its slot.
+    pub fn mismatch(name: &str, why: &str) -> StoreError {
+        StoreError::Mismatch {
+            name: name.into(),
+            why: why.into(),
+        }
+    }
+}
+
 /// The served weights by checkpoint name.
 pub trait WeightStore {
     /// Every tensor a live update may write, by checkpoint name.

@@ -364,15 +364,7 @@ impl CudaModel {
             trace,
             samples: &[],
         };
-        let (out, _) = forward(
-            &mut self.backend,
-            &self.weights,
-            &mut self.kv,
-            &mut self.state,
-            batch,
-            opts,
-        )?;
-        Ok(out)
+        Ok(self.run(batch, opts)?.0)
     }
 
     /// [`CudaModel::forward_and_sample`] with routing replay: `routing` (`[total_tokens,
@@ -388,6 +380,15 @@ impl CudaModel {
             trace: None,
             samples,
         };
+        self.run(batch, opts)
+    }
+
+    /// The one forward on this device's weights, KV cache and step buffers.
+    pub fn run(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        opts: ForwardOptions<'_, '_>,
+    ) -> Result<(ForwardOutput, Sampled), CudaError> {
         forward(
             &mut self.backend,
             &self.weights,

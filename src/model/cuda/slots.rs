@@ -333,12 +333,7 @@ fn checkpoint_parts(
 
 /// Checks that `r` has the kind, storage and size of `slot`.
 fn fits(name: &str, slot: &DeviceSlot<'_>, r: &Replacement) -> Result<(), StoreError> {
-    let refuse = |why: &str| {
-        Err(StoreError::Mismatch {
-            name: name.into(),
-            why: why.into(),
-        })
-    };
+    let refuse = |why: &str| Err(StoreError::mismatch(name, why));
     match (slot, r) {
         (DeviceSlot::Vector(v), Replacement::Vector(n)) if v.len() == n.len() => Ok(()),
         (DeviceSlot::Embedding { table, .. }, Replacement::Embedding(e)) => match (table, e) {
