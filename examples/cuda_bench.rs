@@ -116,6 +116,7 @@ fn main() {
                 max_context_len: ctx_len,
                 mem_fraction_static: 0.9,
                 max_total_tokens: None,
+                block_scaled_gemm: false,
             },
         )
         .expect("model");

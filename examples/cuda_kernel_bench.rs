@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use lockstep::backend::cuda::device::copy_bandwidth;
 use lockstep::backend::cuda::ops::{
-    self, AttnRows, AttnShape, GemmPath, GemmRows, KeySplit, MoePlan, Nvfp4Out, SplitScratch,
+    self, AttnRows, AttnShape, GemmPath, GemmRows, MoePlan, Nvfp4Out,
 };
 use lockstep::backend::cuda::weights::Activation;
 use lockstep::backend::cuda::Gpu;
@@ -142,7 +142,7 @@ fn main() {
             for path in [
                 GemmPath::Ffma,
                 GemmPath::TensorCore,
-                GemmPath::Gemv,
+                GemmPath::Skinny,
                 GemmPath::Auto,
             ] {
                 let mut run = || {
@@ -261,15 +261,8 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
         let tiles = ops::prefill_tiles(std::iter::repeat_n(rows_per_seq, seqs));
         let dtiles = gpu.upload(&tiles).expect("tiles");
         let decode = rows_per_seq == 1;
-        let mut scratch =
-            SplitScratch::new(gpu, rows * shape.heads * 16, shape.head_dim).expect("split scratch");
-        let split = KeySplit::plan(rows, shape, ctx, gpu.sm_count, scratch.partials);
         let kernels: &[&str] = if decode {
-            &[
-                "paged_attention",
-                "prefill_attention",
-                "decode_attention (split)",
-            ]
+            &["paged_attention", "prefill_attention", "decode_attention"]
         } else {
             &["paged_attention", "prefill_attention"]
         };
@@ -279,16 +272,7 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
                     ops::paged_attention(gpu, &q, &mut out, &k, &v, &meta, rows, shape)
                 } else if decode && kernel != "prefill_attention" {
                     ops::decode_attention(
-                        gpu,
-                        &q,
-                        &mut out,
-                        &k,
-                        &v,
-                        &meta,
-                        rows,
-                        shape,
-                        split,
-                        &mut scratch,
+                        gpu, &q, &mut out, &k, &v, &meta, None, rows, rows, shape,
                     )
                 } else {
                     ops::prefill_attention(

@@ -4,17 +4,26 @@
 // accumulation, and the NVFP4 second-level scales (s_tok of the row, S_dec of the weight)
 // applied in the epilogue, in the contract's order.
 //
-// Three kernels share the arguments and the tile plan, and the host picks one per launch
-// (ops::grouped_gemm):
-// - grouped_gemm_*: CUDA cores (FFMA), any K; the only one for F32 weights (kept exact in f32).
-// - grouped_gemm_mma_*: BF16 tensor cores (mma.sync m16n8k16, FP32 accumulation). Operands are
-//   decoded to BF16 in shared memory: exact for MXFP8 (E4M3 x E8M0) and NVFP4 (E2M1 x E4M3)
-//   weights and for quantized activations (the quantizers' dequantized values). Plain BF16
-//   layers take f32 activations: each is split into two BF16 terms (hi + lo, 16 significant
-//   bits) multiplied separately, so the result stays within ~1e-5 of the CPU's f32 products
-//   instead of the ~2e-3 of rounding activations to BF16 (which flips MoE routing decisions).
-// - grouped_gemv_*: a warp per output column for groups of a few rows (decode), 16-byte weight
-//   loads; weight-bandwidth bound, where tensor cores would idle.
+// Batch invariance (docs/determinism.md): every output element is reduced over K in an order
+// fixed by K alone, so a row's result has the same bits whatever the batch holds. Three kernels
+// share the arguments and the tile plan, and the host picks one per launch (ops::grouped_gemm):
+// - grouped_gemm_*: CUDA cores (FFMA), any K: each element is one fmaf chain over k = 0..K-1;
+//   the only one for F32 weights (kept exact in f32).
+// - grouped_gemm_mma_*: BF16 tensor cores (mma.sync m16n8k16, FP32 accumulation), 32x64 tiles.
+//   Operands are decoded to BF16 in shared memory: exact for MXFP8 (E4M3 x E8M0) and NVFP4
+//   (E2M1 x E4M3) weights and for quantized activations (the quantizers' dequantized values).
+//   Plain BF16 layers take f32 activations: each is split into two BF16 terms (hi + lo, 16
+//   significant bits) multiplied separately, so the result stays within ~1e-5 of the CPU's f32
+//   products instead of the ~2e-3 of rounding activations to BF16 (which flips MoE routing).
+// - grouped_gemm_skinny_*: the same tensor-core products for tiles of few rows (decode): a warp
+//   per 8 output columns, weights loaded straight into registers, no shared memory.
+// The two tensor-core kernels feed each mma exactly the same operands in the same order (the
+// "K chain" below), so they give the same bits and the choice between them is speed alone.
+//
+// The K chain: K is walked in spans of 32 in order; within a span, lane (g, t) of an m16n8k16
+// holds k = 8t..8t+7, chunk c (0, 1) taking k = 8t+4c+{0,1} in fragment slots {2t, 2t+1} and
+// k = 8t+4c+{2,3} in slots {2t+8, 2t+9}; chunk 0 then chunk 1, each as hi then (plain BF16
+// layers) lo. Each lane's 8 values of a span are then one 16-byte load.
 
 #define TM 32
 #define TN 64
@@ -113,15 +122,20 @@ __device__ void grouped_gemm(const float* x, const int* row_index, const float* 
     }
 }
 
-// ---- BF16 tensor cores: 32x64 tiles, 4 warps each 32 rows x 16 columns, K steps of 32 ----
+// ---- BF16 tensor cores: 32x64 tiles, 4 warps each 32 rows x 16 columns, K steps of one span ----
 
 #define MMA_TM TM  // the routing plan's tile rows
 #define MMA_TN 64
-#define MMA_TK 32
-#define MMA_LD (MMA_TK + 8)  // padded row: the fragment loads hit 32 distinct banks
+#define MMA_TK 32  // one span of the K chain
+#define MMA_LD MMA_TK  // unpadded: each quarter-warp's 16-byte fragment loads hit 32 distinct banks
 
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+}
+
+// Two f32 values that are exactly BF16 (decoded codes times block scales) packed as BF16x2.
+__device__ __forceinline__ u32 pack_exact_bf16(float lo, float hi) {
+    return __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632);
 }
 
 __device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
@@ -132,32 +146,38 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// The raw bytes of 16 consecutive weights (n, k..k+16) of one tile, loaded ahead of use.
-struct WeightChunk {
-    uint4 lo, hi;  // BF16: 32 bytes; MXFP8: lo only (16 bytes); NVFP4: lo.x, lo.y (8 bytes)
-    u8 scale;      // MXFP8: the block's E8M0; NVFP4: the 16-block's E4M3
-};
-
-template <int FMT>
-__device__ __forceinline__ WeightChunk load_weight_chunk(const void* w, const u8* scales, u64 row, u64 k, u64 K) {
-    WeightChunk c;
-    c.lo = make_uint4(0, 0, 0, 0);
-    c.hi = c.lo;
-    c.scale = 0;
-    if (FMT == 1) {
-        const uint4* p = (const uint4*)((const bf16_t*)w + row * K + k);
-        c.lo = p[0];
-        c.hi = p[1];
-    } else if (FMT == 2) {
-        c.lo = *(const uint4*)((const u8*)w + row * K + k);
-        c.scale = scales[row * (K / 32) + k / 32];
-    } else {
-        uint2 v = *(const uint2*)((const u8*)w + row * (K / 2) + k / 2);
-        c.lo.x = v.x;
-        c.lo.y = v.y;
-        c.scale = scales[row * (K / 16) + k / 16];
+// Eight consecutive activations (one lane's share of a span) as BF16x2 words. SPLIT (plain
+// BF16 layers): hi = bf16(v), lo = bf16(v - hi); otherwise the values are exact in BF16.
+template <bool SPLIT>
+__device__ __forceinline__ void pack_act8(float4 a, float4 b, u32* hi, u32* lo) {
+    float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if constexpr (SPLIT) {
+            hi[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
+            lo[i] = pack_bf16(__fsub_rn(v[2 * i], __uint_as_float(hi[i] << 16)),
+                              __fsub_rn(v[2 * i + 1], __uint_as_float(hi[i] & 0xffff0000u)));
+        } else {
+            hi[i] = pack_exact_bf16(v[2 * i], v[2 * i + 1]);
+        }
     }
-    return c;
+}
+
+// One span of the K chain for an m16n8 accumulator: `lo_row` / `hi_row` are the 4 words of the
+// lane's rows g and g + 8 (pack_act8), `w` the 4 words of its weight column g.
+template <bool SPLIT>
+__device__ __forceinline__ void mma_span(float* c, const u32* a_lo_row, const u32* a_hi_row, const u32* a_lo_row_lo,
+                                         const u32* a_hi_row_lo, const u32* w) {
+#pragma unroll
+    for (int ch = 0; ch < 2; ch++) {
+        u32 b[2] = {w[2 * ch], w[2 * ch + 1]};
+        u32 a[4] = {a_lo_row[2 * ch], a_hi_row[2 * ch], a_lo_row[2 * ch + 1], a_hi_row[2 * ch + 1]};
+        mma_bf16(c, a, b);
+        if constexpr (SPLIT) {
+            u32 l[4] = {a_lo_row_lo[2 * ch], a_hi_row_lo[2 * ch], a_lo_row_lo[2 * ch + 1], a_hi_row_lo[2 * ch + 1]};
+            mma_bf16(c, l, b);
+        }
+    }
 }
 
 // Fast exact decoders for the inner loops. Two E4M3 codes (low byte first) to f32: one
@@ -176,30 +196,48 @@ __device__ __forceinline__ void e4m3x2_to_f32(u32 pair, float& lo, float& hi) {
 #endif
 }
 
-// Two f32 values that are exactly BF16 (decoded codes times block scales) packed as BF16x2.
-__device__ __forceinline__ u32 pack_exact_bf16(float lo, float hi) {
-    return __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632);
-}
-
 // The E2M1 table, filled by the block before first use (callers sync after it).
 __device__ __forceinline__ void fill_e2m1_table(float* table) {
     if (threadIdx.x < 16) table[threadIdx.x] = e2m1_decode((u8)threadIdx.x);
 }
 
-// Decodes a chunk to 16 BF16 values (8 packed words). Exact: an E4M3 or E2M1 value times its
-// power-of-two or E4M3 block scale has at most 8 significant bits.
+// The raw bytes of 8 consecutive weights (n, k..k+8) and their block scale, loaded ahead of use.
+struct Weight8 {
+    uint4 q;   // BF16: 16 bytes; MXFP8: q.x, q.y (8 bytes); NVFP4: q.x (4 bytes)
+    u8 scale;  // MXFP8: the 32-block's E8M0; NVFP4: the 16-block's E4M3
+};
+
+// Requires K % 32 == 0 and k % 8 == 0 (aligned loads).
 template <int FMT>
-__device__ __forceinline__ void decode_weight_chunk(const WeightChunk& c, const float* e2m1, u32* out) {
+__device__ __forceinline__ Weight8 load_weight8(const void* w, const u8* scales, u64 row, u64 k, u64 K) {
+    Weight8 c;
+    c.q = make_uint4(0, 0, 0, 0);
+    c.scale = 0;
     if (FMT == 1) {
-        out[0] = c.lo.x; out[1] = c.lo.y; out[2] = c.lo.z; out[3] = c.lo.w;
-        out[4] = c.hi.x; out[5] = c.hi.y; out[6] = c.hi.z; out[7] = c.hi.w;
-        return;
+        c.q = *(const uint4*)((const bf16_t*)w + row * K + k);
+    } else if (FMT == 2) {
+        uint2 v = *(const uint2*)((const u8*)w + row * K + k);
+        c.q.x = v.x;
+        c.q.y = v.y;
+        c.scale = scales[row * (K / 32) + k / 32];
+    } else {
+        c.q.x = *(const u32*)((const u8*)w + row * (K / 2) + k / 2);
+        c.scale = scales[row * (K / 16) + k / 16];
     }
-    u32 words[4] = {c.lo.x, c.lo.y, c.lo.z, c.lo.w};
-    if (FMT == 2) {
+    return c;
+}
+
+// The 8 weights as 4 BF16x2 words. Exact: an E4M3 or E2M1 value times its power-of-two or
+// E4M3 block scale has at most 8 significant bits.
+template <int FMT>
+__device__ __forceinline__ void decode_weight8(const Weight8& c, const float* e2m1, u32* out) {
+    if (FMT == 1) {
+        out[0] = c.q.x; out[1] = c.q.y; out[2] = c.q.z; out[3] = c.q.w;
+    } else if (FMT == 2) {
         float s = e8m0_decode(c.scale);
+        u32 words[2] = {c.q.x, c.q.y};
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
+        for (int i = 0; i < 4; i++) {
             float lo, hi;
             e4m3x2_to_f32(words[i / 2] >> (16 * (i % 2)), lo, hi);
             out[i] = pack_exact_bf16(__fmul_rn(lo, s), __fmul_rn(hi, s));
@@ -207,15 +245,20 @@ __device__ __forceinline__ void decode_weight_chunk(const WeightChunk& c, const 
     } else {
         float s = e4m3_decode(c.scale);
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            u32 byte = (words[i / 4] >> (8 * (i % 4))) & 0xffu;
+        for (int i = 0; i < 4; i++) {
+            u32 byte = (c.q.x >> (8 * i)) & 0xffu;
             out[i] = pack_exact_bf16(__fmul_rn(e2m1[byte & 15u], s), __fmul_rn(e2m1[byte >> 4], s));
         }
     }
 }
 
-// Grid (ceil(N / 64), tiles), 128 threads. Requires K % 32 == 0 (the host checks). The next K
-// step's operands are loaded into registers while the tensor cores work on the current one.
+__device__ __forceinline__ float nvfp4_epilogue_scale(float v, const float* row_scale, u64 src, const float* w_sdec,
+                                                      int e, int sdec_groups, int col, int N) {
+    return __fmul_rn(__fmul_rn(v, row_scale[src]), w_sdec[e * sdec_groups + col / (N / sdec_groups)]);
+}
+
+// Grid (ceil(N / 64), tiles), 128 threads. Requires K % 32 == 0 (the host checks). The next
+// span's operands are loaded into registers while the tensor cores work on the current one.
 template <int FMT>
 __device__ void grouped_gemm_mma(const float* x, const int* row_index, const float* row_scale, const void* w,
                                  const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
@@ -223,16 +266,16 @@ __device__ void grouped_gemm_mma(const float* x, const int* row_index, const flo
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
     int n0 = blockIdx.x * MMA_TN;
-    // Plain BF16 layers (FMT 1) split the f32 activations: as = hi, as_lo = x - hi.
     constexpr bool SPLIT = FMT == 1;
-    __shared__ __align__(16) bf16_t as[MMA_TM][MMA_LD];
-    __shared__ __align__(16) bf16_t as_lo[SPLIT ? MMA_TM : 1][MMA_LD];
-    __shared__ __align__(16) bf16_t ws[MMA_TN][MMA_LD];
+    __shared__ __align__(16) u32 as[MMA_TM][MMA_LD / 2];
+    __shared__ __align__(16) u32 as_lo[SPLIT ? MMA_TM : 1][MMA_LD / 2];
+    __shared__ __align__(16) u32 ws[MMA_TN][MMA_LD / 2];
     __shared__ float e2m1[16];
     fill_e2m1_table(e2m1);
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
-    // Loader roles: A row tid / 4 (8 values from k (tid % 4) * 8); W row tid / 2 (16 values).
+    // Loader roles: A row tid / 4 (8 values from k (tid % 4) * 8); W row tid / 2 (16 values
+    // from k (tid % 2) * 16, two Weight8s).
     int a_row = tid >> 2, a_k = (tid & 3) * 8;
     bool a_live = r0 + a_row < r1;
     u64 a_src = a_live ? (row_index ? (u64)row_index[r0 + a_row] : (u64)(r0 + a_row)) : 0;
@@ -241,36 +284,32 @@ __device__ void grouped_gemm_mma(const float* x, const int* row_index, const flo
     u64 w_row = (u64)e * N + (n0 + w_n);
 
     float4 xa = make_float4(0, 0, 0, 0), xb = xa;
-    WeightChunk wc;
-    wc.lo = make_uint4(0, 0, 0, 0);
-    wc.hi = wc.lo;
-    wc.scale = 0;
+    Weight8 wc[2];
+    wc[0].q = make_uint4(0, 0, 0, 0);
+    wc[0].scale = 0;
+    wc[1] = wc[0];
     auto fetch = [&](int k0) {
         if (a_live) {
             const float4* p = (const float4*)(x + a_src * K + k0 + a_k);
             xa = p[0];
             xb = p[1];
         }
-        if (w_live) wc = load_weight_chunk<FMT>(w, w_scales, w_row, k0 + w_k, K);
+        if (w_live) {
+            wc[0] = load_weight8<FMT>(w, w_scales, w_row, k0 + w_k, K);
+            wc[1] = load_weight8<FMT>(w, w_scales, w_row, k0 + w_k + 8, K);
+        }
     };
     auto stash = [&]() {
-        // Quantized activations are exact in BF16; plain ones are rounded (hi) and split.
-        auto pack = [](float lo, float hi) { return SPLIT ? pack_bf16(lo, hi) : pack_exact_bf16(lo, hi); };
-        uint4 a = make_uint4(pack(xa.x, xa.y), pack(xa.z, xa.w), pack(xb.x, xb.y), pack(xb.z, xb.w));
-        *(uint4*)&as[a_row][a_k] = a;
-        if constexpr (SPLIT) {
-            u32 hi[4] = {a.x, a.y, a.z, a.w};
-            float v[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-            u32 lo[4];
+        u32 hi[4], lo[4];
+        pack_act8<SPLIT>(xa, xb, hi, lo);
+        *(uint4*)&as[a_row][a_k / 2] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        if constexpr (SPLIT) *(uint4*)&as_lo[a_row][a_k / 2] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
 #pragma unroll
-            for (int i = 0; i < 4; i++)
-                lo[i] = pack_bf16(v[2 * i] - __uint_as_float(hi[i] << 16), v[2 * i + 1] - __uint_as_float(hi[i] & 0xffff0000u));
-            *(uint4*)&as_lo[a_row][a_k] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        for (int h = 0; h < 2; h++) {
+            u32 d[4];
+            decode_weight8<FMT>(wc[h], e2m1, d);
+            *(uint4*)&ws[w_n][w_k / 2 + 4 * h] = make_uint4(d[0], d[1], d[2], d[3]);
         }
-        u32 d[8];
-        decode_weight_chunk<FMT>(wc, e2m1, d);
-        *(uint4*)&ws[w_n][w_k] = make_uint4(d[0], d[1], d[2], d[3]);
-        *(uint4*)&ws[w_n][w_k + 8] = make_uint4(d[4], d[5], d[6], d[7]);
     };
 
     float acc[2][2][4];
@@ -287,42 +326,23 @@ __device__ void grouped_gemm_mma(const float* x, const int* row_index, const flo
         stash();
         __syncthreads();
         if (k0 + MMA_TK < K) fetch(k0 + MMA_TK);
+        // Lane (g, t) reads words 4t..4t+3 (k = 8t..8t+7) of its rows and columns.
+        uint4 a[2][2], al[2][2], b[2];
 #pragma unroll
-        for (int ks = 0; ks < MMA_TK; ks += 16) {
-            u32 a[2][4], b[2][2];
+        for (int mi = 0; mi < 2; mi++)
 #pragma unroll
-            for (int mi = 0; mi < 2; mi++) {
-                int r = mi * 16 + g;
-                a[mi][0] = *(const u32*)&as[r][ks + 2 * t];
-                a[mi][1] = *(const u32*)&as[r + 8][ks + 2 * t];
-                a[mi][2] = *(const u32*)&as[r][ks + 2 * t + 8];
-                a[mi][3] = *(const u32*)&as[r + 8][ks + 2 * t + 8];
+            for (int h = 0; h < 2; h++) {
+                a[mi][h] = *(const uint4*)&as[mi * 16 + g + 8 * h][4 * t];
+                if constexpr (SPLIT) al[mi][h] = *(const uint4*)&as_lo[mi * 16 + g + 8 * h][4 * t];
             }
 #pragma unroll
-            for (int ni = 0; ni < 2; ni++) {
-                int n = warp * 16 + ni * 8 + g;
-                b[ni][0] = *(const u32*)&ws[n][ks + 2 * t];
-                b[ni][1] = *(const u32*)&ws[n][ks + 2 * t + 8];
-            }
+        for (int ni = 0; ni < 2; ni++) b[ni] = *(const uint4*)&ws[warp * 16 + ni * 8 + g][4 * t];
 #pragma unroll
-            for (int mi = 0; mi < 2; mi++)
+        for (int mi = 0; mi < 2; mi++)
 #pragma unroll
-                for (int ni = 0; ni < 2; ni++) mma_bf16(acc[mi][ni], a[mi], b[ni]);
-            if constexpr (SPLIT) {
-#pragma unroll
-                for (int mi = 0; mi < 2; mi++) {
-                    int r = mi * 16 + g;
-                    a[mi][0] = *(const u32*)&as_lo[r][ks + 2 * t];
-                    a[mi][1] = *(const u32*)&as_lo[r + 8][ks + 2 * t];
-                    a[mi][2] = *(const u32*)&as_lo[r][ks + 2 * t + 8];
-                    a[mi][3] = *(const u32*)&as_lo[r + 8][ks + 2 * t + 8];
-                }
-#pragma unroll
-                for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-                    for (int ni = 0; ni < 2; ni++) mma_bf16(acc[mi][ni], a[mi], b[ni]);
-            }
-        }
+            for (int ni = 0; ni < 2; ni++)
+                mma_span<SPLIT>(acc[mi][ni], (const u32*)&a[mi][0], (const u32*)&a[mi][1], (const u32*)&al[mi][0],
+                                (const u32*)&al[mi][1], (const u32*)&b[ni]);
         __syncthreads();
     }
 
@@ -341,102 +361,98 @@ __device__ void grouped_gemm_mma(const float* x, const int* row_index, const flo
                     int col = n0 + warp * 16 + ni * 8 + 2 * t + j;
                     if (col >= N) continue;
                     float v = acc[mi][ni][2 * half + j];
-                    if (FMT == 3)
-                        v = __fmul_rn(__fmul_rn(v, row_scale[src]), w_sdec[e * sdec_groups + col / (N / sdec_groups)]);
+                    if (FMT == 3) v = nvfp4_epilogue_scale(v, row_scale, src, w_sdec, e, sdec_groups, col, N);
                     out[(u64)row * N + col] = v;
                 }
         }
 }
 
-// ---- GEMV for groups of a few rows: a warp per output column, 8 columns per 256-thread block ----
+// ---- Tensor cores for tiles of few rows: a warp per 8 output columns ----
 
-#define GEMV_ROWS 4  // rows per pass; a group with more rows makes more passes
+#define SKINNY_WARPS 4  // 32 columns per 128-thread block
+#define SKINNY_SPANS 4  // spans of weights in flight per lane
 
-// The 8 weights (n, k..k+8) as f32. Requires K % 32 == 0 and k % 8 == 0.
+// Grid (ceil(N / 32), tiles), 128 threads. Requires K % 32 == 0. Each lane streams its weight
+// column's 8 values of every span from global memory, SKINNY_SPANS spans ahead, and reads its
+// rows' activations (L1-resident, shared by the block's warps) itself; the tile's rows are at
+// most TM = two m16 fragments, and a fragment with no live row is skipped.
 template <int FMT>
-__device__ __forceinline__ void load_weight8(const void* w, const u8* scales, const float* e2m1, u64 row, u64 k,
-                                             u64 K, float* v) {
-    if (FMT == 0) {
-        const float4* p = (const float4*)((const float*)w + row * K + k);
-        float4 a = p[0], b = p[1];
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-    } else if (FMT == 1) {
-        uint4 q = *(const uint4*)((const bf16_t*)w + row * K + k);
-        u32 words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            v[2 * i] = __uint_as_float(words[i] << 16);
-            v[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-        }
-    } else if (FMT == 2) {
-        uint2 q = *(const uint2*)((const u8*)w + row * K + k);
-        float s = e8m0_decode(scales[row * (K / 32) + k / 32]);
-        u32 words[2] = {q.x, q.y};
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            e4m3x2_to_f32(words[i / 2] >> (16 * (i % 2)), v[2 * i], v[2 * i + 1]);
-            v[2 * i] = __fmul_rn(v[2 * i], s);
-            v[2 * i + 1] = __fmul_rn(v[2 * i + 1], s);
-        }
-    } else {
-        u32 q = *(const u32*)((const u8*)w + row * (K / 2) + k / 2);
-        float s = e4m3_decode(scales[row * (K / 16) + k / 16]);
-#pragma unroll
-        for (int i = 0; i < 8; i++) v[i] = __fmul_rn(e2m1[(q >> (4 * i)) & 15u], s);
-    }
-}
-
-// Grid (ceil(N / 8), tiles), 256 threads.
-template <int FMT>
-__device__ void grouped_gemv(const float* x, const int* row_index, const float* row_scale, const void* w,
-                             const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
-                             const int* num_tiles, const int* offsets, int rows, int N, int K, float* out) {
+__device__ void grouped_gemm_skinny(const float* x, const int* row_index, const float* row_scale, const void* w,
+                                    const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
+                                    const int* num_tiles, const int* offsets, int rows, int N, int K, float* out) {
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
+    constexpr bool SPLIT = FMT == 1;
+    constexpr int FRAGS = TM / 16;
     __shared__ float e2m1[16];
     fill_e2m1_table(e2m1);
     __syncthreads();
-    int col = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (col >= N) return;
-    u64 w_row = (u64)e * N + col;
-    for (int rg = r0; rg < r1; rg += GEMV_ROWS) {
-        int live = min(GEMV_ROWS, r1 - rg);
-        u64 src[GEMV_ROWS];
-        float acc[GEMV_ROWS];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int n0 = (blockIdx.x * SKINNY_WARPS + warp) * 8;
+    if (n0 >= N) return;
+    // A lane past N reads column n0 (never stored: lanes store columns 2t, 2t + 1).
+    u64 w_row = (u64)e * N + (n0 + g < N ? n0 + g : n0);
+    int frags = (r1 - r0 + 15) / 16;
+    const float* xr[FRAGS][2];
 #pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++) {
-            src[r] = r < live ? (row_index ? (u64)row_index[rg + r] : (u64)(rg + r)) : 0;
-            acc[r] = 0.0f;
+    for (int mi = 0; mi < FRAGS; mi++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int row = r0 + mi * 16 + g + 8 * h;
+            xr[mi][h] = row < r1 ? x + (row_index ? (u64)row_index[row] : (u64)row) * K + 8 * t : nullptr;
         }
-        for (int k = lane * 8; k < K; k += 256) {
-            float wv[8];
-            load_weight8<FMT>(w, w_scales, e2m1, w_row, k, K, wv);
+    float acc[FRAGS][4];
 #pragma unroll
-            for (int r = 0; r < GEMV_ROWS; r++) {
-                if (r >= live) break;
-                const float4* p = (const float4*)(x + src[r] * K + k);
-                float4 a = p[0], b = p[1];
-                acc[r] = fmaf(a.x, wv[0], acc[r]);
-                acc[r] = fmaf(a.y, wv[1], acc[r]);
-                acc[r] = fmaf(a.z, wv[2], acc[r]);
-                acc[r] = fmaf(a.w, wv[3], acc[r]);
-                acc[r] = fmaf(b.x, wv[4], acc[r]);
-                acc[r] = fmaf(b.y, wv[5], acc[r]);
-                acc[r] = fmaf(b.z, wv[6], acc[r]);
-                acc[r] = fmaf(b.w, wv[7], acc[r]);
-            }
-        }
+    for (int mi = 0; mi < FRAGS; mi++)
 #pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++) {
-            float v = warp_sum(acc[r]);
-            if (lane == 0 && r < live) {
-                if (FMT == 3)
-                    v = __fmul_rn(__fmul_rn(v, row_scale[src[r]]), w_sdec[e * sdec_groups + col / (N / sdec_groups)]);
-                out[(u64)(rg + r) * N + col] = v;
+        for (int v = 0; v < 4; v++) acc[mi][v] = 0.0f;
+
+    for (int k0 = 0; k0 < K; k0 += 32 * SKINNY_SPANS) {
+        int spans = min(SKINNY_SPANS, (K - k0) / 32);
+        Weight8 wc[SKINNY_SPANS];
+#pragma unroll
+        for (int s = 0; s < SKINNY_SPANS; s++)
+            if (s < spans) wc[s] = load_weight8<FMT>(w, w_scales, w_row, k0 + 32 * s + 8 * t, K);
+#pragma unroll
+        for (int s = 0; s < SKINNY_SPANS; s++) {
+            if (s >= spans) break;
+            u32 b[4];
+            decode_weight8<FMT>(wc[s], e2m1, b);
+#pragma unroll
+            for (int mi = 0; mi < FRAGS; mi++) {
+                if (mi >= frags) break;
+                u32 hi[2][4], lo[2][4];
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    float4 va = make_float4(0, 0, 0, 0), vb = va;
+                    if (xr[mi][h]) {
+                        const float4* p = (const float4*)(xr[mi][h] + k0 + 32 * s);
+                        va = p[0];
+                        vb = p[1];
+                    }
+                    pack_act8<SPLIT>(va, vb, hi[h], lo[h]);
+                }
+                mma_span<SPLIT>(acc[mi], hi[0], hi[1], lo[0], lo[1], b);
             }
         }
     }
+
+#pragma unroll
+    for (int mi = 0; mi < FRAGS; mi++)
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            int row = r0 + mi * 16 + g + 8 * half;
+            if (row >= r1) continue;
+            u64 src = row_index ? (u64)row_index[row] : (u64)row;
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                int col = n0 + 2 * t + j;
+                if (col >= N) continue;
+                float v = acc[mi][2 * half + j];
+                if (FMT == 3) v = nvfp4_epilogue_scale(v, row_scale, src, w_sdec, e, sdec_groups, col, N);
+                out[(u64)row * N + col] = v;
+            }
+        }
 }
 
 #define GEMM_KERNEL(KIND, NAME, FMT)                                                                              \
@@ -450,10 +466,9 @@ __device__ void grouped_gemv(const float* x, const int* row_index, const float* 
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_bf16, 1)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_mxfp8, 2)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_nvfp4, 3)
-GEMM_KERNEL(grouped_gemv, grouped_gemv_f32, 0)
-GEMM_KERNEL(grouped_gemv, grouped_gemv_bf16, 1)
-GEMM_KERNEL(grouped_gemv, grouped_gemv_mxfp8, 2)
-GEMM_KERNEL(grouped_gemv, grouped_gemv_nvfp4, 3)
+GEMM_KERNEL(grouped_gemm_skinny, grouped_gemm_skinny_bf16, 1)
+GEMM_KERNEL(grouped_gemm_skinny, grouped_gemm_skinny_mxfp8, 2)
+GEMM_KERNEL(grouped_gemm_skinny, grouped_gemm_skinny_nvfp4, 3)
 
 GEMM_KERNEL(grouped_gemm, grouped_gemm_f32, 0)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_bf16, 1)

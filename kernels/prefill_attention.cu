@@ -1,15 +1,18 @@
-// Prefill attention on BF16 tensor cores (flash-attention style): a block takes up to 64
-// consecutive query rows of one sequence (a prefill chunk, possibly on top of cached prefix
-// blocks) and one head, walks the sequence's keys in tiles of 64 through its block table with
-// an online softmax, and never materializes the score matrix.
+// Attention on BF16 tensor cores (flash-attention style) for prefill and decode rows alike:
+// each warp takes 16 query rows, walks their sequence's keys in tiles of 64 through its block
+// table with an online softmax, and never materializes the score matrix. The prefill kernel's
+// rows are up to 64 consecutive positions of one sequence and one head (a chunk, possibly on
+// top of cached prefix blocks); the decode kernel's are the query heads of one row that share
+// a KV head. Both run the same per-row arithmetic (fa_attend), so a row's output has the same
+// bits whichever kernel, tile or batch it is computed in (docs/determinism.md).
 //
 // Precision: the CPU reference computes q.k and p.v in f32 over the BF16 cache. Here q and the
 // probabilities p are f32 values split into two BF16 terms (hi + lo, 16 significant bits) and
 // multiplied separately, with FP32 accumulation, so the result stays within ~1e-5 of the CPU's
-// instead of the ~1e-3 of rounding them to BF16. K and V are BF16 already (exact).
+// instead of the ~1e-3 of rounding them to BF16. K and V are BF16 already (exact): both kernels
+// read them from the cache, where the step's new keys were stored first (qk_norm_rope_store).
 //
-// Grid (tiles, heads), 128 threads: warp w owns query rows 16w..16w+15 of the tile. Needs
-// head_dim 32, 64 or 128 (the host checks; other shapes use paged_attention).
+// Needs head_dim 32, 64 or 128 (the host checks; other shapes use paged_attention for every row).
 
 #define FA_ROWS 64
 #define FA_KEYS 64
@@ -31,50 +34,47 @@ __device__ __forceinline__ void fa_mma(float* c, const u32* a, u32 b0, u32 b1) {
 // Splits f32 pairs into BF16 hi and lo words: hi = bf16(v), lo = bf16(v - hi).
 __device__ __forceinline__ void fa_split(float a, float b, u32& hi, u32& lo) {
     hi = fa_pack(a, b);
-    lo = fa_pack(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
+    lo = fa_pack(__fsub_rn(a, __uint_as_float(hi << 16)), __fsub_rn(b, __uint_as_float(hi & 0xffff0000u)));
 }
 
-// `tiles[2i]` = first row of tile i, `tiles[2i + 1]` = its row count (<= 64); the rows are
-// consecutive positions of one sequence.
-template <int HD>
-__device__ void prefill_attention(const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache,
-                                  const int* row_pos, const int* row_seq, const int* table_offsets,
-                                  const int* block_tables, const int* tiles, int heads, int kv_heads,
-                                  int block_size, float scale) {
+// The query rows one lane serves (rows g and g + 8 of its warp's m16 tile): pointers to their
+// q and out rows (one head each), their positions, and whether each is a row at all.
+struct FaRows {
+    const float* q_lo;
+    const float* q_hi;
+    float* out_lo;
+    float* out_hi;
+    int p_lo, p_hi;
+    bool live_lo, live_hi;
+};
+
+// Attention of one warp's 16 query rows over the keys 0..=last_pos of one sequence and KV head,
+// in tiles of 64 keys loaded by the block's THREADS threads (every warp of the block shares the
+// sequence, the KV head and last_pos). Each row's result depends only on its own q, its
+// position and the keys: which other rows share the warp, and last_pos beyond the row's own
+// position, change nothing (a tile of keys all past a row's position leaves its state exactly
+// as it was), so prefill chunks and decode rows give the same bits (docs/determinism.md).
+template <int HD, int THREADS>
+__device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
+                          const int* table, int kvh, int kv_heads, int block_size, float scale) {
     constexpr int KSTEPS = HD / 16;  // k16 steps of q.k
     constexpr int DTILES = HD / 8;   // n8 tiles of the output
     __shared__ __align__(16) bf16_t ks[FA_KEYS][FA_LD];
     __shared__ __align__(16) bf16_t vs[FA_KEYS][FA_LD];
-    int first = tiles[2 * blockIdx.x], count = tiles[2 * blockIdx.x + 1];
-    int h = blockIdx.y, kvh = h / (heads / kv_heads);
-    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    int pos0 = row_pos[first];
-    int last_pos = pos0 + count - 1;
-    const int* table = block_tables + table_offsets[row_seq[first]];
+    int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
     u64 kv_width = (u64)kv_heads * HD;
-
-    // This thread's two query rows (g and g + 8 of the warp's 16) and their positions.
-    int r_lo = warp * 16 + g, r_hi = r_lo + 8;
-    int p_lo = pos0 + r_lo, p_hi = pos0 + r_hi;
-    bool live_lo = r_lo < count, live_hi = r_hi < count;
 
     // Q fragments (A operand, row-major 16 x HD), split into hi and lo BF16 terms, pre-scaled.
     u32 qa_hi[KSTEPS][4], qa_lo[KSTEPS][4];
-    {
-        const float* q_lo = q + ((u64)(first + r_lo) * heads + h) * HD;
-        const float* q_hi = q + ((u64)(first + r_hi) * heads + h) * HD;
 #pragma unroll
-        for (int s = 0; s < KSTEPS; s++) {
-            int c0 = s * 16 + 2 * t, c1 = c0 + 8;
-            float a0 = live_lo ? q_lo[c0] * scale : 0.0f, a1 = live_lo ? q_lo[c0 + 1] * scale : 0.0f;
-            float b0 = live_hi ? q_hi[c0] * scale : 0.0f, b1 = live_hi ? q_hi[c0 + 1] * scale : 0.0f;
-            float a2 = live_lo ? q_lo[c1] * scale : 0.0f, a3 = live_lo ? q_lo[c1 + 1] * scale : 0.0f;
-            float b2 = live_hi ? q_hi[c1] * scale : 0.0f, b3 = live_hi ? q_hi[c1 + 1] * scale : 0.0f;
-            fa_split(a0, a1, qa_hi[s][0], qa_lo[s][0]);
-            fa_split(b0, b1, qa_hi[s][1], qa_lo[s][1]);
-            fa_split(a2, a3, qa_hi[s][2], qa_lo[s][2]);
-            fa_split(b2, b3, qa_hi[s][3], qa_lo[s][3]);
-        }
+    for (int s = 0; s < KSTEPS; s++) {
+        int c0 = s * 16 + 2 * t, c1 = c0 + 8;
+        auto ql = [&](int c) { return r.live_lo ? __fmul_rn(r.q_lo[c], scale) : 0.0f; };
+        auto qh = [&](int c) { return r.live_hi ? __fmul_rn(r.q_hi[c], scale) : 0.0f; };
+        fa_split(ql(c0), ql(c0 + 1), qa_hi[s][0], qa_lo[s][0]);
+        fa_split(qh(c0), qh(c0 + 1), qa_hi[s][1], qa_lo[s][1]);
+        fa_split(ql(c1), ql(c1 + 1), qa_hi[s][2], qa_lo[s][2]);
+        fa_split(qh(c1), qh(c1 + 1), qa_hi[s][3], qa_lo[s][3]);
     }
 
     float o[DTILES][4];
@@ -88,7 +88,7 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
         __syncthreads();  // the previous tile's readers are done
         // K and V tiles: 64 keys x HD, 16-byte chunks; keys past last_pos are zero.
         constexpr int CHUNKS = HD / 8;
-        for (int c = tid; c < FA_KEYS * CHUNKS; c += 128) {
+        for (int c = tid; c < FA_KEYS * CHUNKS; c += THREADS) {
             int key = c / CHUNKS, part = (c % CHUNKS) * 8, kpos = k0 + key;
             uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
             if (kpos <= last_pos) {
@@ -123,8 +123,8 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 int key = k0 + j * 8 + 2 * t + i;
-                if (!live_lo || key > p_lo) s[j][i] = -INFINITY;
-                if (!live_hi || key > p_hi) s[j][2 + i] = -INFINITY;
+                if (!r.live_lo || key > r.p_lo) s[j][i] = -INFINITY;
+                if (!r.live_hi || key > r.p_hi) s[j][2 + i] = -INFINITY;
                 mx_lo = fmaxf(mx_lo, s[j][i]);
                 mx_hi = fmaxf(mx_hi, s[j][2 + i]);
             }
@@ -136,32 +136,32 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
         float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
         // A fully masked row so far keeps m = -inf: use 0 as the reference to avoid inf - inf.
         float ref_lo = mn_lo == -INFINITY ? 0.0f : mn_lo, ref_hi = mn_hi == -INFINITY ? 0.0f : mn_hi;
-        float c_lo = expf(m_lo - ref_lo), c_hi = expf(m_hi - ref_hi);
+        float c_lo = expf(__fsub_rn(m_lo, ref_lo)), c_hi = expf(__fsub_rn(m_hi, ref_hi));
         float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
         for (int j = 0; j < 8; j++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                s[j][i] = expf(s[j][i] - ref_lo);
-                s[j][2 + i] = expf(s[j][2 + i] - ref_hi);
-                sum_lo += s[j][i];
-                sum_hi += s[j][2 + i];
+                s[j][i] = expf(__fsub_rn(s[j][i], ref_lo));
+                s[j][2 + i] = expf(__fsub_rn(s[j][2 + i], ref_hi));
+                sum_lo = __fadd_rn(sum_lo, s[j][i]);
+                sum_hi = __fadd_rn(sum_hi, s[j][2 + i]);
             }
 #pragma unroll
         for (int off = 1; off < 4; off <<= 1) {
-            sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, off);
-            sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, off);
+            sum_lo = __fadd_rn(sum_lo, __shfl_xor_sync(0xffffffffu, sum_lo, off));
+            sum_hi = __fadd_rn(sum_hi, __shfl_xor_sync(0xffffffffu, sum_hi, off));
         }
-        l_lo = l_lo * c_lo + sum_lo;
-        l_hi = l_hi * c_hi + sum_hi;
+        l_lo = __fmaf_rn(l_lo, c_lo, sum_lo);
+        l_hi = __fmaf_rn(l_hi, c_hi, sum_hi);
         m_lo = mn_lo;
         m_hi = mn_hi;
 #pragma unroll
         for (int d = 0; d < DTILES; d++) {
-            o[d][0] *= c_lo;
-            o[d][1] *= c_lo;
-            o[d][2] *= c_hi;
-            o[d][3] *= c_hi;
+            o[d][0] = __fmul_rn(o[d][0], c_lo);
+            o[d][1] = __fmul_rn(o[d][1], c_lo);
+            o[d][2] = __fmul_rn(o[d][2], c_hi);
+            o[d][3] = __fmul_rn(o[d][3], c_hi);
         }
         // O += P V: the S accumulators of key tiles (2kk, 2kk + 1) are the A fragment of the
         // k16 step kk; V's B fragment pairs keys (2t, 2t + 1) and (2t + 8, 2t + 9) at column g.
@@ -185,32 +185,95 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
     }
 
     // C fragment: (g, 2t), (g, 2t + 1) of row lo, (g + 8, ...) of row hi.
-    float inv_lo = l_lo > 0.0f ? 1.0f / l_lo : 0.0f, inv_hi = l_hi > 0.0f ? 1.0f / l_hi : 0.0f;
-    float* out_lo = out + ((u64)(first + r_lo) * heads + h) * HD;
-    float* out_hi = out + ((u64)(first + r_hi) * heads + h) * HD;
+    float inv_lo = l_lo > 0.0f ? __fdiv_rn(1.0f, l_lo) : 0.0f, inv_hi = l_hi > 0.0f ? __fdiv_rn(1.0f, l_hi) : 0.0f;
 #pragma unroll
     for (int d = 0; d < DTILES; d++) {
         int col = d * 8 + 2 * t;
-        if (live_lo) {
-            out_lo[col] = o[d][0] * inv_lo;
-            out_lo[col + 1] = o[d][1] * inv_lo;
+        if (r.live_lo) {
+            r.out_lo[col] = __fmul_rn(o[d][0], inv_lo);
+            r.out_lo[col + 1] = __fmul_rn(o[d][1], inv_lo);
         }
-        if (live_hi) {
-            out_hi[col] = o[d][2] * inv_hi;
-            out_hi[col + 1] = o[d][3] * inv_hi;
+        if (r.live_hi) {
+            r.out_hi[col] = __fmul_rn(o[d][2], inv_hi);
+            r.out_hi[col + 1] = __fmul_rn(o[d][3], inv_hi);
         }
     }
 }
 
-#define PREFILL_ATTENTION(NAME, HD)                                                                               \
-    extern "C" __global__ void NAME(                                                          \
+// Prefill: `tiles[2i]` = first row of tile i, `tiles[2i + 1]` = its row count (<= 64); the rows
+// are consecutive positions of one sequence. Grid (tiles, heads), 128 threads: warp w owns
+// query rows 16w..16w+15 of the tile.
+template <int HD>
+__device__ void prefill_attention(const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache,
+                                  const int* row_pos, const int* row_seq, const int* table_offsets,
+                                  const int* block_tables, const int* tiles, int heads, int kv_heads,
+                                  int block_size, float scale) {
+    int first = tiles[2 * blockIdx.x], count = tiles[2 * blockIdx.x + 1];
+    int h = blockIdx.y, kvh = h / (heads / kv_heads);
+    int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+    int pos0 = row_pos[first];
+    int r_lo = warp * 16 + g, r_hi = r_lo + 8;
+    FaRows r;
+    r.live_lo = r_lo < count;
+    r.live_hi = r_hi < count;
+    r.p_lo = pos0 + r_lo;
+    r.p_hi = pos0 + r_hi;
+    u64 at_lo = ((u64)(first + (r.live_lo ? r_lo : 0)) * heads + h) * HD;
+    u64 at_hi = ((u64)(first + (r.live_hi ? r_hi : 0)) * heads + h) * HD;
+    r.q_lo = q + at_lo;
+    r.q_hi = q + at_hi;
+    r.out_lo = out + at_lo;
+    r.out_hi = out + at_hi;
+    fa_attend<HD, 128>(r, pos0 + count - 1, k_cache, v_cache, block_tables + table_offsets[row_seq[first]], kvh,
+                       kv_heads, block_size, scale);
+}
+
+// Decode: one query row per sequence. Grid (rows, kv_heads * passes), 32 threads: the warp's 16
+// tile rows are the query heads sharing one KV head (GQA; a group of more than 16 heads takes
+// `passes` blocks), so each K/V row is read once per KV head. `rows` maps block x to the step's
+// row (null: identity).
+template <int HD>
+__device__ void decode_attention(const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache,
+                                 const int* row_pos, const int* row_seq, const int* table_offsets,
+                                 const int* block_tables, const int* rows, int heads, int kv_heads, int block_size,
+                                 float scale) {
+    int row = rows ? rows[blockIdx.x] : (int)blockIdx.x;
+    int group = heads / kv_heads, passes = (group + 15) / 16;
+    int kvh = blockIdx.y / passes, pass = blockIdx.y % passes;
+    int g = (threadIdx.x & 31) >> 2;
+    int j_lo = pass * 16 + g, j_hi = j_lo + 8;
+    int pos = row_pos[row];
+    FaRows r;
+    r.live_lo = j_lo < group;
+    r.live_hi = j_hi < group;
+    r.p_lo = pos;
+    r.p_hi = pos;
+    u64 at_lo = ((u64)row * heads + kvh * group + (r.live_lo ? j_lo : 0)) * HD;
+    u64 at_hi = ((u64)row * heads + kvh * group + (r.live_hi ? j_hi : 0)) * HD;
+    r.q_lo = q + at_lo;
+    r.q_hi = q + at_hi;
+    r.out_lo = out + at_lo;
+    r.out_hi = out + at_hi;
+    fa_attend<HD, 32>(r, pos, k_cache, v_cache, block_tables + table_offsets[row_seq[row]], kvh, kv_heads,
+                      block_size, scale);
+}
+
+#define ATTENTION_KERNELS(HD)                                                                                     \
+    extern "C" __global__ void prefill_attention_hd##HD(                                                          \
         const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,             \
         const int* row_seq, const int* table_offsets, const int* block_tables, const int* tiles, int heads,       \
         int kv_heads, int block_size, float scale) {                                                              \
         prefill_attention<HD>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, tiles,     \
                               heads, kv_heads, block_size, scale);                                                \
+    }                                                                                                             \
+    extern "C" __global__ void decode_attention_hd##HD(                                                           \
+        const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,             \
+        const int* row_seq, const int* table_offsets, const int* block_tables, const int* rows, int heads,        \
+        int kv_heads, int block_size, float scale) {                                                              \
+        decode_attention<HD>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, rows, heads, \
+                             kv_heads, block_size, scale);                                                        \
     }
 
-PREFILL_ATTENTION(prefill_attention_hd32, 32)
-PREFILL_ATTENTION(prefill_attention_hd64, 64)
-PREFILL_ATTENTION(prefill_attention_hd128, 128)
+ATTENTION_KERNELS(32)
+ATTENTION_KERNELS(64)
+ATTENTION_KERNELS(128)

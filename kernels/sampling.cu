@@ -5,10 +5,13 @@
 //
 // Exactness. Processing uses the CPU's f32 operations one by one (__f*_rn: never contracted), and
 // p = exp(l - max) uses a port of glibc's expf (the function Rust's f32::exp calls on Linux): the
-// probabilities, hence the order and every tie, are the CPU's bit for bit. Sums in f64 (the
-// normalizer, cumulative and kept mass) are added in another order than the CPU's, so a cut or a
-// draw whose target lies within rounding (~1e-16 relative) of a cumulative boundary may differ.
-// Counts (top-k, top-N) are exact. Every sum has a fixed order: results are deterministic.
+// probabilities, hence the order and every tie, are the CPU's bit for bit. The normalizer is
+// added in the CPU's order (src/sampling/sample.rs `fixed_order_sum`: 512 interleaved lanes,
+// a halving tree per warp, the warps in order) and its log is the CPU's `contract_ln`, so the
+// logprobs are the CPU's bit for bit too. The cumulative and kept masses are added in another
+// order than the CPU's, so a cut or a draw whose target lies within rounding (~1e-16 relative)
+// of a cumulative boundary may differ. Counts (top-k, top-N) are exact. Every sum has a fixed
+// order: results are deterministic.
 //
 // Selection. Keys are 64 bits, (descending value bits << 32 | token id): the canonical order is the
 // integer order. A radix select over 8-bit digits builds per-digit histograms of count and weight
@@ -125,6 +128,22 @@ __device__ __forceinline__ u32 descending_f32(float x) {
     return ~ascending;
 }
 
+// src/sampling/sample.rs `contract_ln`, operation for operation: ln x for x >= 1.
+__device__ double contract_ln(double x) {
+    long long bits = __double_as_longlong(x);
+    int e = (int)((bits >> 52) & 0x7ff) - 1023;
+    double m = __longlong_as_double((bits & 0xfffffffffffffll) | (1023ll << 52));
+    if (m > __longlong_as_double(0x3ff6a09e667f3bcdll)) {
+        m = __dmul_rn(m, 0.5);
+        e += 1;
+    }
+    double s = __ddiv_rn(__dsub_rn(m, 1.0), __dadd_rn(m, 1.0));
+    double s2 = __dmul_rn(s, s);
+    double poly = __ddiv_rn(1.0, 21.0);
+    for (int k = 9; k >= 0; k--) poly = __fma_rn(poly, s2, __ddiv_rn(1.0, (double)(2 * k + 1)));
+    return __fma_rn((double)e, __longlong_as_double(0x3fe62e42fefa39efll), __dmul_rn(__dmul_rn(2.0, s), poly));
+}
+
 // `(l as f64 - lse) as f32 + 0.0`: the + 0 folds -0 into +0 so equal logprobs tie.
 __device__ __forceinline__ float logprob_of(float l, double lse) {
     return __fadd_rn(__double2float_rn(__dsub_rn((double)l, lse)), 0.0f);
@@ -160,7 +179,7 @@ struct SampleShared {
     u32 argmax;
 };
 
-// Sum over the block in a fixed order; every thread gets it.
+// Sum over the block in a fixed order (the CPU's fixed_order_sum); every thread gets it.
 __device__ double block_sum_f64(double v, SampleShared& sh) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
@@ -442,7 +461,7 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* 
         float l = row[t];
         float p = host_expf(__fsub_rn(l, m), sh.exp_table);
         if (!pr.greedy) prow[t] = p;
-        acc += (double)p;
+        acc = __dadd_rn(acc, (double)p);
         if (l == m) first_max = min(first_max, t);
     }
     double total = block_sum_f64(acc, sh);
@@ -452,7 +471,7 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* 
     view.p = prow;
     view.vocab = vocab;
     view.min_p = pr.min_p;
-    view.lse = (double)m + log(total);
+    view.lse = __dadd_rn((double)m, contract_ln(total));
     view.limit = NO_KEY;
     __syncthreads();  // prow is read across threads from here on
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU test run (shared/GPU.md): on a CUDA host, with binaries built on the dev machine and
-# carried in .bin/ (lockstep, cuda_ops, cuda_load, cuda_sampling, cuda_bench, cuda_kernel_bench;
+# carried in .bin/ (lockstep, the cuda_* test binaries, cuda_bench, cuda_kernel_bench;
 # see docs/gpu.md), from the repo root:
 #   scripts/gpu-check.sh [quick|full] [LOG_DIR]
 # Runs every CUDA-vs-CPU op and model test, a smoke `lockstep serve --device cuda`, and the
@@ -29,10 +29,12 @@ declare -A what=(
   [cuda_ops]="ops, quantizers, GEMM kernels, attention, models vs CPU"
   [cuda_sampling]="device sampler vs CPU sampler"
   [cuda_load]="checkpoints loaded straight to the GPU, byte for byte; streamed update"
-  [cuda_attention]="split-K decode attention vs CPU"
-  [cuda_generate]="greedy generation, CUDA engine vs CPU engine"
+  [cuda_attention]="attention vs CPU; rows bitwise equal in every batching"
+  [cuda_invariance]="GEMM, MoE, quantizer, norm rows bitwise equal for every row count"
+  [cuda_generate]="greedy generation vs CPU engine; rollout == recompute bitwise"
 )
-for t in cuda_ops cuda_sampling cuda_load cuda_attention cuda_generate; do
+# TESTS="cuda_invariance cuda_attention" runs a subset.
+for t in ${TESTS:-cuda_ops cuda_sampling cuda_load cuda_attention cuda_invariance cuda_generate}; do
   echo "== $t: ${what[$t]}"
   if [ "${SKIP_TESTS:-0}" = 1 ]; then
     record "$t" "skipped (SKIP_TESTS=1)"
@@ -81,6 +83,11 @@ if "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench.md"; then
   record "cuda_bench ${bench_args[*]}" "done (bench.md)"
 else
   record "cuda_bench" "FAIL"
+fi
+# A build of the previous code (carried as .bin/cuda_bench_before), for before/after in one run.
+if [ -x "$bin/cuda_bench_before" ]; then
+  "$bin"/cuda_bench_before "${bench_args[@]}" 2>&1 | tee "$logs/bench_before.md" \
+    && record "cuda_bench_before (previous code)" "done (bench_before.md)" || record "cuda_bench_before" "FAIL"
 fi
 if [ "$mode" = full ] && [ "${SKIP_PEER:-0}" != 1 ]; then
   PYTHONUNBUFFERED=1 python3 scripts/hf_peer_bench.py configs/qwen3-30b-a3b.json 2>&1 | tee "$logs/hf_peer.md" \

@@ -107,6 +107,11 @@ pub struct ServeArgs {
         help_heading = "Model"
     )]
     pub mem_fraction_static: f32,
+    /// Blackwell (sm_100) only: run the MXFP8/NVFP4 GEMMs on cuBLASLt's block-scaled tensor
+    /// cores. Faster there, but not batch-invariant (cuBLASLt picks its algorithm by shape) and
+    /// never run on Blackwell by this project (docs/gpu.md, docs/determinism.md).
+    #[arg(long, env = "LOCKSTEP_CUDA_BLOCK_SCALED_GEMM", help_heading = "Model")]
+    pub cuda_block_scaled_gemm: bool,
     /// Longest prompt + output in tokens (default: the model's max_position_embeddings).
     #[arg(long, env = "LOCKSTEP_CONTEXT_LENGTH", help_heading = "Model")]
     pub context_length: Option<usize>,
@@ -442,6 +447,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
                 weights: CudaSource::Checkpoint(disk),
                 mem_fraction_static: args.mem_fraction_static,
                 max_total_tokens: args.max_total_tokens,
+                block_scaled_gemm: args.cuda_block_scaled_gemm,
             },
             std::sync::OnceLock::new(),
             Default::default(),
@@ -456,6 +462,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
                 },
                 mem_fraction_static: args.mem_fraction_static,
                 max_total_tokens: args.max_total_tokens,
+                block_scaled_gemm: args.cuda_block_scaled_gemm,
             },
             Default::default(),
             Default::default(),

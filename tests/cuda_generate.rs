@@ -29,8 +29,15 @@
 //! in MXFP8, three runs) and 0.23-0.28 (30B shape), so only gross errors can be told apart there
 //! (with tie = 2.0 few positions are decisive; the table says how many).
 //!
-//! A 1100-token prompt on the tiny models makes decode steps use the split-K attention kernel
-//! with several splits. These need an NVIDIA GPU (and, for the mid-size model, a many-core host
+//! Lockstep (docs/determinism.md), bitwise, on 4 layers of the 30B shape in BF16, MXFP8 and
+//! NVFP4: every rollout token's logprob and top-5 equal the recomputed ones (the prompt and
+//! completion re-scored in one request with `logprob_start_len`) at concurrency 1 and 64, with
+//! prefix-cache hits and with a 48-token chunked-prefill budget; a sequence decoded alone
+//! equals the same sequence decoded among 255 others; and the trainer's forward on the device
+//! (the traced forward, and the forward with the rollout's routing replayed) gives the
+//! rollout's logprobs.
+//!
+//! These need an NVIDIA GPU (and, for the mid-size model, a many-core host
 //! for the CPU side), so they are `#[ignore]`d here and run on the GPU host.
 
 use std::path::Path;
@@ -81,6 +88,17 @@ fn word_tokenizer(vocab: usize) -> Tokenizer {
 }
 
 fn start(spec: ExecutorSpec, config: ModelConfig, recipe: &Recipe) -> EngineHandle {
+    start_with(spec, config, recipe, 8, 512)
+}
+
+/// [`start`] with `max_running_requests` and a chunked-prefill budget of `chunk` tokens.
+fn start_with(
+    spec: ExecutorSpec,
+    config: ModelConfig,
+    recipe: &Recipe,
+    max_running: usize,
+    chunk: usize,
+) -> EngineHandle {
     let tokenizer = Arc::new(word_tokenizer(config.vocab_size));
     let info = EngineInfo {
         model_path: "test".into(),
@@ -100,9 +118,9 @@ fn start(spec: ExecutorSpec, config: ModelConfig, recipe: &Recipe) -> EngineHand
         weights_checksum: std::sync::RwLock::new(("v0".into(), Default::default())),
     };
     let cfg = EngineConfig {
-        max_running_requests: 8,
-        max_batch_tokens: 512,
-        max_total_tokens: 8192,
+        max_running_requests: max_running,
+        max_batch_tokens: chunk,
+        max_total_tokens: 65536,
         block_size: 16,
         max_context_len: MAX_CONTEXT,
         max_queued_requests: 64,
@@ -117,7 +135,8 @@ fn cuda(weights: CudaSource) -> ExecutorSpec {
         device: 0,
         weights,
         mem_fraction_static: 0.9,
-        max_total_tokens: Some(8192),
+        max_total_tokens: Some(65536),
+        block_scaled_gemm: false,
     }
 }
 
@@ -440,4 +459,255 @@ fn greedy_generation_of_a_midsize_qwen3_30b_shape_matches_the_cpu() {
         table.push((what, tol, t));
     }
     print_table(&table);
+}
+
+fn midsize_config() -> ModelConfig {
+    let mut raw: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string("configs/qwen3-30b-a3b.json").unwrap())
+            .unwrap();
+    raw["num_hidden_layers"] = 4.into();
+    ModelConfig::from_json(raw).unwrap()
+}
+
+fn dummy_engine(config: &ModelConfig, name: &str, max_running: usize, chunk: usize) -> EngineHandle {
+    let recipe = Recipe::builtin(name).unwrap();
+    let spec = cuda(CudaSource::Dummy {
+        config: config.clone(),
+        recipe: recipe.clone(),
+        seed: 3,
+    });
+    start_with(spec, config.clone(), &recipe, max_running, chunk)
+}
+
+/// A temperature-1 rollout request (seeded), with logprobs and the top-5.
+fn rollout(rid: String, ids: Vec<u32>, max_new: usize, seed: u64, sample: u32) -> GenerateRequest {
+    let params = SamplingParams {
+        max_new_tokens: Some(max_new as i64),
+        temperature: 1.0,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    GenerateRequest {
+        rid,
+        input_ids: ids,
+        params: params.validate(&Default::default()).unwrap(),
+        seed,
+        sample_index: sample,
+        return_logprob: true,
+        logprob_start_len: None,
+        top_logprobs_num: TOP,
+        return_routed_experts: false,
+    }
+}
+
+fn bits(v: f32) -> u32 {
+    v.to_bits()
+}
+
+/// The rollouts' prompts and outputs re-scored in one request each (all at once): every output
+/// token's logprob and top-5 must have the rollout's bits. Returns the positions compared.
+fn assert_recompute_equals_rollout(
+    what: &str,
+    h: &EngineHandle,
+    prompts: &[Vec<u32>],
+    outs: &[Vec<TokenOut>],
+) -> usize {
+    let reqs = prompts
+        .iter()
+        .zip(outs)
+        .enumerate()
+        .map(|(i, (p, o))| {
+            let mut ids = p.clone();
+            ids.extend(o.iter().map(|t| t.id));
+            request(format!("recompute{i}"), ids, 1, Some(p.len()))
+        })
+        .collect();
+    let mut positions = 0;
+    let (mut unequal, mut worst) = (0usize, 0f32);
+    for (i, ((_, f), o)) in run_requests(h, reqs).iter().zip(outs).enumerate() {
+        let input = f.input_logprobs.as_ref().expect("input logprobs");
+        assert_eq!(input.len(), o.len(), "{what} rollout {i}: recomputed positions");
+        for (j, (r, t)) in input.iter().zip(o).enumerate() {
+            assert_eq!(r.token, t.id, "{what} rollout {i} position {j}: token");
+            let (a, b) = (r.logprob.expect("a logprob"), t.logprob.expect("a logprob"));
+            let same = bits(a) == bits(b)
+                && r.top.len() == t.top_logprobs.len()
+                && r.top
+                    .iter()
+                    .zip(&t.top_logprobs)
+                    .all(|(x, y)| x.0 == y.0 && bits(x.1) == bits(y.1));
+            if !same {
+                unequal += 1;
+                worst = worst.max((a - b).abs());
+            }
+            positions += 1;
+        }
+    }
+    assert_eq!(
+        unequal, 0,
+        "{what}: {unequal} of {positions} rollout logprobs differ from the recomputed ones (worst {worst:e})"
+    );
+    positions
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn rollout_logprobs_equal_recomputed_logprobs_bit_for_bit() {
+    let mut rng = Rng(seed());
+    let config = midsize_config();
+    let vocab = config.vocab_size;
+    for name in ["bf16", "mxfp8", "nvfp4"] {
+        for chunk in [512, 48] {
+            let h = dummy_engine(&config, name, 64, chunk);
+            let what = format!("{name}, chunked prefill {chunk}");
+            let prompts: Vec<Vec<u32>> = (0..8)
+                .map(|_| {
+                    let len = 20 + rng.below(180);
+                    prompt(&mut rng, len, vocab)
+                })
+                .collect();
+            let seed = rng.next();
+            // Concurrency 1: one request at a time.
+            let mut alone = Vec::new();
+            for (i, p) in prompts.iter().take(3).enumerate() {
+                let r = rollout(format!("one{i}"), p.clone(), 24, seed, 0);
+                alone.push(run_requests(&h, vec![r]).remove(0).0);
+            }
+            let n = assert_recompute_equals_rollout(&format!("{what}, concurrency 1"), &h, &prompts[..3], &alone);
+            // A GRPO group: sample 0 of each prompt, then samples 1..8 of each at once, which
+            // reuse the cached prompt blocks: 64 sequences decoding together.
+            let first: Vec<GenerateRequest> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| rollout(format!("g{i}s0"), p.clone(), 24, seed, 0))
+                .collect();
+            let mut group_prompts = prompts.clone();
+            let mut outs: Vec<Vec<TokenOut>> =
+                run_requests(&h, first).into_iter().map(|r| r.0).collect();
+            let rest: Vec<GenerateRequest> = (1..8)
+                .flat_map(|s| prompts.iter().enumerate().map(move |(i, p)| (s, i, p)))
+                .map(|(s, i, p)| rollout(format!("g{i}s{s}"), p.clone(), 24, seed, s as u32))
+                .collect();
+            let done = run_requests(&h, rest);
+            let cached: usize = done.iter().map(|r| r.1.cached_tokens).sum();
+            assert!(cached > 0, "{what}: the group's later samples hit the prefix cache");
+            for (k, r) in done.into_iter().enumerate() {
+                group_prompts.push(prompts[k % prompts.len()].clone());
+                outs.push(r.0);
+            }
+            let m = assert_recompute_equals_rollout(&format!("{what}, concurrency 64"), &h, &group_prompts, &outs);
+            println!("{what}: {n} + {m} rollout logprobs bitwise equal to recomputed ({cached} prompt tokens from the prefix cache)");
+            h.shutdown();
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn a_sequence_decoded_alone_equals_it_among_255_others() {
+    let mut rng = Rng(seed());
+    let config = midsize_config();
+    let vocab = config.vocab_size;
+    for name in ["bf16", "nvfp4"] {
+        let h = dummy_engine(&config, name, 256, 4096);
+        let target = prompt(&mut rng, 100, vocab);
+        let seed = rng.next();
+        let req = |rid: &str| rollout(rid.into(), target.clone(), 32, seed, 0);
+        let alone = run_requests(&h, vec![req("alone")]).remove(0).0;
+        let mut reqs: Vec<GenerateRequest> = (0..255)
+            .map(|i| {
+                let len = 1 + rng.below(300);
+                rollout(format!("other{i}"), prompt(&mut rng, len, vocab), 32, rng.next(), 0)
+            })
+            .collect();
+        let at = rng.below(256);
+        reqs.insert(at, req("crowded"));
+        let crowded = run_requests(&h, reqs).remove(at).0;
+        assert_eq!(alone.len(), crowded.len());
+        for (j, (a, c)) in alone.iter().zip(&crowded).enumerate() {
+            assert_eq!(a.id, c.id, "{name} position {j}: token");
+            assert_eq!(
+                a.logprob.map(bits),
+                c.logprob.map(bits),
+                "{name} position {j}: logprob {:?} alone, {:?} among 255",
+                a.logprob,
+                c.logprob
+            );
+            let tops = |t: &TokenOut| -> Vec<(u32, u32)> {
+                t.top_logprobs.iter().map(|&(i, v)| (i, bits(v))).collect()
+            };
+            assert_eq!(tops(a), tops(c), "{name} position {j}: top-5");
+        }
+        println!("{name}: a sequence decoded alone and among 255 others: {} tokens bitwise equal", alone.len());
+        h.shutdown();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn the_trainer_forward_on_the_gpu_gives_the_rollout_logprobs() {
+    use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
+    use lockstep::model::{ForwardBatch, ForwardTrace, SeqInput};
+    use lockstep::sampling::prompt_logprobs;
+    let mut rng = Rng(seed());
+    let config = midsize_config();
+    for name in ["bf16", "nvfp4"] {
+        let recipe = Recipe::builtin(name).unwrap();
+        // The trainer's model: the same counter-based weights as the server's.
+        let g = common::cuda::gpu();
+        let w = CudaWeights::dummy(&g, &config, &recipe, 3).unwrap();
+        let sizes = CudaSizes {
+            max_batch_tokens: 512,
+            max_running_requests: 1,
+            block_size: 16,
+            max_context_len: MAX_CONTEXT,
+            mem_fraction_static: 0.9,
+            max_total_tokens: Some(1024),
+            block_scaled_gemm: false,
+        };
+        let mut trainer = CudaModel::new(g, config.clone(), w, sizes).unwrap();
+        let h = dummy_engine(&config, name, 8, 512);
+        let p = prompt(&mut rng, 150, config.vocab_size);
+        let mut req = rollout("r".into(), p.clone(), 40, rng.next(), 0);
+        req.return_routed_experts = true;
+        let (out, fin) = run_requests(&h, vec![req]).remove(0);
+        h.shutdown();
+        let routed = fin.routed_experts.expect("routed experts");
+        // The sequence the trainer scores: prompt + completion, less the last token.
+        let mut tokens = p.clone();
+        tokens.extend(out.iter().map(|t| t.id));
+        tokens.pop();
+        let table: Vec<u32> = (0..tokens.len().div_ceil(16) as u32).collect();
+        let batch = ForwardBatch {
+            seqs: vec![SeqInput {
+                tokens: &tokens,
+                start_pos: 0,
+                block_table: &table,
+                logits_from: Some(p.len() - 1),
+            }],
+        };
+        let v = config.vocab_size;
+        let check = |what: &str, logits: &[f32]| {
+            for (j, t) in out.iter().enumerate() {
+                let lp = prompt_logprobs(&logits[j * v..(j + 1) * v], t.id, TOP).unwrap();
+                assert_eq!(
+                    bits(lp.logprob),
+                    bits(t.logprob.unwrap()),
+                    "{name}, {what}, position {j}: {} vs the rollout's {:?}",
+                    lp.logprob,
+                    t.logprob
+                );
+                let top: Vec<(u32, u32)> = lp.top.iter().map(|&(i, x)| (i, bits(x))).collect();
+                let want: Vec<(u32, u32)> = t.top_logprobs.iter().map(|&(i, x)| (i, bits(x))).collect();
+                assert_eq!(top, want, "{name}, {what}, position {j}: top-5");
+            }
+        };
+        let mut trace = ForwardTrace::default();
+        let traced = trainer.forward_traced(&batch, None, Some(&mut trace)).unwrap();
+        assert_eq!(traced.routed_experts, routed, "{name}: the trainer routed as the rollout");
+        check("traced forward", &traced.logits);
+        let (replayed, _) = trainer.forward_with(&batch, &[], Some(&routed)).unwrap();
+        check("routing replayed", &replayed.logits);
+        println!("{name}: the trainer's forward on the GPU (traced, and with the rollout's routing replayed) gives the rollout's {} logprobs bit for bit", out.len());
+    }
 }

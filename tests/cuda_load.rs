@@ -213,6 +213,7 @@ fn sizes() -> CudaSizes {
         max_context_len: 64,
         mem_fraction_static: 0.9,
         max_total_tokens: Some(64),
+        block_scaled_gemm: false,
     }
 }
 

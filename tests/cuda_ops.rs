@@ -462,9 +462,10 @@ fn norms_rope_attention_and_swiglu_match_the_cpu() {
     );
 }
 
-/// Tensor-core prefill attention against the CPU: chunks on top of cached prefixes, chunks
-/// longer than one 64-row tile and crossing 64-key tiles, single decode rows, GQA, every
-/// supported head size, shuffled block tables.
+/// Tensor-core attention against the CPU, split between the prefill and decode kernels as the
+/// engine splits a step: chunks on top of cached prefixes, chunks longer than one 64-row tile
+/// and crossing 64-key tiles, single decode rows, GQA, every supported head size, shuffled
+/// block tables.
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn prefill_attention_matches_the_cpu() {
@@ -534,7 +535,8 @@ fn prefill_attention_matches_the_cpu() {
             offsets.push(flat.len() as i32);
             flat.extend(t.iter().map(|&b| b as i32));
         }
-        let tiles = ops::prefill_tiles(seqs.iter().map(|s| s.1));
+        let (tiles, decode_rows) = ops::attention_split(seqs.iter().map(|s| s.1));
+        let drows = g.upload(&decode_rows).unwrap();
         let (dq, dpos, dseq, doff, dflat, dtiles) = (
             g.upload(&q).unwrap(),
             g.upload(&pos).unwrap(),
@@ -559,6 +561,19 @@ fn prefill_attention_matches_the_cpu() {
             &meta,
             &dtiles,
             tiles.len() / 2,
+            rows,
+            shape,
+        )
+        .unwrap();
+        ops::decode_attention(
+            &g,
+            &dq,
+            &mut out,
+            &dk,
+            &dv,
+            &meta,
+            Some(&drows),
+            decode_rows.len(),
             rows,
             shape,
         )
@@ -690,44 +705,6 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             );
         }
     }
-    // Dense BF16 through cuBLAS (activations rounded to BF16 first): BF16-operand tolerance.
-    let (m_rows, dn, dk) = (40, 160, 256);
-    let wd: Vec<bf16> = rng
-        .vec(dn * dk, 0.1)
-        .into_iter()
-        .map(bf16::from_f32)
-        .collect();
-    let xd = rng.vec(m_rows * dk, 1.0);
-    let cpu_dense = make_linear(
-        DenseWeight::Bf16(wd.clone()),
-        dn,
-        dk,
-        &TensorFormat::BF16,
-        None,
-    );
-    let mut want = vec![0f32; m_rows * dn];
-    cpu_dense.forward(&xd, m_rows, &mut want);
-    let (dxd, dwd) = (
-        g.upload(&xd).unwrap(),
-        g.upload(&wd.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
-            .unwrap(),
-    );
-    let mut xb = g.alloc::<u16>(m_rows * dk).unwrap();
-    ops::f32_to_bf16(&g, &dxd, &mut xb, m_rows * dk).unwrap();
-    let mut out = poisoned(&g, m_rows * dn, f32::NAN);
-    ops::cublas_gemm(
-        &g,
-        ops::CublasOperand::Bf16(&xb),
-        ops::CublasOperand::Bf16(&dwd),
-        m_rows,
-        dn,
-        dk,
-        &mut out,
-    )
-    .unwrap();
-    let err = rel_err(&g.download(&out, m_rows * dn).unwrap(), &want);
-    assert!(err < 1e-2, "cuBLAS BF16 GEMM: relative error {err}");
-
     let mut plan = MoePlan::new(&g, tokens * top_k, experts).unwrap();
     plan.build(&g, &ids, tokens, top_k, experts).unwrap();
     let x = activations(&mut rng, tokens, k);
@@ -790,7 +767,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             }
         }
         let slot_row = g.download(&plan.slot_row, pairs).unwrap();
-        for path in [GemmPath::Ffma, GemmPath::TensorCore, GemmPath::Gemv] {
+        for path in [GemmPath::Ffma, GemmPath::TensorCore, GemmPath::Skinny] {
             let mut out = poisoned(&g, pairs * n, f32::NAN);
             ops::grouped_gemm_on(
                 path,
@@ -819,7 +796,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             // times a block scale); plain BF16 layers split f32 activations into two BF16
             // terms (16 significant bits), and the tensor cores' FP32 accumulation is not
             // IEEE-exact, hence the looser bound there.
-            let bound = if path == GemmPath::TensorCore && fmt.format == Format::Bf16 {
+            let bound = if path != GemmPath::Ffma && fmt.format == Format::Bf16 {
                 1e-4
             } else {
                 tol
@@ -835,7 +812,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             );
         }
         // One dense group of a few rows (the decode shape) on each kernel.
-        for (rows, path) in [(3, GemmPath::Gemv), (13, GemmPath::TensorCore)] {
+        for (rows, path) in [(3, GemmPath::Skinny), (13, GemmPath::TensorCore)] {
             let mut out = poisoned(&g, rows * n, f32::NAN);
             ops::grouped_gemm_on(
                 path,
@@ -854,7 +831,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             let mut want = vec![0f32; rows * n];
             cpu_w[0].forward(&x[..rows * k], rows, &mut want);
             let err = rel_err(&g.download(&out, rows * n).unwrap(), &want);
-            let bound = if path == GemmPath::TensorCore && fmt.format == Format::Bf16 {
+            let bound = if path != GemmPath::Ffma && fmt.format == Format::Bf16 {
                 1e-4
             } else {
                 tol
@@ -877,22 +854,11 @@ fn embedded_config(layers: Option<usize>) -> ModelConfig {
     ModelConfig::from_json(raw).unwrap()
 }
 
-/// How a CUDA model's teacher-forced logits compare with the CPU's.
-struct Comparison {
-    /// Worst relative row error over the "clean" rows: those of sequences whose tokens so far
-    /// were all routed to the same experts on both backends. A flipped routing decision (a
-    /// near-tie among random experts) changes that token's output and, through the KV cache,
-    /// every later token of its sequence, so those rows are not a kernel comparison.
-    worst_clean: f64,
-    clean_rows: usize,
-    rows: usize,
-    /// Fraction of routed-expert decisions that are equal.
-    agree: f64,
-}
-
 /// Teacher-forced logits of two sequences (one chunked on top of its own prefix) plus a decode
-/// step, CPU vs CUDA.
-fn compare_models(cpu_model: &Model, cuda: &mut CudaModel, rng: &mut Rng) -> Comparison {
+/// step, CPU vs CUDA with the CPU's routing replayed on the device (so a near-tie among random
+/// experts can never send the two backends to different experts): the worst relative error of
+/// any logits row.
+fn compare_models(cpu_model: &Model, cuda: &mut CudaModel, rng: &mut Rng) -> f64 {
     let c = &cpu_model.config;
     let vocab = c.vocab_size.min(250);
     let bs = 4;
@@ -913,15 +879,7 @@ fn compare_models(cpu_model: &Model, cuda: &mut CudaModel, rng: &mut Rng) -> Com
         vec![(0, &a[8..], 8, &ta[..]), (1, &b[..], 0, &tb[..])],
         vec![(0, &a[..1], 13, &ta[..]), (1, &b[..1], 6, &tb[..])],
     ];
-    let per_token = cuda.num_moe_layers() * cuda.top_k();
-    let mut clean = [true, true];
-    let mut cmp = Comparison {
-        worst_clean: 0.0,
-        clean_rows: 0,
-        rows: 0,
-        agree: 1.0,
-    };
-    let (mut same, mut total) = (0usize, 0usize);
+    let mut worst = 0f64;
     for step in steps {
         let batch = ForwardBatch {
             seqs: step
@@ -935,51 +893,19 @@ fn compare_models(cpu_model: &Model, cuda: &mut CudaModel, rng: &mut Rng) -> Com
                 .collect(),
         };
         let want = cpu_model.forward(&batch, &mut kv);
-        let got = cuda.forward(&batch).unwrap();
+        let (got, _) = cuda
+            .forward_with(&batch, &[], Some(&want.routed_experts))
+            .unwrap();
+        assert_eq!(
+            got.routed_experts, want.routed_experts,
+            "the device took the CPU's experts"
+        );
         let v = c.vocab_size;
-        let mut row = 0;
-        for &(seq, tokens, _, _) in &step {
-            for _ in tokens {
-                let routed = |r: &[i32]| r[row * per_token..][..per_token].to_vec();
-                let (gr, wr) = (routed(&got.routed_experts), routed(&want.routed_experts));
-                same += gr.iter().zip(&wr).filter(|(x, y)| x == y).count();
-                total += per_token;
-                clean[seq] &= gr == wr;
-                if clean[seq] {
-                    let err = rel_err(&got.logits[row * v..][..v], &want.logits[row * v..][..v]);
-                    cmp.worst_clean = cmp.worst_clean.max(err);
-                    cmp.clean_rows += 1;
-                }
-                cmp.rows += 1;
-                row += 1;
-            }
+        for r in 0..want.logits.len() / v {
+            worst = worst.max(rel_err(&got.logits[r * v..][..v], &want.logits[r * v..][..v]));
         }
     }
-    if total > 0 {
-        cmp.agree = same as f64 / total as f64;
-    }
-    cmp
-}
-
-/// The checks every model comparison must pass: at least `min_clean` of the rows comparable,
-/// their logits within `tol`, and routing decisions mostly equal.
-fn assert_close(what: &str, cmp: &Comparison, tol: f64, min_agree: f64, min_clean: f64) {
-    assert!(
-        cmp.clean_rows as f64 >= min_clean * cmp.rows as f64,
-        "{what}: only {} of {} rows kept the CPU's routing",
-        cmp.clean_rows,
-        cmp.rows
-    );
-    assert!(
-        cmp.worst_clean < tol,
-        "{what}: logits relative error {}",
-        cmp.worst_clean
-    );
-    assert!(
-        cmp.agree > min_agree,
-        "{what}: routed experts agree only {:.1}%",
-        cmp.agree * 100.0
-    );
+    worst
 }
 
 fn sizes() -> CudaSizes {
@@ -990,6 +916,7 @@ fn sizes() -> CudaSizes {
         max_context_len: 64,
         mem_fraction_static: 0.9,
         max_total_tokens: Some(64),
+        block_scaled_gemm: false,
     }
 }
 
@@ -1008,15 +935,9 @@ fn models_match_the_cpu_in_every_format() {
             None => CudaWeights::upload(&g, &cpu_model).unwrap(),
         };
         let mut cuda = CudaModel::new(g, cpu_model.config.clone(), w, sizes()).unwrap();
-        let cmp = compare_models(&cpu_model, &mut cuda, &mut rng);
-        println!(
-            "{what:<40} logits rel err {:.2e} over {}/{} rows, routed experts equal {:.1}%",
-            cmp.worst_clean,
-            cmp.clean_rows,
-            cmp.rows,
-            cmp.agree * 100.0
-        );
-        report.push((what, cmp));
+        let worst = compare_models(&cpu_model, &mut cuda, &mut rng);
+        println!("{what:<40} logits rel err {worst:.2e} (CPU routing replayed)");
+        report.push((what, worst));
     };
     // NVFP4 experts with four-over-six (256, squared error): its gate/up second-level range
     // differs from plain NVFP4's, and device-drawn weights must follow the CPU loader there too.
@@ -1059,14 +980,14 @@ fn models_match_the_cpu_in_every_format() {
         .unwrap();
         check(format!("reference {r} (f32 checkpoint)"), model, None);
     }
-    for (what, cmp) in &report {
+    for (what, worst) in &report {
         // Quantized formats requantize activations that differ from the CPU's by summation
         // order; a value crossing an E2M1/E4M3 rounding boundary moves by up to a sixth of its
         // block's amax (see midsize_qwen3_30b_shape_matches_the_cpu). Seen on the H200: BF16
         // and f32 models <= 2e-3; quantized ones 3e-6 on most prompts, up to 8e-2 on some.
         let quantized = what.contains("mxfp8") || what.contains("nvfp4");
         let tol = if quantized { 0.15 } else { 3e-2 };
-        assert_close(what, cmp, tol, 0.9, 0.5);
+        assert!(*worst < tol, "{what}: logits relative error {worst} (tolerance {tol})");
     }
 }
 
@@ -1316,30 +1237,16 @@ fn midsize_qwen3_30b_shape_matches_the_cpu() {
         let g = gpu();
         let w = CudaWeights::dummy(&g, &cfg, &recipe, 3).unwrap();
         let mut cuda = CudaModel::new(g, cfg.clone(), w, sizes()).unwrap();
-        let cmp = compare_models(&cpu_model, &mut cuda, &mut rng);
+        let worst = compare_models(&cpu_model, &mut cuda, &mut rng);
         println!(
-            "qwen3-30b-a3b shape, 4 layers, {name:<6} logits rel err {:.2e} over {}/{} rows, routed experts equal {:.1}%",
-            cmp.worst_clean,
-            cmp.clean_rows,
-            cmp.rows,
-            cmp.agree * 100.0
+            "qwen3-30b-a3b shape, 4 layers, {name:<6} logits rel err {worst:.2e} (CPU routing replayed)"
         );
         // BF16 experts see the same f32 inputs as the CPU up to summation order. Quantized
         // experts requantize those inputs: a 1e-7 difference can move a value across an NVFP4
-        // or E4M3 rounding boundary (a step of up to 1/6 of its block's amax), which can flip
-        // one of the top-8 of 128 random experts in a later layer. The quantizers and GEMMs
-        // themselves are checked byte for byte and to 1e-5 above; here the bound is looser.
-        // 32 top-8-of-128 decisions per token over near-uniform random routers: a single
-        // near-tie flip (seen even for BF16: 99.1% equal, after which 6 of 21 rows stayed
-        // comparable) takes the rest of its sequence out of the row comparison, and NVFP4
-        // flips one for most tokens (82-84% of decisions equal on the H200). So the routing
-        // agreement is the check here, and the logits bound applies to the rows that remain.
-        let (tol, min_agree) = if name == "bf16" {
-            (3e-2, 0.95)
-        } else {
-            (0.15, 0.75)
-        };
-        let min_clean = 0.0;
-        assert_close(name, &cmp, tol, min_agree, min_clean);
+        // or E4M3 rounding boundary (a step of up to 1/6 of its block's amax). The quantizers
+        // and GEMMs themselves are checked byte for byte and to 1e-5 above; here the bound is
+        // looser. Routing is the CPU's, replayed, so no near-tie flip takes a row out.
+        let tol = if name == "bf16" { 3e-2 } else { 0.15 };
+        assert!(worst < tol, "{name}: logits relative error {worst} (tolerance {tol})");
     }
 }

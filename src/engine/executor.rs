@@ -31,6 +31,8 @@ pub enum ExecutorSpec {
         mem_fraction_static: f32,
         /// Cap on KV tokens; None sizes the cache from memory alone.
         max_total_tokens: Option<usize>,
+        /// `CudaSizes::block_scaled_gemm` (Blackwell only, not batch-invariant).
+        block_scaled_gemm: bool,
     },
 }
 
@@ -126,6 +128,7 @@ pub(crate) fn build(
             weights,
             mem_fraction_static,
             max_total_tokens,
+            block_scaled_gemm,
         } => {
             let sizes = CudaSizes {
                 max_batch_tokens: cfg.max_batch_tokens,
@@ -134,6 +137,7 @@ pub(crate) fn build(
                 max_context_len: cfg.max_context_len,
                 mem_fraction_static,
                 max_total_tokens,
+                block_scaled_gemm,
             };
             let exec = CudaExecutor::new(device, weights, sizes).map_err(start_error)?;
             Ok(Box::new(exec))

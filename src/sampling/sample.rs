@@ -2,15 +2,16 @@
 //!
 //! Definitions (the fast paths below give exactly these results):
 //! - probabilities: `p_t = exp(l_t - max)` in f32 on the processed row (penalties, mask,
-//!   temperature), normalized by `total = sum p_t` accumulated in f64 in token-id order;
+//!   temperature), normalized by `total = sum p_t` accumulated in f64 in the fixed order of
+//!   [`fixed_order_sum`] (the device sampler's), so CPU and GPU logprobs have the same bits;
 //! - order: probability descending, ties by token id ascending (a strict total order);
 //! - kept set: tokens with `p > 0` and `p >= min_p * p_max` (min-p), at most the first
 //!   `top_k` in that order, then the shortest prefix whose cumulative probability (over the
 //!   full distribution) reaches `top_p`; the top token is always kept;
 //! - draw: inverse CDF over the kept set walked in that order, target `u * mass` where `mass`
 //!   is the kept probability summed in token-id order and `u` comes from [`super::uniform`];
-//! - logprobs: `l_t - logsumexp(l)` of the processed row before truncation (SGLang's
-//!   definition), top-N sorted by logprob descending, ties by token id.
+//! - logprobs: `l_t - (max + ln(total))` of the processed row before truncation (SGLang's
+//!   definition), `ln` being [`contract_ln`]; top-N sorted by logprob descending, ties by id.
 //!
 //! A 150k vocabulary is never fully sorted when a partial selection suffices: the order is
 //! materialized lazily, `select_nth_unstable` of a growing head then a sort of that head.
@@ -124,9 +125,9 @@ pub fn prompt_logprobs(
 /// The softmax normalizer of a row.
 struct Normalizer {
     max: f32,
-    /// `sum exp(l - max)` over the row, in f64, in token-id order.
+    /// `sum exp(l - max)` over the row, in f64, in [`fixed_order_sum`]'s order.
     total: f64,
-    /// `max + ln(total)`.
+    /// `max + contract_ln(total)`.
     lse: f64,
 }
 
@@ -151,14 +152,14 @@ impl Normalizer {
             Some(probs) => {
                 probs.clear();
                 probs.extend(logits.iter().map(|&l| (l - max).exp()));
-                probs.iter().map(|&p| p as f64).sum()
+                fixed_order_sum(probs.iter().map(|&p| p as f64))
             }
-            None => logits.iter().map(|&l| (l - max).exp() as f64).sum(),
+            None => fixed_order_sum(logits.iter().map(|&l| (l - max).exp() as f64)),
         };
         Ok(Self {
             max,
             total,
-            lse: max as f64 + total.ln(),
+            lse: max as f64 + contract_ln(total),
         })
     }
 
@@ -166,6 +167,58 @@ impl Normalizer {
         // + 0.0 folds a -0.0 into 0.0, so equal logprobs tie (and break by id) in top-N.
         (logit as f64 - self.lse) as f32 + 0.0
     }
+}
+
+/// Lanes of [`fixed_order_sum`]: kernels/sampling.cu `SAMPLE_THREADS`.
+const SUM_LANES: usize = 512;
+
+/// `sum p` in the one order both the CPU and the device sampler (kernels/sampling.cu, a block of
+/// 512 threads per row) add it: lane i sums p[i], p[i + 512], ... in turn; within each warp of
+/// 32 lanes, lane l adds lane l + o for o = 16, 8, 4, 2, 1 (lane 0 keeps the warp's sum); the
+/// 16 warps' sums are then added in warp order. The same f64 additions in the same order give
+/// the same bits on both.
+pub fn fixed_order_sum(p: impl Iterator<Item = f64>) -> f64 {
+    let mut lane = [0f64; SUM_LANES];
+    for (t, v) in p.enumerate() {
+        lane[t % SUM_LANES] += v;
+    }
+    let mut total = 0.0;
+    for warp in lane.chunks_mut(32) {
+        let mut o = 16;
+        while o > 0 {
+            for l in 0..o {
+                warp[l] += warp[l + o];
+            }
+            o /= 2;
+        }
+        total += warp[0];
+    }
+    total
+}
+
+/// `ln x` for the softmax normalizer (x >= 1, finite), built from correctly rounded operations
+/// only (IEEE +, -, *, / and fused multiply-add), so the device sampler's copy
+/// (kernels/sampling.cu `contract_ln`) gives the same bits where a libm `log` would not.
+/// Within a few ulp of the true value: x = 2^e m with m in [sqrt(1/2), sqrt(2)), and
+/// ln m = 2 atanh(s), s = (m - 1) / (m + 1), |s| <= 0.172, by its series to s^21.
+pub fn contract_ln(x: f64) -> f64 {
+    const SQRT_2: u64 = 0x3ff6_a09e_667f_3bcd;
+    const LN_2: u64 = 0x3fe6_2e42_fefa_39ef;
+    let bits = x.to_bits();
+    let mut e = ((bits >> 52) & 0x7ff) as i64 - 1023;
+    let mut m = f64::from_bits((bits & ((1u64 << 52) - 1)) | (1023u64 << 52));
+    if m > f64::from_bits(SQRT_2) {
+        m *= 0.5;
+        e += 1;
+    }
+    let s = (m - 1.0) / (m + 1.0);
+    let s2 = s * s;
+    // Horner over 1 / (2k + 1), k = 10 down to 0.
+    let mut poly: f64 = 1.0 / 21.0;
+    for k in (0..10).rev() {
+        poly = poly.mul_add(s2, 1.0 / (2 * k + 1) as f64);
+    }
+    (e as f64).mul_add(f64::from_bits(LN_2), (2.0 * s) * poly)
 }
 
 /// The `n` highest logprobs of the row, descending, ties by id.
@@ -354,6 +407,48 @@ mod tests {
 
     fn valid(p: SamplingParams) -> ValidSamplingParams {
         p.validate(&Default::default()).unwrap()
+    }
+
+    #[test]
+    fn contract_ln_is_within_a_few_ulp_of_libm() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut xs = vec![1.0, 2.0, std::f64::consts::SQRT_2, 151_936.0];
+        for _ in 0..20_000 {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            // Normalizers lie in [1, vocab]: log-uniform over [1, 2^18).
+            let u = (state >> 11) as f64 / (1u64 << 53) as f64;
+            xs.push((u * 18.0 * std::f64::consts::LN_2).exp());
+        }
+        for x in xs {
+            let (got, want) = (contract_ln(x), x.ln());
+            let ulp = f64::EPSILON * want.abs().max(f64::MIN_POSITIVE);
+            assert!((got - want).abs() <= 4.0 * ulp.max(1e-300), "ln {x}: {got} vs {want}");
+        }
+        assert_eq!(contract_ln(1.0), 0.0);
+    }
+
+    #[test]
+    fn fixed_order_sum_adds_lanes_then_each_warp_by_halves_then_the_warps() {
+        // Integers: every order gives the exact sum.
+        let ints: Vec<f64> = (0..1500).map(|i| (i % 37) as f64).collect();
+        assert_eq!(fixed_order_sum(ints.iter().copied()), ints.iter().sum::<f64>());
+        // 1 + 2^-53 + 2^-53: added left to right both halves are lost; the tree adds lanes 16
+        // and 0 first (losing one), then lane 8's 2^-53 into lane 0 is lost too, unless lanes 8
+        // and 24 meet first: lane 8 = 2^-53, lane 24 = 2^-53 give 2^-52, which survives.
+        let tiny = f64::EPSILON / 2.0;
+        let mut p = vec![0.0; 32];
+        p[0] = 1.0;
+        p[8] = tiny;
+        p[24] = tiny;
+        assert_eq!(p.iter().sum::<f64>(), 1.0);
+        assert_eq!(fixed_order_sum(p.into_iter()), 1.0 + f64::EPSILON);
+        // Lanes wrap at 512: tokens 0 and 512 share lane 0 and are added before lane 16's 1.
+        let mut q = vec![0.0; 513];
+        q[0] = tiny;
+        q[16] = 1.0;
+        q[512] = tiny;
+        assert_eq!(q.iter().sum::<f64>(), 1.0);
+        assert_eq!(fixed_order_sum(q.into_iter()), 1.0 + f64::EPSILON);
     }
 
     fn input<'a>(

@@ -1,7 +1,8 @@
 //! [`Backend`] on a CUDA device: weights, KV cache and activations in GPU memory, each op one
 //! or a few launches of the kernels in kernels/*.cu on the one engine stream. The kernel-choice
-//! policy (GEMV, tensor cores or cuBLAS per GEMM; prefill, split or per-row decode attention)
-//! lives here and nowhere else.
+//! policy (which GEMM and attention kernel per launch) lives here and nowhere else. Every
+//! choice it makes is between kernels that give a row the same bits (docs/determinism.md): a
+//! row's result never depends on the batch it is in.
 //!
 //! Every buffer is allocated once, for the largest step the engine will run ([`CudaSizes`]);
 //! a step only copies its small metadata in and its routed-expert ids and either its logits
@@ -11,8 +12,7 @@ use cudarc::driver::CudaSlice;
 
 use super::block_scaled::{BlockFormat, BlockScaledGemm};
 use super::ops::{
-    self, AttnRows, AttnShape, CublasOperand, GemmRows, KeySplit, MoePlan, Nvfp4Out, SplitScratch,
-    Table, WeightData,
+    self, AttnRows, AttnShape, GemmRows, MoePlan, Nvfp4Out, Table,
 };
 use super::sampling::{DeviceSampler, MAX_DEVICE_TOP_LOGPROBS};
 use super::weights::{Activation, GpuMatrix};
@@ -49,6 +49,10 @@ pub struct CudaSizes {
     pub mem_fraction_static: f32,
     /// Upper bound on KV tokens, if the user set one.
     pub max_total_tokens: Option<usize>,
+    /// On Blackwell (sm_100), run the MXFP8/NVFP4 GEMMs on cuBLASLt's block-scaled kernels
+    /// (block_scaled.rs): faster there, but cuBLASLt picks its algorithm by shape, so a row's
+    /// bits may depend on the batch. Off by default; no effect elsewhere.
+    pub block_scaled_gemm: bool,
 }
 
 /// The model shapes the device buffers are planned for.
@@ -91,25 +95,10 @@ pub struct CudaRoute {
     top_k: usize,
 }
 
-/// Dense BF16 layers use cuBLAS (activations rounded to BF16) above this many rows; below it
-/// the in-house GEMM keeps f32 activations like the CPU (decode steps are memory-bound either
-/// way, and routing decisions then match the CPU reference far more often).
-const CUBLAS_MIN_ROWS: usize = 16;
-
-/// Decode steps with fewer (row, head) pairs than this many per SM use the split kernel.
-const SPLIT_DECODE_BLOCKS_PER_SM: usize = 4;
-
-/// A step with a sequence of at least this many rows runs the tensor-core prefill attention.
-const PREFILL_ATTENTION_MIN_ROWS: usize = 2;
 
 /// The lm_head runs on at most this many rows at a time (a step asking for input logprobs of
 /// a long chunk needs logits for every row; the vocabulary makes each row large).
 const LOGIT_CHUNK_ROWS: usize = 256;
-
-/// Split decode attention keeps this many partial results per (sequence, query head): a
-/// step of `max_running_requests` rows may split each row's keys this many ways, a step of
-/// fewer rows proportionally more (up to `KeySplit::MAX_SPLITS`).
-const SPLIT_PARTIALS_PER_HEAD: usize = 16;
 
 /// A step's metadata on the device.
 struct Meta {
@@ -122,11 +111,12 @@ struct Meta {
     logit_rows: CudaSlice<i32>,
     /// Tiles of the tensor-core prefill attention (`ops::prefill_tiles`).
     attn_tiles: CudaSlice<i32>,
+    /// The rows of single-row sequences (decode), for the tensor-core decode attention.
+    decode_rows: CudaSlice<i32>,
 }
 
-/// Buffers of the activation quantizers and the BF16 cast for cuBLAS.
+/// Buffers of the activation quantizers.
 struct QuantScratch {
-    xb: CudaSlice<u16>,
     data: CudaSlice<u8>,
     scales: CudaSlice<u8>,
     deq: CudaSlice<f32>,
@@ -136,16 +126,15 @@ struct QuantScratch {
     block_scaled: Option<BlockScaledGemm>,
 }
 
-/// How this step's attention runs (decided once per step, from the plan).
+/// This step's attention launches (set by `begin`, from the plan).
 #[derive(Clone, Copy, Debug, Default)]
-enum AttentionPath {
-    /// Tensor-core tiles of up to 64 rows of one sequence (steps with a multi-token chunk).
-    #[default]
-    Prefill,
-    /// GQA-aware, keys split over blocks (decode steps of few rows).
-    Split(KeySplit),
-    /// One block per (row, head).
-    PerRow,
+struct AttentionPlan {
+    /// Tiles of up to 64 rows of the sequences with more than one row.
+    prefill_tiles: usize,
+    /// Rows of single-row sequences.
+    decode_rows: usize,
+    /// The shape has no tensor-core kernel: one CUDA-core block per (row, head) for every row.
+    per_row: bool,
 }
 
 /// The CUDA backend: the device, the step's metadata and scratch, the sampler.
@@ -155,14 +144,12 @@ pub struct Cuda {
     max_table_entries: usize,
     meta: Meta,
     quant: QuantScratch,
-    split: SplitScratch,
     sampler: DeviceSampler,
     /// lm_head output of one chunk of logit rows.
     logits: CudaSlice<f32>,
     /// For the rare rows the device sampler does not take.
     host_scratch: SamplerScratch,
-    attention: AttentionPath,
-    prefill_tiles: usize,
+    attention: AttentionPlan,
     /// The step's shapes (set by `begin`).
     dims: Dims,
 }
@@ -190,15 +177,15 @@ impl Cuda {
             logit_rows: gpu.alloc(t)?,
             // At most one partial tile per sequence plus the full ones.
             attn_tiles: gpu.alloc(2 * (t / ops::PREFILL_TILE_ROWS + seqs))?,
+            decode_rows: gpu.alloc(seqs)?,
         };
         let quant = QuantScratch {
-            xb: gpu.alloc(t * in_width)?,
             data: gpu.alloc(quant_elems)?,
             scales: gpu.alloc(quant_elems / 16 + 1)?,
             deq: gpu.alloc(quant_elems)?,
             row_scale: gpu.alloc(pairs.max(t))?,
             amax: gpu.alloc(2)?,
-            block_scaled: if BlockScaledGemm::available(&gpu) {
+            block_scaled: if sizes.block_scaled_gemm && BlockScaledGemm::available(&gpu) {
                 let widest = d
                     .vocab
                     .max(2 * shape.widest_inter())
@@ -209,7 +196,6 @@ impl Cuda {
                 None
             },
         };
-        let split = SplitScratch::new(&gpu, seqs * d.heads * SPLIT_PARTIALS_PER_HEAD, d.head_dim)?;
         // One sampled row per sequence; a launch samples at most one lm_head chunk's rows.
         let sampler = DeviceSampler::new(
             &gpu,
@@ -225,12 +211,10 @@ impl Cuda {
             max_table_entries,
             meta,
             quant,
-            split,
             sampler,
             logits,
             host_scratch: SamplerScratch::default(),
-            attention: AttentionPath::default(),
-            prefill_tiles: 0,
+            attention: AttentionPlan::default(),
             dims: shape.dims,
         })
     }
@@ -360,32 +344,6 @@ fn linear(
     q: &mut QuantScratch,
 ) -> Result<(), CudaError> {
     let (n, k) = (m.n, m.k);
-    match (&m.data, &rows, row_index) {
-        (WeightData::F32(w), GemmRows::Dense(r), None) => {
-            return ops::cublas_gemm(
-                gpu,
-                CublasOperand::F32(x),
-                CublasOperand::F32(w),
-                *r,
-                n,
-                k,
-                out,
-            )
-        }
-        (WeightData::Bf16(w), GemmRows::Dense(r), None) if *r > CUBLAS_MIN_ROWS => {
-            ops::f32_to_bf16(gpu, x, &mut q.xb, r * k)?;
-            return ops::cublas_gemm(
-                gpu,
-                CublasOperand::Bf16(&q.xb),
-                CublasOperand::Bf16(w),
-                *r,
-                n,
-                k,
-                out,
-            );
-        }
-        _ => {}
-    }
     match m.act {
         Activation::Plain => {
             ops::grouped_gemm(gpu, x, row_index, None, &m.data, rows, out_rows, n, k, out)
@@ -523,37 +481,19 @@ impl Backend for Cuda {
         let row_seq: Vec<i32> = plan.row_seq.iter().map(|&s| s as i32).collect();
         let logit_idx: Vec<i32> = plan.logit_rows.iter().map(|&r| r as i32).collect();
         let shape = self.attn_shape(dims);
-        // Steps with a multi-token chunk run attention on tensor cores; decode-only steps of
-        // few rows take the GQA-aware kernel, which also splits long contexts over the keys;
-        // with rows enough to fill the GPU, one block per (row, head) is faster (H200,
-        // docs/performance.md: 265 vs 299 us at 64 rows).
-        let prefill = ops::prefill_attention_supports(shape)
-            && plan
-                .seqs
-                .iter()
-                .any(|s| s.len >= PREFILL_ATTENTION_MIN_ROWS);
-        let tiles = if prefill {
-            ops::prefill_tiles(plan.seqs.iter().map(|s| s.len))
+        // Sequences of several rows run the prefill kernel, single rows the decode kernel: the
+        // same arithmetic per row, so the split is for speed only.
+        let per_row = !ops::prefill_attention_supports(shape);
+        let (tiles, decode_rows) = if per_row {
+            Default::default()
         } else {
-            Vec::new()
+            ops::attention_split(plan.seqs.iter().map(|s| s.len))
         };
-        let sm = self.gpu.sm_count;
-        self.attention = if prefill {
-            AttentionPath::Prefill
-        } else if n <= self.sizes.max_running_requests
-            && n * dims.heads < SPLIT_DECODE_BLOCKS_PER_SM * sm as usize
-        {
-            let longest = plan
-                .seqs
-                .iter()
-                .map(|s| s.start_pos + s.len)
-                .max()
-                .unwrap_or(0);
-            AttentionPath::Split(KeySplit::plan(n, shape, longest, sm, self.split.partials))
-        } else {
-            AttentionPath::PerRow
+        self.attention = AttentionPlan {
+            prefill_tiles: tiles.len() / 2,
+            decode_rows: decode_rows.len(),
+            per_row,
         };
-        self.prefill_tiles = tiles.len() / 2;
         self.dims = *dims;
         let (gpu, m) = (&self.gpu, &mut self.meta);
         gpu.write(&plan.tokens, &mut m.tokens)?;
@@ -564,6 +504,7 @@ impl Backend for Cuda {
         gpu.write(&tables, &mut m.block_tables)?;
         gpu.write(&logit_idx, &mut m.logit_rows)?;
         gpu.write(&tiles, &mut m.attn_tiles)?;
+        gpu.write(&decode_rows, &mut m.decode_rows)?;
         Ok(())
     }
 
@@ -655,33 +596,34 @@ impl Backend for Cuda {
             block_tables: &m.block_tables,
         };
         let (k, v) = (&kv.k[layer], &kv.v[layer]);
-        match self.attention {
-            AttentionPath::Prefill => ops::prefill_attention(
-                &self.gpu,
-                q,
-                out,
-                k,
-                v,
-                &meta,
-                &m.attn_tiles,
-                self.prefill_tiles,
-                n,
-                shape,
-            ),
-            AttentionPath::Split(split) => ops::decode_attention(
-                &self.gpu,
-                q,
-                out,
-                k,
-                v,
-                &meta,
-                n,
-                shape,
-                split,
-                &mut self.split,
-            ),
-            AttentionPath::PerRow => ops::paged_attention(&self.gpu, q, out, k, v, &meta, n, shape),
+        let a = self.attention;
+        if a.per_row {
+            return ops::paged_attention(&self.gpu, q, out, k, v, &meta, n, shape);
         }
+        ops::prefill_attention(
+            &self.gpu,
+            q,
+            out,
+            k,
+            v,
+            &meta,
+            &m.attn_tiles,
+            a.prefill_tiles,
+            n,
+            shape,
+        )?;
+        ops::decode_attention(
+            &self.gpu,
+            q,
+            out,
+            k,
+            v,
+            &meta,
+            Some(&m.decode_rows),
+            a.decode_rows,
+            n,
+            shape,
+        )
     }
 
     fn mlp_gate_up(
@@ -912,7 +854,7 @@ impl Backend for Cuda {
         for first in (0..rows).step_by(LOGIT_CHUNK_ROWS) {
             let m = LOGIT_CHUNK_ROWS.min(rows - first);
             let x = bufs.normed.slice(first * h..(first + m) * h);
-            // cuBLAS and the casts take whole buffers: copy the chunk's rows to the front.
+            // The GEMM reads rows from the front of its input: copy the chunk's rows there.
             gpu.stream
                 .memcpy_dtod(&x, &mut bufs.o.slice_mut(0..m * h))?;
             let out = &mut self.logits;
@@ -928,29 +870,7 @@ impl Backend for Cuda {
                     out,
                     &mut self.quant,
                 )?,
-                (None, Table::Bf16(t)) => {
-                    ops::f32_to_bf16(gpu, &bufs.o, &mut self.quant.xb, m * h)?;
-                    ops::cublas_gemm(
-                        gpu,
-                        CublasOperand::Bf16(&self.quant.xb),
-                        CublasOperand::Bf16(t),
-                        m,
-                        v,
-                        h,
-                        out,
-                    )?;
-                }
-                (None, Table::F32(t)) => {
-                    ops::cublas_gemm(
-                        gpu,
-                        CublasOperand::F32(&bufs.o),
-                        CublasOperand::F32(t),
-                        m,
-                        v,
-                        h,
-                        out,
-                    )?;
-                }
+                (None, table) => ops::table_gemm(gpu, &bufs.o, table, m, v, h, out)?,
             }
             // Host rows in runs of consecutive rows, one copy each; the sampled rows are
             // sampled right here, before the next chunk's GEMM reuses the buffer.

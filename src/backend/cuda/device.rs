@@ -4,7 +4,6 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
     ValidAsZeroBits,
@@ -17,7 +16,6 @@ use super::CudaError;
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    pub blas: CudaBlas,
     pub arch: &'static str,
     pub name: String,
     pub sm_count: u32,
@@ -70,7 +68,6 @@ impl Gpu {
         // SAFETY: no buffer of this context is used from another stream.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
-        let blas = CudaBlas::new(stream.clone())?;
         let mut functions = HashMap::new();
         for source in Source::ALL {
             let ptx = kernels::cached_ptx(source, arch, driver)?;
@@ -83,7 +80,6 @@ impl Gpu {
         Ok(Gpu {
             ctx,
             stream,
-            blas,
             arch,
             name,
             sm_count,

@@ -192,24 +192,20 @@ kernels! {
     GroupedGemmMmaBf16 => (Gemm, "grouped_gemm_mma_bf16", GROUPED_GEMM),
     GroupedGemmMmaMxfp8 => (Gemm, "grouped_gemm_mma_mxfp8", GROUPED_GEMM),
     GroupedGemmMmaNvfp4 => (Gemm, "grouped_gemm_mma_nvfp4", GROUPED_GEMM),
-    GroupedGemvF32 => (Gemm, "grouped_gemv_f32", GROUPED_GEMM),
-    GroupedGemvBf16 => (Gemm, "grouped_gemv_bf16", GROUPED_GEMM),
-    GroupedGemvMxfp8 => (Gemm, "grouped_gemv_mxfp8", GROUPED_GEMM),
-    GroupedGemvNvfp4 => (Gemm, "grouped_gemv_nvfp4", GROUPED_GEMM),
+    GroupedGemmSkinnyBf16 => (Gemm, "grouped_gemm_skinny_bf16", GROUPED_GEMM),
+    GroupedGemmSkinnyMxfp8 => (Gemm, "grouped_gemm_skinny_mxfp8", GROUPED_GEMM),
+    GroupedGemmSkinnyNvfp4 => (Gemm, "grouped_gemm_skinny_nvfp4", GROUPED_GEMM),
     PagedAttention => (Attention, "paged_attention", &[
         Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, F32,
     ]),
     PrefillAttentionHd32 => (PrefillAttention, "prefill_attention_hd32", PREFILL_ATTENTION),
     PrefillAttentionHd64 => (PrefillAttention, "prefill_attention_hd64", PREFILL_ATTENTION),
     PrefillAttentionHd128 => (PrefillAttention, "prefill_attention_hd128", PREFILL_ATTENTION),
+    DecodeAttentionHd32 => (PrefillAttention, "decode_attention_hd32", PREFILL_ATTENTION),
+    DecodeAttentionHd64 => (PrefillAttention, "decode_attention_hd64", PREFILL_ATTENTION),
+    DecodeAttentionHd128 => (PrefillAttention, "decode_attention_hd128", PREFILL_ATTENTION),
     SampleRows => (Sampling, "sample_rows", &[Ptr, Ptr, I32, Ptr, Ptr, I32, I32, Ptr, Ptr]),
     HostExpf => (Sampling, "host_expf_kernel", MAP_N),
-    PagedAttentionSplit => (Attention, "paged_attention_split", &[
-        Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, F32,
-    ]),
-    PagedAttentionCombine => (Attention, "paged_attention_combine", &[
-        Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32,
-    ]),
 }
 
 /// NVRTC options. Default precision (IEEE division and square root); the bit-exact paths

@@ -24,8 +24,6 @@ pub enum CudaError {
     NoDevice(String),
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
-    #[error("cuBLAS: {0}")]
-    Blas(#[from] cudarc::cublas::result::CublasError),
     #[error("NVRTC: {0}")]
     Nvrtc(String),
     #[error("not supported on the CUDA backend yet: {0}")]

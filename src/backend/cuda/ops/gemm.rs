@@ -1,11 +1,11 @@
 //! Launches of kernels/gemm.cu, the grouped GEMM over experts and dense layers with weights
-//! decoded in-kernel (F32, BF16, MXFP8, NVFP4; FFMA, BF16 tensor cores or a GEMV, picked by
-//! [`GemmPath`]), and the dense cuBLAS GEMM.
+//! decoded in-kernel (F32, BF16, MXFP8, NVFP4; FFMA or BF16 tensor cores in tiles or for few
+//! rows, picked by [`GemmPath`]). Every path reduces each output element in an order fixed by
+//! K alone, and the two tensor-core paths in the same order, so the choice never changes bits.
 
-use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::CudaSlice;
 
-use super::{need, MoePlan};
+use super::{need, MoePlan, Table};
 use crate::backend::cuda::args::{addr, DevPtr, View};
 use crate::backend::cuda::kernels::Kernel;
 use crate::backend::cuda::{CudaError, Gpu};
@@ -14,8 +14,8 @@ use crate::backend::cuda::{CudaError, Gpu};
 pub const GEMM_TILE_ROWS: usize = 32;
 /// Columns per tile (kernels/gemm.cu `TN`, `MMA_TN`).
 pub const GEMM_TILE_COLS: usize = 64;
-/// Output columns per GEMV block (a warp each).
-const GEMV_COLS_PER_BLOCK: usize = 8;
+/// Output columns per block of the few-rows tensor-core kernel (8 per warp, 4 warps).
+const SKINNY_COLS_PER_BLOCK: usize = 32;
 
 /// A weight matrix (or a stack of expert matrices) in GPU memory, in its storage format.
 pub enum WeightData {
@@ -45,48 +45,118 @@ pub enum GemmRows<'a> {
 /// Which grouped-GEMM kernel runs (kernels/gemm.cu).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmPath {
-    /// Picked from the shape: [`GemmPath::Gemv`] for groups of a few rows, tensor cores
+    /// Picked from the shape: [`GemmPath::Skinny`] for tiles of few rows, [`GemmPath::TensorCore`]
     /// otherwise, CUDA cores where K is not a multiple of 32 or the weights are F32.
     Auto,
     /// CUDA cores (FFMA), any shape: the exact-f32 path.
     Ffma,
-    /// BF16 tensor cores (mma.sync), operands decoded to BF16 in shared memory.
+    /// BF16 tensor cores (mma.sync) in 32x64 tiles, operands decoded to BF16 in shared memory.
     TensorCore,
-    /// A warp per output column, for decode-sized groups.
-    Gemv,
+    /// The same tensor-core products, a warp per 8 columns, for decode-sized tiles.
+    Skinny,
 }
 
-/// Rows up to which [`GemmPath::Auto`] takes the GEMV for one dense group (kernels/gemm.cu
-/// `GEMV_ROWS` rows per pass, later passes read the weights from L2; the tensor-core kernel
-/// would give a 4096-wide layer only 64 blocks) and, on average per expert, for a routing plan.
-/// Measured on the H200 (examples/cuda_kernel_bench.rs, docs/performance.md): at 0.5 rows per
-/// expert the GEMV takes 0.7x the tensor-core kernel's time, at 4 rows 1.4x.
-pub const GEMV_MAX_DENSE_ROWS: usize = 16;
-pub const GEMV_MAX_ROWS_PER_EXPERT: usize = 2;
+/// Rows up to which [`GemmPath::Auto`] takes [`GemmPath::Skinny`] for one dense group (it reads
+/// the weights once per 32 rows, from L2 after the first) and, on average per expert, for a
+/// routing plan. Both paths give the same bits; these only pick the faster.
+pub const SKINNY_MAX_DENSE_ROWS: usize = 64;
+pub const SKINNY_MAX_ROWS_PER_EXPERT: usize = 4;
 
 impl GemmPath {
-    fn resolve(self, w: &WeightData, rows: &GemmRows<'_>, max_rows: usize, k: usize) -> GemmPath {
-        let shape_ok = k % 32 == 0;
-        let f32_weights = matches!(w, WeightData::F32(_));
+    fn resolve(self, f32_weights: bool, rows: &GemmRows<'_>, max_rows: usize, k: usize) -> GemmPath {
+        let tensor_ok = k % 32 == 0 && !f32_weights;
         match self {
+            _ if !tensor_ok => GemmPath::Ffma,
             GemmPath::Auto => {
-                let gemv_rows = match rows {
-                    GemmRows::Dense(_) => GEMV_MAX_DENSE_ROWS,
-                    GemmRows::Plan(p) => GEMV_MAX_ROWS_PER_EXPERT * p.counts.len(),
+                let skinny_rows = match rows {
+                    GemmRows::Dense(_) => SKINNY_MAX_DENSE_ROWS,
+                    GemmRows::Plan(p) => SKINNY_MAX_ROWS_PER_EXPERT * p.counts.len(),
                 };
-                if !shape_ok {
-                    GemmPath::Ffma
-                } else if max_rows <= gemv_rows {
-                    GemmPath::Gemv
-                } else if f32_weights {
-                    GemmPath::Ffma
+                if max_rows <= skinny_rows {
+                    GemmPath::Skinny
                 } else {
                     GemmPath::TensorCore
                 }
             }
-            GemmPath::TensorCore if f32_weights || !shape_ok => GemmPath::Ffma,
-            GemmPath::Gemv if !shape_ok => GemmPath::Ffma,
             p => p,
+        }
+    }
+}
+
+/// A GEMM's weights as the kernels take them: untyped data (decoded by the kernel's format),
+/// block scales, NVFP4 S_dec and its groups.
+struct Operand<'a> {
+    /// The FFMA, tiled tensor-core and few-rows tensor-core kernels of the format (F32 has
+    /// FFMA only).
+    kernels: [Kernel; 3],
+    f32_weights: bool,
+    data: DevPtr,
+    scales: Option<View<'a, u8>>,
+    s_dec: Option<View<'a, f32>>,
+    groups: usize,
+}
+
+impl<'a> Operand<'a> {
+    fn f32(gpu: &Gpu, d: &'a CudaSlice<f32>) -> Operand<'a> {
+        let k = Kernel::GroupedGemmF32;
+        Operand {
+            kernels: [k, k, k],
+            f32_weights: true,
+            data: DevPtr(addr(gpu, d)),
+            scales: None,
+            s_dec: None,
+            groups: 1,
+        }
+    }
+
+    fn bf16(gpu: &Gpu, d: &'a CudaSlice<u16>) -> Operand<'a> {
+        Operand {
+            kernels: [
+                Kernel::GroupedGemmBf16,
+                Kernel::GroupedGemmMmaBf16,
+                Kernel::GroupedGemmSkinnyBf16,
+            ],
+            f32_weights: false,
+            data: DevPtr(addr(gpu, d)),
+            scales: None,
+            s_dec: None,
+            groups: 1,
+        }
+    }
+
+    fn of(gpu: &Gpu, w: &'a WeightData) -> Operand<'a> {
+        match w {
+            WeightData::F32(d) => Operand::f32(gpu, d),
+            WeightData::Bf16(d) => Operand::bf16(gpu, d),
+            WeightData::Mxfp8 { data, scales } => Operand {
+                kernels: [
+                    Kernel::GroupedGemmMxfp8,
+                    Kernel::GroupedGemmMmaMxfp8,
+                    Kernel::GroupedGemmSkinnyMxfp8,
+                ],
+                f32_weights: false,
+                data: DevPtr(addr(gpu, data)),
+                scales: Some(View::whole(scales)),
+                s_dec: None,
+                groups: 1,
+            },
+            WeightData::Nvfp4 {
+                data,
+                scales,
+                s_dec,
+                groups,
+            } => Operand {
+                kernels: [
+                    Kernel::GroupedGemmNvfp4,
+                    Kernel::GroupedGemmMmaNvfp4,
+                    Kernel::GroupedGemmSkinnyNvfp4,
+                ],
+                f32_weights: false,
+                data: DevPtr(addr(gpu, data)),
+                scales: Some(View::whole(scales)),
+                s_dec: Some(View::whole(s_dec)),
+                groups: *groups,
+            },
         }
     }
 }
@@ -136,71 +206,76 @@ pub fn grouped_gemm_on(
     k: usize,
     out: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
-    let out = need(out, max_rows * n, "gemm out")?;
-    let path = path.resolve(w, &rows, max_rows, k);
-    let pick = |ffma, mma, gemv| match path {
-        GemmPath::Gemv => gemv,
-        GemmPath::TensorCore => mma,
-        _ => ffma,
+    if matches!(w, WeightData::Nvfp4 { .. }) && row_scale.is_none() {
+        return Err(CudaError::Capacity(
+            "NVFP4 GEMM needs the row scales".into(),
+        ));
+    }
+    launch_gemm(
+        path,
+        gpu,
+        x,
+        row_index,
+        row_scale,
+        Operand::of(gpu, w),
+        rows,
+        max_rows,
+        n,
+        k,
+        out,
+    )
+}
+
+/// `out = x T^T` for the embedding table T read as the tied lm_head (`[n, k]`), on the
+/// kernels of its format: the same products as a BF16 or F32 [`WeightData`] of the same values.
+pub fn table_gemm(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    table: &Table,
+    m: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    let w = match table {
+        Table::Bf16(t) => Operand::bf16(gpu, t),
+        Table::F32(t) => Operand::f32(gpu, t),
     };
-    // The kernels take the weights untyped (`const void*`), decoded by format.
-    let (kernel, w_data, w_scales, w_sdec, groups) = match w {
-        WeightData::F32(d) => (
-            pick(
-                Kernel::GroupedGemmF32,
-                Kernel::GroupedGemmF32,
-                Kernel::GroupedGemvF32,
-            ),
-            DevPtr(addr(gpu, d)),
-            None,
-            None,
-            1,
-        ),
-        WeightData::Bf16(d) => (
-            pick(
-                Kernel::GroupedGemmBf16,
-                Kernel::GroupedGemmMmaBf16,
-                Kernel::GroupedGemvBf16,
-            ),
-            DevPtr(addr(gpu, d)),
-            None,
-            None,
-            1,
-        ),
-        WeightData::Mxfp8 { data, scales } => (
-            pick(
-                Kernel::GroupedGemmMxfp8,
-                Kernel::GroupedGemmMmaMxfp8,
-                Kernel::GroupedGemvMxfp8,
-            ),
-            DevPtr(addr(gpu, data)),
-            Some(View::whole(scales)),
-            None,
-            1,
-        ),
-        WeightData::Nvfp4 {
-            data,
-            scales,
-            s_dec,
-            groups,
-        } => {
-            if row_scale.is_none() {
-                return Err(CudaError::Capacity(
-                    "NVFP4 GEMM needs the row scales".into(),
-                ));
-            }
-            (
-                pick(
-                    Kernel::GroupedGemmNvfp4,
-                    Kernel::GroupedGemmMmaNvfp4,
-                    Kernel::GroupedGemvNvfp4,
-                ),
-                DevPtr(addr(gpu, data)),
-                Some(View::whole(scales)),
-                Some(View::whole(s_dec)),
-                *groups,
-            )
-        }
+    launch_gemm(
+        GemmPath::Auto,
+        gpu,
+        x,
+        None,
+        None,
+        w,
+        GemmRows::Dense(m),
+        m,
+        n,
+        k,
+        out,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch_gemm(
+    path: GemmPath,
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    row_index: Option<&CudaSlice<i32>>,
+    row_scale: Option<&CudaSlice<f32>>,
+    w: Operand<'_>,
+    rows: GemmRows<'_>,
+    max_rows: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    let out = need(out, max_rows * n, "gemm out")?;
+    let path = path.resolve(w.f32_weights, &rows, max_rows, k);
+    let kernel = match path {
+        GemmPath::TensorCore => w.kernels[1],
+        GemmPath::Skinny => w.kernels[2],
+        _ => w.kernels[0],
     };
     let (tiles, num_tiles, offsets, rows_arg, grid_y) = match rows {
         GemmRows::Dense(r) => (None, None, None, r, r.div_ceil(GEMM_TILE_ROWS)),
@@ -216,9 +291,9 @@ pub fn grouped_gemm_on(
         return Ok(());
     }
     // Block shapes: kernels/gemm.cu (FFMA 32x64 tiles on 256 threads, MMA 32x64 tiles on 4
-    // warps, GEMV 8 columns on 8 warps).
+    // warps, few-rows MMA 32 columns on 4 warps).
     let (cols_per_block, threads) = match path {
-        GemmPath::Gemv => (GEMV_COLS_PER_BLOCK, 256),
+        GemmPath::Skinny => (SKINNY_COLS_PER_BLOCK, 128),
         GemmPath::TensorCore => (GEMM_TILE_COLS, 128),
         _ => (GEMM_TILE_COLS, 256),
     };
@@ -232,10 +307,10 @@ pub fn grouped_gemm_on(
             View::whole(x),
             row_index.map(View::whole),
             row_scale.map(View::whole),
-            w_data,
-            w_scales,
-            w_sdec,
-            groups as i32,
+            w.data,
+            w.scales,
+            w.s_dec,
+            w.groups as i32,
             tiles,
             num_tiles,
             offsets,
@@ -245,72 +320,4 @@ pub fn grouped_gemm_on(
             out,
         ),
     )
-}
-
-/// Dense `out[m, n] = x[m, k] W[n, k]^T` through cuBLAS: BF16 operands (x already cast) or
-/// F32 operands, f32 output, FP32 accumulation.
-pub fn cublas_gemm(
-    gpu: &Gpu,
-    x: CublasOperand<'_>,
-    w: CublasOperand<'_>,
-    m: usize,
-    n: usize,
-    k: usize,
-    out: &mut CudaSlice<f32>,
-) -> Result<(), CudaError> {
-    let out = need(out, m * n, "cublas out")?;
-    if m == 0 || n == 0 {
-        return Ok(());
-    }
-    let (xp, xt) = x.raw(gpu, m * k)?;
-    let (wp, wt) = w.raw(gpu, n * k)?;
-    let (alpha, beta) = (1.0f32, 0.0f32);
-    let op = out.addr(gpu);
-    // Row-major out^T = W x^T is column-major out (n x m): A = W (k x n, transposed), B = x.
-    // SAFETY: buffer sizes were checked above; all pointers are on the handle's stream.
-    unsafe {
-        cudarc::cublas::result::gemm_ex(
-            *gpu.blas.handle(),
-            cublasOperation_t::CUBLAS_OP_T,
-            cublasOperation_t::CUBLAS_OP_N,
-            n as i32,
-            m as i32,
-            k as i32,
-            &alpha as *const f32 as *const _,
-            wp as *const _,
-            wt,
-            k as i32,
-            xp as *const _,
-            xt,
-            k as i32,
-            &beta as *const f32 as *const _,
-            op as *mut _,
-            cudaDataType::CUDA_R_32F,
-            n as i32,
-            cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )?;
-    }
-    Ok(())
-}
-
-/// A cuBLAS operand.
-pub enum CublasOperand<'a> {
-    Bf16(&'a CudaSlice<u16>),
-    F32(&'a CudaSlice<f32>),
-}
-
-impl CublasOperand<'_> {
-    fn raw(&self, gpu: &Gpu, n: usize) -> Result<(u64, cudaDataType), CudaError> {
-        Ok(match self {
-            CublasOperand::Bf16(s) => (
-                need(s, n, "cublas operand")?.addr(gpu),
-                cudaDataType::CUDA_R_16BF,
-            ),
-            CublasOperand::F32(s) => (
-                need(s, n, "cublas operand")?.addr(gpu),
-                cudaDataType::CUDA_R_32F,
-            ),
-        })
-    }
 }

@@ -1,6 +1,7 @@
-//! Launches of kernels/prefill_attention.cu: flash-style attention on BF16 tensor cores for
-//! query rows in tiles of consecutive positions of one sequence (prefill chunks), and the tile
-//! list the kernel walks ([`prefill_tiles`]).
+//! Launches of kernels/prefill_attention.cu: flash-style attention on BF16 tensor cores, for
+//! query rows in tiles of consecutive positions of one sequence (prefill chunks, with the tile
+//! list the kernel walks, [`prefill_tiles`]) and for single decode rows (the query heads of one
+//! KV head in one warp). Both give a row the same bits.
 
 use cudarc::driver::CudaSlice;
 
@@ -12,7 +13,7 @@ use crate::backend::cuda::{CudaError, Gpu};
 /// Query rows per block of [`prefill_attention`] (kernels/prefill_attention.cu `FA_ROWS`).
 pub const PREFILL_TILE_ROWS: usize = 64;
 
-/// Whether [`prefill_attention`] has a kernel for this shape.
+/// Whether [`prefill_attention`] and [`decode_attention`] have a kernel for this shape.
 pub fn prefill_attention_supports(s: AttnShape) -> bool {
     matches!(s.head_dim, 32 | 64 | 128) && s.heads % s.kv_heads == 0
 }
@@ -32,6 +33,26 @@ pub fn prefill_tiles(rows_per_seq: impl IntoIterator<Item = usize>) -> Vec<i32> 
     tiles
 }
 
+/// How a step's rows split between the two tensor-core kernels, for sequences of
+/// `rows_per_seq` consecutive rows each (batch order): the [`prefill_tiles`] of every sequence
+/// of several rows, and the rows of single-row sequences (for [`decode_attention`]). A row
+/// gets the same bits from either kernel; this split is for speed.
+pub fn attention_split(rows_per_seq: impl IntoIterator<Item = usize>) -> (Vec<i32>, Vec<i32>) {
+    let (mut tiles, mut decode_rows) = (Vec::new(), Vec::new());
+    let mut first = 0;
+    for rows in rows_per_seq {
+        if rows == 1 {
+            decode_rows.push(first as i32);
+        } else {
+            for t in prefill_tiles([rows]).chunks(2) {
+                tiles.extend([first as i32 + t[0], t[1]]);
+            }
+        }
+        first += rows;
+    }
+    (tiles, decode_rows)
+}
+
 /// Attention for query rows grouped in tiles of consecutive positions of one sequence, on
 /// tensor cores (kernels/prefill_attention.cu). `tiles` from [`prefill_tiles`].
 #[allow(clippy::too_many_arguments)]
@@ -47,22 +68,11 @@ pub fn prefill_attention(
     rows: usize,
     s: AttnShape,
 ) -> Result<(), CudaError> {
-    let kernel = match s.head_dim {
-        32 => Kernel::PrefillAttentionHd32,
-        64 => Kernel::PrefillAttentionHd64,
-        128 => Kernel::PrefillAttentionHd128,
-        hd => {
-            return Err(CudaError::Unsupported(format!(
-                "prefill attention with head_dim {hd} (32, 64 or 128)"
-            )))
-        }
-    };
-    if s.heads % s.kv_heads != 0 {
-        return Err(CudaError::Unsupported(format!(
-            "{} heads over {} KV heads",
-            s.heads, s.kv_heads
-        )));
-    }
+    let kernel = kernel_for(s, [
+        Kernel::PrefillAttentionHd32,
+        Kernel::PrefillAttentionHd64,
+        Kernel::PrefillAttentionHd128,
+    ])?;
     let q = need(q, rows * s.heads * s.head_dim, "attention q")?;
     let out = need(out, rows * s.heads * s.head_dim, "attention out")?;
     let pos = need(meta.pos, rows, "attention positions")?;
@@ -92,4 +102,72 @@ pub fn prefill_attention(
             1.0 / (s.head_dim as f32).sqrt(),
         ),
     )
+}
+
+/// Attention for single query rows (decode; `rows` lists them, None: rows 0..count), one warp
+/// per (row, KV head) serving the query heads that share it (kernels/prefill_attention.cu).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention(
+    gpu: &Gpu,
+    q: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    k_cache: &CudaSlice<u16>,
+    v_cache: &CudaSlice<u16>,
+    meta: &AttnRows<'_>,
+    rows: Option<&CudaSlice<i32>>,
+    count: usize,
+    step_rows: usize,
+    s: AttnShape,
+) -> Result<(), CudaError> {
+    let kernel = kernel_for(s, [
+        Kernel::DecodeAttentionHd32,
+        Kernel::DecodeAttentionHd64,
+        Kernel::DecodeAttentionHd128,
+    ])?;
+    let q = need(q, step_rows * s.heads * s.head_dim, "attention q")?;
+    let out = need(out, step_rows * s.heads * s.head_dim, "attention out")?;
+    let pos = need(meta.pos, step_rows, "attention positions")?;
+    let rows = rows.map(|r| need(r, count, "decode rows")).transpose()?;
+    if count == 0 {
+        return Ok(());
+    }
+    let passes = (s.heads / s.kv_heads).div_ceil(16);
+    gpu.launch(
+        kernel,
+        (count as u32, (s.kv_heads * passes) as u32, 1),
+        32,
+        (
+            q,
+            out,
+            View::whole(k_cache),
+            View::whole(v_cache),
+            pos,
+            View::whole(meta.seq),
+            View::whole(meta.table_offsets),
+            View::whole(meta.block_tables),
+            rows,
+            s.heads as i32,
+            s.kv_heads as i32,
+            s.block_size as i32,
+            1.0 / (s.head_dim as f32).sqrt(),
+        ),
+    )
+}
+
+/// The kernel of `kernels` (head_dim 32, 64, 128) for this shape.
+fn kernel_for(s: AttnShape, kernels: [Kernel; 3]) -> Result<Kernel, CudaError> {
+    if s.heads % s.kv_heads != 0 {
+        return Err(CudaError::Unsupported(format!(
+            "{} heads over {} KV heads",
+            s.heads, s.kv_heads
+        )));
+    }
+    match s.head_dim {
+        32 => Ok(kernels[0]),
+        64 => Ok(kernels[1]),
+        128 => Ok(kernels[2]),
+        hd => Err(CudaError::Unsupported(format!(
+            "tensor-core attention with head_dim {hd} (32, 64 or 128)"
+        ))),
+    }
 }
