@@ -33,21 +33,23 @@ declare -A what=(
   [cuda_invariance]="GEMM, MoE, quantizer, norm rows bitwise equal for every row count"
   [cuda_generate]="greedy generation vs CPU engine; rollout == recompute bitwise"
 )
-# TESTS="cuda_invariance cuda_attention" runs a subset.
+# TESTS="cuda_invariance cuda_attention" runs a subset; TEST_FILTER="name1 name2" only the tests
+# whose names contain one of these.
 for t in ${TESTS:-cuda_ops cuda_sampling cuda_load cuda_attention cuda_invariance cuda_generate}; do
-  echo "== $t: ${what[$t]}"
+  echo "== $t: ${what[$t]} ($(date +%T))"
   if [ "${SKIP_TESTS:-0}" = 1 ]; then
     record "$t" "skipped (SKIP_TESTS=1)"
   elif [ ! -x "$bin/$t" ]; then
     record "$t" "MISSING (.bin/$t not carried)"
-  elif "$bin/$t" --ignored --test-threads=1 --nocapture 2>&1 | tee "$logs/$t.log"; then
+  elif "$bin/$t" --ignored --test-threads=1 --nocapture ${TEST_FILTER:-} 2>&1 | tee "$logs/$t.log"; then
     record "$t (${what[$t]})" "pass"
   else
     record "$t (${what[$t]})" "FAIL (see $t.log)"
   fi
 done
 
-echo "== smoke: lockstep serve --device cuda"
+if [ "${SKIP_SMOKE:-0}" != 1 ]; then
+echo "== smoke: lockstep serve --device cuda ($(date +%T))"
 "$bin"/lockstep serve --device cuda --port 30555 >"$logs/serve.log" 2>&1 &
 pid=$!
 ok=fail
@@ -63,15 +65,17 @@ echo "generate: $gen"; echo "chat: $chat"
 if echo "$gen" | grep -q '"text"' && echo "$chat" | grep -q '"choices"'; then ok=pass; fi
 kill $pid 2>/dev/null; wait $pid 2>/dev/null
 record "serve --device cuda: /generate + /v1/chat/completions" "$ok"
+fi
 
-echo "== kernel benchmark (expert GEMMs, attention)"
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+echo "== kernel benchmark (expert GEMMs, attention) ($(date +%T))"
 if "$bin"/cuda_kernel_bench configs/qwen3-30b-a3b.json 2>&1 | tee "$logs/kernel_bench.md"; then
   record "cuda_kernel_bench" "done (kernel_bench.md)"
 else
   record "cuda_kernel_bench" "FAIL"
 fi
 
-echo "== baseline benchmark"
+echo "== baseline benchmark ($(date +%T))"
 if [ -n "${BENCH_ARGS:-}" ]; then
   read -r -a bench_args <<<"$BENCH_ARGS"
 elif [ "$mode" = full ]; then
@@ -92,6 +96,8 @@ fi
 if [ "$mode" = full ] && [ "${SKIP_PEER:-0}" != 1 ]; then
   PYTHONUNBUFFERED=1 python3 scripts/hf_peer_bench.py configs/qwen3-30b-a3b.json 2>&1 | tee "$logs/hf_peer.md" \
     && record "transformers peer (bf16)" "done (hf_peer.md)" || record "transformers peer" "FAIL"
+fi
+
 fi
 
 echo

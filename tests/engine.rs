@@ -28,6 +28,24 @@ fn engine_with(
     block_size: usize,
     max_queued_requests: usize,
 ) -> EngineHandle {
+    let (model, info) = embedded(block_size);
+    let cfg = EngineConfig {
+        max_running_requests: 16,
+        max_batch_tokens: 64,
+        max_total_tokens,
+        block_size,
+        max_context_len: 512,
+        max_queued_requests,
+        kv_dtype: KvDtype::Bf16,
+    };
+    // Returns once the engine has run its warm-up step.
+    let h = Engine::start(model, info, cfg).expect("engine starts");
+    assert!(h.shared.warm.load(Ordering::Acquire), "warm once started");
+    h
+}
+
+/// The embedded model (dummy BF16 weights) and its engine info.
+fn embedded(block_size: usize) -> (lockstep::model::Model, EngineInfo) {
     let cfg = ModelConfig::from_json(serde_json::from_str(EMBEDDED_CONFIG).unwrap()).unwrap();
     let recipe = Recipe::bf16();
     let mut model = loader::dummy_model(cfg.clone(), &recipe, 0).unwrap();
@@ -48,19 +66,27 @@ fn engine_with(
         weight_version: std::sync::RwLock::new("v0".into()),
         weights_checksum: std::sync::RwLock::new(("v0".into(), checksum)),
     };
+    (model, info)
+}
+
+#[test]
+fn a_start_up_that_panics_returns_its_error_instead_of_waiting() {
+    let (model, info) = embedded(16);
+    // The scheduler refuses a step budget that cannot hold every running sequence's decode.
     let cfg = EngineConfig {
         max_running_requests: 16,
-        max_batch_tokens: 64,
-        max_total_tokens,
-        block_size,
+        max_batch_tokens: 8,
+        max_total_tokens: 4096,
+        block_size: 16,
         max_context_len: 512,
-        max_queued_requests,
+        max_queued_requests: 4,
         kv_dtype: KvDtype::Bf16,
     };
-    // Returns once the engine has run its warm-up step.
-    let h = Engine::start(model, info, cfg).expect("engine starts");
-    assert!(h.shared.warm.load(Ordering::Acquire), "warm once started");
-    h
+    let err = Engine::start(model, info, cfg).err().expect("refused");
+    assert!(
+        err.to_string().contains("max_batch_tokens must be at least max_running_requests"),
+        "{err}"
+    );
 }
 
 fn request(

@@ -111,6 +111,9 @@ impl Engine {
                         Some(format!("engine panicked: {msg}"));
                 }
                 shared.healthy.store(false, Ordering::Release);
+                // A start-up that panicked never sent its ready message: dropping the sender
+                // ends `start_with`'s wait with the error recorded above.
+                drop(ready_tx);
                 if shared.last_error.lock().expect("error lock").is_some() {
                     // Requests in flight learned of it from `fail` or from their dropped
                     // senders; keep answering commands so nobody waits forever.
