@@ -1,12 +1,13 @@
 //! The grouped expert GEMM kernels alone, on a model's expert shapes: for each weight format
-//! and each kernel (FFMA, BF16 tensor cores, GEMV), the time of one gate/up projection over
+//! and each kernel (FFMA, BF16 tensor cores in tiles, for few rows), the time of one gate/up projection over
 //! `tokens * top_k` routed rows, with the bytes it must read and the FLOPs it must do, against
 //! the measured copy bandwidth and the H200's dense BF16 tensor rate.
 //!
 //! cargo run --release --example cuda_kernel_bench -- configs/qwen3-30b-a3b.json \
 //!     [--tokens 1,8,64,256,4096]
 //!
-//! Then paged attention alone at prefill and decode shapes, against the bytes of K/V it reads.
+//! Also paged attention alone at prefill and decode shapes, against the bytes of K/V it reads,
+//! and the dense attention projections at decode row counts on each tensor-core kernel.
 //!
 //! Random routing (uniform), dummy weights drawn on the device; median of 20 timed runs after
 //! a warm-up, host clock around a synchronized launch.
@@ -37,7 +38,7 @@ fn main() {
     let config = it
         .next()
         .expect("usage: cuda_kernel_bench CONFIG.json [--tokens a,b]");
-    let mut token_counts = vec![1usize, 8, 64, 256, 4096];
+    let mut token_counts = vec![1usize, 8, 16, 32, 64, 128, 256, 4096];
     while let Some(flag) = it.next() {
         let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
         match flag.as_str() {
@@ -73,6 +74,7 @@ fn main() {
     let mut row_scale = gpu.alloc::<f32>(max_tokens).expect("row scale");
     let mut out = gpu.alloc::<f32>(max_tokens * top_k * n).expect("out");
     attention(&gpu, &cfg, bw);
+    dense(&gpu, &cfg, bw, &x);
     for name in ["bf16", "mxfp8", "nvfp4"] {
         let recipe = Recipe::builtin(name).expect("recipe");
         let fmt = recipe.format_for("model.layers.0.mlp.experts.0.gate_proj", cfg.num_layers);
@@ -143,6 +145,7 @@ fn main() {
                 GemmPath::Ffma,
                 GemmPath::TensorCore,
                 GemmPath::Skinny,
+                GemmPath::Skinny4,
                 GemmPath::Auto,
             ] {
                 let mut run = || {
@@ -178,6 +181,53 @@ fn main() {
                     bytes / s / 1e9,
                     flops / s / 1e12,
                     100.0 * roofline / s
+                );
+            }
+        }
+    }
+}
+
+/// The attention projections (BF16) alone at decode and small-prefill row counts, on each
+/// tensor-core kernel: they all give the same bits, so only speed picks among them.
+fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f32>) {
+    let dummy = DummyWeights { gpu, seed: 9 };
+    let (h, q) = (cfg.hidden_size, cfg.num_heads * cfg.head_dim);
+    let kv = cfg.num_kv_heads * cfg.head_dim;
+    println!("| dense bf16 | kernel | rows | us | GB/s | of roofline |");
+    println!("|---|---|---|---|---|---|");
+    for (name, n, k) in [("q_proj", q, h), ("k_proj", kv, h), ("o_proj", h, q)] {
+        let parts = vec![vec![(format!("{name}"), n)]];
+        let m = dummy
+            .matrix(&parts, k, &lockstep::quant::TensorFormat::BF16, false)
+            .expect("weights");
+        for rows in [1usize, 8, 16, 32, 64, 128, 256] {
+            if rows * k > x.len() {
+                continue;
+            }
+            let mut out = gpu.alloc::<f32>(rows * n).expect("out");
+            let bytes = (n * k * 2 + rows * k * 4 + rows * n * 4) as f64;
+            for path in [GemmPath::TensorCore, GemmPath::Skinny, GemmPath::Skinny4, GemmPath::Auto] {
+                let s = time(gpu, || {
+                    ops::grouped_gemm_on(
+                        path,
+                        gpu,
+                        x,
+                        None,
+                        None,
+                        &m.data,
+                        GemmRows::Dense(rows),
+                        rows,
+                        n,
+                        k,
+                        &mut out,
+                    )
+                    .expect("gemm")
+                });
+                println!(
+                    "| {name} [{n} x {k}] | {path:?} | {rows} | {:.1} | {:.0} | {:.0}% |",
+                    s * 1e6,
+                    bytes / s / 1e9,
+                    100.0 * bytes / bw / s
                 );
             }
         }

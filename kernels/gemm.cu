@@ -15,8 +15,9 @@
 //   Plain BF16 layers take f32 activations: each is split into two BF16 terms (hi + lo, 16
 //   significant bits) multiplied separately, so the result stays within ~1e-5 of the CPU's f32
 //   products instead of the ~2e-3 of rounding activations to BF16 (which flips MoE routing).
-// - grouped_gemm_skinny_*: the same tensor-core products for tiles of few rows (decode): a warp
-//   per 8 output columns, weights loaded straight into registers, no shared memory.
+// - grouped_gemm_skinny_*, grouped_gemm_skinny4_*: the same tensor-core products for tiles of
+//   few rows (decode): a warp per 8 (or 32) output columns, weights loaded straight into
+//   registers, no shared memory.
 // The two tensor-core kernels feed each mma exactly the same operands in the same order (the
 // "K chain" below), so they give the same bits and the choice between them is speed alone.
 //
@@ -367,16 +368,18 @@ __device__ void grouped_gemm_mma(const float* x, const int* row_index, const flo
         }
 }
 
-// ---- Tensor cores for tiles of few rows: a warp per 8 output columns ----
+// ---- Tensor cores for tiles of few rows: a warp per 8 * NF output columns ----
 
-#define SKINNY_WARPS 4  // 32 columns per 128-thread block
-#define SKINNY_SPANS 4  // spans of weights in flight per lane
+#define SKINNY_WARPS 4  // warps per 128-thread block
+#define SKINNY_SPANS 4  // spans of weights in flight per lane and column fragment
 
-// Grid (ceil(N / 32), tiles), 128 threads. Requires K % 32 == 0. Each lane streams its weight
-// column's 8 values of every span from global memory, SKINNY_SPANS spans ahead, and reads its
-// rows' activations (L1-resident, shared by the block's warps) itself; the tile's rows are at
-// most TM = two m16 fragments, and a fragment with no live row is skipped.
-template <int FMT>
+// Grid (ceil(N / (32 * NF)), tiles), 128 threads. Requires K % 32 == 0. Each lane streams the
+// 8 values per span of its NF weight columns (g of each n8 fragment) from global memory,
+// SKINNY_SPANS spans ahead, and packs its rows' activations itself (L1-resident, shared by the
+// block's warps) once per span for all NF fragments; more fragments per warp spread that
+// packing over more weights, fewer give more warps. The tile's rows are at most TM = two m16
+// fragments; a fragment, or its upper 8 rows, with no live row is skipped (warp-uniform).
+template <int FMT, int NF>
 __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const float* row_scale, const void* w,
                                     const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                     const int* num_tiles, const int* offsets, int rows, int N, int K, float* out) {
@@ -388,11 +391,16 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
     fill_e2m1_table(e2m1);
     __syncthreads();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int n0 = (blockIdx.x * SKINNY_WARPS + warp) * 8;
+    int n0 = (blockIdx.x * SKINNY_WARPS + warp) * 8 * NF;
     if (n0 >= N) return;
     // A lane past N reads column n0 (never stored: lanes store columns 2t, 2t + 1).
-    u64 w_row = (u64)e * N + (n0 + g < N ? n0 + g : n0);
-    int frags = (r1 - r0 + 15) / 16;
+    u64 w_row[NF];
+#pragma unroll
+    for (int f = 0; f < NF; f++) {
+        int n = n0 + 8 * f + g;
+        w_row[f] = (u64)e * N + (n < N ? n : n0);
+    }
+    int live = r1 - r0;
     const float* xr[FRAGS][2];
 #pragma unroll
     for (int mi = 0; mi < FRAGS; mi++)
@@ -401,29 +409,35 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
             int row = r0 + mi * 16 + g + 8 * h;
             xr[mi][h] = row < r1 ? x + (row_index ? (u64)row_index[row] : (u64)row) * K + 8 * t : nullptr;
         }
-    float acc[FRAGS][4];
+    float acc[FRAGS][NF][4];
 #pragma unroll
     for (int mi = 0; mi < FRAGS; mi++)
 #pragma unroll
-        for (int v = 0; v < 4; v++) acc[mi][v] = 0.0f;
+        for (int f = 0; f < NF; f++)
+#pragma unroll
+            for (int v = 0; v < 4; v++) acc[mi][f][v] = 0.0f;
 
     for (int k0 = 0; k0 < K; k0 += 32 * SKINNY_SPANS) {
         int spans = min(SKINNY_SPANS, (K - k0) / 32);
-        Weight8 wc[SKINNY_SPANS];
+        Weight8 wc[SKINNY_SPANS][NF];
 #pragma unroll
         for (int s = 0; s < SKINNY_SPANS; s++)
-            if (s < spans) wc[s] = load_weight8<FMT>(w, w_scales, w_row, k0 + 32 * s + 8 * t, K);
+#pragma unroll
+            for (int f = 0; f < NF; f++)
+                if (s < spans) wc[s][f] = load_weight8<FMT>(w, w_scales, w_row[f], k0 + 32 * s + 8 * t, K);
 #pragma unroll
         for (int s = 0; s < SKINNY_SPANS; s++) {
             if (s >= spans) break;
-            u32 b[4];
-            decode_weight8<FMT>(wc[s], e2m1, b);
+            u32 b[NF][4];
+#pragma unroll
+            for (int f = 0; f < NF; f++) decode_weight8<FMT>(wc[s][f], e2m1, b[f]);
 #pragma unroll
             for (int mi = 0; mi < FRAGS; mi++) {
-                if (mi >= frags) break;
-                u32 hi[2][4], lo[2][4];
+                if (mi * 16 >= live) break;
+                u32 hi[2][4] = {}, lo[2][4] = {};
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
+                    if (h == 1 && mi * 16 + 8 >= live) break;  // no live row in the upper half
                     float4 va = make_float4(0, 0, 0, 0), vb = va;
                     if (xr[mi][h]) {
                         const float4* p = (const float4*)(xr[mi][h] + k0 + 32 * s);
@@ -432,7 +446,8 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
                     }
                     pack_act8<SPLIT>(va, vb, hi[h], lo[h]);
                 }
-                mma_span<SPLIT>(acc[mi], hi[0], hi[1], lo[0], lo[1], b);
+#pragma unroll
+                for (int f = 0; f < NF; f++) mma_span<SPLIT>(acc[mi][f], hi[0], hi[1], lo[0], lo[1], b[f]);
             }
         }
     }
@@ -445,14 +460,32 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
             if (row >= r1) continue;
             u64 src = row_index ? (u64)row_index[row] : (u64)row;
 #pragma unroll
-            for (int j = 0; j < 2; j++) {
-                int col = n0 + 2 * t + j;
-                if (col >= N) continue;
-                float v = acc[mi][2 * half + j];
-                if (FMT == 3) v = nvfp4_epilogue_scale(v, row_scale, src, w_sdec, e, sdec_groups, col, N);
-                out[(u64)row * N + col] = v;
-            }
+            for (int f = 0; f < NF; f++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    int col = n0 + 8 * f + 2 * t + j;
+                    if (col >= N) continue;
+                    float v = acc[mi][f][2 * half + j];
+                    if (FMT == 3) v = nvfp4_epilogue_scale(v, row_scale, src, w_sdec, e, sdec_groups, col, N);
+                    out[(u64)row * N + col] = v;
+                }
         }
+}
+
+template <int FMT>
+__device__ void grouped_gemm_skinny1(const float* x, const int* row_index, const float* row_scale, const void* w,
+                                     const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
+                                     const int* num_tiles, const int* offsets, int rows, int N, int K, float* out) {
+    grouped_gemm_skinny<FMT, 1>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets,
+                                rows, N, K, out);
+}
+
+template <int FMT>
+__device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const float* row_scale, const void* w,
+                                     const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
+                                     const int* num_tiles, const int* offsets, int rows, int N, int K, float* out) {
+    grouped_gemm_skinny<FMT, 4>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets,
+                                rows, N, K, out);
 }
 
 #define GEMM_KERNEL(KIND, NAME, FMT)                                                                              \
@@ -466,9 +499,12 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_bf16, 1)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_mxfp8, 2)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_nvfp4, 3)
-GEMM_KERNEL(grouped_gemm_skinny, grouped_gemm_skinny_bf16, 1)
-GEMM_KERNEL(grouped_gemm_skinny, grouped_gemm_skinny_mxfp8, 2)
-GEMM_KERNEL(grouped_gemm_skinny, grouped_gemm_skinny_nvfp4, 3)
+GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_bf16, 1)
+GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_mxfp8, 2)
+GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_nvfp4, 3)
+GEMM_KERNEL(grouped_gemm_skinny4, grouped_gemm_skinny4_bf16, 1)
+GEMM_KERNEL(grouped_gemm_skinny4, grouped_gemm_skinny4_mxfp8, 2)
+GEMM_KERNEL(grouped_gemm_skinny4, grouped_gemm_skinny4_nvfp4, 3)
 
 GEMM_KERNEL(grouped_gemm, grouped_gemm_f32, 0)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_bf16, 1)

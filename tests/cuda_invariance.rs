@@ -190,7 +190,12 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
                     &gather(&full_deq, &rows, k),
                     &what("quantized activations"),
                 );
-                for path in [GemmPath::Auto, GemmPath::TensorCore, GemmPath::Skinny] {
+                for path in [
+                    GemmPath::Auto,
+                    GemmPath::TensorCore,
+                    GemmPath::Skinny,
+                    GemmPath::Skinny4,
+                ] {
                     let got = gemm(&g, path, &part, None, &m, GemmRows::Dense(rows_m), rows_m);
                     assert_bits(&got, &want_rows, &what(&format!("{path:?}")));
                 }
@@ -294,7 +299,12 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
             plan.build(&g, &ids, tokens, top_k, experts).unwrap();
             let part = quantized(&g, &m, &gather(&x, &rows, k), tokens, k);
             let want_rows = gather(&want, &rows, top_k * n);
-            for path in [GemmPath::Auto, GemmPath::TensorCore, GemmPath::Skinny] {
+            for path in [
+                    GemmPath::Auto,
+                    GemmPath::TensorCore,
+                    GemmPath::Skinny,
+                    GemmPath::Skinny4,
+                ] {
                 let out = gemm(
                     &g,
                     path,

@@ -767,7 +767,12 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             }
         }
         let slot_row = g.download(&plan.slot_row, pairs).unwrap();
-        for path in [GemmPath::Ffma, GemmPath::TensorCore, GemmPath::Skinny] {
+        for path in [
+            GemmPath::Ffma,
+            GemmPath::TensorCore,
+            GemmPath::Skinny,
+            GemmPath::Skinny4,
+        ] {
             let mut out = poisoned(&g, pairs * n, f32::NAN);
             ops::grouped_gemm_on(
                 path,
@@ -812,7 +817,11 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             );
         }
         // One dense group of a few rows (the decode shape) on each kernel.
-        for (rows, path) in [(3, GemmPath::Skinny), (13, GemmPath::TensorCore)] {
+        for (rows, path) in [
+            (3, GemmPath::Skinny),
+            (5, GemmPath::Skinny4),
+            (13, GemmPath::TensorCore),
+        ] {
             let mut out = poisoned(&g, rows * n, f32::NAN);
             ops::grouped_gemm_on(
                 path,

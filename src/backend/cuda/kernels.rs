@@ -195,6 +195,9 @@ kernels! {
     GroupedGemmSkinnyBf16 => (Gemm, "grouped_gemm_skinny_bf16", GROUPED_GEMM),
     GroupedGemmSkinnyMxfp8 => (Gemm, "grouped_gemm_skinny_mxfp8", GROUPED_GEMM),
     GroupedGemmSkinnyNvfp4 => (Gemm, "grouped_gemm_skinny_nvfp4", GROUPED_GEMM),
+    GroupedGemmSkinny4Bf16 => (Gemm, "grouped_gemm_skinny4_bf16", GROUPED_GEMM),
+    GroupedGemmSkinny4Mxfp8 => (Gemm, "grouped_gemm_skinny4_mxfp8", GROUPED_GEMM),
+    GroupedGemmSkinny4Nvfp4 => (Gemm, "grouped_gemm_skinny4_nvfp4", GROUPED_GEMM),
     PagedAttention => (Attention, "paged_attention", &[
         Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, F32,
     ]),

@@ -14,8 +14,12 @@ use crate::backend::cuda::{CudaError, Gpu};
 pub const GEMM_TILE_ROWS: usize = 32;
 /// Columns per tile (kernels/gemm.cu `TN`, `MMA_TN`).
 pub const GEMM_TILE_COLS: usize = 64;
-/// Output columns per block of the few-rows tensor-core kernel (8 per warp, 4 warps).
+/// Output columns per block of the few-rows tensor-core kernels: 4 warps of 8 (or, in the
+/// `skinny4` kernels, 32) columns.
 const SKINNY_COLS_PER_BLOCK: usize = 32;
+/// Warps at which a few-rows launch takes the 32-columns-per-warp kernels: enough to fill the
+/// GPU, and each warp's activation packing then serves four times the weights.
+const SKINNY4_MIN_WARPS: usize = 2048;
 
 /// A weight matrix (or a stack of expert matrices) in GPU memory, in its storage format.
 pub enum WeightData {
@@ -45,8 +49,9 @@ pub enum GemmRows<'a> {
 /// Which grouped-GEMM kernel runs (kernels/gemm.cu).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmPath {
-    /// Picked from the shape: [`GemmPath::Skinny`] for tiles of few rows, [`GemmPath::TensorCore`]
-    /// otherwise, CUDA cores where K is not a multiple of 32 or the weights are F32.
+    /// Picked from the shape: [`GemmPath::Skinny`] or [`GemmPath::Skinny4`] for tiles of few
+    /// rows, [`GemmPath::TensorCore`] otherwise, CUDA cores where K is not a multiple of 32 or
+    /// the weights are F32.
     Auto,
     /// CUDA cores (FFMA), any shape: the exact-f32 path.
     Ffma,
@@ -54,6 +59,8 @@ pub enum GemmPath {
     TensorCore,
     /// The same tensor-core products, a warp per 8 columns, for decode-sized tiles.
     Skinny,
+    /// As [`GemmPath::Skinny`], a warp per 32 columns: for launches with warps enough.
+    Skinny4,
 }
 
 /// Rows up to which [`GemmPath::Auto`] takes [`GemmPath::Skinny`] for one dense group (it reads
@@ -63,21 +70,29 @@ pub const SKINNY_MAX_DENSE_ROWS: usize = 64;
 pub const SKINNY_MAX_ROWS_PER_EXPERT: usize = 4;
 
 impl GemmPath {
-    fn resolve(self, f32_weights: bool, rows: &GemmRows<'_>, max_rows: usize, k: usize) -> GemmPath {
+    fn resolve(
+        self,
+        f32_weights: bool,
+        rows: &GemmRows<'_>,
+        max_rows: usize,
+        n: usize,
+        k: usize,
+    ) -> GemmPath {
         let tensor_ok = k % 32 == 0 && !f32_weights;
+        // Tiles that will hold rows (a routing plan's active experts, at most one per routed
+        // row), times the 32-column groups of N: the warps of a `Skinny4` launch.
+        let (skinny_rows, live_tiles) = match rows {
+            GemmRows::Dense(r) => (SKINNY_MAX_DENSE_ROWS, r.div_ceil(GEMM_TILE_ROWS)),
+            GemmRows::Plan(p) => (
+                SKINNY_MAX_ROWS_PER_EXPERT * p.counts.len(),
+                p.counts.len().min(max_rows),
+            ),
+        };
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
-            GemmPath::Auto => {
-                let skinny_rows = match rows {
-                    GemmRows::Dense(_) => SKINNY_MAX_DENSE_ROWS,
-                    GemmRows::Plan(p) => SKINNY_MAX_ROWS_PER_EXPERT * p.counts.len(),
-                };
-                if max_rows <= skinny_rows {
-                    GemmPath::Skinny
-                } else {
-                    GemmPath::TensorCore
-                }
-            }
+            GemmPath::Auto if max_rows > skinny_rows => GemmPath::TensorCore,
+            GemmPath::Auto if live_tiles * n.div_ceil(32) >= SKINNY4_MIN_WARPS => GemmPath::Skinny4,
+            GemmPath::Auto => GemmPath::Skinny,
             p => p,
         }
     }
@@ -86,9 +101,9 @@ impl GemmPath {
 /// A GEMM's weights as the kernels take them: untyped data (decoded by the kernel's format),
 /// block scales, NVFP4 S_dec and its groups.
 struct Operand<'a> {
-    /// The FFMA, tiled tensor-core and few-rows tensor-core kernels of the format (F32 has
-    /// FFMA only).
-    kernels: [Kernel; 3],
+    /// The FFMA, tiled tensor-core and few-rows tensor-core kernels (8 and 32 columns per
+    /// warp) of the format (F32 has FFMA only).
+    kernels: [Kernel; 4],
     f32_weights: bool,
     data: DevPtr,
     scales: Option<View<'a, u8>>,
@@ -100,7 +115,7 @@ impl<'a> Operand<'a> {
     fn f32(gpu: &Gpu, d: &'a CudaSlice<f32>) -> Operand<'a> {
         let k = Kernel::GroupedGemmF32;
         Operand {
-            kernels: [k, k, k],
+            kernels: [k, k, k, k],
             f32_weights: true,
             data: DevPtr(addr(gpu, d)),
             scales: None,
@@ -115,6 +130,7 @@ impl<'a> Operand<'a> {
                 Kernel::GroupedGemmBf16,
                 Kernel::GroupedGemmMmaBf16,
                 Kernel::GroupedGemmSkinnyBf16,
+                Kernel::GroupedGemmSkinny4Bf16,
             ],
             f32_weights: false,
             data: DevPtr(addr(gpu, d)),
@@ -133,6 +149,7 @@ impl<'a> Operand<'a> {
                     Kernel::GroupedGemmMxfp8,
                     Kernel::GroupedGemmMmaMxfp8,
                     Kernel::GroupedGemmSkinnyMxfp8,
+                    Kernel::GroupedGemmSkinny4Mxfp8,
                 ],
                 f32_weights: false,
                 data: DevPtr(addr(gpu, data)),
@@ -150,6 +167,7 @@ impl<'a> Operand<'a> {
                     Kernel::GroupedGemmNvfp4,
                     Kernel::GroupedGemmMmaNvfp4,
                     Kernel::GroupedGemmSkinnyNvfp4,
+                    Kernel::GroupedGemmSkinny4Nvfp4,
                 ],
                 f32_weights: false,
                 data: DevPtr(addr(gpu, data)),
@@ -271,11 +289,12 @@ fn launch_gemm(
     out: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
     let out = need(out, max_rows * n, "gemm out")?;
-    let path = path.resolve(w.f32_weights, &rows, max_rows, k);
-    let kernel = match path {
-        GemmPath::TensorCore => w.kernels[1],
-        GemmPath::Skinny => w.kernels[2],
-        _ => w.kernels[0],
+    let path = path.resolve(w.f32_weights, &rows, max_rows, n, k);
+    let (kernel, cols_per_block, threads) = match path {
+        GemmPath::TensorCore => (w.kernels[1], GEMM_TILE_COLS, 128),
+        GemmPath::Skinny4 => (w.kernels[3], 4 * SKINNY_COLS_PER_BLOCK, 128),
+        GemmPath::Skinny => (w.kernels[2], SKINNY_COLS_PER_BLOCK, 128),
+        _ => (w.kernels[0], GEMM_TILE_COLS, 256),
     };
     let (tiles, num_tiles, offsets, rows_arg, grid_y) = match rows {
         GemmRows::Dense(r) => (None, None, None, r, r.div_ceil(GEMM_TILE_ROWS)),
@@ -290,13 +309,8 @@ fn launch_gemm(
     if grid_y == 0 || n == 0 {
         return Ok(());
     }
-    // Block shapes: kernels/gemm.cu (FFMA 32x64 tiles on 256 threads, MMA 32x64 tiles on 4
-    // warps, few-rows MMA 32 columns on 4 warps).
-    let (cols_per_block, threads) = match path {
-        GemmPath::Skinny => (SKINNY_COLS_PER_BLOCK, 128),
-        GemmPath::TensorCore => (GEMM_TILE_COLS, 128),
-        _ => (GEMM_TILE_COLS, 256),
-    };
+    // Block shapes (kernels/gemm.cu): FFMA 32x64 tiles on 256 threads, MMA 32x64 tiles on 4
+    // warps, few-rows MMA 32 or 128 columns on 4 warps.
     // x, its row index and scales, and the weights are read at the rows and experts the plan
     // (or the dense row count) names: sized by the layer's owner.
     gpu.launch(
