@@ -38,10 +38,20 @@ pub trait Linear: Send + Sync {
     }
     /// Bytes of weight storage (weights and scales).
     fn storage_bytes(&self) -> usize;
-    /// The stored weight in checkpoint layout: the tensors `lockstep convert` writes for this
-    /// layer (BF16 `weight`; NVFP4 `weight`, `weight_scale`, `weight_scale_2`, `input_scale`;
-    /// MXFP8 `weight`, `weight_scale_inv`), borrowed where the layout is the held one.
-    fn checkpoint_parts(&self) -> Vec<crate::checkpoint::CheckpointPart<'_>>;
+    /// The stored weight in checkpoint layout (`quant::slot`): the tensors `lockstep convert`
+    /// writes for this layer, borrowed where the layout is the held one.
+    fn checkpoint_parts(&self) -> Vec<crate::checkpoint::CheckpointPart<'_>> {
+        use crate::quant::slot;
+        let shape = vec![self.out_features(), self.in_features()];
+        match self.storage() {
+            Storage::F32(w) => vec![crate::checkpoint::CheckpointPart::from_f32(
+                "weight", shape, w,
+            )],
+            Storage::Bf16(w) => vec![crate::checkpoint::CheckpointPart::bf16("weight", shape, w)],
+            Storage::Mxfp8(q) => slot::mxfp8_parts(q),
+            Storage::Nvfp4 { weight, .. } => slot::nvfp4_parts(weight),
+        }
+    }
     /// Copies `new`'s weights into this layer's existing buffers when both are the same kind
     /// and size, so a live update allocates nothing here and the buffers never move (what a
     /// GPU backend's captured graphs need). Returns false, changing nothing, otherwise.

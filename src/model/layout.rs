@@ -241,12 +241,12 @@ impl ModelLayout {
 
     /// The tensor as a `quant::slot::Slot` (what prepares its stored bytes).
     pub fn slot(&self, spec: &TensorSpec) -> Slot {
-        Slot {
-            module: spec.module().into(),
-            shape: spec.shape.clone(),
-            format: spec.format,
-            pair: self.pair(spec),
-        }
+        Slot::new(
+            spec.module(),
+            spec.shape.clone(),
+            spec.format,
+            self.pair(spec),
+        )
     }
 }
 

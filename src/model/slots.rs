@@ -54,7 +54,7 @@ impl Replacement {
     pub fn of(shape: &SlotShape, stored: Stored, fmt: &TensorFormat) -> Replacement {
         match (shape, stored) {
             (SlotShape::Vector { .. }, Stored::Dense { values, .. }) => {
-                Replacement::Vector(values.into_f32())
+                Replacement::Vector(values.to_f32())
             }
             (SlotShape::Embedding { .. }, Stored::Dense { values, .. }) => {
                 Replacement::Embedding(values)

@@ -74,22 +74,13 @@ impl ServerLayout {
         let cols = shape.get(1).copied().unwrap_or(0);
         let served = |m: &str| {
             let format = *self.formats.get(m)?;
-            Some(match recipe {
-                Some(r) => slot::served_format(r, m, self.num_layers, cols, format),
-                None => TensorFormat {
-                    format,
-                    ..TensorFormat::BF16
-                },
-            })
+            let numerics = recipe.map(|r| r.format_for(m, self.num_layers).fitting(cols));
+            Some(numerics.unwrap_or(TensorFormat::BF16).with(format))
         };
         let pair = gate_up_pair(module)
             .and_then(|(g, u)| Pair::of(&g, served(&g)?, &u, served(&u)?.format));
-        Ok(Slot {
-            module: module.into(),
-            shape,
-            format: served(module).unwrap_or(TensorFormat::BF16),
-            pair,
-        })
+        let format = served(module).unwrap_or(TensorFormat::BF16);
+        Ok(Slot::new(module, shape, format, pair))
     }
 }
 

@@ -11,7 +11,7 @@ use half::bf16;
 use safetensors::tensor::{Dtype, TensorView};
 
 use super::nvfp4::{self, GlobalScale, SecondLevel};
-use super::{mxfp8, Element, Format, Mxfp8Tensor, Nvfp4Tensor, QuantError, Recipe, TensorFormat};
+use super::{mxfp8, Element, Format, Mxfp8Tensor, Nvfp4Tensor, QuantError, TensorFormat};
 use crate::checkpoint::{to_f32, CheckpointPart};
 
 /// A slot's tensor that fails its checks, by name.
@@ -98,21 +98,6 @@ pub fn dense_shape(format: Format, weight: &TensorView<'_>) -> Vec<usize> {
     }
 }
 
-/// The numerics of a slot the server stores as `served`: the recipe's format for `module`
-/// (fitted to `cols`, as the layout gives it) with the served format.
-pub fn served_format(
-    recipe: &Recipe,
-    module: &str,
-    num_layers: usize,
-    cols: usize,
-    served: Format,
-) -> TensorFormat {
-    TensorFormat {
-        format: served,
-        ..recipe.format_for(module, num_layers).fitting(cols)
-    }
-}
-
 /// THE gate/up rule: an NVFP4 gate and up are quantized with one shared second-level scale
 /// exactly when both are NVFP4.
 pub fn shares_gate_up_scale(gate: Format, up: Format) -> bool {
@@ -171,13 +156,6 @@ impl DenseWeight {
         }
     }
 
-    pub fn into_f32(self) -> Vec<f32> {
-        match self {
-            DenseWeight::F32(v) => v,
-            bf16s => bf16s.to_f32(),
-        }
-    }
-
     fn amax(&self) -> f32 {
         match self {
             DenseWeight::F32(v) => nvfp4::parallel_amax(v),
@@ -188,18 +166,18 @@ impl DenseWeight {
 
 /// A BF16/F16/F32 tensor's values: BF16 kept (one copy), F16/F32 widened to f32.
 pub fn dense_of(name: &str, t: &TensorView<'_>) -> Result<DenseWeight, SlotError> {
-    if t.dtype() == Dtype::BF16 {
-        // A copy: the bytes may be unaligned for a direct cast.
-        let mut v = vec![bf16::ZERO; t.data().len() / 2];
-        bytemuck::cast_slice_mut::<bf16, u8>(&mut v).copy_from_slice(t.data());
-        return Ok(DenseWeight::Bf16(v));
+    if t.dtype() != Dtype::BF16 {
+        return to_f32(name, t)
+            .map(DenseWeight::F32)
+            .map_err(|_| SlotError {
+                name: name.into(),
+                reason: format!("dtype {:?} is not BF16, F16 or F32", t.dtype()),
+            });
     }
-    to_f32(name, t)
-        .map(DenseWeight::F32)
-        .map_err(|e| SlotError {
-            name: name.into(),
-            reason: e.to_string(),
-        })
+    // A copy: the bytes may be unaligned for a direct cast.
+    let mut v = vec![bf16::ZERO; t.data().len() / 2];
+    bytemuck::cast_slice_mut::<bf16, u8>(&mut v).copy_from_slice(t.data());
+    Ok(DenseWeight::Bf16(v))
 }
 
 /// A slot's stored form: what the served weights hold.
@@ -277,20 +255,16 @@ pub fn store(
     fmt: &TensorFormat,
     shared: Option<SecondLevel>,
 ) -> Result<Stored, QuantError> {
+    let invalid = |what: String| Err(QuantError::Invalid(what));
+    if w.len() != shape.iter().product::<usize>() {
+        return invalid(format!("{} values for shape {shape:?}", w.len()));
+    }
     if fmt.format == Format::Bf16 {
-        if w.len() != shape.iter().product::<usize>() {
-            return Err(QuantError::Invalid(format!(
-                "{} values for shape {shape:?}",
-                w.len()
-            )));
-        }
         let shape = shape.to_vec();
         return Ok(Stored::Dense { shape, values: w });
     }
     let &[rows, cols] = shape else {
-        return Err(QuantError::Invalid(format!(
-            "shape {shape:?} is not a matrix"
-        )));
+        return invalid(format!("shape {shape:?} is not a matrix"));
     };
     match &w {
         DenseWeight::F32(x) => quantized(x, rows, cols, fmt, shared),
@@ -309,23 +283,13 @@ fn quantized<T: Element>(
     if fmt.format == Format::Mxfp8 {
         return Ok(Stored::Mxfp8(mxfp8::quantize_rowwise(x, rows, cols)?));
     }
+    super::check_aligned(1, cols, super::NVFP4_BLOCK)?;
+    // Alone, the per-tensor scale `nvfp4::quantize` derives from the tensor's own amax.
     let fos = fmt.four_over_six;
-    Ok(Stored::Nvfp4(match shared {
-        Some(level) => {
-            super::check_len(x.len(), rows, cols)?;
-            super::check_aligned(1, cols, super::NVFP4_BLOCK)?;
-            nvfp4::quantize_with_level(x, rows, cols, level, fos)
-        }
-        None => nvfp4::quantize(
-            x,
-            rows,
-            cols,
-            &super::Nvfp4Options {
-                granularity: super::ScaleGranularity::PerTensor,
-                four_over_six: fos,
-            },
-        )?,
-    }))
+    let level = shared.unwrap_or_else(|| nvfp4::gate_up_level(nvfp4::parallel_amax(x), fos));
+    Ok(Stored::Nvfp4(nvfp4::quantize_with_level(
+        x, rows, cols, level, fos,
+    )))
 }
 
 /// One slot: the tensor `{module}.weight` of (dense) `shape`, stored as `format`.
@@ -340,6 +304,16 @@ pub struct Slot {
 }
 
 impl Slot {
+    pub fn new(module: &str, shape: Vec<usize>, format: TensorFormat, pair: Option<Pair>) -> Slot {
+        let module = module.into();
+        Slot {
+            module,
+            shape,
+            format,
+            pair,
+        }
+    }
+
     /// The checkpoint name of its part `suffix`.
     pub fn name(&self, suffix: &str) -> String {
         format!("{}.{suffix}", self.module)
@@ -364,23 +338,39 @@ impl Slot {
     }
 
     /// Checks one arriving tensor of the slot: a dense `weight` (BF16/F16/F32 of the slot's
-    /// shape) or a stored part in the slot's format.
+    /// shape) or a stored part ([`Slot::check_stored`]).
     pub fn check(&self, suffix: &str, dtype: Dtype, shape: &[usize]) -> Result<(), SlotError> {
+        if suffix != "weight" || !FLOATS.contains(&dtype) {
+            return self.check_stored(suffix, dtype, shape);
+        }
+        self.parts()?;
+        if shape != self.shape {
+            let reason = format!("shape {shape:?}, expected {:?}", self.shape);
+            return Err(self.error(suffix, reason));
+        }
+        Ok(())
+    }
+
+    /// Checks one tensor of the slot as stored in its format (a scalar may be `[1]`).
+    pub fn check_stored(
+        &self,
+        suffix: &str,
+        dtype: Dtype,
+        shape: &[usize],
+    ) -> Result<(), SlotError> {
         let err = |reason: String| Err(self.error(suffix, reason));
         let Some(part) = self.parts()?.into_iter().find(|p| p.suffix == suffix) else {
             let format = self.format.format;
             return err(format!("`{suffix}` is not a part of a {format:?} tensor"));
         };
-        let dense = suffix == "weight" && FLOATS.contains(&dtype);
-        let (want, dtypes) = match dense {
-            true => (self.shape.clone(), FLOATS),
-            false => (part.shape, part.dtypes),
-        };
-        if !dtypes.contains(&dtype) {
-            return err(format!("dtype {dtype:?}, expected one of {dtypes:?}"));
+        if !part.dtypes.contains(&dtype) {
+            return err(format!(
+                "dtype {dtype:?}, expected one of {:?}",
+                part.dtypes
+            ));
         }
-        if shape != want && !(want.is_empty() && shape == [1]) {
-            return err(format!("shape {shape:?}, expected {want:?}"));
+        if shape != part.shape && !(part.shape.is_empty() && shape == [1]) {
+            return err(format!("shape {shape:?}, expected {:?}", part.shape));
         }
         Ok(())
     }
@@ -513,104 +503,74 @@ mod tests {
     use super::*;
     use crate::quant::{FourOverSix, Nvfp4Options, ScaleGranularity};
 
-    /// Fresh pseudo-random values: normal-ish, magnitudes spread over blocks, one row zeroed.
-    fn values(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
+    /// Fresh pseudo-random BF16 values, magnitudes spread over blocks, one row zeroed.
+    fn values(rows: usize, cols: usize, seed: u64) -> Vec<bf16> {
         let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let mut v: Vec<f32> = (0..rows * cols)
+        let mut v: Vec<bf16> = (0..rows * cols)
             .map(|i| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
+                (s ^= s << 13, s ^= s >> 7, s ^= s << 17);
                 let u = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-                u * 2f32.powi((i / 16 % 7) as i32 * 3 - 9)
+                bf16::from_f32(u * 2f32.powi((i / 16 % 7) as i32 * 3 - 9))
             })
             .collect();
-        v[cols..2 * cols].fill(0.0);
+        v[cols..2 * cols].fill(bf16::ZERO);
         v
     }
 
-    fn bf16s(x: &[f32]) -> Vec<bf16> {
-        x.iter().map(|v| bf16::from_f32(*v)).collect()
+    fn slot(module: &str, format: Format, pair: Option<Pair>) -> Slot {
+        Slot::new(module, vec![48, 64], TensorFormat::BF16.with(format), pair)
     }
 
-    fn slot(module: &str, format: Format) -> Slot {
-        let format = TensorFormat {
-            format,
-            ..TensorFormat::BF16
-        };
-        Slot {
-            module: module.into(),
-            shape: vec![48, 64],
-            format,
-            pair: None,
-        }
+    fn view<'a>(dtype: Dtype, shape: &[usize], data: &'a [u8]) -> TensorView<'a> {
+        TensorView::new(dtype, shape.to_vec(), data).unwrap()
     }
 
-    fn view<'a>(p: &'a CheckpointPart<'_>) -> TensorView<'a> {
-        TensorView::new(p.dtype, p.shape.clone(), &p.data).unwrap()
-    }
-
-    /// Dense in: the same bytes as the quantizers themselves, from BF16 or F32 values.
+    /// Dense BF16 or F32 in: the quantizers' own bytes; a pair shares `quantize_gate_up`'s
+    /// scale; the parts re-arriving pre-quantized are kept as they are.
     #[test]
-    fn dense_values_quantize_byte_for_byte_as_the_contract() {
+    fn slots_store_the_contracts_bytes() {
         let (rows, cols) = (48, 64);
-        let x = bf16s(&values(rows, cols, 1));
-        let wide: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-        let fos = Some(FourOverSix::default());
-        for w in [DenseWeight::Bf16(x.clone()), DenseWeight::F32(wide.clone())] {
-            let mx = slot("m", Format::Mxfp8).quantize(w.clone(), None).unwrap();
-            let want = mxfp8::quantize_rowwise(&wide, rows, cols).unwrap();
-            assert_eq!(mx, Stored::Mxfp8(want));
-            for four_over_six in [None, fos] {
-                let mut s = slot("m", Format::Nvfp4);
+        let (g, u) = (values(rows, cols, 1), values(rows, cols, 2));
+        let gf: Vec<f32> = g.iter().map(|v| v.to_f32()).collect();
+        let uf: Vec<f32> = u.iter().map(|v| v.to_f32() * 40.0).collect();
+        for w in [DenseWeight::Bf16(g.clone()), DenseWeight::F32(gf.clone())] {
+            let mx = slot("m", Format::Mxfp8, None).quantize(w.clone(), None);
+            let want = mxfp8::quantize_rowwise(&gf, rows, cols).unwrap();
+            assert_eq!(mx.unwrap(), Stored::Mxfp8(want));
+            for four_over_six in [None, Some(FourOverSix::default())] {
+                let mut s = slot("m", Format::Nvfp4, None);
                 s.format.four_over_six = four_over_six;
+                let granularity = ScaleGranularity::PerTensor;
                 let opts = Nvfp4Options {
-                    granularity: ScaleGranularity::PerTensor,
+                    granularity,
                     four_over_six,
                 };
-                let want = nvfp4::quantize(&wide, rows, cols, &opts).unwrap();
+                let want = nvfp4::quantize(&gf, rows, cols, &opts).unwrap();
                 assert_eq!(s.quantize(w.clone(), None).unwrap(), Stored::Nvfp4(want));
             }
-            let dense = slot("m", Format::Bf16).quantize(w.clone(), None).unwrap();
-            let part = &dense.parts()[0];
+            let dense = slot("m", Format::Bf16, None).quantize(w, None).unwrap();
             assert_eq!(
-                (part.dtype, &*part.data),
-                (Dtype::BF16, bytemuck::cast_slice(&x))
+                &*dense.parts()[0].data,
+                bytemuck::cast_slice::<bf16, u8>(&g)
             );
         }
-    }
 
-    /// An NVFP4 gate/up pair in one update shares the scale `quantize_gate_up` computes; each
-    /// half's parts are the ModelOpt layout, and re-arriving pre-quantized they are kept as is.
-    #[test]
-    fn gate_up_pairs_share_one_scale_and_parts_round_trip() {
-        let (rows, cols) = (48, 64);
-        let (g, u) = (bf16s(&values(rows, cols, 2)), bf16s(&values(rows, cols, 3)));
-        let up: Vec<f32> = u.iter().map(|v| v.to_f32() * 40.0).collect();
-        let gate_f32: Vec<f32> = g.iter().map(|v| v.to_f32()).collect();
-        let (want_g, want_u) = nvfp4::quantize_gate_up(&gate_f32, &up, rows, cols, None).unwrap();
-        let (gate, upm) = ("l.experts.0.gate_proj", "l.experts.0.up_proj");
-        let fmt = slot(gate, Format::Nvfp4).format;
-        let pair = Pair::of(gate, fmt, upm, Format::Nvfp4);
-        assert!(Pair::of(gate, fmt, upm, Format::Mxfp8).is_none());
-        let up_bytes: Vec<u8> = up.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let views = [
+        let (want_g, want_u) = nvfp4::quantize_gate_up(&gf, &uf, rows, cols, None).unwrap();
+        let (gate, up) = ("experts.0.gate_proj", "experts.0.up_proj");
+        let format = slot(gate, Format::Nvfp4, None).format;
+        assert!(Pair::of(gate, format, up, Format::Mxfp8).is_none());
+        let pair = Pair::of(gate, format, up, Format::Nvfp4);
+        let up_bytes: Vec<u8> = uf.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut batch = BTreeMap::new();
+        for (m, w) in [
             (
                 gate,
-                TensorView::new(Dtype::BF16, vec![rows, cols], bytemuck::cast_slice(&g)).unwrap(),
+                view(Dtype::BF16, &[rows, cols], bytemuck::cast_slice(&g)),
             ),
-            (
-                upm,
-                TensorView::new(Dtype::F32, vec![rows, cols], &up_bytes).unwrap(),
-            ),
-        ];
-        let mut batch = BTreeMap::new();
-        for (m, v) in &views {
-            let s = Slot {
-                pair: pair.clone(),
-                ..slot(m, Format::Nvfp4)
-            };
-            batch.insert(m.to_string(), (s, Parts::from([("weight", v.clone())])));
+            (up, view(Dtype::F32, &[rows, cols], &up_bytes)),
+        ] {
+            let s = slot(m, Format::Nvfp4, pair.clone());
+            batch.insert(m.to_string(), (s, Parts::from([("weight", w)])));
         }
         let stored = prepare_all(&batch).unwrap();
         assert_eq!(stored[0].1, Stored::Nvfp4(want_g.clone()));
@@ -631,37 +591,36 @@ mod tests {
             ]
         );
         assert_eq!(&*parts[3].data, 1f32.to_le_bytes());
-        let arriving: Parts<'_> = parts.iter().map(|p| (p.suffix, view(p))).collect();
-        let s = &batch[gate].0;
-        assert_eq!(dense_shape(Format::Nvfp4, &arriving["weight"]), s.shape);
-        assert_eq!(s.prepare(&arriving, None).unwrap(), Stored::Nvfp4(want_g));
-
-        // Only one half: the error names the missing other half.
-        batch.remove(upm);
-        let err = prepare_all(&batch).unwrap_err();
-        assert_eq!(err.name, format!("{upm}.weight"), "{err}");
-    }
-
-    /// Names split into module and part; formats follow the parts a slot has.
-    #[test]
-    fn names_split_and_formats_follow_the_parts() {
-        assert_eq!(split("a.b.weight_scale_2"), Some(("a.b", "weight_scale_2")));
-        assert_eq!(split("a.b.weight"), Some(("a.b", "weight")));
-        assert_eq!(split("a.bweight"), None);
-        let has = |names: &'static [&str]| move |s: &str| names.contains(&s);
-        assert_eq!(format_from_parts(has(&["weight"])), Format::Bf16);
+        let arriving: Parts<'_> = parts
+            .iter()
+            .map(|p| (p.suffix, view(p.dtype, &p.shape, &p.data)))
+            .collect();
         assert_eq!(
-            format_from_parts(has(&["weight", "weight_scale_inv"])),
-            Format::Mxfp8
+            dense_shape(Format::Nvfp4, &arriving["weight"]),
+            vec![rows, cols]
         );
-        let nvfp4 = &["weight", "weight_scale", "weight_scale_2", "input_scale"];
-        assert_eq!(format_from_parts(has(nvfp4)), Format::Nvfp4);
+        let again = batch[gate].0.prepare(&arriving, None).unwrap();
+        assert_eq!(again, Stored::Nvfp4(want_g));
+
+        // One half alone: the error names the missing other half.
+        batch.remove(up);
+        assert_eq!(
+            prepare_all(&batch).unwrap_err().name,
+            format!("{up}.weight")
+        );
     }
 
-    /// An unknown part, a wrong dtype or shape, or a missing part is an error naming the tensor.
+    /// Names split into module and part, formats follow the parts; an unknown part, a wrong
+    /// dtype or shape, or a missing part is an error naming the tensor.
     #[test]
-    fn bad_parts_are_errors_naming_the_tensor() {
-        let mx = slot("m.q_proj", Format::Mxfp8);
+    fn parts_are_checked_by_name() {
+        assert_eq!(split("a.b.weight_scale_2"), Some(("a.b", "weight_scale_2")));
+        assert_eq!(split("a.bweight"), None);
+        let names = ["weight", "weight_scale", "weight_scale_2", "input_scale"];
+        assert_eq!(format_from_parts(|s| names.contains(&s)), Format::Nvfp4);
+        assert_eq!(format_from_parts(|s| names[..2].contains(&s)), Format::Bf16);
+
+        let mx = slot("m.q_proj", Format::Mxfp8, None);
         let err = mx.check("weight_scale_2", Dtype::F32, &[]).unwrap_err();
         assert_eq!(err.name, "m.q_proj.weight_scale_2");
         let err = mx.check("weight", Dtype::BF16, &[64, 48]).unwrap_err();
@@ -675,17 +634,17 @@ mod tests {
             .unwrap_err();
         assert!(err.reason.contains("dtype F32"), "{err}");
         mx.check("weight_scale_inv", Dtype::U8, &[48, 2]).unwrap();
-        let nv = slot("m.q_proj", Format::Nvfp4);
-        nv.check("input_scale", Dtype::F32, &[1]).unwrap();
+        slot("m", Format::Nvfp4, None)
+            .check("input_scale", Dtype::F32, &[1])
+            .unwrap();
 
-        let q = mxfp8::quantize_rowwise(&values(48, 64, 4), 48, 64).unwrap();
-        let parts = mxfp8_parts(&q);
-        let only_weight = Parts::from([("weight", view(&parts[0]))]);
+        let weight = [0u8; 48 * 64];
+        let only_weight = Parts::from([("weight", view(Dtype::F8_E4M3, &[48, 64], &weight))]);
         let err = mx.prepare(&only_weight, None).unwrap_err();
         assert_eq!(err.name, "m.q_proj.weight_scale_inv", "{err}");
         let norm = Slot {
             shape: vec![64],
-            ..slot("m.norm", Format::Bf16)
+            ..slot("m.norm", Format::Bf16, None)
         };
         let err = norm
             .quantize(DenseWeight::F32(vec![1.0; 3]), None)

@@ -401,19 +401,17 @@ fn served_part(info: &EngineInfo, name: &str) -> Result<(Slot, &'static str), Ap
 fn served_slot(info: &EngineInfo, module: &str) -> Option<Slot> {
     let served = |m: &str| {
         let (shape, format) = info.slots().get(&format!("{m}.weight"))?.dims();
-        let cols = shape[shape.len() - 1];
-        let fmt = slot::served_format(&info.recipe, m, info.config.num_layers, cols, format);
-        Some((shape, fmt))
+        // The recipe's numerics as the layout gives them, with the format the slot holds.
+        let recipe = info.recipe.format_for(m, info.config.num_layers);
+        Some((
+            shape.clone(),
+            recipe.fitting(shape[shape.len() - 1]).with(format),
+        ))
     };
     let (shape, format) = served(module)?;
     let pair = gate_up_pair(module)
         .and_then(|(g, u)| Pair::of(&g, served(&g)?.1, &u, served(&u)?.1.format));
-    Some(Slot {
-        module: module.into(),
-        shape,
-        format,
-        pair,
-    })
+    Some(Slot::new(module, shape, format, pair))
 }
 
 fn invalid(e: SlotError) -> ApiError {

@@ -10,7 +10,6 @@ use half::bf16;
 use rayon::prelude::*;
 
 use crate::backend::{Linear, Storage};
-use crate::checkpoint::CheckpointPart;
 pub use crate::quant::slot::DenseWeight;
 use crate::quant::slot::{self, Stored};
 use crate::quant::{self, Format, GlobalScale, Nvfp4Options, ScaleGranularity, TensorFormat};
@@ -154,10 +153,6 @@ impl Linear for DenseF32 {
     fn storage_bytes(&self) -> usize {
         self.weight.len() * 4
     }
-    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
-        let shape = vec![self.out_features, self.in_features];
-        vec![CheckpointPart::from_f32("weight", shape, &self.weight)]
-    }
     fn overwrite_from(&mut self, new: &dyn Linear) -> bool {
         match new.as_any().downcast_ref::<DenseF32>() {
             Some(n) if n.weight.len() == self.weight.len() => {
@@ -201,10 +196,6 @@ impl Linear for DenseBf16 {
     }
     fn storage_bytes(&self) -> usize {
         self.weight.len() * 2
-    }
-    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
-        let shape = vec![self.out_features, self.in_features];
-        vec![CheckpointPart::bf16("weight", shape, &self.weight)]
     }
     fn overwrite_from(&mut self, new: &dyn Linear) -> bool {
         match new.as_any().downcast_ref::<DenseBf16>() {
@@ -264,9 +255,6 @@ impl Linear for Mxfp8Linear {
     }
     fn storage_bytes(&self) -> usize {
         self.weight.data.len() + self.weight.scales.len()
-    }
-    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
-        slot::mxfp8_parts(&self.weight)
     }
     fn overwrite_from(&mut self, new: &dyn Linear) -> bool {
         match new.as_any().downcast_ref::<Mxfp8Linear>() {
@@ -389,9 +377,6 @@ impl Linear for Nvfp4Linear {
     fn storage_bytes(&self) -> usize {
         self.weight.data.len() + self.weight.scales.len() + 4
     }
-    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
-        slot::nvfp4_parts(&self.weight)
-    }
     fn overwrite_from(&mut self, new: &dyn Linear) -> bool {
         let Some(n) = new.as_any().downcast_ref::<Nvfp4Linear>() else {
             return false;
@@ -424,45 +409,6 @@ impl Linear for Nvfp4Linear {
     }
 }
 
-/// An NVFP4 linear layer from its checkpoint parts (ModelOpt layout, shapes checked by the
-/// caller): packed E2M1 `[rows, cols/2]`, E4M3 block scales `[rows, cols/16]`, the weight's S_dec.
-pub fn nvfp4_from_parts(
-    rows: usize,
-    cols: usize,
-    data: Vec<u8>,
-    scales: Vec<u8>,
-    s_dec: f32,
-    fmt: &TensorFormat,
-) -> Box<dyn Linear> {
-    let global = GlobalScale::PerTensor(s_dec);
-    let q = quant::Nvfp4Tensor {
-        rows,
-        cols,
-        data,
-        scales,
-        global,
-    };
-    linear_from(Stored::Nvfp4(q), fmt)
-}
-
-/// An MXFP8 linear layer from its checkpoint parts: E4M3 `[rows, cols]`, E8M0 `[rows, cols/32]`.
-pub fn mxfp8_from_parts(
-    rows: usize,
-    cols: usize,
-    data: Vec<u8>,
-    scales: Vec<u8>,
-) -> Box<dyn Linear> {
-    let axis = quant::BlockAxis::Rowwise;
-    let q = quant::Mxfp8Tensor {
-        rows,
-        cols,
-        axis,
-        data,
-        scales,
-    };
-    linear_from(Stored::Mxfp8(q), &TensorFormat::BF16)
-}
-
 /// The linear op holding a slot's stored form (`fmt`: the activations' numerics).
 pub fn linear_from(stored: Stored, fmt: &TensorFormat) -> Box<dyn Linear> {
     match stored {
@@ -482,13 +428,7 @@ pub fn linear_from(stored: Stored, fmt: &TensorFormat) -> Box<dyn Linear> {
             }
         }
         Stored::Mxfp8(weight) => Box::new(Mxfp8Linear { weight }),
-        Stored::Nvfp4(q) => Box::new(Nvfp4Linear::new(
-            q,
-            &TensorFormat {
-                format: Format::Nvfp4,
-                ..*fmt
-            },
-        )),
+        Stored::Nvfp4(q) => Box::new(Nvfp4Linear::new(q, &fmt.with(Format::Nvfp4))),
     }
 }
 
