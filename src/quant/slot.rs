@@ -508,7 +508,9 @@ mod tests {
         let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         let mut v: Vec<bf16> = (0..rows * cols)
             .map(|i| {
-                (s ^= s << 13, s ^= s >> 7, s ^= s << 17);
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
                 let u = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
                 bf16::from_f32(u * 2f32.powi((i / 16 % 7) as i32 * 3 - 9))
             })
