@@ -215,7 +215,7 @@ fn load_f32(ckpt: &Checkpoint, name: &str, source: &Source) -> Result<Vec<f32>, 
             let s = ckpt.tensor(&scale_name)?;
             let scale = to_f32(&scale_name, &s)?;
             let (rows, cols) = (t.shape()[0], t.shape()[1]);
-            fp8_block::dequantize(&t.data(), &scale, rows, cols, *block)
+            fp8_block::dequantize(t.data(), &scale, rows, cols, *block)
                 .map_err(|e| tensor_err(name, e))
         }
         _ => Ok(to_f32(name, &t)?),

@@ -15,7 +15,8 @@ pub mod trace;
 
 pub use step::{Backend, Buffers, Dims, Logits, MoeShape, Sampled, SeqPlan, StepPlan};
 
-use crate::quant::Format;
+use crate::checkpoint::CheckpointPart;
+use crate::quant::{slot, Format};
 
 /// A linear layer `y = x W^T` with `W` of shape `[out_features, in_features]`, in whatever
 /// format its weights are stored.
@@ -40,14 +41,11 @@ pub trait Linear: Send + Sync {
     fn storage_bytes(&self) -> usize;
     /// The stored weight in checkpoint layout (`quant::slot`): the tensors `lockstep convert`
     /// writes for this layer, borrowed where the layout is the held one.
-    fn checkpoint_parts(&self) -> Vec<crate::checkpoint::CheckpointPart<'_>> {
-        use crate::quant::slot;
+    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
         let shape = vec![self.out_features(), self.in_features()];
         match self.storage() {
-            Storage::F32(w) => vec![crate::checkpoint::CheckpointPart::from_f32(
-                "weight", shape, w,
-            )],
-            Storage::Bf16(w) => vec![crate::checkpoint::CheckpointPart::bf16("weight", shape, w)],
+            Storage::F32(w) => vec![CheckpointPart::from_f32("weight", shape, w)],
+            Storage::Bf16(w) => vec![CheckpointPart::bf16("weight", shape, w)],
             Storage::Mxfp8(q) => slot::mxfp8_parts(q),
             Storage::Nvfp4 { weight, .. } => slot::nvfp4_parts(weight),
         }

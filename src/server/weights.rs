@@ -402,11 +402,9 @@ fn served_slot(info: &EngineInfo, module: &str) -> Option<Slot> {
     let served = |m: &str| {
         let (shape, format) = info.slots().get(&format!("{m}.weight"))?.dims();
         // The recipe's numerics as the layout gives them, with the format the slot holds.
-        let recipe = info.recipe.format_for(m, info.config.num_layers);
-        Some((
-            shape.clone(),
-            recipe.fitting(shape[shape.len() - 1]).with(format),
-        ))
+        let numerics = info.recipe.format_for(m, info.config.num_layers);
+        let cols = shape[shape.len() - 1];
+        Some((shape, numerics.fitting(cols).with(format)))
     };
     let (shape, format) = served(module)?;
     let pair = gate_up_pair(module)
