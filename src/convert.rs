@@ -1,19 +1,21 @@
 //! `lockstep convert`: a Hugging Face checkpoint (BF16/F16/F32 or DeepSeek-style block FP8)
 //! -> an MXFP8 / NVFP4 checkpoint in the layouts SGLang and vLLM load, following a recipe.
 //!
-//! Tensors are read one at a time from memory-mapped shards and written in bounded shards,
-//! so memory stays near one shard plus one expert. Output appears under its final name only
-//! when everything succeeded.
+//! Which tensors are quantized, their shapes and formats come from the model's layout
+//! (`model::layout`); their bytes from `quant::slot`. Tensors are read one at a time from
+//! memory-mapped shards and written in bounded shards, so memory stays near one shard plus one
+//! expert. Output appears under its final name only when everything succeeded.
 
-use crate::model::layout::{gate_up_partner, shares_gate_up_scale};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::Dtype;
 
 use crate::checkpoint::{to_f32, Checkpoint, CheckpointError, OwnedTensor, ShardedWriter};
-use crate::quant::recipe::always_high_precision;
-use crate::quant::{self, fp8_block, Format, Recipe, MXFP8_BLOCK, NVFP4_BLOCK};
+use crate::model::layout::{ModelLayout, TensorSpec};
+use crate::model::ModelConfig;
+use crate::quant::slot::{self, DenseWeight};
+use crate::quant::{fp8_block, Format, Recipe, MXFP8_BLOCK, NVFP4_BLOCK};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConvertError {
@@ -26,6 +28,8 @@ pub enum ConvertError {
     },
     #[error("config.json: {0}")]
     Config(String),
+    #[error(transparent)]
+    Model(#[from] crate::model::config::ConfigError),
     #[error("tensor `{name}`: {reason}")]
     Tensor { name: String, reason: String },
     #[error("output {0} already exists and is not empty")]
@@ -63,11 +67,12 @@ pub fn convert(opts: &ConvertOptions<'_>) -> Result<ConvertReport, ConvertError>
     let mut config = ckpt
         .config()?
         .ok_or_else(|| ConvertError::Config(format!("no config.json in {}", ckpt.dir.display())))?;
-    let num_layers = config
-        .get("num_hidden_layers")
-        .and_then(|v| v.as_u64())
-        .ok_or_else(|| ConvertError::Config("missing integer `num_hidden_layers`".into()))?
-        as usize;
+    let layout = ModelLayout::of(&ModelConfig::from_json(config.clone())?, opts.recipe);
+    let specs: HashMap<&str, &TensorSpec> = layout
+        .tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t))
+        .collect();
     let source = source_format(&config)?;
 
     let staging = staging_dir(opts.output)?;
@@ -90,83 +95,53 @@ pub fn convert(opts: &ConvertOptions<'_>) -> Result<ConvertReport, ConvertError>
     let mut done = BTreeSet::new();
     for name in &names {
         bar.inc(1);
-        if done.contains(name) {
-            continue;
-        }
-        let t = ckpt.tensor(name)?;
-        let Some(module) = linear_module(name, t.shape()) else {
+        // The layout's linear layers follow the recipe; everything else is copied.
+        let Some(spec) = specs.get(name.as_str()).filter(|t| t.place.quantizable()) else {
             writer.add(name.clone(), copy_tensor(&ckpt, name, &source)?)?;
             continue;
         };
-        let (rows, cols) = (t.shape()[0], t.shape()[1]);
-        let fmt = opts.recipe.format_for(module, num_layers).fitting(cols);
-        *report
-            .weights_by_format
-            .entry(format!("{:?}", fmt.format).to_lowercase())
-            .or_default() += 1;
-        match fmt.format {
-            Format::Bf16 => {
-                if !module.contains("embed_tokens") {
-                    ignored.insert(module.to_string());
-                }
-                writer.add(name.clone(), copy_tensor(&ckpt, name, &source)?)?;
+        let format = format!("{:?}", spec.format.format).to_lowercase();
+        *report.weights_by_format.entry(format).or_default() += 1;
+        if spec.format.format == Format::Bf16 {
+            ignored.insert(spec.module().to_string());
+            writer.add(name.clone(), copy_tensor(&ckpt, name, &source)?)?;
+            continue;
+        }
+        if !done.insert(name.clone()) {
+            continue;
+        }
+        // An NVFP4 gate/up pair is written together, at its gate (which sorts first).
+        let slot = layout.slot(spec);
+        let halves: Vec<&TensorSpec> = match &slot.pair {
+            Some(p)
+                if [&p.gate, &p.up]
+                    .iter()
+                    .all(|m| ckpt.contains(&format!("{m}.weight"))) =>
+            {
+                [&p.gate, &p.up]
+                    .map(|m| specs[format!("{m}.weight").as_str()])
+                    .into()
             }
-            Format::Mxfp8 => {
-                let x = load_f32(&ckpt, name, &source)?;
-                let q = quant::mxfp8::quantize_rowwise(&x, rows, cols)
-                    .map_err(|e| tensor_err(name, e))?;
-                writer.add(
-                    name.clone(),
-                    OwnedTensor::new(Dtype::F8_E4M3, vec![rows, cols], q.data),
-                )?;
-                writer.add(
-                    format!("{module}.weight_scale_inv"),
-                    OwnedTensor::new(Dtype::U8, vec![rows, cols / MXFP8_BLOCK], q.scales),
-                )?;
+            _ => vec![spec],
+        };
+        let values = halves
+            .iter()
+            .map(|t| load_dense(&ckpt, t, &source))
+            .collect::<Result<Vec<_>, _>>()?;
+        let shared = match (&slot.pair, &values[..]) {
+            (Some(p), [gate, up]) => Some(slot::shared_level(&p.gate_format, gate, up)),
+            _ => None,
+        };
+        for (t, w) in halves.into_iter().zip(values) {
+            let stored = layout
+                .slot(t)
+                .quantize(w, shared)
+                .map_err(|e| tensor_err(&e.name, e.reason))?;
+            for part in stored.parts() {
+                let name = format!("{}.{}", t.module(), part.suffix);
+                writer.add(name, part.to_owned_tensor())?;
             }
-            Format::Nvfp4 => {
-                let partner = gate_up_partner(module).filter(|p| {
-                    ckpt.contains(&format!("{p}.weight"))
-                        && shares_gate_up_scale(
-                            fmt.format,
-                            opts.recipe.format_for(p, num_layers).format,
-                        )
-                });
-                match partner {
-                    // Up is written with its gate, which sorts first.
-                    Some(_) if module.ends_with("up_proj") => {}
-                    Some(up) => {
-                        let up_name = format!("{up}.weight");
-                        let (g, u) = (
-                            load_f32(&ckpt, name, &source)?,
-                            load_f32(&ckpt, &up_name, &source)?,
-                        );
-                        if u.len() != g.len() {
-                            return Err(tensor_err(
-                                &up_name,
-                                format!("shape differs from its gate_proj {:?}", t.shape()),
-                            ));
-                        }
-                        let (qg, qu) =
-                            quant::nvfp4::quantize_gate_up(&g, &u, rows, cols, fmt.four_over_six)
-                                .map_err(|e| tensor_err(name, e))?;
-                        write_nvfp4(&mut writer, module, qg)?;
-                        write_nvfp4(&mut writer, &up, qu)?;
-                        *report.weights_by_format.entry("nvfp4".into()).or_default() += 1;
-                        done.insert(up_name);
-                    }
-                    None => {
-                        let x = load_f32(&ckpt, name, &source)?;
-                        let opts4 = quant::Nvfp4Options {
-                            granularity: quant::ScaleGranularity::PerTensor,
-                            four_over_six: fmt.four_over_six,
-                        };
-                        let q = quant::nvfp4::quantize(&x, rows, cols, &opts4)
-                            .map_err(|e| tensor_err(name, e))?;
-                        write_nvfp4(&mut writer, module, q)?;
-                    }
-                }
-            }
+            done.insert(t.name.clone());
         }
     }
     bar.finish_and_clear();
@@ -215,10 +190,21 @@ fn source_format(config: &serde_json::Value) -> Result<Source, ConvertError> {
     }
 }
 
-/// The module name of a 2-D linear weight, or None for everything convert copies unchanged.
-fn linear_module<'n>(name: &'n str, shape: &[usize]) -> Option<&'n str> {
-    let module = name.strip_suffix(".weight")?;
-    (shape.len() == 2 && !always_high_precision(module)).then_some(module)
+/// A layout tensor's values (block FP8 dequantized), with its shape checked.
+fn load_dense(
+    ckpt: &Checkpoint,
+    spec: &TensorSpec,
+    source: &Source,
+) -> Result<DenseWeight, ConvertError> {
+    let shape = ckpt.tensor(&spec.name)?.shape().to_vec();
+    if shape != spec.shape {
+        let reason = format!(
+            "shape {shape:?}, expected {:?} from config.json",
+            spec.shape
+        );
+        return Err(tensor_err(&spec.name, reason));
+    }
+    Ok(DenseWeight::F32(load_f32(ckpt, &spec.name, source)?))
 }
 
 fn load_f32(ckpt: &Checkpoint, name: &str, source: &Source) -> Result<Vec<f32>, ConvertError> {
@@ -229,7 +215,7 @@ fn load_f32(ckpt: &Checkpoint, name: &str, source: &Source) -> Result<Vec<f32>, 
             let s = ckpt.tensor(&scale_name)?;
             let scale = to_f32(&scale_name, &s)?;
             let (rows, cols) = (t.shape()[0], t.shape()[1]);
-            fp8_block::dequantize(&t.data(), &scale, rows, cols, *block)
+            fp8_block::dequantize(t.data(), &scale, rows, cols, *block)
                 .map_err(|e| tensor_err(name, e))
         }
         _ => Ok(to_f32(name, &t)?),
@@ -250,33 +236,6 @@ fn copy_tensor(
         ));
     }
     Ok(OwnedTensor::from_view(&t))
-}
-
-fn write_nvfp4(
-    writer: &mut ShardedWriter,
-    module: &str,
-    q: quant::Nvfp4Tensor,
-) -> Result<(), ConvertError> {
-    let (rows, cols) = (q.rows, q.cols);
-    let s_dec = q.global.of_row(0);
-    writer.add(
-        format!("{module}.weight"),
-        OwnedTensor::new(Dtype::U8, vec![rows, cols / 2], q.data),
-    )?;
-    writer.add(
-        format!("{module}.weight_scale"),
-        OwnedTensor::new(Dtype::F8_E4M3, vec![rows, cols / NVFP4_BLOCK], q.scales),
-    )?;
-    writer.add(
-        format!("{module}.weight_scale_2"),
-        OwnedTensor::f32(vec![], &[s_dec]),
-    )?;
-    // Per-token activation scales are computed at run time; ModelOpt loaders still expect one.
-    writer.add(
-        format!("{module}.input_scale"),
-        OwnedTensor::f32(vec![], &[1.0]),
-    )?;
-    Ok(())
 }
 
 fn quantization_config(

@@ -84,7 +84,8 @@ fn qwen3_moe_tensors() -> BTreeMap<String, OwnedTensor> {
 }
 
 fn config(quantization: Option<serde_json::Value>) -> serde_json::Value {
-    let mut c = serde_json::json!({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_experts": EXPERTS});
+    let mut c = serde_json::json!({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 100, "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
+        "num_attention_heads": 4, "head_dim": 16, "num_experts": EXPERTS, "num_experts_per_tok": 2, "moe_intermediate_size": INTER});
     if let Some(q) = quantization {
         c["quantization_config"] = q;
     }

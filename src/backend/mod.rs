@@ -15,7 +15,8 @@ pub mod trace;
 
 pub use step::{Backend, Buffers, Dims, Logits, MoeShape, Sampled, SeqPlan, StepPlan};
 
-use crate::quant::Format;
+use crate::checkpoint::CheckpointPart;
+use crate::quant::{slot, Format};
 
 /// A linear layer `y = x W^T` with `W` of shape `[out_features, in_features]`, in whatever
 /// format its weights are stored.
@@ -38,10 +39,17 @@ pub trait Linear: Send + Sync {
     }
     /// Bytes of weight storage (weights and scales).
     fn storage_bytes(&self) -> usize;
-    /// The stored weight in checkpoint layout: the tensors `lockstep convert` writes for this
-    /// layer (BF16 `weight`; NVFP4 `weight`, `weight_scale`, `weight_scale_2`, `input_scale`;
-    /// MXFP8 `weight`, `weight_scale_inv`), borrowed where the layout is the held one.
-    fn checkpoint_parts(&self) -> Vec<crate::checkpoint::CheckpointPart<'_>>;
+    /// The stored weight in checkpoint layout (`quant::slot`): the tensors `lockstep convert`
+    /// writes for this layer, borrowed where the layout is the held one.
+    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
+        let shape = vec![self.out_features(), self.in_features()];
+        match self.storage() {
+            Storage::F32(w) => vec![CheckpointPart::from_f32("weight", shape, w)],
+            Storage::Bf16(w) => vec![CheckpointPart::bf16("weight", shape, w)],
+            Storage::Mxfp8(q) => slot::mxfp8_parts(q),
+            Storage::Nvfp4 { weight, .. } => slot::nvfp4_parts(weight),
+        }
+    }
     /// Copies `new`'s weights into this layer's existing buffers when both are the same kind
     /// and size, so a live update allocates nothing here and the buffers never move (what a
     /// GPU backend's captured graphs need). Returns false, changing nothing, otherwise.

@@ -1,10 +1,13 @@
 //! Every tensor of a model, listed once: its checkpoint name, shape, kind, served format, its
 //! place in the model (layer, expert, gate/up half) and its gate/up partner. The slot tables
-//! (host and device), the checksums, the trainer's parameter and gradient names and the
-//! gate/up pairing of convert, push and live updates read it instead of restating it.
+//! (host and device), the checksums, the trainer's parameter and gradient names, `convert`'s
+//! formats and shapes and the gate/up pairing of convert, push and live updates read it
+//! instead of restating it.
 
 use super::ModelConfig;
-use crate::quant::{Format, Recipe, TensorFormat};
+pub use crate::quant::slot::shares_gate_up_scale;
+use crate::quant::slot::{Pair, Slot};
+use crate::quant::{Recipe, TensorFormat};
 
 /// One of a layer's attention projections.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -102,13 +105,13 @@ impl Place {
         format!("{}.weight", self.module())
     }
 
-    /// The other half of a gate/up pair.
-    pub fn partner(&self) -> Option<Place> {
-        match *self {
-            Place::GateUp(l, e, Half::Gate) => Some(Place::GateUp(l, e, Half::Up)),
-            Place::GateUp(l, e, Half::Up) => Some(Place::GateUp(l, e, Half::Gate)),
-            _ => None,
-        }
+    /// A linear layer whose format the recipe decides (the router, lm_head, embeddings and
+    /// norms are never quantized).
+    pub fn quantizable(&self) -> bool {
+        matches!(
+            self,
+            Place::Attention(..) | Place::GateUp(..) | Place::Down(..)
+        )
     }
 }
 
@@ -199,13 +202,11 @@ impl ModelLayout {
                     Place::Down(_, e) => (TensorKind::Linear, vec![h, inter(e)]),
                 };
                 let name = place.name();
-                // The router, lm_head, embeddings and norms are never quantized.
-                let format = match place {
-                    Place::Attention(..) | Place::GateUp(..) | Place::Down(..) => {
-                        let module = place.module();
-                        recipe.format_for(&module, cfg.num_layers).fitting(shape[1])
-                    }
-                    _ => TensorFormat::BF16,
+                let format = match place.quantizable() {
+                    true => recipe
+                        .format_for(&place.module(), cfg.num_layers)
+                        .fitting(shape[1]),
+                    false => TensorFormat::BF16,
                 };
                 TensorSpec {
                     place,
@@ -223,36 +224,43 @@ impl ModelLayout {
         self.tensors.iter().find(|t| t.name == name)
     }
 
-    /// The NVFP4 gate/up partner whose second-level scale this tensor shares, if any.
-    pub fn scale_partner(&self, spec: &TensorSpec) -> Option<&TensorSpec> {
-        let partner = spec.place.partner()?;
-        let p = self.tensors.iter().find(|t| t.place == partner)?;
-        shares_gate_up_scale(spec.format.format, p.format.format).then_some(p)
+    /// The NVFP4 gate/up pair whose second-level scale this tensor shares, if any
+    /// (`quant::slot` holds the rule).
+    pub fn pair(&self, spec: &TensorSpec) -> Option<Pair> {
+        let Place::GateUp(l, e, _) = spec.place else {
+            return None;
+        };
+        let half = |h| {
+            self.tensors
+                .iter()
+                .find(|t| t.place == Place::GateUp(l, e, h))
+        };
+        let (gate, up) = (half(Half::Gate)?, half(Half::Up)?);
+        Pair::of(gate.module(), gate.format, up.module(), up.format.format)
+    }
+
+    /// The tensor as a `quant::slot::Slot` (what prepares its stored bytes).
+    pub fn slot(&self, spec: &TensorSpec) -> Slot {
+        Slot::new(
+            spec.module(),
+            spec.shape.clone(),
+            spec.format,
+            self.pair(spec),
+        )
     }
 }
 
-/// `...experts.3.gate_proj` <-> `...experts.3.up_proj` (or the dense MLP's pair), by module
-/// name: for names that come from outside (a checkpoint, an update) before any layout check.
-pub fn gate_up_partner(module: &str) -> Option<String> {
-    if let Some(prefix) = module.strip_suffix("gate_proj") {
-        Some(format!("{prefix}up_proj"))
-    } else {
-        module
-            .strip_suffix("up_proj")
-            .map(|prefix| format!("{prefix}gate_proj"))
-    }
-}
-
-/// THE gate/up rule: an NVFP4 gate and up are quantized with one shared second-level scale
-/// (the larger of their amaxes, `quant::nvfp4::gate_up_level`) exactly when both are NVFP4.
-/// The loaders, convert, push and live updates all decide it here.
-pub fn shares_gate_up_scale(gate: Format, up: Format) -> bool {
-    gate == Format::Nvfp4 && up == Format::Nvfp4
+/// The gate/up pair (`...gate_proj`, `...up_proj`) `module` is a half of, by module name: for
+/// names that come from outside (a checkpoint, an update) before any layout check.
+pub fn gate_up_pair(module: &str) -> Option<(String, String)> {
+    let prefix = (module.strip_suffix("gate_proj")).or_else(|| module.strip_suffix("up_proj"))?;
+    Some((format!("{prefix}gate_proj"), format!("{prefix}up_proj")))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::Format;
 
     fn config(tie: bool) -> ModelConfig {
         let mut raw: serde_json::Value =
@@ -285,11 +293,11 @@ mod tests {
             Format::Bf16,
             "routers stay high precision"
         );
-        let gate = nvfp4.scale_partner(up).unwrap();
-        assert_eq!(gate.name, "model.layers.1.mlp.experts.2.gate_proj.weight");
+        let pair = nvfp4.slot(up).pair.unwrap();
+        assert_eq!(pair.gate, "model.layers.1.mlp.experts.2.gate_proj");
         // BF16 experts share nothing; a tied model has no lm_head.
         let bf16 = ModelLayout::of(&cfg, &Recipe::bf16());
-        assert!(bf16.scale_partner(bf16.get(&up.name).unwrap()).is_none());
+        assert!(bf16.pair(bf16.get(&up.name).unwrap()).is_none());
         assert!(nvfp4.get("lm_head.weight").is_some());
         assert!(ModelLayout::of(&config(true), &Recipe::bf16())
             .get("lm_head.weight")
@@ -297,16 +305,11 @@ mod tests {
     }
 
     #[test]
-    fn partners_pair_gate_and_up_only() {
-        assert_eq!(
-            gate_up_partner("model.layers.0.mlp.experts.3.gate_proj").as_deref(),
-            Some("model.layers.0.mlp.experts.3.up_proj")
-        );
-        assert_eq!(
-            gate_up_partner("model.layers.0.mlp.up_proj").as_deref(),
-            Some("model.layers.0.mlp.gate_proj")
-        );
-        assert_eq!(gate_up_partner("model.layers.0.mlp.down_proj"), None);
-        assert_eq!(Place::Down(0, None).partner(), None);
+    fn pairs_are_gate_and_up_only() {
+        let pair = |g: &str, u: &str| Some((g.to_string(), u.to_string()));
+        let (g, u) = ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj");
+        assert_eq!(gate_up_pair(u), pair(g, u));
+        assert_eq!(gate_up_pair(g), pair(g, u));
+        assert_eq!(gate_up_pair("model.layers.0.mlp.down_proj"), None);
     }
 }

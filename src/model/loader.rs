@@ -8,11 +8,12 @@ use half::bf16;
 use safetensors::tensor::Dtype;
 
 use super::{Layer, Mlp, Model, ModelConfig, Moe, SwiGlu};
-use crate::backend::cpu::linear::{make_linear, mxfp8_from_parts, nvfp4_from_parts, DenseWeight};
+use crate::backend::cpu::linear::{linear_from, make_linear, DenseWeight};
 use crate::backend::Linear;
 use crate::checkpoint::{to_f32, Checkpoint, CheckpointError};
-use crate::quant::nvfp4::SecondLevel;
-use crate::quant::{self, fp8_block, Format, Recipe, TensorFormat, MXFP8_BLOCK, NVFP4_BLOCK};
+use crate::quant::nvfp4::{GlobalScale, SecondLevel};
+use crate::quant::slot::{self, Slot, Stored};
+use crate::quant::{fp8_block, BlockAxis, Format, Mxfp8Tensor, Nvfp4Tensor, Recipe, TensorFormat};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -169,38 +170,22 @@ impl WeightSource<'_> {
             WeightSource::Checkpoint { ckpt, .. } => ckpt,
         };
         let t = checked_tensor(ckpt, name, &[rows, cols])?;
-        Ok(match t.dtype() {
-            Dtype::BF16 => DenseWeight::Bf16(
-                t.data()
-                    .chunks_exact(2)
-                    .map(|b| bf16::from_le_bytes([b[0], b[1]]))
-                    .collect(),
-            ),
-            Dtype::F32 | Dtype::F16 => DenseWeight::F32(to_f32(name, &t)?),
-            Dtype::F8_E4M3 => {
-                let WeightSource::Checkpoint {
-                    fp8_block: Some(block),
-                    ..
-                } = self
-                else {
-                    return Err(tensor_err(
-                        name,
-                        "F8_E4M3 weight without a block-FP8 quantization_config",
-                    ));
-                };
-                let scale = fp8_scale_inv(ckpt, name)?;
-                DenseWeight::F32(
-                    fp8_block::dequantize(t.data(), &scale, rows, cols, *block)
-                        .map_err(|e| tensor_err(name, e))?,
-                )
-            }
-            other => {
-                return Err(tensor_err(
-                    name,
-                    format!("dtype {other:?} is not a weight dtype"),
-                ))
-            }
-        })
+        if t.dtype() != Dtype::F8_E4M3 {
+            return slot::dense_of(name, &t).map_err(|e| tensor_err(name, e.reason));
+        }
+        let WeightSource::Checkpoint {
+            fp8_block: Some(block),
+            ..
+        } = self
+        else {
+            return Err(tensor_err(
+                name,
+                "F8_E4M3 weight without a block-FP8 quantization_config",
+            ));
+        };
+        let scale = fp8_scale_inv(ckpt, name)?;
+        let w = fp8_block::dequantize(t.data(), &scale, rows, cols, *block);
+        Ok(DenseWeight::F32(w.map_err(|e| tensor_err(name, e))?))
     }
 
     fn vector(&self, name: &str, len: usize, init: DummyInit) -> Result<Vec<f32>, LoadError> {
@@ -236,24 +221,28 @@ impl WeightSource<'_> {
         let WeightSource::Checkpoint { ckpt, .. } = self else {
             return Ok(None);
         };
-        Ok(match prequantized_parts(ckpt, module, rows, cols)? {
+        let stored = match prequantized_parts(ckpt, module, rows, cols)? {
             Some(Prequantized::Nvfp4 {
                 data,
                 scales,
                 s_dec,
-            }) => Some(nvfp4_from_parts(
+            }) => Stored::Nvfp4(Nvfp4Tensor {
                 rows,
                 cols,
-                data.to_vec(),
-                scales.to_vec(),
-                s_dec,
-                fmt,
-            )),
-            Some(Prequantized::Mxfp8 { data, scales }) => {
-                Some(mxfp8_from_parts(rows, cols, data.to_vec(), scales.to_vec()))
-            }
-            None => None,
-        })
+                data: data.to_vec(),
+                scales: scales.to_vec(),
+                global: GlobalScale::PerTensor(s_dec),
+            }),
+            Some(Prequantized::Mxfp8 { data, scales }) => Stored::Mxfp8(Mxfp8Tensor {
+                rows,
+                cols,
+                axis: BlockAxis::Rowwise,
+                data: data.to_vec(),
+                scales: scales.to_vec(),
+            }),
+            None => return Ok(None),
+        };
+        Ok(Some(linear_from(stored, fmt)))
     }
 }
 
@@ -272,58 +261,48 @@ pub enum Prequantized<'a> {
 }
 
 /// The stored quantized parts of the linear layer `module`, if the checkpoint has them
-/// (an NVFP4 `weight_scale_2`, or a U8 `weight_scale_inv`: block FP8's is a float tensor).
+/// (an NVFP4 `weight_scale_2`, or a U8 `weight_scale_inv`: block FP8's is a float tensor),
+/// each checked against the checkpoint layout of `quant::slot`.
 pub fn prequantized_parts<'a>(
     ckpt: &'a Checkpoint,
     module: &str,
     rows: usize,
     cols: usize,
 ) -> Result<Option<Prequantized<'a>>, LoadError> {
-    let (w_name, s2_name, sinv_name) = (
-        format!("{module}.weight"),
-        format!("{module}.weight_scale_2"),
-        format!("{module}.weight_scale_inv"),
+    let has = |suffix: &str| ckpt.contains(&format!("{module}.{suffix}"));
+    let format = if has("weight_scale_2") {
+        Format::Nvfp4
+    } else if has("weight_scale_inv")
+        && ckpt.tensor(&format!("{module}.weight_scale_inv"))?.dtype() == Dtype::U8
+    {
+        Format::Mxfp8
+    } else {
+        return Ok(None);
+    };
+    let slot = Slot::new(
+        module,
+        vec![rows, cols],
+        TensorFormat::BF16.with(format),
+        None,
     );
-    if ckpt.contains(&s2_name) {
-        let w = ckpt.tensor(&w_name)?;
-        let s = ckpt.tensor(&format!("{module}.weight_scale"))?;
-        let g = to_f32(&s2_name, &ckpt.tensor(&s2_name)?)?;
-        if w.shape() != [rows, cols / 2] || s.shape() != [rows, cols / NVFP4_BLOCK] || g.len() != 1
-        {
-            return Err(tensor_err(
-                &w_name,
-                format!(
-                    "NVFP4 shapes weight {:?} / weight_scale {:?} do not fit [{rows}, {cols}]",
-                    w.shape(),
-                    s.shape()
-                ),
-            ));
-        }
-        return Ok(Some(Prequantized::Nvfp4 {
-            data: w.data(),
-            scales: s.data(),
-            s_dec: g[0],
-        }));
-    }
-    if ckpt.contains(&sinv_name) && ckpt.tensor(&sinv_name)?.dtype() == Dtype::U8 {
-        let w = ckpt.tensor(&w_name)?;
-        let s = ckpt.tensor(&sinv_name)?;
-        if w.shape() != [rows, cols] || s.shape() != [rows, cols / MXFP8_BLOCK] {
-            return Err(tensor_err(
-                &w_name,
-                format!(
-                    "MXFP8 shapes weight {:?} / weight_scale_inv {:?} do not fit [{rows}, {cols}]",
-                    w.shape(),
-                    s.shape()
-                ),
-            ));
-        }
-        return Ok(Some(Prequantized::Mxfp8 {
-            data: w.data(),
-            scales: s.data(),
-        }));
-    }
-    Ok(None)
+    let part = |suffix: &str| -> Result<_, LoadError> {
+        let t = ckpt.tensor(&slot.name(suffix))?;
+        let checked = slot.check_stored(suffix, t.dtype(), t.shape());
+        checked.map_err(|e| tensor_err(&e.name, e.reason))?;
+        Ok(t)
+    };
+    let data = part("weight")?.data();
+    Ok(Some(match format {
+        Format::Nvfp4 => Prequantized::Nvfp4 {
+            data,
+            scales: part("weight_scale")?.data(),
+            s_dec: to_f32(&slot.name("weight_scale_2"), &part("weight_scale_2")?)?[0],
+        },
+        _ => Prequantized::Mxfp8 {
+            data,
+            scales: part("weight_scale_inv")?.data(),
+        },
+    }))
 }
 
 /// Tensor `name` of the checkpoint, with its shape checked.
@@ -461,36 +440,16 @@ impl Builder<'_> {
             format!("{prefix}.down_proj"),
         );
         // NVFP4 gate and up share one second-level scale (from the amax of both).
-        let shared = if gate_up_shares_level(
-            &self.format(&g, hidden),
-            &self.format(&u, hidden),
-            self.src.contains(&format!("{g}.weight_scale_2")),
-        ) {
-            let gw = self
-                .src
-                .dense(
-                    &format!("{g}.weight"),
-                    inter,
-                    hidden,
-                    DummyInit::FanIn(hidden),
-                )?
-                .to_f32();
-            let uw = self
-                .src
-                .dense(
-                    &format!("{u}.weight"),
-                    inter,
-                    hidden,
-                    DummyInit::FanIn(hidden),
-                )?
-                .to_f32();
-            // The range follows four-over-six as convert's quantize_gate_up does.
-            Some(quant::nvfp4::gate_up_level(
-                quant::nvfp4::parallel_amax(&gw).max(quant::nvfp4::parallel_amax(&uw)),
-                self.format(&g, hidden).four_over_six,
-            ))
-        } else {
-            None
+        let gf = self.format(&g, hidden);
+        let stored = self.src.contains(&format!("{g}.weight_scale_2"));
+        let dense = |m: &str| {
+            let name = format!("{m}.weight");
+            self.src
+                .dense(&name, inter, hidden, DummyInit::FanIn(hidden))
+        };
+        let shared = match gate_up_shares_level(&gf, &self.format(&u, hidden), stored) {
+            true => Some(slot::shared_level(&gf, &dense(&g)?, &dense(&u)?)),
+            false => None,
         };
         Ok(SwiGlu {
             gate: self.linear(&g, inter, hidden, shared)?,

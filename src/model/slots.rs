@@ -9,9 +9,10 @@ use super::checksum::WeightsChecksum;
 use super::layout::{Half, Place, Proj};
 use super::store::{StoreError, WeightStore};
 use super::{Mlp, Model, SwiGlu};
-use crate::backend::cpu::linear::{make_linear, DenseWeight};
+use crate::backend::cpu::linear::{linear_from, make_linear, DenseWeight};
 use crate::backend::Linear;
 use crate::checkpoint::CheckpointPart;
+use crate::quant::slot::{dense_part, Stored};
 use crate::quant::{Format, TensorFormat};
 
 /// What a checkpoint tensor name holds in the served model.
@@ -29,6 +30,17 @@ pub enum SlotShape {
     Embedding { rows: usize, cols: usize },
 }
 
+impl SlotShape {
+    /// The dense shape and the stored format.
+    pub fn dims(&self) -> (Vec<usize>, Format) {
+        match *self {
+            SlotShape::Linear { rows, cols, format } => (vec![rows, cols], format),
+            SlotShape::Vector { len } => (vec![len], Format::Bf16),
+            SlotShape::Embedding { rows, cols } => (vec![rows, cols], Format::Bf16),
+        }
+    }
+}
+
 /// A new value for one slot.
 pub enum Replacement {
     Linear(Box<dyn Linear>),
@@ -37,6 +49,20 @@ pub enum Replacement {
 }
 
 impl Replacement {
+    /// The replacement for a slot of `shape` holding `stored` (`fmt`: the activations'
+    /// numerics). A stored form of the wrong kind becomes one the store refuses, by name.
+    pub fn of(shape: &SlotShape, stored: Stored, fmt: &TensorFormat) -> Replacement {
+        match (shape, stored) {
+            (SlotShape::Vector { .. }, Stored::Dense { values, .. }) => {
+                Replacement::Vector(values.to_f32())
+            }
+            (SlotShape::Embedding { .. }, Stored::Dense { values, .. }) => {
+                Replacement::Embedding(values)
+            }
+            (_, stored) => Replacement::Linear(linear_from(stored, fmt)),
+        }
+    }
+
     /// The replacement in checkpoint layout (what the slot will hold after commit).
     pub fn checkpoint_parts(&self, hidden: usize) -> Vec<CheckpointPart<'_>> {
         match self {
@@ -48,11 +74,7 @@ impl Replacement {
 }
 
 fn dense_parts(w: &DenseWeight, cols: usize) -> Vec<CheckpointPart<'_>> {
-    let shape = vec![w.len() / cols, cols];
-    vec![match w {
-        DenseWeight::Bf16(v) => CheckpointPart::bf16("weight", shape, v),
-        DenseWeight::F32(v) => CheckpointPart::from_f32("weight", shape, v),
-    }]
+    vec![dense_part(vec![w.len() / cols, cols], w)]
 }
 
 /// The checksum entries of validated replacements (names from the slot table).
@@ -373,17 +395,8 @@ mod tests {
         assert_eq!(names, want);
         let shapes = m.slot_shapes();
         for t in crate::model::layout::ModelLayout::of(&cfg, &recipe).tensors {
-            let (shape, format) = match &shapes[&t.name] {
-                SlotShape::Linear { rows, cols, format } => (vec![*rows, *cols], *format),
-                SlotShape::Embedding { rows, cols } => (vec![*rows, *cols], Format::Bf16),
-                SlotShape::Vector { len } => (vec![*len], Format::Bf16),
-            };
-            assert_eq!(
-                (shape, format),
-                (t.shape.clone(), t.format.format),
-                "{}",
-                t.name
-            );
+            let want = (t.shape.clone(), t.format.format);
+            assert_eq!(shapes[&t.name].dims(), want, "{}", t.name);
         }
     }
 

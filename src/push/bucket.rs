@@ -3,32 +3,14 @@
 //! server quantizes an NVFP4 pair with one shared scale, and a client quantizing for it needs
 //! both halves at hand.
 
-use crate::model::layout::gate_up_partner;
+use crate::model::layout::gate_up_pair;
+use crate::quant::slot;
 
 /// The layer a checkpoint tensor name belongs to, with a gate/up pair folded onto its gate:
 /// `...experts.3.up_proj.weight_scale` -> `...experts.3.gate_proj`.
 pub fn group_key(name: &str) -> String {
-    let module = module_of(name);
-    match gate_up_partner(module) {
-        Some(partner) if module.ends_with("up_proj") => partner,
-        _ => module.to_string(),
-    }
-}
-
-/// `x.weight`, `x.weight_scale`, `x.weight_scale_2`, `x.weight_scale_inv`, `x.input_scale` -> `x`.
-pub fn module_of(name: &str) -> &str {
-    for part in [
-        ".weight_scale_inv",
-        ".weight_scale_2",
-        ".weight_scale",
-        ".input_scale",
-        ".weight",
-    ] {
-        if let Some(m) = name.strip_suffix(part) {
-            return m;
-        }
-    }
-    name
+    let module = slot::split(name).map_or(name, |(m, _)| m);
+    gate_up_pair(module).map_or_else(|| module.to_string(), |(gate, _)| gate)
 }
 
 /// Indices into `sizes` (tensor `i` has `names[i]`, `sizes[i]` bytes), grouped into buckets of

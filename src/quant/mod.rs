@@ -1,5 +1,6 @@
 //! THE low-precision contract (shared/QUANT_CONTRACT.md): element codecs, MXFP8, NVFP4,
-//! the 128x4 scale swizzle, block-FP8 dequantization and precision recipes.
+//! the 128x4 scale swizzle, block-FP8 dequantization, precision recipes and one slot's
+//! checkpoint layout and stored bytes (`slot`).
 //!
 //! Pure Rust, no GPU, no I/O. The converter, the server's online quantizer, the CUDA
 //! activation quantizers' tests and the trainer's fake-quant all go through this module, so
@@ -11,6 +12,7 @@ pub mod fp8_block;
 pub mod mxfp8;
 pub mod nvfp4;
 pub mod recipe;
+pub mod slot;
 pub mod swizzle;
 
 pub use mxfp8::{BlockAxis, Mxfp8Tensor, MXFP8_BLOCK};

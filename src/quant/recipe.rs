@@ -67,6 +67,11 @@ impl TensorFormat {
         }
     }
 
+    /// These numerics with another storage format.
+    pub fn with(self, format: Format) -> TensorFormat {
+        TensorFormat { format, ..self }
+    }
+
     pub const BF16: TensorFormat = TensorFormat {
         format: Format::Bf16,
         activation_scale: ScaleGranularity::PerToken,

@@ -4,7 +4,6 @@
 //! only on success. The streamed session (begin, PUT buckets, end/abort) stages validated
 //! tensors in bounded memory and commits them the same way.
 
-use crate::model::layout::{gate_up_partner, shares_gate_up_scale};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -20,13 +19,13 @@ use serde_json::json;
 use super::errors::ApiError;
 use super::extract::{ApiBytes, ApiJson};
 use super::AppState;
-use crate::backend::cpu::linear::{make_linear, mxfp8_from_parts, nvfp4_from_parts, DenseWeight};
-use crate::checkpoint::to_f32;
+use crate::engine::EngineInfo;
 use crate::model::checksum::{self, WeightsChecksum};
+use crate::model::layout::gate_up_pair;
 use crate::model::loader::{self, Quantization};
-use crate::model::slots::{replacements_checksum, Replacement, SlotShape};
-use crate::quant::nvfp4::SecondLevel;
-use crate::quant::{Format, Recipe, MXFP8_BLOCK, NVFP4_BLOCK};
+use crate::model::slots::{replacements_checksum, Replacement};
+use crate::quant::slot::{self, Pair, Slot, SlotError};
+use crate::quant::Recipe;
 
 /// How the served model was loaded, so an update is loaded the same way.
 #[derive(Clone, Debug, Default)]
@@ -342,10 +341,10 @@ pub async fn put_update_weights(
             format!("not a complete safetensors file (cut off?): {e}"),
         )
     })?;
-    let slots = state.engine.info.slots();
     let mut incoming = Vec::new();
     for (name, t) in st.tensors() {
-        check_tensor(slots, &name, t.dtype(), t.shape())?;
+        let (slot, suffix) = served_part(&state.engine.info, &name)?;
+        slot.check(suffix, t.dtype(), t.shape()).map_err(invalid)?;
         // The view borrows from `body`: keep a slice of it rather than a copy.
         let start = t.data().as_ptr() as usize - body.as_ptr() as usize;
         incoming.push((
@@ -385,101 +384,36 @@ pub async fn put_update_weights(
     ))
 }
 
-/// The slot a checkpoint tensor name belongs to, and the part of it (`weight`, `weight_scale`...).
-fn split_name(name: &str) -> (String, &str) {
-    for part in [
-        "weight_scale_inv",
-        "weight_scale_2",
-        "weight_scale",
-        "input_scale",
-        "weight",
-    ] {
-        if let Some(module) = name.strip_suffix(&format!(".{part}")) {
-            return (format!("{module}.weight"), part);
-        }
-    }
-    (name.to_string(), "")
+/// The served slot of the checkpoint tensor `name` and its part (`weight`, `weight_scale`...).
+fn served_part(info: &EngineInfo, name: &str) -> Result<(Slot, &'static str), ApiError> {
+    let unknown = || {
+        ApiError::invalid(
+            name,
+            format!("tensor `{name}`: not a tensor of the served model"),
+        )
+    };
+    let (module, suffix) = slot::split(name).ok_or_else(unknown)?;
+    Ok((served_slot(info, module).ok_or_else(unknown)?, suffix))
 }
 
-/// Validates one arriving tensor against the served model: known name, dtype and shape in
-/// checkpoint layout (high precision, or already quantized in the slot's format).
-fn check_tensor(
-    slots: &BTreeMap<String, SlotShape>,
-    name: &str,
-    dtype: Dtype,
-    shape: &[usize],
-) -> Result<(), ApiError> {
-    let (slot_name, part) = split_name(name);
-    let err = |reason: String| ApiError::invalid(name, format!("tensor `{name}`: {reason}"));
-    let slot = slots
-        .get(&slot_name)
-        .ok_or_else(|| err("not a tensor of the served model".into()))?;
-    let float = matches!(dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32);
-    let want: (Vec<usize>, &[Dtype]) = match (slot, part) {
-        (SlotShape::Vector { len }, "weight") => {
-            (vec![*len], &[Dtype::BF16, Dtype::F16, Dtype::F32])
-        }
-        (SlotShape::Embedding { rows, cols }, "weight") => {
-            (vec![*rows, *cols], &[Dtype::BF16, Dtype::F16, Dtype::F32])
-        }
-        (SlotShape::Linear { rows, cols, .. }, "weight") if float => {
-            (vec![*rows, *cols], &[Dtype::BF16, Dtype::F16, Dtype::F32])
-        }
-        (
-            SlotShape::Linear {
-                rows,
-                cols,
-                format: Format::Nvfp4,
-            },
-            "weight",
-        ) => (vec![*rows, cols / 2], &[Dtype::U8]),
-        (
-            SlotShape::Linear {
-                rows,
-                cols,
-                format: Format::Nvfp4,
-            },
-            "weight_scale",
-        ) => (
-            vec![*rows, cols / NVFP4_BLOCK],
-            &[Dtype::F8_E4M3, Dtype::U8],
-        ),
-        (
-            SlotShape::Linear {
-                format: Format::Nvfp4,
-                ..
-            },
-            "weight_scale_2" | "input_scale",
-        ) => (vec![], &[Dtype::F32]),
-        (
-            SlotShape::Linear {
-                rows,
-                cols,
-                format: Format::Mxfp8,
-            },
-            "weight",
-        ) => (vec![*rows, *cols], &[Dtype::F8_E4M3]),
-        (
-            SlotShape::Linear {
-                rows,
-                cols,
-                format: Format::Mxfp8,
-            },
-            "weight_scale_inv",
-        ) => (vec![*rows, cols / MXFP8_BLOCK], &[Dtype::U8]),
-        (s, p) => return Err(err(format!("`{p}` does not fit the slot ({s:?})"))),
+/// The slot of `module` as the server holds it: shape and format from the slot table, the
+/// numerics of the recipe, and its NVFP4 gate/up pair.
+fn served_slot(info: &EngineInfo, module: &str) -> Option<Slot> {
+    let served = |m: &str| {
+        let (shape, format) = info.slots().get(&format!("{m}.weight"))?.dims();
+        // The recipe's numerics as the layout gives them, with the format the slot holds.
+        let numerics = info.recipe.format_for(m, info.config.num_layers);
+        let cols = shape[shape.len() - 1];
+        Some((shape, numerics.fitting(cols).with(format)))
     };
-    if !want.1.contains(&dtype) {
-        return Err(err(format!(
-            "dtype {dtype:?}, expected one of {:?}",
-            want.1
-        )));
-    }
-    let shape_ok = shape == want.0.as_slice() || (want.0.is_empty() && shape == [1]);
-    if !shape_ok {
-        return Err(err(format!("shape {shape:?}, expected {:?}", want.0)));
-    }
-    Ok(())
+    let (shape, format) = served(module)?;
+    let pair = gate_up_pair(module)
+        .and_then(|(g, u)| Pair::of(&g, served(&g)?.1, &u, served(&u)?.1.format));
+    Some(Slot::new(module, shape, format, pair))
+}
+
+fn invalid(e: SlotError) -> ApiError {
+    ApiError::invalid(&e.name, e.to_string())
 }
 
 /// `session` may be left out (SGLang's `{}`): the open session is meant.
@@ -794,160 +728,31 @@ pub async fn abort_weight_update(
     }
 }
 
-fn f32_of(name: &str, t: &StagedTensor) -> Result<Vec<f32>, ApiError> {
-    let view = safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.data)
-        .map_err(|e| ApiError::invalid(name, e.to_string()))?;
-    to_f32(name, &view).map_err(|e| ApiError::invalid(name, e.to_string()))
-}
-
-/// Turns staged checkpoint-layout tensors into replacements: high-precision tensors bound for
-/// a quantized slot are quantized with the contract (an NVFP4 expert's gate and up share one
-/// scale, so both must be in the update); pre-quantized ones must be complete.
+/// Turns staged checkpoint-layout tensors into replacements with `quant::slot`: dense tensors
+/// bound for a quantized slot are quantized with the contract (an NVFP4 expert's gate and up
+/// share one scale, so both must be in the update); pre-quantized ones must be complete.
 fn build_replacements(
-    info: &crate::engine::EngineInfo,
-    mut staged: BTreeMap<String, StagedTensor>,
+    info: &EngineInfo,
+    staged: BTreeMap<String, StagedTensor>,
 ) -> Result<Vec<(String, Replacement)>, ApiError> {
-    let num_layers = info.config.num_layers;
-    let mut modules: BTreeMap<String, BTreeMap<String, StagedTensor>> = BTreeMap::new();
-    for (name, t) in std::mem::take(&mut staged) {
-        let (slot, part) = split_name(&name);
-        modules.entry(slot).or_default().insert(part.to_string(), t);
+    let mut slots: BTreeMap<String, (Slot, slot::Parts<'_>)> = BTreeMap::new();
+    for (name, t) in &staged {
+        let (s, suffix) = served_part(info, name)?;
+        let view = safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.data)
+            .map_err(|e| ApiError::invalid(name, e.to_string()))?;
+        let entry = slots
+            .entry(s.module.clone())
+            .or_insert((s, BTreeMap::new()));
+        entry.1.insert(suffix, view);
     }
-    let mut out = Vec::new();
-    let mut shared: BTreeMap<String, SecondLevel> = BTreeMap::new();
-    for (slot_name, parts) in &modules {
-        let slot = &info.slots()[slot_name];
-        let module = slot_name.trim_end_matches(".weight");
-        let weight = parts.get("weight").ok_or_else(|| {
-            ApiError::invalid(
-                slot_name,
-                format!("`{module}` has scale tensors but no `{slot_name}`"),
-            )
-        })?;
-        let dense = matches!(weight.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32);
-        let replacement = match slot {
-            SlotShape::Vector { .. } => Replacement::Vector(f32_of(slot_name, weight)?),
-            SlotShape::Embedding { .. } => Replacement::Embedding(dense_weight(slot_name, weight)?),
-            SlotShape::Linear { rows, cols, format } if dense => {
-                let mut fmt = info.recipe.format_for(module, num_layers).fitting(*cols);
-                fmt.format = *format;
-                let level = if *format == Format::Nvfp4 {
-                    gate_up_level(module, info.slots(), &modules, fmt, &mut shared)?
-                } else {
-                    None
-                };
-                Replacement::Linear(make_linear(
-                    dense_weight(slot_name, weight)?,
-                    *rows,
-                    *cols,
-                    &fmt,
-                    level,
-                ))
-            }
-            SlotShape::Linear {
-                rows,
-                cols,
-                format: Format::Nvfp4,
-            } => {
-                let need = |p: &str| {
-                    parts.get(p).ok_or_else(|| {
-                        ApiError::invalid(
-                            slot_name,
-                            format!("NVFP4 `{module}` arrived without `{module}.{p}`"),
-                        )
-                    })
-                };
-                let s2 = f32_of(slot_name, need("weight_scale_2")?)?;
-                let fmt = info.recipe.format_for(module, num_layers);
-                let scales = need("weight_scale")?.data.to_vec();
-                Replacement::Linear(nvfp4_from_parts(
-                    *rows,
-                    *cols,
-                    weight.data.to_vec(),
-                    scales,
-                    s2[0],
-                    &fmt,
-                ))
-            }
-            SlotShape::Linear {
-                rows,
-                cols,
-                format: Format::Mxfp8,
-            } => {
-                let scales = parts.get("weight_scale_inv").ok_or_else(|| {
-                    ApiError::invalid(
-                        slot_name,
-                        format!("MXFP8 `{module}` arrived without `{module}.weight_scale_inv`"),
-                    )
-                })?;
-                Replacement::Linear(mxfp8_from_parts(
-                    *rows,
-                    *cols,
-                    weight.data.to_vec(),
-                    scales.data.to_vec(),
-                ))
-            }
-            SlotShape::Linear { .. } => {
-                return Err(ApiError::invalid(
-                    slot_name,
-                    "a BF16 slot takes BF16/F16/F32 tensors only",
-                ))
-            }
-        };
-        out.push((slot_name.clone(), replacement));
-    }
-    Ok(out)
-}
-
-fn dense_weight(name: &str, t: &StagedTensor) -> Result<DenseWeight, ApiError> {
-    Ok(match t.dtype {
-        // One memcpy (the body slice may be unaligned for a direct cast).
-        Dtype::BF16 => {
-            let mut v = vec![half::bf16::ZERO; t.data.len() / 2];
-            bytemuck::cast_slice_mut::<half::bf16, u8>(&mut v).copy_from_slice(&t.data);
-            DenseWeight::Bf16(v)
-        }
-        _ => DenseWeight::F32(f32_of(name, t)?),
-    })
-}
-
-/// The shared second-level scale of an NVFP4 gate/up pair, from both halves of the update
-/// (paired only when both are NVFP4 slots, as convert and the loader pair them).
-fn gate_up_level(
-    module: &str,
-    slots: &BTreeMap<String, SlotShape>,
-    modules: &BTreeMap<String, BTreeMap<String, StagedTensor>>,
-    fmt: crate::quant::TensorFormat,
-    cache: &mut BTreeMap<String, SecondLevel>,
-) -> Result<Option<SecondLevel>, ApiError> {
-    let partner = gate_up_partner(module).filter(|p| match slots.get(&format!("{p}.weight")) {
-        Some(SlotShape::Linear { format, .. }) => shares_gate_up_scale(fmt.format, *format),
-        _ => false,
-    });
-    let Some(partner) = partner else {
-        return Ok(None);
-    };
-    let key = if module.ends_with("gate_proj") {
-        module.to_string()
-    } else {
-        partner.clone()
-    };
-    if let Some(l) = cache.get(&key) {
-        return Ok(Some(*l));
-    }
-    let partner_weight = format!("{partner}.weight");
-    let other = modules
-        .get(&partner_weight)
-        .and_then(|p| p.get("weight"))
-        .filter(|t| matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32));
-    let Some(other) = other else {
-        return Err(ApiError::invalid(&partner_weight, format!("`{module}` is NVFP4 with a scale shared with `{partner}`: update both in the same session")));
-    };
-    let mine = &modules[&format!("{module}.weight")]["weight"];
-    let a = crate::quant::nvfp4::parallel_amax(&f32_of(module, mine)?).max(
-        crate::quant::nvfp4::parallel_amax(&f32_of(&partner, other)?),
-    );
-    let level = crate::quant::nvfp4::gate_up_level(a, fmt.four_over_six);
-    cache.insert(key, level);
-    Ok(Some(level))
+    let stored = slot::prepare_all(&slots).map_err(invalid)?;
+    Ok(stored
+        .into_iter()
+        .map(|(module, stored)| {
+            let (s, _) = &slots[&module];
+            let name = s.name("weight");
+            let r = Replacement::of(&info.slots()[&name], stored, &s.format);
+            (name, r)
+        })
+        .collect())
 }

@@ -175,10 +175,7 @@ mod tests {
         let w = bf16_round(&r.vec(n_out * n_in));
         let (x, dy) = (r.vec(rows * n_in), r.vec(rows * n_out));
         for fmt in [
-            TensorFormat {
-                format: Format::Mxfp8,
-                ..TensorFormat::BF16
-            },
+            TensorFormat::BF16.with(Format::Mxfp8),
             TensorFormat {
                 format: Format::Nvfp4,
                 activation_scale: ScaleGranularity::PerToken,
@@ -242,10 +239,7 @@ mod tests {
         let (rows, n_in, n_out) = (40, 64, 32);
         let w = bf16_round(&r.vec(n_out * n_in));
         let (x, dy) = (r.vec(rows * n_in), r.vec(rows * n_out));
-        let fmt = TensorFormat {
-            format: Format::Mxfp8,
-            ..TensorFormat::BF16
-        };
+        let fmt = TensorFormat::BF16.with(Format::Mxfp8);
         let layer = make_linear(DenseWeight::F32(w.clone()), n_out, n_in, &fmt, None);
         let mut dw = vec![0f32; w.len()];
         let dx = linear_backward(

@@ -8,10 +8,10 @@
 
 use half::bf16;
 use rayon::prelude::*;
-use safetensors::tensor::Dtype;
 
 use crate::backend::{Linear, Storage};
-use crate::checkpoint::CheckpointPart;
+pub use crate::quant::slot::DenseWeight;
+use crate::quant::slot::{self, Stored};
 use crate::quant::{self, Format, GlobalScale, Nvfp4Options, ScaleGranularity, TensorFormat};
 
 /// Dot product with 8 independent accumulators, reduced in a fixed order. The same
@@ -153,10 +153,6 @@ impl Linear for DenseF32 {
     fn storage_bytes(&self) -> usize {
         self.weight.len() * 4
     }
-    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
-        let shape = vec![self.out_features, self.in_features];
-        vec![CheckpointPart::from_f32("weight", shape, &self.weight)]
-    }
     fn overwrite_from(&mut self, new: &dyn Linear) -> bool {
         match new.as_any().downcast_ref::<DenseF32>() {
             Some(n) if n.weight.len() == self.weight.len() => {
@@ -200,10 +196,6 @@ impl Linear for DenseBf16 {
     }
     fn storage_bytes(&self) -> usize {
         self.weight.len() * 2
-    }
-    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
-        let shape = vec![self.out_features, self.in_features];
-        vec![CheckpointPart::bf16("weight", shape, &self.weight)]
     }
     fn overwrite_from(&mut self, new: &dyn Linear) -> bool {
         match new.as_any().downcast_ref::<DenseBf16>() {
@@ -263,18 +255,6 @@ impl Linear for Mxfp8Linear {
     }
     fn storage_bytes(&self) -> usize {
         self.weight.data.len() + self.weight.scales.len()
-    }
-    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
-        let (w, k) = (&self.weight, self.weight.cols);
-        vec![
-            CheckpointPart::bytes("weight", Dtype::F8_E4M3, vec![w.rows, k], &w.data),
-            CheckpointPart::bytes(
-                "weight_scale_inv",
-                Dtype::U8,
-                vec![w.rows, k / quant::MXFP8_BLOCK],
-                &w.scales,
-            ),
-        ]
     }
     fn overwrite_from(&mut self, new: &dyn Linear) -> bool {
         match new.as_any().downcast_ref::<Mxfp8Linear>() {
@@ -397,32 +377,6 @@ impl Linear for Nvfp4Linear {
     fn storage_bytes(&self) -> usize {
         self.weight.data.len() + self.weight.scales.len() + 4
     }
-    fn checkpoint_parts(&self) -> Vec<CheckpointPart<'_>> {
-        let (w, k) = (&self.weight, self.weight.cols);
-        let scalar = |v: f32| std::borrow::Cow::Owned(v.to_le_bytes().to_vec());
-        vec![
-            CheckpointPart::bytes("weight", Dtype::U8, vec![w.rows, k / 2], &w.data),
-            CheckpointPart::bytes(
-                "weight_scale",
-                Dtype::F8_E4M3,
-                vec![w.rows, k / quant::NVFP4_BLOCK],
-                &w.scales,
-            ),
-            CheckpointPart {
-                suffix: "weight_scale_2",
-                dtype: Dtype::F32,
-                shape: vec![],
-                data: scalar(self.weight_scale()),
-            },
-            // Activations are scaled per token at run time; convert writes 1.0 for loaders.
-            CheckpointPart {
-                suffix: "input_scale",
-                dtype: Dtype::F32,
-                shape: vec![],
-                data: scalar(1.0),
-            },
-        ]
-    }
     fn overwrite_from(&mut self, new: &dyn Linear) -> bool {
         let Some(n) = new.as_any().downcast_ref::<Nvfp4Linear>() else {
             return false;
@@ -455,79 +409,31 @@ impl Linear for Nvfp4Linear {
     }
 }
 
-/// An NVFP4 linear layer from its checkpoint parts (ModelOpt layout, shapes checked by the
-/// caller): packed E2M1 `[rows, cols/2]`, E4M3 block scales `[rows, cols/16]`, the weight's S_dec.
-pub fn nvfp4_from_parts(
-    rows: usize,
-    cols: usize,
-    data: Vec<u8>,
-    scales: Vec<u8>,
-    s_dec: f32,
-    fmt: &TensorFormat,
-) -> Box<dyn Linear> {
-    let q = quant::Nvfp4Tensor {
-        rows,
-        cols,
-        data,
-        scales,
-        global: GlobalScale::PerTensor(s_dec),
-    };
-    Box::new(Nvfp4Linear::new(
-        q,
-        &TensorFormat {
-            format: Format::Nvfp4,
-            ..*fmt
-        },
-    ))
-}
-
-/// An MXFP8 linear layer from its checkpoint parts: E4M3 `[rows, cols]`, E8M0 `[rows, cols/32]`.
-pub fn mxfp8_from_parts(
-    rows: usize,
-    cols: usize,
-    data: Vec<u8>,
-    scales: Vec<u8>,
-) -> Box<dyn Linear> {
-    Box::new(Mxfp8Linear {
-        weight: quant::Mxfp8Tensor {
-            rows,
-            cols,
-            axis: quant::BlockAxis::Rowwise,
-            data,
-            scales,
-        },
-    })
-}
-
-/// High-precision source weights of one linear layer, before the recipe decides its format.
-#[derive(Clone)]
-pub enum DenseWeight {
-    F32(Vec<f32>),
-    Bf16(Vec<bf16>),
-}
-
-impl DenseWeight {
-    pub fn len(&self) -> usize {
-        match self {
-            DenseWeight::F32(v) => v.len(),
-            DenseWeight::Bf16(v) => v.len(),
+/// The linear op holding a slot's stored form (`fmt`: the activations' numerics).
+pub fn linear_from(stored: Stored, fmt: &TensorFormat) -> Box<dyn Linear> {
+    match stored {
+        Stored::Dense { shape, values } => {
+            let (out_features, in_features) = (shape[0], shape[1]);
+            match values {
+                DenseWeight::F32(weight) => Box::new(DenseF32 {
+                    weight,
+                    out_features,
+                    in_features,
+                }),
+                DenseWeight::Bf16(weight) => Box::new(DenseBf16 {
+                    weight,
+                    out_features,
+                    in_features,
+                }),
+            }
         }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    pub fn to_f32(&self) -> Vec<f32> {
-        match self {
-            DenseWeight::F32(v) => v.clone(),
-            DenseWeight::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
-        }
+        Stored::Mxfp8(weight) => Box::new(Mxfp8Linear { weight }),
+        Stored::Nvfp4(q) => Box::new(Nvfp4Linear::new(q, &fmt.with(Format::Nvfp4))),
     }
 }
 
-/// The factory: a high-precision weight -> the linear op of its recipe format. `shared_s_enc`
-/// carries the gate/up joint second-level scale for NVFP4 experts.
+/// The factory: a high-precision weight -> the linear op of its recipe format
+/// ([`slot::store`]). `shared_level` carries the gate/up joint second-level scale for NVFP4.
 pub fn make_linear(
     w: DenseWeight,
     out_features: usize,
@@ -535,50 +441,8 @@ pub fn make_linear(
     fmt: &TensorFormat,
     shared_level: Option<quant::nvfp4::SecondLevel>,
 ) -> Box<dyn Linear> {
-    match fmt.format {
-        Format::Bf16 => match w {
-            DenseWeight::F32(weight) => Box::new(DenseF32 {
-                weight,
-                out_features,
-                in_features,
-            }),
-            DenseWeight::Bf16(weight) => Box::new(DenseBf16 {
-                weight,
-                out_features,
-                in_features,
-            }),
-        },
-        Format::Mxfp8 => {
-            let x = w.to_f32();
-            Box::new(Mxfp8Linear {
-                weight: quant::mxfp8::quantize_rowwise(&x, out_features, in_features)
-                    .expect("checked block alignment"),
-            })
-        }
-        Format::Nvfp4 => {
-            let x = w.to_f32();
-            let q = match shared_level {
-                Some(level) => quant::nvfp4::quantize_with_level(
-                    &x,
-                    out_features,
-                    in_features,
-                    level,
-                    fmt.four_over_six,
-                ),
-                None => quant::nvfp4::quantize(
-                    &x,
-                    out_features,
-                    in_features,
-                    &Nvfp4Options {
-                        granularity: ScaleGranularity::PerTensor,
-                        four_over_six: fmt.four_over_six,
-                    },
-                )
-                .expect("checked block alignment"),
-            };
-            Box::new(Nvfp4Linear::new(q, fmt))
-        }
-    }
+    let stored = slot::store(w, &[out_features, in_features], fmt, shared_level);
+    linear_from(stored.expect("checked block alignment"), fmt)
 }
 
 #[cfg(test)]
