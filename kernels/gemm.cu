@@ -371,11 +371,10 @@ __device__ void grouped_gemm_mma(const float* x, const int* row_index, const flo
 // ---- Tensor cores for tiles of few rows: a warp per 8 * NF output columns ----
 
 #define SKINNY_WARPS 4  // warps per 128-thread block
-#define SKINNY_SPANS 4  // spans of weights in flight per lane and column fragment
 
 // Grid (ceil(N / (32 * NF)), tiles), 128 threads. Requires K % 32 == 0. Each lane streams the
 // 8 values per span of its NF weight columns (g of each n8 fragment) from global memory,
-// SKINNY_SPANS spans ahead, and packs its rows' activations itself (L1-resident, shared by the
+// SPANS spans ahead, and packs its rows' activations itself (L1-resident, shared by the
 // block's warps) once per span for all NF fragments; more fragments per warp spread that
 // packing over more weights, fewer give more warps. The tile's rows are at most TM = two m16
 // fragments; a fragment, or its upper 8 rows, with no live row is skipped (warp-uniform).
@@ -387,6 +386,7 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
     constexpr bool SPLIT = FMT == 1;
     constexpr int FRAGS = TM / 16;
+    constexpr int SPANS = NF == 1 ? 8 : 4;
     __shared__ float e2m1[16];
     fill_e2m1_table(e2m1);
     __syncthreads();
@@ -417,16 +417,16 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
 #pragma unroll
             for (int v = 0; v < 4; v++) acc[mi][f][v] = 0.0f;
 
-    for (int k0 = 0; k0 < K; k0 += 32 * SKINNY_SPANS) {
-        int spans = min(SKINNY_SPANS, (K - k0) / 32);
-        Weight8 wc[SKINNY_SPANS][NF];
+    for (int k0 = 0; k0 < K; k0 += 32 * SPANS) {
+        int spans = min(SPANS, (K - k0) / 32);
+        Weight8 wc[SPANS][NF];
 #pragma unroll
-        for (int s = 0; s < SKINNY_SPANS; s++)
+        for (int s = 0; s < SPANS; s++)
 #pragma unroll
             for (int f = 0; f < NF; f++)
                 if (s < spans) wc[s][f] = load_weight8<FMT>(w, w_scales, w_row[f], k0 + 32 * s + 8 * t, K);
 #pragma unroll
-        for (int s = 0; s < SKINNY_SPANS; s++) {
+        for (int s = 0; s < SPANS; s++) {
             if (s >= spans) break;
             u32 b[NF][4];
 #pragma unroll

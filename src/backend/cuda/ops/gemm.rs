@@ -63,11 +63,14 @@ pub enum GemmPath {
     Skinny4,
 }
 
-/// Rows up to which [`GemmPath::Auto`] takes [`GemmPath::Skinny`] for one dense group (it reads
-/// the weights once per 32 rows, from L2 after the first) and, on average per expert, for a
-/// routing plan. Both paths give the same bits; these only pick the faster.
-pub const SKINNY_MAX_DENSE_ROWS: usize = 64;
-pub const SKINNY_MAX_ROWS_PER_EXPERT: usize = 4;
+/// Rows up to which [`GemmPath::Auto`] takes the few-rows kernels for one dense group and, on
+/// average per expert, for a routing plan. Every path gives the same bits; these only pick
+/// the faster.
+/// Measured on the H200 (examples/cuda_kernel_bench.rs, docs/performance.md, 2026-12-01):
+/// dense projections at 1-8 rows 0.85-0.9x the tiled kernel's time, at 16+ rows 1.5-3x; expert
+/// gate/up at 8-128 tokens (up to 8 rows per expert) 0.65-0.7x, at 256 tokens 1.04x.
+pub const SKINNY_MAX_DENSE_ROWS: usize = 8;
+pub const SKINNY_MAX_ROWS_PER_EXPERT: usize = 8;
 
 impl GemmPath {
     fn resolve(
