@@ -206,7 +206,12 @@ fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f3
             }
             let mut out = gpu.alloc::<f32>(rows * n).expect("out");
             let bytes = (n * k * 2 + rows * k * 4 + rows * n * 4) as f64;
-            for path in [GemmPath::TensorCore, GemmPath::Skinny, GemmPath::Skinny4, GemmPath::Auto] {
+            for path in [
+                GemmPath::TensorCore,
+                GemmPath::Skinny,
+                GemmPath::Skinny4,
+                GemmPath::Auto,
+            ] {
                 let s = time(gpu, || {
                     ops::grouped_gemm_on(
                         path,
@@ -321,9 +326,7 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
                 if kernel == "paged_attention" {
                     ops::paged_attention(gpu, &q, &mut out, &k, &v, &meta, rows, shape)
                 } else if decode && kernel != "prefill_attention" {
-                    ops::decode_attention(
-                        gpu, &q, &mut out, &k, &v, &meta, None, rows, rows, shape,
-                    )
+                    ops::decode_attention(gpu, &q, &mut out, &k, &v, &meta, None, rows, rows, shape)
                 } else {
                     ops::prefill_attention(
                         gpu,

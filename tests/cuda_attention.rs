@@ -141,7 +141,10 @@ impl Problem {
         assert!(err < case_tol, "{what}: relative error {err}");
         for (r, ctx) in self.row_ctx.iter().enumerate() {
             let e = rel_err(&got[r * width..][..width], &self.want[r * width..][..width]);
-            assert!(e < row_tol, "{what}: row {r} ({ctx} keys) relative error {e}");
+            assert!(
+                e < row_tol,
+                "{what}: row {r} ({ctx} keys) relative error {e}"
+            );
         }
         err
     }
@@ -165,7 +168,19 @@ fn tensor_core_attention(
     let (tiles, decode_rows) = ops::attention_split(q_lens.iter().copied());
     let (dt, dr) = (g.upload(&tiles).unwrap(), g.upload(&decode_rows).unwrap());
     let mut out = g.upload(&vec![f32::NAN; n]).unwrap();
-    ops::prefill_attention(g, q, &mut out, k, v, meta, &dt, tiles.len() / 2, rows, shape).unwrap();
+    ops::prefill_attention(
+        g,
+        q,
+        &mut out,
+        k,
+        v,
+        meta,
+        &dt,
+        tiles.len() / 2,
+        rows,
+        shape,
+    )
+    .unwrap();
     ops::decode_attention(
         g,
         q,
@@ -316,7 +331,10 @@ impl Rows {
 fn assert_same_bits(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}");
     if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
-        panic!("{what}: element {i} is {} where one chunk gave {}", got[i], want[i]);
+        panic!(
+            "{what}: element {i} is {} where one chunk gave {}",
+            got[i], want[i]
+        );
     }
 }
 
@@ -337,11 +355,17 @@ fn attention_rows_have_the_same_bits_however_they_are_batched() {
         let rows = Rows::new(&g, &mut rng, &contexts, shape);
         let width = heads * head_dim;
         let what = |s: usize, how: &str| {
-            format!("hd {head_dim} heads {heads}/{kv_heads}, {} keys, {how}", contexts[s])
+            format!(
+                "hd {head_dim} heads {heads}/{kv_heads}, {} keys, {how}",
+                contexts[s]
+            )
         };
         // The reference: every sequence prefilled in one chunk, all in one step.
-        let whole: Vec<(usize, usize, usize)> =
-            contexts.iter().enumerate().map(|(s, &c)| (s, 0, c)).collect();
+        let whole: Vec<(usize, usize, usize)> = contexts
+            .iter()
+            .enumerate()
+            .map(|(s, &c)| (s, 0, c))
+            .collect();
         let want = rows.step(&g, &whole);
         for (s, &c) in contexts.iter().enumerate() {
             // Alone, in one chunk.
@@ -371,9 +395,15 @@ fn attention_rows_have_the_same_bits_however_they_are_batched() {
             for (part, out) in parts.iter().zip(&got) {
                 let (s, first, len) = *part;
                 let want_rows = &want[s][first * width..(first + len) * width];
-                assert_same_bits(out, want_rows, &what(s, &format!("in a step of {} parts", parts.len())));
+                assert_same_bits(
+                    out,
+                    want_rows,
+                    &what(s, &format!("in a step of {} parts", parts.len())),
+                );
             }
         }
-        println!("hd {head_dim} heads {heads}/{kv_heads}: every row bitwise equal in every batching");
+        println!(
+            "hd {head_dim} heads {heads}/{kv_heads}: every row bitwise equal in every batching"
+        );
     }
 }

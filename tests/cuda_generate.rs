@@ -469,7 +469,12 @@ fn midsize_config() -> ModelConfig {
     ModelConfig::from_json(raw).unwrap()
 }
 
-fn dummy_engine(config: &ModelConfig, name: &str, max_running: usize, chunk: usize) -> EngineHandle {
+fn dummy_engine(
+    config: &ModelConfig,
+    name: &str,
+    max_running: usize,
+    chunk: usize,
+) -> EngineHandle {
     let recipe = Recipe::builtin(name).unwrap();
     let spec = cuda(CudaSource::Dummy {
         config: config.clone(),
@@ -526,7 +531,11 @@ fn assert_recompute_equals_rollout(
     let (mut unequal, mut worst) = (0usize, 0f32);
     for (i, ((_, f), o)) in run_requests(h, reqs).iter().zip(outs).enumerate() {
         let input = f.input_logprobs.as_ref().expect("input logprobs");
-        assert_eq!(input.len(), o.len(), "{what} rollout {i}: recomputed positions");
+        assert_eq!(
+            input.len(),
+            o.len(),
+            "{what} rollout {i}: recomputed positions"
+        );
         for (j, (r, t)) in input.iter().zip(o).enumerate() {
             assert_eq!(r.token, t.id, "{what} rollout {i} position {j}: token");
             let (a, b) = (r.logprob.expect("a logprob"), t.logprob.expect("a logprob"));
@@ -574,7 +583,12 @@ fn rollout_logprobs_equal_recomputed_logprobs_bit_for_bit() {
                 let r = rollout(format!("one{i}"), p.clone(), 24, seed, 0);
                 alone.push(run_requests(&h, vec![r]).remove(0).0);
             }
-            let n = assert_recompute_equals_rollout(&format!("{what}, concurrency 1"), &h, &prompts[..3], &alone);
+            let n = assert_recompute_equals_rollout(
+                &format!("{what}, concurrency 1"),
+                &h,
+                &prompts[..3],
+                &alone,
+            );
             // A GRPO group: sample 0 of each prompt, then samples 1..8 of each at once, which
             // reuse the cached prompt blocks: 64 sequences decoding together.
             let first: Vec<GenerateRequest> = prompts
@@ -591,12 +605,20 @@ fn rollout_logprobs_equal_recomputed_logprobs_bit_for_bit() {
                 .collect();
             let done = run_requests(&h, rest);
             let cached: usize = done.iter().map(|r| r.1.cached_tokens).sum();
-            assert!(cached > 0, "{what}: the group's later samples hit the prefix cache");
+            assert!(
+                cached > 0,
+                "{what}: the group's later samples hit the prefix cache"
+            );
             for (k, r) in done.into_iter().enumerate() {
                 group_prompts.push(prompts[k % prompts.len()].clone());
                 outs.push(r.0);
             }
-            let m = assert_recompute_equals_rollout(&format!("{what}, 64 at once"), &h, &group_prompts, &outs);
+            let m = assert_recompute_equals_rollout(
+                &format!("{what}, 64 at once"),
+                &h,
+                &group_prompts,
+                &outs,
+            );
             println!("{what}: {n} + {m} rollout logprobs bitwise equal to recomputed ({cached} prompt tokens from the prefix cache)");
             h.shutdown();
         }
@@ -618,7 +640,13 @@ fn a_sequence_decoded_alone_equals_it_among_255_others() {
         let mut reqs: Vec<GenerateRequest> = (0..255)
             .map(|i| {
                 let len = 1 + rng.below(300);
-                rollout(format!("other{i}"), prompt(&mut rng, len, vocab), 32, rng.next(), 0)
+                rollout(
+                    format!("other{i}"),
+                    prompt(&mut rng, len, vocab),
+                    32,
+                    rng.next(),
+                    0,
+                )
             })
             .collect();
         let at = rng.below(256);
@@ -639,7 +667,10 @@ fn a_sequence_decoded_alone_equals_it_among_255_others() {
             };
             assert_eq!(tops(a), tops(c), "{name} position {j}: top-5");
         }
-        println!("{name}: a sequence decoded alone and among 255 others: {} tokens bitwise equal", alone.len());
+        println!(
+            "{name}: a sequence decoded alone and among 255 others: {} tokens bitwise equal",
+            alone.len()
+        );
         h.shutdown();
     }
 }
@@ -699,13 +730,19 @@ fn the_trainer_forward_on_the_gpu_gives_the_rollout_logprobs() {
                     t.logprob
                 );
                 let top: Vec<(u32, u32)> = lp.top.iter().map(|&(i, x)| (i, bits(x))).collect();
-                let want: Vec<(u32, u32)> = t.top_logprobs.iter().map(|&(i, x)| (i, bits(x))).collect();
+                let want: Vec<(u32, u32)> =
+                    t.top_logprobs.iter().map(|&(i, x)| (i, bits(x))).collect();
                 assert_eq!(top, want, "{name}, {what}, position {j}: top-5");
             }
         };
         let mut trace = ForwardTrace::default();
-        let traced = trainer.forward_traced(&batch, None, Some(&mut trace)).unwrap();
-        assert_eq!(traced.routed_experts, routed, "{name}: the trainer routed as the rollout");
+        let traced = trainer
+            .forward_traced(&batch, None, Some(&mut trace))
+            .unwrap();
+        assert_eq!(
+            traced.routed_experts, routed,
+            "{name}: the trainer routed as the rollout"
+        );
         check("traced forward", &traced.logits);
         let (replayed, _) = trainer.forward_with(&batch, &[], Some(&routed)).unwrap();
         check("routing replayed", &replayed.logits);

@@ -151,7 +151,12 @@ fn gemm(
 }
 
 fn bf16_weights(rng: &mut Rng, n: usize, k: usize) -> DenseWeight {
-    DenseWeight::Bf16(rng.vec(n * k, 0.08).into_iter().map(bf16::from_f32).collect())
+    DenseWeight::Bf16(
+        rng.vec(n * k, 0.08)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect(),
+    )
 }
 
 #[test]
@@ -177,7 +182,15 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
         for (name, layer) in &layers {
             let m = GpuMatrix::upload(&g, &[vec![&**layer]]).unwrap();
             let full = quantized(&g, &m, &x, ALL, k);
-            let want = gemm(&g, GemmPath::Auto, &full, None, &m, GemmRows::Dense(ALL), ALL);
+            let want = gemm(
+                &g,
+                GemmPath::Auto,
+                &full,
+                None,
+                &m,
+                GemmRows::Dense(ALL),
+                ALL,
+            );
             let full_deq = g.download(&full.x, ALL * k).unwrap();
             for rows_m in ROW_COUNTS {
                 let rows = subset(&mut rng, rows_m);
@@ -233,7 +246,10 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
             g.alloc::<f32>(tokens * top_k).unwrap(),
         );
         let dl = g.upload(l).unwrap();
-        ops::moe_route(&g, &dl, tokens, experts, top_k, true, None, &mut ids, &mut w).unwrap();
+        ops::moe_route(
+            &g, &dl, tokens, experts, top_k, true, None, &mut ids, &mut w,
+        )
+        .unwrap();
         (ids, w)
     };
     let (ids_full, w_full) = route(&logits, ALL);
@@ -300,11 +316,11 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
             let part = quantized(&g, &m, &gather(&x, &rows, k), tokens, k);
             let want_rows = gather(&want, &rows, top_k * n);
             for path in [
-                    GemmPath::Auto,
-                    GemmPath::TensorCore,
-                    GemmPath::Skinny,
-                    GemmPath::Skinny4,
-                ] {
+                GemmPath::Auto,
+                GemmPath::TensorCore,
+                GemmPath::Skinny,
+                GemmPath::Skinny4,
+            ] {
                 let out = gemm(
                     &g,
                     path,
@@ -358,8 +374,16 @@ fn rms_norm_rows_have_the_same_bits_for_every_row_count() {
     for m in ROW_COUNTS {
         let rows = subset(&mut rng, m);
         let (sum, out) = norm(&gather(&x, &rows, d), &gather(&res, &rows, d), m);
-        assert_bits(&sum, &gather(&sum_full, &rows, d), &format!("{m} rows: x + residual"));
-        assert_bits(&out, &gather(&out_full, &rows, d), &format!("{m} rows: normed"));
+        assert_bits(
+            &sum,
+            &gather(&sum_full, &rows, d),
+            &format!("{m} rows: x + residual"),
+        );
+        assert_bits(
+            &out,
+            &gather(&out_full, &rows, d),
+            &format!("{m} rows: normed"),
+        );
         // The final norm reads its rows in place through a row index.
         let mut dsum = g.upload(&sum_full).unwrap();
         let index: Vec<i32> = rows.iter().map(|&r| r as i32).collect();

@@ -911,7 +911,10 @@ fn compare_models(cpu_model: &Model, cuda: &mut CudaModel, rng: &mut Rng) -> f64
         );
         let v = c.vocab_size;
         for r in 0..want.logits.len() / v {
-            worst = worst.max(rel_err(&got.logits[r * v..][..v], &want.logits[r * v..][..v]));
+            worst = worst.max(rel_err(
+                &got.logits[r * v..][..v],
+                &want.logits[r * v..][..v],
+            ));
         }
     }
     worst
@@ -996,7 +999,10 @@ fn models_match_the_cpu_in_every_format() {
         // and f32 models <= 2e-3; quantized ones 3e-6 on most prompts, up to 8e-2 on some.
         let quantized = what.contains("mxfp8") || what.contains("nvfp4");
         let tol = if quantized { 0.15 } else { 3e-2 };
-        assert!(*worst < tol, "{what}: logits relative error {worst} (tolerance {tol})");
+        assert!(
+            *worst < tol,
+            "{what}: logits relative error {worst} (tolerance {tol})"
+        );
     }
 }
 
@@ -1256,6 +1262,9 @@ fn midsize_qwen3_30b_shape_matches_the_cpu() {
         // and GEMMs themselves are checked byte for byte and to 1e-5 above; here the bound is
         // looser. Routing is the CPU's, replayed, so no near-tie flip takes a row out.
         let tol = if name == "bf16" { 3e-2 } else { 0.15 };
-        assert!(worst < tol, "{name}: logits relative error {worst} (tolerance {tol})");
+        assert!(
+            worst < tol,
+            "{name}: logits relative error {worst} (tolerance {tol})"
+        );
     }
 }

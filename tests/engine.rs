@@ -84,7 +84,8 @@ fn a_start_up_that_panics_returns_its_error_instead_of_waiting() {
     };
     let err = Engine::start(model, info, cfg).err().expect("refused");
     assert!(
-        err.to_string().contains("max_batch_tokens must be at least max_running_requests"),
+        err.to_string()
+            .contains("max_batch_tokens must be at least max_running_requests"),
         "{err}"
     );
 }

@@ -414,7 +414,9 @@ mod tests {
         let mut state = 0x9e37_79b9_7f4a_7c15u64;
         let mut xs = vec![1.0, 2.0, std::f64::consts::SQRT_2, 151_936.0];
         for _ in 0..20_000 {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             // Normalizers lie in [1, vocab]: log-uniform over [1, 2^18).
             let u = (state >> 11) as f64 / (1u64 << 53) as f64;
             xs.push((u * 18.0 * std::f64::consts::LN_2).exp());
@@ -422,7 +424,10 @@ mod tests {
         for x in xs {
             let (got, want) = (contract_ln(x), x.ln());
             let ulp = f64::EPSILON * want.abs().max(f64::MIN_POSITIVE);
-            assert!((got - want).abs() <= 4.0 * ulp.max(1e-300), "ln {x}: {got} vs {want}");
+            assert!(
+                (got - want).abs() <= 4.0 * ulp.max(1e-300),
+                "ln {x}: {got} vs {want}"
+            );
         }
         assert_eq!(contract_ln(1.0), 0.0);
     }
@@ -431,7 +436,10 @@ mod tests {
     fn fixed_order_sum_adds_lanes_then_each_warp_by_halves_then_the_warps() {
         // Integers: every order gives the exact sum.
         let ints: Vec<f64> = (0..1500).map(|i| (i % 37) as f64).collect();
-        assert_eq!(fixed_order_sum(ints.iter().copied()), ints.iter().sum::<f64>());
+        assert_eq!(
+            fixed_order_sum(ints.iter().copied()),
+            ints.iter().sum::<f64>()
+        );
         // 1 + 2^-53 + 2^-53: added left to right both halves are lost; the tree adds lanes 16
         // and 0 first (losing one), then lane 8's 2^-53 into lane 0 is lost too, unless lanes 8
         // and 24 meet first: lane 8 = 2^-53, lane 24 = 2^-53 give 2^-52, which survives.

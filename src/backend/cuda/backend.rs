@@ -11,9 +11,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::block_scaled::{BlockFormat, BlockScaledGemm};
-use super::ops::{
-    self, AttnRows, AttnShape, GemmRows, MoePlan, Nvfp4Out, Table,
-};
+use super::ops::{self, AttnRows, AttnShape, GemmRows, MoePlan, Nvfp4Out, Table};
 use super::sampling::{DeviceSampler, MAX_DEVICE_TOP_LOGPROBS};
 use super::weights::{Activation, GpuMatrix};
 use super::{CudaError, Gpu};
@@ -94,7 +92,6 @@ pub struct CudaRoute {
     rows: usize,
     top_k: usize,
 }
-
 
 /// The lm_head runs on at most this many rows at a time (a step asking for input logprobs of
 /// a long chunk needs logits for every row; the vocabulary makes each row large).

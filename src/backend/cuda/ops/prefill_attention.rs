@@ -68,11 +68,14 @@ pub fn prefill_attention(
     rows: usize,
     s: AttnShape,
 ) -> Result<(), CudaError> {
-    let kernel = kernel_for(s, [
-        Kernel::PrefillAttentionHd32,
-        Kernel::PrefillAttentionHd64,
-        Kernel::PrefillAttentionHd128,
-    ])?;
+    let kernel = kernel_for(
+        s,
+        [
+            Kernel::PrefillAttentionHd32,
+            Kernel::PrefillAttentionHd64,
+            Kernel::PrefillAttentionHd128,
+        ],
+    )?;
     let q = need(q, rows * s.heads * s.head_dim, "attention q")?;
     let out = need(out, rows * s.heads * s.head_dim, "attention out")?;
     let pos = need(meta.pos, rows, "attention positions")?;
@@ -119,11 +122,14 @@ pub fn decode_attention(
     step_rows: usize,
     s: AttnShape,
 ) -> Result<(), CudaError> {
-    let kernel = kernel_for(s, [
-        Kernel::DecodeAttentionHd32,
-        Kernel::DecodeAttentionHd64,
-        Kernel::DecodeAttentionHd128,
-    ])?;
+    let kernel = kernel_for(
+        s,
+        [
+            Kernel::DecodeAttentionHd32,
+            Kernel::DecodeAttentionHd64,
+            Kernel::DecodeAttentionHd128,
+        ],
+    )?;
     let q = need(q, step_rows * s.heads * s.head_dim, "attention q")?;
     let out = need(out, step_rows * s.heads * s.head_dim, "attention out")?;
     let pos = need(meta.pos, step_rows, "attention positions")?;
