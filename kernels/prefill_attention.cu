@@ -258,22 +258,22 @@ __device__ void decode_attention(const float* q, float* out, const bf16_t* k_cac
                       block_size, scale);
 }
 
-#define ATTENTION_KERNELS(HD)                                                                                     \
-    extern "C" __global__ void prefill_attention_hd##HD(                                                          \
-        const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,             \
-        const int* row_seq, const int* table_offsets, const int* block_tables, const int* tiles, int heads,       \
-        int kv_heads, int block_size, float scale) {                                                              \
-        prefill_attention<HD>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, tiles,     \
-                              heads, kv_heads, block_size, scale);                                                \
-    }                                                                                                             \
-    extern "C" __global__ void decode_attention_hd##HD(                                                           \
-        const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,             \
-        const int* row_seq, const int* table_offsets, const int* block_tables, const int* rows, int heads,        \
-        int kv_heads, int block_size, float scale) {                                                              \
-        decode_attention<HD>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, rows, heads, \
-                             kv_heads, block_size, scale);                                                        \
+#define ATTENTION_KERNELS(PREFILL, DECODE, HD)                                                                        \
+    extern "C" __global__ void PREFILL(                                                                               \
+        const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,                 \
+        const int* row_seq, const int* table_offsets, const int* block_tables, const int* tiles, int heads,           \
+        int kv_heads, int block_size, float scale) {                                                                  \
+        prefill_attention<HD>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, tiles,         \
+                              heads, kv_heads, block_size, scale);                                                    \
+    }                                                                                                                 \
+    extern "C" __global__ void DECODE(                                                                                \
+        const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,                 \
+        const int* row_seq, const int* table_offsets, const int* block_tables, const int* rows, int heads,            \
+        int kv_heads, int block_size, float scale) {                                                                  \
+        decode_attention<HD>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, rows, heads,    \
+                             kv_heads, block_size, scale);                                                            \
     }
 
-ATTENTION_KERNELS(32)
-ATTENTION_KERNELS(64)
-ATTENTION_KERNELS(128)
+ATTENTION_KERNELS(prefill_attention_hd32, decode_attention_hd32, 32)
+ATTENTION_KERNELS(prefill_attention_hd64, decode_attention_hd64, 64)
+ATTENTION_KERNELS(prefill_attention_hd128, decode_attention_hd128, 128)
