@@ -25,7 +25,7 @@ use lockstep::model::ModelConfig;
 use lockstep::quant::Recipe;
 
 /// Dense BF16 tensor-core rate used for the compute roofline (docs: ~790-900 TFLOP/s measured
-/// with cuBLAS on the H200; the lower end).
+/// with cuBLAS on the H200 in an earlier session; the lower end).
 const TENSOR_FLOPS: f64 = 790e12;
 
 fn median(mut v: Vec<f64>) -> f64 {

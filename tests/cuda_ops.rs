@@ -676,7 +676,7 @@ fn cpu_experts(
 fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
     let g = gpu();
     let mut rng = Rng(seed());
-    // K = 288: a partial last step for the GEMV (256 per warp pass); N = 96: a partial tile.
+    // K = 288: a partial last group of spans for the few-rows kernels; N = 96: a partial tile.
     let (tokens, experts, top_k, n, k) = (45, 6, 2, 96, 288);
     let logits = rng.vec(tokens * experts, 3.0);
     let (mut ids, mut wts) = (

@@ -12,7 +12,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use super::device::Gpu;
 use super::kernels::Param;
 
-/// The most parameters a kernel has (`paged_attention_split`).
+/// The most parameters a kernel may have (the widest, the GEMMs, take 14).
 pub const MAX_PARAMS: usize = 16;
 
 /// One argument as the driver receives it.

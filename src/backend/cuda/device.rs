@@ -1,5 +1,5 @@
 //! One CUDA device as the engine uses it: its context, the one engine stream every kernel and
-//! copy is queued on, a cuBLAS handle bound to that stream, and the loaded kernels.
+//! copy is queued on, and the loaded kernels.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -45,7 +45,7 @@ pub fn device_count() -> usize {
 
 impl Gpu {
     /// Opens device `ordinal`, compiles (or loads from the cache) every kernel for its
-    /// architecture and creates the engine stream and the cuBLAS handle.
+    /// architecture and creates the engine stream.
     pub fn open(ordinal: usize) -> Result<Gpu, CudaError> {
         let count = probe().map_err(CudaError::NoDevice)?;
         if count <= ordinal {

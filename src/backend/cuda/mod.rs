@@ -1,6 +1,7 @@
 //! The CUDA backend: the ops of [`crate::backend::Backend`] on an NVIDIA GPU ([`backend::Cuda`]).
 //!
-//! libcuda, NVRTC and cuBLAS are loaded at run time (cudarc's dynamic loading), so the binary
+//! libcuda and NVRTC (and cuBLASLt, for the opt-in Blackwell GEMMs) are loaded at run time
+//! (cudarc's dynamic loading), so the binary
 //! builds and runs on machines without CUDA; `--device auto` uses a GPU when one is present.
 //! Kernels live in kernels/*.cu, are embedded in the binary and compiled by NVRTC at start-up
 //! for the device's architecture ([`kernels`]). Every op is tested against the CPU reference

@@ -1,4 +1,4 @@
-//! Typed launch wrappers, one per kernel (and the cuBLAS GEMM), one file per kernels/*.cu
+//! Typed launch wrappers, one per kernel, one file per kernels/*.cu
 //! source: each checks that its buffers hold what the kernel will touch, then queues the launch
 //! on the engine stream. Shapes are row-major, activations f32, like the CPU backend's.
 //!
