@@ -215,7 +215,9 @@ pub struct ServeArgs {
     )]
     pub enable_return_routed_experts: bool,
 
-    /// Largest total of tensor bytes a streamed weight update may stage before its commit.
+    /// Largest streamed weight-update bucket, and largest total of parts a session holds
+    /// waiting for others (a gate/up half without its partner, pre-quantized parts); whole
+    /// slots are prepared on arrival and not counted.
     #[arg(long, default_value_t = 4 << 30, env = "LOCKSTEP_MAX_STAGED_WEIGHT_BYTES", help_heading = "Weights")]
     pub max_staged_weight_bytes: usize,
     /// Seconds a streamed weight update session may stay idle before it is dropped.

@@ -202,8 +202,35 @@ async fn push_updates_every_server_exactly() {
     );
 }
 
-/// One server refusing a bucket (its staging limit is too small) aborts the push on every
-/// server: both keep the old weights and version, and neither keeps a session open.
+/// A model many times the staging limit streams through: a dense weight with no gate/up
+/// partner is a whole slot, prepared as it arrives, and never counts against the limit. The
+/// server ends on the checkpoint's exact weights.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_larger_than_the_staging_limit_succeeds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    bf16_checkpoint(&a, 1.0);
+    bf16_checkpoint(&b, 1.25);
+    let model = |d: &Path| d.to_str().unwrap().to_string();
+    let (ma, mb) = (model(&a), model(&b));
+    // The BF16 checkpoint is 441 KB in 64 KiB buckets; the limit also bounds one bucket's body.
+    let s = Proc::start(&["--model-path", &ma, "--max-staged-weight-bytes", "100000"]).await;
+    let fresh = Proc::start(&["--model-path", &mb]).await;
+    let report = push_checkpoint(&options(&[&s]), &b).await.unwrap();
+    assert!(report.buckets > 1, "{report:?}");
+    let c = s.client();
+    assert_eq!(version(&c).await, "1");
+    assert_eq!(overall(&c).await, overall(&fresh.client()).await);
+    assert_eq!(
+        generate(&c, GREEDY).await["meta_info"]["output_token_logprobs"],
+        generate(&fresh.client(), GREEDY).await["meta_info"]["output_token_logprobs"],
+        "bitwise a fresh server on the new weights"
+    );
+}
+
+/// One server refusing a bucket (its limit, which also bounds one bucket, is below the 64 KiB
+/// buckets) aborts the push on every server: both keep the old weights and version, and
+/// neither keeps a session open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_server_aborts_the_push_everywhere() {
     let tmp = tempfile::tempdir().unwrap();
@@ -212,7 +239,7 @@ async fn a_failing_server_aborts_the_push_everywhere() {
     bf16_checkpoint(&b, 1.25);
     let ma = a.to_str().unwrap().to_string();
     let s1 = Proc::start(&["--model-path", &ma]).await;
-    let s2 = Proc::start(&["--model-path", &ma, "--max-staged-weight-bytes", "200000"]).await;
+    let s2 = Proc::start(&["--model-path", &ma, "--max-staged-weight-bytes", "30000"]).await;
     let sums = (overall(&s1.client()).await, overall(&s2.client()).await);
     let out = generate(&s1.client(), GREEDY).await;
 

@@ -608,6 +608,11 @@ async fn streamed_weight_update_commits_atomically_and_exactly() {
     assert_eq!(s, StatusCode::OK, "{v}");
     let (s, v) = put(&r, &sid, &all[half..]).await;
     assert_eq!(s, StatusCode::OK, "{v}");
+    // Every slot was prepared on arrival: dense weights alone, NVFP4 gate/up halves once both
+    // were in (a pair split over the two buckets waits for the second).
+    let total: usize = all.iter().map(|(_, t)| t.data.len()).sum();
+    assert_eq!(v["waiting_bytes"], 0, "{v}");
+    assert_eq!(v["staged_bytes"].as_u64().unwrap() as usize, total, "{v}");
     let end = format!(
         r#"{{"session": "{sid}", "expected_tensors": {}}}"#,
         all.len()
@@ -628,6 +633,102 @@ async fn streamed_weight_update_commits_atomically_and_exactly() {
     assert_ne!(
         after["meta_info"]["output_token_logprobs"],
         before["meta_info"]["output_token_logprobs"]
+    );
+}
+
+/// `--max-staged-weight-bytes` bounds one bucket and the parts that wait for others (an NVFP4
+/// gate/up half whose partner has not arrived: the two are quantized with one shared scale),
+/// not the whole update: dense weights without a partner, and completed pairs, are prepared on
+/// arrival and keep streaming past it. A refused bucket stages nothing; the session stays open.
+#[tokio::test]
+async fn the_staging_limit_bounds_only_parts_that_wait() {
+    let src = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/reference");
+    let tmp = tempfile::tempdir().unwrap();
+    scaled_copy(&src.join("qwen3_moe"), &tmp.path().join("a"), 1.0);
+    let new = scaled_copy(&src.join("qwen3_moe"), &tmp.path().join("b"), 1.25);
+    let recipe = lockstep::quant::Recipe::builtin("nvfp4").unwrap();
+    let paired = |n: &str| {
+        (n.contains("gate_proj") || n.contains("up_proj"))
+            && recipe.format_for(n, 3).format == lockstep::quant::Format::Nvfp4
+    };
+    let limit = 20_000;
+    // One tensor per bucket, each under the limit (a bucket's body is bounded by it too).
+    let small: Vec<_> = new
+        .iter()
+        .filter(|(_, t)| t.data.len() + 1024 < limit)
+        .collect();
+    let whole: Vec<_> = small.iter().filter(|(n, _)| !paired(n)).copied().collect();
+    let gates: Vec<_> = small
+        .iter()
+        .filter(|(n, _)| paired(n) && n.contains("gate_proj"))
+        .copied()
+        .collect();
+    let whole_bytes: usize = whole.iter().map(|(_, t)| t.data.len()).sum();
+    assert!(whole_bytes > 4 * limit && gates.len() >= 3, "{whole_bytes}");
+    let r = router_on(
+        tmp.path().join("a").to_str().unwrap(),
+        &[
+            "--quantization",
+            "nvfp4_online",
+            "--max-staged-weight-bytes",
+            &limit.to_string(),
+        ],
+    );
+    let v = call(&r, "POST", "/begin_weight_update", Some("{}"), &[])
+        .await
+        .1;
+    let sid = v["session"].as_str().unwrap().to_string();
+    for t in &whole {
+        let (s, v) = put(&r, &sid, &[*t]).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["waiting_bytes"], 0, "{v}");
+    }
+    // Gate halves without their up halves wait, until the limit refuses one.
+    let mut waiting = 0;
+    let mut refused = None;
+    for (i, t) in gates.iter().enumerate() {
+        let (s, v) = put(&r, &sid, &[*t]).await;
+        if s != StatusCode::OK {
+            refused = Some((i, s, v));
+            break;
+        }
+        waiting += t.1.data.len();
+        assert_eq!(
+            v["waiting_bytes"].as_u64().unwrap() as usize,
+            waiting,
+            "{v}"
+        );
+    }
+    let (i, s, v) = refused.expect("the waiting halves pass the limit");
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--max-staged-weight-bytes"),
+        "{v}"
+    );
+    assert!(i > 0, "refused at {i}");
+    // The first gate's up half completes the pair: both are prepared and stop waiting.
+    let up = gates[0].0.replace("gate_proj", "up_proj");
+    let (s, v) = put(&r, &sid, &[(&up, &new[&up])]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        v["waiting_bytes"].as_u64().unwrap() as usize,
+        waiting - gates[0].1.data.len(),
+        "{v}"
+    );
+    assert_eq!(
+        v["staged_tensors"],
+        whole.len() + i + 1,
+        "nothing of the refused bucket: {v}"
+    );
+    let abort = format!(r#"{{"session": "{sid}"}}"#);
+    assert_eq!(
+        call(&r, "POST", "/abort_weight_update", Some(&abort), &[])
+            .await
+            .0,
+        StatusCode::OK
     );
 }
 

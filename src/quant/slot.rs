@@ -36,6 +36,11 @@ const SUFFIXES: [&str; 5] = [
 
 const FLOATS: &[Dtype] = &[Dtype::BF16, Dtype::F16, Dtype::F32];
 
+/// Whether a tensor of `dtype` is dense (BF16, F16, F32): a whole `weight` by itself.
+pub fn is_dense(dtype: Dtype) -> bool {
+    FLOATS.contains(&dtype)
+}
+
 /// `m.weight_scale` -> (`m`, `weight_scale`); None for a name with no part suffix.
 pub fn split(name: &str) -> Option<(&str, &'static str)> {
     SUFFIXES

@@ -27,7 +27,7 @@ pub enum ApiError {
     Conflict(String),
     #[error("{0}")]
     MethodNotAllowed(String),
-    #[error("request body is larger than the server's limit (--max-request-bytes)")]
+    #[error("request body is larger than the server's limit (--max-request-bytes; for a weight bucket, --max-staged-weight-bytes)")]
     PayloadTooLarge,
     #[error("expected `Content-Type: application/json`")]
     UnsupportedMediaType,

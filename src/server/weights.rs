@@ -1,8 +1,12 @@
 //! Live weight updates. `/update_weights_from_disk` (SGLang's name and shape) loads a
 //! checkpoint from under `--weights-root` off the engine thread, checks it has the served
 //! model's shapes, and swaps it in between two engine steps: all or nothing, the version moves
-//! only on success. The streamed session (begin, PUT buckets, end/abort) stages validated
-//! tensors in bounded memory and commits them the same way.
+//! only on success. The streamed session (begin, PUT buckets, end/abort) validates tensors on
+//! arrival and commits them the same way. A tensor that is a whole slot by itself (a dense
+//! weight with no gate/up partner to share a scale with) is prepared as soon as it arrives, its
+//! bucket bytes freed: the prepared slots are the update's copy of the weights, so a model of
+//! any size streams through. Parts that wait for others (scales, an NVFP4 gate/up pair) stay
+//! raw until commit, bounded by `--max-staged-weight-bytes`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -185,9 +189,20 @@ pub struct Session {
     /// The version the commit names: from begin, or from `/update_weight_version` while the
     /// session is open; None: the next after the served one.
     version: Option<String>,
+    /// Parts waiting for others, as they arrived; `bytes` is their total.
     staged: BTreeMap<String, StagedTensor>,
     bytes: usize,
+    /// Whole slots already prepared, by checkpoint tensor name: (slot name, replacement).
+    prepared: BTreeMap<String, (String, Replacement)>,
+    /// Bucket bytes the prepared slots came from.
+    prepared_bytes: usize,
     last_activity: Instant,
+}
+
+impl Session {
+    fn tensors(&self) -> usize {
+        self.staged.len() + self.prepared.len()
+    }
 }
 
 /// The server's single update slot and its limits.
@@ -285,6 +300,8 @@ pub async fn begin_weight_update(
         version: body.weight_version,
         staged: BTreeMap::new(),
         bytes: 0,
+        prepared: BTreeMap::new(),
+        prepared_bytes: 0,
         last_activity: Instant::now(),
     });
     Ok(Json(json!({"success": true, "session": id})))
@@ -341,47 +358,122 @@ pub async fn put_update_weights(
             format!("not a complete safetensors file (cut off?): {e}"),
         )
     })?;
+    // (name, tensor, the module of its gate/up partner when it is a dense half of a pair).
     let mut incoming = Vec::new();
     for (name, t) in st.tensors() {
         let (slot, suffix) = served_part(&state.engine.info, &name)?;
         slot.check(suffix, t.dtype(), t.shape()).map_err(invalid)?;
         // The view borrows from `body`: keep a slice of it rather than a copy.
         let start = t.data().as_ptr() as usize - body.as_ptr() as usize;
-        incoming.push((
-            name,
-            StagedTensor {
-                dtype: t.dtype(),
-                shape: t.shape().to_vec(),
-                data: body.slice(start..start + t.data().len()),
-            },
-        ));
+        let staged = StagedTensor {
+            dtype: t.dtype(),
+            shape: t.shape().to_vec(),
+            data: body.slice(start..start + t.data().len()),
+        };
+        let dense = suffix == "weight" && slot::is_dense(t.dtype());
+        let partner = slot.pair.as_ref().filter(|_| dense).map(|p| {
+            let other = if p.gate == slot.module {
+                &p.up
+            } else {
+                &p.gate
+            };
+            format!("{other}.weight")
+        });
+        incoming.push((name, staged, dense, partner));
     }
-    let mut slot = state.updates.session.lock().await;
+    // The session is held through the bucket, so buckets and the commit never interleave.
+    let mut open = state.updates.session.lock().await;
     let session = open_session(
-        &mut slot,
+        &mut open,
         q.session.as_deref(),
         state.updates.session_timeout,
     )?;
-    let new_bytes: usize = incoming.iter().map(|(_, t)| t.data.len()).sum();
-    if session.bytes + new_bytes > state.updates.max_staged_bytes {
+    // Whole slots: a dense weight with no partner, or both dense halves of a gate/up pair
+    // (one may have arrived in an earlier bucket). The rest waits for commit.
+    let here: BTreeMap<String, bool> = incoming
+        .iter()
+        .map(|(n, t, _, _)| (n.clone(), slot::is_dense(t.dtype)))
+        .collect();
+    let mut whole = BTreeMap::new();
+    let mut waiting = Vec::new();
+    let mut taken = Vec::new();
+    for (name, t, dense, partner) in incoming {
+        match partner {
+            None if dense => {
+                whole.insert(name, t);
+            }
+            Some(other) if here.get(&other) == Some(&true) => {
+                whole.insert(name, t);
+            }
+            Some(other)
+                if session
+                    .staged
+                    .get(&other)
+                    .is_some_and(|o| slot::is_dense(o.dtype)) =>
+            {
+                let o = &session.staged[&other];
+                whole.insert(
+                    other.clone(),
+                    StagedTensor {
+                        dtype: o.dtype,
+                        shape: o.shape.clone(),
+                        data: o.data.clone(),
+                    },
+                );
+                taken.push(other);
+                whole.insert(name, t);
+            }
+            _ => waiting.push((name, t)),
+        }
+    }
+    let replaced: usize = waiting
+        .iter()
+        .filter_map(|(n, _)| session.staged.get(n).map(|t| t.data.len()))
+        .sum();
+    let freed: usize = taken.iter().map(|n| session.staged[n].data.len()).sum();
+    let new_bytes: usize = waiting.iter().map(|(_, t)| t.data.len()).sum();
+    if session.bytes - replaced - freed + new_bytes > state.updates.max_staged_bytes {
         return Err(ApiError::invalid(
             "body",
             format!(
-                "staging {new_bytes} more bytes would exceed --max-staged-weight-bytes {}",
+                "staging {new_bytes} more bytes of parts that wait for others (a gate/up half without its partner, scales) would exceed --max-staged-weight-bytes {}",
                 state.updates.max_staged_bytes
             ),
         ));
     }
-    for (name, t) in incoming {
+    // Whole slots are prepared now, off the runtime, and their bucket bytes dropped.
+    let whole_bytes: usize = whole.values().map(|t| t.data.len()).sum();
+    let info = state.engine.info.clone();
+    let prepared = tokio::task::spawn_blocking(move || {
+        let names: Vec<String> = whole.keys().cloned().collect();
+        let updates = build_replacements(&info, whole)?;
+        Ok::<_, ApiError>(names.into_iter().zip(updates).collect::<Vec<_>>())
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))??;
+    // A tensor sent again replaces the earlier one, whichever way each was held.
+    for (name, t) in waiting {
         session.bytes += t.data.len();
+        session.prepared.remove(&name);
         if let Some(old) = session.staged.insert(name, t) {
             session.bytes -= old.data.len();
         }
     }
+    session.prepared_bytes += whole_bytes;
+    for (name, r) in prepared {
+        // A partner taken from an earlier bucket leaves the waiting parts.
+        if let Some(old) = session.staged.remove(&name) {
+            session.bytes -= old.data.len();
+        }
+        session.prepared.insert(name, r);
+    }
     session.last_activity = Instant::now();
-    Ok(Json(
-        json!({"success": true, "staged_tensors": session.staged.len(), "staged_bytes": session.bytes}),
-    ))
+    Ok(Json(json!({
+        "success": true,
+        "staged_tensors": session.tensors(),
+        "staged_bytes": session.bytes + session.prepared_bytes,
+        "waiting_bytes": session.bytes,
+    })))
 }
 
 /// The served slot of the checkpoint tensor `name` and its part (`weight`, `weight_scale`...).
@@ -455,17 +547,17 @@ pub async fn end_weight_update(
         })
         .transpose()?;
     if let Some(n) = body.expected_tensors {
-        if n != session.staged.len() {
+        if n != session.tensors() {
             return Err(ApiError::invalid(
                 "expected_tensors",
                 format!(
                     "expected_tensors is {n} but {} tensors were staged",
-                    session.staged.len()
+                    session.tensors()
                 ),
             ));
         }
     }
-    if session.staged.is_empty() {
+    if session.tensors() == 0 {
         // SGLang's begin/end only bracket an update made by other means (NCCL, tensor
         // handles), so a session with nothing staged is a legitimate no-op: the served
         // weights keep their version rather than a new name for unchanged weights.
@@ -487,10 +579,18 @@ pub async fn end_weight_update(
         ));
     }
     let info = state.engine.info.clone();
-    let staged = session.staged;
-    let count = staged.len();
+    let count = session.tensors();
+    let (mut staged, prepared) = (session.staged, session.prepared);
+    // A dense weight is the whole slot: scale parts sent for the same module are ignored, as
+    // `Slot::prepare` ignores them beside a dense weight.
+    let whole: Vec<&str> = prepared
+        .keys()
+        .filter_map(|n| slot::split(n).map(|(module, _)| module))
+        .collect();
+    staged.retain(|n, _| slot::split(n).is_none_or(|(module, _)| !whole.contains(&module)));
     let (updates, changed) = tokio::task::spawn_blocking(move || {
-        let updates = build_replacements(&info, staged)?;
+        let mut updates = build_replacements(&info, staged)?;
+        updates.extend(prepared.into_values());
         let changed = replacements_checksum(&updates, info.config.hidden_size);
         Ok::<_, ApiError>((updates, changed))
     })
