@@ -493,15 +493,10 @@ fn rollout(rid: String, ids: Vec<u32>, max_new: usize, seed: u64, sample: u32) -
         ..SamplingParams::default()
     };
     GenerateRequest {
-        rid,
-        input_ids: ids,
         params: params.validate(&Default::default()).unwrap(),
         seed,
         sample_index: sample,
-        return_logprob: true,
-        logprob_start_len: None,
-        top_logprobs_num: TOP,
-        return_routed_experts: false,
+        ..request(rid, ids, max_new, None)
     }
 }
 

@@ -115,69 +115,71 @@ struct Operand<'a> {
 }
 
 impl<'a> Operand<'a> {
-    fn f32(gpu: &Gpu, d: &'a CudaSlice<f32>) -> Operand<'a> {
-        let k = Kernel::GroupedGemmF32;
+    fn new(
+        kernels: [Kernel; 4],
+        data: DevPtr,
+        scales: Option<View<'a, u8>>,
+        s_dec: Option<View<'a, f32>>,
+        groups: usize,
+    ) -> Operand<'a> {
         Operand {
-            kernels: [k, k, k, k],
-            f32_weights: true,
-            data: DevPtr(addr(gpu, d)),
-            scales: None,
-            s_dec: None,
-            groups: 1,
+            kernels,
+            f32_weights: kernels[0] == Kernel::GroupedGemmF32,
+            data,
+            scales,
+            s_dec,
+            groups,
         }
     }
 
+    fn f32(gpu: &Gpu, d: &'a CudaSlice<f32>) -> Operand<'a> {
+        let k = Kernel::GroupedGemmF32;
+        Operand::new([k, k, k, k], DevPtr(addr(gpu, d)), None, None, 1)
+    }
+
     fn bf16(gpu: &Gpu, d: &'a CudaSlice<u16>) -> Operand<'a> {
-        Operand {
-            kernels: [
-                Kernel::GroupedGemmBf16,
-                Kernel::GroupedGemmMmaBf16,
-                Kernel::GroupedGemmSkinnyBf16,
-                Kernel::GroupedGemmSkinny4Bf16,
-            ],
-            f32_weights: false,
-            data: DevPtr(addr(gpu, d)),
-            scales: None,
-            s_dec: None,
-            groups: 1,
-        }
+        let kernels = [
+            Kernel::GroupedGemmBf16,
+            Kernel::GroupedGemmMmaBf16,
+            Kernel::GroupedGemmSkinnyBf16,
+            Kernel::GroupedGemmSkinny4Bf16,
+        ];
+        Operand::new(kernels, DevPtr(addr(gpu, d)), None, None, 1)
     }
 
     fn of(gpu: &Gpu, w: &'a WeightData) -> Operand<'a> {
         match w {
             WeightData::F32(d) => Operand::f32(gpu, d),
             WeightData::Bf16(d) => Operand::bf16(gpu, d),
-            WeightData::Mxfp8 { data, scales } => Operand {
-                kernels: [
+            WeightData::Mxfp8 { data, scales } => Operand::new(
+                [
                     Kernel::GroupedGemmMxfp8,
                     Kernel::GroupedGemmMmaMxfp8,
                     Kernel::GroupedGemmSkinnyMxfp8,
                     Kernel::GroupedGemmSkinny4Mxfp8,
                 ],
-                f32_weights: false,
-                data: DevPtr(addr(gpu, data)),
-                scales: Some(View::whole(scales)),
-                s_dec: None,
-                groups: 1,
-            },
+                DevPtr(addr(gpu, data)),
+                Some(View::whole(scales)),
+                None,
+                1,
+            ),
             WeightData::Nvfp4 {
                 data,
                 scales,
                 s_dec,
                 groups,
-            } => Operand {
-                kernels: [
+            } => Operand::new(
+                [
                     Kernel::GroupedGemmNvfp4,
                     Kernel::GroupedGemmMmaNvfp4,
                     Kernel::GroupedGemmSkinnyNvfp4,
                     Kernel::GroupedGemmSkinny4Nvfp4,
                 ],
-                f32_weights: false,
-                data: DevPtr(addr(gpu, data)),
-                scales: Some(View::whole(scales)),
-                s_dec: Some(View::whole(s_dec)),
-                groups: *groups,
-            },
+                DevPtr(addr(gpu, data)),
+                Some(View::whole(scales)),
+                Some(View::whole(s_dec)),
+                *groups,
+            ),
         }
     }
 }

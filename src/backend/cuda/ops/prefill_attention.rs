@@ -6,7 +6,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::{need, AttnRows, AttnShape};
-use crate::backend::cuda::args::View;
+use crate::backend::cuda::args::{KernelArg, View};
 use crate::backend::cuda::kernels::Kernel;
 use crate::backend::cuda::{CudaError, Gpu};
 
@@ -76,34 +76,13 @@ pub fn prefill_attention(
             Kernel::PrefillAttentionHd128,
         ],
     )?;
-    let q = need(q, rows * s.heads * s.head_dim, "attention q")?;
-    let out = need(out, rows * s.heads * s.head_dim, "attention out")?;
-    let pos = need(meta.pos, rows, "attention positions")?;
     let tiles = need(tiles, 2 * num_tiles, "attention tiles")?;
     if num_tiles == 0 {
         return Ok(());
     }
-    // The sequences, block tables and caches are read where the rows' data points (see
-    // `super::attention`), so they go whole.
-    gpu.launch(
-        kernel,
-        (num_tiles as u32, s.heads as u32, 1),
-        128,
-        (
-            q,
-            out,
-            View::whole(k_cache),
-            View::whole(v_cache),
-            pos,
-            View::whole(meta.seq),
-            View::whole(meta.table_offsets),
-            View::whole(meta.block_tables),
-            tiles,
-            s.heads as i32,
-            s.kv_heads as i32,
-            s.block_size as i32,
-            1.0 / (s.head_dim as f32).sqrt(),
-        ),
+    let grid = (num_tiles as u32, s.heads as u32, 1);
+    launch(
+        gpu, kernel, grid, 128, q, out, k_cache, v_cache, meta, rows, s, tiles,
     )
 }
 
@@ -130,18 +109,42 @@ pub fn decode_attention(
             Kernel::DecodeAttentionHd128,
         ],
     )?;
-    let q = need(q, step_rows * s.heads * s.head_dim, "attention q")?;
-    let out = need(out, step_rows * s.heads * s.head_dim, "attention out")?;
-    let pos = need(meta.pos, step_rows, "attention positions")?;
     let rows = rows.map(|r| need(r, count, "decode rows")).transpose()?;
     if count == 0 {
         return Ok(());
     }
     let passes = (s.heads / s.kv_heads).div_ceil(16);
+    let grid = (count as u32, (s.kv_heads * passes) as u32, 1);
+    launch(
+        gpu, kernel, grid, 32, q, out, k_cache, v_cache, meta, step_rows, s, rows,
+    )
+}
+
+/// One launch of either kernel: the arguments they share, and `rows` (tiles or decode rows).
+/// The sequences, block tables and caches are read where the rows' data points (see
+/// `super::attention`), so they go whole.
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    gpu: &Gpu,
+    kernel: Kernel,
+    grid: (u32, u32, u32),
+    threads: u32,
+    q: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    k_cache: &CudaSlice<u16>,
+    v_cache: &CudaSlice<u16>,
+    meta: &AttnRows<'_>,
+    step_rows: usize,
+    s: AttnShape,
+    rows: impl KernelArg,
+) -> Result<(), CudaError> {
+    let q = need(q, step_rows * s.heads * s.head_dim, "attention q")?;
+    let out = need(out, step_rows * s.heads * s.head_dim, "attention out")?;
+    let pos = need(meta.pos, step_rows, "attention positions")?;
     gpu.launch(
         kernel,
-        (count as u32, (s.kv_heads * passes) as u32, 1),
-        32,
+        grid,
+        threads,
         (
             q,
             out,
