@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use lockstep::backend::cuda::device::copy_bandwidth;
 use lockstep::backend::cuda::ops::{
-    self, AttnRows, AttnShape, GemmPath, GemmRows, MoePlan, Nvfp4Out,
+    self, AttnRows, AttnShape, GemmPath, GemmRows, MoePlan, Nvfp4Out, SplitK,
 };
 use lockstep::backend::cuda::weights::Activation;
 use lockstep::backend::cuda::Gpu;
@@ -151,6 +151,7 @@ fn main() {
                 let mut run = || {
                     ops::grouped_gemm_on(
                         path,
+                        SplitK::Auto,
                         &gpu,
                         xin,
                         Some(&plan.row_token),
@@ -206,15 +207,18 @@ fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f3
             }
             let mut out = gpu.alloc::<f32>(rows * n).expect("out");
             let bytes = (n * k * 2 + rows * k * 4 + rows * n * 4) as f64;
-            for path in [
-                GemmPath::TensorCore,
-                GemmPath::Skinny,
-                GemmPath::Skinny4,
-                GemmPath::Auto,
+            for (path, split) in [
+                (GemmPath::TensorCore, SplitK::Off),
+                (GemmPath::TensorCore, SplitK::On),
+                (GemmPath::Skinny, SplitK::Off),
+                (GemmPath::Skinny, SplitK::On),
+                (GemmPath::Skinny4, SplitK::On),
+                (GemmPath::Auto, SplitK::Auto),
             ] {
                 let s = time(gpu, || {
                     ops::grouped_gemm_on(
                         path,
+                        split,
                         gpu,
                         x,
                         None,
@@ -229,7 +233,7 @@ fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f3
                     .expect("gemm")
                 });
                 println!(
-                    "| {name} [{n} x {k}] | {path:?} | {rows} | {:.1} | {:.0} | {:.0}% |",
+                    "| {name} [{n} x {k}] | {path:?}, split {split:?} | {rows} | {:.1} | {:.0} | {:.0}% |",
                     s * 1e6,
                     bytes / s / 1e9,
                     100.0 * bytes / bw / s

@@ -9,26 +9,34 @@
 // share the arguments and the tile plan, and the host picks one per launch (ops::grouped_gemm):
 // - grouped_gemm_*: CUDA cores (FFMA), any K: each element is one fmaf chain over k = 0..K-1;
 //   the only one for F32 weights (kept exact in f32).
-// - grouped_gemm_mma_*: BF16 tensor cores (mma.sync m16n8k16, FP32 accumulation), 32x64 tiles.
-//   Operands are decoded to BF16 in shared memory: exact for MXFP8 (E4M3 x E8M0) and NVFP4
-//   (E2M1 x E4M3) weights and for quantized activations (the quantizers' dequantized values).
+// - grouped_gemm_mma_*: BF16 tensor cores (mma.sync m16n8k16, FP32 accumulation), 32x128
+//   tiles. Activations are packed to BF16 once (pack_gemm_operand) and streamed with the raw
+//   weight bytes through shared memory; weights are decoded to BF16 in registers: exact for
+//   MXFP8 (E4M3 x E8M0) and NVFP4 (E2M1 x E4M3) weights and for quantized activations (the
+//   quantizers' dequantized values).
 //   Plain BF16 layers take f32 activations: each is split into two BF16 terms (hi + lo, 16
 //   significant bits) multiplied separately, so the result stays within ~1e-5 of the CPU's f32
 //   products instead of the ~2e-3 of rounding activations to BF16 (which flips MoE routing).
 // - grouped_gemm_skinny_*, grouped_gemm_skinny4_*: the same tensor-core products for tiles of
 //   few rows (decode): a warp per 8 (or 32) output columns, weights loaded straight into
 //   registers, no shared memory.
-// The two tensor-core kernels feed each mma exactly the same operands in the same order (the
+// The tensor-core kernels feed each mma exactly the same operands in the same order (the
 // "K chain" below), so they give the same bits and the choice between them is speed alone.
 //
 // The K chain: K is walked in spans of 32 in order; within a span, lane (g, t) of an m16n8k16
 // holds k = 8t..8t+7, chunk c (0, 1) taking k = 8t+4c+{0,1} in fragment slots {2t, 2t+1} and
 // k = 8t+4c+{2,3} in slots {2t+8, 2t+9}; chunk 0 then chunk 1, each as hi then (plain BF16
-// layers) lo. Each lane's 8 values of a span are then one 16-byte load.
+// layers) lo. Each lane's 8 values of a span are then one 16-byte load. The spans are grouped
+// in segments of SEG k (the last may be shorter): each segment accumulates from zero, and the
+// segments' sums are added in order (total = s0, then total + s1, ...). A block either walks
+// every segment and keeps that running total, or (split-K, `partials` not null, dense layers of
+// few rows) takes the one segment blockIdx.z and stores its sum; gemm_fold_segments then adds
+// the segments in the same order. Both give the same bits; split-K only buys blocks.
 
 #define TM 32
 #define TN 64
 #define TK 32
+#define SEG 256  // k per segment of the K chain (host: ops::gemm::K_SEGMENT)
 
 // The rows of this block's tile (blockIdx.y): from the routing plan's `tiles` (expert, first
 // row), or the tile-th run of TM rows of one dense group. False: no such tile this step.
@@ -68,7 +76,8 @@ __device__ __forceinline__ float load_weight(const void* w, const u8* scales, u6
 template <int FMT>
 __device__ void grouped_gemm(const float* x, const int* row_index, const float* row_scale, const void* w,
                              const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
-                             const int* num_tiles, const int* offsets, int rows, int N, int K, float* out) {
+                             const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
+                             float* /* partials: the FFMA chain is never split */, const u32* /* xb */) {
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
     int n0 = blockIdx.x * TN;
@@ -123,12 +132,9 @@ __device__ void grouped_gemm(const float* x, const int* row_index, const float* 
     }
 }
 
-// ---- BF16 tensor cores: 32x64 tiles, 4 warps each 32 rows x 16 columns, K steps of one span ----
+// ---- BF16 tensor cores: the K chain's operands and products ----
 
-#define MMA_TM TM  // the routing plan's tile rows
-#define MMA_TN 64
 #define MMA_TK 32  // one span of the K chain
-#define MMA_LD MMA_TK  // unpadded: each quarter-warp's 16-byte fragment loads hit 32 distinct banks
 
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
@@ -183,7 +189,7 @@ __device__ __forceinline__ void mma_span(float* c, const u32* a_lo_row, const u3
 
 // Fast exact decoders for the inner loops. Two E4M3 codes (low byte first) to f32: one
 // hardware conversion to f16x2 on sm_89+ (every E4M3 value, NaN included, is an f16), else
-// the table-free decoder. E2M1 through a 16-entry table in shared memory (no bank conflicts).
+// the table-free decoder. E2M1 codes become BF16 through byte permutes (no memory lookups).
 __device__ __forceinline__ void e4m3x2_to_f32(u32 pair, float& lo, float& hi) {
 #if __CUDA_ARCH__ >= 890
     u32 h2;
@@ -197,9 +203,38 @@ __device__ __forceinline__ void e4m3x2_to_f32(u32 pair, float& lo, float& hi) {
 #endif
 }
 
-// The E2M1 table, filled by the block before first use (callers sync after it).
-__device__ __forceinline__ void fill_e2m1_table(float* table) {
-    if (threadIdx.x < 16) table[threadIdx.x] = e2m1_decode((u8)threadIdx.x);
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// a * b + (-0) on BF16x2: the exact product of two BF16 pairs whose products fit in BF16.
+__device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
+
+// Eight E2M1 codes (code i in bits 4i..4i+3) as four BF16x2 words (codes 2p, 2p + 1 in word p).
+// The magnitude code (3 bits) picks the high and the low byte of its BF16 value from two
+// 8-byte tables: 0, 0.5, 1, 1.5, 2, 3, 4, 6 = 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040,
+// 0x4080, 0x40C0; the sign bit moves to bit 15 of its half.
+__device__ __forceinline__ void e2m1x8_to_bf16(u32 q, u32* out) {
+    u32 mag = q & 0x77777777u;
+    u32 even_sign = (q << 4) & 0x80808080u, odd_sign = q & 0x80808080u;  // byte j: codes 2j, 2j + 1
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        u32 sel = mag >> (16 * h);
+        u32 hi = prmt(0x3F3F3F00u, 0x40404040u, sel), lo = prmt(0xC0800000u, 0xC0804000u, sel);
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+            int j = 2 * h + p;  // byte j of q: codes 2j, 2j + 1
+            u32 v = prmt(lo, hi, p == 0 ? 0x5140u : 0x7362u);
+            u32 sign = prmt(even_sign, odd_sign, (u32)((4 + j) << 12 | j << 4));
+            out[j] = v | (sign & 0x80008000u);
+        }
+    }
 }
 
 // The raw bytes of 8 consecutive weights (n, k..k+8) and their block scale, loaded ahead of use.
@@ -229,9 +264,9 @@ __device__ __forceinline__ Weight8 load_weight8(const void* w, const u8* scales,
 }
 
 // The 8 weights as 4 BF16x2 words. Exact: an E4M3 or E2M1 value times its power-of-two or
-// E4M3 block scale has at most 8 significant bits.
+// E4M3 block scale has at most 8 significant bits (and stays in BF16's range).
 template <int FMT>
-__device__ __forceinline__ void decode_weight8(const Weight8& c, const float* e2m1, u32* out) {
+__device__ __forceinline__ void decode_weight8(const Weight8& c, u32* out) {
     if (FMT == 1) {
         out[0] = c.q.x; out[1] = c.q.y; out[2] = c.q.z; out[3] = c.q.w;
     } else if (FMT == 2) {
@@ -244,12 +279,12 @@ __device__ __forceinline__ void decode_weight8(const Weight8& c, const float* e2
             out[i] = pack_exact_bf16(__fmul_rn(lo, s), __fmul_rn(hi, s));
         }
     } else {
-        float s = e4m3_decode(c.scale);
+        u32 s = __float_as_uint(e4m3_decode(c.scale)) >> 16;  // exact in BF16
+        u32 s2 = s | (s << 16);
+        u32 v[4];
+        e2m1x8_to_bf16(c.q.x, v);
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            u32 byte = (c.q.x >> (8 * i)) & 0xffu;
-            out[i] = pack_exact_bf16(__fmul_rn(e2m1[byte & 15u], s), __fmul_rn(e2m1[byte >> 4], s));
-        }
+        for (int i = 0; i < 4; i++) out[i] = bf16x2_mul(v[i], s2);
     }
 }
 
@@ -258,94 +293,193 @@ __device__ __forceinline__ float nvfp4_epilogue_scale(float v, const float* row_
     return __fmul_rn(__fmul_rn(v, row_scale[src]), w_sdec[e * sdec_groups + col / (N / sdec_groups)]);
 }
 
-// Grid (ceil(N / 64), tiles), 128 threads. Requires K % 32 == 0 (the host checks). The next
-// span's operands are loaded into registers while the tensor cores work on the current one.
+// The k range of this block: all of K, or (split-K) the segment blockIdx.z.
+__device__ __forceinline__ void block_k_range(const float* partials, int K, int& k_begin, int& k_end) {
+    k_begin = partials ? (int)blockIdx.z * SEG : 0;
+    k_end = partials ? min(K, k_begin + SEG) : K;
+}
+
+// The end of a segment: its sum joins the running total (or starts it) and the accumulators
+// start again from zero.
+// `tot` holds element i at tot[i * STRIDE] (registers, or a lane's column of shared memory).
+template <int COUNT, int STRIDE = 1>
+__device__ __forceinline__ void end_segment(float* acc, float* tot, bool first) {
+#pragma unroll
+    for (int i = 0; i < COUNT; i++) {
+        tot[i * STRIDE] = first ? acc[i] : __fadd_rn(tot[i * STRIDE], acc[i]);
+        acc[i] = 0.0f;
+    }
+}
+
+// One output element's sum: the segment's sum into `partials` (split-K, dense rows), or the
+// whole chain's through the NVFP4 epilogue into out.
 template <int FMT>
-__device__ void grouped_gemm_mma(const float* x, const int* row_index, const float* row_scale, const void* w,
+__device__ __forceinline__ void store_sum(float v, float* partials, int rows, int row, int col, int N,
+                                          const float* row_scale, u64 src, const float* w_sdec, int e, int sdec_groups,
+                                          float* out) {
+    if (partials) {
+        partials[((u64)blockIdx.z * rows + row) * N + col] = v;
+        return;
+    }
+    if (FMT == 3) v = nvfp4_epilogue_scale(v, row_scale, src, w_sdec, e, sdec_groups, col, N);
+    out[(u64)row * N + col] = v;
+}
+
+// ---- Tiles: activations packed to BF16 once, operands streamed into shared memory ----
+
+// The tiled kernel's A operand: every x row as BF16, [hi (K) | lo (K)] per row for plain BF16
+// layers (pack_act8's split) and [values (K)] otherwise. Grid-stride over word pairs.
+extern "C" __global__ void pack_gemm_operand(const float* x, int rows, int K, int split, u32* out) {
+    u64 words = (u64)rows * (K / 2);
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
+        u64 row = i / (K / 2), w = i % (K / 2);
+        float2 v = *(const float2*)(x + 2 * i);
+        if (split) {
+            u32 hi = pack_bf16(v.x, v.y);
+            u32 lo = pack_bf16(__fsub_rn(v.x, __uint_as_float(hi << 16)), __fsub_rn(v.y, __uint_as_float(hi & 0xffff0000u)));
+            out[row * K + w] = hi;
+            out[row * K + K / 2 + w] = lo;
+        } else {
+            out[row * (K / 2) + w] = pack_exact_bf16(v.x, v.y);
+        }
+    }
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool live) {
+    u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(live ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+#define TILE_TN 128   // columns per block: 4 warps of 32
+#define TILE_STAGES 3 // spans in flight
+
+// Grid (ceil(N / 128), tiles), 128 threads; xb is x packed by pack_gemm_operand. Requires
+// K % 32 == 0 (the host checks). Each span's packed activations and raw weight bytes are
+// copied into a ring of TILE_STAGES shared-memory stages (cp.async) while the tensor cores
+// work on an earlier one; each warp decodes its own 32 columns' weights from shared memory
+// straight into mma fragments (block scales read one span ahead into registers). The products
+// are the K chain's, in its order, as the few-rows kernels make them.
+template <int FMT>
+__device__ void grouped_gemm_mma(const float*, const int* row_index, const float* row_scale, const void* w,
                                  const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
-                                 const int* num_tiles, const int* offsets, int rows, int N, int K, float* out) {
+                                 const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
+                                 float* partials, const u32* xb) {
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
-    int n0 = blockIdx.x * MMA_TN;
+    int n0 = blockIdx.x * TILE_TN;
     constexpr bool SPLIT = FMT == 1;
-    __shared__ __align__(16) u32 as[MMA_TM][MMA_LD / 2];
-    __shared__ __align__(16) u32 as_lo[SPLIT ? MMA_TM : 1][MMA_LD / 2];
-    __shared__ __align__(16) u32 ws[MMA_TN][MMA_LD / 2];
-    __shared__ float e2m1[16];
-    fill_e2m1_table(e2m1);
+    constexpr int A_PARTS = SPLIT ? 2 : 1;                     // hi, lo
+    constexpr int W_BYTES = FMT == 1 ? 64 : FMT == 2 ? 32 : 16;  // one column's span
+    __shared__ __align__(16) u32 as[TILE_STAGES][A_PARTS][TM][16];  // 32 BF16 per row
+    __shared__ __align__(16) u8 ws[TILE_STAGES][TILE_TN][W_BYTES];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
-    // Loader roles: A row tid / 4 (8 values from k (tid % 4) * 8); W row tid / 2 (16 values
-    // from k (tid % 2) * 16, two Weight8s).
-    int a_row = tid >> 2, a_k = (tid & 3) * 8;
+    // Copy roles: A row tid / 4, 16-byte chunk tid % 4 (of each part); W columns tid + 128 c.
+    int a_row = tid >> 2, a_chunk = tid & 3;
     bool a_live = r0 + a_row < r1;
     u64 a_src = a_live ? (row_index ? (u64)row_index[r0 + a_row] : (u64)(r0 + a_row)) : 0;
-    int w_n = tid >> 1, w_k = (tid & 1) * 16;
-    bool w_live = n0 + w_n < N;
-    u64 w_row = (u64)e * N + (n0 + w_n);
+    const u8* a_base = (const u8*)(xb + a_src * (K / 2) * A_PARTS) + a_chunk * 16;
+    constexpr int W_CHUNKS = TILE_TN * W_BYTES / 16 / 128;  // per thread per span
+    const u8* wbytes = (const u8*)w;
+    u64 w_row_bytes = FMT == 1 ? (u64)K * 2 : FMT == 2 ? (u64)K : (u64)K / 2;
 
-    float4 xa = make_float4(0, 0, 0, 0), xb = xa;
-    Weight8 wc[2];
-    wc[0].q = make_uint4(0, 0, 0, 0);
-    wc[0].scale = 0;
-    wc[1] = wc[0];
-    auto fetch = [&](int k0) {
-        if (a_live) {
-            const float4* p = (const float4*)(x + a_src * K + k0 + a_k);
-            xa = p[0];
-            xb = p[1];
-        }
-        if (w_live) {
-            wc[0] = load_weight8<FMT>(w, w_scales, w_row, k0 + w_k, K);
-            wc[1] = load_weight8<FMT>(w, w_scales, w_row, k0 + w_k + 8, K);
-        }
-    };
-    auto stash = [&]() {
-        u32 hi[4], lo[4];
-        pack_act8<SPLIT>(xa, xb, hi, lo);
-        *(uint4*)&as[a_row][a_k / 2] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-        if constexpr (SPLIT) *(uint4*)&as_lo[a_row][a_k / 2] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    int k_begin, k_end;
+    block_k_range(partials, K, k_begin, k_end);
+    int spans = (k_end - k_begin) / MMA_TK;
+    auto issue = [&](int span) {
+        int stage = span % TILE_STAGES, k0 = k_begin + span * MMA_TK;
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            u32 d[4];
-            decode_weight8<FMT>(wc[h], e2m1, d);
-            *(uint4*)&ws[w_n][w_k / 2 + 4 * h] = make_uint4(d[0], d[1], d[2], d[3]);
+        for (int p = 0; p < A_PARTS; p++)
+            cp_async16(&as[stage][p][a_row][4 * a_chunk], a_base + (u64)p * K * 2 + k0 * 2, a_live);
+#pragma unroll
+        for (int c = 0; c < W_CHUNKS; c++) {
+            int chunk = tid + 128 * c, col = chunk / (W_BYTES / 16), part = chunk % (W_BYTES / 16);
+            bool live = n0 + col < N;
+            u64 row = (u64)e * N + (live ? n0 + col : 0);
+            cp_async16(&ws[stage][col][16 * part], wbytes + row * w_row_bytes + k0 * W_BYTES / 32 + 16 * part, live);
         }
     };
 
-    float acc[2][2][4];
+    // This lane's weight columns (g of each n8 fragment) and their block scales, a span ahead.
+    u64 scale_row[4];
+    bool col_live[4];
+#pragma unroll
+    for (int ni = 0; ni < 4; ni++) {
+        int n = n0 + warp * 32 + ni * 8 + g;
+        col_live[ni] = n < N;
+        scale_row[ni] = (u64)e * N + (col_live[ni] ? n : 0);
+    }
+    auto load_scales = [&](int span, u8* out_scales) {
+        int k0 = k_begin + span * MMA_TK;
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++) {
+            out_scales[ni] = 0;
+            if (FMT == 2 && span < spans) out_scales[ni] = w_scales[scale_row[ni] * (K / 32) + k0 / 32];
+            if (FMT == 3 && span < spans) out_scales[ni] = w_scales[scale_row[ni] * (K / 16) + k0 / 16 + t / 2];
+        }
+    };
+
+    float acc[2][4][4], tot[2][4][4];
 #pragma unroll
     for (int i = 0; i < 2; i++)
 #pragma unroll
-        for (int j = 0; j < 2; j++)
+        for (int j = 0; j < 4; j++)
 #pragma unroll
             for (int v = 0; v < 4; v++) acc[i][j][v] = 0.0f;
 
-    fetch(0);
-    __syncthreads();  // the E2M1 table
-    for (int k0 = 0; k0 < K; k0 += MMA_TK) {
-        stash();
-        __syncthreads();
-        if (k0 + MMA_TK < K) fetch(k0 + MMA_TK);
+#pragma unroll
+    for (int s = 0; s < TILE_STAGES - 1; s++) {
+        if (s < spans) issue(s);
+        cp_async_commit();
+    }
+    u8 sc[4], sc_next[4];
+    load_scales(0, sc);
+    for (int span = 0; span < spans; span++) {
+        int k0 = k_begin + span * MMA_TK;
+        load_scales(span + 1, sc_next);
+        cp_async_wait<TILE_STAGES - 2>();
+        __syncthreads();  // this span's stage is in; every warp is done with the one refilled next
+        if (span + TILE_STAGES - 1 < spans) issue(span + TILE_STAGES - 1);
+        cp_async_commit();
+        int stage = span % TILE_STAGES;
         // Lane (g, t) reads words 4t..4t+3 (k = 8t..8t+7) of its rows and columns.
-        uint4 a[2][2], al[2][2], b[2];
+        uint4 a[2][2], al[2][2];
 #pragma unroll
         for (int mi = 0; mi < 2; mi++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                a[mi][h] = *(const uint4*)&as[mi * 16 + g + 8 * h][4 * t];
-                if constexpr (SPLIT) al[mi][h] = *(const uint4*)&as_lo[mi * 16 + g + 8 * h][4 * t];
+                a[mi][h] = *(const uint4*)&as[stage][0][mi * 16 + g + 8 * h][4 * t];
+                if constexpr (SPLIT) al[mi][h] = *(const uint4*)&as[stage][A_PARTS - 1][mi * 16 + g + 8 * h][4 * t];
             }
 #pragma unroll
-        for (int ni = 0; ni < 2; ni++) b[ni] = *(const uint4*)&ws[warp * 16 + ni * 8 + g][4 * t];
+        for (int ni = 0; ni < 4; ni++) {
+            const u8* wp = &ws[stage][warp * 32 + ni * 8 + g][t * W_BYTES / 4];
+            Weight8 c;
+            c.q = make_uint4(0, 0, 0, 0);
+            if (FMT == 1) c.q = *(const uint4*)wp;
+            if (FMT == 2) {
+                uint2 v = *(const uint2*)wp;
+                c.q.x = v.x;
+                c.q.y = v.y;
+            }
+            if (FMT == 3) c.q.x = *(const u32*)wp;
+            c.scale = sc[ni];
+            u32 b[4];
+            decode_weight8<FMT>(c, b);
 #pragma unroll
-        for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-            for (int ni = 0; ni < 2; ni++)
+            for (int mi = 0; mi < 2; mi++)
                 mma_span<SPLIT>(acc[mi][ni], (const u32*)&a[mi][0], (const u32*)&a[mi][1], (const u32*)&al[mi][0],
-                                (const u32*)&al[mi][1], (const u32*)&b[ni]);
-        __syncthreads();
+                                (const u32*)&al[mi][1], b);
+        }
+        if ((k0 + MMA_TK) % SEG == 0 || k0 + MMA_TK >= k_end)
+            end_segment<32>(&acc[0][0][0], &tot[0][0][0], k0 < k_begin + SEG);
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++) sc[ni] = sc_next[ni];
     }
+    cp_async_wait<0>();
 
     // C fragment: (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) of each 16x8 tile.
 #pragma unroll
@@ -356,14 +490,13 @@ __device__ void grouped_gemm_mma(const float* x, const int* row_index, const flo
             if (row >= r1) continue;
             u64 src = row_index ? (u64)row_index[row] : (u64)row;
 #pragma unroll
-            for (int ni = 0; ni < 2; ni++)
+            for (int ni = 0; ni < 4; ni++)
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
-                    int col = n0 + warp * 16 + ni * 8 + 2 * t + j;
+                    int col = n0 + warp * 32 + ni * 8 + 2 * t + j;
                     if (col >= N) continue;
-                    float v = acc[mi][ni][2 * half + j];
-                    if (FMT == 3) v = nvfp4_epilogue_scale(v, row_scale, src, w_sdec, e, sdec_groups, col, N);
-                    out[(u64)row * N + col] = v;
+                    store_sum<FMT>(tot[mi][ni][2 * half + j], partials, rows, row, col, N, row_scale, src, w_sdec, e,
+                                   sdec_groups, out);
                 }
         }
 }
@@ -381,15 +514,13 @@ __device__ void grouped_gemm_mma(const float* x, const int* row_index, const flo
 template <int FMT, int NF>
 __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const float* row_scale, const void* w,
                                     const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
-                                    const int* num_tiles, const int* offsets, int rows, int N, int K, float* out) {
+                                    const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
+                                    float* partials) {
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
     constexpr bool SPLIT = FMT == 1;
     constexpr int FRAGS = TM / 16;
     constexpr int SPANS = NF == 1 ? 8 : 4;
-    __shared__ float e2m1[16];
-    fill_e2m1_table(e2m1);
-    __syncthreads();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int n0 = (blockIdx.x * SKINNY_WARPS + warp) * 8 * NF;
     if (n0 >= N) return;
@@ -409,6 +540,10 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
             int row = r0 + mi * 16 + g + 8 * h;
             xr[mi][h] = row < r1 ? x + (row_index ? (u64)row_index[row] : (u64)row) * K + 8 * t : nullptr;
         }
+    // The running total lives in shared memory (element i of lane l at [warp][i][l]): it is
+    // touched once per segment, and registers go to the weights in flight.
+    __shared__ float tot_s[SKINNY_WARPS][FRAGS * NF * 4][32];
+    float* tot = &tot_s[warp][0][lane];
     float acc[FRAGS][NF][4];
 #pragma unroll
     for (int mi = 0; mi < FRAGS; mi++)
@@ -417,8 +552,10 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
 #pragma unroll
             for (int v = 0; v < 4; v++) acc[mi][f][v] = 0.0f;
 
-    for (int k0 = 0; k0 < K; k0 += 32 * SPANS) {
-        int spans = min(SPANS, (K - k0) / 32);
+    int k_begin, k_end;
+    block_k_range(partials, K, k_begin, k_end);
+    for (int k0 = k_begin; k0 < k_end; k0 += 32 * SPANS) {
+        int spans = min(SPANS, (k_end - k0) / 32);
         Weight8 wc[SPANS][NF];
 #pragma unroll
         for (int s = 0; s < SPANS; s++)
@@ -430,7 +567,7 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
             if (s >= spans) break;
             u32 b[NF][4];
 #pragma unroll
-            for (int f = 0; f < NF; f++) decode_weight8<FMT>(wc[s][f], e2m1, b[f]);
+            for (int f = 0; f < NF; f++) decode_weight8<FMT>(wc[s][f], b[f]);
 #pragma unroll
             for (int mi = 0; mi < FRAGS; mi++) {
                 if (mi * 16 >= live) break;
@@ -450,6 +587,9 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
                 for (int f = 0; f < NF; f++) mma_span<SPLIT>(acc[mi][f], hi[0], hi[1], lo[0], lo[1], b[f]);
             }
         }
+        // 32 * SPANS divides SEG: a segment ends only at the end of an iteration.
+        if ((k0 + 32 * SPANS) % SEG == 0 || k0 + 32 * SPANS >= k_end)
+            end_segment<FRAGS * NF * 4, 32>(&acc[0][0][0], tot, k0 < k_begin + SEG);
     }
 
 #pragma unroll
@@ -465,9 +605,9 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
                 for (int j = 0; j < 2; j++) {
                     int col = n0 + 8 * f + 2 * t + j;
                     if (col >= N) continue;
-                    float v = acc[mi][f][2 * half + j];
-                    if (FMT == 3) v = nvfp4_epilogue_scale(v, row_scale, src, w_sdec, e, sdec_groups, col, N);
-                    out[(u64)row * N + col] = v;
+                    store_sum<FMT>(tot[32 * ((mi * NF + f) * 4 + 2 * half + j)], partials, rows, row, col, N, row_scale,
+                                   src, w_sdec, e,
+                                   sdec_groups, out);
                 }
         }
 }
@@ -475,25 +615,28 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
 template <int FMT>
 __device__ void grouped_gemm_skinny1(const float* x, const int* row_index, const float* row_scale, const void* w,
                                      const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
-                                     const int* num_tiles, const int* offsets, int rows, int N, int K, float* out) {
+                                     const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
+                                     float* partials, const u32* /* xb: reads x itself */) {
     grouped_gemm_skinny<FMT, 1>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets,
-                                rows, N, K, out);
+                                rows, N, K, out, partials);
 }
 
 template <int FMT>
 __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const float* row_scale, const void* w,
                                      const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
-                                     const int* num_tiles, const int* offsets, int rows, int N, int K, float* out) {
+                                     const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
+                                     float* partials, const u32* /* xb: reads x itself */) {
     grouped_gemm_skinny<FMT, 4>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets,
-                                rows, N, K, out);
+                                rows, N, K, out, partials);
 }
 
 #define GEMM_KERNEL(KIND, NAME, FMT)                                                                              \
     extern "C" __global__ void NAME(const float* x, const int* row_index, const float* row_scale, const void* w,   \
                                     const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,    \
-                                    const int* num_tiles, const int* offsets, int rows, int N, int K, float* out) { \
+                                    const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,  \
+                                    float* partials, const u32* xb) {                                              \
         KIND<FMT>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets, rows, N, K, \
-                  out);                                                                                            \
+                  out, partials, xb);                                                                              \
     }
 
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_bf16, 1)
@@ -510,3 +653,22 @@ GEMM_KERNEL(grouped_gemm, grouped_gemm_f32, 0)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_bf16, 1)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_mxfp8, 2)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_nvfp4, 3)
+
+// Split-K's second step: out[row, col] = the segments' sums of a dense layer added in order
+// (the same additions the unsplit kernels make), then the NVFP4 epilogue when row_scale is
+// given. partials: [segments][rows][N]. Grid ceil(rows * N / 256), 256 threads.
+extern "C" __global__ void gemm_fold_segments(const float* partials, int segments, int rows, int N,
+                                              const int* row_index, const float* row_scale, const float* w_sdec,
+                                              int sdec_groups, float* out) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 count = (u64)rows * N;
+    if (i >= count) return;
+    float v = partials[i];
+    for (int s = 1; s < segments; s++) v = __fadd_rn(v, partials[s * count + i]);
+    if (row_scale) {
+        int row = (int)(i / N), col = (int)(i % N);
+        u64 src = row_index ? (u64)row_index[row] : (u64)row;
+        v = nvfp4_epilogue_scale(v, row_scale, src, w_sdec, 0, sdec_groups, col, N);
+    }
+    out[i] = v;
+}

@@ -93,6 +93,42 @@ if [ -x "$bin/cuda_bench_before" ]; then
   "$bin"/cuda_bench_before "${bench_args[@]}" 2>&1 | tee "$logs/bench_before.md" \
     && record "cuda_bench_before (previous code)" "done (bench_before.md)" || record "cuda_bench_before" "FAIL"
 fi
+# Through the HTTP server (SERVER_BENCH=1): `lockstep serve --device cuda --load-format dummy`
+# of SERVER_CONFIG with the Qwen3 tokenizer carried as .bin/qwen3-tokenizer.json.gz, loaded by
+# `lockstep bench` at 1, 64 and 256 streams (512 in; 128 / 256 / 256 out); the same for
+# .bin/lockstep_before (a build of the previous code) when carried. SERVER_QUANT picks the
+# expert format (default: none = BF16).
+if [ "${SERVER_BENCH:-0}" = 1 ]; then
+  model=/tmp/lockstep-server-model
+  mkdir -p "$model"
+  cp "${SERVER_CONFIG:-configs/qwen3-30b-a3b.json}" "$model/config.json"
+  gunzip -c "$bin/qwen3-tokenizer.json.gz" >"$model/tokenizer.json"
+  quant=()
+  [ -n "${SERVER_QUANT:-}" ] && quant=(--quantization "$SERVER_QUANT")
+  for server in lockstep lockstep_before; do
+    [ -x "$bin/$server" ] || continue
+    echo "== server bench: $server ($(date +%T))"
+    "$bin/$server" serve --device cuda --model-path "$model" --load-format dummy "${quant[@]}" \
+      --max-running-requests 256 --port 30556 >"$logs/serve_$server.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 300); do
+      curl -sf localhost:30556/health >/dev/null 2>&1 && break
+      sleep 1
+    done
+    ok=done
+    : >"$logs/server_bench_$server.md"
+    for run in "1 8 128" "64 128 256" "256 256 256"; do
+      read -r conc prompts out <<<"$run"
+      echo "-- $server: $conc concurrent, $prompts prompts, 512 in / $out out" | tee -a "$logs/server_bench_$server.md"
+      "$bin/lockstep" bench --base-url http://127.0.0.1:30556 --tokenizer "$model/tokenizer.json" \
+        --num-prompts "$prompts" --max-concurrency "$conc" --input-len 512 --output-len "$out" \
+        --range-ratio 1 --warmup 2 2>&1 | tee -a "$logs/server_bench_$server.md" || ok=FAIL
+    done
+    kill $pid 2>/dev/null; wait $pid 2>/dev/null
+    record "server bench ($server)" "$ok (server_bench_$server.md)"
+  done
+fi
+
 if [ "$mode" = full ] && [ "${SKIP_PEER:-0}" != 1 ]; then
   PYTHONUNBUFFERED=1 python3 scripts/hf_peer_bench.py configs/qwen3-30b-a3b.json 2>&1 | tee "$logs/hf_peer.md" \
     && record "transformers peer (bf16)" "done (hf_peer.md)" || record "transformers peer" "FAIL"

@@ -14,7 +14,7 @@
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use lockstep::backend::cpu::linear::{make_linear, DenseWeight};
-use lockstep::backend::cuda::ops::{self, GemmPath, GemmRows, MoePlan, Nvfp4Out};
+use lockstep::backend::cuda::ops::{self, GemmPath, GemmRows, MoePlan, Nvfp4Out, SplitK};
 use lockstep::backend::cuda::weights::{Activation, GpuMatrix};
 use lockstep::backend::cuda::Gpu;
 use lockstep::backend::Linear;
@@ -26,6 +26,8 @@ use common::cuda::{gpu, seed, Rng};
 
 const ROW_COUNTS: [usize; 7] = [1, 2, 7, 16, 64, 200, 1024];
 const ALL: usize = 1024;
+/// The engine's choice of kernel and split.
+const AUTO: (GemmPath, SplitK) = (GemmPath::Auto, SplitK::Auto);
 
 /// `m` distinct rows of 0..ALL in a random order.
 fn subset(rng: &mut Rng, m: usize) -> Vec<usize> {
@@ -125,7 +127,7 @@ fn quantized(g: &Gpu, m: &GpuMatrix, x: &[f32], rows: usize, k: usize) -> Input 
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     g: &Gpu,
-    path: GemmPath,
+    (path, split): (GemmPath, SplitK),
     input: &Input,
     row_index: Option<&CudaSlice<i32>>,
     m: &GpuMatrix,
@@ -135,6 +137,7 @@ fn gemm(
     let mut out = g.upload(&vec![f32::NAN; out_rows * m.n]).unwrap();
     ops::grouped_gemm_on(
         path,
+        split,
         g,
         &input.x,
         row_index,
@@ -164,8 +167,9 @@ fn bf16_weights(rng: &mut Rng, n: usize, k: usize) -> DenseWeight {
 fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
     let g = gpu();
     let mut rng = Rng(seed());
-    // K = 96: a partial group of spans for the few-rows kernel; N = 100: partial column tiles.
-    for (n, k) in [(100, 96), (576, 2048)] {
+    // K = 96: a partial group of spans for the few-rows kernel; N = 100, 136: partial column
+    // tiles; K = 800: three K segments and a partial fourth; K = 2048: eight segments.
+    for (n, k) in [(100, 96), (136, 800), (576, 2048)] {
         let x = rng.vec(ALL * k, 2.0);
         let mut layers: Vec<(String, Box<dyn Linear>)> = formats()
             .iter()
@@ -182,15 +186,7 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
         for (name, layer) in &layers {
             let m = GpuMatrix::upload(&g, &[vec![&**layer]]).unwrap();
             let full = quantized(&g, &m, &x, ALL, k);
-            let want = gemm(
-                &g,
-                GemmPath::Auto,
-                &full,
-                None,
-                &m,
-                GemmRows::Dense(ALL),
-                ALL,
-            );
+            let want = gemm(&g, AUTO, &full, None, &m, GemmRows::Dense(ALL), ALL);
             let full_deq = g.download(&full.x, ALL * k).unwrap();
             for rows_m in ROW_COUNTS {
                 let rows = subset(&mut rng, rows_m);
@@ -209,22 +205,26 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
                     GemmPath::Skinny,
                     GemmPath::Skinny4,
                 ] {
-                    let got = gemm(&g, path, &part, None, &m, GemmRows::Dense(rows_m), rows_m);
-                    assert_bits(&got, &want_rows, &what(&format!("{path:?}")));
+                    for split in [SplitK::Auto, SplitK::Off, SplitK::On] {
+                        let choice = (path, split);
+                        let got =
+                            gemm(&g, choice, &part, None, &m, GemmRows::Dense(rows_m), rows_m);
+                        assert_bits(&got, &want_rows, &what(&format!("{choice:?}")));
+                    }
                 }
                 // Read in place from the full input through a row index.
                 let index: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
                 let di = g.upload(&index).unwrap();
                 let got = gemm(
                     &g,
-                    GemmPath::Auto,
+                    (GemmPath::Auto, SplitK::On),
                     &full,
                     Some(&di),
                     &m,
                     GemmRows::Dense(rows_m),
                     rows_m,
                 );
-                assert_bits(&got, &want_rows, &what("through a row index"));
+                assert_bits(&got, &want_rows, &what("through a row index, split over K"));
             }
             println!("{name} [{n} x {k}]: every row bitwise equal for every row count and path");
         }
@@ -283,7 +283,7 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
         let pairs = ALL * top_k;
         let out_full = gemm(
             &g,
-            GemmPath::Auto,
+            AUTO,
             &full,
             Some(&plan_full.row_token),
             &m,
@@ -323,7 +323,7 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
             ] {
                 let out = gemm(
                     &g,
-                    path,
+                    (path, SplitK::Auto),
                     &part,
                     Some(&plan.row_token),
                     &m,

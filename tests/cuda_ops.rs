@@ -10,7 +10,7 @@ use lockstep::backend::cpu::attention::{paged_attention, AttentionSeq, KvDtype, 
 use lockstep::backend::cpu::linear::{make_linear, DenseWeight};
 use lockstep::backend::cpu::ops as cpu;
 use lockstep::backend::cuda::ops::{
-    self, AttnRows, AttnShape, GemmPath, GemmRows, MoePlan, Nvfp4Out, Nvfp4Params,
+    self, AttnRows, AttnShape, GemmPath, GemmRows, MoePlan, Nvfp4Out, Nvfp4Params, SplitK,
 };
 use lockstep::backend::cuda::weights::GpuMatrix;
 use lockstep::backend::Linear;
@@ -776,6 +776,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             let mut out = poisoned(&g, pairs * n, f32::NAN);
             ops::grouped_gemm_on(
                 path,
+                SplitK::Auto,
                 &g,
                 xin,
                 Some(&plan.row_token),
@@ -816,15 +817,19 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
                 fmt.format
             );
         }
-        // One dense group of a few rows (the decode shape) on each kernel.
-        for (rows, path) in [
-            (3, GemmPath::Skinny),
-            (5, GemmPath::Skinny4),
-            (13, GemmPath::TensorCore),
+        // One dense group of a few rows (the decode shape) on each kernel, whole and split
+        // over K.
+        for (rows, path, split) in [
+            (3, GemmPath::Skinny, SplitK::Off),
+            (3, GemmPath::Skinny, SplitK::On),
+            (5, GemmPath::Skinny4, SplitK::On),
+            (13, GemmPath::TensorCore, SplitK::Off),
+            (13, GemmPath::TensorCore, SplitK::On),
         ] {
             let mut out = poisoned(&g, rows * n, f32::NAN);
             ops::grouped_gemm_on(
                 path,
+                split,
                 &g,
                 xin,
                 None,
@@ -847,7 +852,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             };
             assert!(
                 err < bound,
-                "{:?} dense {rows} rows on {path:?}: relative error {err}",
+                "{:?} dense {rows} rows on {path:?}, split {split:?}: relative error {err}",
                 fmt.format
             );
         }

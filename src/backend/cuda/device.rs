@@ -1,8 +1,8 @@
 //! One CUDA device as the engine uses it: its context, the one engine stream every kernel and
-//! copy is queued on, and the loaded kernels.
+//! copy is queued on, the loaded kernels, and the GEMM split-K scratch.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -11,6 +11,7 @@ use cudarc::driver::{
 
 use super::args::{KernelArgs, Raw, MAX_PARAMS};
 use super::kernels::{self, Kernel, Source};
+use super::ops::GemmScratch;
 use super::CudaError;
 
 pub struct Gpu {
@@ -20,6 +21,9 @@ pub struct Gpu {
     pub name: String,
     pub sm_count: u32,
     functions: HashMap<Kernel, CudaFunction>,
+    /// The GEMMs' scratch (split-K sums, packed activations), grown on first need; every
+    /// launch is on `stream`, so one set of buffers serves them in turn.
+    pub(crate) gemm_scratch: Mutex<GemmScratch>,
 }
 
 /// The number of CUDA devices, or why there are none usable (never panics: cudarc panics when
@@ -84,6 +88,7 @@ impl Gpu {
             name,
             sm_count,
             functions,
+            gemm_scratch: Mutex::new(GemmScratch::default()),
         })
     }
 

@@ -1,7 +1,8 @@
 //! Launches of kernels/gemm.cu, the grouped GEMM over experts and dense layers with weights
 //! decoded in-kernel (F32, BF16, MXFP8, NVFP4; FFMA or BF16 tensor cores in tiles or for few
-//! rows, picked by [`GemmPath`]). Every path reduces each output element in an order fixed by
-//! K alone, and the two tensor-core paths in the same order, so the choice never changes bits.
+//! rows, picked by [`GemmPath`]; dense layers of few rows split over K, [`SplitK`]). Every path
+//! reduces each output element in an order fixed by K alone, and the tensor-core paths, split
+//! or not, in the same order, so the choice never changes bits.
 
 use cudarc::driver::CudaSlice;
 
@@ -12,14 +13,25 @@ use crate::backend::cuda::{CudaError, Gpu};
 
 /// Rows per tile of the grouped GEMM (kernels/gemm.cu `TM`).
 pub const GEMM_TILE_ROWS: usize = 32;
-/// Columns per tile (kernels/gemm.cu `TN`, `MMA_TN`).
+/// Columns per tile of the FFMA kernel (kernels/gemm.cu `TN`).
 pub const GEMM_TILE_COLS: usize = 64;
+/// Columns per tile of the tiled tensor-core kernel (kernels/gemm.cu `TILE_TN`).
+const MMA_TILE_COLS: usize = 128;
 /// Output columns per block of the few-rows tensor-core kernels: 4 warps of 8 (or, in the
 /// `skinny4` kernels, 32) columns.
 const SKINNY_COLS_PER_BLOCK: usize = 32;
 /// Warps at which a few-rows launch takes the 32-columns-per-warp kernels: enough to fill the
 /// GPU, and each warp's activation packing then serves four times the weights.
 const SKINNY4_MIN_WARPS: usize = 2048;
+/// k per segment of the tensor-core K chain (kernels/gemm.cu `SEG`): each segment sums from
+/// zero, and the segments' sums are added in order, so a split-K launch (a block per segment)
+/// gives the bits of one that walks all of K.
+pub const K_SEGMENT: usize = 256;
+/// Blocks below which [`SplitK::Auto`] splits a dense launch over its K segments: about two
+/// waves of an H200's 132 SMs.
+const SPLIT_K_BELOW_BLOCKS: usize = 264;
+/// The largest split-K scratch (f32 per-segment sums) [`SplitK::Auto`] takes: 64 MiB.
+const SPLIT_K_MAX_PARTIALS: usize = 1 << 24;
 
 /// A weight matrix (or a stack of expert matrices) in GPU memory, in its storage format.
 pub enum WeightData {
@@ -36,6 +48,26 @@ pub enum WeightData {
         s_dec: CudaSlice<f32>,
         groups: usize,
     },
+}
+
+/// The GEMMs' device scratch, held by [`Gpu`]: split-K's per-segment sums and the tiled
+/// kernel's packed activations.
+#[derive(Default)]
+pub struct GemmScratch {
+    partials: Option<CudaSlice<f32>>,
+    operand: Option<CudaSlice<u32>>,
+}
+
+/// `buf`, grown to hold at least `len` elements.
+fn grown<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    gpu: &Gpu,
+    buf: &'a mut Option<CudaSlice<T>>,
+    len: usize,
+) -> Result<&'a CudaSlice<T>, CudaError> {
+    if buf.as_ref().is_none_or(|b| b.len() < len) {
+        *buf = Some(gpu.alloc::<T>(len)?);
+    }
+    Ok(buf.as_ref().expect("allocated above"))
 }
 
 /// Which rows a grouped GEMM runs over.
@@ -55,12 +87,59 @@ pub enum GemmPath {
     Auto,
     /// CUDA cores (FFMA), any shape: the exact-f32 path.
     Ffma,
-    /// BF16 tensor cores (mma.sync) in 32x64 tiles, operands decoded to BF16 in shared memory.
+    /// BF16 tensor cores (mma.sync) in 32x128 tiles: activations packed to BF16 first, then
+    /// streamed through shared memory with the raw weights.
     TensorCore,
     /// The same tensor-core products, a warp per 8 columns, for decode-sized tiles.
     Skinny,
     /// As [`GemmPath::Skinny`], a warp per 32 columns: for launches with warps enough.
     Skinny4,
+}
+
+/// Whether a tensor-core launch over a dense layer runs a block per K segment (then
+/// `gemm_fold_segments` adds the segments' sums in order). The bits are the same either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitK {
+    /// Split when the launch has too few blocks to fill the GPU (decode-sized dense layers).
+    Auto,
+    Off,
+    /// Split wherever K has more than one segment (an error on a routing plan's rows).
+    On,
+}
+
+impl SplitK {
+    /// The segments to split over, or `None` to walk all of K in one block.
+    fn segments(
+        self,
+        path: GemmPath,
+        rows: &GemmRows<'_>,
+        blocks: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Option<usize>, CudaError> {
+        let segments = k.div_ceil(K_SEGMENT);
+        let dense = match rows {
+            GemmRows::Dense(r) => Some(*r),
+            GemmRows::Plan(_) => None,
+        };
+        if path == GemmPath::Ffma || self == SplitK::Off || segments < 2 {
+            return Ok(None);
+        }
+        let Some(r) = dense else {
+            return match self {
+                SplitK::On => Err(CudaError::Unsupported(
+                    "split-K runs on dense layers only".into(),
+                )),
+                _ => Ok(None),
+            };
+        };
+        let fits = segments * r * n <= SPLIT_K_MAX_PARTIALS;
+        Ok(match self {
+            SplitK::On => Some(segments),
+            _ if blocks < SPLIT_K_BELOW_BLOCKS && fits => Some(segments),
+            _ => None,
+        })
+    }
 }
 
 /// Rows up to which [`GemmPath::Auto`] takes the few-rows kernels for one dense group and, on
@@ -94,6 +173,11 @@ impl GemmPath {
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
             GemmPath::Auto if max_rows > skinny_rows => GemmPath::TensorCore,
+            // A dense launch of few rows splits over K (SplitK::Auto), which gives the 32-column
+            // warps blocks enough (H200: 0.65-0.95x the 8-column kernel's time at 1-8 rows).
+            GemmPath::Auto if matches!(rows, GemmRows::Dense(_)) && k > K_SEGMENT => {
+                GemmPath::Skinny4
+            }
             GemmPath::Auto if live_tiles * n.div_ceil(32) >= SKINNY4_MIN_WARPS => GemmPath::Skinny4,
             GemmPath::Auto => GemmPath::Skinny,
             p => p,
@@ -201,6 +285,7 @@ pub fn grouped_gemm(
 ) -> Result<(), CudaError> {
     grouped_gemm_on(
         GemmPath::Auto,
+        SplitK::Auto,
         gpu,
         x,
         row_index,
@@ -214,10 +299,11 @@ pub fn grouped_gemm(
     )
 }
 
-/// [`grouped_gemm`] on a chosen kernel (the tests run each against the CPU).
+/// [`grouped_gemm`] on a chosen kernel and split (the tests run each against the CPU).
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_gemm_on(
     path: GemmPath,
+    split: SplitK,
     gpu: &Gpu,
     x: &CudaSlice<f32>,
     row_index: Option<&CudaSlice<i32>>,
@@ -236,6 +322,7 @@ pub fn grouped_gemm_on(
     }
     launch_gemm(
         path,
+        split,
         gpu,
         x,
         row_index,
@@ -266,6 +353,7 @@ pub fn table_gemm(
     };
     launch_gemm(
         GemmPath::Auto,
+        SplitK::Auto,
         gpu,
         x,
         None,
@@ -282,6 +370,7 @@ pub fn table_gemm(
 #[allow(clippy::too_many_arguments)]
 fn launch_gemm(
     path: GemmPath,
+    split: SplitK,
     gpu: &Gpu,
     x: &CudaSlice<f32>,
     row_index: Option<&CudaSlice<i32>>,
@@ -296,7 +385,7 @@ fn launch_gemm(
     let out = need(out, max_rows * n, "gemm out")?;
     let path = path.resolve(w.f32_weights, &rows, max_rows, n, k);
     let (kernel, cols_per_block, threads) = match path {
-        GemmPath::TensorCore => (w.kernels[1], GEMM_TILE_COLS, 128),
+        GemmPath::TensorCore => (w.kernels[1], MMA_TILE_COLS, 128),
         GemmPath::Skinny4 => (w.kernels[3], 4 * SKINNY_COLS_PER_BLOCK, 128),
         GemmPath::Skinny => (w.kernels[2], SKINNY_COLS_PER_BLOCK, 128),
         _ => (w.kernels[0], GEMM_TILE_COLS, 256),
@@ -314,13 +403,52 @@ fn launch_gemm(
     if grid_y == 0 || n == 0 {
         return Ok(());
     }
-    // Block shapes (kernels/gemm.cu): FFMA 32x64 tiles on 256 threads, MMA 32x64 tiles on 4
-    // warps, few-rows MMA 32 or 128 columns on 4 warps.
+    let grid_x = n.div_ceil(cols_per_block);
+    let segments = split.segments(path, &rows, grid_x * grid_y, n, k)?;
+    let mut guard = gpu
+        .gemm_scratch
+        .lock()
+        .map_err(|_| CudaError::Capacity("the GEMM scratch lock is poisoned".into()))?;
+    let scratch = &mut *guard;
+    let partials = match segments {
+        Some(s) => Some(grown(gpu, &mut scratch.partials, s * rows_arg * n)?),
+        None => None,
+    };
+    // The tiled kernel reads x packed to BF16: every row the rows (through row_index) name.
+    let operand = if path == GemmPath::TensorCore {
+        let x_rows = match (&rows, row_index) {
+            (GemmRows::Dense(r), None) => *r,
+            (GemmRows::Plan(p), Some(_)) => p.tokens,
+            (GemmRows::Plan(p), None) => p.pairs,
+            (GemmRows::Dense(_), Some(_)) => x.len() / k,
+        };
+        let split_act = w.kernels[0] == Kernel::GroupedGemmBf16;
+        let words = x_rows * k / 2 * if split_act { 2 } else { 1 };
+        let x = need(x, x_rows * k, "gemm x")?;
+        let packed = grown(gpu, &mut scratch.operand, words)?;
+        gpu.launch(
+            Kernel::PackGemmOperand,
+            (gpu.grid_for(x_rows * k / 2, 256), 1, 1),
+            256,
+            (
+                x,
+                x_rows as i32,
+                k as i32,
+                split_act as i32,
+                View::whole(packed),
+            ),
+        )?;
+        Some(View::whole(packed))
+    } else {
+        None
+    };
+    // Block shapes (kernels/gemm.cu): FFMA 32x64 tiles on 256 threads, MMA 32x128 tiles on 4
+    // warps, few-rows MMA 32 or 128 columns on 4 warps; split-K adds a block per segment.
     // x, its row index and scales, and the weights are read at the rows and experts the plan
     // (or the dense row count) names: sized by the layer's owner.
     gpu.launch(
         kernel,
-        (n.div_ceil(cols_per_block) as u32, grid_y as u32, 1),
+        (grid_x as u32, grid_y as u32, segments.unwrap_or(1) as u32),
         threads,
         (
             View::whole(x),
@@ -336,6 +464,29 @@ fn launch_gemm(
             rows_arg as i32,
             n as i32,
             k as i32,
+            out,
+            partials.map(View::whole),
+            operand,
+        ),
+    )?;
+    let (Some(segments), Some(partials)) = (segments, partials) else {
+        return Ok(());
+    };
+    let count = rows_arg * n;
+    let nvfp4 = w.s_dec.is_some();
+    gpu.launch(
+        Kernel::GemmFoldSegments,
+        (count.div_ceil(256) as u32, 1, 1),
+        256,
+        (
+            View::whole(partials),
+            segments as i32,
+            rows_arg as i32,
+            n as i32,
+            row_index.filter(|_| nvfp4).map(View::whole),
+            row_scale.filter(|_| nvfp4).map(View::whole),
+            w.s_dec,
+            w.groups as i32,
             out,
         ),
     )

@@ -63,6 +63,9 @@ pub struct MoePlan {
     pub num_tiles: CudaSlice<i32>,
     pub slot_row: CudaSlice<i32>,
     pub row_token: CudaSlice<i32>,
+    /// The tokens and (token, expert) pairs of the last [`MoePlan::build`].
+    pub tokens: usize,
+    pub pairs: usize,
 }
 
 impl MoePlan {
@@ -75,6 +78,8 @@ impl MoePlan {
             num_tiles: gpu.alloc(1)?,
             slot_row: gpu.alloc(max_pairs)?,
             row_token: gpu.alloc(max_pairs)?,
+            tokens: 0,
+            pairs: 0,
         })
     }
 
@@ -95,6 +100,7 @@ impl MoePlan {
     ) -> Result<(), CudaError> {
         let pairs = tokens * top_k;
         let ids = need(ids, pairs, "plan ids")?;
+        (self.tokens, self.pairs) = (tokens, pairs);
         let slot_row = need(&self.slot_row, pairs, "plan slot_row")?;
         need(&self.counts, experts, "plan counts")?;
         gpu.stream.memset_zeros(&mut self.counts)?;
