@@ -32,10 +32,11 @@ declare -A what=(
   [cuda_attention]="attention vs CPU; rows bitwise equal in every batching"
   [cuda_invariance]="GEMM, MoE, quantizer, norm rows bitwise equal for every row count"
   [cuda_generate]="greedy generation vs CPU engine; rollout == recompute bitwise"
+  [cuda_memory]="release/resume memory: freed bytes reach another allocator; same bits after"
 )
 # TESTS="cuda_invariance cuda_attention" runs a subset; TEST_FILTER="name1 name2" only the tests
 # whose names contain one of these.
-for t in ${TESTS:-cuda_ops cuda_sampling cuda_load cuda_attention cuda_invariance cuda_generate}; do
+for t in ${TESTS:-cuda_ops cuda_sampling cuda_load cuda_attention cuda_invariance cuda_generate cuda_memory}; do
   echo "== $t: ${what[$t]} ($(date +%T))"
   if [ "${SKIP_TESTS:-0}" = 1 ]; then
     record "$t" "skipped (SKIP_TESTS=1)"

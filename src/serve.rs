@@ -231,6 +231,16 @@ pub struct ServeArgs {
     /// Directory that `/update_weights_from_disk` may read checkpoints from (off when unset).
     #[arg(long, env = "LOCKSTEP_WEIGHTS_ROOT", help_heading = "Weights")]
     pub weights_root: Option<PathBuf>,
+    /// CUDA: `/release_memory_occupation` copies the weights to host memory before freeing
+    /// them, and resume restores them bit for bit (SGLang's flag). Off: resumed weights are
+    /// absent (generation refused) until an update writes every tensor. The CPU backend's
+    /// weights are host memory and always come back.
+    #[arg(
+        long,
+        env = "LOCKSTEP_ENABLE_WEIGHTS_CPU_BACKUP",
+        help_heading = "Weights"
+    )]
+    pub enable_weights_cpu_backup: bool,
 
     /// trace, debug, info, warn or error.
     #[arg(
@@ -450,6 +460,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
                 mem_fraction_static: args.mem_fraction_static,
                 max_total_tokens: args.max_total_tokens,
                 block_scaled_gemm: args.cuda_block_scaled_gemm,
+                weights_cpu_backup: args.enable_weights_cpu_backup,
             },
             std::sync::OnceLock::new(),
             Default::default(),
@@ -465,6 +476,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
                 mem_fraction_static: args.mem_fraction_static,
                 max_total_tokens: args.max_total_tokens,
                 block_scaled_gemm: args.cuda_block_scaled_gemm,
+                weights_cpu_backup: args.enable_weights_cpu_backup,
             },
             Default::default(),
             Default::default(),

@@ -137,6 +137,7 @@ fn cuda(weights: CudaSource) -> ExecutorSpec {
         mem_fraction_static: 0.9,
         max_total_tokens: Some(65536),
         block_scaled_gemm: false,
+        weights_cpu_backup: false,
     }
 }
 

@@ -975,7 +975,13 @@ async fn sglang_info_names_and_load_reports() {
     }
     let (_, info) = call(&r, "GET", "/server_info", None, &[]).await;
     assert_eq!(info["enable_return_routed_experts"], true, "the flag is on");
-    assert_eq!(info["enable_memory_saver"], false);
+    assert_eq!(info["enable_memory_saver"], true);
+    assert_eq!(
+        info["enable_weights_cpu_backup"], true,
+        "the CPU's host weights"
+    );
+    assert_eq!(info["memory_released"], json!([]));
+    assert_eq!(info["weights_state"], "resident");
     assert_eq!(info["num_gpus"], 0, "the CPU backend");
     assert_eq!(info["tp_size"], 1);
     let (_, model) = call(&r, "GET", "/model_info", None, &[]).await;
@@ -1005,8 +1011,8 @@ async fn sglang_info_names_and_load_reports() {
         assert_eq!(v["error"]["param"], field, "{v}");
     }
     for path in [
-        "/release_memory_occupation",
         "/update_weights_from_distributed",
+        "/update_weights_from_tensor",
     ] {
         let (s, v) = call(&r, "POST", path, Some("{}"), &[]).await;
         assert_eq!(s, StatusCode::NOT_IMPLEMENTED, "{path}");
@@ -1115,4 +1121,309 @@ async fn sglang_bodies_drive_a_streamed_update_and_the_weights_checker() {
             "{v}"
         );
     }
+}
+
+const GREEDY: &str = r#"{"input_ids": [5, 17, 3, 42, 9], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": true}, "return_logprob": true, "top_logprobs_num": 2}"#;
+
+/// A greedy run's ids and logprobs (JSON numbers print f32 values exactly, so equal text is
+/// equal bits).
+async fn greedy_run(r: &axum::Router) -> (Value, Value, Value) {
+    let (s, v) = call(r, "POST", "/generate", Some(GREEDY), &[]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let m = &v["meta_info"];
+    assert_eq!(v["output_ids"].as_array().unwrap().len(), 6);
+    (
+        v["output_ids"].clone(),
+        m["output_token_logprobs"].clone(),
+        m["output_top_logprobs"].clone(),
+    )
+}
+
+async fn memory_info(r: &axum::Router) -> (Value, Value) {
+    let (_, info) = call(r, "GET", "/server_info", None, &[]).await;
+    (
+        info["memory_released"].clone(),
+        info["weights_state"].clone(),
+    )
+}
+
+/// SGLang's colocation endpoints on the CPU backend: what each release refuses, serves and
+/// frees, and that what comes back after a resume computes the same bits as before.
+#[tokio::test]
+async fn memory_release_and_resume_follow_sglang() {
+    let r = router(&[]);
+    let before = greedy_run(&r).await;
+
+    let (s, v) = call(
+        &r,
+        "POST",
+        "/release_memory_occupation",
+        Some(r#"{"tags": ["kv_cache"]}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        (&v["success"], &v["tags"]),
+        (&json!(true), &json!(["kv_cache"]))
+    );
+    assert!(
+        v["bytes"].as_u64().unwrap() > 0,
+        "the KV cache's memory: {v}"
+    );
+    assert_eq!(
+        memory_info(&r).await,
+        (json!(["kv_cache"]), json!("resident"))
+    );
+
+    // Generation of every kind waits for a resume and says which.
+    for (path, body) in [
+        ("/generate", GREEDY),
+        (
+            "/v1/completions",
+            r#"{"model": "m", "prompt": "ab", "max_tokens": 2}"#,
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}"#,
+        ),
+    ] {
+        let (s, v) = call(&r, "POST", path, Some(body), &[]).await;
+        assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{path}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(
+            msg.contains("kv_cache") && msg.contains("/resume_memory_occupation"),
+            "{path}: {msg}"
+        );
+    }
+    let (s, v) = call(
+        &r,
+        "POST",
+        "/generate",
+        Some(r#"{"text": "ab", "stream": true}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "streamed too: {v}");
+    let (s, v) = call(&r, "GET", "/health_generate", None, &[]).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("resume_memory_occupation"));
+    assert_eq!(
+        call(&r, "GET", "/health", None, &[]).await.0,
+        StatusCode::OK,
+        "the process is fine"
+    );
+
+    // Twice, what is not released, and tags that are not SGLang's: refused, nothing changes.
+    for (path, body, status, says) in [
+        (
+            "/release_memory_occupation",
+            r#"{"tags": ["kv_cache"]}"#,
+            StatusCode::CONFLICT,
+            "already released",
+        ),
+        (
+            "/resume_memory_occupation",
+            r#"{"tags": ["weights"]}"#,
+            StatusCode::CONFLICT,
+            "not released",
+        ),
+        (
+            "/release_memory_occupation",
+            r#"{"tags": ["kv"]}"#,
+            StatusCode::BAD_REQUEST,
+            "`kv` is not one of",
+        ),
+        (
+            "/resume_memory_occupation",
+            r#"{"tags": ["kv_cache", "activations"]}"#,
+            StatusCode::BAD_REQUEST,
+            "activations",
+        ),
+        (
+            "/release_memory_occupation",
+            r#"{"tags": "weights"}"#,
+            StatusCode::BAD_REQUEST,
+            "tags",
+        ),
+    ] {
+        let (s, v) = call(&r, "POST", path, Some(body), &[]).await;
+        assert_eq!(s, status, "{path} {body}: {v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(says),
+            "{path} {body}: {v}"
+        );
+        if status == StatusCode::BAD_REQUEST {
+            assert_eq!(v["error"]["param"], "tags", "{v}");
+        }
+    }
+    assert_eq!(
+        memory_info(&r).await,
+        (json!(["kv_cache"]), json!("resident"))
+    );
+
+    let (s, v) = call(
+        &r,
+        "POST",
+        "/resume_memory_occupation",
+        Some(r#"{"tags": ["kv_cache"]}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["memory_released"], json!([]));
+    assert_eq!(
+        greedy_run(&r).await,
+        before,
+        "an empty KV cache, the same bits"
+    );
+
+    // GET with no body, as SGLang takes it: every tag (cuda_graph frees nothing here).
+    let (s, v) = call(&r, "GET", "/release_memory_occupation", None, &[]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["tags"], json!(["kv_cache", "weights", "cuda_graph"]));
+    assert_eq!(
+        memory_info(&r).await,
+        (json!(["kv_cache", "weights"]), json!("released"))
+    );
+    let (s, v) = call(
+        &r,
+        "POST",
+        "/release_memory_occupation",
+        Some(r#"{"tags": null}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("everything is already released"),
+        "{v}"
+    );
+    let (s, v) = call(&r, "POST", "/generate", Some(GREEDY), &[]).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains(r#"["kv_cache", "weights"]"#),
+        "{v}"
+    );
+    // Released weights have no memory to take an update: resume them first.
+    let (s, v) = call(&r, "POST", "/begin_weight_update", Some("{}"), &[]).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("resume_memory_occupation"),
+        "{v}"
+    );
+
+    // verl's order: weights, then the KV cache; the CPU's weights come back bit for bit.
+    let (s, v) = call(
+        &r,
+        "POST",
+        "/resume_memory_occupation",
+        Some(r#"{"tags": ["weights"]}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        (s, &v["weights_state"]),
+        (StatusCode::OK, &json!("resident")),
+        "{v}"
+    );
+    assert_eq!(
+        call(&r, "POST", "/generate", Some(GREEDY), &[]).await.0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let (s, v) = call(
+        &r,
+        "GET",
+        "/resume_memory_occupation",
+        Some(r#"{"tags": ["kv_cache", "cuda_graph"]}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(memory_info(&r).await, (json!([]), json!("resident")));
+    assert_eq!(greedy_run(&r).await, before);
+    assert_eq!(
+        call(&r, "GET", "/health_generate", None, &[]).await.0,
+        StatusCode::OK
+    );
+    let (s, v) = call(
+        &r,
+        "POST",
+        "/resume_memory_occupation",
+        Some(r#"{"tags": []}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("nothing is released"),
+        "{v}"
+    );
+}
+
+/// SGLang asserts an idle scheduler before releasing; lockstep answers 409 naming the requests
+/// in the way (here one held by an in-place pause) and releases once they are gone.
+#[tokio::test]
+async fn memory_release_waits_for_an_idle_engine() {
+    let r = router(&[]);
+    let (s, _) = call(
+        &r,
+        "POST",
+        "/pause_generation",
+        Some(r#"{"mode": "in_place"}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let body = r#"{"rid": "held-1", "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": true}}"#;
+    let held = {
+        let r = r.clone();
+        tokio::spawn(async move { call(&r, "POST", "/generate", Some(body), &[]).await })
+    };
+    // Until the handler has submitted it (the engine then admits it before the release).
+    loop {
+        let (_, info) = call(&r, "GET", "/server_info", None, &[]).await;
+        if info["num_queue_reqs"].as_u64().unwrap() + info["num_running_reqs"].as_u64().unwrap() > 0
+        {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    let (s, v) = call(&r, "POST", "/release_memory_occupation", Some("{}"), &[]).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("held-1") && msg.contains("pause_generation"),
+        "{msg}"
+    );
+    assert_eq!(
+        memory_info(&r).await,
+        (json!([]), json!("resident")),
+        "nothing released"
+    );
+
+    let (s, _) = call(&r, "POST", "/continue_generation", None, &[]).await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, v) = held.await.unwrap();
+    assert_eq!(s, StatusCode::OK, "the held request finishes: {v}");
+    assert_eq!(v["meta_info"]["finish_reason"]["type"], "length");
+    let (s, v) = call(&r, "POST", "/release_memory_occupation", Some("{}"), &[]).await;
+    assert_eq!(s, StatusCode::OK, "idle now: {v}");
+    let (s, v) = call(&r, "POST", "/resume_memory_occupation", None, &[]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
 }

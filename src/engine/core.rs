@@ -10,10 +10,13 @@ use tokio::sync::mpsc;
 
 use super::config::EngineConfig;
 use super::executor::{self, Executor, ExecutorSpec, StepOutput};
+use super::memory::{MemoryState, MemoryTag, WeightsState};
 use super::request::{
     EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan,
 };
-use super::{Command, EngineError, EngineHandle, EngineInfo, EngineShared, PauseMode};
+use super::{
+    Command, EngineError, EngineHandle, EngineInfo, EngineShared, MemoryReport, PauseMode,
+};
 use crate::kv::KvPool;
 use crate::model::{ForwardBatch, Model, SeqInput};
 use crate::sampling::{
@@ -65,6 +68,16 @@ impl Engine {
         info: EngineInfo,
         cfg: EngineConfig,
     ) -> Result<EngineHandle, EngineError> {
+        Self::start_on(move |cfg| executor::build(spec, cfg), info, cfg)
+    }
+
+    /// [`Engine::start_with`] over the executor `build` makes on the engine thread (tests
+    /// give stand-ins for a device here).
+    pub(crate) fn start_on(
+        build: impl FnOnce(&EngineConfig) -> Result<Box<dyn Executor>, EngineError> + Send + 'static,
+        info: EngineInfo,
+        cfg: EngineConfig,
+    ) -> Result<EngineHandle, EngineError> {
         let (tx, rx) = std::sync::mpsc::sync_channel(cfg.max_queued_requests.max(1) * 2);
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let shared = Arc::new(EngineShared::default());
@@ -80,7 +93,9 @@ impl Engine {
             .spawn(move || {
                 // A panic is a bug; the guard still fails /health and answers every waiter.
                 let result = catch_unwind(AssertUnwindSafe(|| {
-                    let mut core = match Core::start(spec, info, shared.clone(), &cfg) {
+                    let started =
+                        build(&cfg).and_then(|exec| Core::start(exec, info, shared.clone(), &cfg));
+                    let mut core = match started {
                         Ok(core) => core,
                         Err(e) => {
                             *shared.last_error.lock().expect("error lock") = Some(e.to_string());
@@ -140,7 +155,8 @@ fn drain_after_failure(rx: &std::sync::mpsc::Receiver<Command>, shared: &EngineS
         match cmd {
             Command::Generate(_, tx) => {
                 shared.in_channel.fetch_sub(1, Ordering::AcqRel);
-                let _ = tx.send(EngineEvent::Error(msg.clone()));
+                // `msg` is the failure's own text (it already says the engine stopped).
+                let _ = tx.send(EngineEvent::Error(EngineError::Failed(msg.clone())));
             }
             Command::FlushCache(reply) => {
                 let _ = reply.send(Err(EngineError::Stopped(msg.clone())));
@@ -162,18 +178,19 @@ struct Core {
     shared: Arc<EngineShared>,
     /// Set by `Shutdown`: new requests are refused and the loop ends once nothing runs.
     shutting_down: bool,
+    /// What is released (published to `shared.memory` on every change).
+    memory: MemoryState,
 }
 
 impl Core {
     /// Builds the executor and the scheduler over its KV blocks; device-only weights publish
     /// their slot table and checksum here.
     fn start(
-        spec: ExecutorSpec,
+        mut exec: Box<dyn Executor>,
         info: Arc<EngineInfo>,
         shared: Arc<EngineShared>,
         cfg: &EngineConfig,
     ) -> Result<Core, EngineError> {
-        let mut exec = executor::build(spec, cfg)?;
         let catalog = exec
             .device_catalog()
             .map_err(|e| EngineError::Start(e.to_string()))?;
@@ -200,6 +217,11 @@ impl Core {
                 eos.push(*id);
             }
         }
+        let memory = MemoryState {
+            weights_backup: exec.keeps_weights_backup(),
+            ..MemoryState::default()
+        };
+        *shared.memory.lock().expect("memory lock") = memory;
         Ok(Core {
             exec,
             sched,
@@ -210,6 +232,7 @@ impl Core {
             info,
             shared,
             shutting_down: false,
+            memory,
         })
     }
 
@@ -219,7 +242,7 @@ impl Core {
         *self.shared.last_error.lock().expect("error lock") = Some(e.to_string());
         self.shared.healthy.store(false, Ordering::Release);
         for (_, a) in self.seqs.drain() {
-            let _ = a.events.send(EngineEvent::Error(e.to_string()));
+            let _ = a.events.send(EngineEvent::Error(e.clone()));
         }
     }
 
@@ -377,11 +400,15 @@ impl Core {
                 abort_all,
                 reply,
             } => {
-                let result = self.exec.swap_from_disk(&weights).map(|checksum| {
-                    let aborted = self.abort_all_for_update(abort_all);
-                    self.begin_weight_version(version, Arc::new(checksum));
-                    aborted
-                });
+                let slots = self.info.slots().len();
+                let result = self
+                    .check_update(slots)
+                    .and_then(|()| self.exec.swap_from_disk(&weights))
+                    .map(|checksum| {
+                        let aborted = self.abort_all_for_update(abort_all);
+                        self.begin_weight_version(version, Arc::new(checksum));
+                        aborted
+                    });
                 let _ = reply.send(result);
             }
             Command::ApplyWeights {
@@ -391,11 +418,25 @@ impl Core {
                 reply,
             } => {
                 let started = Instant::now();
-                let result = self.exec.apply(updates).map(|spent| {
-                    self.begin_weight_version(version, checksum);
-                    (started.elapsed(), spent)
-                });
+                let slots = self.info.slots();
+                let writes = updates
+                    .iter()
+                    .filter(|(n, _)| slots.contains_key(n))
+                    .count();
+                let result = self
+                    .check_update(writes)
+                    .and_then(|()| self.exec.apply(updates))
+                    .map(|spent| {
+                        self.begin_weight_version(version, checksum);
+                        (started.elapsed(), spent)
+                    });
                 let _ = reply.send(result);
+            }
+            Command::ReleaseMemory { tags, reply } => {
+                let _ = reply.send(self.release_memory(tags.as_deref()));
+            }
+            Command::ResumeMemory { tags, reply } => {
+                let _ = reply.send(self.resume_memory(tags.as_deref()));
             }
             Command::Shutdown => {
                 self.shutting_down = true;
@@ -417,11 +458,142 @@ impl Core {
         if !executor::same_shapes(self.exec.config(), &model.config) {
             return Err(EngineError::Conflict("the new weights' config.json differs from the served model's (architecture or shapes)".into()));
         }
+        self.check_update(self.info.slots().len())?;
         // Swap first: if the backend refuses the weights, nothing else has changed.
         self.exec.swap(model)?;
         let aborted = self.abort_all_for_update(abort_all);
         self.begin_weight_version(version, checksum);
         Ok(aborted)
+    }
+
+    /// A weight update that writes `writes` of the model's slots may go ahead: the weights are
+    /// in memory, and absent weights are written whole.
+    fn check_update(&self, writes: usize) -> Result<(), EngineError> {
+        self.memory
+            .check_update(writes, self.info.slots().len())
+            .map_err(EngineError::MemoryState)
+    }
+
+    fn set_memory(&mut self, memory: MemoryState) {
+        self.memory = memory;
+        *self.shared.memory.lock().expect("memory lock") = memory;
+    }
+
+    /// `/release_memory_occupation`: only on an idle engine (SGLang asserts as much; here the
+    /// caller learns which requests are in the way), every tag checked before any is acted
+    /// on. The KV cache goes first (SGLang's order), then the weights.
+    fn release_memory(&mut self, tags: Option<&[MemoryTag]>) -> Result<MemoryReport, EngineError> {
+        if !self.seqs.is_empty() {
+            let mut rids: Vec<&str> = self.seqs.values().map(|a| a.req.rid.as_str()).collect();
+            rids.sort_unstable();
+            let more = rids.len().saturating_sub(8);
+            rids.truncate(8);
+            return Err(EngineError::MemoryState(format!(
+                "{} requests are in flight ({}{}): release_memory_occupation needs an idle engine; let them finish or abort them (POST /pause_generation {{\"mode\": \"abort\"}}) first",
+                self.seqs.len(),
+                rids.join(", "),
+                if more > 0 { format!(" and {more} more") } else { String::new() }
+            )));
+        }
+        let tags = self
+            .memory
+            .to_release(tags)
+            .map_err(EngineError::MemoryState)?;
+        let mut report = MemoryReport {
+            tags: Vec::new(),
+            bytes: 0,
+            state: self.memory,
+        };
+        let result = self.release_each(&tags, &mut report);
+        self.finish_memory(result, report, "released")
+    }
+
+    /// Acts on `tags` in release order, recording each in `r` as it is done.
+    fn release_each(
+        &mut self,
+        tags: &[MemoryTag],
+        r: &mut MemoryReport,
+    ) -> Result<(), EngineError> {
+        if tags.contains(&MemoryTag::KvCache) {
+            // The cached prefixes index blocks whose contents are about to go.
+            let pool = self.sched.pool();
+            pool.flush(pool.weight_version());
+            r.bytes += self.exec.release_kv()?;
+            r.state.kv_released = true;
+            r.tags.push(MemoryTag::KvCache);
+        }
+        if tags.contains(&MemoryTag::Weights) {
+            // Absent weights hold no values worth a backup.
+            let keep = r.state.weights == WeightsState::Resident;
+            let released = self.exec.release_weights(keep)?;
+            r.bytes += released.bytes;
+            r.state.weights = WeightsState::Released {
+                backup: released.backup,
+            };
+            r.tags.push(MemoryTag::Weights);
+        }
+        if tags.contains(&MemoryTag::CudaGraph) {
+            r.tags.push(MemoryTag::CudaGraph);
+        }
+        Ok(())
+    }
+
+    /// `/resume_memory_occupation`: the weights first, then the KV cache (SGLang's order).
+    fn resume_memory(&mut self, tags: Option<&[MemoryTag]>) -> Result<MemoryReport, EngineError> {
+        let tags = self
+            .memory
+            .to_resume(tags)
+            .map_err(EngineError::MemoryState)?;
+        let mut report = MemoryReport {
+            tags: Vec::new(),
+            bytes: 0,
+            state: self.memory,
+        };
+        let result = self.resume_each(&tags, &mut report);
+        self.finish_memory(result, report, "resumed")
+    }
+
+    fn resume_each(&mut self, tags: &[MemoryTag], r: &mut MemoryReport) -> Result<(), EngineError> {
+        if tags.contains(&MemoryTag::CudaGraph) {
+            r.tags.push(MemoryTag::CudaGraph);
+        }
+        if tags.contains(&MemoryTag::Weights) {
+            let WeightsState::Released { backup } = r.state.weights else {
+                unreachable!("checked by to_resume");
+            };
+            r.bytes += self.exec.resume_weights()?;
+            r.state.weights = if backup {
+                WeightsState::Resident
+            } else {
+                WeightsState::Absent
+            };
+            r.tags.push(MemoryTag::Weights);
+        }
+        if tags.contains(&MemoryTag::KvCache) {
+            r.bytes += self.exec.resume_kv()?;
+            r.state.kv_released = false;
+            r.tags.push(MemoryTag::KvCache);
+        }
+        Ok(())
+    }
+
+    /// Publishes what a release or resume did, also when it failed part-way (the error then
+    /// says what was done before it).
+    fn finish_memory(
+        &mut self,
+        result: Result<(), EngineError>,
+        report: MemoryReport,
+        verb: &str,
+    ) -> Result<MemoryReport, EngineError> {
+        self.set_memory(report.state);
+        self.publish();
+        match result {
+            Ok(()) => {
+                tracing::info!("{verb} {} ({} bytes)", names(&report.tags), report.bytes);
+                Ok(report)
+            }
+            Err(e) => Err(partly(e, verb, &report.tags)),
+        }
     }
 
     /// With `abort_all`, aborts every request (after new weights are in place).
@@ -445,6 +617,14 @@ impl Core {
     ) {
         let pool = self.sched.pool();
         pool.flush(pool.weight_version() + 1);
+        if self.memory.weights == WeightsState::Absent {
+            // Only a whole-model update gets here with absent weights (`check_update`).
+            let memory = MemoryState {
+                weights: WeightsState::Resident,
+                ..self.memory
+            };
+            self.set_memory(memory);
+        }
         *self.info.weights_checksum.write().expect("checksum lock") = (version.clone(), checksum);
         *self
             .info
@@ -459,7 +639,14 @@ impl Core {
         self.shared.waiting.fetch_add(1, Ordering::AcqRel);
         self.shared.in_channel.fetch_sub(1, Ordering::AcqRel);
         if self.shutting_down {
-            let _ = events.send(EngineEvent::Error("server shutting down".into()));
+            let _ = events.send(EngineEvent::Error(EngineError::Unavailable(
+                "server shutting down".into(),
+            )));
+            return;
+        }
+        // A release may have been handled after the handler's own check.
+        if let Some(why) = self.memory.unavailable() {
+            let _ = events.send(EngineEvent::Error(EngineError::Unavailable(why)));
             return;
         }
         let decoder = match IncrementalDecoder::new(
@@ -469,7 +656,9 @@ impl Core {
         ) {
             Ok(d) => d,
             Err(e) => {
-                let _ = events.send(EngineEvent::Error(format!("detokenizer: {e}")));
+                let _ = events.send(EngineEvent::Error(EngineError::Failed(format!(
+                    "detokenizer: {e}"
+                ))));
                 return;
             }
         };
@@ -482,7 +671,7 @@ impl Core {
             use_prefix_cache: !req.needs_full_prefill(),
         };
         if let Err(e) = self.sched.add(seq) {
-            let _ = events.send(EngineEvent::Error(e.to_string()));
+            let _ = events.send(EngineEvent::Error(EngineError::Failed(e.to_string())));
             return;
         }
         let input_lp_next = match (req.return_logprob, req.logprob_start_len) {
@@ -737,6 +926,31 @@ impl Core {
             output_ids: std::mem::take(&mut a.output),
         };
         let _ = a.events.send(EngineEvent::Finished(Box::new(info)));
+    }
+}
+
+fn names(tags: &[MemoryTag]) -> String {
+    if tags.is_empty() {
+        return "nothing".into();
+    }
+    tags.iter().map(|t| t.name()).collect::<Vec<_>>().join(", ")
+}
+
+/// A release or resume that failed after acting on `done`: the error says what did happen.
+fn partly(e: EngineError, verb: &str, done: &[MemoryTag]) -> EngineError {
+    let done: Vec<MemoryTag> = done
+        .iter()
+        .copied()
+        .filter(|t| *t != MemoryTag::CudaGraph)
+        .collect();
+    if done.is_empty() {
+        return e;
+    }
+    let msg = format!("{} {verb}; then: {e}", names(&done));
+    match e {
+        EngineError::Unavailable(_) => EngineError::Unavailable(msg),
+        EngineError::MemoryState(_) => EngineError::MemoryState(msg),
+        _ => EngineError::Stopped(msg),
     }
 }
 

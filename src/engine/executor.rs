@@ -4,7 +4,7 @@
 //! `model::forward`. [`build`] makes the executor a spec names, on the engine thread; its
 //! errors travel back to whoever started the engine.
 
-use crate::backend::cpu::attention::KvMemory;
+use crate::backend::cpu::attention::{KvDtype, KvMemory};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::{CudaError, CudaSizes, Gpu};
 use crate::backend::Sampled;
@@ -33,6 +33,9 @@ pub enum ExecutorSpec {
         max_total_tokens: Option<usize>,
         /// `CudaSizes::block_scaled_gemm` (Blackwell only, not batch-invariant).
         block_scaled_gemm: bool,
+        /// `--enable-weights-cpu-backup`: releasing the weights keeps a host copy that resume
+        /// restores (SGLang's flag); without it they come back absent.
+        weights_cpu_backup: bool,
     },
 }
 
@@ -65,6 +68,14 @@ pub struct DiskWeights {
 pub(crate) struct DeviceCatalog {
     pub slots: std::collections::BTreeMap<String, SlotShape>,
     pub checksum: WeightsChecksum,
+}
+
+/// What releasing the weights did.
+pub(crate) struct ReleasedWeights {
+    /// Bytes freed.
+    pub bytes: usize,
+    /// Resume restores the values (a host copy was kept, or the weights live on the host).
+    pub backup: bool,
 }
 
 /// One step's results.
@@ -113,6 +124,25 @@ pub(crate) trait Executor {
             "updates loaded on the engine thread are for device-loaded CUDA weights".into(),
         ))
     }
+
+    /// Whether [`Executor::release_weights`] keeps what resume restores.
+    fn keeps_weights_backup(&self) -> bool;
+
+    /// Frees the KV cache's memory (its contents are gone; the engine flushed the prefix
+    /// cache). Returns the bytes freed. Only called on an idle engine.
+    fn release_kv(&mut self) -> Result<usize, EngineError>;
+
+    /// Reallocates the KV cache with the same blocks, empty. Returns its bytes. On failure
+    /// nothing is allocated and the cache stays released.
+    fn resume_kv(&mut self) -> Result<usize, EngineError>;
+
+    /// Frees the weights' memory, keeping a backup when the executor keeps one and `keep` says
+    /// the values are worth it (absent weights are not). On failure nothing is freed.
+    fn release_weights(&mut self, keep: bool) -> Result<ReleasedWeights, EngineError>;
+
+    /// Reallocates the weights at their sizes: the backup's values, or none (absent). Returns
+    /// the bytes. On failure nothing is allocated and the weights stay released.
+    fn resume_weights(&mut self) -> Result<usize, EngineError>;
 }
 
 /// Builds the executor `spec` names (on the engine thread: the CUDA context lives where it is
@@ -129,6 +159,7 @@ pub(crate) fn build(
             mem_fraction_static,
             max_total_tokens,
             block_scaled_gemm,
+            weights_cpu_backup,
         } => {
             let sizes = CudaSizes {
                 max_batch_tokens: cfg.max_batch_tokens,
@@ -139,7 +170,8 @@ pub(crate) fn build(
                 max_total_tokens,
                 block_scaled_gemm,
             };
-            let exec = CudaExecutor::new(device, weights, sizes).map_err(start_error)?;
+            let exec = CudaExecutor::new(device, weights, sizes, weights_cpu_backup)
+                .map_err(start_error)?;
             Ok(Box::new(exec))
         }
     }
@@ -158,32 +190,57 @@ pub(crate) fn same_shapes(a: &ModelConfig, b: &ModelConfig) -> bool {
 }
 
 /// The CPU reference: model and KV cache in host memory.
-struct CpuExecutor {
+pub(crate) struct CpuExecutor {
     model: Model,
     kv: KvMemory,
     backend: Cpu,
     state: StepState<Cpu>,
+    /// The KV cache's shape, to reallocate it after a release.
+    kv_dtype: KvDtype,
+    kv_blocks: usize,
+    block_size: usize,
 }
 
 impl CpuExecutor {
-    fn new(model: Model, cfg: &EngineConfig) -> CpuExecutor {
-        let c = &model.config;
+    pub(crate) fn new(model: Model, cfg: &EngineConfig) -> CpuExecutor {
         let num_blocks = cfg.max_total_tokens.div_ceil(cfg.block_size).max(1);
-        let kv = KvMemory::new(
-            cfg.kv_dtype,
-            c.num_layers,
-            num_blocks,
-            cfg.block_size,
-            c.num_kv_heads,
-            c.head_dim,
-        );
         CpuExecutor {
+            kv: kv_memory(&model.config, cfg.kv_dtype, num_blocks, cfg.block_size),
             model,
-            kv,
             backend: Cpu::default(),
             state: StepState::default(),
+            kv_dtype: cfg.kv_dtype,
+            kv_blocks: num_blocks,
+            block_size: cfg.block_size,
         }
     }
+
+    fn kv_memory(&self, num_blocks: usize) -> KvMemory {
+        kv_memory(
+            &self.model.config,
+            self.kv_dtype,
+            num_blocks,
+            self.block_size,
+        )
+    }
+
+    fn kv_bytes(&self) -> usize {
+        let c = &self.model.config;
+        self.kv_blocks
+            * self.block_size
+            * KvMemory::bytes_per_token(self.kv_dtype, c.num_layers, c.num_kv_heads, c.head_dim)
+    }
+}
+
+fn kv_memory(c: &ModelConfig, dtype: KvDtype, num_blocks: usize, block_size: usize) -> KvMemory {
+    KvMemory::new(
+        dtype,
+        c.num_layers,
+        num_blocks,
+        block_size,
+        c.num_kv_heads,
+        c.head_dim,
+    )
 }
 
 impl Executor for CpuExecutor {
@@ -227,12 +284,41 @@ impl Executor for CpuExecutor {
     ) -> Result<Vec<Replacement>, EngineError> {
         self.model.write(updates).map_err(store_error)
     }
+
+    /// The weights are host memory: they are their own backup.
+    fn keeps_weights_backup(&self) -> bool {
+        true
+    }
+
+    fn release_kv(&mut self) -> Result<usize, EngineError> {
+        self.kv = self.kv_memory(0);
+        Ok(self.kv_bytes())
+    }
+
+    fn resume_kv(&mut self) -> Result<usize, EngineError> {
+        self.kv = self.kv_memory(self.kv_blocks);
+        Ok(self.kv_bytes())
+    }
+
+    /// Nothing is freed: on the CPU the weights are the host copy a backup would be, so they
+    /// stay where they are and resume serves them again, bit for bit.
+    fn release_weights(&mut self, _keep: bool) -> Result<ReleasedWeights, EngineError> {
+        Ok(ReleasedWeights {
+            bytes: 0,
+            backup: true,
+        })
+    }
+
+    fn resume_weights(&mut self) -> Result<usize, EngineError> {
+        Ok(0)
+    }
 }
 
 /// A CUDA device: weights, KV cache and step buffers in device memory; nothing of the model
-/// stays on the host.
+/// stays on the host (except a backup while released, with `--enable-weights-cpu-backup`).
 struct CudaExecutor {
     model: Box<CudaModel>,
+    weights_cpu_backup: bool,
 }
 
 /// Opens `w` and loads it into device memory.
@@ -245,7 +331,12 @@ fn load_to_device(gpu: &Gpu, w: &DiskWeights) -> Result<(ModelConfig, CudaWeight
 }
 
 impl CudaExecutor {
-    fn new(device: usize, weights: CudaSource, sizes: CudaSizes) -> Result<Self, CudaError> {
+    fn new(
+        device: usize,
+        weights: CudaSource,
+        sizes: CudaSizes,
+        weights_cpu_backup: bool,
+    ) -> Result<Self, CudaError> {
         let gpu = Gpu::open(device)?;
         let (config, dev_weights) = match weights {
             CudaSource::Model(model) => (model.config.clone(), CudaWeights::upload(&gpu, &model)?),
@@ -262,6 +353,7 @@ impl CudaExecutor {
         let model = CudaModel::new(gpu, config, dev_weights, sizes)?;
         Ok(CudaExecutor {
             model: Box::new(model),
+            weights_cpu_backup,
         })
     }
 }
@@ -327,5 +419,43 @@ impl Executor for CudaExecutor {
         })?;
         m.replace_weights(new);
         Ok(checksum)
+    }
+
+    fn keeps_weights_backup(&self) -> bool {
+        self.weights_cpu_backup
+    }
+
+    fn release_kv(&mut self) -> Result<usize, EngineError> {
+        self.model
+            .release_kv()
+            .map_err(|e| EngineError::Stopped(format!("freeing the KV cache failed: {e}")))
+    }
+
+    fn resume_kv(&mut self) -> Result<usize, EngineError> {
+        let gib = self.model.kv_bytes() as f64 / (1u64 << 30) as f64;
+        self.model.resume_kv().map_err(|e| {
+            EngineError::Unavailable(format!(
+                "the KV cache ({gib:.2} GiB) could not be allocated again: {e}; free device memory (the trainer's) and resume again"
+            ))
+        })
+    }
+
+    fn release_weights(&mut self, keep: bool) -> Result<ReleasedWeights, EngineError> {
+        let backup = keep && self.weights_cpu_backup;
+        let bytes = self.model.release_weights(backup).map_err(|e| {
+            EngineError::Unavailable(format!(
+                "releasing the weights failed, nothing was freed: {e}"
+            ))
+        })?;
+        Ok(ReleasedWeights { bytes, backup })
+    }
+
+    fn resume_weights(&mut self) -> Result<usize, EngineError> {
+        let gib = self.model.weight_bytes as f64 / (1u64 << 30) as f64;
+        self.model.resume_weights().map_err(|e| {
+            EngineError::Unavailable(format!(
+                "the weights ({gib:.2} GiB) could not be allocated again: {e}; free device memory (the trainer's) and resume again"
+            ))
+        })
     }
 }

@@ -6,7 +6,10 @@
 mod config;
 mod core;
 mod executor;
+mod memory;
 mod request;
+#[cfg(test)]
+mod tests;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -16,6 +19,7 @@ use tokio::sync::{mpsc, oneshot};
 pub use self::config::{defaults, EngineConfig};
 pub use self::core::Engine;
 pub use executor::{CudaSource, DiskWeights, ExecutorSpec};
+pub use memory::{MemoryState, MemoryTag, WeightsState};
 pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
 
 use crate::model::checksum::WeightsChecksum;
@@ -31,6 +35,17 @@ pub enum EngineError {
     Stopped(String),
     #[error("{0}")]
     Conflict(String),
+    /// The memory a request or command needs is released, or the weights are absent (see
+    /// [`MemoryState`]); for generation the caller should come back after a resume (503).
+    #[error("{0}")]
+    Unavailable(String),
+    /// A release or resume the memory's state does not allow (twice, nothing released,
+    /// requests in flight), or a weight update into released weights (409).
+    #[error("{0}")]
+    MemoryState(String),
+    /// One request could not be served (the rest of the engine is fine).
+    #[error("{0}")]
+    Failed(String),
     /// The backend could not be started (no device, a kernel that does not compile, too
     /// little memory for the KV cache).
     #[error("backend start-up failed: {0}")]
@@ -83,6 +98,16 @@ pub(crate) enum Command {
         /// caller, off the engine thread).
         reply: oneshot::Sender<Result<(std::time::Duration, Vec<Replacement>), EngineError>>,
     },
+    /// `/release_memory_occupation` (see [`EngineHandle::release_memory`]).
+    ReleaseMemory {
+        tags: Option<Vec<MemoryTag>>,
+        reply: oneshot::Sender<Result<MemoryReport, EngineError>>,
+    },
+    /// `/resume_memory_occupation` (see [`EngineHandle::resume_memory`]).
+    ResumeMemory {
+        tags: Option<Vec<MemoryTag>>,
+        reply: oneshot::Sender<Result<MemoryReport, EngineError>>,
+    },
     Shutdown,
 }
 
@@ -106,6 +131,19 @@ pub struct EngineShared {
     pub preemptions: AtomicU64,
     pub generated_tokens: AtomicU64,
     pub last_error: std::sync::Mutex<Option<String>>,
+    /// What is released (set by the engine thread after every release and resume).
+    pub memory: std::sync::Mutex<MemoryState>,
+}
+
+/// What a release or resume did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryReport {
+    /// The tags acted on, in the order they were.
+    pub tags: Vec<MemoryTag>,
+    /// Bytes freed (release) or allocated again (resume).
+    pub bytes: usize,
+    /// The state afterwards.
+    pub state: MemoryState,
 }
 
 /// Static facts about the served model.
@@ -160,6 +198,10 @@ impl EngineHandle {
     ) -> Result<mpsc::UnboundedReceiver<EngineEvent>, EngineError> {
         if !self.shared.healthy.load(Ordering::Acquire) {
             return Err(EngineError::Stopped(self.last_error()));
+        }
+        // The engine checks again when it admits the request (a release may be queued ahead).
+        if let Some(why) = self.memory().unavailable() {
+            return Err(EngineError::Unavailable(why));
         }
         let waiting = self.shared.waiting.load(Ordering::Acquire)
             + self.shared.in_channel.load(Ordering::Acquire);
@@ -281,6 +323,42 @@ impl EngineHandle {
         })?;
         rx.await
             .map_err(|_| EngineError::Stopped(self.last_error()))?
+    }
+
+    /// Releases the memory of `tags` (SGLang's `/release_memory_occupation`; None: every tag
+    /// not released yet): the KV cache's memory is freed and the prefix cache flushed (its
+    /// contents are gone); the weights' memory is freed, a host copy kept first when
+    /// [`MemoryState::weights_backup`] says so. Refused, changing nothing, while any request
+    /// is in flight (running, waiting or held by a pause) or when a tag given is released
+    /// already (or, for None, everything is). Generation is refused (503) until resumed.
+    pub async fn release_memory(
+        &self,
+        tags: Option<Vec<MemoryTag>>,
+    ) -> Result<MemoryReport, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::ReleaseMemory { tags, reply })?;
+        rx.await
+            .map_err(|_| EngineError::Stopped(self.last_error()))?
+    }
+
+    /// Reallocates the memory of `tags` (None: everything released): the KV cache empty, the
+    /// weights from their backup (bit for bit) or, without one, absent until an update writes
+    /// every tensor. Refused, changing nothing, when a tag given is not released (or, for
+    /// None, nothing is); a failed allocation (the memory is still taken by someone else)
+    /// leaves that tag released.
+    pub async fn resume_memory(
+        &self,
+        tags: Option<Vec<MemoryTag>>,
+    ) -> Result<MemoryReport, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::ResumeMemory { tags, reply })?;
+        rx.await
+            .map_err(|_| EngineError::Stopped(self.last_error()))?
+    }
+
+    /// What is released now.
+    pub fn memory(&self) -> MemoryState {
+        *self.shared.memory.lock().expect("memory lock")
     }
 
     pub fn shutdown(&self) {

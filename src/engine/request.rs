@@ -77,5 +77,6 @@ pub struct FinishInfo {
 pub enum EngineEvent {
     Token(TokenOut),
     Finished(Box<FinishInfo>),
-    Error(String),
+    /// The request failed or was refused; the kind says whose fault (errors.rs maps it).
+    Error(super::EngineError),
 }

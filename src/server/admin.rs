@@ -1,5 +1,6 @@
 //! Health, model and server info, weight version, and the control endpoints (flush cache,
-//! abort, pause/continue) in SGLang's `{"success", "message"}` shape.
+//! abort, pause/continue, memory release and resume) in SGLang's `{"success", "message"}`
+//! shape.
 
 use std::sync::atomic::Ordering;
 
@@ -13,7 +14,7 @@ use serde_json::json;
 use super::errors::ApiError;
 use super::extract::ApiBytes;
 use super::AppState;
-use crate::engine::{EngineEvent, GenerateRequest, PauseMode};
+use crate::engine::{EngineEvent, GenerateRequest, MemoryReport, MemoryTag, PauseMode};
 use crate::sampling::SamplingParams;
 
 /// 200 once the engine has run its warm-up step; 503 before that and once shutdown starts.
@@ -57,7 +58,7 @@ pub async fn health_generate(State(state): State<AppState>) -> Result<Response, 
     while let Some(ev) = rx.recv().await {
         match ev {
             EngineEvent::Finished(_) => return Ok(StatusCode::OK.into_response()),
-            EngineEvent::Error(e) => return Err(ApiError::Unavailable(e)),
+            EngineEvent::Error(e) => return Err(ApiError::Unavailable(e.to_string())),
             EngineEvent::Token(_) => {}
         }
     }
@@ -114,8 +115,8 @@ fn max_total_tokens(state: &AppState) -> usize {
 
 /// `GET /server_info` (and `/get_server_info`): SGLang's server arguments that RL frameworks
 /// read or assert against their own settings, with lockstep's real values: one engine on one
-/// device, no parallelism, no disaggregation, no memory release (`enable_memory_saver` is false
-/// because `/release_memory_occupation` is not supported), routed-expert capture as
+/// device, no parallelism, no disaggregation, memory release supported (`enable_memory_saver`;
+/// what is released now in `memory_released` and `weights_state`), routed-expert capture as
 /// `--enable-return-routed-experts` says.
 pub async fn server_info(State(state): State<AppState>) -> Json<serde_json::Value> {
     let info = &state.engine.info;
@@ -124,7 +125,8 @@ pub async fn server_info(State(state): State<AppState>) -> Json<serde_json::Valu
     let waiting = num_waiting(s);
     let paused = s.paused.load(Ordering::Acquire);
     let on_gpu = state.limits.on_gpu;
-    Json(json!({
+    let memory = state.engine.memory();
+    let mut body = json!({
         "version": env!("CARGO_PKG_VERSION"),
         "engine": "lockstep",
         "model_path": info.model_path,
@@ -145,7 +147,7 @@ pub async fn server_info(State(state): State<AppState>) -> Json<serde_json::Valu
         "node_rank": 0,
         "enable_dp_attention": false,
         "disaggregation_mode": "null",
-        "enable_memory_saver": false,
+        "enable_memory_saver": true,
         "enable_return_routed_experts": state.limits.allow_routed_experts,
         "skip_tokenizer_init": false,
         "max_running_requests": state.max_running_requests,
@@ -163,7 +165,12 @@ pub async fn server_info(State(state): State<AppState>) -> Json<serde_json::Valu
         // SGLang answers one entry per data-parallel rank; lockstep has one.
         // (`world_size`: the ranks behind this engine, which Miles sums into its GPU count).
         "internal_states": [{"dp_rank": 0, "world_size": 1, "num_running_reqs": running, "num_waiting_reqs": waiting, "paused": paused}],
-    }))
+    });
+    // What `/release_memory_occupation` released (tags in SGLang's names).
+    body["enable_weights_cpu_backup"] = json!(memory.weights_backup);
+    body["memory_released"] = json!(memory.released());
+    body["weights_state"] = json!(memory.weights.name());
+    Json(body)
 }
 
 /// `GET /version`.
@@ -410,6 +417,76 @@ pub async fn continue_generation(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     state.engine.continue_generation().await?;
     Ok(success("generation continued"))
+}
+
+/// `/release_memory_occupation` and `/resume_memory_occupation`'s body (SGLang's
+/// `ReleaseMemoryOccupationReqInput`); no body, `tags` null or `[]`: every tag.
+#[derive(Deserialize, Default)]
+pub struct MemoryBody {
+    #[serde(default)]
+    tags: Option<Vec<String>>,
+}
+
+/// The tags asked for; None: every tag (no body, `tags` null or `[]`, as SGLang reads them).
+fn memory_tags(body: &[u8]) -> Result<Option<Vec<MemoryTag>>, ApiError> {
+    let tags = optional_json::<MemoryBody>(body)?.tags.unwrap_or_default();
+    if tags.is_empty() {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(tags.len());
+    for t in &tags {
+        let tag = MemoryTag::parse(t).ok_or_else(|| {
+            let known: Vec<&str> = MemoryTag::ALL.iter().map(|t| t.name()).collect();
+            ApiError::invalid(
+                "tags",
+                format!("tags: `{t}` is not one of {}", known.join(", ")),
+            )
+        })?;
+        if !out.contains(&tag) {
+            out.push(tag);
+        }
+    }
+    Ok(Some(out))
+}
+
+fn memory_answer(verb: &str, r: MemoryReport) -> Json<serde_json::Value> {
+    let tags: Vec<&str> = r.tags.iter().map(|t| t.name()).collect();
+    Json(json!({
+        "success": true,
+        "message": format!("{verb} {} ({:.3} GiB)", tags.join(", "), r.bytes as f64 / (1u64 << 30) as f64),
+        "tags": tags,
+        "bytes": r.bytes,
+        "memory_released": r.state.released(),
+        "weights_state": r.state.weights.name(),
+    }))
+}
+
+/// `GET|POST /release_memory_occupation {tags?}` (SGLang's, for a trainer colocated on the
+/// GPU): frees the KV cache (the prefix cache's contents go with it) and/or the weights (a
+/// host backup kept with `--enable-weights-cpu-backup`; the CPU backend keeps its host
+/// weights); no tags: everything not released yet. Needs an idle engine: 409 naming the
+/// requests in flight, as SGLang refuses a busy one. Releasing a tag twice: 409. Until
+/// resumed, generation answers 503.
+pub async fn release_memory_occupation(
+    State(state): State<AppState>,
+    ApiBytes(body): ApiBytes,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let tags = memory_tags(&body)?;
+    let report = state.engine.release_memory(tags).await?;
+    Ok(memory_answer("released", report))
+}
+
+/// `GET|POST /resume_memory_occupation {tags?}`: allocates what was released again, the KV
+/// cache empty, the weights from their backup (the same bits) or absent (generation refused
+/// until an update writes every tensor); no tags: everything released. Resuming what is not
+/// released: 409; memory still taken by someone else: 503, and that tag stays released.
+pub async fn resume_memory_occupation(
+    State(state): State<AppState>,
+    ApiBytes(body): ApiBytes,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let tags = memory_tags(&body)?;
+    let report = state.engine.resume_memory(tags).await?;
+    Ok(memory_answer("resumed", report))
 }
 
 pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {

@@ -117,7 +117,9 @@ impl From<EngineError> for ApiError {
         match e {
             EngineError::Overloaded(_) => ApiError::Overloaded(e.to_string()),
             EngineError::Stopped(_) | EngineError::Start(_) => ApiError::Internal(e.to_string()),
-            EngineError::Conflict(m) => ApiError::Conflict(m),
+            EngineError::Failed(m) => ApiError::Internal(m),
+            EngineError::Conflict(m) | EngineError::MemoryState(m) => ApiError::Conflict(m),
+            EngineError::Unavailable(m) => ApiError::Unavailable(m),
         }
     }
 }

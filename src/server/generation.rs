@@ -106,7 +106,7 @@ pub async fn collect(
                         e2e_latency: tracker.elapsed(),
                     })
                 }
-                EngineEvent::Error(e) => return Err(ApiError::Internal(e)),
+                EngineEvent::Error(e) => return Err(e.into()),
             }
         }
         Err(ApiError::Internal(

@@ -83,6 +83,15 @@ pub fn app(state: AppState) -> Router {
         .route("/abort_request", post(admin::abort_request))
         .route("/pause_generation", post(admin::pause_generation))
         .route("/continue_generation", post(admin::continue_generation))
+        // SGLang takes GET as well (with the same body, or none).
+        .route(
+            "/release_memory_occupation",
+            post(admin::release_memory_occupation).get(admin::release_memory_occupation),
+        )
+        .route(
+            "/resume_memory_occupation",
+            post(admin::resume_memory_occupation).get(admin::resume_memory_occupation),
+        )
         .route(
             "/update_weights_from_disk",
             post(weights::update_weights_from_disk),
@@ -136,8 +145,6 @@ pub fn app(state: AppState) -> Router {
 /// answers 501 in our error shape (admin-guarded like the rest of the control surface), so a
 /// client learns what is missing instead of seeing a 404. docs/api.md lists them all.
 const UNSUPPORTED: &[(&str, &str)] = &[
-    ("/release_memory_occupation", "releasing GPU memory between rollouts is not supported on this backend; keep the server resident (server_info reports enable_memory_saver: false)"),
-    ("/resume_memory_occupation", "memory is never released (see /release_memory_occupation), so there is nothing to resume"),
     ("/update_weights_from_tensor", "in-process tensor handles (CUDA IPC) are not supported; stream safetensors buckets with PUT /update_weights or load from disk with /update_weights_from_disk"),
     ("/init_weights_update_group", "NCCL weight-update groups are not supported; stream safetensors buckets with PUT /update_weights"),
     ("/update_weights_from_distributed", "NCCL weight broadcast is not supported; stream safetensors buckets with PUT /update_weights"),

@@ -224,7 +224,7 @@ fn stream(state: AppState, v: ValidGenerate) -> Result<Response, ApiError> {
                 }
                 EngineEvent::Error(e) => {
                     open -= 1;
-                    ApiError::Internal(e).body()
+                    ApiError::from(e).body()
                 }
             };
             let mut out = vec![Ok::<_, std::convert::Infallible>(Event::default().data(frame.to_string()))];

@@ -577,7 +577,7 @@ fn stream_openai(
             }
             EngineEvent::Error(e) => {
                 open -= 1;
-                out.push(ApiError::Internal(e).body());
+                out.push(ApiError::from(e).body());
             }
         }
         let mut events: Vec<Result<Event, std::convert::Infallible>> = out.into_iter().map(|v| Ok(Event::default().data(v.to_string()))).collect();

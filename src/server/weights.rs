@@ -85,6 +85,7 @@ pub async fn update_weights_from_disk(
         )
     })?;
     let path = under_root(root, &body.model_path)?;
+    weights_in_memory(&state)?;
     // Flushing is not optional here: cached blocks hold KV computed with the old weights.
     if !body.flush_cache {
         return Err(ApiError::invalid("flush_cache", "flush_cache=false is not supported: the prefix cache always holds KV of the old weights"));
@@ -162,6 +163,18 @@ async fn update_on_device(
     Ok(Json(
         json!({"success": true, "message": format!("weights updated to version {version}"), "num_paused_requests": aborted}),
     ))
+}
+
+/// Refuses an update before anything is loaded or staged while the weights are released (no
+/// memory to write into); the engine checks again when it commits, and also refuses a
+/// partial update of absent weights.
+fn weights_in_memory(state: &AppState) -> Result<(), ApiError> {
+    let slots = state.engine.info.slots().len();
+    state
+        .engine
+        .memory()
+        .check_update(slots, slots)
+        .map_err(ApiError::Conflict)
 }
 
 /// "default" -> "1", "7" -> "8", anything else -> "<it>.1".
@@ -281,6 +294,7 @@ pub async fn begin_weight_update(
             ));
         }
     }
+    weights_in_memory(&state)?;
     let mut slot = state.updates.session.lock().await;
     if let Some(open) = slot.as_ref() {
         if open.last_activity.elapsed() < state.updates.session_timeout {
@@ -713,6 +727,11 @@ pub async fn weights_checker(
             .map(|(n, h)| (n.clone(), *h))
             .collect(),
     };
+    if state.engine.memory().weights == crate::engine::WeightsState::Absent {
+        return Err(ApiError::Conflict(
+            "the weights are absent (resumed without a host backup): there is nothing to check until an update writes every tensor".into(),
+        ));
+    }
     let (version, served) = state.engine.weights_checksum();
     if served.tensors.is_empty() {
         return Err(ApiError::Conflict(

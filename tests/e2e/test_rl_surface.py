@@ -1,7 +1,7 @@
 """The SGLang control surface RL frameworks call (slime, Miles, AReaL, verl, NeMo-RL) and
 gateways read (sglang-router, smg): server/model info under both names, load reports, weight
-versions, the weights checker, SGLang's begin/end bodies, and a clear 501 for what lockstep does
-not support. Tests that change the weight version use a private server."""
+versions, the weights checker, SGLang's begin/end bodies, memory release for colocation, and a
+clear 501 for what lockstep does not support. Tests that change the weight version use a private server."""
 
 from __future__ import annotations
 
@@ -76,9 +76,9 @@ def test_server_info_reports_the_real_deployment(server, routed_server):
     assert info["num_gpus"] == (1 if info["device"] == "cuda" else 0)
     assert info["max_total_num_tokens"] == info["kv_blocks_total"] * info["page_size"]
     assert len(info["internal_states"]) == 1
-    # enable_memory_saver says whether memory release works, and it does not.
-    assert info["enable_memory_saver"] is False
-    assert server.post("/release_memory_occupation", json={}).status_code == 501
+    # enable_memory_saver says whether memory release works (below), and it does.
+    assert info["enable_memory_saver"] is True
+    assert info["memory_released"] == [] and info["weights_state"] == "resident"
     # enable_return_routed_experts says whether a request may ask for routed experts.
     assert info["enable_return_routed_experts"] is False
     body = {"text": "ab", "return_routed_experts": True, "sampling_params": {"max_new_tokens": 1}}
@@ -325,10 +325,82 @@ def test_compare_without_snapshot_names_the_action(fresh_server):
     assert_error(srv.post("/weights_checker", json={"action": "compare"}), 400, "snapshot")
 
 
+# --- memory release for colocated training -------------------------------------------------
+
+GREEDY = {"input_ids": [5, 17, 3, 42, 9], "return_logprob": True, "top_logprobs_num": 2,
+          "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+
+
+def greedy_bits(srv):
+    r = srv.post("/generate", json=GREEDY)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    return out["output_ids"], out["meta_info"]["output_token_logprobs"], \
+        out["meta_info"]["output_top_logprobs"]
+
+
+def assert_released(srv, tags):
+    r = srv.post("/generate", json=GREEDY)
+    assert r.status_code == 503, r.text
+    message = r.json()["error"]["message"]
+    assert "/resume_memory_occupation" in message and all(t in message for t in tags), message
+    assert srv.get("/health_generate").status_code == 503
+    assert srv.get("/health").status_code == 200
+    assert srv.get("/server_info").json()["memory_released"] == tags
+
+
+def test_memory_release_and_resume_in_slimes_and_verls_order(fresh_server):
+    srv = fresh_server(name="memory")
+    before = greedy_bits(srv)
+    # slime: flush the cache, release everything (no tags), resume weights, cuda_graph, kv_cache.
+    assert srv.post("/flush_cache").status_code == 200
+    r = srv.post("/release_memory_occupation", json={})
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert r.json()["tags"] == ["kv_cache", "weights", "cuda_graph"]
+    assert_released(srv, ["kv_cache", "weights"])
+    for tags in (["weights"], ["cuda_graph"], ["kv_cache"]):
+        r = srv.post("/resume_memory_occupation", json={"tags": tags})
+        assert r.status_code == 200, (tags, r.text)
+    assert greedy_bits(srv) == before
+    # verl: release kv_cache and weights, resume weights, then the KV cache (GET, as SGLang takes).
+    r = srv.post("/release_memory_occupation", json={"tags": ["kv_cache", "weights"]})
+    assert r.status_code == 200, r.text
+    assert_error(srv.post("/release_memory_occupation", json={"tags": ["weights"]}), 409, "weights")
+    assert requests.get(srv.url + "/resume_memory_occupation", json={"tags": ["weights"]},
+                        timeout=60).status_code == 200
+    assert_released(srv, ["kv_cache"])
+    assert_error(srv.post("/resume_memory_occupation", json={"tags": ["weights"]}), 409, "weights")
+    assert_error(srv.post("/resume_memory_occupation", json={"tags": ["kv"]}), 400, "tags")
+    assert srv.get("/resume_memory_occupation").status_code == 200, "no body: every tag"
+    assert greedy_bits(srv) == before
+
+
+def test_memory_release_refuses_a_busy_server_naming_the_request(fresh_server):
+    srv = fresh_server(name="memory-busy")
+    assert srv.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+    body = {"rid": "held-7", "input_ids": [1, 2, 3],
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(r=srv.post("/generate", json=body)))
+    worker.start()
+    wait_until(lambda: srv.get("/server_info").json()["num_queue_reqs"] == 1, timeout=60,
+               what="the held request queued")
+    assert_error(srv.post("/release_memory_occupation", json={}), 409, "held-7")
+    assert srv.get("/server_info").json()["memory_released"] == []
+    # SGLang's way: abort what is in flight, then release.
+    assert srv.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+    worker.join(timeout=60)
+    assert result["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert srv.post("/release_memory_occupation", json={}).status_code == 200
+    assert srv.post("/continue_generation").status_code == 200
+    assert srv.post("/resume_memory_occupation", json={}).status_code == 200
+    assert greedy_bits(srv)
+
+
 # --- not supported, clearly ----------------------------------------------------------------
 
 @pytest.mark.parametrize("path", [
-    "/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_tensor",
+    "/update_weights_from_tensor",
     "/init_weights_update_group", "/update_weights_from_distributed",
     "/destroy_weights_update_group", "/update_weights_from_ipc", "/get_weights_by_name",
 ])

@@ -279,10 +279,16 @@ impl Cuda {
                 total as f64 / (1u64 << 30) as f64
             )));
         }
-        let cache_len = num_blocks * sizes.block_size * d.kv_size();
+        self.alloc_kv(shape, num_blocks)
+    }
+
+    /// A KV cache of `num_blocks` blocks, zeroed (also what a resume after
+    /// `/release_memory_occupation` allocates again). On failure nothing stays allocated.
+    pub fn alloc_kv(&self, shape: &ModelShape, num_blocks: usize) -> Result<CudaKv, CudaError> {
+        let cache_len = num_blocks * self.sizes.block_size * shape.dims.kv_size();
         let layers = || {
             (0..shape.num_layers)
-                .map(|_| gpu.alloc::<u16>(cache_len))
+                .map(|_| self.gpu.alloc::<u16>(cache_len))
                 .collect::<Result<Vec<_>, _>>()
         };
         Ok(CudaKv {

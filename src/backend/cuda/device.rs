@@ -193,6 +193,22 @@ impl Gpu {
     pub fn memory(&self) -> Result<(usize, usize), CudaError> {
         Ok(self.ctx.mem_get_info()?)
     }
+
+    /// Hands memory freed on the engine stream back to the driver, so another process (a
+    /// colocated trainer) can allocate it: buffers are freed in stream order into the
+    /// stream-ordered allocator's pool, which keeps them for reuse unless trimmed.
+    pub fn return_freed_memory(&self) -> Result<(), CudaError> {
+        self.synchronize()?;
+        if self.ctx.has_async_alloc() {
+            // SAFETY: the pool of this context's device, asked of a loaded driver; trimming
+            // releases only memory that no allocation holds.
+            unsafe {
+                let pool = cudarc::driver::result::device::get_mem_pool(self.ctx.cu_device())?;
+                cudarc::driver::result::mem_pool::trim_to(pool, 0)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Device-to-device copy bandwidth of `gpu` (bytes read + written per second), the median of

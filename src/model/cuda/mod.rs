@@ -5,6 +5,7 @@
 mod dummy;
 pub use dummy::DummyWeights;
 pub mod load;
+pub mod memory;
 pub mod slots;
 
 use cudarc::driver::CudaSlice;
@@ -273,6 +274,8 @@ pub struct CudaModel {
     kv: CudaKv,
     state: StepState<Cuda>,
     pub weight_bytes: usize,
+    /// The weights while released (`/release_memory_occupation`): their sizes and backup.
+    parked: Option<memory::ParkedWeights>,
 }
 
 impl CudaModel {
@@ -308,6 +311,7 @@ impl CudaModel {
             kv,
             state,
             weight_bytes,
+            parked: None,
         })
     }
 
@@ -331,6 +335,64 @@ impl CudaModel {
     pub fn replace_weights(&mut self, weights: CudaWeights) {
         self.weight_bytes = weights.bytes();
         self.weights = weights;
+        self.parked = None;
+    }
+
+    /// Device bytes of the KV cache (when allocated).
+    pub fn kv_bytes(&self) -> usize {
+        let c = &self.config;
+        self.kv.num_blocks * 2 * c.num_layers * c.kv_size() * 2 * self.backend.sizes.block_size
+    }
+
+    /// Frees the KV cache's device memory (its contents are gone). No step may run until
+    /// [`CudaModel::resume_kv`]. Returns the bytes freed.
+    pub fn release_kv(&mut self) -> Result<usize, CudaError> {
+        let bytes = self.kv_bytes();
+        self.kv.k = Vec::new();
+        self.kv.v = Vec::new();
+        self.trim();
+        Ok(bytes)
+    }
+
+    /// Allocates the KV cache again, the same blocks, zeroed. On failure it stays released.
+    pub fn resume_kv(&mut self) -> Result<usize, CudaError> {
+        let kv = self
+            .backend
+            .alloc_kv(&model_shape(&self.config), self.kv.num_blocks)?;
+        self.kv = kv;
+        Ok(self.kv_bytes())
+    }
+
+    /// Frees the weights' device memory, with `backup` first copying them to the host (see
+    /// [`memory`]). No step may run until [`CudaModel::resume_weights`]. Returns the bytes
+    /// freed; on failure nothing is.
+    pub fn release_weights(&mut self, backup: bool) -> Result<usize, CudaError> {
+        let parked = self.weights.release(&self.backend.gpu, backup)?;
+        let bytes = parked.bytes;
+        self.parked = Some(parked);
+        self.trim();
+        Ok(bytes)
+    }
+
+    /// Allocates the weights again: the backup's bits, or zeros without one (absent until an
+    /// update writes them). On failure they stay released. Returns the bytes.
+    pub fn resume_weights(&mut self) -> Result<usize, CudaError> {
+        let parked = self
+            .parked
+            .as_ref()
+            .ok_or_else(|| CudaError::Unsupported("the weights are not released".into()))?;
+        self.weights.restore(&self.backend.gpu, parked)?;
+        let bytes = parked.bytes;
+        self.parked = None;
+        Ok(bytes)
+    }
+
+    /// Freed memory back to the driver. The buffers are gone from the model either way, so a
+    /// failure here (memory kept in the allocator's pool) is only logged.
+    fn trim(&self) {
+        if let Err(e) = self.backend.gpu.return_freed_memory() {
+            tracing::warn!("freed device memory may stay reserved by this process: {e}");
+        }
     }
 
     /// The forward pass with every asked-for logits row copied to the host.

@@ -1,0 +1,303 @@
+//! The engine's memory release and resume on the embedded model, with the CPU executor and
+//! with a stand-in for a device without a weights backup (whose resumed weights hold other
+//! values until an update writes them all): what is refused in each state, and that what comes
+//! back computes the same bits as before.
+
+use std::sync::Arc;
+
+use super::executor::{CpuExecutor, Executor, ReleasedWeights, StepOutput};
+use super::*;
+use crate::backend::cpu::attention::KvDtype;
+use crate::model::{loader, ForwardBatch};
+use crate::quant::Recipe;
+use crate::sampling::{SampleInput, SamplingParams};
+
+fn embedded(seed: u64) -> Model {
+    let cfg = ModelConfig::from_json(serde_json::from_str(crate::serve::EMBEDDED_CONFIG).unwrap())
+        .unwrap();
+    loader::dummy_model(cfg, &Recipe::bf16(), seed).unwrap()
+}
+
+fn info(model: &mut Model) -> EngineInfo {
+    let recipe = Recipe::bf16();
+    let checksum = Arc::new(model.weights_checksum());
+    EngineInfo {
+        model_path: "embedded".into(),
+        served_model_name: "test".into(),
+        config: model.config.clone(),
+        tokenizer: Arc::new(Tokenizer::embedded()),
+        quantization: "bf16".into(),
+        recipe_name: recipe.name.clone(),
+        recipe_hash: recipe.hash(),
+        recipe,
+        slots: std::sync::OnceLock::from(model.slot_shapes()),
+        weights_on_device: false,
+        max_context_len: 256,
+        block_size: 16,
+        weight_version: std::sync::RwLock::new("v0".into()),
+        weights_checksum: std::sync::RwLock::new(("v0".into(), checksum)),
+    }
+}
+
+fn config() -> EngineConfig {
+    EngineConfig {
+        max_running_requests: 4,
+        max_batch_tokens: 64,
+        max_total_tokens: 1024,
+        block_size: 16,
+        max_context_len: 256,
+        max_queued_requests: 16,
+        kv_dtype: KvDtype::Bf16,
+    }
+}
+
+/// A device without a weights backup: releasing keeps nothing, and the resumed weights hold
+/// other values (`garbage`) until an update writes them.
+struct NoBackup {
+    cpu: CpuExecutor,
+    garbage: Option<Model>,
+}
+
+impl Executor for NoBackup {
+    fn config(&self) -> &ModelConfig {
+        self.cpu.config()
+    }
+    fn num_kv_blocks(&self) -> usize {
+        self.cpu.num_kv_blocks()
+    }
+    fn step(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        samples: &[Option<SampleInput<'_>>],
+    ) -> Result<StepOutput, EngineError> {
+        self.cpu.step(batch, samples)
+    }
+    fn swap(&mut self, new: Model) -> Result<(), EngineError> {
+        self.cpu.swap(new)
+    }
+    fn apply(
+        &mut self,
+        updates: Vec<(String, Replacement)>,
+    ) -> Result<Vec<Replacement>, EngineError> {
+        self.cpu.apply(updates)
+    }
+    fn keeps_weights_backup(&self) -> bool {
+        false
+    }
+    fn release_kv(&mut self) -> Result<usize, EngineError> {
+        self.cpu.release_kv()
+    }
+    fn resume_kv(&mut self) -> Result<usize, EngineError> {
+        self.cpu.resume_kv()
+    }
+    fn release_weights(&mut self, _keep: bool) -> Result<ReleasedWeights, EngineError> {
+        Ok(ReleasedWeights {
+            bytes: 0,
+            backup: false,
+        })
+    }
+    fn resume_weights(&mut self) -> Result<usize, EngineError> {
+        let garbage = self.garbage.take().expect("resumed once");
+        self.cpu.swap(garbage)?;
+        Ok(0)
+    }
+}
+
+fn greedy(rid: &str) -> GenerateRequest {
+    let params = SamplingParams {
+        max_new_tokens: Some(6),
+        temperature: 0.0,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    GenerateRequest {
+        rid: rid.into(),
+        input_ids: vec![5, 17, 3, 42, 9],
+        params: params.validate(&Default::default()).unwrap(),
+        seed: 0,
+        sample_index: 0,
+        return_logprob: true,
+        logprob_start_len: None,
+        top_logprobs_num: 2,
+        return_routed_experts: false,
+    }
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// One token as bits: id, logprob, top (id, logprob).
+type TokenBits = (u32, u32, Vec<(u32, u32)>);
+
+/// The tokens of a greedy run.
+fn run(h: &EngineHandle, rid: &str) -> Vec<TokenBits> {
+    let mut rx = h.submit(greedy(rid)).expect("submitted");
+    let mut out = Vec::new();
+    rt().block_on(async {
+        loop {
+            match rx.recv().await.expect("an event") {
+                EngineEvent::Token(t) => out.push((
+                    t.id,
+                    t.logprob.unwrap().to_bits(),
+                    t.top_logprobs
+                        .iter()
+                        .map(|(i, l)| (*i, l.to_bits()))
+                        .collect(),
+                )),
+                EngineEvent::Finished(_) => break,
+                EngineEvent::Error(e) => panic!("{e}"),
+            }
+        }
+    });
+    assert_eq!(out.len(), 6);
+    out
+}
+
+#[test]
+fn weights_resumed_without_a_backup_serve_nothing_until_an_update_writes_every_tensor() {
+    let mut model = embedded(0);
+    let info = info(&mut model);
+    let cfg = config();
+    let h = Engine::start_on(
+        move |cfg| {
+            Ok(Box::new(NoBackup {
+                cpu: CpuExecutor::new(model, cfg),
+                garbage: Some(embedded(99)),
+            }) as Box<dyn Executor>)
+        },
+        info,
+        cfg,
+    )
+    .unwrap();
+    assert!(!h.memory().weights_backup);
+    let before = run(&h, "a");
+    let rt = rt();
+
+    let r = rt
+        .block_on(h.release_memory(Some(vec![MemoryTag::Weights])))
+        .unwrap();
+    assert_eq!(r.state.weights, WeightsState::Released { backup: false });
+    // No memory to write into: updates wait for a resume.
+    let one = || {
+        embedded(0)
+            .into_replacements()
+            .into_iter()
+            .take(1)
+            .collect::<Vec<_>>()
+    };
+    let e = rt
+        .block_on(h.apply_weights(one(), Default::default(), "v1".into()))
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(&e, EngineError::MemoryState(m) if m.contains("resume_memory_occupation")),
+        "{e}"
+    );
+
+    let r = rt
+        .block_on(h.resume_memory(Some(vec![MemoryTag::Weights])))
+        .unwrap();
+    assert_eq!(r.state.weights, WeightsState::Absent);
+    let e = h.submit(greedy("b")).unwrap_err();
+    assert!(
+        matches!(&e, EngineError::Unavailable(m) if m.contains("absent")),
+        "{e}"
+    );
+    let e = rt
+        .block_on(h.resume_memory(Some(vec![MemoryTag::Weights])))
+        .unwrap_err();
+    assert!(matches!(e, EngineError::MemoryState(_)), "{e}");
+
+    // A partial update would serve the rest absent.
+    let slots = h.info.slots().len();
+    let e = rt
+        .block_on(h.apply_weights(one(), Default::default(), "v1".into()))
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(&e, EngineError::MemoryState(m) if m.contains(&format!("1 of the {slots}"))),
+        "{e}"
+    );
+    assert_eq!(h.memory().weights, WeightsState::Absent);
+    assert_eq!(h.weight_version(), "v0", "nothing changed");
+
+    // Every tensor (the weights from before): present again, the same bits as before.
+    let mut original = embedded(0);
+    let sum = Arc::new(original.weights_checksum());
+    rt.block_on(h.apply_weights(original.into_replacements(), sum, "v1".into()))
+        .unwrap();
+    assert_eq!(h.memory().weights, WeightsState::Resident);
+    assert_eq!(h.weight_version(), "v1");
+    assert_eq!(run(&h, "c"), before);
+}
+
+#[test]
+fn release_needs_an_idle_engine_and_acts_once_per_tag() {
+    let model = embedded(0);
+    let mut m = embedded(0);
+    let h = Engine::start(model, info(&mut m), config()).unwrap();
+    assert!(
+        h.memory().weights_backup,
+        "the CPU's weights are host memory"
+    );
+    let before = run(&h, "a");
+    let rt = rt();
+
+    // A request held by a pause is in flight: the release names it and changes nothing.
+    rt.block_on(h.pause(PauseMode::InPlace)).unwrap();
+    let mut held = h.submit(greedy("held-1")).unwrap();
+    let e = rt.block_on(h.release_memory(None)).unwrap_err();
+    assert!(
+        matches!(&e, EngineError::MemoryState(m) if m.contains("held-1")),
+        "{e}"
+    );
+    assert_eq!(
+        h.memory(),
+        MemoryState {
+            weights_backup: true,
+            ..MemoryState::default()
+        }
+    );
+    rt.block_on(h.continue_generation()).unwrap();
+    rt.block_on(async {
+        while let Some(ev) = held.recv().await {
+            if matches!(ev, EngineEvent::Finished(_)) {
+                return;
+            }
+            assert!(matches!(ev, EngineEvent::Token(_)), "{ev:?}");
+        }
+        panic!("no finish");
+    });
+
+    let r = rt.block_on(h.release_memory(None)).unwrap();
+    assert_eq!(r.tags, MemoryTag::ALL.to_vec());
+    assert!(r.bytes > 0, "the KV cache's bytes");
+    assert_eq!(r.state.released(), vec!["kv_cache", "weights"]);
+    let e = rt
+        .block_on(h.release_memory(Some(vec![MemoryTag::KvCache])))
+        .unwrap_err();
+    assert!(
+        matches!(&e, EngineError::MemoryState(m) if m.contains("already released")),
+        "{e}"
+    );
+    let e = h.submit(greedy("b")).unwrap_err();
+    assert!(
+        matches!(&e, EngineError::Unavailable(m) if m.contains("resume_memory_occupation")),
+        "{e}"
+    );
+
+    // One tag at a time, as verl and slime resume: weights, then the KV cache.
+    let r = rt
+        .block_on(h.resume_memory(Some(vec![MemoryTag::Weights])))
+        .unwrap();
+    assert_eq!(r.state.released(), vec!["kv_cache"]);
+    assert!(h.submit(greedy("c")).is_err(), "still no KV cache");
+    rt.block_on(h.resume_memory(Some(vec![MemoryTag::CudaGraph, MemoryTag::KvCache])))
+        .unwrap();
+    assert_eq!(h.memory().released(), Vec::<&str>::new());
+    assert_eq!(run(&h, "d"), before);
+}
