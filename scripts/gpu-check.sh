@@ -37,7 +37,7 @@ declare -A what=(
 # TESTS="cuda_invariance cuda_attention" runs a subset; TEST_FILTER="name1 name2" only the tests
 # whose names contain one of these.
 for t in ${TESTS:-cuda_ops cuda_sampling cuda_load cuda_attention cuda_invariance cuda_generate cuda_memory}; do
-  echo "== $t: ${what[$t]} ($(date +%T))"
+  echo "== $t: ${what[$t]:-} ($(date +%T))"
   if [ "${SKIP_TESTS:-0}" = 1 ]; then
     record "$t" "skipped (SKIP_TESTS=1)"
   elif [ ! -x "$bin/$t" ]; then
