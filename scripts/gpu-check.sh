@@ -130,6 +130,39 @@ if [ "${SERVER_BENCH:-0}" = 1 ]; then
   done
 fi
 
+# An update from disk while a client streams tokens (DISK_UPDATE_BENCH=1): a made-up BF16
+# checkpoint of DISK_UPDATE_GB (default 8) GB served with --device cuda, then
+# /update_weights_from_disk of the same directory while scripts/stream_gaps.py reads one long
+# greedy stream; prints the update's answer (load_seconds, swap_seconds) and the stream's
+# largest gap.
+if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
+  py=$(command -v python3)
+  [ -x /opt/torch/.venv/bin/python ] && py=/opt/torch/.venv/bin/python
+  ck=/tmp/lockstep-disk-update
+  echo "== update from disk while streaming ($(date +%T))"
+  {
+    "$py" scripts/make_push_checkpoint.py --out "$ck" --gb "${DISK_UPDATE_GB:-8}"
+    "$bin"/lockstep serve --device cuda --model-path "$ck" --weights-root /tmp --port 30557 \
+      >"$logs/serve_disk_update.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 300); do
+      curl -sf localhost:30557/health >/dev/null 2>&1 && break
+      sleep 1
+    done
+    "$py" scripts/stream_gaps.py http://127.0.0.1:30557 30 &
+    gaps=$!
+    sleep 5
+    curl -s localhost:30557/update_weights_from_disk -H 'Content-Type: application/json' \
+      -d "{\"model_path\": \"$ck\"}"
+    echo
+    wait $gaps
+    kill $pid 2>/dev/null; wait $pid 2>/dev/null
+  } 2>&1 | tee "$logs/disk_update.md"
+  grep -q '"success":true' "$logs/disk_update.md" && grep -q "max gap" "$logs/disk_update.md" \
+    && record "update from disk while streaming" "done (disk_update.md)" \
+    || record "update from disk while streaming" "FAIL (disk_update.md)"
+fi
+
 if [ "$mode" = full ] && [ "${SKIP_PEER:-0}" != 1 ]; then
   PYTHONUNBUFFERED=1 python3 scripts/hf_peer_bench.py configs/qwen3-30b-a3b.json 2>&1 | tee "$logs/hf_peer.md" \
     && record "transformers peer (bf16)" "done (hf_peer.md)" || record "transformers peer" "FAIL"

@@ -8,8 +8,7 @@ generation stood still (e.g. while a weight update commits). For docs/performanc
 import json
 import sys
 import time
-
-import requests
+import urllib.request
 
 
 def main() -> None:
@@ -21,8 +20,12 @@ def main() -> None:
     }
     times, versions = [], []
     start = time.time()
-    with requests.post(url + "/generate", json=body, stream=True) as r:
-        for line in r.iter_lines():
+    req = urllib.request.Request(
+        url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req) as r:
+        for line in r:
+            line = line.rstrip(b"\r\n")
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             times.append(time.time())

@@ -1,7 +1,8 @@
 //! Checkpoints loaded straight to the GPU (`CudaWeights::from_checkpoint`) against the CPU
 //! loader's model uploaded (`CudaWeights::upload(load_model(..))`): every device buffer equal
-//! byte for byte, the same slot table and checksum, identical logits; and a streamed update
-//! written into device-loaded weights equal to the same update applied to the host model.
+//! byte for byte, the same slot table and checksum, identical logits; a streamed update
+//! written into device-loaded weights equal to the same update applied to the host model; and
+//! an update from disk loaded beside the served weights while requests run, then swapped in.
 //! These need an NVIDIA GPU, so they are `#[ignore]`d here and run on the GPU host by
 //! scripts/gpu-check.sh (`cuda_load --ignored`), from the repository root.
 
@@ -22,7 +23,8 @@ use lockstep::quant::Recipe;
 use safetensors::tensor::Dtype;
 
 mod common;
-use common::cuda::{gpu, seed};
+use common::cuda::{gpu, seed, Rng};
+use common::engine::{block_on, generate, prompts, start};
 
 fn embedded_config() -> serde_json::Value {
     serde_json::from_str(lockstep::serve::EMBEDDED_CONFIG).unwrap()
@@ -449,4 +451,115 @@ fn streamed_update_on_device_loaded_weights_matches_the_host_model() {
         );
         println!("{what}: streamed update on the device equals the host model's");
     }
+}
+
+/// `/update_weights_from_disk` on device-only weights (what the endpoint calls): a loader
+/// puts the new checkpoint on the device on its own stream while requests run on the old
+/// weights, then the engine swaps it in. The requests finish; afterwards the engine serves
+/// the bits, and reports the checksum, of an engine started on the new checkpoint. A
+/// checkpoint of another config is loaded but refused at the swap, and the old weights keep
+/// serving.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn an_update_from_disk_loads_beside_running_requests_and_swaps_in_its_bits() {
+    use lockstep::engine::{CudaSource, DiskWeights, EngineEvent};
+    let seed = seed();
+    println!("seed {seed}");
+    let mut rng = Rng(seed);
+    let (_a, dir_a) = scratch("a");
+    let (_b, dir_b) = scratch("b");
+    bf16_checkpoint(&dir_a, seed);
+    bf16_checkpoint(&dir_b, seed ^ 0x5eed);
+    let disk = |dir: &Path| DiskWeights {
+        dir: dir.to_path_buf(),
+        quantization: None,
+        recipe: None,
+    };
+    let config = ModelConfig::from_json(embedded_config()).unwrap();
+    let recipe = Recipe::bf16();
+    let prompts = prompts(&mut rng, config.vocab_size);
+
+    let fresh = start(
+        CudaSource::Checkpoint(disk(&dir_b)),
+        config.clone(),
+        &recipe,
+        false,
+    );
+    let want = generate(&fresh, &prompts, "fresh");
+    let want_sum = fresh.weights_checksum().1;
+    fresh.shutdown();
+
+    let h = start(
+        CudaSource::Checkpoint(disk(&dir_a)),
+        config.clone(),
+        &recipe,
+        false,
+    );
+    let before = generate(&h, &prompts, "before");
+    assert_ne!(before, want, "the two checkpoints differ");
+    let running: Vec<_> = (0..4)
+        .map(|i| {
+            let mut r =
+                common::engine::greedy(format!("long{i}"), prompts[i % prompts.len()].clone());
+            r.params.max_new_tokens = 200;
+            h.submit(r).unwrap()
+        })
+        .collect();
+    let loader = block_on(h.device_loader()).unwrap();
+    let loaded = std::thread::spawn(move || loader.load(&disk(&dir_b)))
+        .join()
+        .unwrap()
+        .unwrap();
+    let aborted = block_on(h.install_weights(loaded, "v1".into(), false)).unwrap();
+    assert_eq!(aborted, 0);
+    let finished = block_on(async {
+        let mut n = 0;
+        for mut rx in running {
+            let mut tokens = 0;
+            loop {
+                match rx.recv().await.expect("event") {
+                    EngineEvent::Token(_) => tokens += 1,
+                    EngineEvent::Finished(_) => break,
+                    EngineEvent::Error(e) => {
+                        panic!("a request running through the update failed: {e}")
+                    }
+                }
+            }
+            assert_eq!(
+                tokens, 200,
+                "every token of a request that spans the update"
+            );
+            n += 1;
+        }
+        n
+    });
+    assert_eq!(finished, 4);
+    assert_eq!(h.weight_version(), "v1");
+    assert_eq!(
+        generate(&h, &prompts, "after"),
+        want,
+        "the new checkpoint's bits"
+    );
+    assert!(
+        *h.weights_checksum().1 == *want_sum,
+        "the new checkpoint's checksum"
+    );
+
+    // Another config: loaded, refused at the swap; the served weights and version stay.
+    let other = Path::new("tests/data/reference/qwen3_moe");
+    let loader = block_on(h.device_loader()).unwrap();
+    let loaded = loader.load(&disk(other)).unwrap();
+    let refused = block_on(h.install_weights(loaded, "v2".into(), false));
+    assert!(
+        refused.is_err(),
+        "a checkpoint of another config is refused"
+    );
+    assert_eq!(h.weight_version(), "v1");
+    assert_eq!(
+        generate(&h, &prompts, "kept"),
+        want,
+        "the served weights are untouched"
+    );
+    h.shutdown();
+    println!("update from disk beside running requests: swapped in, bitwise the fresh engine's");
 }

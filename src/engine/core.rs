@@ -394,7 +394,10 @@ impl Core {
             } => {
                 let _ = reply.send(self.swap_model(*model, checksum, version, abort_all));
             }
-            Command::SwapFromDisk {
+            Command::DeviceLoader(reply) => {
+                let _ = reply.send(self.exec.device_loader());
+            }
+            Command::InstallWeights {
                 weights,
                 version,
                 abort_all,
@@ -403,7 +406,7 @@ impl Core {
                 let slots = self.info.slots().len();
                 let result = self
                     .check_update(slots)
-                    .and_then(|()| self.exec.swap_from_disk(&weights))
+                    .and_then(|()| self.exec.install(*weights))
                     .map(|checksum| {
                         let aborted = self.abort_all_for_update(abort_all);
                         self.begin_weight_version(version, Arc::new(checksum));

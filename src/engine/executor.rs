@@ -118,10 +118,18 @@ pub(crate) trait Executor {
         Ok(None)
     }
 
-    /// `/update_weights_from_disk` loaded on the engine thread (device-only weights).
-    fn swap_from_disk(&mut self, _w: &DiskWeights) -> Result<WeightsChecksum, EngineError> {
+    /// A loader for `/update_weights_from_disk` of device-only weights: it loads a checkpoint
+    /// beside the served weights, off the engine thread, for [`Executor::install`].
+    fn device_loader(&mut self) -> Result<DeviceLoader, EngineError> {
         Err(EngineError::Conflict(
-            "updates loaded on the engine thread are for device-loaded CUDA weights".into(),
+            "updates loaded onto the device are for device-loaded CUDA weights".into(),
+        ))
+    }
+
+    /// Swaps in what a [`DeviceLoader`] loaded (its shapes checked first). Returns its checksum.
+    fn install(&mut self, _w: LoadedWeights) -> Result<WeightsChecksum, EngineError> {
+        Err(EngineError::Conflict(
+            "updates loaded onto the device are for device-loaded CUDA weights".into(),
         ))
     }
 
@@ -322,6 +330,36 @@ struct CudaExecutor {
 }
 
 /// Opens `w` and loads it into device memory.
+/// Loads `/update_weights_from_disk` checkpoints onto the device on a stream of its own, so
+/// the engine goes on generating while a new copy of the weights is read, uploaded, quantized
+/// and hashed beside the served one (device memory must hold both).
+pub struct DeviceLoader {
+    gpu: Gpu,
+}
+
+/// Weights a [`DeviceLoader`] finished: written and hashed, its stream drained.
+pub struct LoadedWeights {
+    config: ModelConfig,
+    weights: CudaWeights,
+    checksum: WeightsChecksum,
+}
+
+impl DeviceLoader {
+    /// Blocks until `w` is on the device (call it off the engine thread).
+    pub fn load(&self, w: &DiskWeights) -> Result<LoadedWeights, String> {
+        let (config, mut weights) = load_to_device(&self.gpu, w)?;
+        let checksum = weights
+            .weights_checksum(&self.gpu, &config)
+            .and_then(|sum| self.gpu.synchronize().map(|()| sum))
+            .map_err(|e| format!("the device could not take the new weights: {e}"))?;
+        Ok(LoadedWeights {
+            config,
+            weights,
+            checksum,
+        })
+    }
+}
+
 fn load_to_device(gpu: &Gpu, w: &DiskWeights) -> Result<(ModelConfig, CudaWeights), String> {
     let src = open_serving_checkpoint(&w.dir, w.quantization, w.recipe.clone())
         .map_err(|e| format!("{}: {e}", w.dir.display()))?;
@@ -405,20 +443,26 @@ impl Executor for CudaExecutor {
         Ok(Some(DeviceCatalog { slots, checksum }))
     }
 
-    /// The checkpoint is loaded to the device beside the served weights (so it needs room for
-    /// a second copy), its shapes checked, then swapped in; on any failure the old weights
-    /// keep serving. Returns the new weights' checksum.
-    fn swap_from_disk(&mut self, w: &DiskWeights) -> Result<WeightsChecksum, EngineError> {
+    fn device_loader(&mut self) -> Result<DeviceLoader, EngineError> {
+        let gpu = self.model.gpu().with_own_stream().map_err(|e| {
+            EngineError::Conflict(format!("no stream for loading new weights: {e}"))
+        })?;
+        Ok(DeviceLoader { gpu })
+    }
+
+    /// Swaps the loaded weights in between two steps. The engine stream is drained first: the
+    /// replaced weights may have been allocated on a loader's stream, where their free would
+    /// not wait for kernels still queued here.
+    fn install(&mut self, w: LoadedWeights) -> Result<WeightsChecksum, EngineError> {
         let m = &mut *self.model;
-        let (config, mut new) = load_to_device(m.gpu(), w).map_err(EngineError::Conflict)?;
-        if !same_shapes(&config, &m.config) {
+        if !same_shapes(&w.config, &m.config) {
             return Err(EngineError::Conflict("the new weights' config.json differs from the served model's (architecture or shapes)".into()));
         }
-        let checksum = new.weights_checksum(m.gpu(), &m.config).map_err(|e| {
-            EngineError::Conflict(format!("the device could not take the new weights: {e}"))
-        })?;
-        m.replace_weights(new);
-        Ok(checksum)
+        m.gpu()
+            .synchronize()
+            .map_err(|e| EngineError::Stopped(format!("CUDA device failed: {e}")))?;
+        m.replace_weights(w.weights);
+        Ok(w.checksum)
     }
 
     fn keeps_weights_backup(&self) -> bool {

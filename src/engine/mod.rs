@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 
 pub use self::config::{defaults, EngineConfig};
 pub use self::core::Engine;
-pub use executor::{CudaSource, DiskWeights, ExecutorSpec};
+pub use executor::{CudaSource, DeviceLoader, DiskWeights, ExecutorSpec, LoadedWeights};
 pub use memory::{MemoryState, MemoryTag, WeightsState};
 pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
 
@@ -82,9 +82,11 @@ pub(crate) enum Command {
         abort_all: bool,
         reply: oneshot::Sender<Result<usize, EngineError>>,
     },
-    /// Load a checkpoint to the device and swap it in (see [`EngineHandle::swap_from_disk`]).
-    SwapFromDisk {
-        weights: DiskWeights,
+    /// A loader for new device weights (see [`EngineHandle::device_loader`]).
+    DeviceLoader(oneshot::Sender<Result<DeviceLoader, EngineError>>),
+    /// Swap in loaded device weights (see [`EngineHandle::install_weights`]).
+    InstallWeights {
+        weights: Box<LoadedWeights>,
         version: String,
         abort_all: bool,
         reply: oneshot::Sender<Result<usize, EngineError>>,
@@ -283,19 +285,28 @@ impl EngineHandle {
             .map_err(|_| EngineError::Stopped(self.last_error()))?
     }
 
-    /// [`EngineHandle::swap_model`] for weights that live only on the device: the engine loads
-    /// the checkpoint `weights` onto the device (generation stands still meanwhile), checks its
-    /// shapes, swaps it in and computes its checksum there. On failure the old weights keep
-    /// serving. Returns how many requests were aborted.
-    pub async fn swap_from_disk(
+    /// For weights that live only on the device: a loader that puts a checkpoint on the device
+    /// beside the served weights, on a stream of its own, while the engine goes on generating
+    /// (run it off the async runtime), for [`EngineHandle::install_weights`].
+    pub async fn device_loader(&self) -> Result<DeviceLoader, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::DeviceLoader(reply))?;
+        rx.await
+            .map_err(|_| EngineError::Stopped(self.last_error()))?
+    }
+
+    /// [`EngineHandle::swap_model`] for what a [`DeviceLoader`] loaded: checked against the
+    /// served model's shapes and swapped in between two steps (all at once). On failure the
+    /// old weights keep serving. Returns how many requests were aborted.
+    pub async fn install_weights(
         &self,
-        weights: DiskWeights,
+        weights: LoadedWeights,
         version: String,
         abort_all: bool,
     ) -> Result<usize, EngineError> {
         let (reply, rx) = oneshot::channel();
-        self.send(Command::SwapFromDisk {
-            weights,
+        self.send(Command::InstallWeights {
+            weights: Box::new(weights),
             version,
             abort_all,
             reply,

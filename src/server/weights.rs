@@ -131,8 +131,9 @@ pub async fn update_weights_from_disk(
     ))
 }
 
-/// `/update_weights_from_disk` when the weights live only on the GPU: the engine loads the
-/// checkpoint straight to the device and swaps it in (it stands still while it loads).
+/// `/update_weights_from_disk` when the weights live only on the GPU: the checkpoint is loaded
+/// onto the device beside the served weights, on a stream of its own, while generation goes
+/// on; the engine then swaps it in between two steps (it stands still only for the swap).
 async fn update_on_device(
     state: &AppState,
     body: UpdateFromDisk,
@@ -140,29 +141,43 @@ async fn update_on_device(
     settings: Arc<WeightSettings>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let _commit = state.updates.commit.lock().await;
-    let version = body
-        .weight_version
-        .unwrap_or_else(|| next_version(&state.engine.weight_version()));
     let weights = crate::engine::DiskWeights {
-        dir: path,
+        dir: path.clone(),
         quantization: settings.quantization,
         recipe: settings.recipe.clone(),
     };
+    let loader = state.engine.device_loader().await?;
+    let started = Instant::now();
+    let loaded = tokio::task::spawn_blocking(move || loader.load(&weights))
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?
+        .map_err(|e| ApiError::invalid("model_path", e))?;
+    let load_secs = started.elapsed().as_secs_f64();
+    let version = body
+        .weight_version
+        .unwrap_or_else(|| next_version(&state.engine.weight_version()));
+    let swap = Instant::now();
     let aborted = state
         .engine
-        .swap_from_disk(weights, version.clone(), body.abort_all_requests)
+        .install_weights(loaded, version.clone(), body.abort_all_requests)
         .await
         .map_err(|e| match e {
             crate::engine::EngineError::Conflict(m) => ApiError::invalid("model_path", m),
             other => other.into(),
         })?;
+    let swap_secs = swap.elapsed().as_secs_f64();
     tracing::info!(
-        "weights updated from {} to version {version} (loaded on the device)",
-        body.model_path
+        "weights updated from {} to version {version}: loaded onto the device in {load_secs:.2} s while serving, swapped in {:.1} ms",
+        body.model_path,
+        swap_secs * 1e3
     );
-    Ok(Json(
-        json!({"success": true, "message": format!("weights updated to version {version}"), "num_paused_requests": aborted}),
-    ))
+    Ok(Json(json!({
+        "success": true,
+        "message": format!("weights updated to version {version}"),
+        "num_paused_requests": aborted,
+        "load_seconds": load_secs,
+        "swap_seconds": swap_secs,
+    })))
 }
 
 /// Refuses an update before anything is loaded or staged while the weights are released (no

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod cuda;
+pub mod engine;
 pub mod server;
 
 use lockstep::engine::{EngineEvent, EngineHandle, FinishInfo, GenerateRequest, TokenOut};

@@ -92,6 +92,21 @@ impl Gpu {
         })
     }
 
+    /// The same device and kernels on a stream of their own, for work beside the engine's
+    /// (loading new weights while generation goes on). Nothing orders the two streams:
+    /// synchronize this one before the engine stream reads what it wrote.
+    pub fn with_own_stream(&self) -> Result<Gpu, CudaError> {
+        Ok(Gpu {
+            ctx: self.ctx.clone(),
+            stream: self.ctx.new_stream()?,
+            arch: self.arch,
+            name: self.name.clone(),
+            sm_count: self.sm_count,
+            functions: self.functions.clone(),
+            gemm_scratch: Mutex::new(GemmScratch::default()),
+        })
+    }
+
     /// Queues `kernel` on the engine stream, once `args` are checked to be of the kinds, in the
     /// order, that the kernel declares (`Kernel::params`).
     pub fn launch<A: KernelArgs>(
