@@ -156,6 +156,14 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
       -d "{\"model_path\": \"$ck\"}"
     echo
     wait $gaps
+    echo "-- lockstep push of the same checkpoint (default flags) while streaming"
+    "$py" scripts/stream_gaps.py http://127.0.0.1:30557 40 &
+    gaps=$!
+    sleep 3
+    "$bin"/lockstep push --server http://127.0.0.1:30557 --checkpoint "$ck" 2>&1 \
+      | grep -E "GB/s|commit|checksum|version|rror" || true
+    wait $gaps
+    grep -E "VmHWM|peak" /proc/$pid/status 2>/dev/null || true
     kill $pid 2>/dev/null; wait $pid 2>/dev/null
   } 2>&1 | tee "$logs/disk_update.md"
   grep -q '"success":true' "$logs/disk_update.md" && grep -q "max gap" "$logs/disk_update.md" \
