@@ -96,7 +96,7 @@ if [ -x "$bin/cuda_bench_before" ]; then
 fi
 # Through the HTTP server (SERVER_BENCH=1): `lockstep serve --device cuda --load-format dummy`
 # of SERVER_CONFIG with the Qwen3 tokenizer carried as .bin/qwen3-tokenizer.json.gz, loaded by
-# `lockstep bench` at 1, 64 and 256 streams (512 in; 128 / 256 / 256 out); the same for
+# `lockstep bench` at 1, 64 and 256 streams (4, 64, 256 prompts of 512 in; 128 / 256 / 256 out); the same for
 # .bin/lockstep_before (a build of the previous code) when carried. SERVER_QUANT picks the
 # expert format (default: none = BF16).
 if [ "${SERVER_BENCH:-0}" = 1 ]; then
@@ -118,7 +118,7 @@ if [ "${SERVER_BENCH:-0}" = 1 ]; then
     done
     ok=done
     : >"$logs/server_bench_$server.md"
-    for run in "1 8 128" "64 128 256" "256 256 256"; do
+    for run in "1 4 128" "64 64 256" "256 256 256"; do
       read -r conc prompts out <<<"$run"
       echo "-- $server: $conc concurrent, $prompts prompts, 512 in / $out out" | tee -a "$logs/server_bench_$server.md"
       "$bin/lockstep" bench --base-url http://127.0.0.1:30556 --tokenizer "$model/tokenizer.json" \
@@ -149,7 +149,7 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
       curl -sf localhost:30557/health >/dev/null 2>&1 && break
       sleep 1
     done
-    "$py" scripts/stream_gaps.py http://127.0.0.1:30557 30 &
+    "$py" scripts/stream_gaps.py http://127.0.0.1:30557 25 &
     gaps=$!
     sleep 5
     curl -s localhost:30557/update_weights_from_disk -H 'Content-Type: application/json' \
@@ -157,7 +157,7 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
     echo
     wait $gaps
     echo "-- lockstep push of the same checkpoint (default flags) while streaming"
-    "$py" scripts/stream_gaps.py http://127.0.0.1:30557 40 &
+    "$py" scripts/stream_gaps.py http://127.0.0.1:30557 30 &
     gaps=$!
     sleep 3
     "$bin"/lockstep push --server http://127.0.0.1:30557 --checkpoint "$ck" 2>&1 \
