@@ -65,9 +65,9 @@ impl Global {
         Some(match (module, name) {
             ("torch", n) if DTYPES.contains(&n) => Global::Dtype(n.to_string()),
             ("torch", "Size") => Global::Size,
-            ("torch", "Tensor") | ("torch._tensor", "Tensor") | ("torch.nn.parameter", "Parameter") => {
-                Global::TensorClass
-            }
+            ("torch", "Tensor")
+            | ("torch._tensor", "Tensor")
+            | ("torch.nn.parameter", "Parameter") => Global::TensorClass,
             ("torch.storage", "TypedStorage" | "UntypedStorage" | "_UntypedStorage")
             | ("torch", "UntypedStorage") => Global::StorageClass,
             ("torch", n) | ("torch.cuda", n) if n.ends_with("Storage") => Global::StorageClass,
@@ -172,7 +172,11 @@ pub enum PickleError {
     #[error("the pickle ends early (at byte {0}): truncated data")]
     Truncated(usize),
     #[error("pickle opcode 0x{op:02x} ({name}) at byte {at} is not accepted (only the opcodes torch's ForkingPickler writes for named tensors are)")]
-    Opcode { op: u8, name: &'static str, at: usize },
+    Opcode {
+        op: u8,
+        name: &'static str,
+        at: usize,
+    },
     #[error("pickle global `{module}.{name}` is not allowed: only torch's tensor-rebuilding functions, dtypes and SGLang's tensor containers are accepted")]
     Forbidden { module: String, name: String },
     #[error("malformed pickle at byte {at}: {what}")]
@@ -373,7 +377,8 @@ pub fn loads(data: &[u8]) -> Result<Value, PickleError> {
     loop {
         let at = r.pos;
         let op = r.u8()?;
-        let pop = |stack: &mut Vec<Obj>| stack.pop().ok_or_else(|| malformed(at, "stack underflow"));
+        let pop =
+            |stack: &mut Vec<Obj>| stack.pop().ok_or_else(|| malformed(at, "stack underflow"));
         // Everything above the topmost MARK (which is removed).
         let pop_mark = |stack: &mut Vec<Obj>| -> Result<Vec<Obj>, PickleError> {
             let m = stack
@@ -388,7 +393,10 @@ pub fn loads(data: &[u8]) -> Result<Value, PickleError> {
             0x80 => {
                 let proto = r.u8()?;
                 if !(2..=5).contains(&proto) {
-                    return Err(malformed(at, &format!("pickle protocol {proto} (2 to 5 are accepted)")));
+                    return Err(malformed(
+                        at,
+                        &format!("pickle protocol {proto} (2 to 5 are accepted)"),
+                    ));
                 }
             }
             0x95 => {
@@ -424,7 +432,10 @@ pub fn loads(data: &[u8]) -> Result<Value, PickleError> {
             0x8a => {
                 let n = r.u8()? as usize;
                 if n > 8 {
-                    return Err(malformed(at, &format!("an integer of {n} bytes (at most 8 are accepted)")));
+                    return Err(malformed(
+                        at,
+                        &format!("an integer of {n} bytes (at most 8 are accepted)"),
+                    ));
                 }
                 let b = r.take(n)?;
                 let mut v: i64 = 0;
@@ -511,7 +522,10 @@ pub fn loads(data: &[u8]) -> Result<Value, PickleError> {
                     _ => pop_mark(&mut stack)?,
                 };
                 if items.len() % 2 != 0 {
-                    return Err(malformed(at, "a dict with an odd number of keys and values"));
+                    return Err(malformed(
+                        at,
+                        "a dict with an odd number of keys and values",
+                    ));
                 }
                 let pairs = items.chunks(2).map(|kv| (kv[0].clone(), kv[1].clone()));
                 if op == b'd' {
@@ -519,7 +533,12 @@ pub fn loads(data: &[u8]) -> Result<Value, PickleError> {
                 } else {
                     match stack.last() {
                         Some(Obj::Dict(d)) => d.borrow_mut().extend(pairs),
-                        _ => return Err(malformed(at, "SETITEM(S) onto something that is not a dict")),
+                        _ => {
+                            return Err(malformed(
+                                at,
+                                "SETITEM(S) onto something that is not a dict",
+                            ))
+                        }
                     }
                 }
             }
@@ -531,7 +550,12 @@ pub fn loads(data: &[u8]) -> Result<Value, PickleError> {
                     let module = pop(&mut stack)?;
                     match (module, name) {
                         (Obj::Leaf(Value::Str(m)), Obj::Leaf(Value::Str(n))) => (m, n),
-                        _ => return Err(malformed(at, "STACK_GLOBAL of values that are not strings")),
+                        _ => {
+                            return Err(malformed(
+                                at,
+                                "STACK_GLOBAL of values that are not strings",
+                            ))
+                        }
                     }
                 };
                 let g = Global::lookup(&module, &name)
@@ -570,14 +594,20 @@ pub fn loads(data: &[u8]) -> Result<Value, PickleError> {
                     b'q' => r.u8()? as usize,
                     _ => r.u32()?,
                 };
-                let top = stack.last().ok_or_else(|| malformed(at, "stack underflow"))?;
+                let top = stack
+                    .last()
+                    .ok_or_else(|| malformed(at, "stack underflow"))?;
                 if matches!(top, Obj::Mark) {
                     return Err(malformed(at, "memoizing a MARK"));
                 }
                 memo.insert(idx, top.clone());
             }
             b'h' | b'j' => {
-                let idx = if op == b'h' { r.u8()? as usize } else { r.u32()? };
+                let idx = if op == b'h' {
+                    r.u8()? as usize
+                } else {
+                    r.u32()?
+                };
                 let v = memo
                     .get(&idx)
                     .ok_or_else(|| malformed(at, &format!("memo entry {idx} was never stored")))?;
@@ -611,7 +641,9 @@ mod tests {
         let list = Value::List(vec![Value::Int(7)]);
         assert_eq!(loads(&p).unwrap(), Value::Tuple(vec![list.clone(), list]));
         // {"a": b"xy", "b": (True, None, "é", -2, 300)}
-        let mut p = vec![0x80, 4, b'}', 0x94, b'(', 0x8c, 1, b'a', b'C', 2, b'x', b'y'];
+        let mut p = vec![
+            0x80, 4, b'}', 0x94, b'(', 0x8c, 1, b'a', b'C', 2, b'x', b'y',
+        ];
         p.extend([0x8c, 1, b'b', b'(', 0x88, b'N', 0x8c, 2, 0xc3, 0xa9, b'J']);
         p.extend((-2i32).to_le_bytes());
         p.extend([b'M', 0x2c, 0x01, b't', b'u', b'.']);
@@ -621,7 +653,10 @@ mod tests {
         assert_eq!(b[2].as_str(), Some("é"));
         assert_eq!((b[3].as_int(), b[4].as_int()), (Some(-2), Some(300)));
         // Two values left at STOP.
-        assert!(matches!(loads(&[0x80, 4, b'N', b'N', b'.']), Err(PickleError::Malformed { .. })));
+        assert!(matches!(
+            loads(&[0x80, 4, b'N', b'N', b'.']),
+            Err(PickleError::Malformed { .. })
+        ));
     }
 
     #[test]
@@ -645,7 +680,13 @@ mod tests {
             })
         );
         let p = [0x80, 4, 0x8f, b'.'];
-        assert!(matches!(loads(&p), Err(PickleError::Opcode { name: "EMPTY_SET", .. })));
+        assert!(matches!(
+            loads(&p),
+            Err(PickleError::Opcode {
+                name: "EMPTY_SET",
+                ..
+            })
+        ));
         let p = [0x80, 4, b'X', 10, 0, 0, 0, b'a'];
         assert!(matches!(loads(&p), Err(PickleError::Truncated(_))));
         assert!(matches!(loads(&[0x80, 4]), Err(PickleError::Truncated(_))));

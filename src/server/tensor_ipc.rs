@@ -96,7 +96,12 @@ pub fn decode(entry: &str, format: LoadFormat) -> Result<Payload, ApiError> {
                 let pair = item.as_seq().filter(|s| s.len() == 2);
                 let (name, t) = match pair.map(|s| (s[0].as_str(), &s[1])) {
                     Some((Some(name), t)) => (name.to_string(), t),
-                    _ => return Err(bad(format!("an item of the list is a {}, not a (name, tensor) pair", item.kind()))),
+                    _ => {
+                        return Err(bad(format!(
+                            "an item of the list is a {}, not a (name, tensor) pair",
+                            item.kind()
+                        )))
+                    }
                 };
                 let t = local_serialized(&name, t)?;
                 let shared = cuda_tensor(&name, &t)?;
@@ -113,7 +118,8 @@ pub fn decode(entry: &str, format: LoadFormat) -> Result<Payload, ApiError> {
             }
         }
         LoadFormat::FlattenedBucket => {
-            let (Some(flat), Some(meta)) = (obj.get("flattened_tensor"), obj.get("metadata")) else {
+            let (Some(flat), Some(meta)) = (obj.get("flattened_tensor"), obj.get("metadata"))
+            else {
                 return Err(bad(format!(
                     "with load_format flattened_bucket serialized_named_tensors must hold a dict with `flattened_tensor` and `metadata`, not a {}",
                     obj.kind()
@@ -141,7 +147,10 @@ pub fn decode(entry: &str, format: LoadFormat) -> Result<Payload, ApiError> {
         if !seen.insert(t.name.as_str()) {
             return Err(ApiError::invalid(
                 &t.name,
-                format!("tensor `{}` appears twice in serialized_named_tensors", t.name),
+                format!(
+                    "tensor `{}` appears twice in serialized_named_tensors",
+                    t.name
+                ),
             ));
         }
     }
@@ -162,7 +171,12 @@ fn local_serialized(name: &str, t: &Value) -> Result<Value, ApiError> {
         .as_deref()
         .and_then(|s| s.get("values"))
         .and_then(Value::as_seq)
-        .ok_or_else(|| ApiError::invalid(name, format!("tensor `{name}`: LocalSerializedTensor without a `values` list")))?;
+        .ok_or_else(|| {
+            ApiError::invalid(
+                name,
+                format!("tensor `{name}`: LocalSerializedTensor without a `values` list"),
+            )
+        })?;
     let own = match values {
         [one] => one,
         [first, rest @ ..] if rest.iter().all(|v| v == first) => first,
@@ -179,12 +193,20 @@ fn local_serialized(name: &str, t: &Value) -> Result<Value, ApiError> {
             use base64::Engine;
             base64::engine::general_purpose::STANDARD
                 .decode(s.trim())
-                .map_err(|e| ApiError::invalid(name, format!("tensor `{name}`: LocalSerializedTensor value is not base64: {e}")))?
+                .map_err(|e| {
+                    ApiError::invalid(
+                        name,
+                        format!("tensor `{name}`: LocalSerializedTensor value is not base64: {e}"),
+                    )
+                })?
         }
         other => {
             return Err(ApiError::invalid(
                 name,
-                format!("tensor `{name}`: LocalSerializedTensor value is a {}, not bytes", other.kind()),
+                format!(
+                    "tensor `{name}`: LocalSerializedTensor value is a {}, not bytes",
+                    other.kind()
+                ),
             ))
         }
     };
@@ -230,25 +252,48 @@ fn ints(name: &str, what: &str, v: &Value) -> Result<Vec<usize>, ApiError> {
         Value::Call(Global::Size, args) if args.len() == 1 => &args[0],
         v => v,
     };
-    let items = v
-        .as_seq()
-        .ok_or_else(|| ApiError::invalid(name, format!("tensor `{name}`: {what} is a {}, not a tuple of ints", v.kind())))?;
+    let items = v.as_seq().ok_or_else(|| {
+        ApiError::invalid(
+            name,
+            format!(
+                "tensor `{name}`: {what} is a {}, not a tuple of ints",
+                v.kind()
+            ),
+        )
+    })?;
     items
         .iter()
         .map(|i| {
             i.as_int()
                 .and_then(|i| usize::try_from(i).ok())
-                .ok_or_else(|| ApiError::invalid(name, format!("tensor `{name}`: {what} holds a {}, not a non-negative int", i.kind())))
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        name,
+                        format!(
+                            "tensor `{name}`: {what} holds a {}, not a non-negative int",
+                            i.kind()
+                        ),
+                    )
+                })
         })
         .collect()
 }
 
 fn handle(name: &str, what: &str, v: &Value) -> Result<[u8; IPC_HANDLE_BYTES], ApiError> {
     let Value::Bytes(b) = v else {
-        return Err(ApiError::invalid(name, format!("tensor `{name}`: {what} is a {}, not bytes", v.kind())));
+        return Err(ApiError::invalid(
+            name,
+            format!("tensor `{name}`: {what} is a {}, not bytes", v.kind()),
+        ));
     };
     b.as_slice().try_into().map_err(|_| {
-        ApiError::invalid(name, format!("tensor `{name}`: {what} has {} bytes, expected {IPC_HANDLE_BYTES}", b.len()))
+        ApiError::invalid(
+            name,
+            format!(
+                "tensor `{name}`: {what} has {} bytes, expected {IPC_HANDLE_BYTES}",
+                b.len()
+            ),
+        )
     })
 }
 
@@ -283,48 +328,82 @@ fn cuda_tensor(name: &str, t: &Value) -> Result<Cuda, ApiError> {
         other => return Err(err(format!("a {}, not a CUDA tensor (torch.multiprocessing.reductions.rebuild_cuda_tensor)", other.kind()))),
     };
     if args.len() != 15 {
-        return Err(err(format!("rebuild_cuda_tensor with {} arguments, expected 15", args.len())));
+        return Err(err(format!(
+            "rebuild_cuda_tensor with {} arguments, expected 15",
+            args.len()
+        )));
     }
     let int = |i: usize, what: &str| {
         args[i]
             .as_int()
             .and_then(|v| usize::try_from(v).ok())
-            .ok_or_else(|| err(format!("{what} is a {}, not a non-negative int", args[i].kind())))
+            .ok_or_else(|| {
+                err(format!(
+                    "{what} is a {}, not a non-negative int",
+                    args[i].kind()
+                ))
+            })
     };
     if !matches!(args[0], Value::Global(Global::TensorClass)) {
-        return Err(err("tensor_cls is not torch.Tensor or torch.nn.Parameter".into()));
+        return Err(err(
+            "tensor_cls is not torch.Tensor or torch.nn.Parameter".into()
+        ));
     }
     let shape = ints(name, "tensor_size", &args[1])?;
     let stride = ints(name, "tensor_stride", &args[2])?;
     let tensor_offset = int(3, "tensor_offset")?;
     let dtype = match &args[5] {
-        Value::Global(Global::Dtype(d)) => dtype_of(d).ok_or_else(|| err(format!("dtype torch.{d} is not supported")))?,
-        other => return Err(err(format!("dtype is a {}, not a torch dtype", other.kind()))),
+        Value::Global(Global::Dtype(d)) => {
+            dtype_of(d).ok_or_else(|| err(format!("dtype torch.{d} is not supported")))?
+        }
+        other => {
+            return Err(err(format!(
+                "dtype is a {}, not a torch dtype",
+                other.kind()
+            )))
+        }
     };
     // One GPU: the device index (or, from SGLang's patched reductions, its UUID) is not
     // needed to find the allocation; the handle names it.
     match &args[6] {
         Value::Int(_) | Value::Str(_) => {}
-        other => return Err(err(format!("storage_device is a {}, not an int or a UUID", other.kind()))),
+        other => {
+            return Err(err(format!(
+                "storage_device is a {}, not an int or a UUID",
+                other.kind()
+            )))
+        }
     }
     let handle = mem_handle(name, &args[7])?;
     let storage_size = int(8, "storage_size_bytes")?;
     let storage_offset = int(9, "storage_offset_bytes")?;
     let ref_counter = match (&args[11], &args[12]) {
         (Value::Bytes(f), Value::Int(i)) if !f.is_empty() => Some(RefCounter {
-            file: String::from_utf8(f.clone()).map_err(|_| err("ref_counter_handle is not a file name".into()))?,
+            file: String::from_utf8(f.clone())
+                .map_err(|_| err("ref_counter_handle is not a file name".into()))?,
             index: usize::try_from(*i).map_err(|_| err("ref_counter_offset is negative".into()))?,
         }),
         (Value::None, _) => None,
-        _ => return Err(err("ref_counter_handle / ref_counter_offset are not bytes and an int".into())),
+        _ => {
+            return Err(err(
+                "ref_counter_handle / ref_counter_offset are not bytes and an int".into(),
+            ))
+        }
     };
     let event = match &args[14] {
         Value::Bool(true) => Some(handle_of_event(name, &args[13])?),
         Value::Bool(false) | Value::None => None,
-        other => return Err(err(format!("event_sync_required is a {}, not a bool", other.kind()))),
+        other => {
+            return Err(err(format!(
+                "event_sync_required is a {}, not a bool",
+                other.kind()
+            )))
+        }
     };
     if stride.len() != shape.len() {
-        return Err(err(format!("stride {stride:?} does not match shape {shape:?}")));
+        return Err(err(format!(
+            "stride {stride:?} does not match shape {shape:?}"
+        )));
     }
     // Row-major contiguous; a dimension of size 1 may have any stride.
     let mut want = 1usize;
@@ -382,11 +461,22 @@ fn bucket_entry(m: &Value, total: usize) -> Result<SharedTensor, ApiError> {
         .ok_or_else(|| bad("a FlattenedTensorMetadata has no `name`"))?
         .to_string();
     let err = |m: String| ApiError::invalid(&name, format!("tensor `{name}`: {m}"));
-    let field = |k: &str| state.get(k).ok_or_else(|| err(format!("no `{k}` in its FlattenedTensorMetadata")));
+    let field = |k: &str| {
+        state
+            .get(k)
+            .ok_or_else(|| err(format!("no `{k}` in its FlattenedTensorMetadata")))
+    };
     let shape = ints(&name, "shape", field("shape")?)?;
     let dtype = match field("dtype")? {
-        Value::Global(Global::Dtype(d)) => dtype_of(d).ok_or_else(|| err(format!("dtype torch.{d} is not supported")))?,
-        other => return Err(err(format!("dtype is a {}, not a torch dtype", other.kind()))),
+        Value::Global(Global::Dtype(d)) => {
+            dtype_of(d).ok_or_else(|| err(format!("dtype torch.{d} is not supported")))?
+        }
+        other => {
+            return Err(err(format!(
+                "dtype is a {}, not a torch dtype",
+                other.kind()
+            )))
+        }
     };
     let idx = |k: &str| {
         field(k)?
@@ -409,4 +499,126 @@ fn bucket_entry(m: &Value, total: usize) -> Result<SharedTensor, ApiError> {
         start,
         len,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    //! On the payloads scripts/make_tensor_ipc_fixtures.py writes (what torch's ForkingPickler
+    //! and SGLang's serializer produce, made without torch).
+    use super::*;
+
+    fn fixture(name: &str) -> String {
+        let path = format!(
+            "{}/tests/data/tensor_ipc/{name}.b64",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+    }
+
+    fn message(e: ApiError) -> (Option<String>, String) {
+        match &e {
+            ApiError::Invalid { param, .. } => (param.clone(), e.to_string()),
+            other => panic!("not a 400: {other:?}"),
+        }
+    }
+
+    fn handle(seed: u8) -> [u8; 64] {
+        std::array::from_fn(|i| seed.wrapping_add(i as u8))
+    }
+
+    #[test]
+    fn direct_list_of_cuda_tensors() {
+        let p = decode(&fixture("direct"), LoadFormat::Pairs).unwrap();
+        assert_eq!(p.tensors.len(), 2);
+        assert_eq!(p.tensors[0].name, "model.norm.weight");
+        assert_eq!(
+            (p.tensors[0].dtype, p.tensors[0].shape.clone()),
+            (Dtype::BF16, vec![128])
+        );
+        let gate = &p.tensors[1];
+        assert_eq!(
+            (gate.dtype, gate.shape.clone(), gate.len),
+            (Dtype::BF16, vec![8, 128], 2048)
+        );
+        assert_eq!((gate.source, gate.start), (1, 0));
+        let s = &p.sources[1];
+        assert_eq!(s.handle, handle(2));
+        // storage_offset_bytes 512 + tensor_offset 16 elements of 2 bytes.
+        assert_eq!((s.offset, s.len), (512 + 32, 2048));
+        assert_eq!(s.event, Some(std::array::from_fn(|i| (2 * 7 + i) as u8)));
+        assert_eq!(
+            s.ref_counter,
+            Some(RefCounter {
+                file: "/torch_4242_1234567_0".into(),
+                index: 5
+            })
+        );
+    }
+
+    #[test]
+    fn flattened_bucket() {
+        let p = decode(&fixture("flattened_bucket"), LoadFormat::FlattenedBucket).unwrap();
+        assert_eq!(p.sources.len(), 1);
+        assert_eq!((p.sources[0].offset, p.sources[0].len), (1024, 2304));
+        assert_eq!(p.sources[0].handle, handle(3));
+        let got: Vec<_> = p
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.start, t.len))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("model.norm.weight", 0, 256),
+                ("model.layers.0.mlp.gate.weight", 256, 2048)
+            ]
+        );
+        assert_eq!(p.tensors[1].shape, [8, 128]);
+        // The same payload read as a list of pairs is a clear 400.
+        let (param, m) =
+            message(decode(&fixture("flattened_bucket"), LoadFormat::Pairs).unwrap_err());
+        assert_eq!(param.as_deref(), Some(FIELD));
+        assert!(m.contains("list of (name, tensor) pairs"), "{m}");
+    }
+
+    #[test]
+    fn sglang_local_serialized_tensors_with_a_device_uuid() {
+        let p = decode(&fixture("local_serialized"), LoadFormat::Pairs).unwrap();
+        assert_eq!(p.tensors.len(), 1);
+        assert_eq!(p.tensors[0].shape, [128]);
+        assert_eq!(p.sources[0].handle, handle(4));
+    }
+
+    #[test]
+    fn refusals_name_the_field_or_the_tensor() {
+        let cases = [
+            ("cpu_tensor", "model.norm.weight", "CPU tensor"),
+            ("forbidden_global", FIELD, "`posix.system` is not allowed"),
+            (
+                "noncontiguous",
+                "model.layers.0.mlp.gate.weight",
+                "not contiguous",
+            ),
+            ("bad_dtype", FIELD, "torch.complex64"),
+            ("truncated", FIELD, "truncated"),
+        ];
+        for (f, param, text) in cases {
+            let (p, m) = message(decode(&fixture(f), LoadFormat::Pairs).unwrap_err());
+            assert_eq!(p.as_deref(), Some(param), "{f}: {m}");
+            assert!(m.contains(text), "{f}: {m}");
+        }
+        let (p, m) = message(decode("not base64!", LoadFormat::Pairs).unwrap_err());
+        assert_eq!(p.as_deref(), Some(FIELD));
+        assert!(m.contains("base64"), "{m}");
+        let (p, _) = message(LoadFormat::parse(Some("my.loader")).unwrap_err());
+        assert_eq!(p.as_deref(), Some("load_format"));
+    }
+
+    #[test]
+    fn one_entry_per_rank() {
+        assert_eq!(own_entry(&["a".into()]).unwrap(), "a");
+        assert_eq!(own_entry(&["a".into(), "a".into()]).unwrap(), "a");
+        assert!(own_entry(&["a".into(), "b".into()]).is_err());
+        assert!(own_entry(&[]).is_err());
+    }
 }

@@ -133,7 +133,8 @@ async fn update(state: &AppState, body: UpdateFromTensor) -> Result<serde_json::
         return Ok(staged);
     }
     let staged: BTreeMap<String, StagedTensor> = tensors.into_iter().collect();
-    let committed = weights::commit(state, staged, BTreeMap::new(), body.weight_version, None).await?;
+    let committed =
+        weights::commit(state, staged, BTreeMap::new(), body.weight_version, None).await?;
     let version = committed.version;
     tracing::info!(
         "weights updated from CUDA IPC tensors: {count} tensors, {bytes} bytes copied in {copy_s:.3} s, version {version}"
