@@ -171,6 +171,19 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
     || record "update from disk while streaming" "FAIL (disk_update.md)"
 fi
 
+# IPC_TEST=1: POST /update_weights_from_tensor with real torch CUDA IPC handles serialized as
+# SGLang does (both load formats), checked against the same tensors loaded from disk, with the
+# copy rate (scripts/ipc_update_test.py; IPC_GB sets the model size, IPC_PYTHON the interpreter).
+if [ "${IPC_TEST:-0}" = 1 ]; then
+  echo "== update_weights_from_tensor (CUDA IPC) ($(date +%T))"
+  if "${IPC_PYTHON:-/opt/torch/.venv/bin/python}" scripts/ipc_update_test.py --bin "$bin/lockstep" \
+      --gb "${IPC_GB:-2}" 2>&1 | tee "$logs/ipc_update.log"; then
+    record "update_weights_from_tensor (CUDA IPC)" "PASS ($(grep -o '[0-9.]* GB/s end to end' "$logs/ipc_update.log" | tail -1))"
+  else
+    record "update_weights_from_tensor (CUDA IPC)" "FAIL (ipc_update.log)"
+  fi
+fi
+
 if [ "$mode" = full ] && [ "${SKIP_PEER:-0}" != 1 ]; then
   PYTHONUNBUFFERED=1 python3 scripts/hf_peer_bench.py configs/qwen3-30b-a3b.json 2>&1 | tee "$logs/hf_peer.md" \
     && record "transformers peer (bf16)" "done (hf_peer.md)" || record "transformers peer" "FAIL"

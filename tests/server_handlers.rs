@@ -1010,10 +1010,7 @@ async fn sglang_info_names_and_load_reports() {
         assert_eq!(s, StatusCode::BAD_REQUEST, "{q}: {v}");
         assert_eq!(v["error"]["param"], field, "{v}");
     }
-    for path in [
-        "/update_weights_from_distributed",
-        "/update_weights_from_tensor",
-    ] {
+    for path in ["/update_weights_from_distributed"] {
         let (s, v) = call(&r, "POST", path, Some("{}"), &[]).await;
         assert_eq!(s, StatusCode::NOT_IMPLEMENTED, "{path}");
         assert!(
@@ -1024,6 +1021,81 @@ async fn sglang_info_names_and_load_reports() {
             "{v}"
         );
     }
+}
+
+/// `/update_weights_from_tensor` (SGLang's CUDA IPC payloads, tests/data/tensor_ipc from
+/// scripts/make_tensor_ipc_fixtures.py) on the CPU server: checked like a bucket (a tensor the
+/// model lacks or of the wrong shape names it), and a valid payload is a 400 naming
+/// `serialized_named_tensors` (no GPU to open the handles on), in SGLang's `{success: false,
+/// message}` shape; the weights and version stay.
+#[tokio::test]
+async fn update_weights_from_tensor_on_the_cpu_server() {
+    let r = router(&[]);
+    let fixture = |name: &str| {
+        let p = format!(
+            "{}/tests/data/tensor_ipc/{name}.b64",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        std::fs::read_to_string(p).unwrap().trim().to_string()
+    };
+    let (_, before) = call(&r, "GET", "/weights_checksum", None, &[]).await;
+    let cases = [
+        ("direct", None, "serialized_named_tensors", "CPU"),
+        (
+            "flattened_bucket",
+            Some("flattened_bucket"),
+            "serialized_named_tensors",
+            "CPU",
+        ),
+        (
+            "local_serialized",
+            Some("direct"),
+            "serialized_named_tensors",
+            "CPU",
+        ),
+        (
+            "unknown_name",
+            None,
+            "model.layers.99.mlp.gate.weight",
+            "not a tensor of the served model",
+        ),
+        ("wrong_shape", None, "model.norm.weight", "shape"),
+        ("cpu_tensor", None, "model.norm.weight", "CPU tensor"),
+        (
+            "forbidden_global",
+            None,
+            "serialized_named_tensors",
+            "not allowed",
+        ),
+    ];
+    for (f, format, param, text) in cases {
+        let body = json!({"serialized_named_tensors": [fixture(f)], "load_format": format, "flush_cache": false});
+        let (s, v) = call(
+            &r,
+            "POST",
+            "/update_weights_from_tensor",
+            Some(&body.to_string()),
+            &[],
+        )
+        .await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{f}: {v}");
+        assert_eq!(v["success"], false, "{f}: {v}");
+        assert_eq!(v["error"]["param"], param, "{f}: {v}");
+        assert!(v["message"].as_str().unwrap().contains(text), "{f}: {v}");
+    }
+    let body = json!({"serialized_named_tensors": [fixture("direct"), "other"]});
+    let (s, v) = call(
+        &r,
+        "POST",
+        "/update_weights_from_tensor",
+        Some(&body.to_string()),
+        &[],
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert!(v["message"].as_str().unwrap().contains("tp_size 1"), "{v}");
+    let (_, after) = call(&r, "GET", "/weights_checksum", None, &[]).await;
+    assert_eq!(before, after);
 }
 
 /// Miles' bodies: `begin {"selector": "all"}`, buckets without a session id, `end {}`, then

@@ -435,6 +435,9 @@ impl Core {
                     });
                 let _ = reply.send(result);
             }
+            Command::ReadIpc { sources, reply } => {
+                let _ = reply.send(self.exec.read_ipc(&sources));
+            }
             Command::ReleaseMemory { tags, reply } => {
                 let _ = reply.send(self.release_memory(tags.as_deref()));
             }

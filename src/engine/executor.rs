@@ -133,6 +133,17 @@ pub(crate) trait Executor {
         ))
     }
 
+    /// Copies tensors shared through CUDA IPC to the host. Only a CUDA executor can open them.
+    fn read_ipc(
+        &mut self,
+        _sources: &[crate::backend::cuda::ipc::IpcSource],
+    ) -> Result<Vec<Vec<u8>>, EngineError> {
+        Err(EngineError::BadInput {
+            param: "serialized_named_tensors".into(),
+            message: "serialized_named_tensors holds CUDA IPC tensor handles, which this server cannot open: it computes on the CPU (start it with --device cuda on the trainer's GPU, or stream safetensors buckets with PUT /update_weights)".into(),
+        })
+    }
+
     /// Whether [`Executor::release_weights`] keeps what resume restores.
     fn keeps_weights_backup(&self) -> bool;
 
@@ -463,6 +474,18 @@ impl Executor for CudaExecutor {
             .map_err(|e| EngineError::Stopped(format!("CUDA device failed: {e}")))?;
         m.replace_weights(w.weights);
         Ok(w.checksum)
+    }
+
+    fn read_ipc(
+        &mut self,
+        sources: &[crate::backend::cuda::ipc::IpcSource],
+    ) -> Result<Vec<Vec<u8>>, EngineError> {
+        crate::backend::cuda::ipc::read_to_host(self.model.gpu(), sources).map_err(|e| {
+            EngineError::BadInput {
+                param: e.name,
+                message: e.message,
+            }
+        })
     }
 
     fn keeps_weights_backup(&self) -> bool {

@@ -50,6 +50,10 @@ pub enum EngineError {
     /// little memory for the KV cache).
     #[error("backend start-up failed: {0}")]
     Start(String),
+    /// What the caller handed over cannot be used (e.g. a CUDA IPC handle that does not open):
+    /// a 400 naming `param`.
+    #[error("{message}")]
+    BadInput { param: String, message: String },
 }
 
 /// How `/pause_generation` treats running requests (SGLang's modes).
@@ -99,6 +103,11 @@ pub(crate) enum Command {
         /// Answers how long the engine stood still, and what is left to free (dropped by the
         /// caller, off the engine thread).
         reply: oneshot::Sender<Result<(std::time::Duration, Vec<Replacement>), EngineError>>,
+    },
+    /// Copy tensors shared through CUDA IPC to the host (see [`EngineHandle::read_ipc`]).
+    ReadIpc {
+        sources: Vec<crate::backend::cuda::ipc::IpcSource>,
+        reply: oneshot::Sender<Result<Vec<Vec<u8>>, EngineError>>,
     },
     /// `/release_memory_occupation` (see [`EngineHandle::release_memory`]).
     ReleaseMemory {
@@ -332,6 +341,20 @@ impl EngineHandle {
             version,
             reply,
         })?;
+        rx.await
+            .map_err(|_| EngineError::Stopped(self.last_error()))?
+    }
+
+    /// Copies tensors another process on this GPU shares through CUDA IPC to host memory (one
+    /// buffer per source, in order), on the engine thread between two steps; every handle is
+    /// closed and the producer's reference given back before this answers. A CPU engine
+    /// refuses (no device to open them on).
+    pub async fn read_ipc(
+        &self,
+        sources: Vec<crate::backend::cuda::ipc::IpcSource>,
+    ) -> Result<Vec<Vec<u8>>, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::ReadIpc { sources, reply })?;
         rx.await
             .map_err(|_| EngineError::Stopped(self.last_error()))?
     }

@@ -120,6 +120,7 @@ impl From<EngineError> for ApiError {
             EngineError::Failed(m) => ApiError::Internal(m),
             EngineError::Conflict(m) | EngineError::MemoryState(m) => ApiError::Conflict(m),
             EngineError::Unavailable(m) => ApiError::Unavailable(m),
+            EngineError::BadInput { param, message } => ApiError::invalid(&param, message),
         }
     }
 }

@@ -11,6 +11,9 @@ mod generation;
 pub mod metrics;
 mod native;
 mod openai;
+pub mod pickle;
+pub mod tensor_ipc;
+mod tensor_update;
 pub mod validate;
 pub mod weights;
 
@@ -96,6 +99,10 @@ pub fn app(state: AppState) -> Router {
             "/update_weights_from_disk",
             post(weights::update_weights_from_disk),
         )
+        .route(
+            "/update_weights_from_tensor",
+            post(tensor_update::update_weights_from_tensor),
+        )
         .route("/begin_weight_update", post(weights::begin_weight_update))
         // Buckets are bounded by the staging limit, not by the generation body limit.
         .route(
@@ -145,7 +152,6 @@ pub fn app(state: AppState) -> Router {
 /// answers 501 in our error shape (admin-guarded like the rest of the control surface), so a
 /// client learns what is missing instead of seeing a 404. docs/api.md lists them all.
 const UNSUPPORTED: &[(&str, &str)] = &[
-    ("/update_weights_from_tensor", "in-process tensor handles (CUDA IPC) are not supported; stream safetensors buckets with PUT /update_weights or load from disk with /update_weights_from_disk"),
     ("/init_weights_update_group", "NCCL weight-update groups are not supported; stream safetensors buckets with PUT /update_weights"),
     ("/update_weights_from_distributed", "NCCL weight broadcast is not supported; stream safetensors buckets with PUT /update_weights"),
     ("/destroy_weights_update_group", "NCCL weight-update groups are not supported (see /init_weights_update_group)"),

@@ -206,9 +206,9 @@ pub fn next_version(v: &str) -> String {
 
 /// A staged tensor: a slice of the bucket body it arrived in (no copy).
 pub struct StagedTensor {
-    dtype: Dtype,
-    shape: Vec<usize>,
-    data: bytes::Bytes,
+    pub(crate) dtype: Dtype,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) data: bytes::Bytes,
 }
 
 /// One open streamed update. Tensors are validated on arrival and held here until commit.
@@ -272,7 +272,7 @@ pub struct BeginBody {
 
 /// SGLang's `selector` (which model runners an operation applies to): lockstep serves one
 /// model and no draft model, so `all` and `target` both mean it.
-fn check_selector(selector: Option<&str>) -> Result<(), ApiError> {
+pub(crate) fn check_selector(selector: Option<&str>) -> Result<(), ApiError> {
     match selector {
         None | Some("all") | Some("target") => Ok(()),
         Some("draft") => Err(ApiError::invalid(
@@ -387,11 +387,8 @@ pub async fn put_update_weights(
             format!("not a complete safetensors file (cut off?): {e}"),
         )
     })?;
-    // (name, tensor, the module of its gate/up partner when it is a dense half of a pair).
-    let mut incoming = Vec::new();
+    let mut tensors = Vec::new();
     for (name, t) in st.tensors() {
-        let (slot, suffix) = served_part(&state.engine.info, &name)?;
-        slot.check(suffix, t.dtype(), t.shape()).map_err(invalid)?;
         // The view borrows from `body`: keep a slice of it rather than a copy.
         let start = t.data().as_ptr() as usize - body.as_ptr() as usize;
         let staged = StagedTensor {
@@ -399,7 +396,25 @@ pub async fn put_update_weights(
             shape: t.shape().to_vec(),
             data: body.slice(start..start + t.data().len()),
         };
-        let dense = suffix == "weight" && slot::is_dense(t.dtype());
+        tensors.push((name, staged));
+    }
+    stage_bucket(&state, q.session.as_deref(), tensors).await
+}
+
+/// Each tensor checked against the served slot it is for: (name, tensor, whether it is a dense
+/// weight, the name of its gate/up partner when it is a dense half of a pair).
+type Incoming = Vec<(String, StagedTensor, bool, Option<String>)>;
+
+fn check_incoming(
+    info: &EngineInfo,
+    tensors: Vec<(String, StagedTensor)>,
+) -> Result<Incoming, ApiError> {
+    let mut incoming = Vec::new();
+    for (name, staged) in tensors {
+        let (slot, suffix) = served_part(info, &name)?;
+        slot.check(suffix, staged.dtype, &staged.shape)
+            .map_err(invalid)?;
+        let dense = suffix == "weight" && slot::is_dense(staged.dtype);
         let partner = slot.pair.as_ref().filter(|_| dense).map(|p| {
             let other = if p.gate == slot.module {
                 &p.up
@@ -410,13 +425,20 @@ pub async fn put_update_weights(
         });
         incoming.push((name, staged, dense, partner));
     }
+    Ok(incoming)
+}
+
+/// One bucket of checkpoint-layout tensors into the open session (`PUT /update_weights`, and
+/// `/update_weights_from_tensor` while a session is open).
+pub(crate) async fn stage_bucket(
+    state: &AppState,
+    session_id: Option<&str>,
+    tensors: Vec<(String, StagedTensor)>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let incoming = check_incoming(&state.engine.info, tensors)?;
     // The session is held through the bucket, so buckets and the commit never interleave.
     let mut open = state.updates.session.lock().await;
-    let session = open_session(
-        &mut open,
-        q.session.as_deref(),
-        state.updates.session_timeout,
-    )?;
+    let session = open_session(&mut open, session_id, state.updates.session_timeout)?;
     // Whole slots: a dense weight with no partner, or both dense halves of a gate/up pair
     // (one may have arrived in an earlier bucket). The rest waits for commit.
     let here: BTreeMap<String, bool> = incoming
@@ -499,6 +521,7 @@ pub async fn put_update_weights(
     session.last_activity = Instant::now();
     Ok(Json(json!({
         "success": true,
+        "session": session.id,
         "staged_tensors": session.tensors(),
         "staged_bytes": session.bytes + session.prepared_bytes,
         "waiting_bytes": session.bytes,
@@ -607,9 +630,39 @@ pub async fn end_weight_update(
             json!({"success": true, "message": format!("no tensors were staged in session {}: weights and weight_version {version} unchanged", session.id), "weight_version": version, "committed_tensors": 0}),
         ));
     }
-    let info = state.engine.info.clone();
     let count = session.tensors();
-    let (mut staged, prepared) = (session.staged, session.prepared);
+    let committed = commit(
+        &state,
+        session.staged,
+        session.prepared,
+        session.version.clone(),
+        expected_checksum,
+    )
+    .await?;
+    let version = committed.version;
+    tracing::info!("weights updated from a streamed session: {count} tensors, version {version}");
+    Ok(Json(
+        json!({"success": true, "message": format!("{count} tensors committed, version {version}"), "weight_version": version, "committed_tensors": count, "commit_pause_s": committed.pause.as_secs_f64()}),
+    ))
+}
+
+/// What a commit did.
+pub(crate) struct Committed {
+    pub version: String,
+    pub pause: Duration,
+}
+
+/// Prepares the parts still raw, overlays the served checksum, checks `expected_checksum`, and
+/// swaps everything in at once (the end of a session, or a one-shot
+/// `/update_weights_from_tensor`). On any error nothing changes.
+pub(crate) async fn commit(
+    state: &AppState,
+    mut staged: BTreeMap<String, StagedTensor>,
+    prepared: BTreeMap<String, (String, Replacement)>,
+    version: Option<String>,
+    expected_checksum: Option<u64>,
+) -> Result<Committed, ApiError> {
+    let info = state.engine.info.clone();
     // A dense weight is the whole slot: scale parts sent for the same module are ignored, as
     // `Slot::prepare` ignores them beside a dense weight.
     let whole: Vec<&str> = prepared
@@ -627,10 +680,7 @@ pub async fn end_weight_update(
     .map_err(|e| ApiError::Internal(e.to_string()))??;
     let _commit = state.updates.commit.lock().await;
     let (served_version, served) = state.engine.weights_checksum();
-    let version = session
-        .version
-        .clone()
-        .unwrap_or_else(|| next_version(&served_version));
+    let version = version.unwrap_or_else(|| next_version(&served_version));
     let sum = served.overlaid(&changed);
     if let Some(want) = expected_checksum {
         let got = sum.overall();
@@ -651,10 +701,40 @@ pub async fn end_weight_update(
         .await?;
     // Freeing gigabytes takes a while: not on the engine thread, not on the runtime.
     tokio::task::spawn_blocking(move || drop(spent));
-    tracing::info!("weights updated from a streamed session: {count} tensors, version {version}");
-    Ok(Json(
-        json!({"success": true, "message": format!("{count} tensors committed, version {version}"), "weight_version": version, "committed_tensors": count, "commit_pause_s": pause.as_secs_f64()}),
-    ))
+    Ok(Committed { version, pause })
+}
+
+/// Names what the open session `id` will commit (as `/update_weight_version` does).
+pub(crate) async fn name_session_version(state: &AppState, id: &str, version: String) {
+    let mut slot = state.updates.session.lock().await;
+    if let Some(s) = slot.as_mut().filter(|s| s.id == id) {
+        s.version = Some(version);
+    }
+}
+
+/// Whether a weight update session is open (not timed out); its id.
+pub(crate) async fn open_session_id(state: &AppState) -> Option<String> {
+    let slot = state.updates.session.lock().await;
+    slot.as_ref()
+        .filter(|s| s.last_activity.elapsed() < state.updates.session_timeout)
+        .map(|s| s.id.clone())
+}
+
+/// Checks one tensor against the served slot it is for (name, dtype, shape), as a bucket does.
+pub(crate) fn check_tensor(
+    info: &EngineInfo,
+    name: &str,
+    dtype: Dtype,
+    shape: &[usize],
+) -> Result<(), ApiError> {
+    let (slot, suffix) = served_part(info, name)?;
+    slot.check(suffix, dtype, shape).map_err(invalid)
+}
+
+/// Refuses an update into released weights before anything is copied (see
+/// [`weights_in_memory`]).
+pub(crate) fn check_weights_in_memory(state: &AppState) -> Result<(), ApiError> {
+    weights_in_memory(state)
 }
 
 #[derive(Deserialize)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from pathlib import Path
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -399,8 +400,20 @@ def test_memory_release_refuses_a_busy_server_naming_the_request(fresh_server):
 
 # --- not supported, clearly ----------------------------------------------------------------
 
+def test_update_weights_from_tensor_on_the_cpu_server_is_a_400_naming_the_field(server):
+    # SGLang's payload (tests/data/tensor_ipc, scripts/make_tensor_ipc_fixtures.py): CUDA IPC
+    # handles, which a CPU server cannot open; SGLang's {success, message} shape.
+    data = Path(__file__).resolve().parents[1] / "data" / "tensor_ipc"
+    for name, fmt in (("direct", None), ("flattened_bucket", "flattened_bucket")):
+        body = {"serialized_named_tensors": [(data / f"{name}.b64").read_text().strip()],
+                "load_format": fmt, "flush_cache": True}
+        r = server.post("/update_weights_from_tensor", json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["success"] is False
+        assert r.json()["error"]["param"] == "serialized_named_tensors", r.text
+
+
 @pytest.mark.parametrize("path", [
-    "/update_weights_from_tensor",
     "/init_weights_update_group", "/update_weights_from_distributed",
     "/destroy_weights_update_group", "/update_weights_from_ipc", "/get_weights_by_name",
 ])
