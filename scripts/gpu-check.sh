@@ -136,8 +136,10 @@ fi
 # greedy stream; prints the update's answer (load_seconds, swap_seconds) and the stream's
 # largest gap.
 if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
-  py=$(command -v python3)
-  [ -x /opt/torch/.venv/bin/python ] && py=/opt/torch/.venv/bin/python
+  py=python3  # one with numpy (make_push_checkpoint.py)
+  for c in /opt/torch/.venv/bin/python python3; do
+    "$c" -c "import numpy" 2>/dev/null && py=$c && break
+  done
   ck=/tmp/lockstep-disk-update
   echo "== update from disk while streaming ($(date +%T))"
   {
