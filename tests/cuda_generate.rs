@@ -41,21 +41,16 @@
 //! for the CPU side), so they are `#[ignore]`d here and run on the GPU host.
 
 use std::path::Path;
-use std::sync::Arc;
 
-use lockstep::backend::cpu::attention::KvDtype;
-use lockstep::engine::{
-    CudaSource, Engine, EngineConfig, EngineHandle, EngineInfo, ExecutorSpec, GenerateRequest,
-    TokenOut,
-};
+use lockstep::engine::{CudaSource, Engine, EngineHandle, ExecutorSpec, GenerateRequest, TokenOut};
 use lockstep::model::loader::{dummy_model, load_model, Quantization};
 use lockstep::model::ModelConfig;
 use lockstep::quant::Recipe;
 use lockstep::sampling::SamplingParams;
-use lockstep::tokenizer::Tokenizer;
 
 mod common;
 use common::cuda::{seed, Rng};
+use common::engine::{engine_config, engine_info};
 use common::run_requests;
 
 const NEW_TOKENS: usize = 16;
@@ -65,26 +60,6 @@ const MAX_CONTEXT: usize = 2048;
 /// A random prompt of `len` token ids below `vocab`.
 fn prompt(rng: &mut Rng, len: usize, vocab: usize) -> Vec<u32> {
     (0..len).map(|_| rng.below(vocab) as u32).collect()
-}
-
-/// A word-level tokenizer with one made-up word per model token: the engine refuses ids its
-/// tokenizer does not know, and text is not compared here.
-fn word_tokenizer(vocab: usize) -> Tokenizer {
-    let words: serde_json::Map<String, serde_json::Value> =
-        (0..vocab).map(|i| (format!("w{i}"), i.into())).collect();
-    let json = serde_json::json!({
-        "version": "1.0", "added_tokens": [], "normalizer": null,
-        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
-        "model": {"type": "WordLevel", "vocab": words, "unk_token": "w0"}
-    });
-    let path = std::env::temp_dir().join(format!(
-        "lockstep-cuda-generate-{}-{vocab}.json",
-        std::process::id()
-    ));
-    std::fs::write(&path, json.to_string()).unwrap();
-    let t = Tokenizer::from_file(&path).unwrap();
-    let _ = std::fs::remove_file(&path);
-    t
 }
 
 fn start(spec: ExecutorSpec, config: ModelConfig, recipe: &Recipe) -> EngineHandle {
@@ -99,34 +74,9 @@ fn start_with(
     max_running: usize,
     chunk: usize,
 ) -> EngineHandle {
-    let tokenizer = Arc::new(word_tokenizer(config.vocab_size));
-    let info = EngineInfo {
-        model_path: "test".into(),
-        served_model_name: "test".into(),
-        config,
-        tokenizer,
-        quantization: recipe.name.clone(),
-        recipe_name: recipe.name.clone(),
-        recipe_hash: recipe.hash(),
-        recipe: recipe.clone(),
-        slots: Default::default(),
-        // Updates are not exercised; the CUDA runners here keep or need no host copy.
-        weights_on_device: false,
-        max_context_len: MAX_CONTEXT,
-        block_size: 16,
-        weight_version: std::sync::RwLock::new("v0".into()),
-        weights_checksum: std::sync::RwLock::new(("v0".into(), Default::default())),
-    };
-    let cfg = EngineConfig {
-        max_running_requests: max_running,
-        max_batch_tokens: chunk,
-        max_total_tokens: 65536,
-        block_size: 16,
-        max_context_len: MAX_CONTEXT,
-        max_queued_requests: 512,
-        // The CUDA cache is BF16; the CPU's must be too for the same keys and values.
-        kv_dtype: KvDtype::Bf16,
-    };
+    // Updates are not exercised; the CUDA runners here keep or need no host copy.
+    let info = engine_info(config, recipe, false, MAX_CONTEXT);
+    let cfg = engine_config(max_running, chunk, MAX_CONTEXT, 512);
     Engine::start_with(spec, info, cfg).unwrap_or_else(|e| panic!("{e}"))
 }
 

@@ -51,6 +51,26 @@ async fn call(
     )
 }
 
+/// Calls the app and asserts the answer has `status` and an error message containing `needle`.
+async fn refused(
+    r: &axum::Router,
+    method: &str,
+    uri: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+    status: StatusCode,
+    needle: &str,
+) -> Value {
+    let (s, v) = call(r, method, uri, body, headers).await;
+    assert_eq!(s, status, "{method} {uri}: {v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(needle),
+        "{method} {uri}: {v} lacks {needle:?}"
+    );
+    v
+}
+
 #[tokio::test]
 async fn generate_answers_in_sglang_shape() {
     let r = router(&[]);
@@ -347,22 +367,16 @@ async fn update_weights_from_disk_is_atomic_and_exact() {
     )
     .await;
     assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
-    let (s, v) = call(
+    refused(
         &r,
         "POST",
         "/update_weights_from_disk",
         Some(&update(tmp.path().join("d").display().to_string())),
         &[],
+        StatusCode::BAD_REQUEST,
+        "down_proj",
     )
     .await;
-    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("down_proj"),
-        "{v}"
-    );
     assert_eq!(
         call(&r, "GET", "/get_weight_version", None, &[]).await.1["weight_version"],
         "default"
@@ -1361,41 +1375,37 @@ async fn memory_release_and_resume_follow_sglang() {
         memory_info(&r).await,
         (json!(["kv_cache", "weights"]), json!("released"))
     );
-    let (s, v) = call(
+    refused(
         &r,
         "POST",
         "/release_memory_occupation",
         Some(r#"{"tags": null}"#),
         &[],
+        StatusCode::CONFLICT,
+        "everything is already released",
     )
     .await;
-    assert_eq!(s, StatusCode::CONFLICT, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("everything is already released"),
-        "{v}"
-    );
-    let (s, v) = call(&r, "POST", "/generate", Some(GREEDY), &[]).await;
-    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains(r#"["kv_cache", "weights"]"#),
-        "{v}"
-    );
+    refused(
+        &r,
+        "POST",
+        "/generate",
+        Some(GREEDY),
+        &[],
+        StatusCode::SERVICE_UNAVAILABLE,
+        r#"["kv_cache", "weights"]"#,
+    )
+    .await;
     // Released weights have no memory to take an update: resume them first.
-    let (s, v) = call(&r, "POST", "/begin_weight_update", Some("{}"), &[]).await;
-    assert_eq!(s, StatusCode::CONFLICT, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("resume_memory_occupation"),
-        "{v}"
-    );
+    refused(
+        &r,
+        "POST",
+        "/begin_weight_update",
+        Some("{}"),
+        &[],
+        StatusCode::CONFLICT,
+        "resume_memory_occupation",
+    )
+    .await;
 
     // verl's order: weights, then the KV cache; the CPU's weights come back bit for bit.
     let (s, v) = call(
@@ -1430,22 +1440,16 @@ async fn memory_release_and_resume_follow_sglang() {
         call(&r, "GET", "/health_generate", None, &[]).await.0,
         StatusCode::OK
     );
-    let (s, v) = call(
+    refused(
         &r,
         "POST",
         "/resume_memory_occupation",
         Some(r#"{"tags": []}"#),
         &[],
+        StatusCode::CONFLICT,
+        "nothing is released",
     )
     .await;
-    assert_eq!(s, StatusCode::CONFLICT, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("nothing is released"),
-        "{v}"
-    );
 }
 
 /// SGLang asserts an idle scheduler before releasing; lockstep answers 409 naming the requests

@@ -24,8 +24,10 @@ pub fn word_tokenizer(vocab: usize) -> Tokenizer {
         "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
         "model": {"type": "WordLevel", "vocab": words, "unk_token": "w0"}
     });
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let path = std::env::temp_dir().join(format!(
-        "lockstep-cuda-memory-{}-{vocab}.json",
+        "lockstep-word-tokenizer-{}-{n}-{vocab}.json",
         std::process::id()
     ));
     std::fs::write(&path, json.to_string()).unwrap();
@@ -34,14 +36,17 @@ pub fn word_tokenizer(vocab: usize) -> Tokenizer {
     t
 }
 
-pub fn start(
-    weights: CudaSource,
+/// What the engine publishes about a test model: a word tokenizer, `recipe`, and whether the
+/// weights live only on the device (`weights_on_device`: updates are checked against the
+/// device's slot table).
+pub fn engine_info(
     config: ModelConfig,
     recipe: &Recipe,
-    backup: bool,
-) -> EngineHandle {
+    weights_on_device: bool,
+    max_context_len: usize,
+) -> EngineInfo {
     let tokenizer = Arc::new(word_tokenizer(config.vocab_size));
-    let info = EngineInfo {
+    EngineInfo {
         model_path: "test".into(),
         served_model_name: "test".into(),
         config,
@@ -50,23 +55,44 @@ pub fn start(
         recipe_name: recipe.name.clone(),
         recipe_hash: recipe.hash(),
         recipe: recipe.clone(),
-        // Published by the engine from the device weights.
+        // Published by the engine from the device weights (when they live there).
         slots: Default::default(),
-        weights_on_device: true,
-        max_context_len: 1024,
+        weights_on_device,
+        max_context_len,
         block_size: 16,
         weight_version: std::sync::RwLock::new("v0".into()),
         weights_checksum: std::sync::RwLock::new(("v0".into(), Default::default())),
-    };
-    let cfg = EngineConfig {
-        max_running_requests: 8,
-        max_batch_tokens: 512,
+    }
+}
+
+/// Engine sizes for tests: a BF16 KV cache of 65536 tokens in blocks of 16 (the CUDA cache is
+/// BF16; a CPU engine compared with it must be too).
+pub fn engine_config(
+    max_running_requests: usize,
+    max_batch_tokens: usize,
+    max_context_len: usize,
+    max_queued_requests: usize,
+) -> EngineConfig {
+    EngineConfig {
+        max_running_requests,
+        max_batch_tokens,
         max_total_tokens: 65536,
         block_size: 16,
-        max_context_len: 1024,
-        max_queued_requests: 64,
+        max_context_len,
+        max_queued_requests,
         kv_dtype: KvDtype::Bf16,
-    };
+    }
+}
+
+/// A CUDA engine over `weights`, device-only, 8 running requests, 512-token batches.
+pub fn start(
+    weights: CudaSource,
+    config: ModelConfig,
+    recipe: &Recipe,
+    backup: bool,
+) -> EngineHandle {
+    let info = engine_info(config, recipe, true, 1024);
+    let cfg = engine_config(8, 512, 1024, 64);
     let spec = ExecutorSpec::Cuda {
         device: 0,
         weights,
