@@ -151,7 +151,7 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
       curl -sf localhost:30557/health >/dev/null 2>&1 && break
       sleep 1
     done
-    "$py" scripts/stream_gaps.py http://127.0.0.1:30557 25 &
+    "$py" scripts/stream_gaps.py http://127.0.0.1:30557 90 &
     gaps=$!
     sleep 5
     curl -s localhost:30557/update_weights_from_disk -H 'Content-Type: application/json' \
@@ -159,7 +159,7 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
     echo
     wait $gaps
     echo "-- lockstep push of the same checkpoint (default flags) while streaming"
-    "$py" scripts/stream_gaps.py http://127.0.0.1:30557 30 &
+    "$py" scripts/stream_gaps.py http://127.0.0.1:30557 90 &
     gaps=$!
     sleep 3
     "$bin"/lockstep push --server http://127.0.0.1:30557 --checkpoint "$ck" 2>&1 \
