@@ -19,6 +19,14 @@ export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:-}"
 export RAYON_NUM_THREADS=$(nproc)
 declare -a summary
 record() { summary+=("| $1 | $2 |"); }
+# Waits up to $2 seconds for a server on port $1 to answer /health.
+wait_healthy() {
+  for _ in $(seq 1 "$2"); do
+    curl -sf "localhost:$1/health" >/dev/null 2>&1 && return 0
+    sleep 1
+  done
+  return 1
+}
 
 echo "library path: $LD_LIBRARY_PATH"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$logs/gpu.txt"
@@ -54,10 +62,7 @@ echo "== smoke: lockstep serve --device cuda ($(date +%T))"
 "$bin"/lockstep serve --device cuda --port 30555 >"$logs/serve.log" 2>&1 &
 pid=$!
 ok=fail
-for _ in $(seq 1 120); do
-  curl -sf localhost:30555/health >/dev/null 2>&1 && break
-  sleep 1
-done
+wait_healthy 30555 120
 gen=$(curl -s localhost:30555/generate -H 'Content-Type: application/json' \
   -d '{"text":"The capital","sampling_params":{"max_new_tokens":8,"temperature":0}}')
 chat=$(curl -s localhost:30555/v1/chat/completions -H 'Content-Type: application/json' \
@@ -112,10 +117,7 @@ if [ "${SERVER_BENCH:-0}" = 1 ]; then
     "$bin/$server" serve --device cuda --model-path "$model" --load-format dummy "${quant[@]}" \
       --max-running-requests 256 --port 30556 >"$logs/serve_$server.log" 2>&1 &
     pid=$!
-    for _ in $(seq 1 300); do
-      curl -sf localhost:30556/health >/dev/null 2>&1 && break
-      sleep 1
-    done
+    wait_healthy 30556 300
     ok=done
     : >"$logs/server_bench_$server.md"
     for run in "1 4 128" "64 64 256" "256 256 256"; do
@@ -147,10 +149,7 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
     "$bin"/lockstep serve --device cuda --model-path "$ck" --weights-root /tmp --port 30557 \
       >"$logs/serve_disk_update.log" 2>&1 &
     pid=$!
-    for _ in $(seq 1 300); do
-      curl -sf localhost:30557/health >/dev/null 2>&1 && break
-      sleep 1
-    done
+    wait_healthy 30557 300
     "$py" scripts/stream_gaps.py http://127.0.0.1:30557 90 &
     gaps=$!
     sleep 5

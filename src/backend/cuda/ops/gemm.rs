@@ -192,6 +192,8 @@ struct Operand<'a> {
     /// warp) of the format (F32 has FFMA only).
     kernels: [Kernel; 4],
     f32_weights: bool,
+    /// Plain BF16 weights: the tiled kernel's packed activations carry hi and lo terms.
+    split_activations: bool,
     data: DevPtr,
     scales: Option<View<'a, u8>>,
     s_dec: Option<View<'a, f32>>,
@@ -209,6 +211,7 @@ impl<'a> Operand<'a> {
         Operand {
             kernels,
             f32_weights: kernels[0] == Kernel::GroupedGemmF32,
+            split_activations: kernels[0] == Kernel::GroupedGemmBf16,
             data,
             scales,
             s_dec,
@@ -422,7 +425,7 @@ fn launch_gemm(
             (GemmRows::Plan(p), None) => p.pairs,
             (GemmRows::Dense(_), Some(_)) => x.len() / k,
         };
-        let split_act = w.kernels[0] == Kernel::GroupedGemmBf16;
+        let split_act = w.split_activations;
         let words = x_rows * k / 2 * if split_act { 2 } else { 1 };
         let x = need(x, x_rows * k, "gemm x")?;
         let packed = grown(gpu, &mut scratch.operand, words)?;
