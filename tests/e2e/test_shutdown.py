@@ -44,8 +44,10 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(fresh_server):
                interval=0.01, what="both requests running")
 
     srv.proc.send_signal(signal.SIGTERM)
-    # While the in-flight requests finish, no new work is taken.
-    assert health_after_shutdown(srv.url) in ("503", "refused")
+    # While the in-flight requests finish, no new work is taken. The signal reaches the
+    # server asynchronously, so wait for it to be seen (the stream below is still running).
+    wait_until(lambda: health_after_shutdown(srv.url) in ("503", "refused"), 10,
+               interval=0.01, what="the server to stop taking work")
 
     last = None
     done = False
