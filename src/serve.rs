@@ -228,6 +228,20 @@ pub struct ServeArgs {
         help_heading = "Weights"
     )]
     pub weight_update_timeout_s: u64,
+    /// Where a streamed weight update writes: `auto` into a shadow copy on the device when
+    /// free device memory holds one beside the served weights (commit is a swap between two
+    /// steps; the KV cache is sized first, so lower --mem-fraction-static to leave room),
+    /// else in place at commit (generation stands still for the writes); `on` always a
+    /// shadow (refused when it does not fit; on the CPU the copy is made on the engine
+    /// thread); `off` always in place.
+    #[arg(
+        long,
+        value_enum,
+        default_value_t = crate::server::weights::ShadowMode::Auto,
+        env = "LOCKSTEP_WEIGHT_UPDATE_SHADOW",
+        help_heading = "Weights"
+    )]
+    pub weight_update_shadow: crate::server::weights::ShadowMode,
     /// Directory that `/update_weights_from_disk` may read checkpoints from (off when unset).
     #[arg(long, env = "LOCKSTEP_WEIGHTS_ROOT", help_heading = "Weights")]
     pub weights_root: Option<PathBuf>,
@@ -535,6 +549,7 @@ pub fn app_state(args: &ServeArgs, engine: EngineHandle, limits: Limits) -> AppS
             quantization: args.quantization,
             recipe,
             weights_root: args.weights_root.clone(),
+            shadow: args.weight_update_shadow,
         }),
         updates: Arc::new(crate::server::weights::WeightUpdates::new(
             args.max_staged_weight_bytes,

@@ -537,3 +537,134 @@ async fn the_push_command_updates_a_server_and_reports() {
     assert!(stderr.contains("bucket-mb"), "{stderr}");
     assert_eq!(version(&s.client()).await, "cli");
 }
+
+/// One bucket of the checkpoint in `dir`: its tensors whose names contain `part`.
+fn bucket_of(dir: &Path, part: &str) -> bytes::Bytes {
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> = ckpt
+        .names()
+        .into_iter()
+        .filter(|n| n.contains(part))
+        .map(|n| (n.to_string(), ckpt.tensor(n).unwrap()))
+        .collect();
+    assert!(!tensors.is_empty(), "no tensor of {part}");
+    safetensors::serialize(tensors, None).unwrap().into()
+}
+
+/// Opens a session and stages one bucket; returns the session id and the bucket's answer.
+async fn stage(c: &Server, bucket: bytes::Bytes) -> (String, Value) {
+    let begun = c
+        .post("/begin_weight_update", &json!({}), false)
+        .await
+        .unwrap();
+    let session = begun["session"].as_str().unwrap().to_string();
+    let staged = c.put_bucket(&session, bucket).await.unwrap();
+    (session, staged)
+}
+
+fn status_of(r: Result<Value, lockstep::push::client::CallError>) -> (u16, String) {
+    match r {
+        Err(lockstep::push::client::CallError::Status { status, message }) => {
+            (status.as_u16(), message)
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+/// Streamed into a shadow copy (`--weight-update-shadow on`): a push lands the bits of a fresh
+/// server, as one written in place does, and each server says which way it wrote. A commit
+/// whose checksum does not match, or that another update overtook while it streamed, changes
+/// nothing of what is served; the weights' memory is not released while a shadow exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_into_a_shadow_copy_lands_the_same_bits_and_a_refused_commit_changes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b, c) = (
+        tmp.path().join("a"),
+        tmp.path().join("b"),
+        tmp.path().join("c"),
+    );
+    bf16_checkpoint(&a, 1.0);
+    bf16_checkpoint(&b, 1.25);
+    bf16_checkpoint(&c, 0.75);
+    let q = ["--quantization", "nvfp4_online"];
+    let model = |d: &Path| d.to_str().unwrap().to_string();
+    let (ma, mb, root) = (model(&a), model(&b), model(tmp.path()));
+    let shadow_args = ["--model-path", &ma, "--weight-update-shadow", "on"];
+    let root_args = ["--weights-root", &root];
+    let shadow = Proc::start(&[&shadow_args[..], &q, &root_args].concat()).await;
+    let in_place_args = ["--model-path", &ma, "--weight-update-shadow", "off"];
+    let in_place = Proc::start(&[&in_place_args[..], &q].concat()).await;
+    let fresh = Proc::start(&[&["--model-path", &mb][..], &q].concat()).await;
+
+    let report = push_checkpoint(&options(&[&shadow, &in_place]), &b)
+        .await
+        .unwrap();
+    assert!(report.buckets > 1, "{report:?}");
+    let modes: Vec<_> = report.servers.iter().map(|s| s.mode.as_deref()).collect();
+    assert_eq!(modes, [Some("shadow"), Some("in_place")]);
+    let want = overall(&fresh.client()).await;
+    let expected = generate(&fresh.client(), GREEDY).await;
+    for s in [&shadow, &in_place] {
+        let cl = s.client();
+        assert_eq!(overall(&cl).await, want);
+        assert_eq!(
+            generate(&cl, GREEDY).await["meta_info"]["output_token_logprobs"],
+            expected["meta_info"]["output_token_logprobs"],
+            "bitwise a fresh server on the new weights"
+        );
+    }
+
+    // A checksum that does not match: the shadow is dropped, the served weights stay.
+    let s = shadow.client();
+    let (session, staged) = stage(&s, bucket_of(&c, "layers.0.self_attn")).await;
+    assert_eq!(staged["mode"], "shadow", "{staged}");
+    let end = json!({"session": session, "checksum": "0123456789abcdef"});
+    let (code, message) = status_of(s.post("/end_weight_update", &end, false).await);
+    assert_eq!(code, 400, "{message}");
+    assert!(message.contains("checksum mismatch"), "{message}");
+    assert_eq!(version(&s).await, "1");
+    assert_eq!(overall(&s).await, want);
+    assert_eq!(
+        generate(&s, GREEDY).await["meta_info"]["output_token_logprobs"],
+        expected["meta_info"]["output_token_logprobs"]
+    );
+
+    // While a shadow exists its memory is taken: no release until the session ends.
+    let (session, _) = stage(&s, bucket_of(&c, "layers.0.self_attn")).await;
+    let (code, message) = status_of(
+        s.post("/release_memory_occupation", &json!({}), false)
+            .await,
+    );
+    assert_eq!(code, 409, "{message}");
+    assert!(message.contains("shadow copy"), "{message}");
+    s.post("/abort_weight_update", &json!({"session": session}), false)
+        .await
+        .unwrap();
+    s.post("/release_memory_occupation", &json!({}), false)
+        .await
+        .unwrap();
+    s.post("/resume_memory_occupation", &json!({}), false)
+        .await
+        .unwrap();
+
+    // An update from disk commits while a session streams into a shadow of the weights it
+    // replaced: that session's commit is refused and the update from disk stays served.
+    let (session, _) = stage(&s, bucket_of(&c, "layers.0.self_attn")).await;
+    let disk = json!({"model_path": model(&c), "weight_version": "disk"});
+    s.post("/update_weights_from_disk", &disk, false)
+        .await
+        .unwrap();
+    let from_disk = overall(&s).await;
+    assert_ne!(from_disk, want);
+    let (code, message) = status_of(
+        s.post("/end_weight_update", &json!({"session": session}), false)
+            .await,
+    );
+    assert_eq!(code, 409, "{message}");
+    assert!(
+        message.contains("other weights were swapped in"),
+        "{message}"
+    );
+    assert_eq!(version(&s).await, "disk");
+    assert_eq!(overall(&s).await, from_disk);
+}

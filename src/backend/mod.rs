@@ -58,6 +58,14 @@ pub trait Linear: Send + Sync {
     fn as_any(&self) -> &dyn std::any::Any;
     /// The stored weights as they are, for uploading to another backend.
     fn storage(&self) -> Storage<'_>;
+    /// A copy of the layer (a streamed update's shadow of the served weights).
+    fn boxed_clone(&self) -> Box<dyn Linear>;
+}
+
+impl Clone for Box<dyn Linear> {
+    fn clone(&self) -> Self {
+        self.boxed_clone()
+    }
 }
 
 /// A linear layer's weights in their storage format.

@@ -9,7 +9,7 @@ use std::time::Instant;
 use tokio::sync::mpsc;
 
 use super::config::EngineConfig;
-use super::executor::{self, Executor, ExecutorSpec, StepOutput};
+use super::executor::{self, Executor, ExecutorSpec, ShadowCopy, ShadowWeights, StepOutput};
 use super::memory::{MemoryState, MemoryTag, WeightsState};
 use super::request::{
     EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan,
@@ -180,6 +180,8 @@ struct Core {
     shutting_down: bool,
     /// What is released (published to `shared.memory` on every change).
     memory: MemoryState,
+    /// Cloned into every shadow copy of the weights: more than one count means one exists.
+    shadows: Arc<()>,
 }
 
 impl Core {
@@ -233,6 +235,7 @@ impl Core {
             shared,
             shutting_down: false,
             memory,
+            shadows: Arc::new(()),
         })
     }
 
@@ -414,6 +417,17 @@ impl Core {
                     });
                 let _ = reply.send(result);
             }
+            Command::Shadow { required, reply } => {
+                let _ = reply.send(self.shadow(required));
+            }
+            Command::InstallShadow {
+                shadow,
+                checksum,
+                version,
+                reply,
+            } => {
+                let _ = reply.send(self.install_shadow(*shadow, checksum, version));
+            }
             Command::ApplyWeights {
                 updates,
                 checksum,
@@ -472,6 +486,42 @@ impl Core {
         Ok(aborted)
     }
 
+    /// A shadow copy of resident weights (absent ones are written whole, in place).
+    fn shadow(&mut self, required: bool) -> Result<Option<ShadowWeights>, EngineError> {
+        if self.memory.weights != WeightsState::Resident {
+            return if required {
+                Err(EngineError::MemoryState(format!(
+                    "the weights are {}: a shadow copy needs resident weights",
+                    self.memory.weights.name()
+                )))
+            } else {
+                Ok(None)
+            };
+        }
+        let generation = self.sched.pool().weight_version();
+        Ok(self.exec.shadow(required)?.map(|copy| ShadowWeights {
+            copy,
+            generation,
+            _held: self.shadows.clone(),
+        }))
+    }
+
+    fn install_shadow(
+        &mut self,
+        shadow: ShadowWeights,
+        checksum: Arc<crate::model::checksum::WeightsChecksum>,
+        version: String,
+    ) -> Result<(std::time::Duration, ShadowCopy), EngineError> {
+        let started = Instant::now();
+        if shadow.generation != self.sched.pool().weight_version() {
+            return Err(EngineError::Conflict("other weights were swapped in while this update was streamed into its shadow copy: nothing changed; send the update again".into()));
+        }
+        self.check_update(self.info.slots().len())?;
+        let displaced = self.exec.install_shadow(shadow.copy)?;
+        self.begin_weight_version(version, checksum);
+        Ok((started.elapsed(), displaced))
+    }
+
     /// A weight update that writes `writes` of the model's slots may go ahead: the weights are
     /// in memory, and absent weights are written whole.
     fn check_update(&self, writes: usize) -> Result<(), EngineError> {
@@ -500,6 +550,9 @@ impl Core {
                 rids.join(", "),
                 if more > 0 { format!(" and {more} more") } else { String::new() }
             )));
+        }
+        if Arc::strong_count(&self.shadows) > 1 {
+            return Err(EngineError::MemoryState("a streamed weight update holds a shadow copy of the weights (as much memory again): end it (POST /end_weight_update) or abort it (POST /abort_weight_update) first".into()));
         }
         let tags = self
             .memory

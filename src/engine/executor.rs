@@ -133,6 +133,15 @@ pub(crate) trait Executor {
         ))
     }
 
+    /// A copy of the served weights for a streamed update to write into while generation goes
+    /// on ([`ShadowWeights`]). None when this executor makes none unasked (`required` false)
+    /// or there is no room for one; with `required`, no room is an error saying why.
+    fn shadow(&mut self, required: bool) -> Result<Option<ShadowCopy>, EngineError>;
+
+    /// Swaps a written shadow in for the served weights; returns the displaced weights for
+    /// the caller to free off the engine thread.
+    fn install_shadow(&mut self, copy: ShadowCopy) -> Result<ShadowCopy, EngineError>;
+
     /// Copies tensors shared through CUDA IPC to the host. Only a CUDA executor can open them.
     fn read_ipc(
         &mut self,
@@ -304,6 +313,38 @@ impl Executor for CpuExecutor {
         self.model.write(updates).map_err(store_error)
     }
 
+    /// Only when asked (`--weight-update-shadow on`): the copy is made here, on the engine
+    /// thread (generation stands still for it, about as long as writing the update in place
+    /// would), and doubles the weights' memory, so `auto` writes in place on the CPU.
+    fn shadow(&mut self, required: bool) -> Result<Option<ShadowCopy>, EngineError> {
+        if !required {
+            return Ok(None);
+        }
+        let bytes = self.model.weight_bytes();
+        if let Some(free) = host_available_bytes() {
+            if free < bytes + shadow_headroom(bytes) {
+                return Err(EngineError::Conflict(format!(
+                    "--weight-update-shadow on: no host memory for a copy of the weights ({:.2} GiB, {:.2} GiB available); use --weight-update-shadow off",
+                    gib(bytes),
+                    gib(free)
+                )));
+            }
+        }
+        Ok(Some(ShadowCopy::Host(Box::new(self.model.clone()))))
+    }
+
+    fn install_shadow(&mut self, copy: ShadowCopy) -> Result<ShadowCopy, EngineError> {
+        match copy {
+            ShadowCopy::Host(m) => Ok(ShadowCopy::Host(Box::new(std::mem::replace(
+                &mut self.model,
+                *m,
+            )))),
+            ShadowCopy::Device { .. } => Err(EngineError::Conflict(
+                "a device shadow cannot replace host weights".into(),
+            )),
+        }
+    }
+
     /// The weights are host memory: they are their own backup.
     fn keeps_weights_backup(&self) -> bool {
         true
@@ -369,6 +410,110 @@ impl DeviceLoader {
             checksum,
         })
     }
+}
+
+/// A copy of the served weights that a streamed update writes into, tensor by tensor as the
+/// buckets arrive, while the engine goes on generating with the originals
+/// (`--weight-update-shadow`); [`super::EngineHandle::install_shadow`] swaps it in between two
+/// steps. It is made from the weights of one version: the swap is refused if other weights
+/// were swapped in meanwhile. While it exists, the engine refuses to release the weights'
+/// memory (the copy holds as much again).
+pub struct ShadowWeights {
+    pub(crate) copy: ShadowCopy,
+    /// The served weights' version counter when the copy was made.
+    pub(crate) generation: u64,
+    /// Counted by the engine: a shadow exists while a clone of it does.
+    pub(crate) _held: std::sync::Arc<()>,
+}
+
+/// Where a shadow lives.
+pub enum ShadowCopy {
+    /// In host memory (the CPU backend; `--weight-update-shadow on` only).
+    Host(Box<Model>),
+    /// On the device, written on a stream of its own.
+    Device {
+        gpu: Gpu,
+        config: ModelConfig,
+        weights: Box<CudaWeights>,
+    },
+}
+
+impl ShadowWeights {
+    /// Whether the copy is in device memory.
+    pub fn on_device(&self) -> bool {
+        matches!(self.copy, ShadowCopy::Device { .. })
+    }
+
+    /// Bytes the copy holds.
+    pub fn bytes(&self) -> usize {
+        match &self.copy {
+            ShadowCopy::Host(m) => m.weight_bytes(),
+            ShadowCopy::Device { weights, .. } => weights.bytes(),
+        }
+    }
+}
+
+fn device_store(e: CudaError) -> StoreError {
+    StoreError::Device(e.to_string())
+}
+
+impl WeightStore for ShadowWeights {
+    fn slot_shapes(&mut self) -> std::collections::BTreeMap<String, SlotShape> {
+        match &mut self.copy {
+            ShadowCopy::Host(m) => m.slot_shapes(),
+            ShadowCopy::Device {
+                config, weights, ..
+            } => weights.slot_shapes(config),
+        }
+    }
+
+    fn checksum(&mut self) -> Result<WeightsChecksum, StoreError> {
+        match &mut self.copy {
+            ShadowCopy::Host(m) => Ok(m.weights_checksum()),
+            ShadowCopy::Device {
+                gpu,
+                config,
+                weights,
+            } => weights
+                .weights_checksum(gpu, config)
+                .and_then(|sum| gpu.synchronize().map(|()| sum))
+                .map_err(device_store),
+        }
+    }
+
+    /// Checked whole, then written into the copy (on the device: on the shadow's stream,
+    /// finished before this returns).
+    fn write(
+        &mut self,
+        updates: Vec<(String, Replacement)>,
+    ) -> Result<Vec<Replacement>, StoreError> {
+        match &mut self.copy {
+            ShadowCopy::Host(m) => m.write(updates),
+            ShadowCopy::Device {
+                gpu,
+                config,
+                weights,
+            } => weights.write_replacements(gpu, config, updates),
+        }
+    }
+}
+
+/// Host memory the kernel says is available (`MemAvailable`), when it says.
+fn host_available_bytes() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Room a copy of `bytes` leaves free beside it: 5% of them, at least 1 GiB (the step's
+/// scratch grows with the batch; a shadow must not take the memory the next step needs).
+fn shadow_headroom(bytes: usize) -> usize {
+    (bytes / 20).max(1 << 30)
+}
+
+fn gib(b: usize) -> f64 {
+    b as f64 / (1u64 << 30) as f64
 }
 
 fn load_to_device(gpu: &Gpu, w: &DiskWeights) -> Result<(ModelConfig, CudaWeights), String> {
@@ -474,6 +619,79 @@ impl Executor for CudaExecutor {
             .map_err(|e| EngineError::Stopped(format!("CUDA device failed: {e}")))?;
         m.replace_weights(w.weights);
         Ok(w.checksum)
+    }
+
+    /// A copy on a stream of its own, when free device memory holds it beside the served
+    /// weights with [`shadow_headroom`] to spare (the KV cache was sized first: lower
+    /// `--mem-fraction-static` to leave room). The copies are queued here and run beside
+    /// the engine's kernels; the writes that follow are queued behind them on the same stream.
+    fn shadow(&mut self, required: bool) -> Result<Option<ShadowCopy>, EngineError> {
+        let m = &*self.model;
+        let bytes = m.weight_bytes;
+        let refuse = |why: String| {
+            if required {
+                Err(EngineError::Conflict(format!(
+                    "--weight-update-shadow on: {why}; lower --mem-fraction-static or use --weight-update-shadow off"
+                )))
+            } else {
+                tracing::info!("no shadow copy for this weight update ({why}): it is written in place at commit");
+                Ok(None)
+            }
+        };
+        let free = match m.gpu().memory() {
+            Ok((free, _)) => free,
+            Err(e) => return refuse(format!("the device's free memory is unknown: {e}")),
+        };
+        if free < bytes + shadow_headroom(bytes) {
+            return refuse(format!(
+                "a copy of the weights needs {:.2} GiB and {:.2} GiB to spare; {:.2} GiB are free",
+                gib(bytes),
+                gib(shadow_headroom(bytes)),
+                gib(free)
+            ));
+        }
+        let gpu = match m.gpu().with_own_stream() {
+            Ok(gpu) => gpu,
+            Err(e) => return refuse(format!("no stream for the copy: {e}")),
+        };
+        match m.copy_weights(&gpu) {
+            Ok(weights) => Ok(Some(ShadowCopy::Device {
+                gpu,
+                config: m.config.clone(),
+                weights: Box::new(weights),
+            })),
+            Err(e) => refuse(format!("the copy failed: {e}")),
+        }
+    }
+
+    /// Between two steps: the shadow's stream is drained (its writes are done), then the
+    /// engine's (the displaced weights may still be read by queued kernels), then the swap.
+    fn install_shadow(&mut self, copy: ShadowCopy) -> Result<ShadowCopy, EngineError> {
+        let ShadowCopy::Device {
+            gpu,
+            config,
+            weights,
+        } = copy
+        else {
+            return Err(EngineError::Conflict(
+                "a host shadow cannot replace device weights".into(),
+            ));
+        };
+        let m = &mut *self.model;
+        if !same_shapes(&config, &m.config) {
+            return Err(EngineError::Conflict(
+                "the shadow's config differs from the served model's".into(),
+            ));
+        }
+        let failed = |e: CudaError| EngineError::Stopped(format!("CUDA device failed: {e}"));
+        gpu.synchronize().map_err(failed)?;
+        m.gpu().synchronize().map_err(failed)?;
+        let old = m.replace_weights(*weights);
+        Ok(ShadowCopy::Device {
+            gpu,
+            config,
+            weights: Box::new(old),
+        })
     }
 
     fn read_ipc(

@@ -18,7 +18,9 @@ use tokio::sync::{mpsc, oneshot};
 
 pub use self::config::{defaults, EngineConfig};
 pub use self::core::Engine;
-pub use executor::{CudaSource, DeviceLoader, DiskWeights, ExecutorSpec, LoadedWeights};
+pub use executor::{
+    CudaSource, DeviceLoader, DiskWeights, ExecutorSpec, LoadedWeights, ShadowCopy, ShadowWeights,
+};
 pub use memory::{MemoryState, MemoryTag, WeightsState};
 pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
 
@@ -94,6 +96,18 @@ pub(crate) enum Command {
         version: String,
         abort_all: bool,
         reply: oneshot::Sender<Result<usize, EngineError>>,
+    },
+    /// A shadow copy of the weights (see [`EngineHandle::shadow_weights`]).
+    Shadow {
+        required: bool,
+        reply: oneshot::Sender<Result<Option<ShadowWeights>, EngineError>>,
+    },
+    /// Swap a written shadow in (see [`EngineHandle::install_shadow`]).
+    InstallShadow {
+        shadow: Box<ShadowWeights>,
+        checksum: Arc<WeightsChecksum>,
+        version: String,
+        reply: oneshot::Sender<Result<(std::time::Duration, ShadowCopy), EngineError>>,
     },
     /// Replace some tensors between two steps (see [`EngineHandle::apply_weights`]).
     ApplyWeights {
@@ -318,6 +332,43 @@ impl EngineHandle {
             weights: Box::new(weights),
             version,
             abort_all,
+            reply,
+        })?;
+        rx.await
+            .map_err(|_| EngineError::Stopped(self.last_error()))?
+    }
+
+    /// A copy of the served weights for a streamed update to write into (through its
+    /// [`crate::model::store::WeightStore`], off the async runtime) while generation goes on,
+    /// for [`EngineHandle::install_shadow`]. None when there is no room for one, or the
+    /// executor makes none unasked (the CPU); with `required`, that is an error saying why.
+    /// Refused while the weights are not resident.
+    pub async fn shadow_weights(
+        &self,
+        required: bool,
+    ) -> Result<Option<ShadowWeights>, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Shadow { required, reply })?;
+        rx.await
+            .map_err(|_| EngineError::Stopped(self.last_error()))?
+    }
+
+    /// Swaps a written shadow in between two engine steps (generation stands still only for
+    /// the swap), flushes the prefix cache and sets the weight version; `checksum` is the whole
+    /// model's after the update. Refused, changing nothing, when other weights were swapped
+    /// in since the shadow was made. Returns the time generation stood still and the
+    /// displaced weights, for the caller to free off the engine thread.
+    pub async fn install_shadow(
+        &self,
+        shadow: ShadowWeights,
+        checksum: Arc<WeightsChecksum>,
+        version: String,
+    ) -> Result<(std::time::Duration, ShadowCopy), EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::InstallShadow {
+            shadow: Box::new(shadow),
+            checksum,
+            version,
             reply,
         })?;
         rx.await

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use super::executor::{CpuExecutor, Executor, ReleasedWeights, StepOutput};
+use super::executor::{CpuExecutor, Executor, ReleasedWeights, ShadowCopy, StepOutput};
 use super::*;
 use crate::backend::cpu::attention::KvDtype;
 use crate::model::{loader, ForwardBatch};
@@ -80,6 +80,12 @@ impl Executor for NoBackup {
         updates: Vec<(String, Replacement)>,
     ) -> Result<Vec<Replacement>, EngineError> {
         self.cpu.apply(updates)
+    }
+    fn shadow(&mut self, required: bool) -> Result<Option<ShadowCopy>, EngineError> {
+        self.cpu.shadow(required)
+    }
+    fn install_shadow(&mut self, copy: ShadowCopy) -> Result<ShadowCopy, EngineError> {
+        self.cpu.install_shadow(copy)
     }
     fn keeps_weights_backup(&self) -> bool {
         false

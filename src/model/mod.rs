@@ -98,6 +98,56 @@ impl<B: Backend> Model<B> {
     }
 }
 
+// A host model copies like its parts (the CUDA one copies fallibly: `CudaWeights::copy_on`).
+impl Clone for Moe {
+    fn clone(&self) -> Self {
+        Moe {
+            router: self.router.clone(),
+            experts: self.experts.clone(),
+            top_k: self.top_k,
+            norm_topk_prob: self.norm_topk_prob,
+        }
+    }
+}
+
+impl Clone for Mlp {
+    fn clone(&self) -> Self {
+        match self {
+            Mlp::Dense(m) => Mlp::Dense(m.clone()),
+            Mlp::Moe(m) => Mlp::Moe(m.clone()),
+        }
+    }
+}
+
+impl Clone for Layer {
+    fn clone(&self) -> Self {
+        Layer {
+            input_norm: self.input_norm.clone(),
+            post_attention_norm: self.post_attention_norm.clone(),
+            q_proj: self.q_proj.clone(),
+            k_proj: self.k_proj.clone(),
+            v_proj: self.v_proj.clone(),
+            o_proj: self.o_proj.clone(),
+            q_norm: self.q_norm.clone(),
+            k_norm: self.k_norm.clone(),
+            mlp: self.mlp.clone(),
+        }
+    }
+}
+
+impl Clone for Model {
+    fn clone(&self) -> Self {
+        Model {
+            config: self.config.clone(),
+            embed_tokens: self.embed_tokens.clone(),
+            layers: self.layers.clone(),
+            norm: self.norm.clone(),
+            lm_head: self.lm_head.clone(),
+            inv_freq: self.inv_freq.clone(),
+        }
+    }
+}
+
 impl Model {
     pub fn new(
         config: ModelConfig,
@@ -115,6 +165,33 @@ impl Model {
             lm_head,
             inv_freq,
         }
+    }
+
+    /// Bytes of the weights in host memory (tables, norms, every layer's storage).
+    pub fn weight_bytes(&self) -> usize {
+        let linears = |l: &Layer| {
+            let mut n = [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj]
+                .iter()
+                .map(|p| p.storage_bytes())
+                .sum::<usize>();
+            let swiglu =
+                |m: &SwiGlu| m.gate.storage_bytes() + m.up.storage_bytes() + m.down.storage_bytes();
+            n += match &l.mlp {
+                Mlp::Dense(m) => swiglu(m),
+                Mlp::Moe(m) => {
+                    m.router.storage_bytes() + m.experts.iter().map(swiglu).sum::<usize>()
+                }
+            };
+            n + 4 * (l.input_norm.len() + l.post_attention_norm.len())
+        };
+        let table = match &self.embed_tokens {
+            crate::backend::cpu::linear::DenseWeight::F32(w) => 4 * w.len(),
+            crate::backend::cpu::linear::DenseWeight::Bf16(w) => 2 * w.len(),
+        };
+        table
+            + 4 * self.norm.len()
+            + self.lm_head.storage_bytes()
+            + self.layers.iter().map(linears).sum::<usize>()
     }
 
     pub fn forward(&self, batch: &ForwardBatch<'_>, kv: &mut KvMemory) -> ForwardOutput {

@@ -327,6 +327,7 @@ pub async fn push_tensors(
             checksum: checksum::hex(verified),
             end_s: took.as_secs_f64(),
             commit_pause_s: answer["commit_pause_s"].as_f64(),
+            mode: answer["mode"].as_str().map(String::from),
         });
     }
     Ok(PushReport {

@@ -11,6 +11,8 @@ pub struct ServerReport {
     pub end_s: f64,
     /// Time its engine stood still for the swap, as the server measured it.
     pub commit_pause_s: Option<f64>,
+    /// Where the server wrote the update: `shadow` (a copy swapped in) or `in_place`.
+    pub mode: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -64,8 +66,9 @@ impl PushReport {
             let pause = s
                 .commit_pause_s
                 .map_or("?".to_string(), |p| format!("{:.1} ms", p * 1e3));
+            let mode = s.mode.as_deref().unwrap_or("?");
             out.push_str(&format!(
-                "  {}: checksum {} verified, end {:.3} s, generation paused {pause}\n",
+                "  {}: checksum {} verified, end {:.3} s, written {mode}, generation paused {pause}\n",
                 s.url, s.checksum, s.end_s
             ));
         }

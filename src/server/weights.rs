@@ -7,6 +7,15 @@
 //! bucket bytes freed: the prepared slots are the update's copy of the weights, so a model of
 //! any size streams through. Parts that wait for others (scales, an NVFP4 gate/up pair) stay
 //! raw until commit, bounded by `--max-staged-weight-bytes`.
+//!
+//! Where the prepared slots go (`--weight-update-shadow`): into a **shadow** copy of the served
+//! weights that the engine made at the session's first bucket (on the device for a CUDA
+//! server with room for it), written as each bucket arrives while generation goes on; the
+//! commit swaps the shadow in between two steps. Or, with no shadow, they are kept on the host
+//! and written **in place** at commit, generation standing still for the writes. Either way
+//! the version moves only when every tensor is written and the checksum verifies; a refused
+//! commit leaves the served weights and version as they were (a shadow is dropped; in place,
+//! nothing was written yet).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -23,11 +32,12 @@ use serde_json::json;
 use super::errors::ApiError;
 use super::extract::{ApiBytes, ApiJson};
 use super::AppState;
-use crate::engine::EngineInfo;
+use crate::engine::{EngineInfo, ShadowWeights};
 use crate::model::checksum::{self, WeightsChecksum};
 use crate::model::layout::gate_up_pair;
 use crate::model::loader::{self, Quantization};
 use crate::model::slots::{replacements_checksum, Replacement};
+use crate::model::store::WeightStore;
 use crate::quant::slot::{self, Pair, Slot, SlotError};
 use crate::quant::Recipe;
 
@@ -38,6 +48,22 @@ pub struct WeightSettings {
     pub recipe: Option<Recipe>,
     /// Updates may only read checkpoints below this directory; none: updates from disk are off.
     pub weights_root: Option<PathBuf>,
+    /// Where a streamed session writes (`--weight-update-shadow`).
+    pub shadow: ShadowMode,
+}
+
+/// `--weight-update-shadow`: whether a streamed update writes into a shadow copy of the
+/// served weights (commit is a swap) or is written in place at commit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum ShadowMode {
+    /// A shadow on the device when free device memory holds one (CUDA); otherwise in place.
+    #[default]
+    Auto,
+    /// Always a shadow (also on the CPU, where it is copied on the engine thread); a session
+    /// whose shadow does not fit is refused (409) at its first bucket.
+    On,
+    /// Always in place.
+    Off,
 }
 
 #[derive(Deserialize)]
@@ -224,12 +250,49 @@ pub struct Session {
     prepared: BTreeMap<String, (String, Replacement)>,
     /// Bucket bytes the prepared slots came from.
     prepared_bytes: usize,
+    /// Where whole slots go, decided at the first bucket: None until then.
+    target: Option<Target>,
     last_activity: Instant,
+}
+
+/// Where a session's whole slots go.
+enum Target {
+    /// Kept in `prepared`, written in place at commit.
+    InPlace,
+    Shadow(SessionShadow),
+}
+
+/// A session's shadow copy and what was written into it.
+struct SessionShadow {
+    /// None only while a bucket writes into it (off the runtime).
+    weights: Option<ShadowWeights>,
+    /// Checkpoint tensor names written, and the checksums of the slots they wrote.
+    written: std::collections::BTreeSet<String>,
+    changed: WeightsChecksum,
 }
 
 impl Session {
     fn tensors(&self) -> usize {
-        self.staged.len() + self.prepared.len()
+        let written = match &self.target {
+            Some(Target::Shadow(s)) => s.written.len(),
+            _ => 0,
+        };
+        self.staged.len() + self.prepared.len() + written
+    }
+
+    fn mode(&self) -> &'static str {
+        match &self.target {
+            Some(Target::Shadow(_)) => "shadow",
+            Some(Target::InPlace) => "in_place",
+            None => "undecided",
+        }
+    }
+
+    fn shadow_mut(&mut self) -> Option<&mut SessionShadow> {
+        match &mut self.target {
+            Some(Target::Shadow(s)) => Some(s),
+            _ => None,
+        }
     }
 }
 
@@ -331,6 +394,7 @@ pub async fn begin_weight_update(
         bytes: 0,
         prepared: BTreeMap::new(),
         prepared_bytes: 0,
+        target: None,
         last_activity: Instant::now(),
     });
     Ok(Json(json!({"success": true, "session": id})))
@@ -439,6 +503,9 @@ pub(crate) async fn stage_bucket(
     // The session is held through the bucket, so buckets and the commit never interleave.
     let mut open = state.updates.session.lock().await;
     let session = open_session(&mut open, session_id, state.updates.session_timeout)?;
+    if session.target.is_none() {
+        session.target = Some(target(state).await?);
+    }
     // Whole slots: a dense weight with no partner, or both dense halves of a gate/up pair
     // (one may have arrived in an earlier bucket). The rest waits for commit.
     let here: BTreeMap<String, bool> = incoming
@@ -492,40 +559,160 @@ pub(crate) async fn stage_bucket(
             ),
         ));
     }
-    // Whole slots are prepared now, off the runtime, and their bucket bytes dropped.
+    // Whole slots are prepared now, off the runtime, and their bucket bytes dropped; with a
+    // shadow they are written into it there too, and only their checksums kept.
     let whole_bytes: usize = whole.values().map(|t| t.data.len()).sum();
+    let names: Vec<String> = whole.keys().cloned().collect();
     let info = state.engine.info.clone();
-    let prepared = tokio::task::spawn_blocking(move || {
-        let names: Vec<String> = whole.keys().cloned().collect();
-        let updates = build_replacements(&info, whole)?;
-        Ok::<_, ApiError>(names.into_iter().zip(updates).collect::<Vec<_>>())
+    let shadow = session
+        .shadow_mut()
+        .map(|s| s.weights.take().expect("returned by every bucket"));
+    let (shadow, prepared) = tokio::task::spawn_blocking(move || {
+        let updates = match build_replacements(&info, whole) {
+            Ok(u) => u,
+            Err(e) => return (shadow, Err(e)),
+        };
+        match shadow {
+            None => (None, Ok(Prepared::Kept(updates))),
+            Some(mut shadow) => match write_shadow(&mut shadow, updates, info.config.hidden_size) {
+                Ok(changed) => (Some(shadow), Ok(Prepared::Written(changed))),
+                Err(e @ ShadowWriteError::Refused(_)) => (Some(shadow), Err(e.into())),
+                Err(e) => (None, Err(e.into())),
+            },
+        }
     })
     .await
-    .map_err(|e| ApiError::Internal(e.to_string()))??;
+    .map_err(|e| ApiError::Internal(e.to_string()))?;
+    if let Some(s) = session.shadow_mut() {
+        match shadow {
+            Some(w) => s.weights = Some(w),
+            None => {
+                // A device error while writing: what the shadow holds is unknown.
+                let id = session.id.clone();
+                *open = None;
+                let e = prepared
+                    .err()
+                    .expect("the shadow is only lost with an error");
+                return Err(ApiError::Conflict(format!(
+                    "weight update session {id} was dropped, nothing changed: {e}"
+                )));
+            }
+        }
+    }
+    let prepared = prepared?;
     // A tensor sent again replaces the earlier one, whichever way each was held.
     for (name, t) in waiting {
         session.bytes += t.data.len();
         session.prepared.remove(&name);
+        if let Some(s) = session.shadow_mut() {
+            s.written.remove(&name);
+        }
         if let Some(old) = session.staged.insert(name, t) {
             session.bytes -= old.data.len();
         }
     }
-    session.prepared_bytes += whole_bytes;
-    for (name, r) in prepared {
+    for name in &names {
         // A partner taken from an earlier bucket leaves the waiting parts.
-        if let Some(old) = session.staged.remove(&name) {
+        if let Some(old) = session.staged.remove(name) {
             session.bytes -= old.data.len();
         }
-        session.prepared.insert(name, r);
+    }
+    match prepared {
+        Prepared::Kept(updates) => {
+            session.prepared_bytes += whole_bytes;
+            session.prepared.extend(names.into_iter().zip(updates));
+        }
+        Prepared::Written(changed) => {
+            let s = session.shadow_mut().expect("written into the shadow");
+            s.changed = s.changed.overlaid(&changed);
+            s.written.extend(names);
+        }
     }
     session.last_activity = Instant::now();
     Ok(Json(json!({
         "success": true,
         "session": session.id,
+        "mode": session.mode(),
         "staged_tensors": session.tensors(),
         "staged_bytes": session.bytes + session.prepared_bytes,
         "waiting_bytes": session.bytes,
     })))
+}
+
+/// A bucket's whole slots: kept for an in-place commit, or written into the shadow (their
+/// checksums).
+enum Prepared {
+    Kept(Vec<(String, Replacement)>),
+    Written(WeightsChecksum),
+}
+
+/// Where a session's whole slots go, per `--weight-update-shadow` and what the engine can
+/// make.
+async fn target(state: &AppState) -> Result<Target, ApiError> {
+    let mode = state.weights.shadow;
+    if mode == ShadowMode::Off {
+        return Ok(Target::InPlace);
+    }
+    let shadow = state.engine.shadow_weights(mode == ShadowMode::On).await?;
+    Ok(match shadow {
+        None => Target::InPlace,
+        Some(weights) => {
+            tracing::info!(
+                "weight update writes into a shadow copy ({:.2} GiB{})",
+                weights.bytes() as f64 / (1u64 << 30) as f64,
+                if weights.on_device() {
+                    ", on the device"
+                } else {
+                    ", in host memory"
+                }
+            );
+            Target::Shadow(SessionShadow {
+                weights: Some(weights),
+                written: Default::default(),
+                changed: WeightsChecksum::default(),
+            })
+        }
+    })
+}
+
+/// Why a write into a shadow failed.
+#[derive(Debug, thiserror::Error)]
+enum ShadowWriteError {
+    /// The replacements do not fit (nothing was written; the shadow is intact).
+    #[error("{0}")]
+    Refused(crate::model::store::StoreError),
+    /// The device failed mid-write: what the shadow holds is unknown.
+    #[error("{0}")]
+    Device(crate::model::store::StoreError),
+}
+
+impl From<ShadowWriteError> for ApiError {
+    fn from(e: ShadowWriteError) -> ApiError {
+        match e {
+            ShadowWriteError::Refused(e) => ApiError::invalid("body", e.to_string()),
+            ShadowWriteError::Device(e) => {
+                ApiError::Internal(format!("writing into the shadow copy failed: {e}"))
+            }
+        }
+    }
+}
+
+/// Writes prepared slots into `shadow`; returns their checksums (hashed before the host
+/// copies are freed).
+fn write_shadow(
+    shadow: &mut ShadowWeights,
+    updates: Vec<(String, Replacement)>,
+    hidden: usize,
+) -> Result<WeightsChecksum, ShadowWriteError> {
+    let changed = replacements_checksum(&updates, hidden);
+    match shadow.write(updates) {
+        Ok(spent) => {
+            drop(spent);
+            Ok(changed)
+        }
+        Err(e @ crate::model::store::StoreError::Device(_)) => Err(ShadowWriteError::Device(e)),
+        Err(e) => Err(ShadowWriteError::Refused(e)),
+    }
 }
 
 /// The served slot of the checkpoint tensor `name` and its part (`weight`, `weight_scale`...).
@@ -631,18 +818,30 @@ pub async fn end_weight_update(
         ));
     }
     let count = session.tensors();
-    let committed = commit(
-        &state,
-        session.staged,
-        session.prepared,
-        session.version.clone(),
-        expected_checksum,
-    )
-    .await?;
+    let mode = session.mode();
+    let version = session.version.clone();
+    let committed = match session.target {
+        Some(Target::Shadow(shadow)) => {
+            commit_shadow(&state, session.staged, shadow, version, expected_checksum).await?
+        }
+        _ => {
+            commit(
+                &state,
+                session.staged,
+                session.prepared,
+                version,
+                expected_checksum,
+            )
+            .await?
+        }
+    };
     let version = committed.version;
-    tracing::info!("weights updated from a streamed session: {count} tensors, version {version}");
+    tracing::info!(
+        "weights updated from a streamed session ({mode}): {count} tensors, version {version}, generation stood still {:.1} ms",
+        committed.pause.as_secs_f64() * 1e3
+    );
     Ok(Json(
-        json!({"success": true, "message": format!("{count} tensors committed, version {version}"), "weight_version": version, "committed_tensors": count, "commit_pause_s": committed.pause.as_secs_f64()}),
+        json!({"success": true, "message": format!("{count} tensors committed, version {version}"), "weight_version": version, "committed_tensors": count, "mode": mode, "commit_pause_s": committed.pause.as_secs_f64()}),
     ))
 }
 
@@ -650,6 +849,72 @@ pub async fn end_weight_update(
 pub(crate) struct Committed {
     pub version: String,
     pub pause: Duration,
+}
+
+/// Staged parts for modules that also arrived whole are dropped: a dense weight is the whole
+/// slot, and scale parts sent for the same module are ignored (as `Slot::prepare` ignores
+/// them beside a dense weight).
+fn drop_parts_of_whole<'a>(
+    staged: &mut BTreeMap<String, StagedTensor>,
+    whole: impl Iterator<Item = &'a String>,
+) {
+    let whole: Vec<&str> = whole
+        .filter_map(|n| slot::split(n).map(|(module, _)| module))
+        .collect();
+    staged.retain(|n, _| slot::split(n).is_none_or(|(module, _)| !whole.contains(&module)));
+}
+
+/// The end of a session written into a shadow: the parts still raw are prepared and written
+/// into it too, the served checksum overlaid with every written slot's, `expected_checksum`
+/// checked, and the shadow swapped in (generation stands still only for the swap). On any
+/// error the shadow is dropped and the served weights are untouched.
+async fn commit_shadow(
+    state: &AppState,
+    mut staged: BTreeMap<String, StagedTensor>,
+    mut shadow: SessionShadow,
+    version: Option<String>,
+    expected_checksum: Option<u64>,
+) -> Result<Committed, ApiError> {
+    drop_parts_of_whole(&mut staged, shadow.written.iter());
+    let info = state.engine.info.clone();
+    let mut weights = shadow.weights.take().expect("returned by every bucket");
+    let (weights, changed) = tokio::task::spawn_blocking(move || {
+        let updates = build_replacements(&info, staged)?;
+        let rest = write_shadow(&mut weights, updates, info.config.hidden_size)?;
+        Ok::<_, ApiError>((weights, shadow.changed.overlaid(&rest)))
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))??;
+    let _commit = state.updates.commit.lock().await;
+    let (served_version, served) = state.engine.weights_checksum();
+    let version = version.unwrap_or_else(|| next_version(&served_version));
+    let sum = served.overlaid(&changed);
+    check_expected(expected_checksum, &sum)?;
+    let (pause, displaced) = state
+        .engine
+        .install_shadow(weights, Arc::new(sum), version.clone())
+        .await?;
+    tokio::task::spawn_blocking(move || drop(displaced));
+    Ok(Committed { version, pause })
+}
+
+/// `expected_checksum` (when given) equals what the update gives.
+fn check_expected(expected: Option<u64>, sum: &WeightsChecksum) -> Result<(), ApiError> {
+    let Some(want) = expected else {
+        return Ok(());
+    };
+    let got = sum.overall();
+    if got != want {
+        return Err(ApiError::invalid(
+            "checksum",
+            format!(
+                "checksum mismatch: expected {} but the staged weights give {}; nothing changed (compare GET /weights_checksum's tensors to find the tensor)",
+                checksum::hex(want),
+                checksum::hex(got)
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Prepares the parts still raw, overlays the served checksum, checks `expected_checksum`, and
@@ -663,13 +928,7 @@ pub(crate) async fn commit(
     expected_checksum: Option<u64>,
 ) -> Result<Committed, ApiError> {
     let info = state.engine.info.clone();
-    // A dense weight is the whole slot: scale parts sent for the same module are ignored, as
-    // `Slot::prepare` ignores them beside a dense weight.
-    let whole: Vec<&str> = prepared
-        .keys()
-        .filter_map(|n| slot::split(n).map(|(module, _)| module))
-        .collect();
-    staged.retain(|n, _| slot::split(n).is_none_or(|(module, _)| !whole.contains(&module)));
+    drop_parts_of_whole(&mut staged, prepared.keys());
     let (updates, changed) = tokio::task::spawn_blocking(move || {
         let mut updates = build_replacements(&info, staged)?;
         updates.extend(prepared.into_values());
@@ -682,19 +941,7 @@ pub(crate) async fn commit(
     let (served_version, served) = state.engine.weights_checksum();
     let version = version.unwrap_or_else(|| next_version(&served_version));
     let sum = served.overlaid(&changed);
-    if let Some(want) = expected_checksum {
-        let got = sum.overall();
-        if got != want {
-            return Err(ApiError::invalid(
-                "checksum",
-                format!(
-                    "checksum mismatch: expected {} but the staged weights give {}; nothing changed (compare GET /weights_checksum's tensors to find the tensor)",
-                    checksum::hex(want),
-                    checksum::hex(got)
-                ),
-            ));
-        }
-    }
+    check_expected(expected_checksum, &sum)?;
     let (pause, spent) = state
         .engine
         .apply_weights(updates, Arc::new(sum), version.clone())

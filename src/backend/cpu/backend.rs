@@ -11,6 +11,7 @@ use crate::backend::Linear;
 use crate::sampling::{self, SampleInput, SamplerScratch};
 
 /// A SwiGLU MLP or expert: `down(silu(gate(x)) * up(x))`.
+#[derive(Clone)]
 pub struct SwiGlu {
     pub gate: Box<dyn Linear>,
     pub up: Box<dyn Linear>,

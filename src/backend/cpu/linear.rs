@@ -121,6 +121,7 @@ fn gemm(x: &[f32], rows: usize, k: usize, n_out: usize, out: &mut [f32], w: Rows
 }
 
 /// Dense weights kept as f32 (F32 checkpoints: the exact reference path).
+#[derive(Clone)]
 pub struct DenseF32 {
     pub weight: Vec<f32>,
     pub out_features: usize,
@@ -128,6 +129,9 @@ pub struct DenseF32 {
 }
 
 impl Linear for DenseF32 {
+    fn boxed_clone(&self) -> Box<dyn Linear> {
+        Box::new(self.clone())
+    }
     fn in_features(&self) -> usize {
         self.in_features
     }
@@ -171,6 +175,7 @@ impl Linear for DenseF32 {
 }
 
 /// Dense BF16 weights, widened to f32 inside the kernel.
+#[derive(Clone)]
 pub struct DenseBf16 {
     pub weight: Vec<bf16>,
     pub out_features: usize,
@@ -178,6 +183,9 @@ pub struct DenseBf16 {
 }
 
 impl Linear for DenseBf16 {
+    fn boxed_clone(&self) -> Box<dyn Linear> {
+        Box::new(self.clone())
+    }
     fn in_features(&self) -> usize {
         self.in_features
     }
@@ -215,11 +223,15 @@ impl Linear for DenseBf16 {
 }
 
 /// MXFP8 weights (rowwise, blocks along K); activations quantized MXFP8 1x32 per row.
+#[derive(Clone)]
 pub struct Mxfp8Linear {
     pub weight: quant::Mxfp8Tensor,
 }
 
 impl Linear for Mxfp8Linear {
+    fn boxed_clone(&self) -> Box<dyn Linear> {
+        Box::new(self.clone())
+    }
     fn in_features(&self) -> usize {
         self.weight.cols
     }
@@ -279,6 +291,7 @@ impl Linear for Mxfp8Linear {
 
 /// NVFP4 weights (per-tensor second-level scale); activations quantized NVFP4 per token
 /// (or per tensor when the recipe says so).
+#[derive(Clone)]
 pub struct Nvfp4Linear {
     pub weight: quant::Nvfp4Tensor,
     /// Block-scaled weight values `e2m1 * e4m3` (exact), widened once at load: the operand the
@@ -310,6 +323,9 @@ impl Nvfp4Linear {
 }
 
 impl Linear for Nvfp4Linear {
+    fn boxed_clone(&self) -> Box<dyn Linear> {
+        Box::new(self.clone())
+    }
     fn in_features(&self) -> usize {
         self.weight.cols
     }

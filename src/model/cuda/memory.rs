@@ -5,16 +5,18 @@
 //! allocates each at its old size again, from the backup (the same bits) or zeroed (absent:
 //! never served until an update writes every tensor). Both allocate everything new before
 //! touching the model, so a failure (the trainer still holds the memory) changes nothing.
+//! [`CudaWeights::copy_on`] copies every buffer on another stream: a streamed update's shadow.
 //! RoPE's frequencies stay resident: they are derived from the config, no update writes them,
 //! and they are a few kilobytes.
 
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 
 use super::CudaWeights;
+use crate::backend::cuda::backend::{Cuda, CudaExperts, CudaSwiGlu};
 use crate::backend::cuda::ops::{Table, WeightData};
 use crate::backend::cuda::weights::GpuMatrix;
 use crate::backend::cuda::{CudaError, Gpu};
-use crate::model::Mlp;
+use crate::model::{Layer, Mlp, Model, Moe};
 
 /// A released buffer's host copy.
 enum Host {
@@ -273,5 +275,102 @@ impl CudaWeights {
         // The uploads are done before the placeholders go and the caller drops the backup.
         gpu.synchronize()?;
         self.install(gpu, alloc.fresh)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A copy of the weights on another stream: a streamed update's shadow.
+
+fn dup<T: DeviceRepr>(gpu: &Gpu, s: &CudaSlice<T>) -> Result<CudaSlice<T>, CudaError> {
+    Ok(gpu.stream.clone_dtod(s)?)
+}
+
+fn dup_matrix(gpu: &Gpu, m: &GpuMatrix) -> Result<GpuMatrix, CudaError> {
+    let data = match &m.data {
+        WeightData::F32(d) => WeightData::F32(dup(gpu, d)?),
+        WeightData::Bf16(d) => WeightData::Bf16(dup(gpu, d)?),
+        WeightData::Mxfp8 { data, scales } => WeightData::Mxfp8 {
+            data: dup(gpu, data)?,
+            scales: dup(gpu, scales)?,
+        },
+        WeightData::Nvfp4 {
+            data,
+            scales,
+            s_dec,
+            groups,
+        } => WeightData::Nvfp4 {
+            data: dup(gpu, data)?,
+            scales: dup(gpu, scales)?,
+            s_dec: dup(gpu, s_dec)?,
+            groups: *groups,
+        },
+    };
+    Ok(GpuMatrix {
+        experts: m.experts,
+        n: m.n,
+        k: m.k,
+        data,
+        act: m.act,
+    })
+}
+
+fn dup_layer(gpu: &Gpu, l: &Layer<Cuda>) -> Result<Layer<Cuda>, CudaError> {
+    let norm = |n: &Option<CudaSlice<f32>>| n.as_ref().map(|n| dup(gpu, n)).transpose();
+    let mlp = match &l.mlp {
+        Mlp::Dense(m) => Mlp::Dense(CudaSwiGlu {
+            gate_up: dup_matrix(gpu, &m.gate_up)?,
+            down: dup_matrix(gpu, &m.down)?,
+            inter: m.inter,
+        }),
+        Mlp::Moe(m) => Mlp::Moe(Moe {
+            router: dup_matrix(gpu, &m.router)?,
+            experts: CudaExperts {
+                gate_up: dup_matrix(gpu, &m.experts.gate_up)?,
+                down: dup_matrix(gpu, &m.experts.down)?,
+                inter: m.experts.inter,
+                count: m.experts.count,
+            },
+            top_k: m.top_k,
+            norm_topk_prob: m.norm_topk_prob,
+        }),
+    };
+    Ok(Layer {
+        input_norm: dup(gpu, &l.input_norm)?,
+        post_attention_norm: dup(gpu, &l.post_attention_norm)?,
+        q_proj: dup_matrix(gpu, &l.q_proj)?,
+        k_proj: dup_matrix(gpu, &l.k_proj)?,
+        v_proj: dup_matrix(gpu, &l.v_proj)?,
+        o_proj: dup_matrix(gpu, &l.o_proj)?,
+        q_norm: norm(&l.q_norm)?,
+        k_norm: norm(&l.k_norm)?,
+        mlp,
+    })
+}
+
+impl CudaWeights {
+    /// A copy of every buffer, allocated and copied on `gpu`'s stream (a loader's, so the
+    /// copy runs beside the engine's kernels, which only read the originals). On failure
+    /// (no room) what was allocated is freed and the served weights are untouched.
+    pub fn copy_on(&self, gpu: &Gpu) -> Result<CudaWeights, CudaError> {
+        let embed_tokens = match &self.embed_tokens {
+            Table::Bf16(t) => Table::Bf16(dup(gpu, t)?),
+            Table::F32(t) => Table::F32(dup(gpu, t)?),
+        };
+        Ok(Model {
+            config: self.config.clone(),
+            embed_tokens,
+            layers: self
+                .layers
+                .iter()
+                .map(|l| dup_layer(gpu, l))
+                .collect::<Result<_, _>>()?,
+            norm: dup(gpu, &self.norm)?,
+            lm_head: self
+                .lm_head
+                .as_ref()
+                .map(|h| dup_matrix(gpu, h))
+                .transpose()?,
+            inv_freq: dup(gpu, &self.inv_freq)?,
+        })
     }
 }

@@ -331,11 +331,16 @@ impl CudaModel {
         self.config.moe.as_ref().map_or(0, |m| m.top_k)
     }
 
-    /// Replaces the weights (a weight update): same config, new values.
-    pub fn replace_weights(&mut self, weights: CudaWeights) {
+    /// Replaces the weights (a weight update): same config, new values. Returns the old ones.
+    pub fn replace_weights(&mut self, weights: CudaWeights) -> CudaWeights {
         self.weight_bytes = weights.bytes();
-        self.weights = weights;
         self.parked = None;
+        std::mem::replace(&mut self.weights, weights)
+    }
+
+    /// A copy of the served weights made on `gpu`'s stream (see [`CudaWeights::copy_on`]).
+    pub fn copy_weights(&self, gpu: &Gpu) -> Result<CudaWeights, CudaError> {
+        self.weights.copy_on(gpu)
     }
 
     /// Device bytes of the KV cache (when allocated).
