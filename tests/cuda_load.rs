@@ -2,7 +2,8 @@
 //! loader's model uploaded (`CudaWeights::upload(load_model(..))`): every device buffer equal
 //! byte for byte, the same slot table and checksum, identical logits; a streamed update
 //! written into device-loaded weights equal to the same update applied to the host model; and
-//! an update from disk loaded beside the served weights while requests run, then swapped in.
+//! an update from disk loaded beside the served weights while requests run, then swapped in;
+//! a streamed update written into a device shadow while requests run, then swapped in.
 //! These need an NVIDIA GPU, so they are `#[ignore]`d here and run on the GPU host by
 //! scripts/gpu-check.sh (`cuda_load --ignored`), from the repository root.
 
@@ -462,7 +463,7 @@ fn streamed_update_on_device_loaded_weights_matches_the_host_model() {
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn an_update_from_disk_loads_beside_running_requests_and_swaps_in_its_bits() {
-    use lockstep::engine::{CudaSource, DiskWeights, EngineEvent};
+    use lockstep::engine::{CudaSource, DiskWeights};
     let seed = seed();
     println!("seed {seed}");
     let mut rng = Rng(seed);
@@ -512,28 +513,11 @@ fn an_update_from_disk_loads_beside_running_requests_and_swaps_in_its_bits() {
         .unwrap();
     let aborted = block_on(h.install_weights(loaded, "v1".into(), false)).unwrap();
     assert_eq!(aborted, 0);
-    let finished = block_on(async {
-        let mut n = 0;
-        for mut rx in running {
-            let mut tokens = 0;
-            loop {
-                match rx.recv().await.expect("event") {
-                    EngineEvent::Token(_) => tokens += 1,
-                    EngineEvent::Finished(_) => break,
-                    EngineEvent::Error(e) => {
-                        panic!("a request running through the update failed: {e}")
-                    }
-                }
-            }
-            assert_eq!(
-                tokens, 200,
-                "every token of a request that spans the update"
-            );
-            n += 1;
-        }
-        n
-    });
-    assert_eq!(finished, 4);
+    assert_eq!(
+        finish_all(running),
+        vec![200; 4],
+        "every token of a request that spans the update"
+    );
     assert_eq!(h.weight_version(), "v1");
     assert_eq!(
         generate(&h, &prompts, "after"),
@@ -562,4 +546,136 @@ fn an_update_from_disk_loads_beside_running_requests_and_swaps_in_its_bits() {
     );
     h.shutdown();
     println!("update from disk beside running requests: swapped in, bitwise the fresh engine's");
+}
+
+/// Waits for every request of `running` to finish; returns how many tokens each produced.
+fn finish_all(
+    running: Vec<tokio::sync::mpsc::UnboundedReceiver<lockstep::engine::EngineEvent>>,
+) -> Vec<usize> {
+    use lockstep::engine::EngineEvent;
+    block_on(async {
+        let mut counts = Vec::new();
+        for mut rx in running {
+            let mut tokens = 0;
+            loop {
+                match rx.recv().await.expect("event") {
+                    EngineEvent::Token(_) => tokens += 1,
+                    EngineEvent::Finished(_) => break,
+                    EngineEvent::Error(e) => {
+                        panic!("a request running through the update failed: {e}")
+                    }
+                }
+            }
+            counts.push(tokens);
+        }
+        counts
+    })
+}
+
+/// A streamed update into a device shadow (what `--weight-update-shadow` does per bucket):
+/// the copy starts equal to the served weights (its checksum, from the device), every slot of
+/// another checkpoint is written into it on its own stream while requests run on the
+/// originals, and the swap makes the engine serve, bit for bit and by checksum, what an engine
+/// started on that checkpoint serves; the requests spanning it finish. A shadow made before
+/// another update was swapped in is refused at its swap, changing nothing.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn a_streamed_update_into_a_device_shadow_swaps_in_beside_running_requests() {
+    use lockstep::engine::{CudaSource, DiskWeights};
+    use lockstep::model::store::WeightStore;
+    let seed = seed();
+    println!("seed {seed}");
+    let mut rng = Rng(seed);
+    let (_a, dir_a) = scratch("a");
+    let (_b, dir_b) = scratch("b");
+    bf16_checkpoint(&dir_a, seed);
+    bf16_checkpoint(&dir_b, seed ^ 0x5eed);
+    let disk = |dir: &Path| DiskWeights {
+        dir: dir.to_path_buf(),
+        quantization: None,
+        recipe: None,
+    };
+    let config = ModelConfig::from_json(embedded_config()).unwrap();
+    let recipe = Recipe::bf16();
+    let prompts = prompts(&mut rng, config.vocab_size);
+
+    let fresh = start(
+        CudaSource::Checkpoint(disk(&dir_b)),
+        config.clone(),
+        &recipe,
+        false,
+    );
+    let want = generate(&fresh, &prompts, "fresh");
+    let want_sum = fresh.weights_checksum().1;
+    fresh.shutdown();
+
+    let h = start(
+        CudaSource::Checkpoint(disk(&dir_a)),
+        config.clone(),
+        &recipe,
+        false,
+    );
+    let before = generate(&h, &prompts, "before");
+    assert_ne!(before, want, "the two checkpoints differ");
+    let served_sum = h.weights_checksum().1;
+    let running: Vec<_> = (0..4)
+        .map(|i| {
+            let mut r =
+                common::engine::greedy(format!("long{i}"), prompts[i % prompts.len()].clone());
+            r.params.max_new_tokens = 200;
+            h.submit(r).unwrap()
+        })
+        .collect();
+    let mut shadow = block_on(h.shadow_weights(true))
+        .unwrap()
+        .expect("room for a shadow of the small model");
+    assert!(shadow.on_device());
+    assert!(
+        shadow.checksum().unwrap() == *served_sum,
+        "the copy equals the served weights"
+    );
+    let updates = load_model(&dir_b, None, None)
+        .unwrap()
+        .0
+        .into_replacements();
+    let shadow = std::thread::spawn(move || {
+        shadow.write(updates).unwrap();
+        shadow
+    })
+    .join()
+    .unwrap();
+    let mut shadow = shadow;
+    let sum = shadow.checksum().unwrap();
+    assert!(sum == *want_sum, "the shadow holds the new checkpoint");
+    let (pause, displaced) =
+        block_on(h.install_shadow(shadow, std::sync::Arc::new(sum), "v1".into())).unwrap();
+    drop(displaced);
+    println!("shadow swapped in; generation stood still {pause:?}");
+    assert_eq!(
+        finish_all(running),
+        vec![200; 4],
+        "every token of a request that spans the update"
+    );
+    assert_eq!(h.weight_version(), "v1");
+    assert_eq!(
+        generate(&h, &prompts, "after"),
+        want,
+        "the new checkpoint's bits"
+    );
+
+    // Overtaken: a shadow of v1, then an update from disk swapped in first.
+    let late = block_on(h.shadow_weights(true)).unwrap().expect("room");
+    let loader = block_on(h.device_loader()).unwrap();
+    let loaded = loader.load(&disk(&dir_a)).unwrap();
+    block_on(h.install_weights(loaded, "v2".into(), false)).unwrap();
+    let refused = block_on(h.install_shadow(late, served_sum.clone(), "v3".into()));
+    assert!(refused.is_err(), "a shadow of replaced weights is refused");
+    assert_eq!(h.weight_version(), "v2");
+    assert_eq!(
+        generate(&h, &prompts, "v2"),
+        before,
+        "the update from disk serves"
+    );
+    h.shutdown();
+    println!("streamed update into a device shadow: swapped in, bitwise the fresh engine's");
 }
