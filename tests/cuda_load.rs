@@ -9,6 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use lockstep::backend::cpu::linear::{DenseF32, DenseWeight};
 use lockstep::backend::cuda::ops::{Table, WeightData};
@@ -507,12 +508,13 @@ fn an_update_from_disk_loads_beside_running_requests_and_swaps_in_its_bits() {
         })
         .collect();
     let loader = block_on(h.device_loader()).unwrap();
-    let loaded = std::thread::spawn(move || loader.load(&disk(&dir_b)))
+    let dir = dir_b.clone();
+    let loaded = std::thread::spawn(move || loader.load(&disk(&dir)))
         .join()
         .unwrap()
         .unwrap();
-    let aborted = block_on(h.install_weights(loaded, "v1".into(), false)).unwrap();
-    assert_eq!(aborted, 0);
+    let installed = install(&h, loaded, "v1").unwrap();
+    assert_eq!(installed.aborted, 0);
     assert_eq!(
         finish_all(running),
         vec![200; 4],
@@ -533,7 +535,7 @@ fn an_update_from_disk_loads_beside_running_requests_and_swaps_in_its_bits() {
     let other = Path::new("tests/data/reference/qwen3_moe");
     let loader = block_on(h.device_loader()).unwrap();
     let loaded = loader.load(&disk(other)).unwrap();
-    let refused = block_on(h.install_weights(loaded, "v2".into(), false));
+    let refused = install(&h, loaded, "v2");
     assert!(
         refused.is_err(),
         "a checkpoint of another config is refused"
@@ -546,6 +548,18 @@ fn an_update_from_disk_loads_beside_running_requests_and_swaps_in_its_bits() {
     );
     h.shutdown();
     println!("update from disk beside running requests: swapped in, bitwise the fresh engine's");
+}
+
+/// Hashes loaded weights on their stream and swaps them in (what `/update_weights_from_disk`
+/// does with a device loader's result).
+fn install(
+    h: &lockstep::engine::EngineHandle,
+    mut loaded: lockstep::engine::ShadowWeights,
+    version: &str,
+) -> Result<lockstep::engine::Installed, lockstep::engine::EngineError> {
+    use lockstep::model::store::WeightStore;
+    let sum = loaded.checksum().unwrap();
+    block_on(h.install_shadow(loaded, Arc::new(sum), version.into(), false))
 }
 
 /// Waits for every request of `running` to finish; returns how many tokens each produced.
@@ -647,10 +661,11 @@ fn a_streamed_update_into_a_device_shadow_swaps_in_beside_running_requests() {
     let mut shadow = shadow;
     let sum = shadow.checksum().unwrap();
     assert!(sum == *want_sum, "the shadow holds the new checkpoint");
-    let (pause, displaced) =
-        block_on(h.install_shadow(shadow, std::sync::Arc::new(sum), "v1".into())).unwrap();
-    drop(displaced);
-    println!("shadow swapped in; generation stood still {pause:?}");
+    let installed = block_on(h.install_shadow(shadow, Arc::new(sum), "v1".into(), false)).unwrap();
+    println!(
+        "shadow swapped in; generation stood still {:?}",
+        installed.pause
+    );
     assert_eq!(
         finish_all(running),
         vec![200; 4],
@@ -667,8 +682,8 @@ fn a_streamed_update_into_a_device_shadow_swaps_in_beside_running_requests() {
     let late = block_on(h.shadow_weights(true)).unwrap().expect("room");
     let loader = block_on(h.device_loader()).unwrap();
     let loaded = loader.load(&disk(&dir_a)).unwrap();
-    block_on(h.install_weights(loaded, "v2".into(), false)).unwrap();
-    let refused = block_on(h.install_shadow(late, served_sum.clone(), "v3".into()));
+    install(&h, loaded, "v2").unwrap();
+    let refused = block_on(h.install_shadow(late, served_sum.clone(), "v3".into(), false));
     assert!(refused.is_err(), "a shadow of replaced weights is refused");
     assert_eq!(h.weight_version(), "v2");
     assert_eq!(

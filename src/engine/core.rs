@@ -9,13 +9,14 @@ use std::time::Instant;
 use tokio::sync::mpsc;
 
 use super::config::EngineConfig;
-use super::executor::{self, Executor, ExecutorSpec, ShadowCopy, ShadowWeights, StepOutput};
+use super::executor::{self, DeviceLoader, Executor, ExecutorSpec, ShadowWeights, StepOutput};
 use super::memory::{MemoryState, MemoryTag, WeightsState};
 use super::request::{
     EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan,
 };
 use super::{
-    Command, EngineError, EngineHandle, EngineInfo, EngineShared, MemoryReport, PauseMode,
+    Command, EngineError, EngineHandle, EngineInfo, EngineShared, Installed, MemoryReport,
+    PauseMode,
 };
 use crate::kv::KvPool;
 use crate::model::{ForwardBatch, Model, SeqInput};
@@ -398,24 +399,12 @@ impl Core {
                 let _ = reply.send(self.swap_model(*model, checksum, version, abort_all));
             }
             Command::DeviceLoader(reply) => {
-                let _ = reply.send(self.exec.device_loader());
-            }
-            Command::InstallWeights {
-                weights,
-                version,
-                abort_all,
-                reply,
-            } => {
-                let slots = self.info.slots().len();
-                let result = self
-                    .check_update(slots)
-                    .and_then(|()| self.exec.install(*weights))
-                    .map(|checksum| {
-                        let aborted = self.abort_all_for_update(abort_all);
-                        self.begin_weight_version(version, Arc::new(checksum));
-                        aborted
-                    });
-                let _ = reply.send(result);
+                let loader = self.exec.loader_stream().map(|gpu| DeviceLoader {
+                    gpu,
+                    generation: self.sched.pool().weight_version(),
+                    held: self.shadows.clone(),
+                });
+                let _ = reply.send(loader);
             }
             Command::Shadow { required, reply } => {
                 let _ = reply.send(self.shadow(required));
@@ -424,9 +413,10 @@ impl Core {
                 shadow,
                 checksum,
                 version,
+                abort_all,
                 reply,
             } => {
-                let _ = reply.send(self.install_shadow(*shadow, checksum, version));
+                let _ = reply.send(self.install_shadow(*shadow, checksum, version, abort_all));
             }
             Command::ApplyWeights {
                 updates,
@@ -511,15 +501,21 @@ impl Core {
         shadow: ShadowWeights,
         checksum: Arc<crate::model::checksum::WeightsChecksum>,
         version: String,
-    ) -> Result<(std::time::Duration, ShadowCopy), EngineError> {
+        abort_all: bool,
+    ) -> Result<Installed, EngineError> {
         let started = Instant::now();
         if shadow.generation != self.sched.pool().weight_version() {
-            return Err(EngineError::Conflict("other weights were swapped in while this update was streamed into its shadow copy: nothing changed; send the update again".into()));
+            return Err(EngineError::Conflict("other weights were swapped in while this update was written into its shadow copy: nothing changed; send the update again".into()));
         }
         self.check_update(self.info.slots().len())?;
         let displaced = self.exec.install_shadow(shadow.copy)?;
+        let aborted = self.abort_all_for_update(abort_all);
         self.begin_weight_version(version, checksum);
-        Ok((started.elapsed(), displaced))
+        Ok(Installed {
+            pause: started.elapsed(),
+            aborted,
+            displaced,
+        })
     }
 
     /// A weight update that writes `writes` of the model's slots may go ahead: the weights are

@@ -118,16 +118,10 @@ pub(crate) trait Executor {
         Ok(None)
     }
 
-    /// A loader for `/update_weights_from_disk` of device-only weights: it loads a checkpoint
-    /// beside the served weights, off the engine thread, for [`Executor::install`].
-    fn device_loader(&mut self) -> Result<DeviceLoader, EngineError> {
-        Err(EngineError::Conflict(
-            "updates loaded onto the device are for device-loaded CUDA weights".into(),
-        ))
-    }
-
-    /// Swaps in what a [`DeviceLoader`] loaded (its shapes checked first). Returns its checksum.
-    fn install(&mut self, _w: LoadedWeights) -> Result<WeightsChecksum, EngineError> {
+    /// A stream of its own on the device for `/update_weights_from_disk` of device-only
+    /// weights: a [`DeviceLoader`] loads a checkpoint there, beside the served weights, off the
+    /// engine thread, into a shadow for [`Executor::install_shadow`].
+    fn loader_stream(&mut self) -> Result<Gpu, EngineError> {
         Err(EngineError::Conflict(
             "updates loaded onto the device are for device-loaded CUDA weights".into(),
         ))
@@ -381,33 +375,29 @@ struct CudaExecutor {
     weights_cpu_backup: bool,
 }
 
-/// Opens `w` and loads it into device memory.
 /// Loads `/update_weights_from_disk` checkpoints onto the device on a stream of its own, so
-/// the engine goes on generating while a new copy of the weights is read, uploaded, quantized
-/// and hashed beside the served one (device memory must hold both).
+/// the engine goes on generating while a new copy of the weights is read, uploaded and
+/// quantized beside the served one (device memory must hold both), into a [`ShadowWeights`]
+/// for [`super::EngineHandle::install_shadow`].
 pub struct DeviceLoader {
-    gpu: Gpu,
-}
-
-/// Weights a [`DeviceLoader`] finished: written and hashed, its stream drained.
-pub struct LoadedWeights {
-    config: ModelConfig,
-    weights: CudaWeights,
-    checksum: WeightsChecksum,
+    pub(crate) gpu: Gpu,
+    /// The served weights' version counter when the loader was made (see [`ShadowWeights`]).
+    pub(crate) generation: u64,
+    pub(crate) held: std::sync::Arc<()>,
 }
 
 impl DeviceLoader {
     /// Blocks until `w` is on the device (call it off the engine thread).
-    pub fn load(&self, w: &DiskWeights) -> Result<LoadedWeights, String> {
-        let (config, mut weights) = load_to_device(&self.gpu, w)?;
-        let checksum = weights
-            .weights_checksum(&self.gpu, &config)
-            .and_then(|sum| self.gpu.synchronize().map(|()| sum))
-            .map_err(|e| format!("the device could not take the new weights: {e}"))?;
-        Ok(LoadedWeights {
-            config,
-            weights,
-            checksum,
+    pub fn load(self, w: &DiskWeights) -> Result<ShadowWeights, String> {
+        let (config, weights) = load_to_device(&self.gpu, w)?;
+        Ok(ShadowWeights {
+            copy: ShadowCopy::Device {
+                gpu: self.gpu,
+                config,
+                weights: Box::new(weights),
+            },
+            generation: self.generation,
+            _held: self.held,
         })
     }
 }
@@ -599,26 +589,11 @@ impl Executor for CudaExecutor {
         Ok(Some(DeviceCatalog { slots, checksum }))
     }
 
-    fn device_loader(&mut self) -> Result<DeviceLoader, EngineError> {
-        let gpu = self.model.gpu().with_own_stream().map_err(|e| {
-            EngineError::Conflict(format!("no stream for loading new weights: {e}"))
-        })?;
-        Ok(DeviceLoader { gpu })
-    }
-
-    /// Swaps the loaded weights in between two steps. The engine stream is drained first: the
-    /// replaced weights may have been allocated on a loader's stream, where their free would
-    /// not wait for kernels still queued here.
-    fn install(&mut self, w: LoadedWeights) -> Result<WeightsChecksum, EngineError> {
-        let m = &mut *self.model;
-        if !same_shapes(&w.config, &m.config) {
-            return Err(EngineError::Conflict("the new weights' config.json differs from the served model's (architecture or shapes)".into()));
-        }
-        m.gpu()
-            .synchronize()
-            .map_err(|e| EngineError::Stopped(format!("CUDA device failed: {e}")))?;
-        m.replace_weights(w.weights);
-        Ok(w.checksum)
+    fn loader_stream(&mut self) -> Result<Gpu, EngineError> {
+        self.model
+            .gpu()
+            .with_own_stream()
+            .map_err(|e| EngineError::Conflict(format!("no stream for loading new weights: {e}")))
     }
 
     /// A copy on a stream of its own, when free device memory holds it beside the served
@@ -665,7 +640,9 @@ impl Executor for CudaExecutor {
     }
 
     /// Between two steps: the shadow's stream is drained (its writes are done), then the
-    /// engine's (the displaced weights may still be read by queued kernels), then the swap.
+    /// engine's (the displaced weights may still be read by queued kernels, and they may have
+    /// been allocated on an earlier loader's stream, where their free would not wait for
+    /// kernels queued here), then the swap.
     fn install_shadow(&mut self, copy: ShadowCopy) -> Result<ShadowCopy, EngineError> {
         let ShadowCopy::Device {
             gpu,
@@ -679,9 +656,7 @@ impl Executor for CudaExecutor {
         };
         let m = &mut *self.model;
         if !same_shapes(&config, &m.config) {
-            return Err(EngineError::Conflict(
-                "the shadow's config differs from the served model's".into(),
-            ));
+            return Err(EngineError::Conflict("the new weights' config.json differs from the served model's (architecture or shapes)".into()));
         }
         let failed = |e: CudaError| EngineError::Stopped(format!("CUDA device failed: {e}"));
         gpu.synchronize().map_err(failed)?;

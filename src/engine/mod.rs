@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, oneshot};
 pub use self::config::{defaults, EngineConfig};
 pub use self::core::Engine;
 pub use executor::{
-    CudaSource, DeviceLoader, DiskWeights, ExecutorSpec, LoadedWeights, ShadowCopy, ShadowWeights,
+    CudaSource, DeviceLoader, DiskWeights, ExecutorSpec, ShadowCopy, ShadowWeights,
 };
 pub use memory::{MemoryState, MemoryTag, WeightsState};
 pub use request::{EngineEvent, FinishInfo, GenerateRequest, InputLogprob, TokenOut, VersionSpan};
@@ -90,13 +90,6 @@ pub(crate) enum Command {
     },
     /// A loader for new device weights (see [`EngineHandle::device_loader`]).
     DeviceLoader(oneshot::Sender<Result<DeviceLoader, EngineError>>),
-    /// Swap in loaded device weights (see [`EngineHandle::install_weights`]).
-    InstallWeights {
-        weights: Box<LoadedWeights>,
-        version: String,
-        abort_all: bool,
-        reply: oneshot::Sender<Result<usize, EngineError>>,
-    },
     /// A shadow copy of the weights (see [`EngineHandle::shadow_weights`]).
     Shadow {
         required: bool,
@@ -107,7 +100,8 @@ pub(crate) enum Command {
         shadow: Box<ShadowWeights>,
         checksum: Arc<WeightsChecksum>,
         version: String,
-        reply: oneshot::Sender<Result<(std::time::Duration, ShadowCopy), EngineError>>,
+        abort_all: bool,
+        reply: oneshot::Sender<Result<Installed, EngineError>>,
     },
     /// Replace some tensors between two steps (see [`EngineHandle::apply_weights`]).
     ApplyWeights {
@@ -134,6 +128,16 @@ pub(crate) enum Command {
         reply: oneshot::Sender<Result<MemoryReport, EngineError>>,
     },
     Shutdown,
+}
+
+/// What [`EngineHandle::install_shadow`] did.
+pub struct Installed {
+    /// How long the engine stood still.
+    pub pause: std::time::Duration,
+    /// Requests aborted (`abort_all`).
+    pub aborted: usize,
+    /// The weights swapped out, to free off the engine thread.
+    pub displaced: ShadowCopy,
 }
 
 /// Counters the engine publishes for /health, /get_server_info and admission control.
@@ -310,30 +314,10 @@ impl EngineHandle {
 
     /// For weights that live only on the device: a loader that puts a checkpoint on the device
     /// beside the served weights, on a stream of its own, while the engine goes on generating
-    /// (run it off the async runtime), for [`EngineHandle::install_weights`].
+    /// (run it off the async runtime), for [`EngineHandle::install_shadow`].
     pub async fn device_loader(&self) -> Result<DeviceLoader, EngineError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::DeviceLoader(reply))?;
-        rx.await
-            .map_err(|_| EngineError::Stopped(self.last_error()))?
-    }
-
-    /// [`EngineHandle::swap_model`] for what a [`DeviceLoader`] loaded: checked against the
-    /// served model's shapes and swapped in between two steps (all at once). On failure the
-    /// old weights keep serving. Returns how many requests were aborted.
-    pub async fn install_weights(
-        &self,
-        weights: LoadedWeights,
-        version: String,
-        abort_all: bool,
-    ) -> Result<usize, EngineError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Command::InstallWeights {
-            weights: Box::new(weights),
-            version,
-            abort_all,
-            reply,
-        })?;
         rx.await
             .map_err(|_| EngineError::Stopped(self.last_error()))?
     }
@@ -353,22 +337,27 @@ impl EngineHandle {
             .map_err(|_| EngineError::Stopped(self.last_error()))?
     }
 
-    /// Swaps a written shadow in between two engine steps (generation stands still only for
-    /// the swap), flushes the prefix cache and sets the weight version; `checksum` is the whole
-    /// model's after the update. Refused, changing nothing, when other weights were swapped
-    /// in since the shadow was made. Returns the time generation stood still and the
-    /// displaced weights, for the caller to free off the engine thread.
+    /// Swaps a written (or loaded) shadow in between two engine steps (generation stands still
+    /// only for the swap), flushes the prefix cache and sets the weight version; `checksum` is
+    /// the whole model's after the update. Refused, changing nothing, when the shapes differ
+    /// from the served model's or other weights were swapped in since the shadow (or loader)
+    /// was made. With `abort_all`, requests in flight are aborted; otherwise they continue on
+    /// the new weights ([`EngineHandle::swap_model`]). Returns the time generation stood still,
+    /// how many requests were aborted, and the displaced weights, for the caller to free off
+    /// the engine thread.
     pub async fn install_shadow(
         &self,
         shadow: ShadowWeights,
         checksum: Arc<WeightsChecksum>,
         version: String,
-    ) -> Result<(std::time::Duration, ShadowCopy), EngineError> {
+        abort_all: bool,
+    ) -> Result<Installed, EngineError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::InstallShadow {
             shadow: Box::new(shadow),
             checksum,
             version,
+            abort_all,
             reply,
         })?;
         rx.await

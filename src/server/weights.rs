@@ -174,24 +174,37 @@ async fn update_on_device(
     };
     let loader = state.engine.device_loader().await?;
     let started = Instant::now();
-    let loaded = tokio::task::spawn_blocking(move || loader.load(&weights))
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))?
-        .map_err(|e| ApiError::invalid("model_path", e))?;
+    let (loaded, sum) = tokio::task::spawn_blocking(move || {
+        let mut loaded = loader.load(&weights)?;
+        let sum = loaded
+            .checksum()
+            .map_err(|e| format!("the device could not take the new weights: {e}"))?;
+        Ok::<_, String>((loaded, sum))
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))?
+    .map_err(|e| ApiError::invalid("model_path", e))?;
     let load_secs = started.elapsed().as_secs_f64();
     let version = body
         .weight_version
         .unwrap_or_else(|| next_version(&state.engine.weight_version()));
     let swap = Instant::now();
-    let aborted = state
+    let installed = state
         .engine
-        .install_weights(loaded, version.clone(), body.abort_all_requests)
+        .install_shadow(
+            loaded,
+            Arc::new(sum),
+            version.clone(),
+            body.abort_all_requests,
+        )
         .await
         .map_err(|e| match e {
             crate::engine::EngineError::Conflict(m) => ApiError::invalid("model_path", m),
             other => other.into(),
         })?;
     let swap_secs = swap.elapsed().as_secs_f64();
+    let aborted = installed.aborted;
+    tokio::task::spawn_blocking(move || drop(installed.displaced));
     tracing::info!(
         "weights updated from {} to version {version}: loaded onto the device in {load_secs:.2} s while serving, swapped in {:.1} ms",
         body.model_path,
@@ -890,11 +903,12 @@ async fn commit_shadow(
     let version = version.unwrap_or_else(|| next_version(&served_version));
     let sum = served.overlaid(&changed);
     check_expected(expected_checksum, &sum)?;
-    let (pause, displaced) = state
+    let installed = state
         .engine
-        .install_shadow(weights, Arc::new(sum), version.clone())
+        .install_shadow(weights, Arc::new(sum), version.clone(), false)
         .await?;
-    tokio::task::spawn_blocking(move || drop(displaced));
+    let pause = installed.pause;
+    tokio::task::spawn_blocking(move || drop(installed.displaced));
     Ok(Committed { version, pause })
 }
 
