@@ -507,7 +507,9 @@ fn an_update_from_disk_loads_beside_running_requests_and_swaps_in_its_bits() {
             h.submit(r).unwrap()
         })
         .collect();
-    let loader = block_on(h.device_loader()).unwrap();
+    let loader = block_on(h.device_loader())
+        .unwrap()
+        .expect("room for a second copy");
     let dir = dir_b.clone();
     let loaded = std::thread::spawn(move || loader.load(&disk(&dir)))
         .join()
@@ -533,7 +535,9 @@ fn an_update_from_disk_loads_beside_running_requests_and_swaps_in_its_bits() {
 
     // Another config: loaded, refused at the swap; the served weights and version stay.
     let other = Path::new("tests/data/reference/qwen3_moe");
-    let loader = block_on(h.device_loader()).unwrap();
+    let loader = block_on(h.device_loader())
+        .unwrap()
+        .expect("room for a second copy");
     let loaded = loader.load(&disk(other)).unwrap();
     let refused = install(&h, loaded, "v2");
     assert!(
@@ -680,7 +684,9 @@ fn a_streamed_update_into_a_device_shadow_swaps_in_beside_running_requests() {
 
     // Overtaken: a shadow of v1, then an update from disk swapped in first.
     let late = block_on(h.shadow_weights(true)).unwrap().expect("room");
-    let loader = block_on(h.device_loader()).unwrap();
+    let loader = block_on(h.device_loader())
+        .unwrap()
+        .expect("room for a second copy");
     let loaded = loader.load(&disk(&dir_a)).unwrap();
     install(&h, loaded, "v2").unwrap();
     let refused = block_on(h.install_shadow(late, served_sum.clone(), "v3".into(), false));

@@ -4,7 +4,8 @@
 //! of it while this engine holds almost nothing else), and what a resume brings back computes
 //! the same bits as before: the weights from their host backup (`--enable-weights-cpu-backup`),
 //! or, without one, from an update that writes every tensor (resumed weights are absent and
-//! refused until then; a partial update is refused).
+//! refused until then; a partial update is refused). Without room for a second copy of the
+//! weights, updates are written in place.
 //!
 //! These need an NVIDIA GPU, so they are `#[ignore]`d here and run on the GPU host
 //! (scripts/gpu-check.sh).
@@ -186,5 +187,58 @@ fn weights_resumed_without_a_backup_are_absent_until_an_update_writes_every_tens
     block_on(h.apply_weights(host().into_replacements(), checksum.clone(), "v1".into())).unwrap();
     assert_eq!(h.memory().weights, WeightsState::Resident);
     assert_eq!(generate(&h, &prompts, "after"), before, "bit for bit");
+    h.shutdown();
+}
+
+/// A device without room for a second copy of the weights (the rest taken by another
+/// allocator): a streamed update gets no shadow (`auto` writes in place; `on` is refused,
+/// naming the flag to change), an update from disk gets no device loader (it is loaded on the
+/// host and written in place), and that in-place update serves the new weights' bits.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn with_no_room_for_a_second_copy_updates_are_written_in_place() {
+    use lockstep::model::loader::dummy_model;
+    let mut rng = Rng(seed());
+    let dir = Path::new("tests/data/reference/qwen3_moe");
+    let (served, recipe) = load_model(dir, None, None).unwrap();
+    let config = served.config.clone();
+    let new = || dummy_model(config.clone(), &recipe, 5).unwrap();
+    let prompts = prompts(&mut rng, config.vocab_size);
+    let fresh = start(CudaSource::Model(new()), config.clone(), &recipe, false);
+    let want = generate(&fresh, &prompts, "fresh");
+    fresh.shutdown();
+
+    let h = start(CudaSource::Model(served), config.clone(), &recipe, false);
+    let before = generate(&h, &prompts, "before");
+    assert_ne!(before, want, "the two weight sets differ");
+    let ctx = CudaContext::new(0).unwrap();
+    let mut squeeze = Foreign::new(&ctx);
+    squeeze
+        .take(free_memory(&ctx).saturating_sub(256 << 20))
+        .unwrap();
+    println!(
+        "squeezed {:.2} GiB; free {:.2} GiB",
+        squeeze.bytes as f64 / GIB,
+        free_memory(&ctx) as f64 / GIB
+    );
+
+    assert!(matches!(block_on(h.shadow_weights(false)), Ok(None)));
+    match block_on(h.shadow_weights(true)) {
+        Err(EngineError::Conflict(m)) => assert!(m.contains("--mem-fraction-static"), "{m}"),
+        Err(other) => panic!("{other}"),
+        Ok(_) => panic!("a shadow without room for it"),
+    }
+    assert!(block_on(h.device_loader()).unwrap().is_none());
+
+    let mut model = new();
+    let sum = Arc::new(model.weights_checksum());
+    block_on(h.swap_model(model, sum.clone(), "v1".into(), false)).unwrap();
+    assert_eq!(
+        generate(&h, &prompts, "after"),
+        want,
+        "the new weights' bits"
+    );
+    assert!(*h.weights_checksum().1 == *sum);
+    drop(squeeze);
     h.shutdown();
 }

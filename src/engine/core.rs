@@ -399,10 +399,12 @@ impl Core {
                 let _ = reply.send(self.swap_model(*model, checksum, version, abort_all));
             }
             Command::DeviceLoader(reply) => {
-                let loader = self.exec.loader_stream().map(|gpu| DeviceLoader {
-                    gpu,
-                    generation: self.sched.pool().weight_version(),
-                    held: self.shadows.clone(),
+                let loader = self.exec.loader_stream().map(|gpu| {
+                    gpu.map(|gpu| DeviceLoader {
+                        gpu,
+                        generation: self.sched.pool().weight_version(),
+                        held: self.shadows.clone(),
+                    })
                 });
                 let _ = reply.send(loader);
             }

@@ -120,8 +120,9 @@ pub(crate) trait Executor {
 
     /// A stream of its own on the device for `/update_weights_from_disk` of device-only
     /// weights: a [`DeviceLoader`] loads a checkpoint there, beside the served weights, off the
-    /// engine thread, into a shadow for [`Executor::install_shadow`].
-    fn loader_stream(&mut self) -> Result<Gpu, EngineError> {
+    /// engine thread, into a shadow for [`Executor::install_shadow`]. None when free device
+    /// memory does not hold a second copy of the weights.
+    fn loader_stream(&mut self) -> Result<Option<Gpu>, EngineError> {
         Err(EngineError::Conflict(
             "updates loaded onto the device are for device-loaded CUDA weights".into(),
         ))
@@ -589,11 +590,22 @@ impl Executor for CudaExecutor {
         Ok(Some(DeviceCatalog { slots, checksum }))
     }
 
-    fn loader_stream(&mut self) -> Result<Gpu, EngineError> {
-        self.model
-            .gpu()
-            .with_own_stream()
-            .map_err(|e| EngineError::Conflict(format!("no stream for loading new weights: {e}")))
+    fn loader_stream(&mut self) -> Result<Option<Gpu>, EngineError> {
+        let m = &*self.model;
+        let failed =
+            |e: CudaError| EngineError::Conflict(format!("no stream for loading new weights: {e}"));
+        let (free, _) = m.gpu().memory().map_err(failed)?;
+        let bytes = m.weight_bytes;
+        if free < bytes + shadow_headroom(bytes) {
+            tracing::info!(
+                "no room on the device for a second copy of the weights ({:.2} GiB and {:.2} GiB to spare; {:.2} GiB free)",
+                gib(bytes),
+                gib(shadow_headroom(bytes)),
+                gib(free)
+            );
+            return Ok(None);
+        }
+        m.gpu().with_own_stream().map(Some).map_err(failed)
     }
 
     /// A copy on a stream of its own, when free device memory holds it beside the served

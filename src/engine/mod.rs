@@ -89,7 +89,7 @@ pub(crate) enum Command {
         reply: oneshot::Sender<Result<usize, EngineError>>,
     },
     /// A loader for new device weights (see [`EngineHandle::device_loader`]).
-    DeviceLoader(oneshot::Sender<Result<DeviceLoader, EngineError>>),
+    DeviceLoader(oneshot::Sender<Result<Option<DeviceLoader>, EngineError>>),
     /// A shadow copy of the weights (see [`EngineHandle::shadow_weights`]).
     Shadow {
         required: bool,
@@ -314,8 +314,9 @@ impl EngineHandle {
 
     /// For weights that live only on the device: a loader that puts a checkpoint on the device
     /// beside the served weights, on a stream of its own, while the engine goes on generating
-    /// (run it off the async runtime), for [`EngineHandle::install_shadow`].
-    pub async fn device_loader(&self) -> Result<DeviceLoader, EngineError> {
+    /// (run it off the async runtime), for [`EngineHandle::install_shadow`]. None when free
+    /// device memory does not hold a second copy of the weights.
+    pub async fn device_loader(&self) -> Result<Option<DeviceLoader>, EngineError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::DeviceLoader(reply))?;
         rx.await

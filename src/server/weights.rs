@@ -116,9 +116,16 @@ pub async fn update_weights_from_disk(
     if !body.flush_cache {
         return Err(ApiError::invalid("flush_cache", "flush_cache=false is not supported: the prefix cache always holds KV of the old weights"));
     }
-    if state.engine.info.weights_on_device {
-        return update_on_device(&state, body, path, settings).await;
+    let in_place = state.engine.info.weights_on_device;
+    if in_place {
+        let commit = state.updates.commit.clone().lock_owned().await;
+        if let Some(loader) = state.engine.device_loader().await? {
+            return update_on_device(&state, body, path, loader, commit).await;
+        }
+        // No room on the device for a second copy: the checkpoint is loaded on the host and
+        // written into the served buffers in place, generation standing still for the writes.
     }
+    let started = Instant::now();
     let load_path = path.clone();
     let (model, sum) = tokio::task::spawn_blocking(move || {
         loader::load_model(&load_path, settings.quantization, settings.recipe.clone()).map(
@@ -131,10 +138,12 @@ pub async fn update_weights_from_disk(
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))?
     .map_err(|e| ApiError::invalid("model_path", format!("{}: {e}", path.display())))?;
+    let load_secs = started.elapsed().as_secs_f64();
     let _commit = state.updates.commit.lock().await;
     let version = body
         .weight_version
         .unwrap_or_else(|| next_version(&state.engine.weight_version()));
+    let swap = Instant::now();
     let aborted = state
         .engine
         .swap_model(
@@ -148,31 +157,42 @@ pub async fn update_weights_from_disk(
             crate::engine::EngineError::Conflict(m) => ApiError::invalid("model_path", m),
             other => other.into(),
         })?;
+    let swap_secs = swap.elapsed().as_secs_f64();
+    // In place the engine stood still for the writes; on the host the new model was built
+    // beside the served one and swapped in.
+    let mode = if in_place { "in_place" } else { "shadow" };
     tracing::info!(
-        "weights updated from {} to version {version}",
-        body.model_path
+        "weights updated from {} to version {version} ({mode}): loaded in {load_secs:.2} s, swapped in {:.1} ms",
+        body.model_path,
+        swap_secs * 1e3
     );
-    Ok(Json(
-        json!({"success": true, "message": format!("weights updated to version {version}"), "num_paused_requests": aborted}),
-    ))
+    Ok(Json(json!({
+        "success": true,
+        "message": format!("weights updated to version {version}"),
+        "num_paused_requests": aborted,
+        "mode": mode,
+        "load_seconds": load_secs,
+        "swap_seconds": swap_secs,
+    })))
 }
 
-/// `/update_weights_from_disk` when the weights live only on the GPU: the checkpoint is loaded
-/// onto the device beside the served weights, on a stream of its own, while generation goes
-/// on; the engine then swaps it in between two steps (it stands still only for the swap).
+/// `/update_weights_from_disk` when the weights live only on the GPU and the device has room
+/// for a second copy: the checkpoint is loaded onto the device beside the served weights, on
+/// the loader's stream, while generation goes on; the engine then swaps it in between two
+/// steps (it stands still only for the swap). `_commit` is held throughout.
 async fn update_on_device(
     state: &AppState,
     body: UpdateFromDisk,
     path: PathBuf,
-    settings: Arc<WeightSettings>,
+    loader: crate::engine::DeviceLoader,
+    _commit: tokio::sync::OwnedMutexGuard<()>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let _commit = state.updates.commit.lock().await;
+    let settings = &state.weights;
     let weights = crate::engine::DiskWeights {
         dir: path.clone(),
         quantization: settings.quantization,
         recipe: settings.recipe.clone(),
     };
-    let loader = state.engine.device_loader().await?;
     let started = Instant::now();
     let (loaded, sum) = tokio::task::spawn_blocking(move || {
         let mut loaded = loader.load(&weights)?;
@@ -214,6 +234,7 @@ async fn update_on_device(
         "success": true,
         "message": format!("weights updated to version {version}"),
         "num_paused_requests": aborted,
+        "mode": "shadow",
         "load_seconds": load_secs,
         "swap_seconds": swap_secs,
     })))
@@ -314,7 +335,7 @@ pub struct WeightUpdates {
     session: tokio::sync::Mutex<Option<Session>>,
     /// Held from reading the served checksum to the swap, so two commits (a session and an
     /// update from disk) never overlay the same old checksum.
-    commit: tokio::sync::Mutex<()>,
+    commit: Arc<tokio::sync::Mutex<()>>,
     /// `/weights_checker {action: snapshot}`: the served checksum then, with its version.
     snapshot: std::sync::Mutex<Option<(String, Arc<WeightsChecksum>)>>,
     pub max_staged_bytes: usize,
@@ -325,7 +346,7 @@ impl WeightUpdates {
     pub fn new(max_staged_bytes: usize, session_timeout: Duration) -> WeightUpdates {
         WeightUpdates {
             session: tokio::sync::Mutex::new(None),
-            commit: tokio::sync::Mutex::new(()),
+            commit: Arc::new(tokio::sync::Mutex::new(())),
             snapshot: std::sync::Mutex::new(None),
             max_staged_bytes,
             session_timeout,
