@@ -533,9 +533,11 @@ pub(crate) async fn stage_bucket(
     session_id: Option<&str>,
     tensors: Vec<(String, StagedTensor)>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
+    let arrived = Instant::now();
     let incoming = check_incoming(&state.engine.info, tensors)?;
     // The session is held through the bucket, so buckets and the commit never interleave.
     let mut open = state.updates.session.lock().await;
+    let locked = Instant::now();
     let session = open_session(&mut open, session_id, state.updates.session_timeout)?;
     if session.target.is_none() {
         session.target = Some(target(state).await?);
@@ -663,6 +665,18 @@ pub(crate) async fn stage_bucket(
         }
     }
     session.last_activity = Instant::now();
+    tracing::debug!(
+        "bucket of {} bytes ({}): waited {:.1} ms for the session, prepared{} in {:.1} ms",
+        whole_bytes,
+        session.mode(),
+        (locked - arrived).as_secs_f64() * 1e3,
+        if session.shadow_mut().is_some() {
+            " and written"
+        } else {
+            ""
+        },
+        locked.elapsed().as_secs_f64() * 1e3
+    );
     Ok(Json(json!({
         "success": true,
         "session": session.id,
