@@ -214,7 +214,8 @@ pub(crate) fn same_shapes(a: &ModelConfig, b: &ModelConfig) -> bool {
 
 /// The CPU reference: model and KV cache in host memory.
 pub(crate) struct CpuExecutor {
-    model: Model,
+    /// Shared with a shadow copy until the shadow's first write copies it (off this thread).
+    model: std::sync::Arc<Model>,
     kv: KvMemory,
     backend: Cpu,
     state: StepState<Cpu>,
@@ -229,7 +230,7 @@ impl CpuExecutor {
         let num_blocks = cfg.max_total_tokens.div_ceil(cfg.block_size).max(1);
         CpuExecutor {
             kv: kv_memory(&model.config, cfg.kv_dtype, num_blocks, cfg.block_size),
-            model,
+            model: std::sync::Arc::new(model),
             backend: Cpu::default(),
             state: StepState::default(),
             kv_dtype: cfg.kv_dtype,
@@ -297,7 +298,7 @@ impl Executor for CpuExecutor {
     }
 
     fn swap(&mut self, new: Model) -> Result<(), EngineError> {
-        self.model = new;
+        self.model = std::sync::Arc::new(new);
         Ok(())
     }
 
@@ -305,12 +306,20 @@ impl Executor for CpuExecutor {
         &mut self,
         updates: Vec<(String, Replacement)>,
     ) -> Result<Vec<Replacement>, EngineError> {
-        self.model.write(updates).map_err(store_error)
+        std::sync::Arc::get_mut(&mut self.model)
+            .ok_or_else(|| {
+                EngineError::Conflict(
+                    "a shadow copy of the weights is being made; the update was not written"
+                        .into(),
+                )
+            })?
+            .write(updates)
+            .map_err(store_error)
     }
 
-    /// Only when asked (`--weight-update-shadow on`): the copy is made here, on the engine
-    /// thread (generation stands still for it, about as long as writing the update in place
-    /// would), and doubles the weights' memory, so `auto` writes in place on the CPU.
+    /// Only when asked (`--weight-update-shadow on`): the shadow shares the served model until
+    /// its first write copies it (on the writer's thread, not this one); it doubles the
+    /// weights' memory, so `auto` writes in place on the CPU.
     fn shadow(&mut self, required: bool) -> Result<Option<ShadowCopy>, EngineError> {
         if !required {
             return Ok(None);
@@ -325,15 +334,12 @@ impl Executor for CpuExecutor {
                 )));
             }
         }
-        Ok(Some(ShadowCopy::Host(Box::new(self.model.clone()))))
+        Ok(Some(ShadowCopy::Host(self.model.clone())))
     }
 
     fn install_shadow(&mut self, copy: ShadowCopy) -> Result<ShadowCopy, EngineError> {
         match copy {
-            ShadowCopy::Host(m) => Ok(ShadowCopy::Host(Box::new(std::mem::replace(
-                &mut self.model,
-                *m,
-            )))),
+            ShadowCopy::Host(m) => Ok(ShadowCopy::Host(std::mem::replace(&mut self.model, m))),
             ShadowCopy::Device { .. } => Err(EngineError::Conflict(
                 "a device shadow cannot replace host weights".into(),
             )),
@@ -419,8 +425,9 @@ pub struct ShadowWeights {
 
 /// Where a shadow lives.
 pub enum ShadowCopy {
-    /// In host memory (the CPU backend; `--weight-update-shadow on` only).
-    Host(Box<Model>),
+    /// In host memory (the CPU backend; `--weight-update-shadow on` only): the served model
+    /// itself until the first write copies it.
+    Host(std::sync::Arc<Model>),
     /// On the device, written on a stream of its own.
     Device {
         gpu: Gpu,
@@ -444,6 +451,12 @@ impl ShadowWeights {
     }
 }
 
+/// A host shadow of its own: the served model is copied here, on the caller's thread, the first
+/// time the shadow is used.
+fn own(m: &mut std::sync::Arc<Model>) -> &mut Model {
+    std::sync::Arc::make_mut(m)
+}
+
 fn device_store(e: CudaError) -> StoreError {
     StoreError::Device(e.to_string())
 }
@@ -451,7 +464,7 @@ fn device_store(e: CudaError) -> StoreError {
 impl WeightStore for ShadowWeights {
     fn slot_shapes(&mut self) -> std::collections::BTreeMap<String, SlotShape> {
         match &mut self.copy {
-            ShadowCopy::Host(m) => m.slot_shapes(),
+            ShadowCopy::Host(m) => own(m).slot_shapes(),
             ShadowCopy::Device {
                 config, weights, ..
             } => weights.slot_shapes(config),
@@ -460,7 +473,7 @@ impl WeightStore for ShadowWeights {
 
     fn checksum(&mut self) -> Result<WeightsChecksum, StoreError> {
         match &mut self.copy {
-            ShadowCopy::Host(m) => Ok(m.weights_checksum()),
+            ShadowCopy::Host(m) => Ok(own(m).weights_checksum()),
             ShadowCopy::Device {
                 gpu,
                 config,
@@ -479,7 +492,7 @@ impl WeightStore for ShadowWeights {
         updates: Vec<(String, Replacement)>,
     ) -> Result<Vec<Replacement>, StoreError> {
         match &mut self.copy {
-            ShadowCopy::Host(m) => m.write(updates),
+            ShadowCopy::Host(m) => own(m).write(updates),
             ShadowCopy::Device {
                 gpu,
                 config,
