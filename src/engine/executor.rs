@@ -309,8 +309,7 @@ impl Executor for CpuExecutor {
         std::sync::Arc::get_mut(&mut self.model)
             .ok_or_else(|| {
                 EngineError::Conflict(
-                    "a shadow copy of the weights is being made; the update was not written"
-                        .into(),
+                    "a shadow copy of the weights is being made; the update was not written".into(),
                 )
             })?
             .write(updates)

@@ -218,21 +218,43 @@ pub fn dense_part(shape: Vec<usize>, w: &DenseWeight) -> CheckpointPart<'_> {
 }
 
 pub fn mxfp8_parts(q: &Mxfp8Tensor) -> Vec<CheckpointPart<'_>> {
-    let data = [&q.data, &q.scales].map(|d| Cow::Borrowed(&d[..]));
-    stored_parts(Format::Mxfp8, q.rows, q.cols, data.into())
+    quantized_parts(
+        Format::Mxfp8,
+        q.rows,
+        q.cols,
+        [Cow::Borrowed(&q.data[..]), Cow::Borrowed(&q.scales[..])],
+        None,
+    )
 }
 
-/// Activations are scaled per token at run time; ModelOpt loaders still expect an
-/// `input_scale`, so it is 1.0.
 pub fn nvfp4_parts(q: &Nvfp4Tensor) -> Vec<CheckpointPart<'_>> {
+    quantized_parts(
+        Format::Nvfp4,
+        q.rows,
+        q.cols,
+        [Cow::Borrowed(&q.data[..]), Cow::Borrowed(&q.scales[..])],
+        Some(q.global.of_row(0)),
+    )
+}
+
+/// A quantized `[rows, cols]` tensor in checkpoint layout from its stored bytes, wherever they
+/// were read from: `[values, block scales]`, and for NVFP4 its second-level scale
+/// (`weight_scale_2`). Activations are scaled per token at run time; ModelOpt loaders still
+/// expect an `input_scale`, so it is 1.0.
+pub fn quantized_parts<'a>(
+    format: Format,
+    rows: usize,
+    cols: usize,
+    [values, scales]: [Cow<'a, [u8]>; 2],
+    second_level: Option<f32>,
+) -> Vec<CheckpointPart<'a>> {
     let scalar = |v: f32| Cow::Owned(v.to_le_bytes().to_vec());
-    let data = vec![
-        Cow::Borrowed(&q.data[..]),
-        Cow::Borrowed(&q.scales[..]),
-        scalar(q.global.of_row(0)),
-        scalar(1.0),
-    ];
-    stored_parts(Format::Nvfp4, q.rows, q.cols, data)
+    let mut data = vec![values, scales];
+    if format == Format::Nvfp4 {
+        data.push(scalar(second_level.unwrap_or(1.0)));
+        data.push(scalar(1.0));
+    }
+    stored_parts(format, rows, cols, data)
 }
 
 fn stored_parts(

@@ -6,7 +6,6 @@
 use std::collections::BTreeMap;
 
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
-use safetensors::tensor::Dtype;
 
 use super::CudaWeights;
 use crate::backend::cpu::linear::DenseWeight;
@@ -20,7 +19,8 @@ use crate::model::layout::{places, Half, Place, Proj};
 use crate::model::slots::{Replacement, SlotShape};
 use crate::model::store::StoreError;
 use crate::model::{Mlp, ModelConfig};
-use crate::quant::{Format, MXFP8_BLOCK, NVFP4_BLOCK};
+use crate::quant::{slot, Format, MXFP8_BLOCK, NVFP4_BLOCK};
+use half::bf16;
 
 /// Where one checkpoint tensor lives on the device.
 enum DeviceSlot<'a> {
@@ -227,48 +227,24 @@ fn down<T: DeviceRepr + Default + Clone + ValidAsZeroBits>(
     Ok(host)
 }
 
-fn bytes_of<T: bytemuck::Pod>(v: &[T]) -> Vec<u8> {
-    bytemuck::cast_slice(v).to_vec()
-}
-
-/// A high-precision tensor as `CheckpointPart::from_f32` writes it (BF16 when every value is
-/// one), owned.
-fn f32_part(shape: Vec<usize>, values: &[f32]) -> CheckpointPart<'static> {
-    CheckpointPart::from_f32("weight", shape, values).into_owned()
-}
-
-fn scalar(suffix: &'static str, v: f32) -> CheckpointPart<'static> {
-    CheckpointPart {
-        suffix,
-        dtype: Dtype::F32,
-        shape: vec![],
-        data: std::borrow::Cow::Owned(v.to_le_bytes().to_vec()),
-    }
-}
-
-/// One slot's tensors in checkpoint layout (the host `Linear::checkpoint_parts`).
+/// One slot's tensors in checkpoint layout (the host `Linear::checkpoint_parts`), from the
+/// bytes on the device; the layout itself is `quant::slot`'s.
 fn checkpoint_parts(
     gpu: &Gpu,
     slot: &DeviceSlot<'_>,
 ) -> Result<Vec<CheckpointPart<'static>>, CudaError> {
-    let owned = |suffix, dtype, shape, data: Vec<u8>| CheckpointPart {
-        suffix,
-        dtype,
-        shape,
-        data: std::borrow::Cow::Owned(data),
-    };
+    let dense = |shape: Vec<usize>, w: DenseWeight| slot::dense_part(shape, &w).into_owned();
+    let bf16 = |bits: Vec<u16>| DenseWeight::Bf16(bits.into_iter().map(bf16::from_bits).collect());
     Ok(match slot {
-        DeviceSlot::Vector(v) => vec![f32_part(vec![v.len()], &down(gpu, v, 0, v.len())?)],
+        DeviceSlot::Vector(v) => vec![dense(
+            vec![v.len()],
+            DenseWeight::F32(down(gpu, v, 0, v.len())?),
+        )],
         DeviceSlot::Embedding { table, cols, .. } => {
             let shape = vec![table_len(table) / cols, *cols];
             match table {
-                Table::Bf16(t) => vec![owned(
-                    "weight",
-                    Dtype::BF16,
-                    shape,
-                    bytes_of(&down(gpu, t, 0, t.len())?),
-                )],
-                Table::F32(t) => vec![f32_part(shape, &down(gpu, t, 0, t.len())?)],
+                Table::Bf16(t) => vec![dense(shape, bf16(down(gpu, t, 0, t.len())?))],
+                Table::F32(t) => vec![dense(shape, DenseWeight::F32(down(gpu, t, 0, t.len())?))],
             }
         }
         DeviceSlot::Linear {
@@ -281,51 +257,37 @@ fn checkpoint_parts(
             let k = matrix.k;
             let a = (expert * matrix.n + row0) * k;
             let m = rows * k;
-            let shape = vec![*rows, k];
+            let bytes = |v: Vec<u8>| std::borrow::Cow::Owned(v);
             match &matrix.data {
-                WeightData::F32(w) => vec![f32_part(shape, &down(gpu, w, a, m)?)],
-                WeightData::Bf16(w) => {
-                    vec![owned(
-                        "weight",
-                        Dtype::BF16,
-                        shape,
-                        bytes_of(&down(gpu, w, a, m)?),
-                    )]
+                WeightData::F32(w) => {
+                    vec![dense(vec![*rows, k], DenseWeight::F32(down(gpu, w, a, m)?))]
                 }
-                WeightData::Mxfp8 { data, scales } => vec![
-                    owned("weight", Dtype::F8_E4M3, shape, down(gpu, data, a, m)?),
-                    owned(
-                        "weight_scale_inv",
-                        Dtype::U8,
-                        vec![*rows, k / MXFP8_BLOCK],
-                        down(gpu, scales, a / MXFP8_BLOCK, m / MXFP8_BLOCK)?,
-                    ),
-                ],
+                WeightData::Bf16(w) => vec![dense(vec![*rows, k], bf16(down(gpu, w, a, m)?))],
+                WeightData::Mxfp8 { data, scales } => slot::quantized_parts(
+                    Format::Mxfp8,
+                    *rows,
+                    k,
+                    [
+                        bytes(down(gpu, data, a, m)?),
+                        bytes(down(gpu, scales, a / MXFP8_BLOCK, m / MXFP8_BLOCK)?),
+                    ],
+                    None,
+                ),
                 WeightData::Nvfp4 {
                     data,
                     scales,
                     s_dec,
                     groups,
-                } => {
-                    let s = down(gpu, s_dec, expert * groups + group, 1)?[0];
-                    vec![
-                        owned(
-                            "weight",
-                            Dtype::U8,
-                            vec![*rows, k / 2],
-                            down(gpu, data, a / 2, m / 2)?,
-                        ),
-                        owned(
-                            "weight_scale",
-                            Dtype::F8_E4M3,
-                            vec![*rows, k / NVFP4_BLOCK],
-                            down(gpu, scales, a / NVFP4_BLOCK, m / NVFP4_BLOCK)?,
-                        ),
-                        scalar("weight_scale_2", s),
-                        // As the host layer writes it: activations are scaled per token.
-                        scalar("input_scale", 1.0),
-                    ]
-                }
+                } => slot::quantized_parts(
+                    Format::Nvfp4,
+                    *rows,
+                    k,
+                    [
+                        bytes(down(gpu, data, a / 2, m / 2)?),
+                        bytes(down(gpu, scales, a / NVFP4_BLOCK, m / NVFP4_BLOCK)?),
+                    ],
+                    Some(down(gpu, s_dec, expert * groups + group, 1)?[0]),
+                ),
             }
         }
     })
