@@ -441,8 +441,8 @@ impl Core {
                     });
                 let _ = reply.send(result);
             }
-            Command::ReadIpc { sources, reply } => {
-                let _ = reply.send(self.exec.read_ipc(&sources));
+            Command::IpcStream(reply) => {
+                let _ = reply.send(self.exec.ipc_stream());
             }
             Command::ReleaseMemory { tags, reply } => {
                 let _ = reply.send(self.release_memory(tags.as_deref()));

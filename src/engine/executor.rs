@@ -137,11 +137,9 @@ pub(crate) trait Executor {
     /// the caller to free off the engine thread.
     fn install_shadow(&mut self, copy: ShadowCopy) -> Result<ShadowCopy, EngineError>;
 
-    /// Copies tensors shared through CUDA IPC to the host. Only a CUDA executor can open them.
-    fn read_ipc(
-        &mut self,
-        _sources: &[crate::backend::cuda::ipc::IpcSource],
-    ) -> Result<Vec<Vec<u8>>, EngineError> {
+    /// A stream of its own for copying tensors shared through CUDA IPC, off the engine thread.
+    /// Only a CUDA executor can open them.
+    fn ipc_stream(&mut self) -> Result<Gpu, EngineError> {
         Err(EngineError::BadInput {
             param: "serialized_named_tensors".into(),
             message: "serialized_named_tensors holds CUDA IPC tensor handles, which this server cannot open: it computes on the CPU (start it with --device cuda on the trainer's GPU, or stream safetensors buckets with PUT /update_weights)".into(),
@@ -693,15 +691,9 @@ impl Executor for CudaExecutor {
         })
     }
 
-    fn read_ipc(
-        &mut self,
-        sources: &[crate::backend::cuda::ipc::IpcSource],
-    ) -> Result<Vec<Vec<u8>>, EngineError> {
-        crate::backend::cuda::ipc::read_to_host(self.model.gpu(), sources).map_err(|e| {
-            EngineError::BadInput {
-                param: e.name,
-                message: e.message,
-            }
+    fn ipc_stream(&mut self) -> Result<Gpu, EngineError> {
+        self.model.gpu().with_own_stream().map_err(|e| {
+            EngineError::Conflict(format!("no stream for copying the shared tensors: {e}"))
         })
     }
 

@@ -112,11 +112,8 @@ pub(crate) enum Command {
         /// caller, off the engine thread).
         reply: oneshot::Sender<Result<(std::time::Duration, Vec<Replacement>), EngineError>>,
     },
-    /// Copy tensors shared through CUDA IPC to the host (see [`EngineHandle::read_ipc`]).
-    ReadIpc {
-        sources: Vec<crate::backend::cuda::ipc::IpcSource>,
-        reply: oneshot::Sender<Result<Vec<Vec<u8>>, EngineError>>,
-    },
+    /// A stream for copying tensors shared through CUDA IPC (see [`EngineHandle::read_ipc`]).
+    IpcStream(oneshot::Sender<Result<crate::backend::cuda::Gpu, EngineError>>),
     /// `/release_memory_occupation` (see [`EngineHandle::release_memory`]).
     ReleaseMemory {
         tags: Option<Vec<MemoryTag>>,
@@ -387,17 +384,36 @@ impl EngineHandle {
     }
 
     /// Copies tensors another process on this GPU shares through CUDA IPC to host memory (one
-    /// buffer per source, in order), on the engine thread between two steps; every handle is
-    /// closed and the producer's reference given back before this answers. A CPU engine
-    /// refuses (no device to open them on).
+    /// buffer per source, in order), on a stream of its own off the engine thread (generation
+    /// goes on); every handle is closed and the producer's references given back before this
+    /// answers, also when it fails. A CPU engine refuses (no device to open them on).
     pub async fn read_ipc(
         &self,
         sources: Vec<crate::backend::cuda::ipc::IpcSource>,
     ) -> Result<Vec<Vec<u8>>, EngineError> {
+        use crate::backend::cuda::ipc;
         let (reply, rx) = oneshot::channel();
-        self.send(Command::ReadIpc { sources, reply })?;
-        rx.await
-            .map_err(|_| EngineError::Stopped(self.last_error()))?
+        let stream = match self.send(Command::IpcStream(reply)) {
+            Ok(()) => rx
+                .await
+                .map_err(|_| EngineError::Stopped(self.last_error()))
+                .and_then(|r| r),
+            Err(e) => Err(e),
+        };
+        let gpu = match stream {
+            Ok(gpu) => gpu,
+            Err(e) => {
+                ipc::release_references(&sources);
+                return Err(e);
+            }
+        };
+        tokio::task::spawn_blocking(move || ipc::read_to_host(&gpu, &sources))
+            .await
+            .map_err(|e| EngineError::Failed(format!("the copy task failed: {e}")))?
+            .map_err(|e| EngineError::BadInput {
+                param: e.name,
+                message: e.message,
+            })
     }
 
     /// Releases the memory of `tags` (SGLang's `/release_memory_occupation`; None: every tag

@@ -1,6 +1,6 @@
 //! `POST /update_weights_from_tensor` (SGLang's colocated update): the trainer, on the same
-//! GPU, sends CUDA IPC handles of its tensors (tensor_ipc.rs reads SGLang's pickles); the
-//! engine thread copies them out of the trainer's memory, closing every handle before this
+//! GPU, sends CUDA IPC handles of its tensors (tensor_ipc.rs reads SGLang's pickles); they are
+//! copied out of the trainer's memory on a stream of their own, off the engine thread, every handle closed before this
 //! answers, and the tensors then take the streamed session's path: checked against the
 //! layout, quantized for MXFP8/NVFP4 slots by `quant::slot`, committed all at once. With a
 //! session open (`/begin_weight_update`) they are staged into it and commit at
@@ -99,8 +99,8 @@ async fn update(state: &AppState, body: UpdateFromTensor) -> Result<serde_json::
     }
     let bytes: usize = payload.sources.iter().map(|s| s.len).sum();
     let started = Instant::now();
-    // The engine thread owns the CUDA context: it opens, copies and closes (and answers the
-    // CPU backend's refusal, naming serialized_named_tensors).
+    // Opened, copied and closed on a stream of its own (the CPU backend refuses, naming
+    // serialized_named_tensors).
     let host = state.engine.read_ipc(payload.sources).await?;
     let copy_s = started.elapsed().as_secs_f64();
     let host: Vec<bytes::Bytes> = host.into_iter().map(bytes::Bytes::from).collect();
