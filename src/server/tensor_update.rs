@@ -1,10 +1,11 @@
 //! `POST /update_weights_from_tensor` (SGLang's colocated update): the trainer, on the same
 //! GPU, sends CUDA IPC handles of its tensors (tensor_ipc.rs reads SGLang's pickles); they are
-//! copied out of the trainer's memory on a stream of their own, off the engine thread, every handle closed before this
-//! answers, and the tensors then take the streamed session's path: checked against the
-//! layout, quantized for MXFP8/NVFP4 slots by `quant::slot`, committed all at once. With a
-//! session open (`/begin_weight_update`) they are staged into it and commit at
-//! `/end_weight_update`; otherwise the call is one update of its own.
+//! copied out of the trainer's memory on a stream of their own, off the engine thread, every
+//! handle closed before this answers, and the tensors then take the streamed session's path:
+//! checked against the layout, quantized for MXFP8/NVFP4 slots by `quant::slot`, committed all
+//! at once. With a session open (`/begin_weight_update`) they are staged into it (into its
+//! shadow, when it has one) and commit at `/end_weight_update`; otherwise the call is one
+//! update of its own, written in place.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
