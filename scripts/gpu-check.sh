@@ -36,11 +36,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 declare -A what=(
   [cuda_ops]="ops, quantizers, GEMM kernels, attention, models vs CPU"
   [cuda_sampling]="device sampler vs CPU sampler"
-  [cuda_load]="checkpoints loaded straight to the GPU, byte for byte; streamed update"
+  [cuda_load]="checkpoints loaded straight to the GPU, byte for byte; streamed update; from-disk and shadow swaps beside running requests"
   [cuda_attention]="attention vs CPU; rows bitwise equal in every batching"
   [cuda_invariance]="GEMM, MoE, quantizer, norm rows bitwise equal for every row count"
   [cuda_generate]="greedy generation vs CPU engine; rollout == recompute bitwise"
-  [cuda_memory]="release/resume memory: freed bytes reach another allocator; same bits after"
+  [cuda_memory]="release/resume memory: freed bytes reach another allocator; same bits after; no room for a second copy: updates in place"
 )
 # TESTS="cuda_invariance cuda_attention" runs a subset; TEST_FILTER="name1 name2" only the tests
 # whose names contain one of these.
