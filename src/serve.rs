@@ -147,13 +147,14 @@ pub struct ServeArgs {
     )]
     pub grace_period_s: u64,
 
+    /// Requests running at once (default: 64 on the CPU; on CUDA 1024, at most
+    /// --chunked-prefill-size, the KV cache bounding them through admission's reserve).
     #[arg(
         long,
-        default_value_t = defaults::MAX_RUNNING_REQUESTS,
         env = "LOCKSTEP_MAX_RUNNING_REQUESTS",
         help_heading = "Scheduling"
     )]
-    pub max_running_requests: usize,
+    pub max_running_requests: Option<usize>,
     /// KV cache capacity in tokens (default: 65536 on the CPU; on CUDA, what
     /// --mem-fraction-static leaves, capped by this when given).
     #[arg(long, env = "LOCKSTEP_MAX_TOTAL_TOKENS", help_heading = "Scheduling")]
@@ -182,6 +183,17 @@ pub struct ServeArgs {
         help_heading = "Scheduling"
     )]
     pub max_queued_requests: usize,
+    /// How much free KV admission keeps for the running requests' future tokens, as SGLang's
+    /// flag of the name: at 1, 70% of each one's remaining max_new_tokens (clipped to 4096),
+    /// decaying to 10% as steps pass without preemption; higher admits fewer requests at once
+    /// (fewer preemptions), 0 admits on the prompt alone.
+    #[arg(
+        long,
+        default_value_t = defaults::SCHEDULE_CONSERVATIVENESS,
+        env = "LOCKSTEP_SCHEDULE_CONSERVATIVENESS",
+        help_heading = "Scheduling"
+    )]
+    pub schedule_conservativeness: f64,
     #[arg(
         long,
         value_enum,
@@ -283,18 +295,35 @@ pub enum ServeError {
     Io(#[from] std::io::Error),
 }
 
+impl ServeArgs {
+    /// `--max-running-requests`, or its default on the device (`cuda`) the engine runs on.
+    pub fn running_requests(&self, cuda: bool) -> usize {
+        self.max_running_requests.unwrap_or(if cuda {
+            defaults::CUDA_MAX_RUNNING_REQUESTS.min(self.chunked_prefill_size)
+        } else {
+            defaults::MAX_RUNNING_REQUESTS
+        })
+    }
+}
+
 /// Flag combinations the engine cannot run with, reported before anything is loaded.
-fn check_sizes(args: &ServeArgs) -> Result<(), ServeError> {
+fn check_sizes(args: &ServeArgs, max_running_requests: usize) -> Result<(), ServeError> {
     let bad = |msg: String| Err(ServeError::Config(msg));
-    if args.max_running_requests == 0 || args.page_size == 0 || args.max_queued_requests == 0 {
+    if !(args.schedule_conservativeness >= 0.0 && args.schedule_conservativeness.is_finite()) {
+        return bad(format!(
+            "--schedule-conservativeness must be a number >= 0, not {}",
+            args.schedule_conservativeness
+        ));
+    }
+    if max_running_requests == 0 || args.page_size == 0 || args.max_queued_requests == 0 {
         return bad(
             "--max-running-requests, --page-size and --max-queued-requests must be positive".into(),
         );
     }
-    if args.chunked_prefill_size < args.max_running_requests {
+    if args.chunked_prefill_size < max_running_requests {
         return bad(format!(
             "--chunked-prefill-size {} must be at least --max-running-requests {}: every running request decodes one token per step",
-            args.chunked_prefill_size, args.max_running_requests
+            args.chunked_prefill_size, max_running_requests
         ));
     }
     if let Some(t) = args.max_total_tokens.filter(|&t| t < args.page_size) {
@@ -350,8 +379,9 @@ impl Loaded {
 
 /// Loads the model and starts the engine thread.
 pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeError> {
-    check_sizes(args)?;
     let cuda = resolve_device(args.device)?;
+    let max_running_requests = args.running_requests(cuda);
+    check_sizes(args, max_running_requests)?;
     let recipe = args.recipe.as_deref().map(Recipe::from_file).transpose()?;
     let dummy = |cfg: ModelConfig, recipe: &Recipe| -> Result<Loaded, ServeError> {
         Ok(if cuda {
@@ -514,13 +544,14 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
         weights_checksum: std::sync::RwLock::new(("default".to_string(), checksum)),
     };
     let cfg = EngineConfig {
-        max_running_requests: args.max_running_requests,
+        max_running_requests,
         max_batch_tokens: args.chunked_prefill_size,
         max_total_tokens: args.max_total_tokens.unwrap_or(defaults::MAX_TOTAL_TOKENS),
         block_size: args.page_size,
         max_context_len: context_len,
         max_queued_requests: args.max_queued_requests,
         kv_dtype,
+        schedule_conservativeness: args.schedule_conservativeness,
     };
     // Start-up failures on the engine thread (a device that cannot be opened, a kernel that
     // does not compile, too little memory) end `serve` with their message.
@@ -533,6 +564,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
 pub fn app_state(args: &ServeArgs, engine: EngineHandle, limits: Limits) -> AppState {
     // The recipe the served weights were built with (parsed once, at start).
     let recipe = Some(engine.info.recipe.clone());
+    let max_running_requests = args.running_requests(limits.on_gpu);
     AppState {
         served_model_name: engine.info.served_model_name.clone().into(),
         engine,
@@ -544,7 +576,7 @@ pub fn app_state(args: &ServeArgs, engine: EngineHandle, limits: Limits) -> AppS
         shutting_down: Arc::new(AtomicBool::new(false)),
         started: Instant::now(),
         max_request_bytes: args.max_request_bytes,
-        max_running_requests: args.max_running_requests,
+        max_running_requests,
         weights: Arc::new(crate::server::weights::WeightSettings {
             quantization: args.quantization,
             recipe,

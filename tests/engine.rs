@@ -20,13 +20,14 @@ mod common;
 use common::run_requests;
 
 fn engine(max_total_tokens: usize, block_size: usize) -> EngineHandle {
-    engine_with(max_total_tokens, block_size, 256)
+    engine_with(max_total_tokens, block_size, 256, 1.0)
 }
 
 fn engine_with(
     max_total_tokens: usize,
     block_size: usize,
     max_queued_requests: usize,
+    schedule_conservativeness: f64,
 ) -> EngineHandle {
     let (model, info) = embedded(block_size);
     let cfg = EngineConfig {
@@ -37,6 +38,7 @@ fn engine_with(
         max_context_len: 512,
         max_queued_requests,
         kv_dtype: KvDtype::Bf16,
+        schedule_conservativeness,
     };
     // Returns once the engine has run its warm-up step.
     let h = Engine::start(model, info, cfg).expect("engine starts");
@@ -81,6 +83,7 @@ fn a_start_up_that_panics_returns_its_error_instead_of_waiting() {
         max_context_len: 512,
         max_queued_requests: 4,
         kv_dtype: KvDtype::Bf16,
+        schedule_conservativeness: 1.0,
     };
     let err = Engine::start(model, info, cfg).err().expect("refused");
     assert!(
@@ -206,16 +209,20 @@ fn preemption_under_a_tiny_kv_pool_loses_and_changes_nothing() {
             .collect::<Vec<_>>()
     };
     let roomy = run_requests(&engine(8192, 4), reqs());
-    // 16 blocks of 4 tokens = 64 tokens for 6 sequences that each grow to 30: preemptions.
-    let tight_engine = engine(64, 4);
+    // 16 blocks of 4 tokens = 64 tokens for 6 sequences that each grow to 30: preemptions
+    // (admission keeps nothing free for future tokens, so it admits them all at once).
+    let tight_engine = engine_with(64, 4, 256, 0.0);
     let tight = run_requests(&tight_engine, reqs());
-    for (i, (a, b)) in roomy.iter().zip(&tight).enumerate() {
+    // The same pool with SGLang's reserve admits fewer at once; the tokens are the same.
+    let reserving = run_requests(&engine(64, 4), reqs());
+    for (i, ((a, b), c)) in roomy.iter().zip(&tight).zip(&reserving).enumerate() {
         assert_eq!(b.0.len(), 20, "request {i} got all its tokens exactly once");
         assert_eq!(
             ids(&a.0),
             ids(&b.0),
             "request {i}: recompute after preemption gives the same tokens"
         );
+        assert_eq!(ids(&a.0), ids(&c.0), "request {i} with the reserve");
         assert_eq!(b.1.reason, Finish::Length { length: 20 });
     }
     // The engine publishes its counters right after the step that finished the last request.
@@ -310,7 +317,7 @@ fn prompt_logprobs_agree_with_decode_logprobs_and_experts_are_captured() {
 #[test]
 fn admission_is_bounded_and_never_refuses_below_the_bound() {
     use lockstep::engine::{EngineError, PauseMode};
-    let h = engine_with(8192, 16, 8);
+    let h = engine_with(8192, 16, 8, 1.0);
     // Bursts below the bound are always accepted (a racy queue counter once refused them).
     for round in 0..30 {
         let reqs = (0..6)

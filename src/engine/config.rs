@@ -5,7 +5,12 @@ use crate::backend::cpu::attention::KvDtype;
 /// Every default of the engine's sizes, defined once: [`EngineConfig::default`] and the
 /// `serve` flags (`--max-running-requests`, `--chunked-prefill-size`, ...) read these.
 pub mod defaults {
+    /// `--max-running-requests` on the CPU backend.
     pub const MAX_RUNNING_REQUESTS: usize = 64;
+    /// `--max-running-requests` on a CUDA device (vLLM's GPU default; at most the step's
+    /// tokens, `--chunked-prefill-size`): the KV cache, through admission's reserve, is what
+    /// bounds the running requests there.
+    pub const CUDA_MAX_RUNNING_REQUESTS: usize = 1024;
     /// Tokens per step (`--chunked-prefill-size`).
     pub const MAX_BATCH_TOKENS: usize = 2048;
     /// KV capacity of the CPU backend (a device sizes its cache from memory).
@@ -14,6 +19,8 @@ pub mod defaults {
     pub const BLOCK_SIZE: usize = 16;
     pub const MAX_CONTEXT_LEN: usize = 4096;
     pub const MAX_QUEUED_REQUESTS: usize = 1024;
+    /// `--schedule-conservativeness` (SGLang's default).
+    pub const SCHEDULE_CONSERVATIVENESS: f64 = 1.0;
 }
 
 /// Sizes and limits of the engine.
@@ -29,6 +36,9 @@ pub struct EngineConfig {
     /// Requests waiting beyond this are refused (503) instead of queued.
     pub max_queued_requests: usize,
     pub kv_dtype: KvDtype,
+    /// KV admission keeps free for the running requests' future tokens
+    /// ([`crate::scheduler::SchedulerConfig::schedule_conservativeness`]).
+    pub schedule_conservativeness: f64,
 }
 
 impl Default for EngineConfig {
@@ -41,6 +51,7 @@ impl Default for EngineConfig {
             max_context_len: defaults::MAX_CONTEXT_LEN,
             max_queued_requests: defaults::MAX_QUEUED_REQUESTS,
             kv_dtype: KvDtype::Bf16,
+            schedule_conservativeness: defaults::SCHEDULE_CONSERVATIVENESS,
         }
     }
 }

@@ -209,6 +209,7 @@ impl Core {
                 max_running_requests: cfg.max_running_requests,
                 max_batch_tokens: cfg.max_batch_tokens,
                 max_context_len: cfg.max_context_len,
+                schedule_conservativeness: cfg.schedule_conservativeness,
             },
             pool,
         );

@@ -48,6 +48,7 @@ fn config() -> EngineConfig {
         max_context_len: 256,
         max_queued_requests: 16,
         kv_dtype: KvDtype::Bf16,
+        schedule_conservativeness: 1.0,
     }
 }
 

@@ -7,7 +7,12 @@
 //! - Each step has a token budget. Decoding sequences go first, one token each, so a long
 //!   prompt never stalls generation; partially prefilled and then waiting sequences get chunks
 //!   of their prompt while the budget lasts (chunked prefill).
-//! - Waiting requests are admitted in FIFO order while blocks and running slots last.
+//! - Waiting requests are admitted in FIFO order while blocks and running slots last, and,
+//!   as SGLang does (`--schedule-conservativeness`), while the free KV covers what the running
+//!   sequences are expected to still need: a ratio of each one's remaining `max_new_tokens`
+//!   (clipped to 4096), 0.7 x the conservativeness at first, decaying to 14% of that over 600
+//!   steps without preemption and starting over when a step preempts. A conservativeness of 0
+//!   admits on the prompt alone.
 //! - A decoding sequence that needs a block when none is left preempts the most recently
 //!   admitted running sequence by recompute: its KV is freed and it returns to the front of the
 //!   waiting queue with its generated tokens, to be prefilled again (the prefix cache may keep
@@ -34,7 +39,7 @@ impl fmt::Display for SeqId {
 }
 
 /// Batching limits. The block size is the [`KvPool`]'s, so it is not repeated here.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SchedulerConfig {
     /// Sequences holding KV and taking part in steps at once.
     pub max_running_requests: usize,
@@ -42,6 +47,59 @@ pub struct SchedulerConfig {
     pub max_batch_tokens: usize,
     /// Longest sequence (prompt plus generated tokens) the model accepts.
     pub max_context_len: usize,
+    /// How much KV admission keeps free for the running sequences' future tokens (SGLang's
+    /// `--schedule-conservativeness`; 0: none, 1: SGLang's default).
+    pub schedule_conservativeness: f64,
+}
+
+/// Tokens of a sequence's remaining `max_new_tokens` that admission reserves at most (SGLang's
+/// `CLIP_MAX_NEW_TOKENS`).
+const CLIP_MAX_NEW_TOKENS: usize = 4096;
+/// The reserve ratio's start per unit of conservativeness, its floor as a share of the start,
+/// and the steps it takes to decay from one to the other (SGLang's defaults).
+const INIT_NEW_TOKEN_RATIO: f64 = 0.7;
+const MIN_NEW_TOKEN_RATIO_FACTOR: f64 = 0.14;
+const NEW_TOKEN_RATIO_DECAY_STEPS: f64 = 600.0;
+
+/// The share of each running sequence's remaining `max_new_tokens` that admission keeps KV
+/// free for.
+#[derive(Debug, Clone, Copy)]
+struct Reserve {
+    init: f64,
+    min: f64,
+    decay: f64,
+    ratio: f64,
+}
+
+impl Reserve {
+    fn new(conservativeness: f64) -> Reserve {
+        let init = (INIT_NEW_TOKEN_RATIO * conservativeness.max(0.0)).min(1.0);
+        let min = (MIN_NEW_TOKEN_RATIO_FACTOR * init).min(1.0);
+        Reserve {
+            init,
+            min,
+            decay: (init - min) / NEW_TOKEN_RATIO_DECAY_STEPS,
+            ratio: init,
+        }
+    }
+
+    fn is_off(&self) -> bool {
+        self.init == 0.0
+    }
+
+    /// KV tokens expected for `remaining_new` more tokens.
+    fn expected(&self, remaining_new: usize) -> usize {
+        (self.ratio * remaining_new.min(CLIP_MAX_NEW_TOKENS) as f64).ceil() as usize
+    }
+
+    /// After a step: back to the start when it had to preempt, else one decay step down.
+    fn after_step(&mut self, preempted: bool) {
+        self.ratio = if preempted {
+            self.init
+        } else {
+            (self.ratio - self.decay).max(self.min)
+        };
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -164,6 +222,15 @@ impl Seq {
             .expect("a running sequence has a block table")
     }
 
+    /// KV tokens this sequence still needs beyond its blocks: the rest of its known tokens,
+    /// and what `reserve` expects of its remaining `max_new_tokens`.
+    fn outstanding(&self, reserve: &Reserve) -> usize {
+        let held = self.table.as_ref().map_or(0, BlockTable::capacity);
+        let generated = self.tokens.len() - self.prompt_len;
+        self.tokens.len().saturating_sub(held)
+            + reserve.expected(self.max_new_tokens.saturating_sub(generated))
+    }
+
     /// Back to the waiting state: KV freed (by Drop), everything to be recomputed.
     fn reset(&mut self) {
         self.table = None;
@@ -184,6 +251,7 @@ pub struct Scheduler {
     ids: HashSet<SeqId>,
     paused: bool,
     stats: SchedulerStats,
+    reserve: Reserve,
 }
 
 impl Scheduler {
@@ -200,6 +268,7 @@ impl Scheduler {
         let max_len = config
             .max_context_len
             .min(pool.num_blocks() * pool.block_size());
+        let config_reserve = config.schedule_conservativeness;
         Scheduler {
             config,
             pool,
@@ -209,6 +278,7 @@ impl Scheduler {
             ids: HashSet::new(),
             paused: false,
             stats: SchedulerStats::default(),
+            reserve: Reserve::new(config_reserve),
         }
     }
 
@@ -360,6 +430,15 @@ impl Scheduler {
 
         // Admission, unless this step had to preempt: memory is short, and the victims at the
         // front of the queue would only be admitted to be preempted again.
+        let bs = self.pool.block_size();
+        let mut reserved: usize = if self.reserve.is_off() {
+            0
+        } else {
+            self.running
+                .iter()
+                .map(|s| s.outstanding(&self.reserve))
+                .sum()
+        };
         let mut w = 0;
         while out.preempted.is_empty()
             && w < self.waiting.len()
@@ -376,6 +455,18 @@ impl Scheduler {
                 w += 1;
                 continue;
             }
+            // The free KV must cover what the running sequences are expected to still need and
+            // what this one will (a request alone is always admitted, so none waits forever).
+            if !self.reserve.is_off() && !self.running.is_empty() {
+                let generated = seq.tokens.len() - seq.prompt_len;
+                let own = (seq.tokens.len() - cached)
+                    + self
+                        .reserve
+                        .expected(seq.max_new_tokens.saturating_sub(generated));
+                if reserved + own > self.pool.num_available() * bs {
+                    break;
+                }
+            }
             let n = (seq.tokens.len() - cached).min(budget);
             if table.ensure_capacity(cached + n).is_err() {
                 break;
@@ -385,9 +476,15 @@ impl Scheduler {
             self.stats.prefix_hit_tokens += cached as u64;
             seq.num_computed = cached;
             seq.table = Some(table);
+            if !self.reserve.is_off() {
+                reserved += seq.outstanding(&self.reserve);
+            }
             self.running.push(seq);
             self.push_chunk(self.running.len() - 1, n, cached, &mut out);
             budget -= n;
+        }
+        if !out.is_empty() {
+            self.reserve.after_step(!out.preempted.is_empty());
         }
         out
     }

@@ -81,6 +81,7 @@ pub fn engine_config(
         max_context_len,
         max_queued_requests,
         kv_dtype: KvDtype::Bf16,
+        schedule_conservativeness: lockstep::engine::defaults::SCHEDULE_CONSERVATIVENESS,
     }
 }
 
