@@ -59,8 +59,8 @@ pub enum ShadowMode {
     /// A shadow on the device when free device memory holds one (CUDA); otherwise in place.
     #[default]
     Auto,
-    /// Always a shadow (also on the CPU, where it is copied on the engine thread); a session
-    /// whose shadow does not fit is refused (409) at its first bucket.
+    /// Always a shadow (also on the CPU, where the first bucket's write copies the served
+    /// model); a session whose shadow does not fit is refused (409) at its first bucket.
     On,
     /// Always in place.
     Off,
