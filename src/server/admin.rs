@@ -170,6 +170,8 @@ pub async fn server_info(State(state): State<AppState>) -> Json<serde_json::Valu
     body["enable_weights_cpu_backup"] = json!(memory.weights_backup);
     body["memory_released"] = json!(memory.released());
     body["weights_state"] = json!(memory.weights.name());
+    // Since start: sequences preempted by recompute (the KV cache ran out).
+    body["num_preemptions"] = json!(s.preemptions.load(Ordering::Acquire));
     Json(body)
 }
 

@@ -73,6 +73,7 @@ pub async fn render(State(state): State<AppState>) -> Response {
     metrics::gauge!("lockstep_num_queue_reqs").set(shared.waiting.load(Acquire) as f64);
     metrics::gauge!("lockstep_kv_blocks_used").set(shared.kv_used_blocks.load(Acquire) as f64);
     metrics::gauge!("lockstep_kv_blocks_total").set(shared.kv_total_blocks.load(Acquire) as f64);
+    metrics::counter!("lockstep_preemptions_total").absolute(shared.preemptions.load(Acquire));
     let version = state.engine.weight_version();
     metrics::gauge!("lockstep_weight_version_info", "version" => version).set(1.0);
     (

@@ -23,6 +23,7 @@ REQUIRED_SAMPLES = [
     "lockstep_num_queue_reqs",
     "lockstep_prompt_tokens_total",
     "lockstep_generation_tokens_total",
+    "lockstep_preemptions_total",
 ]
 
 
@@ -105,3 +106,30 @@ def test_unknown_paths_share_one_label(server):
     endpoints = {s.labels.get("endpoint") for s in samples if s.name == "lockstep_http_requests_total"}
     assert not any(e and e.startswith("/scan") for e in endpoints), endpoints
     assert value(samples, "lockstep_http_requests_total", status="404") >= 3
+
+
+def test_preemptions_and_prefix_hits_are_counted(fresh_server):
+    """A KV pool too small for the requests at once, admitted without a reserve
+    (--schedule-conservativeness 0): preemptions happen, and /metrics and /get_server_info count
+    the same number."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from e2e_util import post
+
+    srv = fresh_server("--max-total-tokens", "256", "--page-size", "16",
+                       "--schedule-conservativeness", "0", name="preempting")
+
+    def run(i):
+        r = post(srv.url + "/generate", timeout=120, json={
+            "input_ids": [5 + i] * 24,
+            "sampling_params": {"max_new_tokens": 60, "ignore_eos": True, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        return len(r.json()["output_ids"])
+
+    with ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(run, range(6))) == [60] * 6
+    wait_idle(srv.url, timeout=30)
+    info = srv.get("/get_server_info").json()
+    _, samples = scrape(srv.url)
+    assert info["num_preemptions"] > 0, info
+    assert value(samples, "lockstep_preemptions_total") == info["num_preemptions"]
