@@ -668,3 +668,52 @@ async fn a_push_into_a_shadow_copy_lands_the_same_bits_and_a_refused_commit_chan
     assert_eq!(version(&s).await, "disk");
     assert_eq!(overall(&s).await, from_disk);
 }
+
+/// A trainer that goes away mid-update: its session, idle past `--weight-update-timeout-s`, is
+/// dropped by the server on its own, shadow copy and all, so the weights' memory can be
+/// released again and a new session opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_session_is_dropped_with_its_shadow() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    bf16_checkpoint(&a, 1.0);
+    bf16_checkpoint(&b, 1.25);
+    let ma = a.to_str().unwrap().to_string();
+    let args = [
+        "--model-path",
+        &ma,
+        "--weight-update-shadow",
+        "on",
+        "--weight-update-timeout-s",
+        "1",
+    ];
+    let s = Proc::start(&args).await;
+    let c = s.client();
+    let sum = overall(&c).await;
+    let bucket = bucket_of(&b, "layers.0.self_attn");
+    let (session, staged) = stage(&c, bucket.clone()).await;
+    assert_eq!(staged["mode"], "shadow", "{staged}");
+    // No request comes; the server drops the session by itself once it is idle past 1 s. Until
+    // then a bucket for it is refused as timed out (409, the session still held); once dropped,
+    // the session is unknown (404).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (code, message) = status_of(c.put_bucket(&session, bucket.clone()).await);
+        if code == 404 {
+            break;
+        }
+        assert_eq!(code, 409, "{message}");
+        assert!(message.contains("timed out"), "{message}");
+        assert!(Instant::now() < deadline, "never dropped");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    c.post("/release_memory_occupation", &json!({}), false)
+        .await
+        .unwrap();
+    c.post("/resume_memory_occupation", &json!({}), false)
+        .await
+        .unwrap();
+    assert_eq!(overall(&c).await, sum, "nothing of the session was served");
+    assert_eq!(version(&c).await, "default");
+}

@@ -474,6 +474,8 @@ pub async fn release_memory_occupation(
     ApiBytes(body): ApiBytes,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let tags = memory_tags(&body)?;
+    // A session idle past its timeout would otherwise hold its shadow copy's memory.
+    super::weights::drop_idle_session(&state.updates).await;
     let report = state.engine.release_memory(tags).await?;
     Ok(memory_answer("released", report))
 }

@@ -180,6 +180,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let engine = state.engine.clone();
     let flag = state.shutting_down.clone();
+    tokio::spawn(weights::reap_idle_sessions(state.updates.clone()));
     let router = app(state);
     let signal = async move {
         shutdown_signal().await;

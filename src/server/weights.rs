@@ -1008,6 +1008,40 @@ pub(crate) async fn name_session_version(state: &AppState, id: &str, version: St
     }
 }
 
+/// Drops the open session if it has been idle past `--weight-update-timeout-s` (a trainer that
+/// went away mid-update): what it staged, and its shadow copy's memory, are freed. True if one
+/// was dropped.
+pub(crate) async fn drop_idle_session(updates: &WeightUpdates) -> bool {
+    let mut slot = updates.session.lock().await;
+    let idle = slot
+        .as_ref()
+        .is_some_and(|s| s.last_activity.elapsed() >= updates.session_timeout);
+    if idle {
+        let s = slot.take().expect("checked");
+        tracing::warn!(
+            "weight update session {} was idle for {:.0} s: dropped with what it staged ({} tensors, {})",
+            s.id,
+            s.last_activity.elapsed().as_secs_f64(),
+            s.tensors(),
+            s.mode()
+        );
+        drop(slot);
+        tokio::task::spawn_blocking(move || drop(s));
+    }
+    idle
+}
+
+/// Drops idle sessions as they time out, so a trainer that disappears mid-update does not keep
+/// a shadow copy (as much memory as the weights) until the next session begins.
+pub(crate) async fn reap_idle_sessions(updates: Arc<WeightUpdates>) {
+    let every =
+        (updates.session_timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(15));
+    loop {
+        tokio::time::sleep(every).await;
+        drop_idle_session(&updates).await;
+    }
+}
+
 /// Whether a weight update session is open (not timed out); its id.
 pub(crate) async fn open_session_id(state: &AppState) -> Option<String> {
     let slot = state.updates.session.lock().await;
