@@ -239,7 +239,7 @@ pub async fn push_tensors(
     };
     let sent = stream_buckets(&before, &sessions, &tensors, &plan, &prep, &sizes, &bar).await;
     bar.finish_and_clear();
-    let (pushed, staged, wire_bytes) = match sent {
+    let (pushed, staged, wire_bytes, prepare_s) = match sent {
         Ok(v) => v,
         Err(e) => {
             abort_all(
@@ -338,6 +338,7 @@ pub async fn push_tensors(
         source_bytes: total_bytes,
         wire_bytes_per_server: wire_bytes,
         transfer_s,
+        prepare_s,
         commit_s,
         total_s: started.elapsed().as_secs_f64(),
         servers: reports,
@@ -379,8 +380,10 @@ async fn stream_buckets(
     prep: &PrepareOptions<'_>,
     sizes: &[usize],
     bar: &indicatif::ProgressBar,
-) -> Result<(WeightsChecksum, usize, usize), PushError> {
+) -> Result<(WeightsChecksum, usize, usize, f64), PushError> {
+    let preparing = std::cell::Cell::new(0.0);
     let prepare = |i: usize| {
+        let started = Instant::now();
         let members: Vec<(&str, &TensorView<'_>)> = plan[i]
             .iter()
             .map(|&j| (tensors[j].0.as_str(), &tensors[j].1))
@@ -389,11 +392,13 @@ async fn stream_buckets(
         // where the runtime allows it (a current-thread runtime runs the sends afterwards).
         let multi = tokio::runtime::Handle::current().runtime_flavor()
             == tokio::runtime::RuntimeFlavor::MultiThread;
-        if multi {
+        let bucket = if multi {
             tokio::task::block_in_place(|| prepare_bucket(&members, prep))
         } else {
             prepare_bucket(&members, prep)
-        }
+        };
+        preparing.set(preparing.get() + started.elapsed().as_secs_f64());
+        bucket
     };
     let mut expected = WeightsChecksum::default();
     let (mut staged, mut wire) = (0, 0);
@@ -429,7 +434,7 @@ async fn stream_buckets(
         wire += bucket.body.len();
         bar.inc(plan[i].iter().map(|&j| sizes[j] as u64).sum());
     }
-    Ok((expected, staged, wire))
+    Ok((expected, staged, wire, preparing.get()))
 }
 
 async fn abort_all(before: &[Before], sessions: &[Option<String>]) {

@@ -104,6 +104,13 @@ fn is_float(d: Dtype) -> bool {
     matches!(d, Dtype::BF16 | Dtype::F16 | Dtype::F32)
 }
 
+/// The weight of a BF16 slot that arrives as BF16 and alone: what the server will store, byte
+/// for byte (`quant::slot` keeps BF16 as given).
+fn as_stored<'a, 'b>(s: &Slot, parts: &'b Parts<'a>) -> Option<&'b TensorView<'a>> {
+    let w = parts.get("weight")?;
+    (s.format.format == Format::Bf16 && w.dtype() == Dtype::BF16 && parts.len() == 1).then_some(w)
+}
+
 /// Builds the body and expected hashes of one bucket of named tensors.
 pub fn prepare_bucket(
     tensors: &[(&str, &TensorView<'_>)],
@@ -124,16 +131,29 @@ pub fn prepare_bucket(
             .insert(suffix, t.clone());
     }
     let mut slots = BTreeMap::new();
+    let mut send: Vec<(String, CheckpointPart<'_>)> = Vec::new();
+    let mut expected = WeightsChecksum::default();
     for (module, parts) in by_module {
         let s = opts.layout.slot(module, &parts, opts.recipe)?;
+        // A BF16 weight for a BF16 slot is stored as it is: hashed and sent from the
+        // checkpoint's bytes, with no copy.
+        if let Some(w) = as_stored(&s, &parts) {
+            s.check("weight", w.dtype(), w.shape())
+                .map_err(|e| PushError::Tensor {
+                    name: e.name,
+                    reason: e.reason,
+                })?;
+            let part = CheckpointPart::bytes("weight", w.dtype(), w.shape().to_vec(), w.data());
+            expected.insert_parts(module, std::slice::from_ref(&part));
+            send.push((s.name("weight"), part));
+            continue;
+        }
         slots.insert(module.to_string(), (s, parts));
     }
     let stored = slot::prepare_all(&slots).map_err(|e: SlotError| PushError::Tensor {
         name: e.name,
         reason: e.reason,
     })?;
-    let mut send: Vec<(String, CheckpointPart<'_>)> = Vec::new();
-    let mut expected = WeightsChecksum::default();
     for (module, stored) in &stored {
         let (s, parts) = &slots[module];
         let held = stored.parts();

@@ -665,7 +665,7 @@ pub(crate) async fn stage_bucket(
         }
     }
     session.last_activity = Instant::now();
-    tracing::debug!(
+    tracing::info!(
         "bucket of {} bytes ({}): waited {:.1} ms for the session, prepared{} in {:.1} ms",
         whole_bytes,
         session.mode(),
