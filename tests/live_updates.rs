@@ -543,7 +543,6 @@ fn bucket_of(dir: &Path, part: &str) -> bytes::Bytes {
     let ckpt = Checkpoint::open(dir).unwrap();
     let tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> = ckpt
         .names()
-        .into_iter()
         .filter(|n| n.contains(part))
         .map(|n| (n.to_string(), ckpt.tensor(n).unwrap()))
         .collect();

@@ -337,7 +337,7 @@ impl Executor for CpuExecutor {
     fn install_shadow(&mut self, copy: ShadowCopy) -> Result<ShadowCopy, EngineError> {
         match copy {
             ShadowCopy::Host(m) => Ok(ShadowCopy::Host(std::mem::replace(&mut self.model, m))),
-            ShadowCopy::Device { .. } => Err(EngineError::Conflict(
+            ShadowCopy::Device(_) => Err(EngineError::Conflict(
                 "a device shadow cannot replace host weights".into(),
             )),
         }
@@ -395,11 +395,7 @@ impl DeviceLoader {
     pub fn load(self, w: &DiskWeights) -> Result<ShadowWeights, String> {
         let (config, weights) = load_to_device(&self.gpu, w)?;
         Ok(ShadowWeights {
-            copy: ShadowCopy::Device {
-                gpu: self.gpu,
-                config,
-                weights: Box::new(weights),
-            },
+            copy: ShadowCopy::device(self.gpu, config, weights),
             generation: self.generation,
             _held: self.held,
         })
@@ -426,24 +422,37 @@ pub enum ShadowCopy {
     /// itself until the first write copies it.
     Host(std::sync::Arc<Model>),
     /// On the device, written on a stream of its own.
-    Device {
-        gpu: Gpu,
-        config: ModelConfig,
-        weights: Box<CudaWeights>,
-    },
+    Device(Box<DeviceCopy>),
+}
+
+/// Weights on the device with the stream that writes them.
+pub struct DeviceCopy {
+    gpu: Gpu,
+    config: ModelConfig,
+    weights: CudaWeights,
+}
+
+impl ShadowCopy {
+    fn device(gpu: Gpu, config: ModelConfig, weights: CudaWeights) -> ShadowCopy {
+        ShadowCopy::Device(Box::new(DeviceCopy {
+            gpu,
+            config,
+            weights,
+        }))
+    }
 }
 
 impl ShadowWeights {
     /// Whether the copy is in device memory.
     pub fn on_device(&self) -> bool {
-        matches!(self.copy, ShadowCopy::Device { .. })
+        matches!(self.copy, ShadowCopy::Device(_))
     }
 
     /// Bytes the copy holds.
     pub fn bytes(&self) -> usize {
         match &self.copy {
             ShadowCopy::Host(m) => m.weight_bytes(),
-            ShadowCopy::Device { weights, .. } => weights.bytes(),
+            ShadowCopy::Device(d) => d.weights.bytes(),
         }
     }
 }
@@ -462,22 +471,17 @@ impl WeightStore for ShadowWeights {
     fn slot_shapes(&mut self) -> std::collections::BTreeMap<String, SlotShape> {
         match &mut self.copy {
             ShadowCopy::Host(m) => own(m).slot_shapes(),
-            ShadowCopy::Device {
-                config, weights, ..
-            } => weights.slot_shapes(config),
+            ShadowCopy::Device(d) => d.weights.slot_shapes(&d.config),
         }
     }
 
     fn checksum(&mut self) -> Result<WeightsChecksum, StoreError> {
         match &mut self.copy {
             ShadowCopy::Host(m) => Ok(own(m).weights_checksum()),
-            ShadowCopy::Device {
-                gpu,
-                config,
-                weights,
-            } => weights
-                .weights_checksum(gpu, config)
-                .and_then(|sum| gpu.synchronize().map(|()| sum))
+            ShadowCopy::Device(d) => d
+                .weights
+                .weights_checksum(&d.gpu, &d.config)
+                .and_then(|sum| d.gpu.synchronize().map(|()| sum))
                 .map_err(device_store),
         }
     }
@@ -490,11 +494,7 @@ impl WeightStore for ShadowWeights {
     ) -> Result<Vec<Replacement>, StoreError> {
         match &mut self.copy {
             ShadowCopy::Host(m) => own(m).write(updates),
-            ShadowCopy::Device {
-                gpu,
-                config,
-                weights,
-            } => weights.write_replacements(gpu, config, updates),
+            ShadowCopy::Device(d) => d.weights.write_replacements(&d.gpu, &d.config, updates),
         }
     }
 }
@@ -652,11 +652,7 @@ impl Executor for CudaExecutor {
             Err(e) => return refuse(format!("no stream for the copy: {e}")),
         };
         match m.copy_weights(&gpu) {
-            Ok(weights) => Ok(Some(ShadowCopy::Device {
-                gpu,
-                config: m.config.clone(),
-                weights: Box::new(weights),
-            })),
+            Ok(weights) => Ok(Some(ShadowCopy::device(gpu, m.config.clone(), weights))),
             Err(e) => refuse(format!("the copy failed: {e}")),
         }
     }
@@ -666,16 +662,16 @@ impl Executor for CudaExecutor {
     /// been allocated on an earlier loader's stream, where their free would not wait for
     /// kernels queued here), then the swap.
     fn install_shadow(&mut self, copy: ShadowCopy) -> Result<ShadowCopy, EngineError> {
-        let ShadowCopy::Device {
-            gpu,
-            config,
-            weights,
-        } = copy
-        else {
+        let ShadowCopy::Device(d) = copy else {
             return Err(EngineError::Conflict(
                 "a host shadow cannot replace device weights".into(),
             ));
         };
+        let DeviceCopy {
+            gpu,
+            config,
+            weights,
+        } = *d;
         let m = &mut *self.model;
         if !same_shapes(&config, &m.config) {
             return Err(EngineError::Conflict("the new weights' config.json differs from the served model's (architecture or shapes)".into()));
@@ -683,12 +679,8 @@ impl Executor for CudaExecutor {
         let failed = |e: CudaError| EngineError::Stopped(format!("CUDA device failed: {e}"));
         gpu.synchronize().map_err(failed)?;
         m.gpu().synchronize().map_err(failed)?;
-        let old = m.replace_weights(*weights);
-        Ok(ShadowCopy::Device {
-            gpu,
-            config,
-            weights: Box::new(old),
-        })
+        let old = m.replace_weights(weights);
+        Ok(ShadowCopy::device(gpu, config, old))
     }
 
     fn ipc_stream(&mut self) -> Result<Gpu, EngineError> {
