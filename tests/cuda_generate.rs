@@ -94,23 +94,7 @@ fn cuda(weights: CudaSource) -> ExecutorSpec {
 /// Greedy, with the chosen token's logprob and the top alternatives; or, with `teacher`, a
 /// prompt-only pass returning input logprobs from position `teacher` on.
 fn request(rid: String, ids: Vec<u32>, max_new: usize, teacher: Option<usize>) -> GenerateRequest {
-    let params = SamplingParams {
-        max_new_tokens: Some(max_new as i64),
-        temperature: 0.0,
-        ignore_eos: true,
-        ..SamplingParams::default()
-    };
-    GenerateRequest {
-        rid,
-        input_ids: ids,
-        params: params.validate(&Default::default()).unwrap(),
-        seed: 1,
-        sample_index: 0,
-        return_logprob: true,
-        logprob_start_len: teacher,
-        top_logprobs_num: TOP,
-        return_routed_experts: false,
-    }
+    common::engine::greedy_request(rid, ids, max_new, teacher, TOP)
 }
 
 /// One position's distribution as a backend reports it.

@@ -464,49 +464,15 @@ fn streamed_update_on_device_loaded_weights_matches_the_host_model() {
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn an_update_from_disk_loads_beside_running_requests_and_swaps_in_its_bits() {
-    use lockstep::engine::{CudaSource, DiskWeights};
-    let seed = seed();
-    println!("seed {seed}");
-    let mut rng = Rng(seed);
-    let (_a, dir_a) = scratch("a");
-    let (_b, dir_b) = scratch("b");
-    bf16_checkpoint(&dir_a, seed);
-    bf16_checkpoint(&dir_b, seed ^ 0x5eed);
-    let disk = |dir: &Path| DiskWeights {
-        dir: dir.to_path_buf(),
-        quantization: None,
-        recipe: None,
-    };
-    let config = ModelConfig::from_json(embedded_config()).unwrap();
-    let recipe = Recipe::bf16();
-    let prompts = prompts(&mut rng, config.vocab_size);
-
-    let fresh = start(
-        CudaSource::Checkpoint(disk(&dir_b)),
-        config.clone(),
-        &recipe,
-        false,
-    );
-    let want = generate(&fresh, &prompts, "fresh");
-    let want_sum = fresh.weights_checksum().1;
-    fresh.shutdown();
-
-    let h = start(
-        CudaSource::Checkpoint(disk(&dir_a)),
-        config.clone(),
-        &recipe,
-        false,
-    );
-    let before = generate(&h, &prompts, "before");
-    assert_ne!(before, want, "the two checkpoints differ");
-    let running: Vec<_> = (0..4)
-        .map(|i| {
-            let mut r =
-                common::engine::greedy(format!("long{i}"), prompts[i % prompts.len()].clone());
-            r.params.max_new_tokens = 200;
-            h.submit(r).unwrap()
-        })
-        .collect();
+    let TwoCheckpoints {
+        dirs: [_a, (_b, dir_b)],
+        prompts,
+        want,
+        want_sum,
+        h,
+        before: _,
+    } = two_checkpoints();
+    let running = long_requests(&h, &prompts);
     let loader = block_on(h.device_loader())
         .unwrap()
         .expect("room for a second copy");
@@ -517,17 +483,7 @@ fn an_update_from_disk_loads_beside_running_requests_and_swaps_in_its_bits() {
         .unwrap();
     let installed = install(&h, loaded, "v1").unwrap();
     assert_eq!(installed.aborted, 0);
-    assert_eq!(
-        finish_all(running),
-        vec![200; 4],
-        "every token of a request that spans the update"
-    );
-    assert_eq!(h.weight_version(), "v1");
-    assert_eq!(
-        generate(&h, &prompts, "after"),
-        want,
-        "the new checkpoint's bits"
-    );
+    assert_swapped_in(&h, running, &prompts, &want, "v1");
     assert!(
         *h.weights_checksum().1 == *want_sum,
         "the new checkpoint's checksum"
@@ -554,6 +510,79 @@ fn an_update_from_disk_loads_beside_running_requests_and_swaps_in_its_bits() {
     println!("update from disk beside running requests: swapped in, bitwise the fresh engine's");
 }
 
+/// Checkpoint `dir` as the server's `--model-path`, loaded as it is.
+fn disk(dir: &Path) -> lockstep::engine::DiskWeights {
+    lockstep::engine::DiskWeights {
+        dir: dir.to_path_buf(),
+        quantization: None,
+        recipe: None,
+    }
+}
+
+/// Two BF16 checkpoints of the embedded config (a, then b), what an engine started on b
+/// serves, and an engine serving a.
+struct TwoCheckpoints {
+    dirs: [(tempfile::TempDir, PathBuf); 2],
+    prompts: Vec<Vec<u32>>,
+    /// An engine on b: its greedy bits and checksum.
+    want: common::engine::Bits,
+    want_sum: Arc<lockstep::model::checksum::WeightsChecksum>,
+    /// The engine on a, and its greedy bits.
+    h: lockstep::engine::EngineHandle,
+    before: common::engine::Bits,
+}
+
+fn two_checkpoints() -> TwoCheckpoints {
+    use lockstep::engine::CudaSource;
+    let seed = seed();
+    println!("seed {seed}");
+    let mut rng = Rng(seed);
+    let (a, b) = (scratch("a"), scratch("b"));
+    bf16_checkpoint(&a.1, seed);
+    bf16_checkpoint(&b.1, seed ^ 0x5eed);
+    let config = ModelConfig::from_json(embedded_config()).unwrap();
+    let recipe = Recipe::bf16();
+    let prompts = prompts(&mut rng, config.vocab_size);
+    let on = |dir: &Path| {
+        start(
+            CudaSource::Checkpoint(disk(dir)),
+            config.clone(),
+            &recipe,
+            false,
+        )
+    };
+    let fresh = on(&b.1);
+    let want = generate(&fresh, &prompts, "fresh");
+    let want_sum = fresh.weights_checksum().1;
+    fresh.shutdown();
+    let h = on(&a.1);
+    let before = generate(&h, &prompts, "before");
+    assert_ne!(before, want, "the two checkpoints differ");
+    TwoCheckpoints {
+        dirs: [a, b],
+        prompts,
+        want,
+        want_sum,
+        h,
+        before,
+    }
+}
+
+/// Four greedy requests of 200 tokens, submitted to `h`.
+fn long_requests(
+    h: &lockstep::engine::EngineHandle,
+    prompts: &[Vec<u32>],
+) -> Vec<tokio::sync::mpsc::UnboundedReceiver<lockstep::engine::EngineEvent>> {
+    (0..4)
+        .map(|i| {
+            let mut r =
+                common::engine::greedy(format!("long{i}"), prompts[i % prompts.len()].clone());
+            r.params.max_new_tokens = 200;
+            h.submit(r).unwrap()
+        })
+        .collect()
+}
+
 /// Hashes loaded weights on their stream and swaps them in (what `/update_weights_from_disk`
 /// does with a device loader's result).
 fn install(
@@ -564,6 +593,28 @@ fn install(
     use lockstep::model::store::WeightStore;
     let sum = loaded.checksum().unwrap();
     block_on(h.install_shadow(loaded, Arc::new(sum), version.into(), false))
+}
+
+/// After a swap to `version`: the requests that spanned it finish with every token, and the
+/// engine serves `want`'s bits.
+fn assert_swapped_in(
+    h: &lockstep::engine::EngineHandle,
+    running: Vec<tokio::sync::mpsc::UnboundedReceiver<lockstep::engine::EngineEvent>>,
+    prompts: &[Vec<u32>],
+    want: &common::engine::Bits,
+    version: &str,
+) {
+    assert_eq!(
+        finish_all(running),
+        vec![200; 4],
+        "every token of a request that spans the update"
+    );
+    assert_eq!(h.weight_version(), version);
+    assert_eq!(
+        &generate(h, prompts, "after"),
+        want,
+        "the new checkpoint's bits"
+    );
 }
 
 /// Waits for every request of `running` to finish; returns how many tokens each produced.
@@ -599,51 +650,17 @@ fn finish_all(
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn a_streamed_update_into_a_device_shadow_swaps_in_beside_running_requests() {
-    use lockstep::engine::{CudaSource, DiskWeights};
     use lockstep::model::store::WeightStore;
-    let seed = seed();
-    println!("seed {seed}");
-    let mut rng = Rng(seed);
-    let (_a, dir_a) = scratch("a");
-    let (_b, dir_b) = scratch("b");
-    bf16_checkpoint(&dir_a, seed);
-    bf16_checkpoint(&dir_b, seed ^ 0x5eed);
-    let disk = |dir: &Path| DiskWeights {
-        dir: dir.to_path_buf(),
-        quantization: None,
-        recipe: None,
-    };
-    let config = ModelConfig::from_json(embedded_config()).unwrap();
-    let recipe = Recipe::bf16();
-    let prompts = prompts(&mut rng, config.vocab_size);
-
-    let fresh = start(
-        CudaSource::Checkpoint(disk(&dir_b)),
-        config.clone(),
-        &recipe,
-        false,
-    );
-    let want = generate(&fresh, &prompts, "fresh");
-    let want_sum = fresh.weights_checksum().1;
-    fresh.shutdown();
-
-    let h = start(
-        CudaSource::Checkpoint(disk(&dir_a)),
-        config.clone(),
-        &recipe,
-        false,
-    );
-    let before = generate(&h, &prompts, "before");
-    assert_ne!(before, want, "the two checkpoints differ");
+    let TwoCheckpoints {
+        dirs: [(_a, dir_a), (_b, dir_b)],
+        prompts,
+        want,
+        want_sum,
+        h,
+        before,
+    } = two_checkpoints();
     let served_sum = h.weights_checksum().1;
-    let running: Vec<_> = (0..4)
-        .map(|i| {
-            let mut r =
-                common::engine::greedy(format!("long{i}"), prompts[i % prompts.len()].clone());
-            r.params.max_new_tokens = 200;
-            h.submit(r).unwrap()
-        })
-        .collect();
+    let running = long_requests(&h, &prompts);
     let mut shadow = block_on(h.shadow_weights(true))
         .unwrap()
         .expect("room for a shadow of the small model");
@@ -670,17 +687,7 @@ fn a_streamed_update_into_a_device_shadow_swaps_in_beside_running_requests() {
         "shadow swapped in; generation stood still {:?}",
         installed.pause
     );
-    assert_eq!(
-        finish_all(running),
-        vec![200; 4],
-        "every token of a request that spans the update"
-    );
-    assert_eq!(h.weight_version(), "v1");
-    assert_eq!(
-        generate(&h, &prompts, "after"),
-        want,
-        "the new checkpoint's bits"
-    );
+    assert_swapped_in(&h, running, &prompts, &want, "v1");
 
     // Overtaken: a shadow of v1, then an update from disk swapped in first.
     let late = block_on(h.shadow_weights(true)).unwrap().expect("room");

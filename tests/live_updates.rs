@@ -115,6 +115,18 @@ fn bf16_checkpoint(dir: &Path, scale: f32) {
     std::fs::write(dir.join("tokenizer.json"), tokenizer).unwrap();
 }
 
+/// Three BF16 checkpoints of the reference model, its weights scaled by 1, 1.25 and 0.75, in
+/// one temporary directory.
+fn three_checkpoints() -> (tempfile::TempDir, [std::path::PathBuf; 3]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dirs = [("a", 1.0), ("b", 1.25), ("c", 0.75)].map(|(name, scale)| {
+        let dir = tmp.path().join(name);
+        bf16_checkpoint(&dir, scale);
+        dir
+    });
+    (tmp, dirs)
+}
+
 const GREEDY: &str = r#"{"input_ids": [5, 17, 300, 42], "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": true}, "return_logprob": true}"#;
 
 async fn generate(s: &Server, body: &str) -> Value {
@@ -142,15 +154,7 @@ async fn version(s: &Server) -> String {
 /// the same bytes as server-side quantization.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn push_updates_every_server_exactly() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (a, b, c) = (
-        tmp.path().join("a"),
-        tmp.path().join("b"),
-        tmp.path().join("c"),
-    );
-    bf16_checkpoint(&a, 1.0);
-    bf16_checkpoint(&b, 1.25);
-    bf16_checkpoint(&c, 0.75);
+    let (_tmp, [a, b, c]) = three_checkpoints();
     let q = ["--quantization", "nvfp4_online"];
     let model = |d: &Path| d.to_str().unwrap().to_string();
     let (ma, mb) = (model(&a), model(&b));
@@ -576,15 +580,7 @@ fn status_of(r: Result<Value, lockstep::push::client::CallError>) -> (u16, Strin
 /// nothing of what is served; the weights' memory is not released while a shadow exists.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_push_into_a_shadow_copy_lands_the_same_bits_and_a_refused_commit_changes_nothing() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (a, b, c) = (
-        tmp.path().join("a"),
-        tmp.path().join("b"),
-        tmp.path().join("c"),
-    );
-    bf16_checkpoint(&a, 1.0);
-    bf16_checkpoint(&b, 1.25);
-    bf16_checkpoint(&c, 0.75);
+    let (tmp, [a, b, c]) = three_checkpoints();
     let q = ["--quantization", "nvfp4_online"];
     let model = |d: &Path| d.to_str().unwrap().to_string();
     let (ma, mb, root) = (model(&a), model(&b), model(tmp.path()));

@@ -221,6 +221,16 @@ struct Cuda {
     source: IpcSource,
 }
 
+/// The dtype a pickled `torch.<dtype>` names; why not, for the tensor's error.
+fn torch_dtype(v: &Value) -> Result<Dtype, String> {
+    match v {
+        Value::Global(Global::Dtype(d)) => {
+            dtype_of(d).ok_or_else(|| format!("dtype torch.{d} is not supported"))
+        }
+        other => Err(format!("dtype is a {}, not a torch dtype", other.kind())),
+    }
+}
+
 /// torch's dtype attribute name -> the checkpoint dtype of the same bytes.
 pub fn dtype_of(torch_name: &str) -> Option<Dtype> {
     Some(match torch_name {
@@ -352,17 +362,7 @@ fn cuda_tensor(name: &str, t: &Value) -> Result<Cuda, ApiError> {
     let shape = ints(name, "tensor_size", &args[1])?;
     let stride = ints(name, "tensor_stride", &args[2])?;
     let tensor_offset = int(3, "tensor_offset")?;
-    let dtype = match &args[5] {
-        Value::Global(Global::Dtype(d)) => {
-            dtype_of(d).ok_or_else(|| err(format!("dtype torch.{d} is not supported")))?
-        }
-        other => {
-            return Err(err(format!(
-                "dtype is a {}, not a torch dtype",
-                other.kind()
-            )))
-        }
-    };
+    let dtype = torch_dtype(&args[5]).map_err(err)?;
     // One GPU: the device index (or, from SGLang's patched reductions, its UUID) is not
     // needed to find the allocation; the handle names it.
     match &args[6] {
@@ -467,17 +467,7 @@ fn bucket_entry(m: &Value, total: usize) -> Result<SharedTensor, ApiError> {
             .ok_or_else(|| err(format!("no `{k}` in its FlattenedTensorMetadata")))
     };
     let shape = ints(&name, "shape", field("shape")?)?;
-    let dtype = match field("dtype")? {
-        Value::Global(Global::Dtype(d)) => {
-            dtype_of(d).ok_or_else(|| err(format!("dtype torch.{d} is not supported")))?
-        }
-        other => {
-            return Err(err(format!(
-                "dtype is a {}, not a torch dtype",
-                other.kind()
-            )))
-        }
-    };
+    let dtype = torch_dtype(field("dtype")?).map_err(err)?;
     let idx = |k: &str| {
         field(k)?
             .as_int()

@@ -153,27 +153,51 @@ pub async fn update_weights_from_disk(
             body.abort_all_requests,
         )
         .await
-        .map_err(|e| match e {
-            crate::engine::EngineError::Conflict(m) => ApiError::invalid("model_path", m),
-            other => other.into(),
-        })?;
-    let swap_secs = swap.elapsed().as_secs_f64();
+        .map_err(refused_weights)?;
     // In place the engine stood still for the writes; on the host the new model was built
     // beside the served one and swapped in.
     let mode = if in_place { "in_place" } else { "shadow" };
+    Ok(disk_answer(
+        &body.model_path,
+        &version,
+        mode,
+        aborted,
+        load_secs,
+        swap,
+    ))
+}
+
+/// A checkpoint the engine refused at the swap (another config) is the request's fault.
+fn refused_weights(e: crate::engine::EngineError) -> ApiError {
+    match e {
+        crate::engine::EngineError::Conflict(m) => ApiError::invalid("model_path", m),
+        other => other.into(),
+    }
+}
+
+/// The answer to an update from disk, logged: how it went in (`mode`), and how long loading
+/// and the swap (since `swap`) took.
+fn disk_answer(
+    model_path: &str,
+    version: &str,
+    mode: &str,
+    aborted: usize,
+    load_secs: f64,
+    swap: Instant,
+) -> Json<serde_json::Value> {
+    let swap_secs = swap.elapsed().as_secs_f64();
     tracing::info!(
-        "weights updated from {} to version {version} ({mode}): loaded in {load_secs:.2} s, swapped in {:.1} ms",
-        body.model_path,
+        "weights updated from {model_path} to version {version} ({mode}): loaded in {load_secs:.2} s, swapped in {:.1} ms",
         swap_secs * 1e3
     );
-    Ok(Json(json!({
+    Json(json!({
         "success": true,
         "message": format!("weights updated to version {version}"),
         "num_paused_requests": aborted,
         "mode": mode,
         "load_seconds": load_secs,
         "swap_seconds": swap_secs,
-    })))
+    }))
 }
 
 /// `/update_weights_from_disk` when the weights live only on the GPU and the device has room
@@ -218,26 +242,17 @@ async fn update_on_device(
             body.abort_all_requests,
         )
         .await
-        .map_err(|e| match e {
-            crate::engine::EngineError::Conflict(m) => ApiError::invalid("model_path", m),
-            other => other.into(),
-        })?;
-    let swap_secs = swap.elapsed().as_secs_f64();
-    let aborted = installed.aborted;
-    tokio::task::spawn_blocking(move || drop(installed.displaced));
-    tracing::info!(
-        "weights updated from {} to version {version}: loaded onto the device in {load_secs:.2} s while serving, swapped in {:.1} ms",
-        body.model_path,
-        swap_secs * 1e3
+        .map_err(refused_weights)?;
+    let answer = disk_answer(
+        &body.model_path,
+        &version,
+        "shadow",
+        installed.aborted,
+        load_secs,
+        swap,
     );
-    Ok(Json(json!({
-        "success": true,
-        "message": format!("weights updated to version {version}"),
-        "num_paused_requests": aborted,
-        "mode": "shadow",
-        "load_seconds": load_secs,
-        "swap_seconds": swap_secs,
-    })))
+    tokio::task::spawn_blocking(move || drop(installed.displaced));
+    Ok(answer)
 }
 
 /// Refuses an update before anything is loaded or staged while the weights are released (no
@@ -934,10 +949,7 @@ async fn commit_shadow(
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))??;
     let _commit = state.updates.commit.lock().await;
-    let (served_version, served) = state.engine.weights_checksum();
-    let version = version.unwrap_or_else(|| next_version(&served_version));
-    let sum = served.overlaid(&changed);
-    check_expected(expected_checksum, &sum)?;
+    let (version, sum) = committed_checksum(state, version, &changed, expected_checksum)?;
     let installed = state
         .engine
         .install_shadow(weights, Arc::new(sum), version.clone(), false)
@@ -945,6 +957,22 @@ async fn commit_shadow(
     let pause = installed.pause;
     tokio::task::spawn_blocking(move || drop(installed.displaced));
     Ok(Committed { version, pause })
+}
+
+/// What a commit names and will serve (call it under the commit lock): its version (the given
+/// one, or the next after the served one) and the served checksum overlaid with `changed`,
+/// checked against `expected`.
+fn committed_checksum(
+    state: &AppState,
+    version: Option<String>,
+    changed: &WeightsChecksum,
+    expected: Option<u64>,
+) -> Result<(String, WeightsChecksum), ApiError> {
+    let (served_version, served) = state.engine.weights_checksum();
+    let version = version.unwrap_or_else(|| next_version(&served_version));
+    let sum = served.overlaid(changed);
+    check_expected(expected, &sum)?;
+    Ok((version, sum))
 }
 
 /// `expected_checksum` (when given) equals what the update gives.
@@ -987,10 +1015,7 @@ pub(crate) async fn commit(
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))??;
     let _commit = state.updates.commit.lock().await;
-    let (served_version, served) = state.engine.weights_checksum();
-    let version = version.unwrap_or_else(|| next_version(&served_version));
-    let sum = served.overlaid(&changed);
-    check_expected(expected_checksum, &sum)?;
+    let (version, sum) = committed_checksum(state, version, &changed, expected_checksum)?;
     let (pause, spent) = state
         .engine
         .apply_weights(updates, Arc::new(sum), version.clone())

@@ -105,9 +105,22 @@ pub fn start(
     Engine::start_with(spec, info, cfg).unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// 16 greedy tokens with their logprobs and top-5 alternatives.
 pub fn greedy(rid: String, ids: Vec<u32>) -> GenerateRequest {
+    greedy_request(rid, ids, 16, None, 5)
+}
+
+/// `max_new` greedy tokens with their logprobs and `top` alternatives, and input logprobs from
+/// `logprob_start_len` on when given.
+pub fn greedy_request(
+    rid: String,
+    ids: Vec<u32>,
+    max_new: usize,
+    logprob_start_len: Option<usize>,
+    top: usize,
+) -> GenerateRequest {
     let params = SamplingParams {
-        max_new_tokens: Some(16),
+        max_new_tokens: Some(max_new as i64),
         temperature: 0.0,
         ignore_eos: true,
         ..SamplingParams::default()
@@ -119,8 +132,8 @@ pub fn greedy(rid: String, ids: Vec<u32>) -> GenerateRequest {
         seed: 1,
         sample_index: 0,
         return_logprob: true,
-        logprob_start_len: None,
-        top_logprobs_num: 5,
+        logprob_start_len,
+        top_logprobs_num: top,
         return_routed_experts: false,
     }
 }
