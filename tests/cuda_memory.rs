@@ -200,8 +200,10 @@ fn with_no_room_for_a_second_copy_updates_are_written_in_place() {
     use lockstep::model::loader::dummy_model;
     let mut rng = Rng(seed());
     let dir = Path::new("tests/data/reference/qwen3_moe");
-    let (served, recipe) = load_model(dir, None, None).unwrap();
-    let config = served.config.clone();
+    let (reference, recipe) = load_model(dir, None, None).unwrap();
+    let config = reference.config.clone();
+    // Served and new weights of one layout (the update writes each tensor over its like).
+    let served = dummy_model(config.clone(), &recipe, 4).unwrap();
     let new = || dummy_model(config.clone(), &recipe, 5).unwrap();
     let prompts = prompts(&mut rng, config.vocab_size);
     let fresh = start(CudaSource::Model(new()), config.clone(), &recipe, false);
