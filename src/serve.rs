@@ -112,6 +112,18 @@ pub struct ServeArgs {
     /// never run on Blackwell by this project (docs/gpu.md, docs/determinism.md).
     #[arg(long, env = "LOCKSTEP_CUDA_BLOCK_SCALED_GEMM", help_heading = "Model")]
     pub cuda_block_scaled_gemm: bool,
+    /// CUDA: decode steps of up to this many sequences run on CUDA graphs (recorded on first
+    /// use per padded batch size; SGLang's flag).
+    #[arg(
+        long,
+        default_value_t = defaults::CUDA_GRAPH_MAX_BS,
+        env = "LOCKSTEP_CUDA_GRAPH_MAX_BS",
+        help_heading = "Model"
+    )]
+    pub cuda_graph_max_bs: usize,
+    /// CUDA: run every step's kernels one launch at a time (SGLang's flag).
+    #[arg(long, env = "LOCKSTEP_DISABLE_CUDA_GRAPH", help_heading = "Model")]
+    pub disable_cuda_graph: bool,
     /// Longest prompt + output in tokens (default: the model's max_position_embeddings).
     #[arg(long, env = "LOCKSTEP_CONTEXT_LENGTH", help_heading = "Model")]
     pub context_length: Option<usize>,
@@ -303,6 +315,15 @@ impl ServeArgs {
         } else {
             defaults::MAX_RUNNING_REQUESTS
         })
+    }
+
+    /// The largest decode batch run on a CUDA graph (0: none, `--disable-cuda-graph`).
+    pub fn cuda_graph_rows(&self) -> usize {
+        if self.disable_cuda_graph {
+            0
+        } else {
+            self.cuda_graph_max_bs
+        }
     }
 }
 
@@ -504,6 +525,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
                 mem_fraction_static: args.mem_fraction_static,
                 max_total_tokens: args.max_total_tokens,
                 block_scaled_gemm: args.cuda_block_scaled_gemm,
+                cuda_graph_max_bs: args.cuda_graph_rows(),
                 weights_cpu_backup: args.enable_weights_cpu_backup,
             },
             std::sync::OnceLock::new(),
@@ -520,6 +542,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
                 mem_fraction_static: args.mem_fraction_static,
                 max_total_tokens: args.max_total_tokens,
                 block_scaled_gemm: args.cuda_block_scaled_gemm,
+                cuda_graph_max_bs: args.cuda_graph_rows(),
                 weights_cpu_backup: args.enable_weights_cpu_backup,
             },
             Default::default(),

@@ -87,6 +87,7 @@ fn cuda(weights: CudaSource) -> ExecutorSpec {
         mem_fraction_static: 0.9,
         max_total_tokens: Some(65536),
         block_scaled_gemm: false,
+        cuda_graph_max_bs: lockstep::engine::defaults::CUDA_GRAPH_MAX_BS,
         weights_cpu_backup: false,
     }
 }
@@ -626,6 +627,7 @@ fn the_trainer_forward_on_the_gpu_gives_the_rollout_logprobs() {
             mem_fraction_static: 0.9,
             max_total_tokens: Some(1024),
             block_scaled_gemm: false,
+            graph_max_rows: lockstep::engine::defaults::CUDA_GRAPH_MAX_BS,
         };
         let mut trainer = CudaModel::new(g, config.clone(), w, sizes).unwrap();
         let h = dummy_engine(&config, name, 8, 512);
@@ -677,5 +679,84 @@ fn the_trainer_forward_on_the_gpu_gives_the_rollout_logprobs() {
         let (replayed, _) = trainer.forward_with(&batch, &[], Some(&routed)).unwrap();
         check("routing replayed", &replayed.logits);
         println!("{name}: the trainer's forward on the GPU (traced, and with the rollout's routing replayed) gives the rollout's {} logprobs bit for bit", out.len());
+    }
+}
+
+/// Decode steps on CUDA graphs (padded to a graph row count, recorded on their second run,
+/// replayed after) give the logits and routing of the same steps run launch by launch, bit for
+/// bit, and the recordings are really used.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn decode_steps_on_cuda_graphs_give_the_eager_bits() {
+    use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
+    use lockstep::model::{ForwardBatch, ForwardOutput, SeqInput};
+    let mut rng = Rng(seed());
+    let config = midsize_config();
+    let v = config.vocab_size;
+    for name in ["bf16", "nvfp4"] {
+        let recipe = Recipe::builtin(name).unwrap();
+        let model = |graph_max_rows| {
+            let g = common::cuda::gpu();
+            let w = CudaWeights::dummy(&g, &config, &recipe, 3).unwrap();
+            let sizes = CudaSizes {
+                max_batch_tokens: 512,
+                max_running_requests: 8,
+                block_size: 16,
+                max_context_len: MAX_CONTEXT,
+                mem_fraction_static: 0.9,
+                max_total_tokens: Some(4096),
+                block_scaled_gemm: false,
+                graph_max_rows,
+            };
+            CudaModel::new(g, config.clone(), w, sizes).unwrap()
+        };
+        let (mut eager, mut graphed) = (model(0), model(256));
+        // Five sequences with 8 blocks (128 positions) each.
+        let mut seqs: Vec<Vec<u32>> = (0..5).map(|i| prompt(&mut rng, 20 + 7 * i, v)).collect();
+        let tables: Vec<Vec<u32>> = (0..5u32).map(|i| (i * 8..i * 8 + 8).collect()).collect();
+        let argmax = |row: &[f32]| {
+            (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best }) as u32
+        };
+        let mut step = |active: usize, seqs: &mut Vec<Vec<u32>>, decode: bool, what: &str| {
+            let batch = ForwardBatch {
+                seqs: (0..active)
+                    .map(|i| {
+                        let s = &seqs[i];
+                        let from = if decode { s.len() - 1 } else { 0 };
+                        SeqInput {
+                            tokens: &s[from..],
+                            start_pos: from,
+                            block_table: &tables[i],
+                            logits_from: Some(s.len() - from - 1),
+                        }
+                    })
+                    .collect(),
+            };
+            let a: ForwardOutput = eager.forward(&batch).unwrap();
+            let b: ForwardOutput = graphed.forward(&batch).unwrap();
+            let as_bits = |o: &ForwardOutput| o.logits.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(as_bits(&a) == as_bits(&b), "{name}, {what}: logits differ");
+            assert_eq!(a.routed_experts, b.routed_experts, "{name}, {what}: routing");
+            assert_eq!(a.logit_rows, b.logit_rows, "{name}, {what}");
+            drop(batch);
+            for (i, s) in seqs.iter_mut().enumerate().take(active) {
+                s.push(argmax(&a.logits[i * v..(i + 1) * v]));
+            }
+        };
+        step(5, &mut seqs, false, "prefill");
+        // Five rows run as 8 (warm-up, recording, then replays), then three as 4.
+        for k in 0..6 {
+            step(5, &mut seqs, true, &format!("decode step {k} of 5 sequences"));
+        }
+        for k in 0..4 {
+            step(3, &mut seqs, true, &format!("decode step {k} of 3 sequences"));
+        }
+        assert_eq!(eager.backend.recorded_steps(), 0);
+        assert_eq!(
+            graphed.backend.recorded_steps(),
+            2,
+            "{name}: the 8- and 4-row steps were recorded"
+        );
+        println!("{name}: 10 decode steps on CUDA graphs (8 and 4 padded rows) equal the eager steps bit for bit");
     }
 }

@@ -218,6 +218,7 @@ fn sizes() -> CudaSizes {
         mem_fraction_static: 0.9,
         max_total_tokens: Some(64),
         block_scaled_gemm: false,
+        graph_max_rows: lockstep::engine::defaults::CUDA_GRAPH_MAX_BS,
     }
 }
 

@@ -434,6 +434,7 @@ fn forward_and_sample_equals_forward_then_the_cpu_sampler() {
         mem_fraction_static: 0.9,
         max_total_tokens: Some(1024),
         block_scaled_gemm: false,
+        graph_max_rows: lockstep::engine::defaults::CUDA_GRAPH_MAX_BS,
     };
     let mut model = CudaModel::new(g, cfg.clone(), w, sizes).unwrap();
     let mut rng = Rng(seed());

@@ -165,6 +165,19 @@ pub trait Backend {
     /// Readies the backend for a step (capacity checks, metadata to the device).
     fn begin(&mut self, plan: &StepPlan<'_>, dims: &Dims) -> Result<(), Self::Error>;
 
+    /// Runs `layers`: the step's work from the embedding to the last layer's output. With
+    /// `record`, the step's shape recurs (a decode step padded to a fixed row count): a backend
+    /// may keep what `layers` queues and replay it for the next step of the same shape, which
+    /// then does not call `layers` at all (CUDA graphs). The default runs them.
+    fn layers(
+        &mut self,
+        record: bool,
+        layers: &mut dyn FnMut(&mut Self) -> Result<(), Self::Error>,
+    ) -> Result<(), Self::Error> {
+        let _ = record;
+        layers(self)
+    }
+
     /// `out = table[tokens]`.
     fn embed(
         &mut self,

@@ -19,6 +19,9 @@ pub mod defaults {
     pub const BLOCK_SIZE: usize = 16;
     pub const MAX_CONTEXT_LEN: usize = 4096;
     pub const MAX_QUEUED_REQUESTS: usize = 1024;
+    /// `--cuda-graph-max-bs`: the largest decode batch run on a CUDA graph (SGLang's top
+    /// capture size).
+    pub const CUDA_GRAPH_MAX_BS: usize = 256;
     /// `--schedule-conservativeness` (SGLang's default).
     pub const SCHEDULE_CONSERVATIVENESS: f64 = 1.0;
 }

@@ -33,6 +33,8 @@ pub enum ExecutorSpec {
         max_total_tokens: Option<usize>,
         /// `CudaSizes::block_scaled_gemm` (Blackwell only, not batch-invariant).
         block_scaled_gemm: bool,
+        /// `CudaSizes::graph_max_rows` (0: no CUDA graphs).
+        cuda_graph_max_bs: usize,
         /// `--enable-weights-cpu-backup`: releasing the weights keeps a host copy that resume
         /// restores (SGLang's flag); without it they come back absent.
         weights_cpu_backup: bool,
@@ -180,6 +182,7 @@ pub(crate) fn build(
             mem_fraction_static,
             max_total_tokens,
             block_scaled_gemm,
+            cuda_graph_max_bs,
             weights_cpu_backup,
         } => {
             let sizes = CudaSizes {
@@ -190,6 +193,7 @@ pub(crate) fn build(
                 mem_fraction_static,
                 max_total_tokens,
                 block_scaled_gemm,
+                graph_max_rows: cuda_graph_max_bs,
             };
             let exec = CudaExecutor::new(device, weights, sizes, weights_cpu_backup)
                 .map_err(start_error)?;
@@ -283,6 +287,7 @@ impl Executor for CpuExecutor {
             routing: None,
             trace: None,
             samples,
+            record: false,
         };
         let Ok((forward, sampled)) = forward(
             &mut self.backend,

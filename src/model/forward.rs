@@ -44,6 +44,9 @@ pub struct ForwardOptions<'a, 's> {
     pub trace: Option<&'a mut ForwardTrace>,
     /// Per sequence: sample its last logits row with these inputs.
     pub samples: &'a [Option<SampleInput<'s>>],
+    /// The step's shape recurs (see [`Backend::layers`]); ignored with a trace or a replay,
+    /// whose host work between the layers cannot be recorded.
+    pub record: bool,
 }
 
 /// One forward pass of `model` on backend `b` over `batch`, with the KV cache `kv` and the
@@ -69,7 +72,9 @@ pub fn forward<B: Backend>(
         t.layers.clear();
     }
     b.begin(&plan, &dims)?;
+    let record = opts.record && !tracing && opts.routing.is_none();
     let (s, route) = (&mut st.bufs, &mut st.route);
+    b.layers(record, &mut |b| {
     b.embed(&model.embed_tokens, &plan, &dims, &mut s.x)?;
     let mut moe_index = 0;
     for (l, layer) in model.layers.iter().enumerate() {
@@ -178,6 +183,8 @@ pub fn forward<B: Backend>(
             });
         }
     }
+    Ok(())
+    })?;
     // The last MLP output joins the residual in the final norm.
     let out = b.logits(
         s,

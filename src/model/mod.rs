@@ -214,6 +214,7 @@ impl Model {
             routing,
             trace,
             samples: &[],
+            record: false,
         };
         let mut st = StepState::default();
         let Ok((out, _)) = forward(&mut Cpu::default(), self, kv, &mut st, batch, opts);

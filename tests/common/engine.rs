@@ -100,6 +100,7 @@ pub fn start(
         mem_fraction_static: 0.9,
         max_total_tokens: Some(65536),
         block_scaled_gemm: false,
+        cuda_graph_max_bs: lockstep::engine::defaults::CUDA_GRAPH_MAX_BS,
         weights_cpu_backup: backup,
     };
     Engine::start_with(spec, info, cfg).unwrap_or_else(|e| panic!("{e}"))

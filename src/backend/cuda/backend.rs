@@ -11,6 +11,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::block_scaled::{BlockFormat, BlockScaledGemm};
+use super::graphs::StepGraphs;
 use super::ops::{self, AttnRows, AttnShape, GemmRows, MoePlan, Nvfp4Out, Table};
 use super::sampling::{DeviceSampler, MAX_DEVICE_TOP_LOGPROBS};
 use super::weights::{Activation, GpuMatrix};
@@ -51,6 +52,9 @@ pub struct CudaSizes {
     /// (block_scaled.rs): faster there, but cuBLASLt picks its algorithm by shape, so a row's
     /// bits may depend on the batch. Off by default; no effect elsewhere.
     pub block_scaled_gemm: bool,
+    /// Decode steps of up to this many sequences run on CUDA graphs, padded to the row counts
+    /// of [`super::graphs::GRAPH_ROWS`] (SGLang's `--cuda-graph-max-bs`); 0: never.
+    pub graph_max_rows: usize,
 }
 
 /// The model shapes the device buffers are planned for.
@@ -73,11 +77,20 @@ impl ModelShape {
     }
 }
 
-/// The paged BF16 KV cache: per layer, `[blocks, block_size, kv_heads, head_dim]`.
+/// The paged BF16 KV cache: per layer, `[blocks, block_size, kv_heads, head_dim]`, with one
+/// block more than the `num_blocks` the pool hands out: the padding rows of a recorded decode
+/// step (see [`super::graphs`]) write and read there.
 pub struct CudaKv {
     pub k: Vec<CudaSlice<u16>>,
     pub v: Vec<CudaSlice<u16>>,
     pub num_blocks: usize,
+}
+
+impl CudaKv {
+    /// The block no sequence owns, for padding rows.
+    pub fn padding_block(&self) -> u32 {
+        self.num_blocks as u32
+    }
 }
 
 /// One MoE layer's routing on the device, and every layer's kept ids.
@@ -149,6 +162,11 @@ pub struct Cuda {
     attention: AttentionPlan,
     /// The step's shapes (set by `begin`).
     dims: Dims,
+    /// The step's rows when every sequence decodes one row (set by `begin`): the steps whose
+    /// layers can be recorded.
+    decode_rows: Option<usize>,
+    /// The recorded decode steps.
+    graphs: StepGraphs,
 }
 
 impl Cuda {
@@ -213,7 +231,20 @@ impl Cuda {
             host_scratch: SamplerScratch::default(),
             attention: AttentionPlan::default(),
             dims: shape.dims,
+            decode_rows: None,
+            graphs: StepGraphs::default(),
         })
+    }
+
+    /// Drops the recorded decode steps: call it whenever a buffer they read moves (weights or
+    /// KV cache replaced, released or resumed).
+    pub fn clear_graphs(&mut self) {
+        self.graphs.clear();
+    }
+
+    /// How many decode row counts have a recording.
+    pub fn recorded_steps(&self) -> usize {
+        self.graphs.len()
     }
 
     /// Device bytes of the sampler and the logits chunk.
@@ -268,7 +299,8 @@ impl Cuda {
         let per_block = 2 * shape.num_layers * d.kv_size() * 2 * sizes.block_size;
         let budget =
             (total as f64 * sizes.mem_fraction_static as f64) as i64 - (total - free) as i64;
-        let mut num_blocks = (budget.max(0) as usize) / per_block.max(1);
+        // One block of the budget is the padding block.
+        let mut num_blocks = ((budget.max(0) as usize) / per_block.max(1)).saturating_sub(1);
         if let Some(cap) = sizes.max_total_tokens {
             num_blocks = num_blocks.min(cap.div_ceil(sizes.block_size));
         }
@@ -282,10 +314,10 @@ impl Cuda {
         self.alloc_kv(shape, num_blocks)
     }
 
-    /// A KV cache of `num_blocks` blocks, zeroed (also what a resume after
+    /// A KV cache of `num_blocks` blocks and the padding block, zeroed (also what a resume after
     /// `/release_memory_occupation` allocates again). On failure nothing stays allocated.
     pub fn alloc_kv(&self, shape: &ModelShape, num_blocks: usize) -> Result<CudaKv, CudaError> {
-        let cache_len = num_blocks * self.sizes.block_size * shape.dims.kv_size();
+        let cache_len = (num_blocks + 1) * self.sizes.block_size * shape.dims.kv_size();
         let layers = || {
             (0..shape.num_layers)
                 .map(|_| self.gpu.alloc::<u16>(cache_len))
@@ -498,6 +530,7 @@ impl Backend for Cuda {
             per_row,
         };
         self.dims = *dims;
+        self.decode_rows = plan.seqs.iter().all(|s| s.len == 1).then_some(n);
         let (gpu, m) = (&self.gpu, &mut self.meta);
         gpu.write(&plan.tokens, &mut m.tokens)?;
         gpu.write(&pos, &mut m.pos)?;
@@ -509,6 +542,22 @@ impl Backend for Cuda {
         gpu.write(&tiles, &mut m.attn_tiles)?;
         gpu.write(&decode_rows, &mut m.decode_rows)?;
         Ok(())
+    }
+
+    fn layers(
+        &mut self,
+        record: bool,
+        layers: &mut dyn FnMut(&mut Self) -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
+        match self.decode_rows.filter(|_| record) {
+            Some(rows) => {
+                let mut graphs = std::mem::take(&mut self.graphs);
+                let ran = graphs.run(self, rows, layers);
+                self.graphs = graphs;
+                ran
+            }
+            None => layers(self),
+        }
     }
 
     fn embed(

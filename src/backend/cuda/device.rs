@@ -147,6 +147,11 @@ impl Gpu {
         Ok(())
     }
 
+    /// How many times the GEMM scratch moved (see [`super::graphs`]).
+    pub fn gemm_scratch_generation(&self) -> u64 {
+        self.gemm_scratch.lock().map_or(u64::MAX, |s| s.generation)
+    }
+
     /// Grid size for a grid-stride loop over `n` elements.
     pub fn grid_for(&self, n: usize, block: u32) -> u32 {
         (n.div_ceil(block as usize) as u32).clamp(1, self.sm_count.max(1) * 32)

@@ -11,6 +11,7 @@ pub mod args;
 pub mod backend;
 pub mod block_scaled;
 pub mod device;
+pub mod graphs;
 pub mod ipc;
 pub mod kernels;
 pub mod ops;

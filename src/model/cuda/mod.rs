@@ -11,7 +11,10 @@ pub mod slots;
 use cudarc::driver::CudaSlice;
 
 use super::forward::{forward, ForwardOptions, StepState};
-use super::{ForwardBatch, ForwardOutput, ForwardTrace, Layer, Mlp, Model, ModelConfig, Moe};
+use super::{
+    ForwardBatch, ForwardOutput, ForwardTrace, Layer, Mlp, Model, ModelConfig, Moe, SeqInput,
+};
+use crate::backend::cuda::graphs::padded_rows;
 use crate::backend::cpu::linear::DenseWeight;
 pub use crate::backend::cuda::backend::{Cuda, CudaSizes};
 use crate::backend::cuda::backend::{CudaExperts, CudaKv, CudaSwiGlu, ModelShape};
@@ -138,6 +141,8 @@ impl WeightStore for CudaModel {
         &mut self,
         updates: Vec<(String, Replacement)>,
     ) -> Result<Vec<Replacement>, StoreError> {
+        // Written in place, but a slot may be reallocated: record the steps again.
+        self.backend.clear_graphs();
         let (gpu, weights) = (&self.backend.gpu, &mut self.weights);
         weights.write_replacements(gpu, &self.config, updates)
     }
@@ -335,6 +340,7 @@ impl CudaModel {
     pub fn replace_weights(&mut self, weights: CudaWeights) -> CudaWeights {
         self.weight_bytes = weights.bytes();
         self.parked = None;
+        self.backend.clear_graphs();
         std::mem::replace(&mut self.weights, weights)
     }
 
@@ -353,6 +359,7 @@ impl CudaModel {
     /// [`CudaModel::resume_kv`]. Returns the bytes freed.
     pub fn release_kv(&mut self) -> Result<usize, CudaError> {
         let bytes = self.kv_bytes();
+        self.backend.clear_graphs();
         self.kv.k = Vec::new();
         self.kv.v = Vec::new();
         self.trim();
@@ -365,6 +372,7 @@ impl CudaModel {
             .backend
             .alloc_kv(&model_shape(&self.config), self.kv.num_blocks)?;
         self.kv = kv;
+        self.backend.clear_graphs();
         Ok(self.kv_bytes())
     }
 
@@ -372,6 +380,7 @@ impl CudaModel {
     /// [`memory`]). No step may run until [`CudaModel::resume_weights`]. Returns the bytes
     /// freed; on failure nothing is.
     pub fn release_weights(&mut self, backup: bool) -> Result<usize, CudaError> {
+        self.backend.clear_graphs();
         let parked = self.weights.release(&self.backend.gpu, backup)?;
         let bytes = parked.bytes;
         self.parked = Some(parked);
@@ -386,6 +395,7 @@ impl CudaModel {
             .parked
             .as_ref()
             .ok_or_else(|| CudaError::Unsupported("the weights are not released".into()))?;
+        self.backend.clear_graphs();
         self.weights.restore(&self.backend.gpu, parked)?;
         let bytes = parked.bytes;
         self.parked = None;
@@ -430,6 +440,7 @@ impl CudaModel {
             routing,
             trace,
             samples: &[],
+            record: false,
         };
         Ok(self.run(batch, opts)?.0)
     }
@@ -446,23 +457,71 @@ impl CudaModel {
             routing,
             trace: None,
             samples,
+            record: false,
         };
         self.run(batch, opts)
     }
 
-    /// The one forward on this device's weights, KV cache and step buffers.
+    /// The one forward on this device's weights, KV cache and step buffers. A decode step
+    /// (one row per sequence, no trace, no replayed routing) is padded with one-row sequences
+    /// in the padding block to a row count of [`GRAPH_ROWS`] and runs on a CUDA graph
+    /// (backend/cuda/graphs.rs); the padding's outputs are dropped. Rows do not depend on the
+    /// batch they are in (docs/determinism.md), so padding changes no bit of the others.
     pub fn run(
         &mut self,
         batch: &ForwardBatch<'_>,
-        opts: ForwardOptions<'_, '_>,
+        mut opts: ForwardOptions<'_, '_>,
     ) -> Result<(ForwardOutput, Sampled), CudaError> {
-        forward(
+        let sizes = &self.backend.sizes;
+        let max_rows = sizes
+            .graph_max_rows
+            .min(sizes.max_running_requests)
+            .min(sizes.max_batch_tokens);
+        let decode = !batch.seqs.is_empty() && batch.seqs.iter().all(|s| s.tokens.len() == 1);
+        let padded = (decode && opts.trace.is_none() && opts.routing.is_none())
+            .then(|| padded_rows(batch.seqs.len(), max_rows))
+            .flatten();
+        let Some(padded) = padded else {
+            return forward(
+                &mut self.backend,
+                &self.weights,
+                &mut self.kv,
+                &mut self.state,
+                batch,
+                opts,
+            );
+        };
+        let real = batch.seqs.len();
+        let padding_table = [self.kv.padding_block()];
+        let mut seqs: Vec<SeqInput<'_>> = batch
+            .seqs
+            .iter()
+            .map(|s| SeqInput {
+                tokens: s.tokens,
+                start_pos: s.start_pos,
+                block_table: s.block_table,
+                logits_from: s.logits_from,
+            })
+            .collect();
+        seqs.resize_with(padded, || SeqInput {
+            tokens: &[0],
+            start_pos: 0,
+            block_table: &padding_table,
+            logits_from: None,
+        });
+        opts.record = true;
+        let (mut out, mut sampled) = forward(
             &mut self.backend,
             &self.weights,
             &mut self.kv,
             &mut self.state,
-            batch,
+            &ForwardBatch { seqs },
             opts,
-        )
+        )?;
+        out.logit_rows.truncate(real);
+        out.routed_experts
+            .truncate(real * self.config.num_moe_layers() * self.top_k());
+        sampled.truncate(real);
+        Ok((out, sampled))
     }
 }

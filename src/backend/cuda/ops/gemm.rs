@@ -56,16 +56,20 @@ pub enum WeightData {
 pub struct GemmScratch {
     partials: Option<CudaSlice<f32>>,
     operand: Option<CudaSlice<u32>>,
+    /// Counts the times a buffer moved (a recorded step holds their addresses).
+    pub generation: u64,
 }
 
-/// `buf`, grown to hold at least `len` elements.
+/// `buf`, grown to hold at least `len` elements (a move counted in `generation`).
 fn grown<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     gpu: &Gpu,
     buf: &'a mut Option<CudaSlice<T>>,
+    generation: &mut u64,
     len: usize,
 ) -> Result<&'a CudaSlice<T>, CudaError> {
     if buf.as_ref().is_none_or(|b| b.len() < len) {
         *buf = Some(gpu.alloc::<T>(len)?);
+        *generation += 1;
     }
     Ok(buf.as_ref().expect("allocated above"))
 }
@@ -414,7 +418,7 @@ fn launch_gemm(
         .map_err(|_| CudaError::Capacity("the GEMM scratch lock is poisoned".into()))?;
     let scratch = &mut *guard;
     let partials = match segments {
-        Some(s) => Some(grown(gpu, &mut scratch.partials, s * rows_arg * n)?),
+        Some(s) => Some(grown(gpu, &mut scratch.partials, &mut scratch.generation, s * rows_arg * n)?),
         None => None,
     };
     // The tiled kernel reads x packed to BF16: every row the rows (through row_index) name.
@@ -428,7 +432,7 @@ fn launch_gemm(
         let split_act = w.split_activations;
         let words = x_rows * k / 2 * if split_act { 2 } else { 1 };
         let x = need(x, x_rows * k, "gemm x")?;
-        let packed = grown(gpu, &mut scratch.operand, words)?;
+        let packed = grown(gpu, &mut scratch.operand, &mut scratch.generation, words)?;
         gpu.launch(
             Kernel::PackGemmOperand,
             (gpu.grid_for(x_rows * k / 2, 256), 1, 1),
