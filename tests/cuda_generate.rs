@@ -734,9 +734,13 @@ fn decode_steps_on_cuda_graphs_give_the_eager_bits() {
             };
             let a: ForwardOutput = eager.forward(&batch).unwrap();
             let b: ForwardOutput = graphed.forward(&batch).unwrap();
-            let as_bits = |o: &ForwardOutput| o.logits.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let as_bits =
+                |o: &ForwardOutput| o.logits.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert!(as_bits(&a) == as_bits(&b), "{name}, {what}: logits differ");
-            assert_eq!(a.routed_experts, b.routed_experts, "{name}, {what}: routing");
+            assert_eq!(
+                a.routed_experts, b.routed_experts,
+                "{name}, {what}: routing"
+            );
             assert_eq!(a.logit_rows, b.logit_rows, "{name}, {what}");
             drop(batch);
             for (i, s) in seqs.iter_mut().enumerate().take(active) {
@@ -746,10 +750,20 @@ fn decode_steps_on_cuda_graphs_give_the_eager_bits() {
         step(5, &mut seqs, false, "prefill");
         // Five rows run as 8 (warm-up, recording, then replays), then three as 4.
         for k in 0..6 {
-            step(5, &mut seqs, true, &format!("decode step {k} of 5 sequences"));
+            step(
+                5,
+                &mut seqs,
+                true,
+                &format!("decode step {k} of 5 sequences"),
+            );
         }
         for k in 0..4 {
-            step(3, &mut seqs, true, &format!("decode step {k} of 3 sequences"));
+            step(
+                3,
+                &mut seqs,
+                true,
+                &format!("decode step {k} of 3 sequences"),
+            );
         }
         assert_eq!(eager.backend.recorded_steps(), 0);
         assert_eq!(

@@ -75,115 +75,117 @@ pub fn forward<B: Backend>(
     let record = opts.record && !tracing && opts.routing.is_none();
     let (s, route) = (&mut st.bufs, &mut st.route);
     b.layers(record, &mut |b| {
-    b.embed(&model.embed_tokens, &plan, &dims, &mut s.x)?;
-    let mut moe_index = 0;
-    for (l, layer) in model.layers.iter().enumerate() {
-        // The previous layer's MLP output joins the residual stream inside the norm.
-        let residual = (l > 0).then_some(&s.y);
-        b.rms_norm(
-            &mut s.x,
-            residual,
-            &layer.input_norm,
-            &mut s.normed,
-            n,
-            h,
-            eps,
-        )?;
-        let x_in = tracing.then(|| b.host(&s.x, n * h)).transpose()?;
-        b.linear(&layer.q_proj, &s.normed, n, &mut s.q)?;
-        b.linear(&layer.k_proj, &s.normed, n, &mut s.k)?;
-        b.linear(&layer.v_proj, &s.normed, n, &mut s.v)?;
-        let projections = if tracing {
-            Some((
-                b.host(&s.normed, n * h)?,
-                b.host(&s.q, n * qs)?,
-                b.host(&s.k, n * ks)?,
-            ))
-        } else {
-            None
-        };
-        let norms = layer.q_norm.as_ref().zip(layer.k_norm.as_ref());
-        b.qk_norm_rope_store(
-            l,
-            norms,
-            &model.inv_freq,
-            &mut s.q,
-            &mut s.k,
-            &s.v,
-            kv,
-            &plan,
-            &dims,
-        )?;
-        b.attention(l, &s.q, kv, &plan, &dims, &mut s.attn)?;
-        b.linear(&layer.o_proj, &s.attn, n, &mut s.o)?;
-        b.rms_norm(
-            &mut s.x,
-            Some(&s.o),
-            &layer.post_attention_norm,
-            &mut s.normed,
-            n,
-            h,
-            eps,
-        )?;
-        let x_mid = tracing.then(|| b.host(&s.x, n * h)).transpose()?;
-        let mlp_in = tracing.then(|| b.host(&s.normed, n * h)).transpose()?;
-        let mlp_trace = match &layer.mlp {
-            Mlp::Dense(mlp) => {
-                let inter = cfg.intermediate_size;
-                b.mlp_gate_up(mlp, &s.normed, n, &mut s.gate_up)?;
-                b.silu_mul(&s.gate_up, n, inter, &mut s.act)?;
-                b.mlp_down(mlp, &s.act, n, &mut s.y)?;
-                tracing
-                    .then(|| b.mlp_trace(s, n, inter))
-                    .transpose()?
-                    .map(MlpTrace::Dense)
-            }
-            Mlp::Moe(moe) => {
-                let shape = MoeShape {
-                    experts: cfg.moe.as_ref().map_or(0, |m| m.num_experts),
-                    top_k: moe.top_k,
-                    renormalize: moe.norm_topk_prob,
-                    inter: cfg.moe.as_ref().map_or(0, |m| m.intermediate_size),
-                };
-                b.linear(&moe.router, &s.normed, n, &mut s.router_logits)?;
-                // This layer's replayed experts, `[rows, top_k]`.
-                let replay: Option<Vec<i32>> = opts.routing.map(|ids| {
-                    (0..n)
-                        .flat_map(|t| ids[(t * moe_layers + moe_index) * top_k..][..top_k].iter())
-                        .copied()
-                        .collect()
+        b.embed(&model.embed_tokens, &plan, &dims, &mut s.x)?;
+        let mut moe_index = 0;
+        for (l, layer) in model.layers.iter().enumerate() {
+            // The previous layer's MLP output joins the residual stream inside the norm.
+            let residual = (l > 0).then_some(&s.y);
+            b.rms_norm(
+                &mut s.x,
+                residual,
+                &layer.input_norm,
+                &mut s.normed,
+                n,
+                h,
+                eps,
+            )?;
+            let x_in = tracing.then(|| b.host(&s.x, n * h)).transpose()?;
+            b.linear(&layer.q_proj, &s.normed, n, &mut s.q)?;
+            b.linear(&layer.k_proj, &s.normed, n, &mut s.k)?;
+            b.linear(&layer.v_proj, &s.normed, n, &mut s.v)?;
+            let projections = if tracing {
+                Some((
+                    b.host(&s.normed, n * h)?,
+                    b.host(&s.q, n * qs)?,
+                    b.host(&s.k, n * ks)?,
+                ))
+            } else {
+                None
+            };
+            let norms = layer.q_norm.as_ref().zip(layer.k_norm.as_ref());
+            b.qk_norm_rope_store(
+                l,
+                norms,
+                &model.inv_freq,
+                &mut s.q,
+                &mut s.k,
+                &s.v,
+                kv,
+                &plan,
+                &dims,
+            )?;
+            b.attention(l, &s.q, kv, &plan, &dims, &mut s.attn)?;
+            b.linear(&layer.o_proj, &s.attn, n, &mut s.o)?;
+            b.rms_norm(
+                &mut s.x,
+                Some(&s.o),
+                &layer.post_attention_norm,
+                &mut s.normed,
+                n,
+                h,
+                eps,
+            )?;
+            let x_mid = tracing.then(|| b.host(&s.x, n * h)).transpose()?;
+            let mlp_in = tracing.then(|| b.host(&s.normed, n * h)).transpose()?;
+            let mlp_trace = match &layer.mlp {
+                Mlp::Dense(mlp) => {
+                    let inter = cfg.intermediate_size;
+                    b.mlp_gate_up(mlp, &s.normed, n, &mut s.gate_up)?;
+                    b.silu_mul(&s.gate_up, n, inter, &mut s.act)?;
+                    b.mlp_down(mlp, &s.act, n, &mut s.y)?;
+                    tracing
+                        .then(|| b.mlp_trace(s, n, inter))
+                        .transpose()?
+                        .map(MlpTrace::Dense)
+                }
+                Mlp::Moe(moe) => {
+                    let shape = MoeShape {
+                        experts: cfg.moe.as_ref().map_or(0, |m| m.num_experts),
+                        top_k: moe.top_k,
+                        renormalize: moe.norm_topk_prob,
+                        inter: cfg.moe.as_ref().map_or(0, |m| m.intermediate_size),
+                    };
+                    b.linear(&moe.router, &s.normed, n, &mut s.router_logits)?;
+                    // This layer's replayed experts, `[rows, top_k]`.
+                    let replay: Option<Vec<i32>> = opts.routing.map(|ids| {
+                        (0..n)
+                            .flat_map(|t| {
+                                ids[(t * moe_layers + moe_index) * top_k..][..top_k].iter()
+                            })
+                            .copied()
+                            .collect()
+                    });
+                    b.moe_route(&s.router_logits, n, shape, replay.as_deref(), route)?;
+                    b.experts_gate_up(&moe.experts, &s.normed, n, route, &mut s.gate_up)?;
+                    b.silu_mul(&s.gate_up, n * shape.top_k, shape.inter, &mut s.act)?;
+                    b.experts_down(&moe.experts, &s.act, route, &mut s.expert_out)?;
+                    b.moe_combine(&s.expert_out, route, n, h, &mut s.y)?;
+                    b.keep_routing(route, moe_index, n)?;
+                    moe_index += 1;
+                    tracing
+                        .then(|| b.moe_trace(route, s, n, shape))
+                        .transpose()?
+                        .map(MlpTrace::Moe)
+                }
+            };
+            if let Some(t) = trace.as_deref_mut() {
+                let (attn_in, q_proj, k_proj) = projections.expect("recorded when tracing");
+                t.layers.push(LayerTrace {
+                    x_in: x_in.expect("recorded when tracing"),
+                    attn_in,
+                    q_proj,
+                    k_proj,
+                    q: b.host(&s.q, n * qs)?,
+                    k: b.kv_stored(kv, &s.k, n * ks)?,
+                    v: b.kv_stored(kv, &s.v, n * ks)?,
+                    attn_out: b.host(&s.attn, n * qs)?,
+                    x_mid: x_mid.expect("recorded when tracing"),
+                    mlp_in: mlp_in.expect("recorded when tracing"),
+                    mlp: mlp_trace.expect("recorded when tracing"),
                 });
-                b.moe_route(&s.router_logits, n, shape, replay.as_deref(), route)?;
-                b.experts_gate_up(&moe.experts, &s.normed, n, route, &mut s.gate_up)?;
-                b.silu_mul(&s.gate_up, n * shape.top_k, shape.inter, &mut s.act)?;
-                b.experts_down(&moe.experts, &s.act, route, &mut s.expert_out)?;
-                b.moe_combine(&s.expert_out, route, n, h, &mut s.y)?;
-                b.keep_routing(route, moe_index, n)?;
-                moe_index += 1;
-                tracing
-                    .then(|| b.moe_trace(route, s, n, shape))
-                    .transpose()?
-                    .map(MlpTrace::Moe)
             }
-        };
-        if let Some(t) = trace.as_deref_mut() {
-            let (attn_in, q_proj, k_proj) = projections.expect("recorded when tracing");
-            t.layers.push(LayerTrace {
-                x_in: x_in.expect("recorded when tracing"),
-                attn_in,
-                q_proj,
-                k_proj,
-                q: b.host(&s.q, n * qs)?,
-                k: b.kv_stored(kv, &s.k, n * ks)?,
-                v: b.kv_stored(kv, &s.v, n * ks)?,
-                attn_out: b.host(&s.attn, n * qs)?,
-                x_mid: x_mid.expect("recorded when tracing"),
-                mlp_in: mlp_in.expect("recorded when tracing"),
-                mlp: mlp_trace.expect("recorded when tracing"),
-            });
         }
-    }
-    Ok(())
+        Ok(())
     })?;
     // The last MLP output joins the residual in the final norm.
     let out = b.logits(

@@ -14,10 +14,10 @@ use super::forward::{forward, ForwardOptions, StepState};
 use super::{
     ForwardBatch, ForwardOutput, ForwardTrace, Layer, Mlp, Model, ModelConfig, Moe, SeqInput,
 };
-use crate::backend::cuda::graphs::padded_rows;
 use crate::backend::cpu::linear::DenseWeight;
 pub use crate::backend::cuda::backend::{Cuda, CudaSizes};
 use crate::backend::cuda::backend::{CudaExperts, CudaKv, CudaSwiGlu, ModelShape};
+use crate::backend::cuda::graphs::padded_rows;
 use crate::backend::cuda::ops::Table;
 use crate::backend::cuda::weights::GpuMatrix;
 use crate::backend::cuda::{CudaError, Gpu};

@@ -418,7 +418,12 @@ fn launch_gemm(
         .map_err(|_| CudaError::Capacity("the GEMM scratch lock is poisoned".into()))?;
     let scratch = &mut *guard;
     let partials = match segments {
-        Some(s) => Some(grown(gpu, &mut scratch.partials, &mut scratch.generation, s * rows_arg * n)?),
+        Some(s) => Some(grown(
+            gpu,
+            &mut scratch.partials,
+            &mut scratch.generation,
+            s * rows_arg * n,
+        )?),
         None => None,
     };
     // The tiled kernel reads x packed to BF16: every row the rows (through row_index) name.
