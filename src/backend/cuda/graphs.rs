@@ -21,7 +21,7 @@ use cudarc::driver::CudaGraph;
 use super::{Cuda, CudaError};
 
 /// Row counts a decode step is padded to so that a few recordings serve every batch: SGLang's
-/// capture sizes up to 256 (powers of two, then every 8, then every 16).
+/// capture sizes up to 256 (1, 2, 4, 8, then every 8 to 128, every 16 to 192, then 224, 256).
 pub const GRAPH_ROWS: [usize; 25] = [
     1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 144, 160, 176, 192,
     224, 256,
