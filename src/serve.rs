@@ -112,8 +112,8 @@ pub struct ServeArgs {
     /// never run on Blackwell by this project (docs/gpu.md, docs/determinism.md).
     #[arg(long, env = "LOCKSTEP_CUDA_BLOCK_SCALED_GEMM", help_heading = "Model")]
     pub cuda_block_scaled_gemm: bool,
-    /// CUDA: decode steps of up to this many sequences run on CUDA graphs (recorded on first
-    /// use per padded batch size; SGLang's flag).
+    /// CUDA: decode steps of up to this many sequences run on CUDA graphs (padded to a capture
+    /// size, recorded on that size's second step; SGLang's flag).
     #[arg(
         long,
         default_value_t = defaults::CUDA_GRAPH_MAX_BS,
