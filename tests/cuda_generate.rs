@@ -609,7 +609,6 @@ fn a_sequence_decoded_alone_equals_it_among_255_others() {
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn the_trainer_forward_on_the_gpu_gives_the_rollout_logprobs() {
-    use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
     use lockstep::model::{ForwardBatch, ForwardTrace, SeqInput};
     use lockstep::sampling::prompt_logprobs;
     let mut rng = Rng(seed());
@@ -617,19 +616,13 @@ fn the_trainer_forward_on_the_gpu_gives_the_rollout_logprobs() {
     for name in ["bf16", "nvfp4"] {
         let recipe = Recipe::builtin(name).unwrap();
         // The trainer's model: the same counter-based weights as the server's.
-        let g = common::cuda::gpu();
-        let w = CudaWeights::dummy(&g, &config, &recipe, 3).unwrap();
-        let sizes = CudaSizes {
-            max_batch_tokens: 512,
-            max_running_requests: 1,
-            block_size: 16,
-            max_context_len: MAX_CONTEXT,
-            mem_fraction_static: 0.9,
-            max_total_tokens: Some(1024),
-            block_scaled_gemm: false,
-            graph_max_rows: lockstep::engine::defaults::CUDA_GRAPH_MAX_BS,
-        };
-        let mut trainer = CudaModel::new(g, config.clone(), w, sizes).unwrap();
+        let mut trainer = device_model(
+            &config,
+            &recipe,
+            1,
+            1024,
+            lockstep::engine::defaults::CUDA_GRAPH_MAX_BS,
+        );
         let h = dummy_engine(&config, name, 8, 512);
         let p = prompt(&mut rng, 150, config.vocab_size);
         let mut req = rollout("r".into(), p.clone(), 40, rng.next(), 0);
@@ -688,28 +681,13 @@ fn the_trainer_forward_on_the_gpu_gives_the_rollout_logprobs() {
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn decode_steps_on_cuda_graphs_give_the_eager_bits() {
-    use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
     use lockstep::model::{ForwardBatch, ForwardOutput, SeqInput};
     let mut rng = Rng(seed());
     let config = midsize_config();
     let v = config.vocab_size;
     for name in ["bf16", "nvfp4"] {
         let recipe = Recipe::builtin(name).unwrap();
-        let model = |graph_max_rows| {
-            let g = common::cuda::gpu();
-            let w = CudaWeights::dummy(&g, &config, &recipe, 3).unwrap();
-            let sizes = CudaSizes {
-                max_batch_tokens: 512,
-                max_running_requests: 8,
-                block_size: 16,
-                max_context_len: MAX_CONTEXT,
-                mem_fraction_static: 0.9,
-                max_total_tokens: Some(4096),
-                block_scaled_gemm: false,
-                graph_max_rows,
-            };
-            CudaModel::new(g, config.clone(), w, sizes).unwrap()
-        };
+        let model = |graph_max_rows| device_model(&config, &recipe, 8, 4096, graph_max_rows);
         let (mut eager, mut graphed) = (model(0), model(256));
         // Five sequences with 8 blocks (128 positions) each.
         let mut seqs: Vec<Vec<u32>> = (0..5).map(|i| prompt(&mut rng, 20 + 7 * i, v)).collect();
@@ -773,4 +751,29 @@ fn decode_steps_on_cuda_graphs_give_the_eager_bits() {
         );
         println!("{name}: 10 decode steps on CUDA graphs (8 and 4 padded rows) equal the eager steps bit for bit");
     }
+}
+
+/// A device model of the counter-based dummy weights (seed 3, the dummy engines' weights) with
+/// 512-token steps.
+fn device_model(
+    config: &ModelConfig,
+    recipe: &Recipe,
+    max_running_requests: usize,
+    max_total_tokens: usize,
+    graph_max_rows: usize,
+) -> lockstep::model::cuda::CudaModel {
+    use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
+    let g = common::cuda::gpu();
+    let w = CudaWeights::dummy(&g, config, recipe, 3).unwrap();
+    let sizes = CudaSizes {
+        max_batch_tokens: 512,
+        max_running_requests,
+        block_size: 16,
+        max_context_len: MAX_CONTEXT,
+        mem_fraction_static: 0.9,
+        max_total_tokens: Some(max_total_tokens),
+        block_scaled_gemm: false,
+        graph_max_rows,
+    };
+    CudaModel::new(g, config.clone(), w, sizes).unwrap()
 }

@@ -61,6 +61,7 @@ pub struct Model<B: Backend = Cpu> {
 }
 
 /// One sequence's slice of a batch.
+#[derive(Clone, Copy)]
 pub struct SeqInput<'a> {
     pub tokens: &'a [u32],
     /// Position of `tokens[0]`.

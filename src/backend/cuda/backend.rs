@@ -244,7 +244,7 @@ impl Cuda {
 
     /// How many decode row counts have a recording.
     pub fn recorded_steps(&self) -> usize {
-        self.graphs.len()
+        self.graphs.recorded()
     }
 
     /// Device bytes of the sampler and the logits chunk.

@@ -57,12 +57,9 @@ impl StepGraphs {
         self.warmed.clear();
     }
 
-    pub fn len(&self) -> usize {
+    /// How many row counts have a recording.
+    pub fn recorded(&self) -> usize {
         self.graphs.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.graphs.is_empty()
     }
 
     /// Runs a step of `rows` rows on `cuda`: replays its recording, or runs `layers` (eagerly

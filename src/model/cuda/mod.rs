@@ -493,16 +493,7 @@ impl CudaModel {
         };
         let real = batch.seqs.len();
         let padding_table = [self.kv.padding_block()];
-        let mut seqs: Vec<SeqInput<'_>> = batch
-            .seqs
-            .iter()
-            .map(|s| SeqInput {
-                tokens: s.tokens,
-                start_pos: s.start_pos,
-                block_table: s.block_table,
-                logits_from: s.logits_from,
-            })
-            .collect();
+        let mut seqs = batch.seqs.to_vec();
         seqs.resize_with(padded, || SeqInput {
             tokens: &[0],
             start_pos: 0,
