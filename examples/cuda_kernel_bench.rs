@@ -146,6 +146,7 @@ fn main() {
                 GemmPath::TensorCore,
                 GemmPath::Skinny,
                 GemmPath::Skinny4,
+                GemmPath::SkinnyK,
                 GemmPath::Auto,
             ] {
                 let mut run = || {
@@ -212,6 +213,7 @@ fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f3
                 (GemmPath::TensorCore, SplitK::On),
                 (GemmPath::Skinny, SplitK::Off),
                 (GemmPath::Skinny, SplitK::On),
+                (GemmPath::SkinnyK, SplitK::Off),
                 (GemmPath::Skinny4, SplitK::On),
                 (GemmPath::Auto, SplitK::Auto),
             ] {

@@ -69,3 +69,13 @@ __device__ __forceinline__ float e8m0_decode(u8 c) {
     return __uint_as_float(((u32)c) << 23);
 }
 
+
+// Asynchronous 16-byte copies global -> shared (sm_80+): `live` false writes 16 zero bytes and
+// reads nothing. A group is waited for with cp_async_wait<groups still allowed in flight>.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool live) {
+    u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(live ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

@@ -77,13 +77,34 @@ extern "C" __global__ void moe_count(const int* topk_ids, int pairs, int* counts
         atomicAdd(&counts[topk_ids[i]], 1);
 }
 
-// One thread: offsets[e] = first permuted row of expert e; tiles = (expert, first row) of every
-// `tile_rows`-row tile of the grouped GEMMs; cursor[e] = offsets[e] for the scatter.
+// One block of PLAN_THREADS threads: offsets[e] = first permuted row of expert e; tiles =
+// (expert, first row) of every `tile_rows`-row tile of the grouped GEMMs, in expert order;
+// cursor[e] = offsets[e] for the scatter. Thread i takes a contiguous run of experts; a block
+// scan of the runs' rows and tiles gives each run its first row and tile, so the plan is the
+// one a single walk over e = 0, 1, ... writes (integers: the same for any thread count).
+#define PLAN_THREADS 256
 extern "C" __global__ void moe_plan(const int* counts, int experts, int tile_rows, int* offsets, int* cursor,
                                     int* tiles, int* num_tiles) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    int row = 0, n = 0;
-    for (int e = 0; e < experts; e++) {
+    __shared__ int rows_s[PLAN_THREADS], tiles_s[PLAN_THREADS];
+    int tid = threadIdx.x, per = (experts + PLAN_THREADS - 1) / PLAN_THREADS;
+    int e0 = min(tid * per, experts), e1 = min(e0 + per, experts);
+    int my_rows = 0, my_tiles = 0;
+    for (int e = e0; e < e1; e++) {
+        my_rows += counts[e];
+        my_tiles += (counts[e] + tile_rows - 1) / tile_rows;
+    }
+    rows_s[tid] = my_rows;
+    tiles_s[tid] = my_tiles;
+    __syncthreads();
+    for (int off = 1; off < PLAN_THREADS; off <<= 1) {  // inclusive scan (Hillis-Steele)
+        int r = tid >= off ? rows_s[tid - off] : 0, n = tid >= off ? tiles_s[tid - off] : 0;
+        __syncthreads();
+        rows_s[tid] += r;
+        tiles_s[tid] += n;
+        __syncthreads();
+    }
+    int row = rows_s[tid] - my_rows, n = tiles_s[tid] - my_tiles;
+    for (int e = e0; e < e1; e++) {
         offsets[e] = row;
         cursor[e] = row;
         for (int r = 0; r < counts[e]; r += tile_rows) {
@@ -93,8 +114,10 @@ extern "C" __global__ void moe_plan(const int* counts, int experts, int tile_row
         }
         row += counts[e];
     }
-    offsets[experts] = row;
-    *num_tiles = n;
+    if (tid == PLAN_THREADS - 1) {
+        offsets[experts] = rows_s[tid];
+        *num_tiles = tiles_s[tid];
+    }
 }
 
 // Assigns each (token, slot) pair a row in its expert's group. The order inside a group does

@@ -18,6 +18,7 @@
 #define FA_KEYS 64
 #define FA_MAX_HD 128
 #define FA_LD (FA_MAX_HD + 8)  // padded rows: fragment loads spread over the banks
+#define DECODE_WARPS 4         // host: ops::prefill_attention::DECODE_THREADS / 32
 
 __device__ __forceinline__ u32 fa_pack(float lo, float hi) {
     return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
@@ -49,20 +50,43 @@ struct FaRows {
 };
 
 // Attention of one warp's 16 query rows over the keys 0..=last_pos of one sequence and KV head,
-// in tiles of 64 keys loaded by the block's THREADS threads (every warp of the block shares the
-// sequence, the KV head and last_pos). Each row's result depends only on its own q, its
-// position and the keys: which other rows share the warp, and last_pos beyond the row's own
-// position, change nothing (a tile of keys all past a row's position leaves its state exactly
-// as it was), so prefill chunks and decode rows give the same bits (docs/determinism.md).
-template <int HD, int THREADS>
+// in tiles of 64 keys copied in by the block's THREADS threads (every warp of the block shares
+// the sequence, the KV head and last_pos). The copies run ahead of the arithmetic: a tile's V
+// arrives while its scores are computed, and the next tile's K while its V is summed. The warp
+// writes DW of the head's HD / 8 output column tiles, starting at tile d0: HD / 8 / DW warps
+// of the block (consecutive, from a multiple of that) share the same rows and split the
+// columns, and the score tiles, which they trade.
+//
+// Each row's result depends only on its own q, its position and the keys: which other rows
+// share the warp, which columns it writes, and last_pos beyond the row's own position, change
+// nothing (a tile of keys all past a row's position leaves its state exactly as it was), so
+// prefill chunks and decode rows give the same bits (docs/determinism.md).
+template <int HD, int THREADS, int DW>
 __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
-                          const int* table, int kvh, int kv_heads, int block_size, float scale) {
-    constexpr int KSTEPS = HD / 16;  // k16 steps of q.k
-    constexpr int DTILES = HD / 8;   // n8 tiles of the output
+                          const int* table, int kvh, int kv_heads, int block_size, float scale, int d0) {
+    constexpr int KSTEPS = HD / 16;   // k16 steps of q.k
+    constexpr int SHARE = HD / 8 / DW;  // warps that share the rows (and split the columns)
+    static_assert(8 % SHARE == 0, "the sharing warps split the 8 key tiles");
     __shared__ __align__(16) bf16_t ks[FA_KEYS][FA_LD];
     __shared__ __align__(16) bf16_t vs[FA_KEYS][FA_LD];
-    int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     u64 kv_width = (u64)kv_heads * HD;
+    // One 64-key tile of K or V into shared memory (one cp.async group); keys past last_pos
+    // are zero.
+    auto copy_tile = [&](bf16_t (*dst)[FA_LD], const bf16_t* cache, int k0) {
+        constexpr int CHUNKS = HD / 8;
+#pragma unroll 4
+        for (int c = tid; c < FA_KEYS * CHUNKS; c += THREADS) {
+            int key = c / CHUNKS, part = (c % CHUNKS) * 8, kpos = k0 + key;
+            bool live = kpos <= last_pos;
+            const bf16_t* src = cache;
+            if (live)
+                src += ((u64)table[kpos / block_size] * block_size + kpos % block_size) * kv_width + (u64)kvh * HD +
+                       part;
+            cp_async16(&dst[key][part], src, live);
+        }
+        cp_async_commit();
+    };
 
     // Q fragments (A operand, row-major 16 x HD), split into hi and lo BF16 terms, pre-scaled.
     u32 qa_hi[KSTEPS][4], qa_lo[KSTEPS][4];
@@ -77,37 +101,29 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
         fa_split(qh(c1), qh(c1 + 1), qa_hi[s][3], qa_lo[s][3]);
     }
 
-    float o[DTILES][4];
+    float o[DW][4];
 #pragma unroll
-    for (int d = 0; d < DTILES; d++)
+    for (int d = 0; d < DW; d++)
 #pragma unroll
         for (int i = 0; i < 4; i++) o[d][i] = 0.0f;
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
 
+    copy_tile(ks, k_cache, 0);
+    copy_tile(vs, v_cache, 0);
     for (int k0 = 0; k0 <= last_pos; k0 += FA_KEYS) {
-        __syncthreads();  // the previous tile's readers are done
-        // K and V tiles: 64 keys x HD, 16-byte chunks; keys past last_pos are zero.
-        constexpr int CHUNKS = HD / 8;
-        for (int c = tid; c < FA_KEYS * CHUNKS; c += THREADS) {
-            int key = c / CHUNKS, part = (c % CHUNKS) * 8, kpos = k0 + key;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
-            if (kpos <= last_pos) {
-                u64 base = ((u64)table[kpos / block_size] * block_size + kpos % block_size) * kv_width +
-                           (u64)kvh * HD + part;
-                kv = *(const uint4*)(k_cache + base);
-                vv = *(const uint4*)(v_cache + base);
-            }
-            *(uint4*)&ks[key][part] = kv;
-            *(uint4*)&vs[key][part] = vv;
-        }
+        bool more = k0 + FA_KEYS <= last_pos;
+        cp_async_wait<1>();  // this tile's K is in (its V may still be coming)
         __syncthreads();
 
-        // S = q k^T for this warp's 16 rows x 64 keys: 8 n8 tiles.
+        // S = q k^T for this warp's 16 rows x 64 keys: 8 n8 tiles. Warps that share the rows
+        // compute 8 / SHARE tiles each and trade them through shared memory, so every one holds
+        // the same scores (each tile's products are the same whichever warp makes them).
         float s[8][4];
 #pragma unroll
         for (int j = 0; j < 8; j++) {
 #pragma unroll
             for (int i = 0; i < 4; i++) s[j][i] = 0.0f;
+            if (SHARE > 1 && j / (8 / SHARE) != warp % SHARE) continue;
 #pragma unroll
             for (int st = 0; st < KSTEPS; st++) {
                 int key = j * 8 + g, c = st * 16 + 2 * t;
@@ -115,6 +131,19 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
                 fa_mma(s[j], qa_hi[st], b0, b1);
                 fa_mma(s[j], qa_lo[st], b0, b1);
             }
+        }
+        if constexpr (SHARE > 1) {
+            __shared__ float ss[8][4][32];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (j / (8 / SHARE) == warp % SHARE)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) ss[j][i][lane] = s[j][i];
+            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) s[j][i] = ss[j][i][lane];
         }
         // Causal mask and the online softmax; the quad (t = 0..3) shares each row.
         float mx_lo = -INFINITY, mx_hi = -INFINITY;
@@ -156,8 +185,13 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
         l_hi = __fmaf_rn(l_hi, c_hi, sum_hi);
         m_lo = mn_lo;
         m_hi = mn_hi;
+        __syncthreads();  // every warp is done with ks: the next tile's K comes in under P V
+        if (more) copy_tile(ks, k_cache, k0 + FA_KEYS);
+        else cp_async_commit();  // an empty group keeps the count
+        cp_async_wait<1>();      // this tile's V is in
+        __syncthreads();
 #pragma unroll
-        for (int d = 0; d < DTILES; d++) {
+        for (int d = 0; d < DW; d++) {
             o[d][0] = __fmul_rn(o[d][0], c_lo);
             o[d][1] = __fmul_rn(o[d][1], c_lo);
             o[d][2] = __fmul_rn(o[d][2], c_hi);
@@ -174,21 +208,25 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
             fa_split(s[2 * kk + 1][2], s[2 * kk + 1][3], p_hi[3], p_lo[3]);
             int key = kk * 16 + 2 * t;
 #pragma unroll
-            for (int d = 0; d < DTILES; d++) {
-                int col = d * 8 + g;
+            for (int d = 0; d < DW; d++) {
+                int col = (d0 + d) * 8 + g;
                 u32 b0 = (u32)vs[key][col] | ((u32)vs[key + 1][col] << 16);
                 u32 b1 = (u32)vs[key + 8][col] | ((u32)vs[key + 9][col] << 16);
                 fa_mma(o[d], p_hi, b0, b1);
                 fa_mma(o[d], p_lo, b0, b1);
             }
         }
+        __syncthreads();  // every warp is done with vs
+        if (more) copy_tile(vs, v_cache, k0 + FA_KEYS);
+        else cp_async_commit();
     }
+    cp_async_wait<0>();
 
     // C fragment: (g, 2t), (g, 2t + 1) of row lo, (g + 8, ...) of row hi.
     float inv_lo = l_lo > 0.0f ? __fdiv_rn(1.0f, l_lo) : 0.0f, inv_hi = l_hi > 0.0f ? __fdiv_rn(1.0f, l_hi) : 0.0f;
 #pragma unroll
-    for (int d = 0; d < DTILES; d++) {
-        int col = d * 8 + 2 * t;
+    for (int d = 0; d < DW; d++) {
+        int col = (d0 + d) * 8 + 2 * t;
         if (r.live_lo) {
             r.out_lo[col] = __fmul_rn(o[d][0], inv_lo);
             r.out_lo[col + 1] = __fmul_rn(o[d][1], inv_lo);
@@ -224,14 +262,15 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
     r.q_hi = q + at_hi;
     r.out_lo = out + at_lo;
     r.out_hi = out + at_hi;
-    fa_attend<HD, 128>(r, pos0 + count - 1, k_cache, v_cache, block_tables + table_offsets[row_seq[first]], kvh,
-                       kv_heads, block_size, scale);
+    fa_attend<HD, 128, HD / 8>(r, pos0 + count - 1, k_cache, v_cache, block_tables + table_offsets[row_seq[first]],
+                               kvh, kv_heads, block_size, scale, 0);
 }
 
-// Decode: one query row per sequence. Grid (rows, kv_heads * passes), 32 threads: the warp's 16
-// tile rows are the query heads sharing one KV head (GQA; a group of more than 16 heads takes
-// `passes` blocks), so each K/V row is read once per KV head. `rows` maps block x to the step's
-// row (null: identity).
+// Decode: one query row per sequence. Grid (rows, kv_heads * passes), 4 warps: the 16 tile rows
+// are the query heads sharing one KV head (GQA; a group of more than 16 heads takes `passes`
+// blocks), so each K/V row is read once per KV head; the 4 warps copy the tiles together and
+// each writes a quarter of the output columns. `rows` maps block x to the step's row (null:
+// identity).
 template <int HD>
 __device__ void decode_attention(const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache,
                                  const int* row_pos, const int* row_seq, const int* table_offsets,
@@ -240,7 +279,7 @@ __device__ void decode_attention(const float* q, float* out, const bf16_t* k_cac
     int row = rows ? rows[blockIdx.x] : (int)blockIdx.x;
     int group = heads / kv_heads, passes = (group + 15) / 16;
     int kvh = blockIdx.y / passes, pass = blockIdx.y % passes;
-    int g = (threadIdx.x & 31) >> 2;
+    int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
     int j_lo = pass * 16 + g, j_hi = j_lo + 8;
     int pos = row_pos[row];
     FaRows r;
@@ -254,8 +293,9 @@ __device__ void decode_attention(const float* q, float* out, const bf16_t* k_cac
     r.q_hi = q + at_hi;
     r.out_lo = out + at_lo;
     r.out_hi = out + at_hi;
-    fa_attend<HD, 32>(r, pos, k_cache, v_cache, block_tables + table_offsets[row_seq[row]], kvh, kv_heads,
-                      block_size, scale);
+    constexpr int DW = HD / 8 / DECODE_WARPS;
+    fa_attend<HD, 32 * DECODE_WARPS, DW>(r, pos, k_cache, v_cache, block_tables + table_offsets[row_seq[row]], kvh,
+                                         kv_heads, block_size, scale, warp * DW);
 }
 
 #define ATTENTION_KERNELS(PREFILL, DECODE, HD)                                                                        \

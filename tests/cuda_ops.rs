@@ -673,6 +673,53 @@ fn cpu_experts(
 
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn the_routing_plan_is_the_sequential_walk_over_experts() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    // 300 experts: more than the plan kernel's threads, so each takes a run of experts.
+    for (tokens, top_k, experts) in [(1, 8, 128), (37, 8, 128), (200, 4, 300), (3, 2, 8)] {
+        let pairs = tokens * top_k;
+        // Skewed ids: a third of the pairs on expert 5 (tiles past the first), the rest spread.
+        let ids: Vec<i32> = (0..pairs)
+            .map(|_| {
+                if rng.below(3) == 0 {
+                    5
+                } else {
+                    rng.below(experts) as i32
+                }
+            })
+            .collect();
+        let mut plan = MoePlan::new(&g, pairs, experts).unwrap();
+        let dids = g.upload(&ids).unwrap();
+        plan.build(&g, &dids, tokens, top_k, experts).unwrap();
+        let (mut offsets, mut tiles) = (vec![0i32], Vec::new());
+        for e in 0..experts {
+            let count = ids.iter().filter(|&&i| i == e as i32).count() as i32;
+            let first = *offsets.last().unwrap();
+            tiles.extend((0..count).step_by(32).flat_map(|r| [e as i32, first + r]));
+            offsets.push(first + count);
+        }
+        let shape = format!("{tokens} tokens x {top_k} of {experts}");
+        assert_eq!(g.download(&plan.offsets, experts + 1).unwrap(), offsets, "{shape}");
+        let n = g.download(&plan.num_tiles, 1).unwrap()[0] as usize;
+        assert_eq!(n, tiles.len() / 2, "{shape}: tiles");
+        assert!(n <= plan.tiles_launched(), "{shape}: {n} tiles over the launch bound");
+        assert_eq!(g.download(&plan.tiles, 2 * n).unwrap(), tiles, "{shape}");
+        // Every pair has a row of its expert's group, and that row names the pair's token.
+        let slot_row = g.download(&plan.slot_row, pairs).unwrap();
+        let row_token = g.download(&plan.row_token, pairs).unwrap();
+        let mut seen = vec![false; pairs];
+        for (i, &r) in slot_row.iter().enumerate() {
+            let e = ids[i] as usize;
+            assert!(offsets[e] <= r && r < offsets[e + 1], "{shape}: pair {i} row {r}");
+            assert!(!std::mem::replace(&mut seen[r as usize], true), "{shape}: row {r} twice");
+            assert_eq!(row_token[r as usize] as usize, i / top_k, "{shape}: row {r}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
     let g = gpu();
     let mut rng = Rng(seed());
@@ -772,6 +819,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             GemmPath::TensorCore,
             GemmPath::Skinny,
             GemmPath::Skinny4,
+            GemmPath::SkinnyK,
         ] {
             let mut out = poisoned(&g, pairs * n, f32::NAN);
             ops::grouped_gemm_on(
@@ -823,6 +871,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             (3, GemmPath::Skinny, SplitK::Off),
             (3, GemmPath::Skinny, SplitK::On),
             (5, GemmPath::Skinny4, SplitK::On),
+            (7, GemmPath::SkinnyK, SplitK::Off),
             (13, GemmPath::TensorCore, SplitK::Off),
             (13, GemmPath::TensorCore, SplitK::On),
         ] {

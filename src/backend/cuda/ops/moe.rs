@@ -8,6 +8,9 @@ use crate::backend::cuda::args::View;
 use crate::backend::cuda::kernels::Kernel;
 use crate::backend::cuda::{CudaError, Gpu};
 
+/// Threads of the one `moe_plan` block (kernels/moe.cu `PLAN_THREADS`).
+const MOE_PLAN_THREADS: u32 = 256;
+
 /// Router softmax, top-k (ties to the lower id) and optional renormalisation; with `given`
 /// (`[tokens, top_k]`), each row whose given ids are all valid takes them instead (replay).
 #[allow(clippy::too_many_arguments)]
@@ -88,6 +91,19 @@ impl MoePlan {
         pairs / GEMM_TILE_ROWS + experts
     }
 
+    /// The most tiles `pairs` routed pairs can make: `m = min(experts, pairs)` experts at
+    /// most hold rows, and `sum ceil(n_e / T) <= (pairs + (T - 1) m) / T`. A GEMM over the
+    /// plan launches this many tile blocks (the plan's own count is on the device): at one
+    /// decode row, 8 where [`MoePlan::max_tiles`] of the largest batch is thousands.
+    pub fn tile_bound(pairs: usize, experts: usize) -> usize {
+        (pairs + (GEMM_TILE_ROWS - 1) * experts.min(pairs)) / GEMM_TILE_ROWS
+    }
+
+    /// [`MoePlan::tile_bound`] of the last [`MoePlan::build`].
+    pub fn tiles_launched(&self) -> usize {
+        Self::tile_bound(self.pairs, self.counts.len()).min(self.tiles.len() / 2)
+    }
+
     /// Groups the pairs of `ids` by expert: counts, offsets, GEMM tiles, and for every pair
     /// its row (`slot_row`) and for every row its token (`row_token`).
     pub fn build(
@@ -119,7 +135,7 @@ impl MoePlan {
         gpu.launch(
             Kernel::MoePlan,
             (1, 1, 1),
-            1,
+            MOE_PLAN_THREADS,
             (
                 counts,
                 experts as i32,
@@ -146,5 +162,41 @@ impl MoePlan {
             )?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every way of routing `pairs` pairs to `experts` experts (counts as compositions): the
+    /// tiles they make never pass the bound, and some routing reaches it.
+    #[test]
+    fn the_tile_bound_holds_and_is_reached() {
+        fn routings(left: usize, experts: usize, counts: &mut Vec<usize>, f: &mut dyn FnMut(&[usize])) {
+            if experts == 1 {
+                counts.push(left);
+                f(counts);
+                counts.pop();
+                return;
+            }
+            for c in 0..=left {
+                counts.push(c);
+                routings(left - c, experts - 1, counts, f);
+                counts.pop();
+            }
+        }
+        for experts in 1..=4 {
+            for pairs in [0, 1, 3, 31, 32, 33, 64, 65, 95, 97, 130] {
+                let bound = MoePlan::tile_bound(pairs, experts);
+                let mut most = 0;
+                routings(pairs, experts, &mut Vec::new(), &mut |counts| {
+                    let tiles: usize = counts.iter().map(|c| c.div_ceil(GEMM_TILE_ROWS)).sum();
+                    most = most.max(tiles);
+                });
+                assert_eq!(most, bound, "{pairs} pairs over {experts} experts");
+                assert!(bound <= MoePlan::max_tiles(pairs, experts));
+            }
+        }
     }
 }

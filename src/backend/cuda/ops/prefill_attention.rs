@@ -13,6 +13,9 @@ use crate::backend::cuda::{CudaError, Gpu};
 /// Query rows per block of [`prefill_attention`] (kernels/prefill_attention.cu `FA_ROWS`).
 pub const PREFILL_TILE_ROWS: usize = 64;
 
+/// Threads per block of [`decode_attention`] (kernels/prefill_attention.cu `DECODE_WARPS`).
+const DECODE_THREADS: u32 = 128;
+
 /// Whether [`prefill_attention`] and [`decode_attention`] have a kernel for this shape.
 pub fn prefill_attention_supports(s: AttnShape) -> bool {
     matches!(s.head_dim, 32 | 64 | 128) && s.heads % s.kv_heads == 0
@@ -86,8 +89,9 @@ pub fn prefill_attention(
     )
 }
 
-/// Attention for single query rows (decode; `rows` lists them, None: rows 0..count), one warp
-/// per (row, KV head) serving the query heads that share it (kernels/prefill_attention.cu).
+/// Attention for single query rows (decode; `rows` lists them, None: rows 0..count), a block
+/// of 4 warps per (row, KV head) serving the query heads that share it
+/// (kernels/prefill_attention.cu).
 #[allow(clippy::too_many_arguments)]
 pub fn decode_attention(
     gpu: &Gpu,
@@ -116,7 +120,18 @@ pub fn decode_attention(
     let passes = (s.heads / s.kv_heads).div_ceil(16);
     let grid = (count as u32, (s.kv_heads * passes) as u32, 1);
     launch(
-        gpu, kernel, grid, 32, q, out, k_cache, v_cache, meta, step_rows, s, rows,
+        gpu,
+        kernel,
+        grid,
+        DECODE_THREADS,
+        q,
+        out,
+        k_cache,
+        v_cache,
+        meta,
+        step_rows,
+        s,
+        rows,
     )
 }
 
