@@ -146,7 +146,6 @@ fn main() {
                 GemmPath::TensorCore,
                 GemmPath::Skinny,
                 GemmPath::Skinny4,
-                GemmPath::SkinnyK,
                 GemmPath::Auto,
             ] {
                 let mut run = || {
@@ -213,7 +212,6 @@ fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f3
                 (GemmPath::TensorCore, SplitK::On),
                 (GemmPath::Skinny, SplitK::Off),
                 (GemmPath::Skinny, SplitK::On),
-                (GemmPath::SkinnyK, SplitK::Off),
                 (GemmPath::Skinny4, SplitK::On),
                 (GemmPath::Auto, SplitK::Auto),
             ] {

@@ -34,15 +34,11 @@ extern "C" __global__ void embedding(const u32* tokens, const void* table, int i
 
 // out[b] = rms_norm(x[row]) * w, row = rows ? rows[b] : b. With `residual`, x[row] += residual[row]
 // first (the CPU's add-then-norm, same f32 additions). One block per output row.
-// The buffers never alias (__restrict__): a thread's loads of the next elements can go ahead
-// of its store of x, instead of a memory round trip per element.
-extern "C" __global__ void rms_norm(float* __restrict__ x, const float* __restrict__ residual,
-                                    const float* __restrict__ w, float* __restrict__ out,
-                                    const int* __restrict__ rows, int d, float eps) {
+extern "C" __global__ void rms_norm(float* x, const float* residual, const float* w, float* out,
+                                    const int* rows, int d, float eps) {
     u64 r = rows ? (u64)rows[blockIdx.x] : (u64)blockIdx.x;
     float* xr = x + r * d;
     float ss = 0.0f;
-#pragma unroll 8
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         float v = xr[i];
         if (residual) {
@@ -118,23 +114,16 @@ extern "C" __global__ void silu_mul(const float* gu, float* h, u64 rows, int int
     }
 }
 
-// y[t] = sum over top-k slots, in slot order, of weight * expert_out[row of (t, slot)]. One block
-// per token; its slots' rows and weights are read once (top_k <= 32, as moe_route requires).
-extern "C" __global__ void moe_combine(const float* __restrict__ expert_out, const int* __restrict__ slot_row,
-                                       const float* __restrict__ weights, float* __restrict__ y, int top_k,
-                                       int hidden) {
+// y[t] = sum over top-k slots, in slot order, of weight * expert_out[row of (t, slot)].
+extern "C" __global__ void moe_combine(const float* expert_out, const int* slot_row, const float* weights,
+                                       float* y, int top_k, int hidden) {
     int t = blockIdx.x;
-    __shared__ u64 row_s[32];
-    __shared__ float w_s[32];
-    if (threadIdx.x < top_k) {
-        row_s[threadIdx.x] = (u64)slot_row[t * top_k + threadIdx.x] * hidden;
-        w_s[threadIdx.x] = weights[t * top_k + threadIdx.x];
-    }
-    __syncthreads();
-#pragma unroll 4
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
         float acc = 0.0f;
-        for (int s = 0; s < top_k; s++) acc = __fadd_rn(acc, __fmul_rn(w_s[s], expert_out[row_s[s] + i]));
+        for (int s = 0; s < top_k; s++) {
+            int r = slot_row[t * top_k + s];
+            acc = __fadd_rn(acc, __fmul_rn(weights[t * top_k + s], expert_out[(u64)r * hidden + i]));
+        }
         y[(u64)t * hidden + i] = acc;
     }
 }

@@ -497,59 +497,12 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
 
 #define SKINNY_WARPS 4  // warps per 128-thread block
 
-// One segment k = kb..ke-1 (ke - kb <= SEG, a multiple of 32) of the K chain for a warp's 8 * NF
-// weight columns (rows w_row) and its tile's live rows (x rows xr, null past the tile), added
-// into acc. Each lane streams the 8 values per span of its NF columns (g of each n8 fragment)
-// from global memory, SPANS spans ahead, and packs its rows' activations itself (L1-resident)
-// once per span for all NF fragments. A fragment, or its upper 8 rows, with no live row is
-// skipped (warp-uniform).
-template <int FMT, int NF>
-__device__ __forceinline__ void skinny_segment(float (*acc)[NF][4], const void* w, const u8* w_scales,
-                                               const u64* w_row, const float* (*xr)[2], int live, int kb,
-                                               int ke, int K, int t) {
-    constexpr bool SPLIT = FMT == 1;
-    constexpr int FRAGS = TM / 16;
-    constexpr int SPANS = NF == 1 ? 8 : 4;  // 32 * SPANS divides SEG
-    for (int k0 = kb; k0 < ke; k0 += 32 * SPANS) {
-        int spans = min(SPANS, (ke - k0) / 32);
-        Weight8 wc[SPANS][NF];
-#pragma unroll
-        for (int s = 0; s < SPANS; s++)
-#pragma unroll
-            for (int f = 0; f < NF; f++)
-                if (s < spans) wc[s][f] = load_weight8<FMT>(w, w_scales, w_row[f], k0 + 32 * s + 8 * t, K);
-#pragma unroll
-        for (int s = 0; s < SPANS; s++) {
-            if (s >= spans) break;
-            u32 b[NF][4];
-#pragma unroll
-            for (int f = 0; f < NF; f++) decode_weight8<FMT>(wc[s][f], b[f]);
-#pragma unroll
-            for (int mi = 0; mi < FRAGS; mi++) {
-                if (mi * 16 >= live) break;
-                u32 hi[2][4] = {}, lo[2][4] = {};
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    if (h == 1 && mi * 16 + 8 >= live) break;  // no live row in the upper half
-                    float4 va = make_float4(0, 0, 0, 0), vb = va;
-                    if (xr[mi][h]) {
-                        const float4* p = (const float4*)(xr[mi][h] + k0 + 32 * s);
-                        va = p[0];
-                        vb = p[1];
-                    }
-                    pack_act8<SPLIT>(va, vb, hi[h], lo[h]);
-                }
-#pragma unroll
-                for (int f = 0; f < NF; f++) mma_span<SPLIT>(acc[mi][f], hi[0], hi[1], lo[0], lo[1], b[f]);
-            }
-        }
-    }
-}
-
-// Grid (ceil(N / (32 * NF)), tiles), 128 threads: each warp walks the K chain of its own 8 * NF
-// columns (skinny_segment), no shared memory but the running total. Requires K % 32 == 0.
-// More fragments per warp spread the activation packing over more weights, fewer give more
-// warps. The tile's rows are at most TM = two m16 fragments.
+// Grid (ceil(N / (32 * NF)), tiles), 128 threads. Requires K % 32 == 0. Each lane streams the
+// 8 values per span of its NF weight columns (g of each n8 fragment) from global memory,
+// SPANS spans ahead, and packs its rows' activations itself (L1-resident, shared by the
+// block's warps) once per span for all NF fragments; more fragments per warp spread that
+// packing over more weights, fewer give more warps. The tile's rows are at most TM = two m16
+// fragments; a fragment, or its upper 8 rows, with no live row is skipped (warp-uniform).
 template <int FMT, int NF>
 __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const float* row_scale, const void* w,
                                     const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
@@ -557,7 +510,9 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
                                     float* partials) {
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
+    constexpr bool SPLIT = FMT == 1;
     constexpr int FRAGS = TM / 16;
+    constexpr int SPANS = NF == 1 ? 8 : 4;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int n0 = (blockIdx.x * SKINNY_WARPS + warp) * 8 * NF;
     if (n0 >= N) return;
@@ -591,9 +546,42 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
 
     int k_begin, k_end;
     block_k_range(partials, K, k_begin, k_end);
-    for (int kb = k_begin; kb < k_end; kb += SEG) {
-        skinny_segment<FMT, NF>(acc, w, w_scales, w_row, xr, live, kb, min(k_end, kb + SEG), K, t);
-        end_segment<FRAGS * NF * 4, 32>(&acc[0][0][0], tot, kb == k_begin);
+    for (int k0 = k_begin; k0 < k_end; k0 += 32 * SPANS) {
+        int spans = min(SPANS, (k_end - k0) / 32);
+        Weight8 wc[SPANS][NF];
+#pragma unroll
+        for (int s = 0; s < SPANS; s++)
+#pragma unroll
+            for (int f = 0; f < NF; f++)
+                if (s < spans) wc[s][f] = load_weight8<FMT>(w, w_scales, w_row[f], k0 + 32 * s + 8 * t, K);
+#pragma unroll
+        for (int s = 0; s < SPANS; s++) {
+            if (s >= spans) break;
+            u32 b[NF][4];
+#pragma unroll
+            for (int f = 0; f < NF; f++) decode_weight8<FMT>(wc[s][f], b[f]);
+#pragma unroll
+            for (int mi = 0; mi < FRAGS; mi++) {
+                if (mi * 16 >= live) break;
+                u32 hi[2][4] = {}, lo[2][4] = {};
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    if (h == 1 && mi * 16 + 8 >= live) break;  // no live row in the upper half
+                    float4 va = make_float4(0, 0, 0, 0), vb = va;
+                    if (xr[mi][h]) {
+                        const float4* p = (const float4*)(xr[mi][h] + k0 + 32 * s);
+                        va = p[0];
+                        vb = p[1];
+                    }
+                    pack_act8<SPLIT>(va, vb, hi[h], lo[h]);
+                }
+#pragma unroll
+                for (int f = 0; f < NF; f++) mma_span<SPLIT>(acc[mi][f], hi[0], hi[1], lo[0], lo[1], b[f]);
+            }
+        }
+        // 32 * SPANS divides SEG: a segment ends only at the end of an iteration.
+        if ((k0 + 32 * SPANS) % SEG == 0 || k0 + 32 * SPANS >= k_end)
+            end_segment<FRAGS * NF * 4, 32>(&acc[0][0][0], tot, k0 < k_begin + SEG);
     }
 
 #pragma unroll
@@ -634,75 +622,6 @@ __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const
                                 rows, N, K, out, partials);
 }
 
-// Grid (ceil(N / 8), tiles), 128 threads on the same 8 columns, for launches too small to fill
-// the GPU a warp per column group (one decode row: a dense layer's N / 8 blocks, an expert
-// tile's): warp w takes the K segments w, w + 4, ...; after each round of 4 segments their sums
-// go through shared memory and warp 0 adds them to the running total in segment order. The
-// K chain, its segments and their order are the other kernels', so are the bits; no split-K
-// scratch and no fold. Requires K % 32 == 0.
-template <int FMT>
-__device__ void grouped_gemm_skinny_k(const float* x, const int* row_index, const float* row_scale, const void* w,
-                                      const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
-                                      const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                      float* /* partials: never split */, const u32* /* xb: reads x itself */) {
-    int e, r0, r1;
-    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
-    constexpr int FRAGS = TM / 16, COUNT = FRAGS * 4;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int n0 = blockIdx.x * 8;
-    if (n0 >= N) return;
-    // A lane past N reads column n0 (never stored: lanes store columns 2t, 2t + 1).
-    u64 w_row[1] = {(u64)e * N + (n0 + g < N ? n0 + g : n0)};
-    int live = r1 - r0;
-    const float* xr[FRAGS][2];
-#pragma unroll
-    for (int mi = 0; mi < FRAGS; mi++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            int row = r0 + mi * 16 + g + 8 * h;
-            xr[mi][h] = row < r1 ? x + (row_index ? (u64)row_index[row] : (u64)row) * K + 8 * t : nullptr;
-        }
-    __shared__ float seg_s[SKINNY_WARPS][COUNT][32];
-    float tot[COUNT];
-    int segments = (K + SEG - 1) / SEG;
-    for (int round = 0; round < segments; round += SKINNY_WARPS) {
-        float acc[FRAGS][1][4];
-#pragma unroll
-        for (int mi = 0; mi < FRAGS; mi++)
-#pragma unroll
-            for (int v = 0; v < 4; v++) acc[mi][0][v] = 0.0f;
-        int seg = round + warp;
-        if (seg < segments) skinny_segment<FMT, 1>(acc, w, w_scales, w_row, xr, live, seg * SEG, min(K, seg * SEG + SEG), K, t);
-#pragma unroll
-        for (int i = 0; i < COUNT; i++) seg_s[warp][i][lane] = (&acc[0][0][0])[i];
-        __syncthreads();
-        if (warp == 0) {
-            int here = min(SKINNY_WARPS, segments - round);
-            for (int s = 0; s < here; s++)
-#pragma unroll
-                for (int i = 0; i < COUNT; i++)
-                    tot[i] = round + s == 0 ? seg_s[s][i][lane] : __fadd_rn(tot[i], seg_s[s][i][lane]);
-        }
-        __syncthreads();
-    }
-    if (warp != 0) return;
-#pragma unroll
-    for (int mi = 0; mi < FRAGS; mi++)
-#pragma unroll
-        for (int half = 0; half < 2; half++) {
-            int row = r0 + mi * 16 + g + 8 * half;
-            if (row >= r1) continue;
-            u64 src = row_index ? (u64)row_index[row] : (u64)row;
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-                int col = n0 + 2 * t + j;
-                if (col >= N) continue;
-                store_sum<FMT>(tot[mi * 4 + 2 * half + j], nullptr, rows, row, col, N, row_scale, src, w_sdec, e,
-                               sdec_groups, out);
-            }
-        }
-}
-
 #define GEMM_KERNEL(KIND, NAME, FMT)                                                                              \
     extern "C" __global__ void NAME(const float* x, const int* row_index, const float* row_scale, const void* w,   \
                                     const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,    \
@@ -721,9 +640,6 @@ GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_nvfp4, 3)
 GEMM_KERNEL(grouped_gemm_skinny4, grouped_gemm_skinny4_bf16, 1)
 GEMM_KERNEL(grouped_gemm_skinny4, grouped_gemm_skinny4_mxfp8, 2)
 GEMM_KERNEL(grouped_gemm_skinny4, grouped_gemm_skinny4_nvfp4, 3)
-GEMM_KERNEL(grouped_gemm_skinny_k, grouped_gemm_skinny_k_bf16, 1)
-GEMM_KERNEL(grouped_gemm_skinny_k, grouped_gemm_skinny_k_mxfp8, 2)
-GEMM_KERNEL(grouped_gemm_skinny_k, grouped_gemm_skinny_k_nvfp4, 3)
 
 GEMM_KERNEL(grouped_gemm, grouped_gemm_f32, 0)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_bf16, 1)

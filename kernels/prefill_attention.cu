@@ -53,9 +53,8 @@ struct FaRows {
 // in tiles of 64 keys copied in by the block's THREADS threads (every warp of the block shares
 // the sequence, the KV head and last_pos). The copies run ahead of the arithmetic: a tile's V
 // arrives while its scores are computed, and the next tile's K while its V is summed. The warp
-// writes DW of the head's HD / 8 output column tiles, starting at tile d0: HD / 8 / DW warps
-// of the block (consecutive, from a multiple of that) share the same rows and split the
-// columns, and the score tiles, which they trade.
+// writes DW of the head's HD / 8 output column tiles, starting at tile d0 (warps that share
+// rows split the columns; each computes the same scores).
 //
 // Each row's result depends only on its own q, its position and the keys: which other rows
 // share the warp, which columns it writes, and last_pos beyond the row's own position, change
@@ -64,12 +63,10 @@ struct FaRows {
 template <int HD, int THREADS, int DW>
 __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
                           const int* table, int kvh, int kv_heads, int block_size, float scale, int d0) {
-    constexpr int KSTEPS = HD / 16;   // k16 steps of q.k
-    constexpr int SHARE = HD / 8 / DW;  // warps that share the rows (and split the columns)
-    static_assert(8 % SHARE == 0, "the sharing warps split the 8 key tiles");
+    constexpr int KSTEPS = HD / 16;  // k16 steps of q.k
     __shared__ __align__(16) bf16_t ks[FA_KEYS][FA_LD];
     __shared__ __align__(16) bf16_t vs[FA_KEYS][FA_LD];
-    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
     u64 kv_width = (u64)kv_heads * HD;
     // One 64-key tile of K or V into shared memory (one cp.async group); keys past last_pos
     // are zero.
@@ -115,15 +112,12 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
         cp_async_wait<1>();  // this tile's K is in (its V may still be coming)
         __syncthreads();
 
-        // S = q k^T for this warp's 16 rows x 64 keys: 8 n8 tiles. Warps that share the rows
-        // compute 8 / SHARE tiles each and trade them through shared memory, so every one holds
-        // the same scores (each tile's products are the same whichever warp makes them).
+        // S = q k^T for this warp's 16 rows x 64 keys: 8 n8 tiles.
         float s[8][4];
 #pragma unroll
         for (int j = 0; j < 8; j++) {
 #pragma unroll
             for (int i = 0; i < 4; i++) s[j][i] = 0.0f;
-            if (SHARE > 1 && j / (8 / SHARE) != warp % SHARE) continue;
 #pragma unroll
             for (int st = 0; st < KSTEPS; st++) {
                 int key = j * 8 + g, c = st * 16 + 2 * t;
@@ -131,19 +125,6 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
                 fa_mma(s[j], qa_hi[st], b0, b1);
                 fa_mma(s[j], qa_lo[st], b0, b1);
             }
-        }
-        if constexpr (SHARE > 1) {
-            __shared__ float ss[8][4][32];
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                if (j / (8 / SHARE) == warp % SHARE)
-#pragma unroll
-                    for (int i = 0; i < 4; i++) ss[j][i][lane] = s[j][i];
-            __syncthreads();
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) s[j][i] = ss[j][i][lane];
         }
         // Causal mask and the online softmax; the quad (t = 0..3) shares each row.
         float mx_lo = -INFINITY, mx_hi = -INFINITY;

@@ -204,7 +204,6 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
                     GemmPath::TensorCore,
                     GemmPath::Skinny,
                     GemmPath::Skinny4,
-                    GemmPath::SkinnyK,
                 ] {
                     for split in [SplitK::Auto, SplitK::Off, SplitK::On] {
                         let choice = (path, split);
@@ -321,7 +320,6 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
                 GemmPath::TensorCore,
                 GemmPath::Skinny,
                 GemmPath::Skinny4,
-                GemmPath::SkinnyK,
             ] {
                 let out = gemm(
                     &g,

@@ -226,9 +226,6 @@ pub fn moe_combine(
     top_k: usize,
     hidden: usize,
 ) -> Result<(), CudaError> {
-    if top_k > 32 {
-        return Err(CudaError::Unsupported(format!("MoE combine of top_k {top_k} (max 32)")));
-    }
     let expert_out = need(expert_out, tokens * top_k * hidden, "combine expert_out")?;
     let y = need(y, tokens * hidden, "combine out")?;
     if tokens == 0 {

@@ -20,9 +20,6 @@ const MMA_TILE_COLS: usize = 128;
 /// Output columns per block of the few-rows tensor-core kernels: 4 warps of 8 (or, in the
 /// `skinny4` kernels, 32) columns.
 const SKINNY_COLS_PER_BLOCK: usize = 32;
-/// Output columns per block of the `skinny_k` kernels: 4 warps on the same 8 columns, each
-/// taking a quarter of the K segments.
-const SKINNY_K_COLS_PER_BLOCK: usize = 8;
 /// Warps at which a few-rows launch takes the 32-columns-per-warp kernels: enough to fill the
 /// GPU, and each warp's activation packing then serves four times the weights.
 const SKINNY4_MIN_WARPS: usize = 2048;
@@ -101,10 +98,6 @@ pub enum GemmPath {
     Skinny,
     /// As [`GemmPath::Skinny`], a warp per 32 columns: for launches with warps enough.
     Skinny4,
-    /// As [`GemmPath::Skinny`], 4 warps per 8 columns, each on a quarter of the K segments
-    /// (added in order through shared memory): for launches too small to fill the GPU, with
-    /// no split-K scratch or fold.
-    SkinnyK,
 }
 
 /// Whether a tensor-core launch over a dense layer runs a block per K segment (then
@@ -133,7 +126,7 @@ impl SplitK {
             GemmRows::Dense(r) => Some(*r),
             GemmRows::Plan(_) => None,
         };
-        if matches!(path, GemmPath::Ffma | GemmPath::SkinnyK) || self == SplitK::Off || segments < 2 {
+        if path == GemmPath::Ffma || self == SplitK::Off || segments < 2 {
             return Ok(None);
         }
         let Some(r) = dense else {
@@ -158,9 +151,7 @@ impl SplitK {
 /// the faster.
 /// Measured on the H200 (examples/cuda_kernel_bench.rs, docs/performance.md, 2026-12-01):
 /// dense projections at 1-8 rows 0.85-0.9x the tiled kernel's time, at 16+ rows 1.5-3x; expert
-/// gate/up at 8-128 tokens (up to 8 rows per expert) 0.65-0.7x, at 256 tokens 1.04x. Of the
-/// few-rows kernels, [`GemmPath::Skinny4`] where its warps fill the GPU, else
-/// [`GemmPath::SkinnyK`] (more than one K segment) or [`GemmPath::Skinny`].
+/// gate/up at 8-128 tokens (up to 8 rows per expert) 0.65-0.7x, at 256 tokens 1.04x.
 pub const SKINNY_MAX_DENSE_ROWS: usize = 8;
 pub const SKINNY_MAX_ROWS_PER_EXPERT: usize = 8;
 
@@ -186,8 +177,12 @@ impl GemmPath {
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
             GemmPath::Auto if max_rows > skinny_rows => GemmPath::TensorCore,
+            // A dense launch of few rows splits over K (SplitK::Auto), which gives the 32-column
+            // warps blocks enough (H200: 0.65-0.95x the 8-column kernel's time at 1-8 rows).
+            GemmPath::Auto if matches!(rows, GemmRows::Dense(_)) && k > K_SEGMENT => {
+                GemmPath::Skinny4
+            }
             GemmPath::Auto if live_tiles * n.div_ceil(32) >= SKINNY4_MIN_WARPS => GemmPath::Skinny4,
-            GemmPath::Auto if k > K_SEGMENT => GemmPath::SkinnyK,
             GemmPath::Auto => GemmPath::Skinny,
             p => p,
         }
@@ -198,8 +193,8 @@ impl GemmPath {
 /// block scales, NVFP4 S_dec and its groups.
 struct Operand<'a> {
     /// The FFMA, tiled tensor-core and few-rows tensor-core kernels (8 and 32 columns per
-    /// warp, and 4 warps per 8 columns) of the format (F32 has FFMA only).
-    kernels: [Kernel; 5],
+    /// warp) of the format (F32 has FFMA only).
+    kernels: [Kernel; 4],
     f32_weights: bool,
     /// Plain BF16 weights: the tiled kernel's packed activations carry hi and lo terms.
     split_activations: bool,
@@ -211,7 +206,7 @@ struct Operand<'a> {
 
 impl<'a> Operand<'a> {
     fn new(
-        kernels: [Kernel; 5],
+        kernels: [Kernel; 4],
         data: DevPtr,
         scales: Option<View<'a, u8>>,
         s_dec: Option<View<'a, f32>>,
@@ -230,7 +225,7 @@ impl<'a> Operand<'a> {
 
     fn f32(gpu: &Gpu, d: &'a CudaSlice<f32>) -> Operand<'a> {
         let k = Kernel::GroupedGemmF32;
-        Operand::new([k; 5], DevPtr(addr(gpu, d)), None, None, 1)
+        Operand::new([k, k, k, k], DevPtr(addr(gpu, d)), None, None, 1)
     }
 
     fn bf16(gpu: &Gpu, d: &'a CudaSlice<u16>) -> Operand<'a> {
@@ -239,7 +234,6 @@ impl<'a> Operand<'a> {
             Kernel::GroupedGemmMmaBf16,
             Kernel::GroupedGemmSkinnyBf16,
             Kernel::GroupedGemmSkinny4Bf16,
-            Kernel::GroupedGemmSkinnyKBf16,
         ];
         Operand::new(kernels, DevPtr(addr(gpu, d)), None, None, 1)
     }
@@ -254,7 +248,6 @@ impl<'a> Operand<'a> {
                     Kernel::GroupedGemmMmaMxfp8,
                     Kernel::GroupedGemmSkinnyMxfp8,
                     Kernel::GroupedGemmSkinny4Mxfp8,
-                    Kernel::GroupedGemmSkinnyKMxfp8,
                 ],
                 DevPtr(addr(gpu, data)),
                 Some(View::whole(scales)),
@@ -272,7 +265,6 @@ impl<'a> Operand<'a> {
                     Kernel::GroupedGemmMmaNvfp4,
                     Kernel::GroupedGemmSkinnyNvfp4,
                     Kernel::GroupedGemmSkinny4Nvfp4,
-                    Kernel::GroupedGemmSkinnyKNvfp4,
                 ],
                 DevPtr(addr(gpu, data)),
                 Some(View::whole(scales)),
@@ -403,7 +395,6 @@ fn launch_gemm(
         GemmPath::TensorCore => (w.kernels[1], MMA_TILE_COLS, 128),
         GemmPath::Skinny4 => (w.kernels[3], 4 * SKINNY_COLS_PER_BLOCK, 128),
         GemmPath::Skinny => (w.kernels[2], SKINNY_COLS_PER_BLOCK, 128),
-        GemmPath::SkinnyK => (w.kernels[4], SKINNY_K_COLS_PER_BLOCK, 128),
         _ => (w.kernels[0], GEMM_TILE_COLS, 256),
     };
     let (tiles, num_tiles, offsets, rows_arg, grid_y) = match rows {
@@ -464,8 +455,7 @@ fn launch_gemm(
         None
     };
     // Block shapes (kernels/gemm.cu): FFMA 32x64 tiles on 256 threads, MMA 32x128 tiles on 4
-    // warps, few-rows MMA 32 or 128 columns on 4 warps, or 8 columns on 4 warps over K;
-    // split-K adds a block per segment.
+    // warps, few-rows MMA 32 or 128 columns on 4 warps; split-K adds a block per segment.
     // x, its row index and scales, and the weights are read at the rows and experts the plan
     // (or the dense row count) names: sized by the layer's owner.
     gpu.launch(

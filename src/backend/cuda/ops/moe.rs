@@ -173,7 +173,12 @@ mod tests {
     /// tiles they make never pass the bound, and some routing reaches it.
     #[test]
     fn the_tile_bound_holds_and_is_reached() {
-        fn routings(left: usize, experts: usize, counts: &mut Vec<usize>, f: &mut dyn FnMut(&[usize])) {
+        fn routings(
+            left: usize,
+            experts: usize,
+            counts: &mut Vec<usize>,
+            f: &mut dyn FnMut(&[usize]),
+        ) {
             if experts == 1 {
                 counts.push(left);
                 f(counts);
