@@ -320,8 +320,14 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
         let tiles = ops::prefill_tiles(std::iter::repeat_n(rows_per_seq, seqs));
         let dtiles = gpu.upload(&tiles).expect("tiles");
         let decode = rows_per_seq == 1;
+        let split = ops::DecodeSplit::new(gpu, shape, ctx, rows).expect("split scratch");
         let kernels: &[&str] = if decode {
-            &["paged_attention", "prefill_attention", "decode_attention"]
+            &[
+                "paged_attention",
+                "prefill_attention",
+                "decode_attention",
+                "decode_attention split-KV",
+            ]
         } else {
             &["paged_attention", "prefill_attention"]
         };
@@ -330,7 +336,10 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
                 if kernel == "paged_attention" {
                     ops::paged_attention(gpu, &q, &mut out, &k, &v, &meta, rows, shape)
                 } else if decode && kernel != "prefill_attention" {
-                    ops::decode_attention(gpu, &q, &mut out, &k, &v, &meta, None, rows, rows, shape)
+                    let split = split.as_ref().filter(|_| kernel.ends_with("split-KV"));
+                    ops::decode_attention(
+                        gpu, &q, &mut out, &k, &v, &meta, None, rows, rows, shape, split,
+                    )
                 } else {
                     ops::prefill_attention(
                         gpu,

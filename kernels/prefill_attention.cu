@@ -12,6 +12,12 @@
 // instead of the ~1e-3 of rounding them to BF16. K and V are BF16 already (exact): both kernels
 // read them from the cache, where the step's new keys were stored first (qk_norm_rope_store).
 //
+// Keys are summed in chunks of FA_CHUNK (fixed boundaries, a multiple of the 64-key tiles): each
+// chunk's online softmax starts afresh, and the chunks' states are merged in chunk order
+// (fa_merge). A decode row may so have its chunks computed by different blocks (split-KV, for
+// the batches too small to fill the GPU) and merged by attention_merge, with the bits of a
+// block that walks them all, as prefill does.
+//
 // Needs head_dim 32, 64 or 128 (the host checks; other shapes use paged_attention for every row).
 
 #define FA_ROWS 64
@@ -19,6 +25,7 @@
 #define FA_MAX_HD 128
 #define FA_LD (FA_MAX_HD + 8)  // padded rows: fragment loads spread over the banks
 #define DECODE_WARPS 4         // host: ops::prefill_attention::DECODE_THREADS / 32
+#define FA_CHUNK 128           // keys per chunk of the merge order (host: ATTENTION_CHUNK_KEYS)
 
 __device__ __forceinline__ u32 fa_pack(float lo, float hi) {
     return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
@@ -39,15 +46,32 @@ __device__ __forceinline__ void fa_split(float a, float b, u32& hi, u32& lo) {
 }
 
 // The query rows one lane serves (rows g and g + 8 of its warp's m16 tile): pointers to their
-// q and out rows (one head each), their positions, and whether each is a row at all.
+// q and out rows (one head each), their positions, and whether each is a row at all. With a
+// split, part_lo/part_hi are where the rows' chunk states go ([chunk][HD + 2]: the unnormalized
+// output, then m and l); null otherwise.
 struct FaRows {
     const float* q_lo;
     const float* q_hi;
     float* out_lo;
     float* out_hi;
+    float* part_lo;
+    float* part_hi;
     int p_lo, p_hi;
     bool live_lo, live_hi;
 };
+
+// The weights a (of the running total, max M) and b (of the next chunk, max m) of a merge: the
+// merged max is max(M, m), and L' = L a + l b, O' = O a + o b, products and sums rounded one by
+// one (never fused), the same in fa_attend and attention_merge. A chunk with no key at or before
+// the row (m = -inf, l = 0, o = 0) leaves the total exactly as it was (a = 1, b = 0).
+__device__ __forceinline__ void fa_merge_weights(float M, float m, float& a, float& b) {
+    float mx = fmaxf(M, m), ref = mx == -INFINITY ? 0.0f : mx;
+    a = expf(__fsub_rn(M, ref));
+    b = expf(__fsub_rn(m, ref));
+}
+__device__ __forceinline__ float fa_merge(float total, float a, float part, float b) {
+    return __fadd_rn(__fmul_rn(total, a), __fmul_rn(part, b));
+}
 
 // Attention of one warp's 16 query rows over the keys 0..=last_pos of one sequence and KV head,
 // in tiles of 64 keys copied in by the block's THREADS threads (every warp of the block shares
@@ -56,13 +80,21 @@ struct FaRows {
 // writes DW of the head's HD / 8 output column tiles, starting at tile d0 (warps that share
 // rows split the columns; each computes the same scores).
 //
+// The warp walks the chunks chunk0, chunk0 + chunk_step, ... up to last_pos. Without a split
+// (part null; then chunk0 = 0, chunk_step = 1) it merges them in order, keeping the running
+// total's max and sum in registers and its unnormalized output in `out` itself (prefill has no
+// registers to spare), and writes the normalized rows after the last. With one, it stores each
+// chunk's state (at most max_chunks) for attention_merge.
+//
 // Each row's result depends only on its own q, its position and the keys: which other rows
-// share the warp, which columns it writes, and last_pos beyond the row's own position, change
-// nothing (a tile of keys all past a row's position leaves its state exactly as it was), so
-// prefill chunks and decode rows give the same bits (docs/determinism.md).
+// share the warp, which columns it writes, which block computes which chunk, and last_pos beyond
+// the row's own position, change nothing (a tile, or a chunk, of keys all past a row's position
+// leaves its state exactly as it was), so prefill chunks and decode rows give the same bits
+// (docs/determinism.md).
 template <int HD, int THREADS, int DW>
 __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
-                          const int* table, int kvh, int kv_heads, int block_size, float scale, int d0) {
+                          const int* table, int kvh, int kv_heads, int block_size, float scale, int d0, int chunk0,
+                          int chunk_step, int max_chunks) {
     constexpr int KSTEPS = HD / 16;  // k16 steps of q.k
     __shared__ __align__(16) bf16_t ks[FA_KEYS][FA_LD];
     __shared__ __align__(16) bf16_t vs[FA_KEYS][FA_LD];
@@ -105,10 +137,18 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
         for (int i = 0; i < 4; i++) o[d][i] = 0.0f;
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
 
-    copy_tile(ks, k_cache, 0);
-    copy_tile(vs, v_cache, 0);
-    for (int k0 = 0; k0 <= last_pos; k0 += FA_KEYS) {
-        bool more = k0 + FA_KEYS <= last_pos;
+    // The running total over the chunks done (no split).
+    float M_lo = -INFINITY, M_hi = -INFINITY, L_lo = 0.0f, L_hi = 0.0f;
+    bool first_chunk = true;
+    int k_first = chunk0 * FA_CHUNK;
+    copy_tile(ks, k_cache, k_first);
+    copy_tile(vs, v_cache, k_first);
+    for (int k0 = k_first; k0 <= last_pos;) {
+        // The next tile: the next 64 keys, or past the chunks of other blocks.
+        int k_next = k0 + FA_KEYS;
+        bool chunk_end = k_next % FA_CHUNK == 0;
+        if (chunk_end) k_next += (chunk_step - 1) * FA_CHUNK;
+        bool more = k_next <= last_pos;
         cp_async_wait<1>();  // this tile's K is in (its V may still be coming)
         __syncthreads();
 
@@ -167,7 +207,7 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
         m_lo = mn_lo;
         m_hi = mn_hi;
         __syncthreads();  // every warp is done with ks: the next tile's K comes in under P V
-        if (more) copy_tile(ks, k_cache, k0 + FA_KEYS);
+        if (more) copy_tile(ks, k_cache, k_next);
         else cp_async_commit();  // an empty group keeps the count
         cp_async_wait<1>();      // this tile's V is in
         __syncthreads();
@@ -198,25 +238,83 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
             }
         }
         __syncthreads();  // every warp is done with vs
-        if (more) copy_tile(vs, v_cache, k0 + FA_KEYS);
+        if (more) copy_tile(vs, v_cache, k_next);
         else cp_async_commit();
+
+        if (chunk_end || !more) {
+            // C fragment: (g, 2t), (g, 2t + 1) of row lo, (g + 8, ...) of row hi.
+            int c = k0 / FA_CHUNK;
+            if (r.part_lo) {
+                if (c < max_chunks) {
+                    float* pl = r.part_lo + (u64)c * (HD + 2);
+                    float* ph = r.part_hi + (u64)c * (HD + 2);
+#pragma unroll
+                    for (int d = 0; d < DW; d++) {
+                        int col = (d0 + d) * 8 + 2 * t;
+                        if (r.live_lo) {
+                            pl[col] = o[d][0];
+                            pl[col + 1] = o[d][1];
+                        }
+                        if (r.live_hi) {
+                            ph[col] = o[d][2];
+                            ph[col + 1] = o[d][3];
+                        }
+                    }
+                    if (d0 == 0 && t == 0) {
+                        if (r.live_lo) {
+                            pl[HD] = m_lo;
+                            pl[HD + 1] = l_lo;
+                        }
+                        if (r.live_hi) {
+                            ph[HD] = m_hi;
+                            ph[HD + 1] = l_hi;
+                        }
+                    }
+                }
+            } else {
+                // Merge the chunk into the total (the first chunk is the total).
+                float a_lo = 0.0f, b_lo = 1.0f, a_hi = 0.0f, b_hi = 1.0f;
+                if (first_chunk) {
+                    M_lo = m_lo;
+                    M_hi = m_hi;
+                    L_lo = l_lo;
+                    L_hi = l_hi;
+                } else {
+                    fa_merge_weights(M_lo, m_lo, a_lo, b_lo);
+                    fa_merge_weights(M_hi, m_hi, a_hi, b_hi);
+                    L_lo = fa_merge(L_lo, a_lo, l_lo, b_lo);
+                    L_hi = fa_merge(L_hi, a_hi, l_hi, b_hi);
+                    M_lo = fmaxf(M_lo, m_lo);
+                    M_hi = fmaxf(M_hi, m_hi);
+                }
+                float inv_lo = L_lo > 0.0f ? __fdiv_rn(1.0f, L_lo) : 0.0f;
+                float inv_hi = L_hi > 0.0f ? __fdiv_rn(1.0f, L_hi) : 0.0f;
+#pragma unroll
+                for (int d = 0; d < DW; d++)
+#pragma unroll
+                    for (int j = 0; j < 2; j++) {
+                        int col = (d0 + d) * 8 + 2 * t + j;
+                        if (r.live_lo) {
+                            float v = first_chunk ? o[d][j] : fa_merge(r.out_lo[col], a_lo, o[d][j], b_lo);
+                            r.out_lo[col] = more ? v : __fmul_rn(v, inv_lo);
+                        }
+                        if (r.live_hi) {
+                            float v = first_chunk ? o[d][2 + j] : fa_merge(r.out_hi[col], a_hi, o[d][2 + j], b_hi);
+                            r.out_hi[col] = more ? v : __fmul_rn(v, inv_hi);
+                        }
+                    }
+            }
+            first_chunk = false;
+            m_lo = m_hi = -INFINITY;
+            l_lo = l_hi = 0.0f;
+#pragma unroll
+            for (int d = 0; d < DW; d++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) o[d][i] = 0.0f;
+        }
+        k0 = k_next;
     }
     cp_async_wait<0>();
-
-    // C fragment: (g, 2t), (g, 2t + 1) of row lo, (g + 8, ...) of row hi.
-    float inv_lo = l_lo > 0.0f ? __fdiv_rn(1.0f, l_lo) : 0.0f, inv_hi = l_hi > 0.0f ? __fdiv_rn(1.0f, l_hi) : 0.0f;
-#pragma unroll
-    for (int d = 0; d < DW; d++) {
-        int col = (d0 + d) * 8 + 2 * t;
-        if (r.live_lo) {
-            r.out_lo[col] = __fmul_rn(o[d][0], inv_lo);
-            r.out_lo[col + 1] = __fmul_rn(o[d][1], inv_lo);
-        }
-        if (r.live_hi) {
-            r.out_hi[col] = __fmul_rn(o[d][2], inv_hi);
-            r.out_hi[col + 1] = __fmul_rn(o[d][3], inv_hi);
-        }
-    }
 }
 
 // Prefill: `tiles[2i]` = first row of tile i, `tiles[2i + 1]` = its row count (<= 64); the rows
@@ -243,26 +341,30 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
     r.q_hi = q + at_hi;
     r.out_lo = out + at_lo;
     r.out_hi = out + at_hi;
+    r.part_lo = r.part_hi = nullptr;
     fa_attend<HD, 128, HD / 8>(r, pos0 + count - 1, k_cache, v_cache, block_tables + table_offsets[row_seq[first]],
-                               kvh, kv_heads, block_size, scale, 0);
+                               kvh, kv_heads, block_size, scale, 0, 0, 1, 0);
 }
 
-// Decode: one query row per sequence. Grid (rows, kv_heads * passes), 4 warps: the 16 tile rows
-// are the query heads sharing one KV head (GQA; a group of more than 16 heads takes `passes`
-// blocks), so each K/V row is read once per KV head; the 4 warps copy the tiles together and
-// each writes a quarter of the output columns. `rows` maps block x to the step's row (null:
-// identity).
+// Decode: one query row per sequence. Grid (rows, kv_heads * passes, splits), 4 warps: the 16
+// tile rows are the query heads sharing one KV head (GQA; a group of more than 16 heads takes
+// `passes` blocks), so each K/V row is read once per KV head; the 4 warps copy the tiles
+// together and each writes a quarter of the output columns. `rows` maps block x to the step's
+// row (null: identity). With `part` (split-KV), block z takes the chunks z, z + splits, ... and
+// stores their states at part[((x * heads + head) * max_chunks + chunk) * (HD + 2)] for
+// attention_merge; without, splits is 1 and the block writes the output.
 template <int HD>
 __device__ void decode_attention(const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache,
                                  const int* row_pos, const int* row_seq, const int* table_offsets,
                                  const int* block_tables, const int* rows, int heads, int kv_heads, int block_size,
-                                 float scale) {
+                                 float scale, float* part, int max_chunks) {
     int row = rows ? rows[blockIdx.x] : (int)blockIdx.x;
     int group = heads / kv_heads, passes = (group + 15) / 16;
     int kvh = blockIdx.y / passes, pass = blockIdx.y % passes;
     int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
     int j_lo = pass * 16 + g, j_hi = j_lo + 8;
     int pos = row_pos[row];
+    if ((int)blockIdx.z * FA_CHUNK > pos) return;  // no chunk of this row for this block
     FaRows r;
     r.live_lo = j_lo < group;
     r.live_hi = j_hi < group;
@@ -274,12 +376,40 @@ __device__ void decode_attention(const float* q, float* out, const bf16_t* k_cac
     r.q_hi = q + at_hi;
     r.out_lo = out + at_lo;
     r.out_hi = out + at_hi;
+    r.part_lo = r.part_hi = nullptr;
+    if (part) {
+        u64 head_lo = kvh * group + (r.live_lo ? j_lo : 0), head_hi = kvh * group + (r.live_hi ? j_hi : 0);
+        r.part_lo = part + ((u64)blockIdx.x * heads + head_lo) * max_chunks * (HD + 2);
+        r.part_hi = part + ((u64)blockIdx.x * heads + head_hi) * max_chunks * (HD + 2);
+    }
     constexpr int DW = HD / 8 / DECODE_WARPS;
     fa_attend<HD, 32 * DECODE_WARPS, DW>(r, pos, k_cache, v_cache, block_tables + table_offsets[row_seq[row]], kvh,
-                                         kv_heads, block_size, scale, warp * DW);
+                                         kv_heads, block_size, scale, warp * DW, blockIdx.z, gridDim.z, max_chunks);
 }
 
-#define ATTENTION_KERNELS(PREFILL, DECODE, HD)                                                                        \
+// Split-KV's second step: grid (rows, heads), HD threads. The chunk states decode_attention
+// stored for each (row, head) merged in chunk order, as fa_attend merges them, then normalized.
+template <int HD>
+__device__ void attention_merge(const float* part, float* out, const int* row_pos, const int* rows, int heads,
+                                int max_chunks) {
+    int i = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    int row = rows ? rows[i] : i;
+    int chunks = min(row_pos[row] / FA_CHUNK + 1, max_chunks);
+    const float* p = part + ((u64)i * heads + h) * max_chunks * (HD + 2);
+    float M = p[HD], L = p[HD + 1], O = p[d];
+    for (int c = 1; c < chunks; c++) {
+        const float* pc = p + (u64)c * (HD + 2);
+        float m = pc[HD], a, b;
+        fa_merge_weights(M, m, a, b);
+        L = fa_merge(L, a, pc[HD + 1], b);
+        O = fa_merge(O, a, pc[d], b);
+        M = fmaxf(M, m);
+    }
+    float inv = L > 0.0f ? __fdiv_rn(1.0f, L) : 0.0f;
+    out[((u64)row * heads + h) * HD + d] = __fmul_rn(O, inv);
+}
+
+#define ATTENTION_KERNELS(PREFILL, DECODE, MERGE, HD)                                                                        \
     extern "C" __global__ void PREFILL(                                                                               \
         const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,                 \
         const int* row_seq, const int* table_offsets, const int* block_tables, const int* tiles, int heads,           \
@@ -290,11 +420,15 @@ __device__ void decode_attention(const float* q, float* out, const bf16_t* k_cac
     extern "C" __global__ void DECODE(                                                                                \
         const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,                 \
         const int* row_seq, const int* table_offsets, const int* block_tables, const int* rows, int heads,            \
-        int kv_heads, int block_size, float scale) {                                                                  \
+        int kv_heads, int block_size, float scale, float* part, int max_chunks) {                                     \
         decode_attention<HD>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, rows, heads,    \
-                             kv_heads, block_size, scale);                                                            \
+                             kv_heads, block_size, scale, part, max_chunks);                                          \
+    }                                                                                                                 \
+    extern "C" __global__ void MERGE(const float* part, float* out, const int* row_pos, const int* rows, int heads,   \
+                                     int max_chunks) {                                                                \
+        attention_merge<HD>(part, out, row_pos, rows, heads, max_chunks);                                             \
     }
 
-ATTENTION_KERNELS(prefill_attention_hd32, decode_attention_hd32, 32)
-ATTENTION_KERNELS(prefill_attention_hd64, decode_attention_hd64, 64)
-ATTENTION_KERNELS(prefill_attention_hd128, decode_attention_hd128, 128)
+ATTENTION_KERNELS(prefill_attention_hd32, decode_attention_hd32, attention_merge_hd32, 32)
+ATTENTION_KERNELS(prefill_attention_hd64, decode_attention_hd64, attention_merge_hd64, 64)
+ATTENTION_KERNELS(prefill_attention_hd128, decode_attention_hd128, attention_merge_hd128, 128)

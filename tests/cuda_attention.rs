@@ -6,21 +6,35 @@
 //!   BF16 terms: within 1e-4 over a case, 1e-3 per row);
 //! - batch invariance, bitwise: every query row of the tensor-core kernels has the same bits
 //!   whether its sequence is prefilled in one chunk, in chunks of 1, 7, 64 or 100 rows on top
-//!   of its cached prefix, decoded row by row alone, or decoded among other sequences' rows
-//!   and chunks in one step.
+//!   of its cached prefix, decoded row by row alone (its keys split over blocks or not), or
+//!   decoded among other sequences' rows and chunks in one step.
 //!
 //! These need an NVIDIA GPU, so they are `#[ignore]`d here and run on the GPU host by
 //! scripts/gpu-check.sh (`cuda_attention --ignored`).
 
 use cudarc::driver::CudaSlice;
 use lockstep::backend::cpu::attention::{paged_attention, AttentionSeq, KvDtype, KvMemory};
-use lockstep::backend::cuda::ops::{self, AttnRows, AttnShape};
+use lockstep::backend::cuda::ops::{self, AttnRows, AttnShape, DecodeSplit};
 use lockstep::backend::cuda::Gpu;
 
 mod common;
 use common::cuda::{rel_err, seed, Rng};
 
 const BLOCK_SIZE: usize = 16;
+/// Every context here fits the split-KV scratch.
+const MAX_CONTEXT: usize = 4200;
+
+/// Split-KV scratch for up to 64 decode rows of `shape`.
+fn decode_split(g: &Gpu, shape: AttnShape) -> DecodeSplit {
+    let split = DecodeSplit::new(g, shape, MAX_CONTEXT, 64)
+        .unwrap()
+        .unwrap();
+    assert!(
+        split.splits(1, shape) > 1,
+        "one decode row splits over its keys"
+    );
+    split
+}
 
 /// One attention problem: sequences of `contexts[i]` keys, each with its last `q_lens[i]`
 /// positions as query rows (1: a decode row; more: a chunk on top of a cached prefix).
@@ -152,7 +166,7 @@ impl Problem {
 
 /// The tensor-core kernels over `rows` query rows, split as the engine splits a step
 /// (`ops::attention_split`): prefill tiles for sequences of several rows, the decode kernel for
-/// single rows.
+/// single rows (split over their keys with `split`, when the batch is small).
 #[allow(clippy::too_many_arguments)]
 fn tensor_core_attention(
     g: &Gpu,
@@ -162,6 +176,7 @@ fn tensor_core_attention(
     meta: &AttnRows<'_>,
     q_lens: &[usize],
     shape: AttnShape,
+    split: Option<&DecodeSplit>,
 ) -> Vec<f32> {
     let rows: usize = q_lens.iter().sum();
     let n = rows * shape.heads * shape.head_dim;
@@ -192,6 +207,7 @@ fn tensor_core_attention(
         decode_rows.len(),
         rows,
         shape,
+        split,
     )
     .unwrap();
     g.download(&out, n).unwrap()
@@ -243,8 +259,28 @@ fn attention_matches_the_cpu_for_every_gqa_ratio_and_head_dim() {
                     1e-5,
                     1e-4,
                 );
-                let got = tensor_core_attention(&g, &p.q, &p.k, &p.v, &p.meta(), &p.q_lens, shape);
-                let tensor = p.check(&got, &format!("tensor cores {what}"), shape, 1e-4, 1e-3);
+                let split = decode_split(&g, shape);
+                let mut tensor = 0f64;
+                for (how, split) in [("", None), (", keys split", Some(&split))] {
+                    let got = tensor_core_attention(
+                        &g,
+                        &p.q,
+                        &p.k,
+                        &p.v,
+                        &p.meta(),
+                        &p.q_lens,
+                        shape,
+                        split,
+                    );
+                    let err = p.check(
+                        &got,
+                        &format!("tensor cores {what}{how}"),
+                        shape,
+                        1e-4,
+                        1e-3,
+                    );
+                    tensor = tensor.max(err);
+                }
                 println!(
                     "head_dim {head_dim:>3} GQA {group:>2} longest {:>4}: relative error {cuda_cores:.2e} (CUDA cores), {tensor:.2e} (tensor cores)",
                     p.longest
@@ -295,7 +331,12 @@ impl Rows {
     }
 
     /// One step of `(sequence, first position, rows)` parts; returns each part's output rows.
-    fn step(&self, g: &Gpu, parts: &[(usize, usize, usize)]) -> Vec<Vec<f32>> {
+    fn step(
+        &self,
+        g: &Gpu,
+        parts: &[(usize, usize, usize)],
+        split: Option<&DecodeSplit>,
+    ) -> Vec<Vec<f32>> {
         let width = self.shape.heads * self.shape.head_dim;
         let (mut q, mut pos, mut seq) = (Vec::new(), Vec::new(), Vec::new());
         for &(s, first, len) in parts {
@@ -316,7 +357,7 @@ impl Rows {
             block_tables: &self.tables,
         };
         let lens: Vec<usize> = parts.iter().map(|p| p.2).collect();
-        let out = tensor_core_attention(g, &dq, &self.k, &self.v, &meta, &lens, self.shape);
+        let out = tensor_core_attention(g, &dq, &self.k, &self.v, &meta, &lens, self.shape, split);
         let mut at = 0;
         lens.iter()
             .map(|&len| {
@@ -343,8 +384,8 @@ fn assert_same_bits(got: &[f32], want: &[f32], what: &str) {
 fn attention_rows_have_the_same_bits_however_they_are_batched() {
     let g = Gpu::open(0).expect("a CUDA device");
     let mut rng = Rng(seed());
-    // Contexts at and around the 64-key tiles and the 16-token blocks.
-    let contexts = [1, 17, 63, 64, 65, 128, 200, 1000];
+    // Contexts at and around the 64-key tiles, the 128-key chunks and the 16-token blocks.
+    let contexts = [1, 17, 63, 64, 65, 128, 129, 200, 257, 1000];
     for (head_dim, heads, kv_heads) in [(128, 32, 4), (128, 16, 16), (64, 9, 3), (64, 32, 2)] {
         let shape = AttnShape {
             heads,
@@ -353,6 +394,7 @@ fn attention_rows_have_the_same_bits_however_they_are_batched() {
             block_size: BLOCK_SIZE,
         };
         let rows = Rows::new(&g, &mut rng, &contexts, shape);
+        let split = decode_split(&g, shape);
         let width = heads * head_dim;
         let what = |s: usize, how: &str| {
             format!(
@@ -366,22 +408,35 @@ fn attention_rows_have_the_same_bits_however_they_are_batched() {
             .enumerate()
             .map(|(s, &c)| (s, 0, c))
             .collect();
-        let want = rows.step(&g, &whole);
+        let want = rows.step(&g, &whole, None);
         for (s, &c) in contexts.iter().enumerate() {
             // Alone, in one chunk.
-            assert_same_bits(&rows.step(&g, &[(s, 0, c)])[0], &want[s], &what(s, "alone"));
-            // Chunked prefill on top of the cached prefix (chunk 1: the decode kernel).
-            for chunk in [1, 7, 64, 100] {
+            assert_same_bits(
+                &rows.step(&g, &[(s, 0, c)], None)[0],
+                &want[s],
+                &what(s, "alone"),
+            );
+            // Chunked prefill on top of the cached prefix (chunk 1: the decode kernel, its
+            // keys split over blocks or walked by one).
+            for (chunk, split) in [
+                (1, None),
+                (1, Some(&split)),
+                (7, None),
+                (64, None),
+                (100, None),
+            ] {
                 let mut got = Vec::new();
                 for first in (0..c).step_by(chunk) {
-                    got.extend(rows.step(&g, &[(s, first, chunk.min(c - first))]).remove(0));
+                    let part = (s, first, chunk.min(c - first));
+                    got.extend(rows.step(&g, &[part], split).remove(0));
                 }
-                assert_same_bits(&got, &want[s], &what(s, &format!("chunks of {chunk}")));
+                let how = format!("chunks of {chunk}, split {}", split.is_some());
+                assert_same_bits(&got, &want[s], &what(s, &how));
             }
         }
         // Decode steps: position p of every sequence long enough, in one batch, in a random
         // order, next to another sequence's chunk.
-        for p in [0, 16, 63, 64, 99, 127, 199, 999] {
+        for p in [0, 16, 63, 64, 99, 127, 128, 199, 256, 999] {
             let mut parts: Vec<(usize, usize, usize)> = (0..contexts.len())
                 .filter(|&s| contexts[s] > p)
                 .map(|s| (s, p, 1))
@@ -391,7 +446,7 @@ fn attention_rows_have_the_same_bits_however_they_are_batched() {
             }
             let chunk_at = rng.below(parts.len() + 1);
             parts.insert(chunk_at, (contexts.len() - 1, 500, 37));
-            let got = rows.step(&g, &parts);
+            let got = rows.step(&g, &parts, Some(&split));
             for (part, out) in parts.iter().zip(&got) {
                 let (s, first, len) = *part;
                 let want_rows = &want[s][first * width..(first + len) * width];

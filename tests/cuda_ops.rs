@@ -576,6 +576,7 @@ fn prefill_attention_matches_the_cpu() {
             decode_rows.len(),
             rows,
             shape,
+            None,
         )
         .unwrap();
         let got = g.download(&out, q.len()).unwrap();

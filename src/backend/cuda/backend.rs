@@ -167,6 +167,9 @@ pub struct Cuda {
     decode_rows: Option<usize>,
     /// The recorded decode steps.
     graphs: StepGraphs,
+    /// Split-KV scratch of the tensor-core decode attention (None: the shape has no such
+    /// kernel, or not one row's chunks fit).
+    decode_split: Option<ops::DecodeSplit>,
 }
 
 impl Cuda {
@@ -220,6 +223,17 @@ impl Cuda {
             (sizes.max_context_len + 1024).max(1 << 16),
         )?;
         let logits = gpu.alloc(t.min(LOGIT_CHUNK_ROWS) * d.vocab)?;
+        let attn = AttnShape {
+            heads: d.heads,
+            kv_heads: d.kv_heads,
+            head_dim: d.head_dim,
+            block_size: sizes.block_size,
+        };
+        let decode_split = if ops::prefill_attention_supports(attn) {
+            ops::DecodeSplit::new(&gpu, attn, sizes.max_context_len, seqs)?
+        } else {
+            None
+        };
         Ok(Cuda {
             gpu,
             sizes,
@@ -233,6 +247,7 @@ impl Cuda {
             dims: shape.dims,
             decode_rows: None,
             graphs: StepGraphs::default(),
+            decode_split,
         })
     }
 
@@ -675,6 +690,7 @@ impl Backend for Cuda {
             a.decode_rows,
             n,
             shape,
+            self.decode_split.as_ref(),
         )
     }
 

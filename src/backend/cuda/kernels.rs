@@ -150,6 +150,12 @@ const GROUPED_GEMM: &[Param] = &[
 const PREFILL_ATTENTION: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, F32,
 ];
+/// The decode kernels: as `PREFILL_ATTENTION` (rows for tiles), then part, max_chunks.
+const DECODE_ATTENTION: &[Param] = &[
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, F32, Ptr, I32,
+];
+/// part, out, row_pos, rows, heads, max_chunks.
+const ATTENTION_MERGE: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32];
 /// x, blocks, data, scales, deq.
 const MXFP8_QUANTIZE: &[Param] = &[Ptr, U64, Ptr, Ptr, Ptr];
 /// x, n, out.
@@ -206,9 +212,12 @@ kernels! {
     PrefillAttentionHd32 => (PrefillAttention, "prefill_attention_hd32", PREFILL_ATTENTION),
     PrefillAttentionHd64 => (PrefillAttention, "prefill_attention_hd64", PREFILL_ATTENTION),
     PrefillAttentionHd128 => (PrefillAttention, "prefill_attention_hd128", PREFILL_ATTENTION),
-    DecodeAttentionHd32 => (PrefillAttention, "decode_attention_hd32", PREFILL_ATTENTION),
-    DecodeAttentionHd64 => (PrefillAttention, "decode_attention_hd64", PREFILL_ATTENTION),
-    DecodeAttentionHd128 => (PrefillAttention, "decode_attention_hd128", PREFILL_ATTENTION),
+    DecodeAttentionHd32 => (PrefillAttention, "decode_attention_hd32", DECODE_ATTENTION),
+    AttentionMergeHd32 => (PrefillAttention, "attention_merge_hd32", ATTENTION_MERGE),
+    DecodeAttentionHd64 => (PrefillAttention, "decode_attention_hd64", DECODE_ATTENTION),
+    AttentionMergeHd64 => (PrefillAttention, "attention_merge_hd64", ATTENTION_MERGE),
+    DecodeAttentionHd128 => (PrefillAttention, "decode_attention_hd128", DECODE_ATTENTION),
+    AttentionMergeHd128 => (PrefillAttention, "attention_merge_hd128", ATTENTION_MERGE),
     SampleRows => (Sampling, "sample_rows", &[Ptr, Ptr, I32, Ptr, Ptr, I32, I32, Ptr, Ptr]),
     HostExpf => (Sampling, "host_expf_kernel", MAP_N),
 }

@@ -1,7 +1,9 @@
 //! Launches of kernels/prefill_attention.cu: flash-style attention on BF16 tensor cores, for
 //! query rows in tiles of consecutive positions of one sequence (prefill chunks, with the tile
 //! list the kernel walks, [`prefill_tiles`]) and for single decode rows (the query heads of one
-//! KV head in one warp). Both give a row the same bits.
+//! KV head in one block), those split over their keys when the batch is small
+//! ([`DecodeSplit`]). All give a row the same bits: keys are summed in chunks of
+//! [`ATTENTION_CHUNK_KEYS`] merged in order, whoever computes them.
 
 use cudarc::driver::CudaSlice;
 
@@ -15,6 +17,56 @@ pub const PREFILL_TILE_ROWS: usize = 64;
 
 /// Threads per block of [`decode_attention`] (kernels/prefill_attention.cu `DECODE_WARPS`).
 const DECODE_THREADS: u32 = 128;
+/// Keys per chunk of the attention's merge order (kernels/prefill_attention.cu `FA_CHUNK`).
+pub const ATTENTION_CHUNK_KEYS: usize = 128;
+/// Decode launches of fewer blocks than this split over their keys: about two waves of an
+/// H200's 132 SMs.
+const SPLIT_BELOW_BLOCKS: usize = 264;
+/// The most blocks one (row, KV head) splits into.
+const MAX_SPLITS: usize = 16;
+/// The largest split-KV scratch a backend takes: 64 MiB of f32 chunk states.
+const SPLIT_MAX_FLOATS: usize = 1 << 24;
+
+/// Split-KV's device scratch: room for the chunk states (unnormalized output, max, sum) of
+/// every (row, head) of up to `max_rows` decode rows of up to `max_chunks` chunks each. Sized
+/// once, so a recorded step's launches keep their addresses.
+pub struct DecodeSplit {
+    part: CudaSlice<f32>,
+    max_rows: usize,
+    max_chunks: usize,
+}
+
+impl DecodeSplit {
+    /// Scratch for contexts of up to `max_context` keys and at most `max_rows` rows, within
+    /// [`SPLIT_MAX_FLOATS`]; `None` when not one row fits.
+    pub fn new(
+        gpu: &Gpu,
+        s: AttnShape,
+        max_context: usize,
+        max_rows: usize,
+    ) -> Result<Option<DecodeSplit>, CudaError> {
+        let max_chunks = max_context.div_ceil(ATTENTION_CHUNK_KEYS).max(1);
+        let per_row = s.heads * max_chunks * (s.head_dim + 2);
+        let max_rows = max_rows.min(SPLIT_MAX_FLOATS / per_row.max(1));
+        if max_rows == 0 {
+            return Ok(None);
+        }
+        Ok(Some(DecodeSplit {
+            part: gpu.alloc(max_rows * per_row)?,
+            max_rows,
+            max_chunks,
+        }))
+    }
+
+    /// Blocks per (row, KV head) [`decode_attention`] takes for `count` rows (1: no split).
+    pub fn splits(&self, count: usize, s: AttnShape) -> usize {
+        let blocks = count * s.kv_heads * (s.heads / s.kv_heads).div_ceil(16);
+        if count > self.max_rows || blocks >= SPLIT_BELOW_BLOCKS {
+            return 1;
+        }
+        SPLIT_BELOW_BLOCKS.div_ceil(blocks).min(MAX_SPLITS)
+    }
+}
 
 /// Whether [`prefill_attention`] and [`decode_attention`] have a kernel for this shape.
 pub fn prefill_attention_supports(s: AttnShape) -> bool {
@@ -91,7 +143,9 @@ pub fn prefill_attention(
 
 /// Attention for single query rows (decode; `rows` lists them, None: rows 0..count), a block
 /// of 4 warps per (row, KV head) serving the query heads that share it
-/// (kernels/prefill_attention.cu).
+/// (kernels/prefill_attention.cu). With `split` and a batch too small to fill the GPU, each
+/// (row, KV head) takes several blocks over its key chunks, then `attention_merge` adds them
+/// in order: the same bits. Rows must lie within the split's `max_context` keys.
 #[allow(clippy::too_many_arguments)]
 pub fn decode_attention(
     gpu: &Gpu,
@@ -104,38 +158,65 @@ pub fn decode_attention(
     count: usize,
     step_rows: usize,
     s: AttnShape,
+    split: Option<&DecodeSplit>,
 ) -> Result<(), CudaError> {
-    let kernel = kernel_for(
-        s,
-        [
-            Kernel::DecodeAttentionHd32,
-            Kernel::DecodeAttentionHd64,
-            Kernel::DecodeAttentionHd128,
-        ],
-    )?;
+    let kernels = [
+        (Kernel::DecodeAttentionHd32, Kernel::AttentionMergeHd32),
+        (Kernel::DecodeAttentionHd64, Kernel::AttentionMergeHd64),
+        (Kernel::DecodeAttentionHd128, Kernel::AttentionMergeHd128),
+    ];
+    let kernel = kernel_for(s, kernels.map(|k| k.0))?;
+    let merge = kernel_for(s, kernels.map(|k| k.1))?;
     let rows = rows.map(|r| need(r, count, "decode rows")).transpose()?;
     if count == 0 {
         return Ok(());
     }
+    let q = need(q, step_rows * s.heads * s.head_dim, "attention q")?;
+    let out = need(out, step_rows * s.heads * s.head_dim, "attention out")?;
+    let pos = need(meta.pos, step_rows, "attention positions")?;
     let passes = (s.heads / s.kv_heads).div_ceil(16);
-    let grid = (count as u32, (s.kv_heads * passes) as u32, 1);
-    launch(
-        gpu,
+    let split = split
+        .map(|p| (p, p.splits(count, s)))
+        .filter(|&(_, n)| n > 1);
+    let (part, max_chunks, splits) = match split {
+        Some((p, n)) => (Some(View::whole(&p.part)), p.max_chunks, n),
+        None => (None, 0, 1),
+    };
+    gpu.launch(
         kernel,
-        grid,
+        (count as u32, (s.kv_heads * passes) as u32, splits as u32),
         DECODE_THREADS,
-        q,
-        out,
-        k_cache,
-        v_cache,
-        meta,
-        step_rows,
-        s,
-        rows,
+        (
+            q,
+            out,
+            View::whole(k_cache),
+            View::whole(v_cache),
+            pos,
+            View::whole(meta.seq),
+            View::whole(meta.table_offsets),
+            View::whole(meta.block_tables),
+            rows,
+            s.heads as i32,
+            s.kv_heads as i32,
+            s.block_size as i32,
+            1.0 / (s.head_dim as f32).sqrt(),
+            part,
+            max_chunks as i32,
+        ),
+    )?;
+    let Some(part) = part else {
+        return Ok(());
+    };
+    gpu.launch(
+        merge,
+        (count as u32, s.heads as u32, 1),
+        s.head_dim as u32,
+        (part, out, pos, rows, s.heads as i32, max_chunks as i32),
     )
 }
 
-/// One launch of either kernel: the arguments they share, and `rows` (tiles or decode rows).
+/// One launch of the prefill kernel: the arguments it shares with the decode kernel, and its
+/// tiles.
 /// The sequences, block tables and caches are read where the rows' data points (see
 /// `super::attention`), so they go whole.
 #[allow(clippy::too_many_arguments)]
