@@ -64,7 +64,9 @@ impl DecodeSplit {
         if count > self.max_rows || blocks >= SPLIT_BELOW_BLOCKS {
             return 1;
         }
-        SPLIT_BELOW_BLOCKS.div_ceil(blocks).min(MAX_SPLITS)
+        // Rounded down: a launch of 256 blocks split in two measured 9% slower than unsplit (64
+        // rows x 512 keys, H200, 2026-12-02).
+        (SPLIT_BELOW_BLOCKS / blocks).min(MAX_SPLITS)
     }
 }
 
