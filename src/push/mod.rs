@@ -15,6 +15,7 @@ pub mod client;
 pub mod prepare;
 pub mod report;
 
+use std::collections::VecDeque;
 use std::time::Instant;
 
 use futures_util::future::join_all;
@@ -22,7 +23,7 @@ use safetensors::tensor::TensorView;
 use serde_json::json;
 
 use self::client::{RetryPolicy, Server};
-use self::prepare::{prepare_bucket, PrepareOptions, ServerLayout};
+use self::prepare::{prepare_bucket, PrepareOptions, PreparedBucket, ServerLayout};
 pub use self::report::{PushReport, ServerReport};
 use crate::checkpoint::Checkpoint;
 use crate::engine::PauseMode;
@@ -402,10 +403,18 @@ async fn stream_buckets(
     };
     let mut expected = WeightsChecksum::default();
     let (mut staged, mut wire) = (0, 0);
-    let mut next = Some(prepare(0)?);
+    // The next bucket is prepared and sent while the earlier ones are on the wire or being
+    // written by the servers (each server takes a session's buckets one at a time).
+    let mut in_flight: VecDeque<InFlight> = VecDeque::new();
     for i in 0..plan.len() {
-        let bucket = next.take().expect("prepared");
-        let sends: Vec<_> = before
+        let bucket = match prepare(i) {
+            Ok(b) => b,
+            Err(e) => {
+                in_flight.iter().for_each(InFlight::abort);
+                return Err(e);
+            }
+        };
+        let sends = before
             .iter()
             .zip(sessions)
             .map(|(b, s)| {
@@ -413,28 +422,61 @@ async fn stream_buckets(
                 tokio::spawn(async move { server.put_bucket(&session, body).await })
             })
             .collect();
-        if i + 1 < plan.len() {
-            next = Some(prepare(i + 1)?);
+        in_flight.push_back(InFlight {
+            index: i,
+            wire: bucket.body.len(),
+            bucket,
+            sends,
+        });
+        while in_flight.len() >= BUCKETS_IN_FLIGHT || (i + 1 == plan.len() && !in_flight.is_empty())
+        {
+            let mut done = in_flight.pop_front().expect("not empty");
+            if let Err(e) = done.finish(before, plan.len()).await {
+                in_flight.iter().for_each(InFlight::abort);
+                return Err(e);
+            }
+            expected = expected.overlaid(&done.bucket.expected);
+            staged += done.bucket.tensors;
+            wire += done.wire;
+            bar.inc(plan[done.index].iter().map(|&j| sizes[j] as u64).sum());
         }
-        for (b, h) in before.iter().zip(join_all(sends).await) {
+    }
+    Ok((expected, staged, wire, preparing.get()))
+}
+
+/// Buckets a push keeps on the wire at once per server: the next one travels while a server
+/// writes the last (client memory: this many bodies plus the one being prepared).
+const BUCKETS_IN_FLIGHT: usize = 2;
+
+/// A bucket sent to every server, its answers not yet read.
+struct InFlight {
+    index: usize,
+    wire: usize,
+    bucket: PreparedBucket,
+    sends: Vec<tokio::task::JoinHandle<Result<serde_json::Value, client::CallError>>>,
+}
+
+impl InFlight {
+    /// Waits for every server's answer; the first failure, named by server and bucket.
+    async fn finish(&mut self, before: &[Before], buckets: usize) -> Result<(), PushError> {
+        let answers = join_all(self.sends.drain(..)).await;
+        for (b, h) in before.iter().zip(answers) {
             match h {
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => {
-                    return Err(server_err(
-                        &b.server,
-                        &format!("bucket {} of {}", i + 1, plan.len()),
-                        e,
-                    ))
+                    let what = format!("bucket {} of {buckets}", self.index + 1);
+                    return Err(server_err(&b.server, &what, e));
                 }
                 Err(e) => return Err(server_err(&b.server, "bucket task", e)),
             }
         }
-        expected = expected.overlaid(&bucket.expected);
-        staged += bucket.tensors;
-        wire += bucket.body.len();
-        bar.inc(plan[i].iter().map(|&j| sizes[j] as u64).sum());
+        Ok(())
     }
-    Ok((expected, staged, wire, preparing.get()))
+
+    /// Stops its sends (the session is aborted next).
+    fn abort(&self) {
+        self.sends.iter().for_each(|h| h.abort());
+    }
 }
 
 async fn abort_all(before: &[Before], sessions: &[Option<String>]) {
