@@ -192,7 +192,26 @@ fi
 
 fi
 
-echo
-echo "| check | result |"
-echo "|---|---|"
-printf '%s\n' "${summary[@]}"
+# NCU=1: an ncu profile (per-kernel times) of the batch-1 and batch-64 BF16 decode steps on two
+# layers (ncu_b1.csv, ncu_b64.csv; `--clock-control none`, as the device host allows).
+if [ "${NCU:-0}" = 1 ]; then
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  for b in 1 64; do
+    echo "== ncu profile, batch $b ($(date +%T))"
+    timeout 120 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv "$bin"/cuda_bench \
+      configs/qwen3-30b-a3b.json --layers 2 --formats bf16 --batches "$b" --steps 4 --prefill 1x16 \
+      >"$logs/ncu_b$b.csv" 2>&1 && record "ncu profile, batch $b" "done (ncu_b$b.csv)" || record "ncu profile, batch $b" "FAIL"
+  done
+fi
+
+{
+  echo
+  echo "| check | result |"
+  echo "|---|---|"
+  printf '%s\n' "${summary[@]}"
+} | tee "$logs/summary.md"
+
+# PACK=1: every log in one results.tgz (the device tool brings back at most 8 files).
+if [ "${PACK:-0}" = 1 ]; then
+  (cd "$logs" && tar czf results.tgz --exclude results.tgz ./* && find . -type f ! -name results.tgz -delete)
+fi
