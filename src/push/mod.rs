@@ -424,7 +424,6 @@ async fn stream_buckets(
             .collect();
         in_flight.push_back(InFlight {
             index: i,
-            wire: bucket.body.len(),
             bucket,
             sends,
         });
@@ -437,7 +436,7 @@ async fn stream_buckets(
             }
             expected = expected.overlaid(&done.bucket.expected);
             staged += done.bucket.tensors;
-            wire += done.wire;
+            wire += done.bucket.body.len();
             bar.inc(plan[done.index].iter().map(|&j| sizes[j] as u64).sum());
         }
     }
@@ -451,7 +450,6 @@ const BUCKETS_IN_FLIGHT: usize = 2;
 /// A bucket sent to every server, its answers not yet read.
 struct InFlight {
     index: usize,
-    wire: usize,
     bucket: PreparedBucket,
     sends: Vec<tokio::task::JoinHandle<Result<serde_json::Value, client::CallError>>>,
 }
