@@ -413,7 +413,8 @@ __device__ void attention_merge(const float* part, float* out, const int* row_po
     extern "C" __global__ void PREFILL(                                                                               \
         const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,                 \
         const int* row_seq, const int* table_offsets, const int* block_tables, const int* tiles, int heads,           \
-        int kv_heads, int block_size, float scale) {                                                                  \
+        int kv_heads, int block_size, float scale, float* /* part */, int /* max_chunks */) {                         \
+        /* one signature for both kernels: prefill never splits its keys over blocks */                              \
         prefill_attention<HD>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, tiles,         \
                               heads, kv_heads, block_size, scale);                                                    \
     }                                                                                                                 \

@@ -145,13 +145,10 @@ use Param::{Ptr, F32, I32, U64};
 const GROUPED_GEMM: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, Ptr, Ptr, Ptr, I32, I32, I32, Ptr, Ptr, Ptr,
 ];
-/// `PREFILL_ATTENTION` in prefill_attention.cu: q, out, k_cache, v_cache, row_pos, row_seq,
-/// table_offsets, block_tables, tiles, heads, kv_heads, block_size, scale.
-const PREFILL_ATTENTION: &[Param] = &[
-    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, F32,
-];
-/// The decode kernels: as `PREFILL_ATTENTION` (rows for tiles), then part, max_chunks.
-const DECODE_ATTENTION: &[Param] = &[
+/// The prefill and decode kernels of prefill_attention.cu: q, out, k_cache, v_cache, row_pos,
+/// row_seq, table_offsets, block_tables, tiles (prefill) or rows (decode), heads, kv_heads,
+/// block_size, scale, part and max_chunks (decode's split-KV; prefill ignores them).
+const TENSOR_CORE_ATTENTION: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, F32, Ptr, I32,
 ];
 /// part, out, row_pos, rows, heads, max_chunks.
@@ -209,14 +206,14 @@ kernels! {
     PagedAttention => (Attention, "paged_attention", &[
         Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, F32,
     ]),
-    PrefillAttentionHd32 => (PrefillAttention, "prefill_attention_hd32", PREFILL_ATTENTION),
-    PrefillAttentionHd64 => (PrefillAttention, "prefill_attention_hd64", PREFILL_ATTENTION),
-    PrefillAttentionHd128 => (PrefillAttention, "prefill_attention_hd128", PREFILL_ATTENTION),
-    DecodeAttentionHd32 => (PrefillAttention, "decode_attention_hd32", DECODE_ATTENTION),
+    PrefillAttentionHd32 => (PrefillAttention, "prefill_attention_hd32", TENSOR_CORE_ATTENTION),
+    PrefillAttentionHd64 => (PrefillAttention, "prefill_attention_hd64", TENSOR_CORE_ATTENTION),
+    PrefillAttentionHd128 => (PrefillAttention, "prefill_attention_hd128", TENSOR_CORE_ATTENTION),
+    DecodeAttentionHd32 => (PrefillAttention, "decode_attention_hd32", TENSOR_CORE_ATTENTION),
     AttentionMergeHd32 => (PrefillAttention, "attention_merge_hd32", ATTENTION_MERGE),
-    DecodeAttentionHd64 => (PrefillAttention, "decode_attention_hd64", DECODE_ATTENTION),
+    DecodeAttentionHd64 => (PrefillAttention, "decode_attention_hd64", TENSOR_CORE_ATTENTION),
     AttentionMergeHd64 => (PrefillAttention, "attention_merge_hd64", ATTENTION_MERGE),
-    DecodeAttentionHd128 => (PrefillAttention, "decode_attention_hd128", DECODE_ATTENTION),
+    DecodeAttentionHd128 => (PrefillAttention, "decode_attention_hd128", TENSOR_CORE_ATTENTION),
     AttentionMergeHd128 => (PrefillAttention, "attention_merge_hd128", ATTENTION_MERGE),
     SampleRows => (Sampling, "sample_rows", &[Ptr, Ptr, I32, Ptr, Ptr, I32, I32, Ptr, Ptr]),
     HostExpf => (Sampling, "host_expf_kernel", MAP_N),

@@ -139,7 +139,19 @@ pub fn prefill_attention(
     }
     let grid = (num_tiles as u32, s.heads as u32, 1);
     launch(
-        gpu, kernel, grid, 128, q, out, k_cache, v_cache, meta, rows, s, tiles,
+        gpu,
+        kernel,
+        grid,
+        128,
+        q,
+        out,
+        k_cache,
+        v_cache,
+        meta,
+        rows,
+        s,
+        tiles,
+        (None, 0),
     )
 }
 
@@ -173,9 +185,6 @@ pub fn decode_attention(
     if count == 0 {
         return Ok(());
     }
-    let q = need(q, step_rows * s.heads * s.head_dim, "attention q")?;
-    let out = need(out, step_rows * s.heads * s.head_dim, "attention out")?;
-    let pos = need(meta.pos, step_rows, "attention positions")?;
     let passes = (s.heads / s.kv_heads).div_ceil(16);
     let split = split
         .map(|p| (p, p.splits(count, s)))
@@ -184,41 +193,43 @@ pub fn decode_attention(
         Some((p, n)) => (Some(View::whole(&p.part)), p.max_chunks, n),
         None => (None, 0, 1),
     };
-    gpu.launch(
+    let grid = (count as u32, (s.kv_heads * passes) as u32, splits as u32);
+    launch(
+        gpu,
         kernel,
-        (count as u32, (s.kv_heads * passes) as u32, splits as u32),
+        grid,
         DECODE_THREADS,
-        (
-            q,
-            out,
-            View::whole(k_cache),
-            View::whole(v_cache),
-            pos,
-            View::whole(meta.seq),
-            View::whole(meta.table_offsets),
-            View::whole(meta.block_tables),
-            rows,
-            s.heads as i32,
-            s.kv_heads as i32,
-            s.block_size as i32,
-            1.0 / (s.head_dim as f32).sqrt(),
-            part,
-            max_chunks as i32,
-        ),
+        q,
+        out,
+        k_cache,
+        v_cache,
+        meta,
+        step_rows,
+        s,
+        rows,
+        (part, max_chunks),
     )?;
     let Some(part) = part else {
         return Ok(());
     };
+    // launch checked q, out and the positions for step_rows rows.
     gpu.launch(
         merge,
         (count as u32, s.heads as u32, 1),
         s.head_dim as u32,
-        (part, out, pos, rows, s.heads as i32, max_chunks as i32),
+        (
+            part,
+            View::whole(out),
+            View::whole(meta.pos),
+            rows,
+            s.heads as i32,
+            max_chunks as i32,
+        ),
     )
 }
 
-/// One launch of the prefill kernel: the arguments it shares with the decode kernel, and its
-/// tiles.
+/// One launch of either kernel: the arguments they share, `rows` (tiles or decode rows) and
+/// the decode split's scratch and chunk count (none and 0 for prefill).
 /// The sequences, block tables and caches are read where the rows' data points (see
 /// `super::attention`), so they go whole.
 #[allow(clippy::too_many_arguments)]
@@ -235,6 +246,7 @@ fn launch(
     step_rows: usize,
     s: AttnShape,
     rows: impl KernelArg,
+    (part, max_chunks): (Option<View<'_, f32>>, usize),
 ) -> Result<(), CudaError> {
     let q = need(q, step_rows * s.heads * s.head_dim, "attention q")?;
     let out = need(out, step_rows * s.heads * s.head_dim, "attention out")?;
@@ -257,6 +269,8 @@ fn launch(
             s.kv_heads as i32,
             s.block_size as i32,
             1.0 / (s.head_dim as f32).sqrt(),
+            part,
+            max_chunks as i32,
         ),
     )
 }
