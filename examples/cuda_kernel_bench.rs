@@ -320,7 +320,11 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
         let tiles = ops::prefill_tiles(std::iter::repeat_n(rows_per_seq, seqs));
         let dtiles = gpu.upload(&tiles).expect("tiles");
         let decode = rows_per_seq == 1;
-        let split = ops::DecodeSplit::new(gpu, shape, ctx, rows).expect("split scratch");
+        let split = if decode {
+            ops::DecodeSplit::new(gpu, shape, ctx, rows).expect("split scratch")
+        } else {
+            None
+        };
         let kernels: &[&str] = if decode {
             &[
                 "paged_attention",

@@ -147,6 +147,16 @@ struct AttentionPlan {
     per_row: bool,
 }
 
+/// The attention kernels' shape of a model with these dims over blocks of `block_size` tokens.
+fn attn_shape(d: &Dims, block_size: usize) -> AttnShape {
+    AttnShape {
+        heads: d.heads,
+        kv_heads: d.kv_heads,
+        head_dim: d.head_dim,
+        block_size,
+    }
+}
+
 /// The CUDA backend: the device, the step's metadata and scratch, the sampler.
 pub struct Cuda {
     pub gpu: Gpu,
@@ -223,12 +233,7 @@ impl Cuda {
             (sizes.max_context_len + 1024).max(1 << 16),
         )?;
         let logits = gpu.alloc(t.min(LOGIT_CHUNK_ROWS) * d.vocab)?;
-        let attn = AttnShape {
-            heads: d.heads,
-            kv_heads: d.kv_heads,
-            head_dim: d.head_dim,
-            block_size: sizes.block_size,
-        };
+        let attn = attn_shape(d, sizes.block_size);
         let decode_split = if ops::prefill_attention_supports(attn) {
             ops::DecodeSplit::new(&gpu, attn, sizes.max_context_len, seqs)?
         } else {
@@ -346,12 +351,7 @@ impl Cuda {
     }
 
     fn attn_shape(&self, d: &Dims) -> AttnShape {
-        AttnShape {
-            heads: d.heads,
-            kv_heads: d.kv_heads,
-            head_dim: d.head_dim,
-            block_size: self.sizes.block_size,
-        }
+        attn_shape(d, self.sizes.block_size)
     }
 
     fn gemm(
