@@ -94,7 +94,12 @@ if "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench.md"; then
 else
   record "cuda_bench" "FAIL"
 fi
-# A build of the previous code (carried as .bin/cuda_bench_before), for before/after in one run.
+# Builds of the previous code (carried as .bin/cuda_kernel_bench_before, .bin/cuda_bench_before),
+# for before/after in one run.
+if [ -x "$bin/cuda_kernel_bench_before" ]; then
+  "$bin"/cuda_kernel_bench_before configs/qwen3-30b-a3b.json 2>&1 | tee "$logs/kernel_bench_before.md" \
+    && record "cuda_kernel_bench_before (previous code)" "done (kernel_bench_before.md)" || record "cuda_kernel_bench_before" "FAIL"
+fi
 if [ -x "$bin/cuda_bench_before" ]; then
   "$bin"/cuda_bench_before "${bench_args[@]}" 2>&1 | tee "$logs/bench_before.md" \
     && record "cuda_bench_before (previous code)" "done (bench_before.md)" || record "cuda_bench_before" "FAIL"
@@ -135,7 +140,8 @@ fi
 # An update from disk while a client streams tokens (DISK_UPDATE_BENCH=1): a made-up BF16
 # checkpoint of DISK_UPDATE_GB (default 8) GB served with --device cuda, then
 # /update_weights_from_disk of the same directory while scripts/stream_gaps.py reads one long
-# greedy stream; prints the update's answer (load_seconds, swap_seconds) and the stream's
+# greedy stream for DISK_UPDATE_WINDOW (default 90) seconds; prints the update's answer
+# (load_seconds, swap_seconds) and the stream's
 # largest gap.
 if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
   py=python3  # one with numpy (make_push_checkpoint.py)
@@ -150,7 +156,7 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
       >"$logs/serve_disk_update.log" 2>&1 &
     pid=$!
     wait_healthy 30557 300
-    "$py" scripts/stream_gaps.py http://127.0.0.1:30557 90 &
+    "$py" scripts/stream_gaps.py http://127.0.0.1:30557 "${DISK_UPDATE_WINDOW:-90}" &
     gaps=$!
     sleep 5
     curl -s localhost:30557/update_weights_from_disk -H 'Content-Type: application/json' \
@@ -158,7 +164,7 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
     echo
     wait $gaps
     echo "-- lockstep push of the same checkpoint (default flags) while streaming"
-    "$py" scripts/stream_gaps.py http://127.0.0.1:30557 90 &
+    "$py" scripts/stream_gaps.py http://127.0.0.1:30557 "${DISK_UPDATE_WINDOW:-90}" &
     gaps=$!
     sleep 3
     "$bin"/lockstep push --server http://127.0.0.1:30557 --checkpoint "$ck" 2>&1 \
