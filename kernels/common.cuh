@@ -77,19 +77,5 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool li
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(live ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-// A copy of 4, 8 or 16 bytes that only the copying thread reads back, after
-// cp_async_wait_own (no barrier between them).
-template <int BYTES>
-__device__ __forceinline__ void cp_async_own(void* smem, const void* gmem) {
-    u32 dst = (u32)__cvta_generic_to_shared(smem);
-    if constexpr (BYTES == 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
-    else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(gmem), "n"(BYTES) : "memory");
-}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-// cp_async_wait for copies the waiting thread reads back itself: also a compiler barrier, so
-// no read of the copied bytes moves above it.
-template <int N>
-__device__ __forceinline__ void cp_async_wait_own() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }

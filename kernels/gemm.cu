@@ -18,8 +18,8 @@
 //   significant bits) multiplied separately, so the result stays within ~1e-5 of the CPU's f32
 //   products instead of the ~2e-3 of rounding activations to BF16 (which flips MoE routing).
 // - grouped_gemm_skinny_*, grouped_gemm_skinny4_*: the same tensor-core products for tiles of
-//   few rows (decode): a warp per 8 (or 32) output columns, each lane streaming its weight
-//   bytes through its own slots of a shared-memory ring several iterations ahead (Skinny).
+//   few rows (decode): a warp per 8 (or 32) output columns, weights loaded straight into
+//   registers, no shared memory.
 // The tensor-core kernels feed each mma exactly the same operands in the same order (the
 // "K chain" below), so they give the same bits and the choice between them is speed alone.
 //
@@ -495,33 +495,14 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
 
 // ---- Tensor cores for tiles of few rows: a warp per 8 * NF output columns ----
 
-#define SKINNY_WARPS 4      // warps per 128-thread block
-#define SKINNY_RING 12288   // shared-memory bytes per warp for the weights in flight
+#define SKINNY_WARPS 4  // warps per 128-thread block
 
-// The few-rows kernels' pipeline. Each lane copies its own weight bytes (and, quantized, the
-// 4-byte word holding each block scale) for SPANS spans of NF fragments into its slots of a
-// ring of STAGES stages, STAGES - 1 iterations ahead of the products, and reads back only what
-// it copied (so no barrier: cp_async_wait_own). SPANS spans make an iteration; 32 * SPANS
-// divides SEG, so a segment ends only at the end of an iteration.
-template <int FMT, int NF>
-struct Skinny {
-    static constexpr int WB = FMT == 1 ? 16 : FMT == 2 ? 8 : 4;  // a lane's bytes of a span
-    static constexpr int SB = FMT == 1 ? 0 : 4;                  // the word of its block scale
-    static constexpr int SPANS = NF == 1 ? (FMT == 1 ? 4 : 8) : (FMT == 1 ? 2 : 4);
-    static constexpr int LANE_STAGE = SPANS * NF * (WB + SB);
-    static constexpr int STAGES = SKINNY_RING / (32 * LANE_STAGE) > 8 ? 8 : SKINNY_RING / (32 * LANE_STAGE);
-    static_assert(STAGES >= 2, "the ring holds at least one stage in flight");
-    static_assert(SEG % (32 * SPANS) == 0, "segments end at iteration ends");
-};
-
-// Grid (ceil(N / (32 * NF)), tiles), 128 threads. Requires K % 32 == 0 and (quantized) a block
-// scale buffer whose address and length are multiples of 4 (the host checks both: its 4-byte
-// words are copied whole). Lane (g, t) streams the 8 values per span of its NF weight columns
-// (g of each n8 fragment) through its ring slots and packs its rows' activations itself
-// (L1-resident, shared by the block's warps) once per span for all NF fragments; more fragments
-// per warp spread that packing over more weights, fewer give more warps. The tile's rows are
-// at most TM = two m16 fragments; a fragment, or its upper 8 rows, with no live row is skipped
-// (warp-uniform).
+// Grid (ceil(N / (32 * NF)), tiles), 128 threads. Requires K % 32 == 0. Each lane streams the
+// 8 values per span of its NF weight columns (g of each n8 fragment) from global memory,
+// SPANS spans ahead, and packs its rows' activations itself (L1-resident, shared by the
+// block's warps) once per span for all NF fragments; more fragments per warp spread that
+// packing over more weights, fewer give more warps. The tile's rows are at most TM = two m16
+// fragments; a fragment, or its upper 8 rows, with no live row is skipped (warp-uniform).
 template <int FMT, int NF>
 __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const float* row_scale, const void* w,
                                     const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
@@ -529,11 +510,9 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
                                     float* partials) {
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
-    using P = Skinny<FMT, NF>;
     constexpr bool SPLIT = FMT == 1;
-    constexpr int FRAGS = TM / 16, SPANS = P::SPANS, STAGES = P::STAGES, WB = P::WB;
-    __shared__ __align__(16) u8 ring_w[SKINNY_WARPS][STAGES][SPANS * NF][32][WB];
-    __shared__ u32 ring_s[SKINNY_WARPS][P::SB ? STAGES : 1][P::SB ? SPANS * NF : 1][32];
+    constexpr int FRAGS = TM / 16;
+    constexpr int SPANS = NF == 1 ? 8 : 4;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int n0 = (blockIdx.x * SKINNY_WARPS + warp) * 8 * NF;
     if (n0 >= N) return;
@@ -553,7 +532,11 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
             int row = r0 + mi * 16 + g + 8 * h;
             xr[mi][h] = row < r1 ? x + (row_index ? (u64)row_index[row] : (u64)row) * K + 8 * t : nullptr;
         }
-    float acc[FRAGS][NF][4], tot[FRAGS][NF][4];
+    // The running total lives in shared memory (element i of lane l at [warp][i][l]): it is
+    // touched once per segment, and registers go to the weights in flight.
+    __shared__ float tot_s[SKINNY_WARPS][FRAGS * NF * 4][32];
+    float* tot = &tot_s[warp][0][lane];
+    float acc[FRAGS][NF][4];
 #pragma unroll
     for (int mi = 0; mi < FRAGS; mi++)
 #pragma unroll
@@ -563,60 +546,20 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
 
     int k_begin, k_end;
     block_k_range(partials, K, k_begin, k_end);
-    int iters = (k_end - k_begin + 32 * SPANS - 1) / (32 * SPANS);
-    const u8* wbytes = (const u8*)w;
-    u64 w_row_bytes = (u64)K * WB / 8;
-    // The byte of w_scales holding the block scale of (row, k).
-    auto scale_index = [&](u64 row, int k) {
-        return FMT == 2 ? row * (K / 32) + k / 32 : row * (K / 16) + k / 16;
-    };
-    auto issue = [&](int it) {
-        if (it < iters) {
-            int k0 = k_begin + it * 32 * SPANS, spans = min(SPANS, (k_end - k0) / 32), stage = it % STAGES;
+    for (int k0 = k_begin; k0 < k_end; k0 += 32 * SPANS) {
+        int spans = min(SPANS, (k_end - k0) / 32);
+        Weight8 wc[SPANS][NF];
 #pragma unroll
-            for (int s = 0; s < SPANS; s++) {
-                if (s >= spans) break;
-                int k = k0 + 32 * s + 8 * t;
+        for (int s = 0; s < SPANS; s++)
 #pragma unroll
-                for (int f = 0; f < NF; f++) {
-                    cp_async_own<WB>(&ring_w[warp][stage][s * NF + f][lane][0],
-                                     wbytes + w_row[f] * w_row_bytes + (u64)k * WB / 8);
-                    if constexpr (P::SB != 0)
-                        cp_async_own<4>(&ring_s[warp][stage][s * NF + f][lane], w_scales + (scale_index(w_row[f], k) & ~(u64)3));
-                }
-            }
-        }
-        cp_async_commit();
-    };
-#pragma unroll
-    for (int it = 0; it < STAGES - 1; it++) issue(it);
-
-    for (int it = 0; it < iters; it++) {
-        cp_async_wait_own<STAGES - 2>();  // this iteration's stage is in
-        issue(it + STAGES - 1);           // into the stage the last iteration read
-        int k0 = k_begin + it * 32 * SPANS, spans = min(SPANS, (k_end - k0) / 32), stage = it % STAGES;
+            for (int f = 0; f < NF; f++)
+                if (s < spans) wc[s][f] = load_weight8<FMT>(w, w_scales, w_row[f], k0 + 32 * s + 8 * t, K);
 #pragma unroll
         for (int s = 0; s < SPANS; s++) {
             if (s >= spans) break;
-            int k = k0 + 32 * s + 8 * t;
             u32 b[NF][4];
 #pragma unroll
-            for (int f = 0; f < NF; f++) {
-                const u8* wp = &ring_w[warp][stage][s * NF + f][lane][0];
-                Weight8 c;
-                c.q = make_uint4(0, 0, 0, 0);
-                c.scale = 0;
-                if (FMT == 1) c.q = *(const uint4*)wp;
-                if (FMT == 2) {
-                    uint2 v = *(const uint2*)wp;
-                    c.q.x = v.x;
-                    c.q.y = v.y;
-                }
-                if (FMT == 3) c.q.x = *(const u32*)wp;
-                if constexpr (P::SB != 0)
-                    c.scale = (u8)(ring_s[warp][stage][s * NF + f][lane] >> (8 * (scale_index(w_row[f], k) & 3)));
-                decode_weight8<FMT>(c, b[f]);
-            }
+            for (int f = 0; f < NF; f++) decode_weight8<FMT>(wc[s][f], b[f]);
 #pragma unroll
             for (int mi = 0; mi < FRAGS; mi++) {
                 if (mi * 16 >= live) break;
@@ -636,10 +579,10 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
                 for (int f = 0; f < NF; f++) mma_span<SPLIT>(acc[mi][f], hi[0], hi[1], lo[0], lo[1], b[f]);
             }
         }
+        // 32 * SPANS divides SEG: a segment ends only at the end of an iteration.
         if ((k0 + 32 * SPANS) % SEG == 0 || k0 + 32 * SPANS >= k_end)
-            end_segment<FRAGS * NF * 4>(&acc[0][0][0], &tot[0][0][0], k0 < k_begin + SEG);
+            end_segment<FRAGS * NF * 4, 32>(&acc[0][0][0], tot, k0 < k_begin + SEG);
     }
-    cp_async_wait_own<0>();
 
 #pragma unroll
     for (int mi = 0; mi < FRAGS; mi++)
@@ -654,7 +597,8 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
                 for (int j = 0; j < 2; j++) {
                     int col = n0 + 8 * f + 2 * t + j;
                     if (col >= N) continue;
-                    store_sum<FMT>(tot[mi][f][2 * half + j], partials, rows, row, col, N, row_scale, src, w_sdec, e,
+                    store_sum<FMT>(tot[32 * ((mi * NF + f) * 4 + 2 * half + j)], partials, rows, row, col, N, row_scale,
+                                   src, w_sdec, e,
                                    sdec_groups, out);
                 }
         }

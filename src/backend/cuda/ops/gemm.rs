@@ -156,17 +156,14 @@ pub const SKINNY_MAX_DENSE_ROWS: usize = 8;
 pub const SKINNY_MAX_ROWS_PER_EXPERT: usize = 8;
 
 impl GemmPath {
-    /// `scale_words`: the block scales (if any) are whole 4-byte words in memory, as the
-    /// few-rows kernels copy them; without, those kernels are not taken.
     fn resolve(
         self,
         f32_weights: bool,
-        scale_words: bool,
         rows: &GemmRows<'_>,
         max_rows: usize,
         n: usize,
         k: usize,
-    ) -> Result<GemmPath, CudaError> {
+    ) -> GemmPath {
         let tensor_ok = k % 32 == 0 && !f32_weights;
         // Tiles that will hold rows (a routing plan's active experts, at most one per routed
         // row), times the 32-column groups of N: the warps of a `Skinny4` launch.
@@ -177,14 +174,9 @@ impl GemmPath {
                 p.counts.len().min(max_rows),
             ),
         };
-        Ok(match self {
+        match self {
             _ if !tensor_ok => GemmPath::Ffma,
-            GemmPath::Skinny | GemmPath::Skinny4 if !scale_words => {
-                return Err(CudaError::Capacity(
-                    "the few-rows GEMM kernels need block scales in whole 4-byte words".into(),
-                ))
-            }
-            GemmPath::Auto if max_rows > skinny_rows || !scale_words => GemmPath::TensorCore,
+            GemmPath::Auto if max_rows > skinny_rows => GemmPath::TensorCore,
             // A dense launch of few rows splits over K (SplitK::Auto), which gives the 32-column
             // warps blocks enough (H200: 0.65-0.95x the 8-column kernel's time at 1-8 rows).
             GemmPath::Auto if matches!(rows, GemmRows::Dense(_)) && k > K_SEGMENT => {
@@ -193,7 +185,7 @@ impl GemmPath {
             GemmPath::Auto if live_tiles * n.div_ceil(32) >= SKINNY4_MIN_WARPS => GemmPath::Skinny4,
             GemmPath::Auto => GemmPath::Skinny,
             p => p,
-        })
+        }
     }
 }
 
@@ -398,10 +390,7 @@ fn launch_gemm(
     out: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
     let out = need(out, max_rows * n, "gemm out")?;
-    let scale_words = w
-        .scales
-        .is_none_or(|s| s.len() % 4 == 0 && s.addr(gpu) % 4 == 0);
-    let path = path.resolve(w.f32_weights, scale_words, &rows, max_rows, n, k)?;
+    let path = path.resolve(w.f32_weights, &rows, max_rows, n, k);
     let (kernel, cols_per_block, threads) = match path {
         GemmPath::TensorCore => (w.kernels[1], MMA_TILE_COLS, 128),
         GemmPath::Skinny4 => (w.kernels[3], 4 * SKINNY_COLS_PER_BLOCK, 128),
