@@ -21,6 +21,16 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     return (bf16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
+// Two f32 values as BF16x2 (lo in the low half), rounded to nearest even like f32_to_bf16 by
+// one hardware conversion (sm_80+) instead of nine integer operations each. Only a NaN's
+// payload may differ, so it packs tensor-core operands: mma.sync makes the same result of a
+// NaN operand whatever its payload.
+__device__ __forceinline__ u32 pack_bf16x2_rn(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -136,9 +136,7 @@ __device__ void grouped_gemm(const float* x, const int* row_index, const float* 
 
 #define MMA_TK 32  // one span of the K chain
 
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
-}
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) { return pack_bf16x2_rn(lo, hi); }
 
 // Two f32 values that are exactly BF16 (decoded codes times block scales) packed as BF16x2.
 __device__ __forceinline__ u32 pack_exact_bf16(float lo, float hi) {

@@ -27,9 +27,7 @@
 #define DECODE_WARPS 4         // host: ops::prefill_attention::DECODE_THREADS / 32
 #define FA_CHUNK 128           // keys per chunk of the merge order (host: ATTENTION_CHUNK_KEYS)
 
-__device__ __forceinline__ u32 fa_pack(float lo, float hi) {
-    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
-}
+__device__ __forceinline__ u32 fa_pack(float lo, float hi) { return pack_bf16x2_rn(lo, hi); }
 
 __device__ __forceinline__ void fa_mma(float* c, const u32* a, u32 b0, u32 b1) {
     asm volatile(

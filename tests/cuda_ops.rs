@@ -652,6 +652,60 @@ fn block_scaled_operand_preparation_matches_its_definition() {
     }
 }
 
+/// The tiled GEMM's split activation operand (`pack_gemm_operand`, whose BF16 rounding the
+/// few-rows kernels and the attention share): every hi and lo term against the CPU's round to
+/// nearest even, on random bit patterns (subnormals, infinities, the largest finite values)
+/// and exact ties. No NaN input: its payload is free (the tensor cores make the same product
+/// of any NaN); an infinity's lo term is a NaN on both.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn the_gemm_operand_is_rounded_to_nearest_even_like_the_cpu() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let (rows, k) = (37, 256);
+    let x: Vec<f32> = (0..rows * k)
+        .map(|i| {
+            let bits = rng.next() as u32;
+            let bits = match i % 4 {
+                0 => (bits & 0xffff_0000) | 0x8000, // a tie: even or odd upper half
+                1 => bits & 0x807f_ffff,            // subnormal or zero
+                _ => bits,
+            };
+            let v = f32::from_bits(bits);
+            if v.is_nan() {
+                f32::from_bits(bits & 0xff7f_ffff) // the same pattern with a smaller exponent
+            } else {
+                v
+            }
+        })
+        .collect();
+    let dx = g.upload(&x).unwrap();
+    // Split (plain BF16 weights): each row is [hi (k / 2 words) | lo], lo the rounding of x - hi.
+    let mut out = poisoned(&g, rows * k, 0xdead_beefu32);
+    ops::pack_gemm_operand(&g, &dx, rows, k, true, &mut out).unwrap();
+    let got = g.download(&out, rows * k).unwrap();
+    let half_of = |w: u32, c: usize| bf16::from_bits((w >> (16 * (c % 2))) as u16);
+    for r in 0..rows {
+        for c in 0..k {
+            let v = x[r * k + c];
+            let hi = bf16::from_f32(v);
+            let got_hi = half_of(got[r * k + c / 2], c);
+            assert_eq!(
+                got_hi.to_bits(),
+                hi.to_bits(),
+                "hi of x[{r}, {c}] = {v:e} ({:#010x})",
+                v.to_bits()
+            );
+            let lo = bf16::from_f32(v - hi.to_f32());
+            let got_lo = half_of(got[r * k + k / 2 + c / 2], c);
+            assert!(
+                got_lo.to_bits() == lo.to_bits() || (got_lo.is_nan() && lo.is_nan()),
+                "lo of x[{r}, {c}] = {v:e}: {got_lo:?} against {lo:?}"
+            );
+        }
+    }
+}
+
 /// CPU experts of one format from random BF16 weights.
 fn cpu_experts(
     rng: &mut Rng,

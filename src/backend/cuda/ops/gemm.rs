@@ -66,12 +66,12 @@ fn grown<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     buf: &'a mut Option<CudaSlice<T>>,
     generation: &mut u64,
     len: usize,
-) -> Result<&'a CudaSlice<T>, CudaError> {
+) -> Result<&'a mut CudaSlice<T>, CudaError> {
     if buf.as_ref().is_none_or(|b| b.len() < len) {
         *buf = Some(gpu.alloc::<T>(len)?);
         *generation += 1;
     }
-    Ok(buf.as_ref().expect("allocated above"))
+    Ok(buf.as_mut().expect("allocated above"))
 }
 
 /// Which rows a grouped GEMM runs over.
@@ -374,6 +374,28 @@ pub fn table_gemm(
     )
 }
 
+/// The tiled kernel's A operand: `rows` rows of `x` (`k` wide, even) as BF16x2 words, rounded
+/// to nearest even; `split` (plain BF16 weights) gives each row as `[hi (k / 2 words) | lo]`,
+/// lo the rounding of `x - hi`, else `[values]`.
+pub fn pack_gemm_operand(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    rows: usize,
+    k: usize,
+    split: bool,
+    out: &mut CudaSlice<u32>,
+) -> Result<(), CudaError> {
+    let words = rows * k / 2;
+    let x = need(x, rows * k, "gemm operand x")?;
+    let out = need(out, words * if split { 2 } else { 1 }, "gemm operand")?;
+    gpu.launch(
+        Kernel::PackGemmOperand,
+        (gpu.grid_for(words, 256), 1, 1),
+        256,
+        (x, rows as i32, k as i32, split as i32, out),
+    )
+}
+
 #[allow(clippy::too_many_arguments)]
 fn launch_gemm(
     path: GemmPath,
@@ -418,7 +440,7 @@ fn launch_gemm(
         .map_err(|_| CudaError::Capacity("the GEMM scratch lock is poisoned".into()))?;
     let scratch = &mut *guard;
     let partials = match segments {
-        Some(s) => Some(grown(
+        Some(s) => Some(&*grown(
             gpu,
             &mut scratch.partials,
             &mut scratch.generation,
@@ -436,20 +458,8 @@ fn launch_gemm(
         };
         let split_act = w.split_activations;
         let words = x_rows * k / 2 * if split_act { 2 } else { 1 };
-        let x = need(x, x_rows * k, "gemm x")?;
         let packed = grown(gpu, &mut scratch.operand, &mut scratch.generation, words)?;
-        gpu.launch(
-            Kernel::PackGemmOperand,
-            (gpu.grid_for(x_rows * k / 2, 256), 1, 1),
-            256,
-            (
-                x,
-                x_rows as i32,
-                k as i32,
-                split_act as i32,
-                View::whole(packed),
-            ),
-        )?;
+        pack_gemm_operand(gpu, x, x_rows, k, split_act, packed)?;
         Some(View::whole(packed))
     } else {
         None
