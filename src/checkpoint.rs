@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use bytes::Bytes;
 use half::{bf16, f16};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorView, View};
@@ -39,7 +40,8 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
 /// tensors takes milliseconds to parse: per tensor read, that was seconds per checkpoint).
 pub struct SafetensorsFile {
     pub path: PathBuf,
-    mmap: Mmap,
+    /// The file's memory map, shared by every [`SafetensorsFile::shared`] slice.
+    mmap: Bytes,
     /// Where the data starts (after the length prefix and the header), and the header.
     data_start: usize,
     metadata: Metadata,
@@ -49,7 +51,7 @@ impl SafetensorsFile {
     pub fn open(path: &Path) -> Result<SafetensorsFile, CheckpointError> {
         let file = File::open(path).map_err(io_err(path))?;
         // SAFETY: the file is opened read-only; checkpoints are not modified while we serve them.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(io_err(path))?;
+        let mmap = Bytes::from_owner(unsafe { Mmap::map(&file) }.map_err(io_err(path))?);
         // Parsed and validated (every tensor's offsets within the file) once.
         let (header_len, metadata) =
             SafeTensors::read_metadata(&mmap).map_err(|e| CheckpointError::Format {
@@ -85,6 +87,14 @@ impl SafetensorsFile {
             .get(self.data_start + start..self.data_start + end)
             .ok_or_else(|| bad("data offsets past the end of the file".into()))?;
         TensorView::new(info.dtype, info.shape.clone(), data).map_err(|e| bad(e.to_string()))
+    }
+
+    /// `data` (a tensor's bytes from [`SafetensorsFile::tensor`]) as bytes that share the
+    /// file's map: no copy, and they may outlive the borrow. None for bytes of another file.
+    pub fn shared(&self, data: &[u8]) -> Option<Bytes> {
+        let map = self.mmap.as_ptr_range();
+        let within = map.start <= data.as_ptr() && data.as_ptr_range().end <= map.end;
+        within.then(|| self.mmap.slice_ref(data))
     }
 
     pub fn view(&self) -> Result<SafeTensors<'_>, CheckpointError> {
@@ -154,6 +164,12 @@ impl Checkpoint {
             .get(name)
             .ok_or_else(|| CheckpointError::Missing(name.to_string()))?;
         self.files[i].tensor(name)
+    }
+
+    /// A tensor's bytes (from [`Checkpoint::tensor`]) sharing its file's map; None for bytes
+    /// that are not this checkpoint's.
+    pub fn shared(&self, data: &[u8]) -> Option<Bytes> {
+        self.files.iter().find_map(|f| f.shared(data))
     }
 
     /// `config.json` of the checkpoint directory, if present.
@@ -495,7 +511,7 @@ mod tests {
     use super::*;
 
     /// Views from the header parsed at open are the crate's own views of the same file, tensor
-    /// for tensor, across dtypes and shapes; an unknown name is `Missing`.
+    /// for tensor, across dtypes and shapes, and share the map; an unknown name is `Missing`.
     #[test]
     fn tensors_read_from_the_parsed_header_equal_the_crates_views() {
         let dir = tempfile::tempdir().unwrap();
@@ -531,6 +547,11 @@ mod tests {
             assert_eq!(got.shape(), want.shape(), "{name}");
             assert_eq!(got.data(), want.data(), "{name}");
             assert_eq!(got.data(), written.data(), "{name}");
+            // Shared bytes are the map's own memory, not a copy, and outlive the view.
+            let shared = file.shared(got.data()).unwrap();
+            assert_eq!(shared.as_ptr(), got.data().as_ptr(), "{name}");
+            assert_eq!(&shared[..], written.data(), "{name}");
+            assert!(file.shared(written.data()).is_none(), "bytes of another buffer");
         }
         assert!(matches!(
             file.tensor("absent"),

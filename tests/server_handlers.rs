@@ -937,6 +937,7 @@ async fn checksums_agree_across_server_quantization_client_quantization_and_conv
                 layout: &layout,
                 recipe: Some(&recipe),
                 quantize_on_client: true,
+                source: None,
             },
         )
         .unwrap();

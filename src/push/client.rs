@@ -6,12 +6,18 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use hyper::{header, Method, Request, StatusCode, Uri};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
+use super::body::Chunks;
 use super::PushError;
-use crate::bench::client::{http_client, Http};
+
+/// The push's HTTP client: bodies are chunk lists (a bucket's tensors go out from the
+/// checkpoint's map).
+type Http = Client<HttpConnector, Chunks>;
 
 /// Retries after the first attempt, and the first backoff (doubled each time).
 #[derive(Clone, Copy, Debug)]
@@ -78,12 +84,12 @@ impl Server {
         Ok(Server {
             url: url.trim_end_matches('/').to_string(),
             api_key,
-            http: http_client(),
+            http: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
             policy,
         })
     }
 
-    fn request(&self, method: Method, path: &str, body: Bytes, json: bool) -> Request<Full<Bytes>> {
+    fn request(&self, method: Method, path: &str, body: Chunks, json: bool) -> Request<Chunks> {
         let mut b = Request::builder()
             .method(method)
             .uri(format!("{}{path}", self.url));
@@ -96,7 +102,7 @@ impl Server {
             "application/octet-stream"
         };
         b.header(header::CONTENT_TYPE, kind)
-            .body(Full::new(body))
+            .body(body)
             .expect("URL checked in Server::new")
     }
 
@@ -104,7 +110,7 @@ impl Server {
         &self,
         method: Method,
         path: &str,
-        body: Bytes,
+        body: Chunks,
         json: bool,
     ) -> Result<Value, CallError> {
         let req = self.request(method, path, body, json);
@@ -148,7 +154,7 @@ impl Server {
         &self,
         method: Method,
         path: &str,
-        body: Bytes,
+        body: Chunks,
         json: bool,
         retry: bool,
     ) -> Result<Value, CallError> {
@@ -168,17 +174,25 @@ impl Server {
     }
 
     pub async fn get(&self, path: &str) -> Result<Value, CallError> {
-        self.call(Method::GET, path, Bytes::new(), true, true).await
+        self.call(Method::GET, path, Chunks::default(), true, true)
+            .await
     }
 
     pub async fn post(&self, path: &str, body: &Value, retry: bool) -> Result<Value, CallError> {
-        let body = Bytes::from(serde_json::to_vec(body).expect("JSON serializes"));
+        let body = Chunks::one(Bytes::from(
+            serde_json::to_vec(body).expect("JSON serializes"),
+        ));
         self.call(Method::POST, path, body, true, retry).await
     }
 
     /// Staging the same tensors twice replaces them, so a bucket PUT is safe to retry.
-    pub async fn put_bucket(&self, session: &str, body: Bytes) -> Result<Value, CallError> {
+    pub async fn put_bucket(
+        &self,
+        session: &str,
+        body: impl Into<Chunks>,
+    ) -> Result<Value, CallError> {
         let path = format!("/update_weights?session={session}");
-        self.call(Method::PUT, &path, body, false, true).await
+        self.call(Method::PUT, &path, body.into(), false, true)
+            .await
     }
 }

@@ -10,6 +10,7 @@
 //! they all keep the old weights.
 
 pub mod args;
+pub mod body;
 pub mod bucket;
 pub mod client;
 pub mod prepare;
@@ -88,7 +89,7 @@ pub async fn push_checkpoint(
         .iter()
         .map(|n| Ok((n.to_string(), ckpt.tensor(n)?)))
         .collect::<Result<Vec<_>, PushError>>()?;
-    push_tensors(&opts, views).await
+    push_from(&opts, views, Some(&ckpt)).await
 }
 
 /// What each server holds before the update.
@@ -138,6 +139,16 @@ async fn read_server(server: Server) -> Result<Before, PushError> {
 pub async fn push_tensors(
     opts: &PushOptions,
     tensors: Vec<(String, TensorView<'_>)>,
+) -> Result<PushReport, PushError> {
+    push_from(opts, tensors, None).await
+}
+
+/// [`push_tensors`]; `source` is the checkpoint the views are of, whose map the bytes sent as
+/// they are then share.
+async fn push_from(
+    opts: &PushOptions,
+    tensors: Vec<(String, TensorView<'_>)>,
+    source: Option<&Checkpoint>,
 ) -> Result<PushReport, PushError> {
     if opts.servers.is_empty() {
         return Err(PushError::Arg {
@@ -237,6 +248,7 @@ pub async fn push_tensors(
         layout: &layout,
         recipe: recipe.as_ref(),
         quantize_on_client: opts.quantize_on_client,
+        source,
     };
     let sent = stream_buckets(&before, &sessions, &tensors, &plan, &prep, &sizes, &bar).await;
     bar.finish_and_clear();

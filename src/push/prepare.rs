@@ -11,8 +11,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use bytes::Bytes;
 use safetensors::tensor::{Dtype, TensorView};
 
+use super::body::{BodyTensor, Chunks};
 use super::PushError;
-use crate::checkpoint::CheckpointPart;
+use crate::checkpoint::{Checkpoint, CheckpointPart};
 use crate::model::checksum::WeightsChecksum;
 use crate::model::layout::gate_up_pair;
 use crate::quant::slot::{self, Pair, Parts, Slot, SlotError};
@@ -87,7 +88,7 @@ impl ServerLayout {
 /// A bucket ready to send.
 pub struct PreparedBucket {
     /// The safetensors body of `PUT /update_weights`.
-    pub body: Bytes,
+    pub body: Chunks,
     /// Tensors in the body (what the server stages).
     pub tensors: usize,
     /// Checkpoint-layout hashes of every tensor this bucket sets on the server.
@@ -98,6 +99,9 @@ pub struct PrepareOptions<'a> {
     pub layout: &'a ServerLayout,
     pub recipe: Option<&'a Recipe>,
     pub quantize_on_client: bool,
+    /// The checkpoint the tensors are views of: bytes sent as they are then share its map
+    /// instead of being copied into the body.
+    pub source: Option<&'a Checkpoint>,
 }
 
 fn is_float(d: Dtype) -> bool {
@@ -131,7 +135,18 @@ pub fn prepare_bucket(
             .insert(suffix, t.clone());
     }
     let mut slots = BTreeMap::new();
-    let mut send: Vec<(String, CheckpointPart<'_>)> = Vec::new();
+    let shared = |data: &[u8]| {
+        opts.source
+            .and_then(|c| c.shared(data))
+            .unwrap_or_else(|| Bytes::copy_from_slice(data))
+    };
+    let as_sent = |name: String, t: &TensorView<'_>| BodyTensor {
+        name,
+        dtype: t.dtype(),
+        shape: t.shape().to_vec(),
+        data: shared(t.data()),
+    };
+    let mut send: Vec<BodyTensor> = Vec::new();
     let mut expected = WeightsChecksum::default();
     for (module, parts) in by_module {
         let s = opts.layout.slot(module, &parts, opts.recipe)?;
@@ -145,7 +160,7 @@ pub fn prepare_bucket(
                 })?;
             let part = CheckpointPart::bytes("weight", w.dtype(), w.shape().to_vec(), w.data());
             expected.insert_parts(module, std::slice::from_ref(&part));
-            send.push((s.name("weight"), part));
+            send.push(as_sent(s.name("weight"), w));
             continue;
         }
         slots.insert(module.to_string(), (s, parts));
@@ -161,22 +176,23 @@ pub fn prepare_bucket(
         // A dense weight for a quantized slot: the server quantizes it, or the client does.
         let quantized = s.format.format != Format::Bf16 && is_float(parts["weight"].dtype());
         if quantized && opts.quantize_on_client {
-            send.extend(held.into_iter().map(|p| (s.name(p.suffix), p.into_owned())));
-        } else {
-            send.extend(parts.iter().map(|(suffix, t)| {
-                let part = CheckpointPart::bytes(suffix, t.dtype(), t.shape().to_vec(), t.data());
-                (s.name(suffix), part)
+            send.extend(held.into_iter().map(|p| BodyTensor {
+                name: s.name(p.suffix),
+                dtype: p.dtype,
+                shape: p.shape,
+                data: Bytes::from(p.data.into_owned()),
             }));
+        } else {
+            send.extend(parts.iter().map(|(suffix, t)| as_sent(s.name(suffix), t)));
         }
     }
     let count = send.len();
-    let body = safetensors::tensor::serialize(send.iter().map(|(n, p)| (n.as_str(), p)), None)
-        .map_err(|e| PushError::Tensor {
-            name: "bucket".into(),
-            reason: e.to_string(),
-        })?;
+    let body = Chunks::safetensors(send).map_err(|reason| PushError::Tensor {
+        name: "bucket".into(),
+        reason,
+    })?;
     Ok(PreparedBucket {
-        body: Bytes::from(body),
+        body,
         tensors: count,
         expected,
     })
