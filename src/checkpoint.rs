@@ -97,6 +97,25 @@ impl SafetensorsFile {
         within.then(|| self.mmap.slice_ref(data))
     }
 
+    /// Drops the file's pages from this process's resident set (`MADV_DONTNEED`; they stay
+    /// in the page cache, and a later read maps them again with the same bytes). A loader
+    /// calls it after each layer, so loading holds one layer of the file, not all of it.
+    pub fn release_pages(&self) {
+        #[cfg(target_os = "linux")]
+        if !self.mmap.is_empty() {
+            // SAFETY: the range is this file's read-only shared mapping (page-aligned start,
+            // as mmap returns it). Dropping its pages frees no memory anything points into:
+            // every later read of the range faults the file's unchanged bytes back in.
+            unsafe {
+                libc::madvise(
+                    self.mmap.as_ptr() as *mut libc::c_void,
+                    self.mmap.len(),
+                    libc::MADV_DONTNEED,
+                )
+            };
+        }
+    }
+
     pub fn view(&self) -> Result<SafeTensors<'_>, CheckpointError> {
         SafeTensors::deserialize(&self.mmap).map_err(|e| CheckpointError::Format {
             path: self.path.clone(),
@@ -164,6 +183,11 @@ impl Checkpoint {
             .get(name)
             .ok_or_else(|| CheckpointError::Missing(name.to_string()))?;
         self.files[i].tensor(name)
+    }
+
+    /// [`SafetensorsFile::release_pages`] of every file.
+    pub fn release_pages(&self) {
+        self.files.iter().for_each(SafetensorsFile::release_pages);
     }
 
     /// A tensor's bytes (from [`Checkpoint::tensor`]) sharing its file's map; None for bytes
@@ -510,6 +534,64 @@ impl View for &CheckpointPart<'_> {
 mod tests {
     use super::*;
 
+    /// This process's resident bytes of the mapping that holds `at` (`/proc/self/smaps`).
+    #[cfg(target_os = "linux")]
+    fn resident_bytes_of_mapping(at: *const u8) -> usize {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let at = at as usize;
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line
+                .split_whitespace()
+                .next()
+                .and_then(|r| r.split_once('-'));
+            if let Some((a, b)) = range.filter(|_| !line.contains(": ") && !line.ends_with(':')) {
+                let (a, b) = (
+                    usize::from_str_radix(a, 16).unwrap_or(0),
+                    usize::from_str_radix(b, 16).unwrap_or(0),
+                );
+                inside = a <= at && at < b;
+            } else if inside && line.starts_with("Rss:") {
+                let kb: usize = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+                return kb * 1024;
+            }
+        }
+        panic!("no mapping holds {at:#x}");
+    }
+
+    /// Released pages leave the resident set and read back the same bytes.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn released_pages_leave_the_resident_set_and_read_back_the_same() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        let bytes: Vec<u8> = (0..16usize << 20)
+            .map(|i| (i * 7 + i / 4096) as u8)
+            .collect();
+        let view = TensorView::new(Dtype::U8, vec![bytes.len()], &bytes).unwrap();
+        safetensors::serialize_to_file([("w", &view)], None, &path).unwrap();
+        let file = SafetensorsFile::open(&path).unwrap();
+        let data = file.tensor("w").unwrap().data().as_ptr();
+        let read_all = |f: &SafetensorsFile| {
+            let t = f.tensor("w").unwrap();
+            // One read per page maps every page (and checks the bytes).
+            assert!(t.data() == &bytes[..]);
+        };
+        read_all(&file);
+        let touched = resident_bytes_of_mapping(data);
+        assert!(
+            touched >= 16 << 20,
+            "{touched} bytes resident after reading 16 MiB"
+        );
+        file.release_pages();
+        let released = resident_bytes_of_mapping(data);
+        assert!(
+            released < 1 << 20,
+            "{released} bytes resident after the release"
+        );
+        read_all(&file);
+    }
+
     /// Views from the header parsed at open are the crate's own views of the same file, tensor
     /// for tensor, across dtypes and shapes, and share the map; an unknown name is `Missing`.
     #[test]
@@ -551,7 +633,10 @@ mod tests {
             let shared = file.shared(got.data()).unwrap();
             assert_eq!(shared.as_ptr(), got.data().as_ptr(), "{name}");
             assert_eq!(&shared[..], written.data(), "{name}");
-            assert!(file.shared(written.data()).is_none(), "bytes of another buffer");
+            assert!(
+                file.shared(written.data()).is_none(),
+                "bytes of another buffer"
+            );
         }
         assert!(matches!(
             file.tensor("absent"),

@@ -524,7 +524,15 @@ pub fn build_model(
         .src
         .dense(&Place::Embedding.name(), v, h, DummyInit::FanIn(h))?;
     let layers = (0..cfg.num_layers)
-        .map(|l| b.layer(&cfg, l))
+        .map(|l| {
+            let layer = b.layer(&cfg, l);
+            // What the layer took from the mapped file is copied: its pages may leave the
+            // resident set (the whole checkpoint would otherwise count once more).
+            if let WeightSource::Checkpoint { ckpt, .. } = &b.src {
+                ckpt.release_pages();
+            }
+            layer
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let norm = b.src.vector(&Place::FinalNorm.name(), h, DummyInit::Ones)?;
     // Tied embeddings (or a checkpoint without lm_head) reuse the embedding matrix.

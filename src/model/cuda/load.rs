@@ -454,6 +454,12 @@ fn table_matrix(
 impl DeviceSource for DeviceLoader<'_> {
     type Error = DeviceLoadError;
 
+    /// The layer's checkpoint pages leave the resident set: loading holds about one layer
+    /// of the mapped file on the host, not the whole model.
+    fn layer_done(&self, _l: usize) {
+        self.src.ckpt.release_pages();
+    }
+
     fn embedding(&self, place: Place, rows: usize, cols: usize) -> Result<Table, Self::Error> {
         Ok(match self.dense(&place.name(), rows, cols)? {
             DeviceDense::Bf16(t) => Table::Bf16(t),
