@@ -4,7 +4,11 @@
 //!
 //! cargo run --release --example cuda_bench -- configs/qwen3-30b-a3b.json \
 //!     [--formats bf16,mxfp8,nvfp4] [--batches 1,8,64,256] [--prompt 512] [--steps 256]
-//!     [--prefill 8x2048] [--layers N]
+//!     [--prefill 8x2048] [--layers N] [--mem-fraction 0.9]
+//!
+//! `--mem-fraction` is the device memory the model and its KV cache take (default 0.9, as
+//! `--mem-fraction-static`): a small one leaves ncu room to save and restore memory when it
+//! replays a kernel for several sections.
 //!
 //! Times are host clocks around whole forward passes after a warm-up pass: prefill ends with
 //! the last logits row copied to the host, decode with greedy sampling on the device (only the
@@ -27,6 +31,7 @@ struct Args {
     steps: usize,
     prefill: (usize, usize),
     layers: Option<usize>,
+    mem_fraction: f64,
 }
 
 fn parse() -> Args {
@@ -39,6 +44,7 @@ fn parse() -> Args {
         steps: 256,
         prefill: (8, 2048),
         layers: None,
+        mem_fraction: 0.9,
     };
     while let Some(flag) = it.next() {
         let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
@@ -48,6 +54,7 @@ fn parse() -> Args {
             "--prompt" => a.prompt = v.parse().expect("prompt"),
             "--steps" => a.steps = v.parse().expect("steps"),
             "--layers" => a.layers = Some(v.parse().expect("layers")),
+            "--mem-fraction" => a.mem_fraction = v.parse().expect("mem-fraction"),
             "--prefill" => {
                 let (n, len) = v.split_once('x').expect("--prefill NxLEN");
                 a.prefill = (n.parse().expect("N"), len.parse().expect("LEN"));
@@ -114,7 +121,7 @@ fn main() {
                 max_running_requests: max_batch.max(a.prefill.0),
                 block_size: block,
                 max_context_len: ctx_len,
-                mem_fraction_static: 0.9,
+                mem_fraction_static: a.mem_fraction,
                 max_total_tokens: None,
                 block_scaled_gemm: false,
                 graph_max_rows: lockstep::engine::defaults::CUDA_GRAPH_MAX_BS,
