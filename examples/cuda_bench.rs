@@ -31,7 +31,7 @@ struct Args {
     steps: usize,
     prefill: (usize, usize),
     layers: Option<usize>,
-    mem_fraction: f64,
+    mem_fraction: f32,
 }
 
 fn parse() -> Args {
