@@ -131,6 +131,9 @@ if [ "${SERVER_BENCH:-0}" = 1 ]; then
       "$bin/lockstep" bench --base-url http://127.0.0.1:30556 --tokenizer "$model/tokenizer.json" \
         --num-prompts "$prompts" --max-concurrency "$conc" --input-len 512 --output-len "$out" \
         --range-ratio 1 --warmup 2 2>&1 | tee -a "$logs/server_bench_$server.md" || ok=FAIL
+      # The engine's step phases so far (cumulative): the host's share is 1 - forward / all.
+      curl -s localhost:30556/metrics | grep -E "^lockstep_engine_step_(seconds|tokens)_(sum|count)" \
+        >>"$logs/server_bench_$server.md"
     done
     kill $pid 2>/dev/null; wait $pid 2>/dev/null
     record "server bench ($server)" "$ok (server_bench_$server.md)"

@@ -18,6 +18,7 @@ use super::{
     Command, EngineError, EngineHandle, EngineInfo, EngineShared, Installed, MemoryReport,
     PauseMode,
 };
+use super::{STEP_SECONDS, STEP_TOKENS};
 use crate::kv::KvPool;
 use crate::model::{ForwardBatch, Model, SeqInput};
 use crate::sampling::{
@@ -785,6 +786,7 @@ impl Core {
     /// check, per sequence) -> finish (the scheduler's update, finished requests answered).
     fn step(&mut self) -> Result<(), EngineError> {
         self.drop_disconnected();
+        let started = Instant::now();
         let out = self.sched.schedule();
         if out.seqs.is_empty() {
             return Ok(());
@@ -798,9 +800,25 @@ impl Core {
                     .and_then(|a| logits_rows(a, s.start_pos, s.tokens.len(), s.sample))
             })
             .collect();
+        let scheduled = Instant::now();
         let step = self.execute(&out, &logits_from)?;
+        let executed = Instant::now();
         let results = self.process_outputs(&out, &logits_from, step);
+        let processed = Instant::now();
         self.finish(&results);
+        // Where a step's time goes: the forward pass (with sampling) against the host work
+        // around it, which a faster device does not shorten (docs/api.md, Metrics).
+        let phases = [
+            ("schedule", scheduled - started),
+            ("forward", executed - scheduled),
+            ("outputs", processed - executed),
+            ("finish", processed.elapsed()),
+        ];
+        for (phase, took) in phases {
+            metrics::histogram!(STEP_SECONDS, "phase" => phase).record(took.as_secs_f64());
+        }
+        let tokens: usize = out.seqs.iter().map(|s| s.tokens.len()).sum();
+        metrics::histogram!(STEP_TOKENS).record(tokens as f64);
         Ok(())
     }
 

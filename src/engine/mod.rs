@@ -29,6 +29,13 @@ use crate::model::slots::Replacement;
 use crate::model::{Model, ModelConfig};
 use crate::tokenizer::Tokenizer;
 
+/// Histogram of each engine step's phases, labelled `phase`: `schedule`, `forward` (the forward
+/// pass with sampling), `outputs` (logprobs, routed experts, detokenizing, stop checks) and
+/// `finish` (freeing what ended). Recorded through the `metrics` crate; `/metrics` shows it.
+pub const STEP_SECONDS: &str = "lockstep_engine_step_seconds";
+/// Histogram of the token rows each engine step runs (prefill chunks and decode rows).
+pub const STEP_TOKENS: &str = "lockstep_engine_step_tokens";
+
 #[derive(Debug, Clone, thiserror::Error, PartialEq)]
 pub enum EngineError {
     #[error("the engine queue is full ({0} requests waiting); retry later")]

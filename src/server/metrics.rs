@@ -9,9 +9,20 @@ use axum::response::{IntoResponse, Response};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use super::AppState;
+use crate::engine::{STEP_SECONDS, STEP_TOKENS};
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+/// An engine step's phases: from microseconds (scheduling) to a long prefill chunk.
+const STEP_BUCKETS: &[f64] = &[
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5,
+];
+/// Token rows per step: one decode row up to a whole chunked-prefill budget.
+const TOKEN_BUCKETS: &[f64] = &[
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
+    16384.0, 32768.0,
 ];
 
 /// Installs the recorder on first use; later calls (e.g. several test servers in one process)
@@ -19,7 +30,12 @@ const LATENCY_BUCKETS: &[f64] = &[
 pub fn handle() -> &'static PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE.get_or_init(|| {
+        // A full-name matcher is applied before a suffix one.
         let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Full(STEP_SECONDS.into()), STEP_BUCKETS)
+            .expect("valid buckets")
+            .set_buckets_for_metric(Matcher::Full(STEP_TOKENS.into()), TOKEN_BUCKETS)
+            .expect("valid buckets")
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
             .expect("valid buckets")
             .build_recorder();

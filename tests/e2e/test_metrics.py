@@ -24,6 +24,8 @@ REQUIRED_SAMPLES = [
     "lockstep_prompt_tokens_total",
     "lockstep_generation_tokens_total",
     "lockstep_preemptions_total",
+    "lockstep_engine_step_seconds_bucket",
+    "lockstep_engine_step_tokens_sum",
 ]
 
 
@@ -50,6 +52,7 @@ def test_metrics_parse_and_contain_required_families(server):
     assert not missing, f"missing from /metrics: {missing}"
     assert families["lockstep_time_to_first_token_seconds"].type == "histogram"
     assert families["lockstep_e2e_request_latency_seconds"].type == "histogram"
+    assert families["lockstep_engine_step_seconds"].type == "histogram"
     assert families["lockstep_kv_blocks_total"].type == "gauge"
     for s in samples:
         assert not math.isnan(s.value), s
@@ -88,6 +91,12 @@ def test_metrics_follow_traffic(server):
     assert delta("lockstep_e2e_request_latency_seconds_count") == 1
     assert delta("lockstep_http_requests_total", endpoint="/generate", status="200") == 1
     assert delta("lockstep_http_requests_total", endpoint="/generate", status="400") == 1
+    # One step for the prompt (one chunk, first token), then one per further token; the
+    # refused request never reached the engine.
+    for phase in ("schedule", "forward", "outputs", "finish"):
+        assert delta("lockstep_engine_step_seconds_count", phase=phase) == 5, phase
+    assert delta("lockstep_engine_step_tokens_count") == 5
+    assert delta("lockstep_engine_step_tokens_sum") == len(prompt) + 4
 
 
 def test_kv_gauges_match_server_info(server):
