@@ -16,9 +16,8 @@ use super::request::{
 };
 use super::{
     Command, EngineError, EngineHandle, EngineInfo, EngineShared, Installed, MemoryReport,
-    PauseMode,
+    PauseMode, STEP_SECONDS, STEP_TOKENS,
 };
-use super::{STEP_SECONDS, STEP_TOKENS};
 use crate::kv::KvPool;
 use crate::model::{ForwardBatch, Model, SeqInput};
 use crate::sampling::{

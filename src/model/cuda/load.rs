@@ -456,7 +456,7 @@ impl DeviceSource for DeviceLoader<'_> {
 
     /// The layer's checkpoint pages leave the resident set: loading holds about one layer
     /// of the mapped file on the host, not the whole model.
-    fn layer_done(&self, _l: usize) {
+    fn layer_done(&self) {
         self.src.ckpt.release_pages();
     }
 

@@ -168,8 +168,8 @@ trait DeviceSource {
     ) -> Result<(GpuMatrix, GpuMatrix), Self::Error>;
     /// lm_head (None: tied to the table).
     fn lm_head(&self, table: &Table) -> Result<Option<GpuMatrix>, Self::Error>;
-    /// Layer `l` is on the device: what the source holds on the host for it may go.
-    fn layer_done(&self, _l: usize) {}
+    /// A layer is on the device: what the source holds on the host for it may go.
+    fn layer_done(&self) {}
 }
 
 /// The whole model from `src`, in the layout's order.
@@ -214,7 +214,7 @@ fn assemble<S: DeviceSource>(
             k_norm: qk(Place::KNorm(l))?,
             mlp,
         });
-        src.layer_done(l);
+        src.layer_done();
     }
     let norm = src.vector(Place::FinalNorm, h)?;
     let lm_head = src.lm_head(&embed)?;
