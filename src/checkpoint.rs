@@ -123,12 +123,9 @@ impl SafetensorsFile {
         })
     }
 
-    /// Metadata strings of the header (`__metadata__`).
+    /// Metadata strings of the header (`__metadata__`), from the header parsed at open.
     pub fn metadata(&self) -> HashMap<String, String> {
-        SafeTensors::read_metadata(&self.mmap)
-            .ok()
-            .and_then(|(_, m)| m.metadata().clone())
-            .unwrap_or_default()
+        self.metadata.metadata().clone().unwrap_or_default()
     }
 }
 

@@ -39,7 +39,8 @@ impl Chunks {
         }
     }
 
-    /// The safetensors file of `tensors`, laid out as the `safetensors` crate writes one:
+    /// The safetensors file of `tensors`, laid out as the `safetensors` crate writes one (its
+    /// writer only makes one whole buffer, which is the copy this avoids):
     /// tensors of wider dtypes first (so each is aligned to its element), the header padded
     /// with spaces to a multiple of 8 bytes.
     pub fn safetensors(mut tensors: Vec<BodyTensor>) -> Result<Chunks, String> {

@@ -446,7 +446,7 @@ async fn stream_buckets(
                 in_flight.iter().for_each(InFlight::abort);
                 return Err(e);
             }
-            expected = expected.overlaid(&done.bucket.expected);
+            expected.tensors.append(&mut done.bucket.expected.tensors);
             staged += done.bucket.tensors;
             wire += done.bucket.body.len();
             bar.inc(plan[done.index].iter().map(|&j| sizes[j] as u64).sum());
