@@ -104,6 +104,13 @@ if [ -x "$bin/cuda_bench_before" ]; then
   "$bin"/cuda_bench_before "${bench_args[@]}" 2>&1 | tee "$logs/bench_before.md" \
     && record "cuda_bench_before (previous code)" "done (bench_before.md)" || record "cuda_bench_before" "FAIL"
 fi
+if [ "$mode" = full ] && [ "${SKIP_PEER:-0}" != 1 ]; then
+  PYTHONUNBUFFERED=1 python3 scripts/hf_peer_bench.py configs/qwen3-30b-a3b.json 2>&1 | tee "$logs/hf_peer.md" \
+    && record "transformers peer (bf16)" "done (hf_peer.md)" || record "transformers peer" "FAIL"
+fi
+
+fi
+
 # Through the HTTP server (SERVER_BENCH=1): `lockstep serve --device cuda --load-format dummy`
 # of SERVER_CONFIG with the Qwen3 tokenizer carried as .bin/qwen3-tokenizer.json.gz, loaded by
 # `lockstep bench` at 1, 64 and 256 streams (4, 64, 256 prompts of 512 in; 128 / 256 / 256 out); the same for
@@ -183,22 +190,16 @@ fi
 
 # IPC_TEST=1: POST /update_weights_from_tensor with real torch CUDA IPC handles serialized as
 # SGLang does (both load formats), checked against the same tensors loaded from disk, with the
-# copy rate (scripts/ipc_update_test.py; IPC_GB sets the model size, IPC_PYTHON the interpreter).
+# copy rate (scripts/ipc_update_test.py; IPC_GB sets the model size, IPC_PYTHON the interpreter;
+# IPC_SCALE_GB=31 adds the timed round at that size against a dummy-loaded server).
 if [ "${IPC_TEST:-0}" = 1 ]; then
   echo "== update_weights_from_tensor (CUDA IPC) ($(date +%T))"
   if "${IPC_PYTHON:-/opt/torch/.venv/bin/python}" scripts/ipc_update_test.py --bin "$bin/lockstep" \
-      --gb "${IPC_GB:-2}" 2>&1 | tee "$logs/ipc_update.log"; then
-    record "update_weights_from_tensor (CUDA IPC)" "PASS ($(grep -o '[0-9.]* GB/s end to end' "$logs/ipc_update.log" | tail -1))"
+      --gb "${IPC_GB:-2}" --scale-gb "${IPC_SCALE_GB:-0}" 2>&1 | tee "$logs/ipc_update.log"; then
+    record "update_weights_from_tensor (CUDA IPC)" "PASS ($(grep -o '[0-9.]* s end to end = [0-9.]* GB/s' "$logs/ipc_update.log" | tr '\n' ';'))"
   else
     record "update_weights_from_tensor (CUDA IPC)" "FAIL (ipc_update.log)"
   fi
-fi
-
-if [ "$mode" = full ] && [ "${SKIP_PEER:-0}" != 1 ]; then
-  PYTHONUNBUFFERED=1 python3 scripts/hf_peer_bench.py configs/qwen3-30b-a3b.json 2>&1 | tee "$logs/hf_peer.md" \
-    && record "transformers peer (bf16)" "done (hf_peer.md)" || record "transformers peer" "FAIL"
-fi
-
 fi
 
 # NCU=1: an ncu profile (per-kernel times) of the batch-1 and batch-64 BF16 decode steps on two

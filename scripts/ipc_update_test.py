@@ -14,6 +14,8 @@ the way SGLang serializes them. From the repo root, on a CUDA host with PyTorch:
    after loading the same tensors from disk (written as safetensors, /update_weights_from_disk),
    and differ from the checksum before.
 4. Prints the copy rate (GB/s over all requests) and exits nonzero on any mismatch or error.
+5. With --scale-gb N: the same update at the size of a real model against a dummy-loaded server,
+   timed end to end and checked tensor by tensor with xxh3_64 (scale_round).
 """
 
 import argparse
@@ -151,6 +153,102 @@ def buckets(named, limit):
         yield cur
 
 
+def scale_round(a, tmp: Path, failures: list) -> None:
+    """The colocated update at the size of a real model: `lockstep serve --load-format dummy` of
+    a made-up BF16 Qwen3-MoE of about --scale-gb GB (weights only on the device), then every
+    weight replaced from fresh random torch CUDA tensors in --bucket-mb buckets, each its own
+    `/update_weights_from_tensor` (what slime and verl send), in each load format. Times the
+    whole update from the first request to the last answer, then checks every tensor's
+    xxh3_64 in the server's /weights_checksum against the trainer's own bytes."""
+    import xxhash
+    sys.path.insert(0, str(REPO / "scripts"))
+    import make_push_checkpoint as mpc
+
+    model = tmp / "scale"
+    model.mkdir()
+    c = mpc.config(mpc.layers_for(a.scale_gb))
+    mpc.write_config(model, c)
+    shapes = sorted(mpc.shapes(c).items())
+    print(f"scale: {c['num_hidden_layers']} layers, {len(shapes)} tensors, {mpc.bytes_of(c) / 1e9:.2f} GB",
+          flush=True)
+    log = open(tmp / "serve_scale.log", "w")
+    proc = subprocess.Popen([a.bin, "serve", "--device", "cuda", "--model-path", str(model),
+                             "--load-format", "dummy", "--port", str(a.port + 1),
+                             "--mem-fraction-static", "0.4", "--weights-root", str(tmp)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    srv = Server(f"http://127.0.0.1:{a.port + 1}")
+    try:
+        wait_healthy(srv, proc, tmp / "serve_scale.log")
+        gen = torch.Generator(device="cuda").manual_seed(2)
+        for fmt in ["flattened_bucket", None]:
+            before = srv.checksum()
+            named = [(n, torch.randn(s, device="cuda", generator=gen, dtype=torch.bfloat16))
+                     for n, s in shapes]
+            torch.cuda.synchronize()
+            sent = d2d = 0
+            pause = client_s = 0.0
+            server = {"open_s": 0.0, "hash_s": 0.0, "write_s": 0.0, "close_s": 0.0, "copy_s": 0.0}
+            requests = 0
+            t0 = time.perf_counter()
+            for b in buckets(named, a.bucket_mb << 20):
+                c0 = time.perf_counter()
+                obj = flattened_bucket(b) if fmt else b
+                body = {"serialized_named_tensors": [serialize(obj)], "load_format": fmt,
+                        "flush_cache": True}
+                client_s += time.perf_counter() - c0
+                s, v = srv.call("POST", "/update_weights_from_tensor", body)
+                if s != 200 or not v.get("success"):
+                    raise RuntimeError(f"scale {fmt}: {s} {v}")
+                del obj
+                sent += v["copied_bytes"]
+                d2d += v["device_to_device_bytes"]
+                for k in server:
+                    server[k] += v[k]
+                pause = max(pause, v["commit_pause_s"])
+                requests += 1
+            wall = time.perf_counter() - t0
+            print(f"scale load_format {fmt}: {sent / 1e9:.2f} GB ({d2d / 1e9:.2f} GB device to device) in "
+                  f"{requests} requests, {wall:.2f} s end to end = {sent / 1e9 / wall:.2f} GB/s; client bucketing "
+                  f"and pickling {client_s:.2f} s; server {server['copy_s']:.2f} s (opening handles "
+                  f"{server['open_s']:.2f}, hashing {server['hash_s']:.2f}, hashing and committing "
+                  f"{server['write_s']:.2f}, closing {server['close_s']:.2f}); longest commit pause "
+                  f"{pause * 1e3:.1f} ms", flush=True)
+            torch.cuda.ipc_collect()
+            after = srv.checksum()
+            wrong = [n for n, t in named
+                     if int(after["tensors"][n], 16) != xxhash.xxh3_64_intdigest(
+                         t.contiguous().view(torch.uint8).cpu().numpy())]
+            kept = [n for n, h in after["tensors"].items() if before["tensors"].get(n) == h]
+            if wrong:
+                failures.append(f"scale {fmt}: {len(wrong)} tensors hash differently from the trainer's, e.g. {wrong[:3]}")
+            if kept:
+                failures.append(f"scale {fmt}: {len(kept)} tensors kept their old checksum, e.g. {kept[:3]}")
+            print(f"scale load_format {fmt}: {'OK' if not wrong and not kept else 'MISMATCH'}: every tensor's "
+                  f"xxh3_64 in /weights_checksum equals the trainer's bytes", flush=True)
+            del named
+            torch.cuda.empty_cache()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def wait_healthy(srv, proc, log):
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
+        try:
+            if srv.call("GET", "/health", timeout=5)[0] == 200:
+                return
+        except Exception:
+            pass
+        time.sleep(1)
+    raise RuntimeError("the server did not become healthy in 600 s")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default=".bin/lockstep")
@@ -158,6 +256,8 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--port", type=int, default=30571)
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    ap.add_argument("--scale-gb", type=float, default=0,
+                    help="then the timed round at this size (dummy-loaded server, no disk)")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="lockstep-ipc-"))
     model = tmp / "model"
@@ -173,24 +273,21 @@ def main() -> int:
     srv = Server(f"http://127.0.0.1:{a.port}")
     failures = []
     try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({proc.returncode}); see {tmp}/serve.log")
-            try:
-                if srv.call("GET", "/health", timeout=5)[0] == 200:
-                    break
-            except Exception:
-                pass
-            time.sleep(1)
-        else:
-            raise RuntimeError("the server did not become healthy in 600 s")
+        wait_healthy(srv, proc, tmp / "serve.log")
         gen = torch.Generator(device="cuda").manual_seed(1)
-        for round_, fmt in enumerate([None, "flattened_bucket"]):
+        # The third round stages flattened buckets into a session (/begin_weight_update ..
+        # /end_weight_update): into a shadow copy on the device, when the device holds one.
+        for round_, (fmt, session) in enumerate([(None, False), ("flattened_bucket", False),
+                                                 ("flattened_bucket", True)]):
             before = srv.checksum()
+            if session:
+                s, v = srv.call("POST", "/begin_weight_update", {})
+                if s != 200:
+                    raise RuntimeError(f"begin_weight_update: {s} {v}")
             named = [(n, (torch.randn(s, device="cuda", generator=gen) * 0.02).to(DTYPES[d]))
                      for n, d, s in tensors]
             torch.cuda.synchronize()
-            sent, t0 = 0, time.perf_counter()
+            sent, d2d, t0 = 0, 0, time.perf_counter()
             copy_s = 0.0
             for b in buckets(named, a.bucket_mb << 20):
                 obj = flattened_bucket(b) if fmt else b
@@ -200,11 +297,17 @@ def main() -> int:
                 if s != 200 or not v.get("success"):
                     raise RuntimeError(f"{fmt}: {s} {v}")
                 sent += v["copied_bytes"]
+                d2d += v["device_to_device_bytes"]
                 copy_s += v["copy_s"]
+                mode = v.get("mode", "one update")
+            if session:
+                s, v = srv.call("POST", "/end_weight_update", {})
+                if s != 200:
+                    raise RuntimeError(f"end_weight_update: {s} {v}")
             wall = time.perf_counter() - t0
-            print(f"load_format {fmt}: {sent / 1e9:.2f} GB in {wall:.2f} s = {sent / 1e9 / wall:.2f} GB/s "
-                  f"end to end (device->host copies {copy_s:.2f} s = {sent / 1e9 / max(copy_s, 1e-9):.2f} GB/s)",
-                  flush=True)
+            fmt = f"{fmt} ({'session, ' + mode if session else 'one update per request'})"
+            print(f"load_format {fmt}: {sent / 1e9:.2f} GB ({d2d / 1e9:.2f} GB device to device) in {wall:.2f} s "
+                  f"= {sent / 1e9 / wall:.2f} GB/s end to end (server side {copy_s:.2f} s)", flush=True)
             after = srv.checksum()
             # The same tensors through the disk path: the server must hold the same bytes.
             ref = tmp / f"ref{round_}"
@@ -233,6 +336,10 @@ def main() -> int:
                         {"serialized_named_tensors": [serialize([(tensors[0][0], t)])]})
         if s != 400:
             failures.append(f"a non-contiguous tensor answered {s}: {v}")
+        proc.terminate()
+        proc.wait(timeout=30)
+        if a.scale_gb > 0:
+            scale_round(a, tmp, failures)
     except Exception as e:  # noqa: BLE001
         failures.append(str(e))
     finally:

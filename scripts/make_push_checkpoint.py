@@ -3,6 +3,7 @@
 word-level tokenizer) for measuring `lockstep push`. Not a model: only its size matters.
 
     python3 scripts/make_push_checkpoint.py --out /tmp/push-1g --gb 1.0 [--seed 0]
+    python3 scripts/make_push_checkpoint.py --out DIR --gb 31 --config-only   # for --load-format dummy
 
 Tensors are written one at a time, so memory stays near the largest tensor.
 """
@@ -62,16 +63,42 @@ def shapes(c: dict) -> dict:
     return out
 
 
+def bytes_of(c: dict) -> int:
+    return sum(int(np.prod(s)) * 2 for s in shapes(c).values())
+
+
+def layers_for(gb: float) -> int:
+    """The layer count that makes the model about `gb` GB of BF16."""
+    per_layer = sum(np.prod(s) for n, s in shapes(config(1)).items() if ".layers.0." in n) * 2
+    fixed = sum(np.prod(s) for n, s in shapes(config(1)).items() if ".layers." not in n) * 2
+    return max(1, round((gb * 1e9 - fixed) / per_layer))
+
+
+def write_config(out: Path, c: dict) -> None:
+    (out / "config.json").write_text(json.dumps(c, indent=2))
+    tokenizer = {
+        "version": "1.0", "added_tokens": [], "normalizer": None,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None, "decoder": None,
+        "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "hello": 1}, "unk_token": "<unk>"},
+    }
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config-only", action="store_true",
+                    help="write config.json and tokenizer.json only (serve it with --load-format dummy)")
     a = ap.parse_args()
-    per_layer = sum(np.prod(s) for n, s in shapes(config(1)).items() if ".layers.0." in n) * 2
-    fixed = sum(np.prod(s) for n, s in shapes(config(1)).items() if ".layers." not in n) * 2
-    layers = max(1, round((a.gb * 1e9 - fixed) / per_layer))
+    layers = layers_for(a.gb)
     c = config(layers)
+    a.out.mkdir(parents=True, exist_ok=True)
+    write_config(a.out, c)
+    if a.config_only:
+        print(f"{a.out}: config of {layers} layers, {bytes_of(c) / 1e9:.3f} GB of BF16 tensors")
+        return
     tensors = sorted(shapes(c).items())
     header, offset = {}, 0
     for name, shape in tensors:
@@ -80,7 +107,6 @@ def main() -> None:
         offset += n
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
-    a.out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(a.seed)
     with open(a.out / "model.safetensors", "wb") as f:
         f.write(struct.pack("<Q", len(text)))
@@ -92,13 +118,6 @@ def main() -> None:
                 x = rng.standard_normal(shape, dtype=np.float32) * (1.0 / np.sqrt(shape[-1]))
             # BF16 = the high half of the f32 bits (truncation is fine for random data).
             f.write((x.astype(np.float32).view(np.uint32) >> 16).astype("<u2").tobytes())
-    (a.out / "config.json").write_text(json.dumps(c, indent=2))
-    tokenizer = {
-        "version": "1.0", "added_tokens": [], "normalizer": None,
-        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None, "decoder": None,
-        "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "hello": 1}, "unk_token": "<unk>"},
-    }
-    (a.out / "tokenizer.json").write_text(json.dumps(tokenizer))
     print(f"{a.out}: {layers} layers, {offset / 1e9:.3f} GB of BF16 tensors")
 
 

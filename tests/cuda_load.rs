@@ -3,7 +3,8 @@
 //! byte for byte, the same slot table and checksum, identical logits; a streamed update
 //! written into device-loaded weights equal to the same update applied to the host model; and
 //! an update from disk loaded beside the served weights while requests run, then swapped in;
-//! a streamed update written into a device shadow while requests run, then swapped in.
+//! a streamed update written into a device shadow while requests run, then swapped in; BF16
+//! tensors in device memory written device to device, and the pinned-copy hasher.
 //! These need an NVIDIA GPU, so they are `#[ignore]`d here and run on the GPU host by
 //! scripts/gpu-check.sh (`cuda_load --ignored`), from the repository root.
 
@@ -19,7 +20,7 @@ use lockstep::backend::Linear;
 use lockstep::checkpoint::{write_file, Checkpoint, OwnedTensor};
 use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
 use lockstep::model::loader::{dummy_model, load_model, open_serving_checkpoint, Quantization};
-use lockstep::model::slots::Replacement;
+use lockstep::model::slots::{replacements_checksum, DeviceTensor, Replacement};
 use lockstep::model::{ForwardBatch, Mlp, Model, ModelConfig, SeqInput};
 use lockstep::quant::Recipe;
 use safetensors::tensor::Dtype;
@@ -454,6 +455,165 @@ fn streamed_update_on_device_loaded_weights_matches_the_host_model() {
         );
         println!("{what}: streamed update on the device equals the host model's");
     }
+}
+
+/// A tensor's bytes put in device memory, as a colocated trainer's tensor reaches the store
+/// (`/update_weights_from_tensor`): hashed where it lies.
+fn device_tensor(g: &Gpu, bytes: &[u8]) -> Replacement {
+    use cudarc::driver::DevicePtr;
+    let buf = g.upload(bytes).unwrap();
+    let ptr = buf.device_ptr(&g.stream).0;
+    g.synchronize().unwrap();
+    let hash =
+        lockstep::backend::cuda::hash::xxh3_of_device(&g.ctx, &[(ptr, bytes.len())]).unwrap()[0];
+    Replacement::Device(DeviceTensor {
+        ptr,
+        bytes: bytes.len(),
+        hash: Some(hash),
+        owner: Arc::new(buf),
+    })
+}
+
+/// The pinned-copy hasher gives xxh3_64 of the bytes, for ranges empty, tiny, odd and across
+/// its chunk boundaries, many at once (its workers share them).
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn device_bytes_hash_like_the_host() {
+    use cudarc::driver::DevicePtr;
+    let mut rng = Rng(seed());
+    let g = gpu();
+    let chunk = 16usize << 20; // hash.rs's CHUNK
+    let sizes = [
+        0,
+        1,
+        77,
+        4096,
+        chunk - 1,
+        chunk,
+        chunk + 3,
+        2 * chunk + 12345,
+    ];
+    let mut host: Vec<Vec<u8>> = sizes
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.next() as u8).collect())
+        .collect();
+    // Twenty small tensors more, so workers take turns.
+    host.extend((0..20).map(|i| (0..1000 + 997 * i).map(|_| rng.next() as u8).collect()));
+    let bufs: Vec<_> = host
+        .iter()
+        .map(|h| g.upload(if h.is_empty() { &[0u8][..] } else { h }).unwrap())
+        .collect();
+    g.synchronize().unwrap();
+    let ranges: Vec<(u64, usize)> = bufs
+        .iter()
+        .zip(&host)
+        .map(|(b, h)| (b.device_ptr(&g.stream).0, h.len()))
+        .collect();
+    let got = lockstep::backend::cuda::hash::xxh3_of_device(&g.ctx, &ranges).unwrap();
+    for (i, h) in host.iter().enumerate() {
+        assert_eq!(
+            got[i],
+            xxhash_rust::xxh3::xxh3_64(h),
+            "range {i} of {} bytes",
+            h.len()
+        );
+    }
+    println!(
+        "{} device ranges hashed as the host hashes them",
+        host.len()
+    );
+}
+
+/// BF16 tensors in device memory (what `/update_weights_from_tensor` makes of a trainer's CUDA
+/// IPC tensors) are copied device to device into the embedding, an attention projection and
+/// one expert's stacked gate, up and down: the weights then equal the host model given the
+/// same tensors, byte for byte, and the precomputed hashes are the checksum's. A device tensor
+/// of the wrong size, or for a norm (stored as f32), is refused and changes nothing.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn device_tensors_are_written_device_to_device_like_host_replacements() {
+    let seed = seed();
+    let (_tmp, root) = scratch("ckpts");
+    let (old, new) = (root.join("old"), root.join("new"));
+    bf16_checkpoint(&old, seed);
+    bf16_checkpoint(&new, seed + 1);
+    let g = gpu();
+    let (mut host, _) = load_model(&old, None, None).unwrap();
+    let src = open_serving_checkpoint(&old, None, None).unwrap();
+    let mut dev = CudaWeights::from_checkpoint(&g, &src).unwrap();
+    let cfg = host.config.clone();
+    let for_host = some_replacements(&mut load_model(&new, None, None).unwrap().0);
+    let names: Vec<String> = for_host.iter().map(|(n, _)| n.clone()).collect();
+    let newck = Checkpoint::open(&new).unwrap();
+    let for_dev: Vec<(String, Replacement)> = names
+        .iter()
+        .map(|n| {
+            let t = newck.tensor(n).unwrap();
+            if n.contains("layernorm") {
+                // Norms stay host replacements (the device keeps them as f32).
+                let v = lockstep::checkpoint::to_f32(n, &t).unwrap();
+                (n.clone(), Replacement::Vector(v))
+            } else {
+                assert_eq!(t.dtype(), Dtype::BF16);
+                (n.clone(), device_tensor(&g, t.data()))
+            }
+        })
+        .collect();
+    let devices = for_dev
+        .iter()
+        .filter(|(_, r)| matches!(r, Replacement::Device(_)))
+        .count();
+    assert_eq!(devices, names.len() - 1);
+    let predicted = replacements_checksum(&for_dev, cfg.hidden_size);
+    let before = dev.weights_checksum(&g, &cfg).unwrap();
+    host.apply_replacements(for_host).unwrap();
+    dev.write_replacements(&g, &cfg, for_dev).unwrap();
+    let after = dev.weights_checksum(&g, &cfg).unwrap();
+    assert_ne!(before, after, "the update changed nothing");
+    assert_eq!(after, host.weights_checksum(), "checksum after the update");
+    for (name, h) in &predicted.tensors {
+        assert_eq!(
+            after.tensors.get(name),
+            Some(h),
+            "{name}: the hash made before the write"
+        );
+    }
+    let uploaded = CudaWeights::upload(&g, &host).unwrap();
+    assert_same_buffers(
+        "device tensors",
+        &buffers(&g, &dev),
+        &buffers(&g, &uploaded),
+    );
+    // Refused whole: a norm from device memory beside a good projection, then a projection
+    // one element short.
+    let q = newck
+        .tensor("model.layers.0.self_attn.q_proj.weight")
+        .unwrap();
+    let norm = newck
+        .tensor("model.layers.0.input_layernorm.weight")
+        .unwrap();
+    let wrong = vec![
+        (
+            "model.layers.0.self_attn.q_proj.weight".to_string(),
+            device_tensor(&g, q.data()),
+        ),
+        (
+            "model.layers.0.input_layernorm.weight".to_string(),
+            device_tensor(&g, norm.data()),
+        ),
+    ];
+    assert!(dev.write_replacements(&g, &cfg, wrong).is_err());
+    let short = vec![(
+        "model.layers.0.self_attn.k_proj.weight".to_string(),
+        device_tensor(&g, &q.data()[..q.data().len() - 2]),
+    )];
+    assert!(dev.write_replacements(&g, &cfg, short).is_err());
+    assert_eq!(
+        dev.weights_checksum(&g, &cfg).unwrap(),
+        after,
+        "a refused update wrote"
+    );
+    println!("{devices} device tensors written device to device equal the host model's update");
 }
 
 /// `/update_weights_from_disk` on device-only weights (what the endpoint calls): a loader

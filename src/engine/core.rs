@@ -424,6 +424,7 @@ impl Core {
             Command::ApplyWeights {
                 updates,
                 checksum,
+                pending,
                 version,
                 reply,
             } => {
@@ -436,9 +437,10 @@ impl Core {
                 let result = self
                     .check_update(writes)
                     .and_then(|()| self.exec.apply(updates))
-                    .map(|spent| {
+                    .and_then(|spent| {
+                        let checksum = self.with_pending_hashes(checksum, pending)?;
                         self.begin_weight_version(version, checksum);
-                        (started.elapsed(), spent)
+                        Ok((started.elapsed(), spent))
                     });
                 let _ = reply.send(result);
             }
@@ -668,6 +670,39 @@ impl Core {
 
     /// After new weights are in place: cached prefix blocks hold KV of the old weights, so
     /// nobody may reuse them, and tokens from now on report the new version.
+    /// `checksum` with the hashes a commit computes beside the engine's writes. Without them
+    /// the weights just written have no known checksum: they are marked absent (generation is
+    /// refused until an update writes every tensor) rather than served.
+    fn with_pending_hashes(
+        &mut self,
+        checksum: Arc<crate::model::checksum::WeightsChecksum>,
+        pending: Option<super::PendingHashes>,
+    ) -> Result<Arc<crate::model::checksum::WeightsChecksum>, EngineError> {
+        let Some(pending) = pending else {
+            return Ok(checksum);
+        };
+        let hashes = pending
+            .recv()
+            .unwrap_or_else(|_| Err("the hashing thread ended without an answer".into()));
+        match hashes {
+            Ok(hashes) => {
+                let mut sum = Arc::unwrap_or_clone(checksum);
+                sum.tensors.extend(hashes);
+                Ok(Arc::new(sum))
+            }
+            Err(e) => {
+                let memory = MemoryState {
+                    weights: WeightsState::Absent,
+                    ..self.memory
+                };
+                self.set_memory(memory);
+                Err(EngineError::Failed(format!(
+                    "the update was written but its tensors could not be hashed ({e}); the weights are marked absent: generation is refused until an update writes every tensor"
+                )))
+            }
+        }
+    }
+
     fn begin_weight_version(
         &mut self,
         version: String,

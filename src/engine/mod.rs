@@ -78,6 +78,10 @@ pub enum PauseMode {
     InPlace,
 }
 
+/// Checkpoint tensor hashes still being computed (by another thread) when a commit reaches the
+/// engine, or why they could not be.
+pub type PendingHashes = std::sync::mpsc::Receiver<Result<Vec<(String, u64)>, String>>;
+
 pub(crate) enum Command {
     Generate(Box<GenerateRequest>, mpsc::UnboundedSender<EngineEvent>),
     Abort {
@@ -114,6 +118,8 @@ pub(crate) enum Command {
     ApplyWeights {
         updates: Vec<(String, Replacement)>,
         checksum: Arc<WeightsChecksum>,
+        /// Hashes of device tensors among `updates`, computed while they are written.
+        pending: Option<PendingHashes>,
         version: String,
         /// Answers how long the engine stood still, and what is left to free (dropped by the
         /// caller, off the engine thread).
@@ -371,18 +377,24 @@ impl EngineHandle {
 
     /// Swaps validated tensor replacements in between two engine steps (all at once), flushes
     /// the prefix cache and sets the weight version. The names must come from the served
-    /// model's slot table; `checksum` is the whole model's after the update. Returns the
-    /// time generation stood still, and the spent replacements for the caller to free.
+    /// model's slot table; `checksum` is the whole model's after the update, but for the
+    /// hashes `pending` delivers (device tensors hashed while the engine writes them: the
+    /// version moves once they arrive; if they cannot be had, the written weights are marked
+    /// absent and generation is refused until an update writes every tensor, so no weights of
+    /// unknown checksum are served). Returns the time generation stood still, and the spent
+    /// replacements for the caller to free.
     pub async fn apply_weights(
         &self,
         updates: Vec<(String, Replacement)>,
         checksum: Arc<WeightsChecksum>,
+        pending: Option<PendingHashes>,
         version: String,
     ) -> Result<(std::time::Duration, Vec<Replacement>), EngineError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::ApplyWeights {
             updates,
             checksum,
+            pending,
             version,
             reply,
         })?;
@@ -390,14 +402,21 @@ impl EngineHandle {
             .map_err(|_| EngineError::Stopped(self.last_error()))?
     }
 
-    /// Copies tensors another process on this GPU shares through CUDA IPC to host memory (one
-    /// buffer per source, in order), on a stream of its own off the engine thread (generation
-    /// goes on); every handle is closed and the producer's references given back before this
-    /// answers, also when it fails. A CPU engine refuses (no device to open them on).
-    pub async fn read_ipc(
+    /// Opens the allocations another process on this GPU shares through CUDA IPC, off the
+    /// engine thread (generation goes on), and waits for the producer's events. The mapping
+    /// comes back with a stream of its own for copies out of it; the handles close, and the
+    /// producer's references are given back, when the last holder drops it (also when this
+    /// fails). A CPU engine refuses (no device to open them on).
+    pub async fn open_ipc(
         &self,
         sources: Vec<crate::backend::cuda::ipc::IpcSource>,
-    ) -> Result<Vec<Vec<u8>>, EngineError> {
+    ) -> Result<
+        (
+            crate::backend::cuda::Gpu,
+            crate::backend::cuda::ipc::IpcMapping,
+        ),
+        EngineError,
+    > {
         use crate::backend::cuda::ipc;
         let (reply, rx) = oneshot::channel();
         let stream = match self.send(Command::IpcStream(reply)) {
@@ -414,13 +433,15 @@ impl EngineHandle {
                 return Err(e);
             }
         };
-        tokio::task::spawn_blocking(move || ipc::read_to_host(&gpu, &sources))
-            .await
-            .map_err(|e| EngineError::Failed(format!("the copy task failed: {e}")))?
-            .map_err(|e| EngineError::BadInput {
-                param: e.name,
-                message: e.message,
-            })
+        tokio::task::spawn_blocking(move || {
+            ipc::IpcMapping::open(&gpu, sources).map(|mapping| (gpu, mapping))
+        })
+        .await
+        .map_err(|e| EngineError::Failed(format!("opening the shared tensors failed: {e}")))?
+        .map_err(|e| EngineError::BadInput {
+            param: e.name,
+            message: e.message,
+        })
     }
 
     /// Releases the memory of `tags` (SGLang's `/release_memory_occupation`; None: every tag

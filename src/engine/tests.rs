@@ -197,7 +197,7 @@ fn weights_resumed_without_a_backup_serve_nothing_until_an_update_writes_every_t
             .collect::<Vec<_>>()
     };
     let e = rt
-        .block_on(h.apply_weights(one(), Default::default(), "v1".into()))
+        .block_on(h.apply_weights(one(), Default::default(), None, "v1".into()))
         .err()
         .expect("refused");
     assert!(
@@ -222,7 +222,7 @@ fn weights_resumed_without_a_backup_serve_nothing_until_an_update_writes_every_t
     // A partial update would serve the rest absent.
     let slots = h.info.slots().len();
     let e = rt
-        .block_on(h.apply_weights(one(), Default::default(), "v1".into()))
+        .block_on(h.apply_weights(one(), Default::default(), None, "v1".into()))
         .err()
         .expect("refused");
     assert!(
@@ -235,7 +235,7 @@ fn weights_resumed_without_a_backup_serve_nothing_until_an_update_writes_every_t
     // Every tensor (the weights from before): present again, the same bits as before.
     let mut original = embedded(0);
     let sum = Arc::new(original.weights_checksum());
-    rt.block_on(h.apply_weights(original.into_replacements(), sum, "v1".into()))
+    rt.block_on(h.apply_weights(original.into_replacements(), sum, None, "v1".into()))
         .unwrap();
     assert_eq!(h.memory().weights, WeightsState::Resident);
     assert_eq!(h.weight_version(), "v1");

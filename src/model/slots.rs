@@ -46,6 +46,21 @@ pub enum Replacement {
     Linear(Box<dyn Linear>),
     Vector(Vec<f32>),
     Embedding(DenseWeight),
+    /// BF16 bytes already in device memory (a colocated trainer's tensor opened through CUDA
+    /// IPC), copied device to device into a BF16 slot of a CUDA store; a host store refuses it.
+    Device(DeviceTensor),
+}
+
+/// A dense BF16 tensor in device memory, in checkpoint layout, with its xxh3_64 (hashed where it
+/// lies, so the commit's checksum needs no copy back).
+pub struct DeviceTensor {
+    /// The first byte, in the CUDA context of the store it is written into.
+    pub ptr: u64,
+    pub bytes: usize,
+    /// None: being hashed while it is written; the commit brings the hash to the engine.
+    pub hash: Option<u64>,
+    /// Keeps the memory mapped (and its producer's reference held) while the tensor lives.
+    pub owner: std::sync::Arc<dyn std::any::Any + Send + Sync>,
 }
 
 impl Replacement {
@@ -69,6 +84,8 @@ impl Replacement {
             Replacement::Linear(l) => l.checkpoint_parts(),
             Replacement::Vector(v) => vec![CheckpointPart::from_f32("weight", vec![v.len()], v)],
             Replacement::Embedding(e) => dense_parts(e, hidden),
+            // Hashed where it lies: see `replacements_checksum`.
+            Replacement::Device(_) => vec![],
         }
     }
 }
@@ -79,12 +96,21 @@ fn dense_parts(w: &DenseWeight, cols: usize) -> Vec<CheckpointPart<'_>> {
 
 /// The checksum entries of validated replacements (names from the slot table).
 pub fn replacements_checksum(updates: &[(String, Replacement)], hidden: usize) -> WeightsChecksum {
-    WeightsChecksum::of_parts(
+    let mut sum = WeightsChecksum::of_parts(
         updates
             .iter()
+            .filter(|(_, r)| !matches!(r, Replacement::Device(_)))
             .map(|(name, r)| (module_of(name).to_string(), r.checkpoint_parts(hidden)))
             .collect(),
-    )
+    );
+    // A device tensor is the slot's one checkpoint part (`weight`), hashed where it lies.
+    for (name, r) in updates {
+        if let Replacement::Device(DeviceTensor { hash: Some(h), .. }) = r {
+            sum.tensors
+                .insert(format!("{}.weight", module_of(name)), *h);
+        }
+    }
+    sum
 }
 
 /// `x.weight` -> `x`: the parts of a slot are named `x.<suffix>`.
@@ -330,6 +356,9 @@ fn fits(name: &str, slot: &SlotMut<'_>, r: &Replacement) -> Result<(), StoreErro
             SlotMut::Vector(_) | SlotMut::Embedding(_),
             Replacement::Vector(_) | Replacement::Embedding(_),
         ) => refuse("size differs from the served tensor"),
+        (_, Replacement::Device(_)) => {
+            refuse("a tensor in device memory can only be written into weights on a CUDA device")
+        }
         _ => refuse("the wrong kind of tensor"),
     }
 }

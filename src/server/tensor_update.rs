@@ -1,13 +1,15 @@
 //! `POST /update_weights_from_tensor` (SGLang's colocated update): the trainer, on the same
-//! GPU, sends CUDA IPC handles of its tensors (tensor_ipc.rs reads SGLang's pickles); they are
-//! copied out of the trainer's memory on a stream of their own, off the engine thread, every
-//! handle closed before this answers, and the tensors then take the streamed session's path:
-//! checked against the layout, quantized for MXFP8/NVFP4 slots by `quant::slot`, committed all
-//! at once. With a session open (`/begin_weight_update`) they are staged into it (into its
-//! shadow, when it has one) and commit at `/end_weight_update`; otherwise the call is one
-//! update of its own, written in place.
+//! GPU, sends CUDA IPC handles of its tensors (tensor_ipc.rs reads SGLang's pickles). The
+//! handles are opened off the engine thread; BF16 tensors bound for BF16 slots are hashed where
+//! they lie and copied device to device into the weights; the rest are copied to the host and
+//! take the streamed session's path (checked against the layout, quantized for MXFP8/NVFP4 slots
+//! by `quant::slot`). Every handle is closed before this answers. With a session open
+//! (`/begin_weight_update`) they are staged into it (into its shadow, when it has one) and
+//! commit at `/end_weight_update`; otherwise the call is one update of its own, written in place
+//! during one pause of generation, all or nothing.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::State;
@@ -21,7 +23,10 @@ use super::extract::ApiJson;
 use super::tensor_ipc::{self, LoadFormat};
 use super::weights::{self, StagedTensor};
 use super::AppState;
-use crate::backend::cuda::ipc;
+use crate::backend::cuda::{hash, ipc};
+use crate::model::slots::{DeviceTensor, Replacement, SlotShape};
+use crate::quant::Format;
+use safetensors::tensor::Dtype;
 
 /// SGLang's `UpdateWeightsFromTensorReqInput` over HTTP.
 #[derive(Deserialize)]
@@ -98,51 +103,214 @@ async fn update(state: &AppState, body: UpdateFromTensor) -> Result<serde_json::
             return Err(e.into());
         }
     }
-    let bytes: usize = payload.sources.iter().map(|s| s.len).sum();
+    let bytes: usize = payload.tensors.iter().map(|t| t.len).sum();
     let started = Instant::now();
-    // Opened, copied and closed on a stream of its own (the CPU backend refuses, naming
-    // serialized_named_tensors).
-    let host = state.engine.read_ipc(payload.sources).await?;
-    let copy_s = started.elapsed().as_secs_f64();
-    let host: Vec<bytes::Bytes> = host.into_iter().map(bytes::Bytes::from).collect();
-    let count = payload.tensors.len();
-    let tensors: Vec<(String, StagedTensor)> = payload
-        .tensors
-        .into_iter()
-        .map(|t| {
-            let data = host[t.source].slice(t.start..t.start + t.len);
-            (
-                t.name,
-                StagedTensor {
-                    dtype: t.dtype,
-                    shape: t.shape,
-                    data,
-                },
+    // Opened on a stream of its own, the producer's events waited for (the CPU backend
+    // refuses, naming serialized_named_tensors).
+    let (gpu, mapping) = state.engine.open_ipc(payload.sources).await?;
+    let open_s = started.elapsed().as_secs_f64();
+    let mapping = Arc::new(mapping);
+    let result = write(
+        state,
+        body.weight_version,
+        payload.tensors,
+        gpu,
+        mapping.clone(),
+    )
+    .await;
+    let write_s = started.elapsed().as_secs_f64() - open_s;
+    // Every copy out of the trainer's memory has finished: it may free its tensors now.
+    tokio::task::spawn_blocking(move || mapping.close())
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let (mut out, device_bytes, hash_s) = result?;
+    let count = out["updated_tensors"].as_u64().unwrap_or(0);
+    let host_bytes = bytes - device_bytes;
+    let path = match (device_bytes, host_bytes) {
+        (_, 0) => "device-to-device",
+        (0, _) => "device-to-host-to-device",
+        _ => "device-to-device (BF16 slots), device-to-host-to-device (the rest)",
+    };
+    let total_s = started.elapsed().as_secs_f64();
+    tracing::info!(
+        "weights from CUDA IPC tensors: {count} tensors, {bytes} bytes ({device_bytes} device to device) in {total_s:.3} s"
+    );
+    merge(
+        &mut out,
+        json!({"copied_bytes": bytes, "device_to_device_bytes": device_bytes, "copy_path": path,
+               "open_s": open_s, "hash_s": hash_s, "write_s": write_s,
+               "close_s": total_s - open_s - write_s, "copy_s": total_s}),
+    );
+    Ok(out)
+}
+
+/// The tensors of one payload written toward the weights: BF16 tensors bound for BF16 slots
+/// device to device (hashed where they lie, then copied into the open session's shadow or, with
+/// no session, into the served weights during the commit's pause); the rest through host
+/// memory and `quant::slot`, as a streamed bucket. An open session that writes in place keeps
+/// what it stages until `/end_weight_update`, after the trainer may have changed its tensors,
+/// so it gets host copies only. Returns the answer, the bytes copied device to device and the
+/// seconds spent hashing them.
+async fn write(
+    state: &AppState,
+    weight_version: Option<String>,
+    tensors: Vec<tensor_ipc::SharedTensor>,
+    gpu: crate::backend::cuda::Gpu,
+    mapping: Arc<ipc::IpcMapping>,
+) -> Result<(serde_json::Value, usize, f64), ApiError> {
+    let session = weights::open_session_id(state).await;
+    let direct = match &session {
+        None => true,
+        Some(id) => weights::session_writes_shadow(state, id).await?,
+    };
+    let slots = state.engine.info.slots();
+    let (device, host): (Vec<_>, Vec<_>) = tensors.into_iter().partition(|t| {
+        direct
+            && t.dtype == Dtype::BF16
+            && matches!(
+                slots.get(&t.name),
+                Some(SlotShape::Linear {
+                    format: Format::Bf16,
+                    ..
+                }) | Some(SlotShape::Embedding { .. })
             )
-        })
-        .collect();
-    let stats = json!({"updated_tensors": count, "copied_bytes": bytes, "copy_s": copy_s, "copy_path": "device-to-host-to-device"});
-    if let Some(id) = weights::open_session_id(state).await {
-        let Json(mut staged) = weights::stage_bucket(state, Some(&id), tensors).await?;
-        if let Some(v) = body.weight_version {
+    });
+    let count = device.len() + host.len();
+    let device_bytes: usize = device.iter().map(|t| t.len).sum();
+    let owner = mapping.clone();
+    let one_shot = session.is_none();
+    let (host, device, hashing) = tokio::task::spawn_blocking(move || {
+        let bad = |e: ipc::IpcError| ApiError::invalid(&e.name, e.message);
+        let ranges: Vec<_> = host.iter().map(|t| (t.source, t.start, t.len)).collect();
+        let bufs = mapping.to_host(&gpu, &ranges).map_err(bad)?;
+        let host: Vec<(String, StagedTensor)> = host
+            .into_iter()
+            .zip(bufs)
+            .map(|(t, data)| {
+                let data = bytes::Bytes::from(data);
+                (
+                    t.name,
+                    StagedTensor {
+                        dtype: t.dtype,
+                        shape: t.shape,
+                        data,
+                    },
+                )
+            })
+            .collect();
+        let ranges = device
+            .iter()
+            .map(|t| Ok((mapping.range(t.source, t.start, t.len)?, t.len)))
+            .collect::<Result<Vec<_>, ipc::IpcError>>()
+            .map_err(bad)?;
+        let names: Vec<String> = device.iter().map(|t| t.name.clone()).collect();
+        let targets = ranges.clone();
+        let hash = move || {
+            let started = Instant::now();
+            let hashes =
+                hash::xxh3_of_device(&gpu.ctx, &ranges).map(|h| names.into_iter().zip(h).collect());
+            (hashes, started.elapsed().as_secs_f64())
+        };
+        let (hashes, hashing) = if one_shot {
+            // Hashed while the engine writes them: the engine waits for the hashes before the
+            // version moves.
+            let (tx, rx) = std::sync::mpsc::channel();
+            let thread = std::thread::spawn(move || {
+                let (hashes, secs) = hash();
+                let _ = tx.send(hashes.map_err(|e| e.to_string()));
+                secs
+            });
+            (None, Hashing::Beside(rx, thread))
+        } else {
+            let (hashes, secs) = hash();
+            let hashes: Vec<(String, u64)> = hashes
+                .map_err(|e| ApiError::Internal(format!("hashing the shared tensors: {e}")))?;
+            (Some(hashes), Hashing::Done(secs))
+        };
+        let device: Vec<(String, (String, Replacement))> = device
+            .into_iter()
+            .zip(targets)
+            .enumerate()
+            .map(|(i, (t, (ptr, bytes)))| {
+                let owner: Arc<dyn std::any::Any + Send + Sync> = owner.clone();
+                let hash = hashes.as_ref().map(|h| h[i].1);
+                let r = Replacement::Device(DeviceTensor {
+                    ptr,
+                    bytes,
+                    hash,
+                    owner,
+                });
+                (t.name.clone(), (t.name, r))
+            })
+            .collect();
+        Ok::<_, ApiError>((host, device, hashing))
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))??;
+    if let Some(id) = session {
+        let Json(mut staged) = weights::stage_bucket(state, Some(&id), host, device).await?;
+        if let Some(v) = weight_version {
             weights::name_session_version(state, &id, v).await;
         }
         staged["message"] = json!(format!(
             "{count} tensors staged into weight update session {id}; they commit at /end_weight_update"
         ));
-        merge(&mut staged, stats);
-        return Ok(staged);
+        staged["updated_tensors"] = json!(count);
+        return Ok((staged, device_bytes, hashing.seconds().await));
     }
-    let staged: BTreeMap<String, StagedTensor> = tensors.into_iter().collect();
-    let committed =
-        weights::commit(state, staged, BTreeMap::new(), body.weight_version, None).await?;
+    let staged: BTreeMap<String, StagedTensor> = host.into_iter().collect();
+    let (pending, hashing) = hashing.take_pending();
+    let committed = weights::commit(
+        state,
+        staged,
+        device.into_iter().collect(),
+        weight_version,
+        None,
+        pending,
+    )
+    .await;
+    // The hashing thread reads the trainer's tensors: it ends before they are closed.
+    let hash_s = hashing.seconds().await;
+    let committed = committed?;
     let version = committed.version;
-    tracing::info!(
-        "weights updated from CUDA IPC tensors: {count} tensors, {bytes} bytes copied in {copy_s:.3} s, version {version}"
-    );
-    let mut out = json!({"success": true, "message": format!("{count} tensors updated, version {version}"), "weight_version": version, "commit_pause_s": committed.pause.as_secs_f64()});
-    merge(&mut out, stats);
-    Ok(out)
+    let out = json!({"success": true, "message": format!("{count} tensors updated, version {version}"),
+        "updated_tensors": count, "weight_version": version, "commit_pause_s": committed.pause.as_secs_f64()});
+    Ok((out, device_bytes, hash_s))
+}
+
+/// Where the device tensors' hashes are computed.
+enum Hashing {
+    /// Already, in this many seconds.
+    Done(f64),
+    /// On a thread beside the commit: the hashes come through the receiver, the thread
+    /// answers its seconds.
+    Beside(
+        std::sync::mpsc::Receiver<Result<Vec<(String, u64)>, String>>,
+        std::thread::JoinHandle<f64>,
+    ),
+    /// The receiver went to the commit.
+    Joining(std::thread::JoinHandle<f64>),
+}
+
+impl Hashing {
+    fn take_pending(self) -> (Option<crate::engine::PendingHashes>, Hashing) {
+        match self {
+            Hashing::Beside(rx, thread) => (Some(rx), Hashing::Joining(thread)),
+            other => (None, other),
+        }
+    }
+
+    /// The seconds hashing took, once it has ended.
+    async fn seconds(self) -> f64 {
+        match self {
+            Hashing::Done(s) => s,
+            Hashing::Beside(_, thread) | Hashing::Joining(thread) => {
+                tokio::task::spawn_blocking(move || thread.join().unwrap_or(f64::NAN))
+                    .await
+                    .unwrap_or(f64::NAN)
+            }
+        }
+    }
 }
 
 fn merge(into: &mut serde_json::Value, from: serde_json::Value) {

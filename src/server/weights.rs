@@ -320,6 +320,12 @@ struct SessionShadow {
     changed: WeightsChecksum,
 }
 
+impl SessionShadow {
+    fn on_device(&self) -> bool {
+        self.weights.as_ref().is_some_and(ShadowWeights::on_device)
+    }
+}
+
 impl Session {
     fn tensors(&self) -> usize {
         let written = match &self.target {
@@ -511,7 +517,7 @@ pub async fn put_update_weights(
         };
         tensors.push((name, staged));
     }
-    stage_bucket(&state, q.session.as_deref(), tensors).await
+    stage_bucket(&state, q.session.as_deref(), tensors, Vec::new()).await
 }
 
 /// Each tensor checked against the served slot it is for: (name, tensor, whether it is a dense
@@ -543,10 +549,13 @@ fn check_incoming(
 
 /// One bucket of checkpoint-layout tensors into the open session (`PUT /update_weights`, and
 /// `/update_weights_from_tensor` while a session is open).
+/// `device`: whole slots already prepared in device memory (by checkpoint name: slot name and
+/// replacement), for a session that writes into a shadow on the device only.
 pub(crate) async fn stage_bucket(
     state: &AppState,
     session_id: Option<&str>,
     tensors: Vec<(String, StagedTensor)>,
+    device: Vec<(String, (String, Replacement))>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let arrived = Instant::now();
     let incoming = check_incoming(&state.engine.info, tensors)?;
@@ -556,6 +565,13 @@ pub(crate) async fn stage_bucket(
     let session = open_session(&mut open, session_id, state.updates.session_timeout)?;
     if session.target.is_none() {
         session.target = Some(target(state).await?);
+    }
+    if !device.is_empty() && !session.shadow_mut().is_some_and(|s| s.on_device()) {
+        return Err(ApiError::Internal(format!(
+            "tensors in device memory offered to weight update session {} that writes {}",
+            session.id,
+            session.mode()
+        )));
     }
     // Whole slots: a dense weight with no partner, or both dense halves of a gate/up pair
     // (one may have arrived in an earlier bucket). The rest waits for commit.
@@ -613,16 +629,18 @@ pub(crate) async fn stage_bucket(
     // Whole slots are prepared now, off the runtime, and their bucket bytes dropped; with a
     // shadow they are written into it there too, and only their checksums kept.
     let whole_bytes: usize = whole.values().map(|t| t.data.len()).sum();
-    let names: Vec<String> = whole.keys().cloned().collect();
+    let mut names: Vec<String> = whole.keys().cloned().collect();
+    names.extend(device.iter().map(|(n, _)| n.clone()));
     let info = state.engine.info.clone();
     let shadow = session
         .shadow_mut()
         .map(|s| s.weights.take().expect("returned by every bucket"));
     let (shadow, prepared) = tokio::task::spawn_blocking(move || {
-        let updates = match build_replacements(&info, whole) {
+        let mut updates = match build_replacements(&info, whole) {
             Ok(u) => u,
             Err(e) => return (shadow, Err(e)),
         };
+        updates.extend(device.into_iter().map(|(_, slot)| slot));
         match shadow {
             None => (None, Ok(Prepared::Kept(updates))),
             Some(mut shadow) => match write_shadow(&mut shadow, updates, info.config.hidden_size) {
@@ -700,6 +718,17 @@ pub(crate) async fn stage_bucket(
         "staged_bytes": session.bytes + session.prepared_bytes,
         "waiting_bytes": session.bytes,
     })))
+}
+
+/// Whether the open session `id` writes into a shadow copy on the device (deciding where it
+/// writes, if its first bucket has not yet).
+pub(crate) async fn session_writes_shadow(state: &AppState, id: &str) -> Result<bool, ApiError> {
+    let mut open = state.updates.session.lock().await;
+    let session = open_session(&mut open, Some(id), state.updates.session_timeout)?;
+    if session.target.is_none() {
+        session.target = Some(target(state).await?);
+    }
+    Ok(session.shadow_mut().is_some_and(|s| s.on_device()))
 }
 
 /// A bucket's whole slots: kept for an in-place commit, or written into the shadow (their
@@ -894,6 +923,7 @@ pub async fn end_weight_update(
                 session.prepared,
                 version,
                 expected_checksum,
+                None,
             )
             .await?
         }
@@ -996,14 +1026,22 @@ fn check_expected(expected: Option<u64>, sum: &WeightsChecksum) -> Result<(), Ap
 
 /// Prepares the parts still raw, overlays the served checksum, checks `expected_checksum`, and
 /// swaps everything in at once (the end of a session, or a one-shot
-/// `/update_weights_from_tensor`). On any error nothing changes.
+/// `/update_weights_from_tensor`). On any error nothing changes. `pending`: the hashes of
+/// device tensors among `prepared` that are computed while the engine writes them (see
+/// `EngineHandle::apply_weights`); not with `expected_checksum`, which needs them first.
 pub(crate) async fn commit(
     state: &AppState,
     mut staged: BTreeMap<String, StagedTensor>,
     prepared: BTreeMap<String, (String, Replacement)>,
     version: Option<String>,
     expected_checksum: Option<u64>,
+    pending: Option<crate::engine::PendingHashes>,
 ) -> Result<Committed, ApiError> {
+    if pending.is_some() && expected_checksum.is_some() {
+        return Err(ApiError::Internal(
+            "a commit checked against an expected checksum needs every hash first".into(),
+        ));
+    }
     let info = state.engine.info.clone();
     drop_parts_of_whole(&mut staged, prepared.keys());
     let (updates, changed) = tokio::task::spawn_blocking(move || {
@@ -1018,7 +1056,7 @@ pub(crate) async fn commit(
     let (version, sum) = committed_checksum(state, version, &changed, expected_checksum)?;
     let (pause, spent) = state
         .engine
-        .apply_weights(updates, Arc::new(sum), version.clone())
+        .apply_weights(updates, Arc::new(sum), pending, version.clone())
         .await?;
     // Freeing gigabytes takes a while: not on the engine thread, not on the runtime.
     tokio::task::spawn_blocking(move || drop(spent));

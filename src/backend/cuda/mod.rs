@@ -12,6 +12,7 @@ pub mod backend;
 pub mod block_scaled;
 pub mod device;
 pub mod graphs;
+pub mod hash;
 pub mod ipc;
 pub mod kernels;
 pub mod ops;

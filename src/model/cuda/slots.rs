@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 
 use super::CudaWeights;
 use crate::backend::cpu::linear::DenseWeight;
@@ -320,8 +320,44 @@ fn fits(name: &str, slot: &DeviceSlot<'_>, r: &Replacement) -> Result<(), StoreE
                 refuse("storage format differs from the served layer")
             }
         }
+        (DeviceSlot::Linear { matrix, rows, .. }, Replacement::Device(d)) => match &matrix.data {
+            WeightData::Bf16(_) if d.bytes == rows * matrix.k * 2 => Ok(()),
+            WeightData::Bf16(_) => refuse(&format!(
+                "{} bytes in device memory for a BF16 layer of {rows} x {} ({} bytes)",
+                d.bytes,
+                matrix.k,
+                rows * matrix.k * 2
+            )),
+            _ => refuse("a BF16 tensor in device memory can only replace a layer stored in BF16"),
+        },
+        (DeviceSlot::Embedding { table, .. }, Replacement::Device(d)) => match table {
+            Table::Bf16(t) if t.len() * 2 == d.bytes => Ok(()),
+            _ => refuse("the embedding's dtype or size differs from the served table"),
+        },
         _ => refuse("the wrong kind of tensor"),
     }
+}
+
+/// Copies `bytes` bytes of device memory at `src` (this context's) to element `at` of `dev`,
+/// on the store's stream.
+fn put_device(
+    gpu: &Gpu,
+    src: u64,
+    bytes: usize,
+    dev: &mut CudaSlice<u16>,
+    at: usize,
+) -> Result<(), CudaError> {
+    if bytes > 0 {
+        let mut dst = dev.slice_mut(at..at + bytes / 2);
+        let (dst, _sync) = dst.device_ptr_mut(&gpu.stream);
+        // SAFETY: `dst` holds `bytes` bytes (the slice above); `src` is device memory of this
+        // context kept mapped by the replacement's owner, which outlives the copy (the store
+        // synchronizes before it returns the replacement).
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, gpu.stream.cu_stream())
+        }?;
+    }
+    Ok(())
 }
 
 fn put<T: DeviceRepr>(
@@ -402,6 +438,36 @@ fn write_slot(gpu: &Gpu, slot: DeviceSlot<'_>, r: &Replacement) -> Result<(), Cu
                     )
                 }
                 _ => unreachable!("checked by `fits`"),
+            }
+        }
+        (
+            DeviceSlot::Linear {
+                matrix,
+                expert,
+                row0,
+                ..
+            },
+            Replacement::Device(d),
+        ) => {
+            let a = (expert * matrix.n + row0) * matrix.k;
+            match &mut matrix.data {
+                WeightData::Bf16(w) => put_device(gpu, d.ptr, d.bytes, w, a),
+                _ => unreachable!("checked by `fits`"),
+            }
+        }
+        (
+            DeviceSlot::Embedding {
+                table: Table::Bf16(t),
+                tied_head,
+                ..
+            },
+            Replacement::Device(d),
+        ) => {
+            put_device(gpu, d.ptr, d.bytes, t, 0)?;
+            // Tied: lm_head is the embedding matrix.
+            match tied_head.map(|h| &mut h.data) {
+                Some(WeightData::Bf16(h)) => put_device(gpu, d.ptr, d.bytes, h, 0),
+                _ => Ok(()),
             }
         }
         _ => unreachable!("checked by `fits`"),
