@@ -17,7 +17,7 @@ use safetensors::tensor::Dtype;
 
 use super::errors::ApiError;
 use super::pickle::{self, Global, Value};
-use crate::backend::cuda::ipc::{IpcSource, RefCounter, IPC_HANDLE_BYTES};
+use crate::backend::cuda::ipc::{release_counters, IpcSource, RefCounter, IPC_HANDLE_BYTES};
 
 const FIELD: &str = "serialized_named_tensors";
 
@@ -76,13 +76,64 @@ pub fn own_entry(entries: &[String]) -> Result<&str, ApiError> {
     }
 }
 
-/// Decodes one entry (base64 of a pickle) in `format`.
+/// Decodes one entry (base64 of a pickle) in `format`. A payload refused here gives back the
+/// producer's reference of every CUDA tensor in it (so the trainer can free them): nothing
+/// else will.
 pub fn decode(entry: &str, format: LoadFormat) -> Result<Payload, ApiError> {
     use base64::Engine;
     let raw = base64::engine::general_purpose::STANDARD
         .decode(entry.trim())
         .map_err(|e| bad(format!("serialized_named_tensors is not base64: {e}")))?;
     let obj = loads(&raw)?;
+    decode_value(&obj, format).inspect_err(|_| release_counters(&counters_in(&obj)))
+}
+
+/// The producer's reference counters of every CUDA tensor in `v` (those nested in SGLang's
+/// `LocalSerializedTensor` too, where their pickles read), whatever else is wrong with them.
+fn counters_in(v: &Value) -> Vec<RefCounter> {
+    let mut out = Vec::new();
+    let mut walk = vec![v.clone()];
+    while let Some(v) = walk.pop() {
+        match v {
+            Value::Call(Global::RebuildCudaTensor, args) => {
+                if let (Some(Value::Bytes(f)), Some(Value::Int(i))) = (args.get(11), args.get(12)) {
+                    if let (Ok(file), Ok(index)) =
+                        (String::from_utf8(f.clone()), usize::try_from(*i))
+                    {
+                        if !file.is_empty() {
+                            out.push(RefCounter { file, index });
+                        }
+                    }
+                }
+            }
+            Value::Object(Global::LocalSerializedTensor, Some(state)) => {
+                let nested = state.get("values").and_then(Value::as_seq).unwrap_or(&[]);
+                for n in nested {
+                    let raw = match n {
+                        Value::Bytes(b) => Some(b.clone()),
+                        Value::Str(s) => {
+                            use base64::Engine;
+                            base64::engine::general_purpose::STANDARD
+                                .decode(s.trim())
+                                .ok()
+                        }
+                        _ => None,
+                    };
+                    if let Some(inner) = raw.and_then(|r| pickle::loads(&r).ok()) {
+                        walk.push(inner);
+                    }
+                }
+            }
+            Value::Tuple(items) | Value::List(items) | Value::Call(_, items) => walk.extend(items),
+            Value::Dict(items) => walk.extend(items.into_iter().flat_map(|(k, v)| [k, v])),
+            Value::Object(_, Some(state)) => walk.push(*state),
+            _ => {}
+        }
+    }
+    out
+}
+
+fn decode_value(obj: &Value, format: LoadFormat) -> Result<Payload, ApiError> {
     let mut p = Payload::default();
     match format {
         LoadFormat::Pairs => {
@@ -602,6 +653,32 @@ mod tests {
         assert!(m.contains("base64"), "{m}");
         let (p, _) = message(LoadFormat::parse(Some("my.loader")).unwrap_err());
         assert_eq!(p.as_deref(), Some("load_format"));
+    }
+
+    /// A refused payload's tensors are found whatever is wrong with them, so their producer's
+    /// references go back (decode releases them) and the trainer can free the memory. (A
+    /// pickle refused as a whole, e.g. for a global outside the allow-list, names none.)
+    #[test]
+    fn a_refused_payload_names_every_reference_to_give_back() {
+        use base64::Engine;
+        let counters = |f: &str| {
+            let raw = base64::engine::general_purpose::STANDARD
+                .decode(fixture(f).trim())
+                .unwrap();
+            let mut c = counters_in(&pickle::loads(&raw).unwrap());
+            c.sort_by_key(|c| c.index);
+            c
+        };
+        let rc = |index| RefCounter {
+            file: "/torch_4242_1234567_0".into(),
+            index,
+        };
+        assert_eq!(counters("noncontiguous"), [rc(0)]);
+        assert_eq!(counters("unknown_name"), [rc(0)]);
+        assert_eq!(counters("direct"), [rc(0), rc(5)]);
+        assert_eq!(counters("flattened_bucket"), [rc(0)]);
+        assert_eq!(counters("local_serialized"), [rc(0)]);
+        assert_eq!(counters("cpu_tensor"), []);
     }
 
     #[test]

@@ -115,6 +115,20 @@ pub fn release_references(sources: &[IpcSource]) {
     }
 }
 
+/// Gives back the producer's references of tensors a payload named but that were never opened
+/// (a payload refused while it was decoded); best effort, as `release_references`.
+pub fn release_counters(counters: &[RefCounter]) {
+    for rc in counters {
+        if let Err(e) = release(rc) {
+            tracing::warn!(
+                "could not release the producer's reference ({}#{}): {e}",
+                rc.file,
+                rc.index
+            );
+        }
+    }
+}
+
 impl IpcMapping {
     /// Opens every source's allocation (once per handle), checks that each source lies
     /// inside it, and waits for the producer's events on `gpu`'s stream, then for that stream:
