@@ -244,6 +244,21 @@ pub struct ServeArgs {
     /// slots are prepared on arrival and not counted.
     #[arg(long, default_value_t = 4 << 30, env = "LOCKSTEP_MAX_STAGED_WEIGHT_BYTES", help_heading = "Weights")]
     pub max_staged_weight_bytes: usize,
+    /// Prepared slots (bucket bytes) a streamed update that writes in place keeps in memory
+    /// until its commit; the rest wait in an unlinked file in --weight-spill-dir and are read
+    /// back a layer at a time during the commit's pause (which they lengthen), so host memory
+    /// stays bounded. Default: 1 GiB when the weights live only on the device, no bound when
+    /// they are in host memory (the CPU backend).
+    #[arg(
+        long,
+        env = "LOCKSTEP_MAX_PREPARED_WEIGHT_BYTES",
+        help_heading = "Weights"
+    )]
+    pub max_prepared_weight_bytes: Option<usize>,
+    /// Directory of the spill files of in-place weight updates (default: $TMPDIR or /tmp; use
+    /// one on a disk, not a tmpfs, or the spill stays in memory).
+    #[arg(long, env = "LOCKSTEP_WEIGHT_SPILL_DIR", help_heading = "Weights")]
+    pub weight_spill_dir: Option<std::path::PathBuf>,
     /// Seconds a streamed weight update session may stay idle before it is dropped.
     #[arg(
         long,
@@ -588,6 +603,13 @@ pub fn app_state(args: &ServeArgs, engine: EngineHandle, limits: Limits) -> AppS
     // The recipe the served weights were built with (parsed once, at start).
     let recipe = Some(engine.info.recipe.clone());
     let max_running_requests = args.running_requests(limits.on_gpu);
+    let max_prepared = args
+        .max_prepared_weight_bytes
+        .unwrap_or(if engine.info.weights_on_device {
+            defaults::DEVICE_MAX_PREPARED_WEIGHT_BYTES
+        } else {
+            usize::MAX
+        });
     AppState {
         served_model_name: engine.info.served_model_name.clone().into(),
         engine,
@@ -609,6 +631,10 @@ pub fn app_state(args: &ServeArgs, engine: EngineHandle, limits: Limits) -> AppS
         updates: Arc::new(crate::server::weights::WeightUpdates::new(
             args.max_staged_weight_bytes,
             Duration::from_secs(args.weight_update_timeout_s),
+            max_prepared,
+            args.weight_spill_dir
+                .clone()
+                .unwrap_or_else(std::env::temp_dir),
         )),
     }
 }

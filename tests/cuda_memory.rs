@@ -14,7 +14,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
-use lockstep::engine::{CudaSource, EngineError, MemoryTag, WeightsState};
+use lockstep::engine::{CudaSource, EngineError, MemoryTag, WeightCommit, WeightsState};
 use lockstep::model::loader::load_model;
 use lockstep::model::ModelConfig;
 use lockstep::quant::Recipe;
@@ -179,17 +179,16 @@ fn weights_resumed_without_a_backup_are_absent_until_an_update_writes_every_tens
     let mut model = host();
     let checksum = Arc::new(model.weights_checksum());
     let one: Vec<_> = model.into_replacements().into_iter().take(1).collect();
-    let partial = block_on(h.apply_weights(one, checksum.clone(), None, "v1".into()));
+    let partial = block_on(h.apply_weights(WeightCommit::of(one, checksum.clone(), "v1".into())));
     assert!(matches!(partial, Err(EngineError::MemoryState(_))));
     assert_eq!(h.memory().weights, WeightsState::Absent);
 
     // Every tensor, written into the resumed buffers: present, and the same bits as before.
-    block_on(h.apply_weights(
+    block_on(h.apply_weights(WeightCommit::of(
         host().into_replacements(),
         checksum.clone(),
-        None,
         "v1".into(),
-    ))
+    )))
     .unwrap();
     assert_eq!(h.memory().weights, WeightsState::Resident);
     assert_eq!(generate(&h, &prompts, "after"), before, "bit for bit");

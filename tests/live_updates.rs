@@ -232,6 +232,64 @@ async fn a_push_larger_than_the_staging_limit_succeeds() {
     );
 }
 
+/// An in-place update past `--max-prepared-weight-bytes` (here one byte: every prepared slot)
+/// waits on disk, in an unlinked file of `--weight-spill-dir`, and is read back a layer at a
+/// time during the commit: the server ends on the checkpoint's exact weights, NVFP4 experts
+/// (quantized on arrival, read back as their parts) included; an aborted session leaves the
+/// served weights as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_place_update_past_the_memory_bound_waits_on_disk_and_lands_exactly() {
+    let (tmp, [a, b, c]) = three_checkpoints();
+    let spill = tmp.path().join("spill");
+    std::fs::create_dir(&spill).unwrap();
+    let q = ["--quantization", "nvfp4_online"];
+    let model = |d: &Path| d.to_str().unwrap().to_string();
+    let (ma, mb, dir) = (model(&a), model(&b), model(&spill));
+    let args = [
+        "--model-path",
+        &ma,
+        "--weight-update-shadow",
+        "off",
+        "--max-prepared-weight-bytes",
+        "1",
+        "--weight-spill-dir",
+        &dir,
+    ];
+    let s = Proc::start(&[&args[..], &q].concat()).await;
+    let fresh = Proc::start(&[&["--model-path", &mb][..], &q].concat()).await;
+    let cl = s.client();
+
+    // One bucket by hand: it is staged in place, and spilled.
+    let (session, staged) = stage(&cl, bucket_of(&c, "layers.1.mlp")).await;
+    assert_eq!(staged["mode"], "in_place", "{staged}");
+    assert!(staged["spilled_bytes"].as_u64().unwrap() > 0, "{staged}");
+    assert_eq!(
+        std::fs::read_dir(&spill).unwrap().count(),
+        0,
+        "the spill file is unlinked"
+    );
+    let before = overall(&cl).await;
+    cl.post("/abort_weight_update", &json!({"session": session}), false)
+        .await
+        .unwrap();
+    assert_eq!(
+        overall(&cl).await,
+        before,
+        "an aborted session changes nothing"
+    );
+
+    let report = push_checkpoint(&options(&[&s]), &b).await.unwrap();
+    assert!(report.buckets > 1, "{report:?}");
+    assert_eq!(report.servers[0].mode.as_deref(), Some("in_place"));
+    assert_eq!(version(&cl).await, "1");
+    assert_eq!(overall(&cl).await, overall(&fresh.client()).await);
+    assert_eq!(
+        generate(&cl, GREEDY).await["meta_info"]["output_token_logprobs"],
+        generate(&fresh.client(), GREEDY).await["meta_info"]["output_token_logprobs"],
+        "bitwise a fresh server on the new weights"
+    );
+}
+
 /// One server refusing a bucket (its limit, which also bounds one bucket, is below the 64 KiB
 /// buckets) aborts the push on every server: both keep the old weights and version, and
 /// neither keeps a session open.

@@ -15,6 +15,10 @@ pub mod defaults {
     pub const MAX_BATCH_TOKENS: usize = 2048;
     /// KV capacity of the CPU backend (a device sizes its cache from memory).
     pub const MAX_TOTAL_TOKENS: usize = 65536;
+    /// `--max-prepared-weight-bytes` when the weights live only on the device: the bucket
+    /// bytes of prepared slots an in-place update keeps in host memory before it spills them
+    /// (with weights in host memory nothing spills: reading back costs commit time).
+    pub const DEVICE_MAX_PREPARED_WEIGHT_BYTES: usize = 1 << 30;
     /// KV block size (`--page-size`).
     pub const BLOCK_SIZE: usize = 16;
     pub const MAX_CONTEXT_LEN: usize = 4096;

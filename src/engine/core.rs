@@ -421,28 +421,8 @@ impl Core {
             } => {
                 let _ = reply.send(self.install_shadow(*shadow, checksum, version, abort_all));
             }
-            Command::ApplyWeights {
-                updates,
-                checksum,
-                pending,
-                version,
-                reply,
-            } => {
-                let started = Instant::now();
-                let slots = self.info.slots();
-                let writes = updates
-                    .iter()
-                    .filter(|(n, _)| slots.contains_key(n))
-                    .count();
-                let result = self
-                    .check_update(writes)
-                    .and_then(|()| self.exec.apply(updates))
-                    .and_then(|spent| {
-                        let checksum = self.with_pending_hashes(checksum, pending)?;
-                        self.begin_weight_version(version, checksum);
-                        Ok((started.elapsed(), spent))
-                    });
-                let _ = reply.send(result);
+            Command::ApplyWeights { commit, reply } => {
+                let _ = reply.send(self.apply_weights(commit));
             }
             Command::IpcStream(reply) => {
                 let _ = reply.send(self.exec.ipc_stream());
@@ -670,9 +650,68 @@ impl Core {
 
     /// After new weights are in place: cached prefix blocks hold KV of the old weights, so
     /// nobody may reuse them, and tokens from now on report the new version.
+    /// A commit (see [`super::EngineHandle::apply_weights`]): how long generation stood still,
+    /// and what is left to free.
+    fn apply_weights(
+        &mut self,
+        commit: super::WeightCommit,
+    ) -> Result<(std::time::Duration, Vec<crate::model::slots::Replacement>), EngineError> {
+        let started = Instant::now();
+        let super::WeightCommit {
+            updates,
+            more,
+            checksum,
+            pending,
+            version,
+        } = commit;
+        let slots = self.info.slots();
+        let writes = updates
+            .iter()
+            .filter(|(n, _)| slots.contains_key(n))
+            .count();
+        self.check_update(writes + more.as_ref().map_or(0, |m| m.writes))?;
+        let spent = self.exec.apply(updates)?;
+        if let Some(mut more) = more {
+            let wrote_some = !spent.is_empty();
+            let mut group = 0;
+            while let Some(next) = (more.next)() {
+                let written = next
+                    .map_err(EngineError::Failed)
+                    .and_then(|updates| self.exec.apply(updates));
+                match written {
+                    // Freed at once: only one group's copy is held at a time.
+                    Ok(done) => drop(done),
+                    Err(e) if !wrote_some && group == 0 => return Err(e),
+                    Err(e) => {
+                        return Err(self.weights_lost(&format!(
+                            "group {group} of the update could not be written ({e})"
+                        )))
+                    }
+                }
+                group += 1;
+            }
+        }
+        let checksum = self.with_pending_hashes(checksum, pending)?;
+        self.begin_weight_version(version, checksum);
+        Ok((started.elapsed(), spent))
+    }
+
+    /// After a commit wrote part of an update and cannot finish: the weights are neither the old
+    /// ones nor the new, so they are marked absent (generation is refused until an update writes
+    /// every tensor) rather than served.
+    fn weights_lost(&mut self, why: &str) -> EngineError {
+        let memory = MemoryState {
+            weights: WeightsState::Absent,
+            ..self.memory
+        };
+        self.set_memory(memory);
+        EngineError::Failed(format!(
+            "{why}; the weights are marked absent: generation is refused until an update writes every tensor"
+        ))
+    }
+
     /// `checksum` with the hashes a commit computes beside the engine's writes. Without them
-    /// the weights just written have no known checksum: they are marked absent (generation is
-    /// refused until an update writes every tensor) rather than served.
+    /// the weights just written have no known checksum ([`Self::weights_lost`]).
     fn with_pending_hashes(
         &mut self,
         checksum: Arc<crate::model::checksum::WeightsChecksum>,
@@ -690,16 +729,9 @@ impl Core {
                 sum.tensors.extend(hashes);
                 Ok(Arc::new(sum))
             }
-            Err(e) => {
-                let memory = MemoryState {
-                    weights: WeightsState::Absent,
-                    ..self.memory
-                };
-                self.set_memory(memory);
-                Err(EngineError::Failed(format!(
-                    "the update was written but its tensors could not be hashed ({e}); the weights are marked absent: generation is refused until an update writes every tensor"
-                )))
-            }
+            Err(e) => Err(self.weights_lost(&format!(
+                "the update was written but its tensors could not be hashed ({e})"
+            ))),
         }
     }
 

@@ -82,6 +82,43 @@ pub enum PauseMode {
 /// engine, or why they could not be.
 pub type PendingHashes = std::sync::mpsc::Receiver<Result<Vec<(String, u64)>, String>>;
 
+/// Replacements read back group by group during the commit's pause (an update that waited on
+/// disk): each call gives the next group, None once all were given.
+pub struct MoreUpdates {
+    /// Slots the groups write, all told.
+    pub writes: usize,
+    pub next: Box<dyn FnMut() -> Option<Result<Vec<(String, Replacement)>, String>> + Send>,
+}
+
+/// One commit of replacements into the served weights (see [`EngineHandle::apply_weights`]).
+pub struct WeightCommit {
+    pub updates: Vec<(String, Replacement)>,
+    /// Written after `updates`, in the same pause.
+    pub more: Option<MoreUpdates>,
+    /// The whole model's checksum after the commit, but for the hashes `pending` delivers.
+    pub checksum: Arc<WeightsChecksum>,
+    /// Hashes of device tensors among `updates`, computed while they are written.
+    pub pending: Option<PendingHashes>,
+    pub version: String,
+}
+
+impl WeightCommit {
+    /// `updates`, all in hand and hashed, making `checksum` as `version`.
+    pub fn of(
+        updates: Vec<(String, Replacement)>,
+        checksum: Arc<WeightsChecksum>,
+        version: String,
+    ) -> WeightCommit {
+        WeightCommit {
+            updates,
+            more: None,
+            checksum,
+            pending: None,
+            version,
+        }
+    }
+}
+
 pub(crate) enum Command {
     Generate(Box<GenerateRequest>, mpsc::UnboundedSender<EngineEvent>),
     Abort {
@@ -116,11 +153,7 @@ pub(crate) enum Command {
     },
     /// Replace some tensors between two steps (see [`EngineHandle::apply_weights`]).
     ApplyWeights {
-        updates: Vec<(String, Replacement)>,
-        checksum: Arc<WeightsChecksum>,
-        /// Hashes of device tensors among `updates`, computed while they are written.
-        pending: Option<PendingHashes>,
-        version: String,
+        commit: WeightCommit,
         /// Answers how long the engine stood still, and what is left to free (dropped by the
         /// caller, off the engine thread).
         reply: oneshot::Sender<Result<(std::time::Duration, Vec<Replacement>), EngineError>>,
@@ -379,25 +412,18 @@ impl EngineHandle {
     /// the prefix cache and sets the weight version. The names must come from the served
     /// model's slot table; `checksum` is the whole model's after the update, but for the
     /// hashes `pending` delivers (device tensors hashed while the engine writes them: the
-    /// version moves once they arrive; if they cannot be had, the written weights are marked
-    /// absent and generation is refused until an update writes every tensor, so no weights of
-    /// unknown checksum are served). Returns the time generation stood still, and the spent
-    /// replacements for the caller to free.
+    /// version moves once they arrive). `more` is written after `updates` in the same pause.
+    /// If the hashes cannot be had, or a group of `more` cannot be read or written, after
+    /// something was written, the weights are marked absent and generation is refused until
+    /// an update writes every tensor: weights that are neither the old nor the new ones, or of
+    /// unknown checksum, are never served. Returns the time generation stood still, and the
+    /// spent replacements for the caller to free.
     pub async fn apply_weights(
         &self,
-        updates: Vec<(String, Replacement)>,
-        checksum: Arc<WeightsChecksum>,
-        pending: Option<PendingHashes>,
-        version: String,
+        commit: WeightCommit,
     ) -> Result<(std::time::Duration, Vec<Replacement>), EngineError> {
         let (reply, rx) = oneshot::channel();
-        self.send(Command::ApplyWeights {
-            updates,
-            checksum,
-            pending,
-            version,
-            reply,
-        })?;
+        self.send(Command::ApplyWeights { commit, reply })?;
         rx.await
             .map_err(|_| EngineError::Stopped(self.last_error()))?
     }

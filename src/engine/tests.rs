@@ -197,7 +197,7 @@ fn weights_resumed_without_a_backup_serve_nothing_until_an_update_writes_every_t
             .collect::<Vec<_>>()
     };
     let e = rt
-        .block_on(h.apply_weights(one(), Default::default(), None, "v1".into()))
+        .block_on(h.apply_weights(WeightCommit::of(one(), Default::default(), "v1".into())))
         .err()
         .expect("refused");
     assert!(
@@ -222,7 +222,7 @@ fn weights_resumed_without_a_backup_serve_nothing_until_an_update_writes_every_t
     // A partial update would serve the rest absent.
     let slots = h.info.slots().len();
     let e = rt
-        .block_on(h.apply_weights(one(), Default::default(), None, "v1".into()))
+        .block_on(h.apply_weights(WeightCommit::of(one(), Default::default(), "v1".into())))
         .err()
         .expect("refused");
     assert!(
@@ -235,11 +235,107 @@ fn weights_resumed_without_a_backup_serve_nothing_until_an_update_writes_every_t
     // Every tensor (the weights from before): present again, the same bits as before.
     let mut original = embedded(0);
     let sum = Arc::new(original.weights_checksum());
-    rt.block_on(h.apply_weights(original.into_replacements(), sum, None, "v1".into()))
-        .unwrap();
+    rt.block_on(h.apply_weights(WeightCommit::of(
+        original.into_replacements(),
+        sum,
+        "v1".into(),
+    )))
+    .unwrap();
     assert_eq!(h.memory().weights, WeightsState::Resident);
     assert_eq!(h.weight_version(), "v1");
     assert_eq!(run(&h, "c"), before);
+}
+
+/// `updates` then `groups` as one commit: the groups are handed out one by one, as a spilled
+/// update reads them back.
+fn commit_in_groups(
+    updates: Vec<(String, Replacement)>,
+    groups: Vec<Result<Vec<(String, Replacement)>, String>>,
+    checksum: Arc<crate::model::checksum::WeightsChecksum>,
+    version: &str,
+) -> WeightCommit {
+    let writes = groups.iter().map(|g| g.as_ref().map_or(1, Vec::len)).sum();
+    let mut groups = groups.into_iter();
+    WeightCommit {
+        more: Some(MoreUpdates {
+            writes,
+            next: Box::new(move || groups.next()),
+        }),
+        ..WeightCommit::of(updates, checksum, version.into())
+    }
+}
+
+/// A commit whose slots come group by group (an in-place update read back from its spill file)
+/// serves exactly the new weights. A group that fails after others were written leaves weights
+/// that are neither old nor new: they are marked absent, not served, and the version stays; a
+/// first group that fails before anything was written changes nothing.
+#[test]
+fn a_commit_in_groups_serves_the_new_weights_or_none() {
+    let mut m = embedded(0);
+    let h = Engine::start(embedded(0), info(&mut m), config()).unwrap();
+    let rt = rt();
+    let before = run(&h, "a");
+    let mut new = embedded(7);
+    let want = run(
+        &Engine::start(embedded(7), info(&mut embedded(7)), config()).unwrap(),
+        "a",
+    );
+    assert_ne!(before, want);
+    let sum = Arc::new(new.weights_checksum());
+    let mut all = new.into_replacements();
+    let mut rest = all.split_off(3);
+    let mut groups = Vec::new();
+    while !rest.is_empty() {
+        let tail = rest.split_off(rest.len().min(5));
+        groups.push(Ok(std::mem::replace(&mut rest, tail)));
+    }
+    assert!(groups.len() > 2);
+    rt.block_on(h.apply_weights(commit_in_groups(all, groups, sum.clone(), "v1")))
+        .unwrap();
+    assert_eq!(h.weight_version(), "v1");
+    assert_eq!(
+        run(&h, "b"),
+        want,
+        "bitwise an engine started on the new weights"
+    );
+    assert_eq!(*h.weights_checksum().1, *sum);
+
+    // Nothing written yet when the first group fails: nothing changes.
+    let e = rt
+        .block_on(h.apply_weights(commit_in_groups(
+            vec![],
+            vec![Err("the disk is gone".into())],
+            sum.clone(),
+            "v2",
+        )))
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("the disk is gone"), "{e}");
+    assert_eq!(h.weight_version(), "v1");
+    assert_eq!(run(&h, "c"), want);
+
+    // A group fails after one was written: absent, and the version stays.
+    let mut old = embedded(0);
+    let old_sum = Arc::new(old.weights_checksum());
+    let mut old = old.into_replacements();
+    let second = old.split_off(4);
+    drop(second);
+    let e = rt
+        .block_on(h.apply_weights(commit_in_groups(
+            old,
+            vec![Err("the disk is gone".into())],
+            old_sum,
+            "v2",
+        )))
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("marked absent"), "{e}");
+    assert_eq!(h.memory().weights, WeightsState::Absent);
+    assert_eq!(h.weight_version(), "v1");
+    assert!(matches!(
+        h.submit(greedy("d")).unwrap_err(),
+        EngineError::Unavailable(_)
+    ));
 }
 
 #[test]

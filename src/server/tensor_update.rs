@@ -264,6 +264,7 @@ async fn write(
         state,
         staged,
         device.into_iter().collect(),
+        None,
         weight_version,
         None,
         pending,

@@ -31,6 +31,7 @@ use serde_json::json;
 
 use super::errors::ApiError;
 use super::extract::{ApiBytes, ApiJson};
+use super::spill::Spill;
 use super::AppState;
 use crate::engine::{EngineInfo, ShadowWeights};
 use crate::model::checksum::{self, WeightsChecksum};
@@ -297,8 +298,12 @@ pub struct Session {
     bytes: usize,
     /// Whole slots already prepared, by checkpoint tensor name: (slot name, replacement).
     prepared: BTreeMap<String, (String, Replacement)>,
-    /// Bucket bytes the prepared slots came from.
+    /// Bucket bytes the prepared slots came from (in memory and spilled).
     prepared_bytes: usize,
+    /// Bucket bytes of the prepared slots held in memory.
+    resident_bytes: usize,
+    /// Prepared slots past `--max-prepared-weight-bytes`, waiting on disk (in place only).
+    spill: Option<Spill>,
     /// Where whole slots go, decided at the first bucket: None until then.
     target: Option<Target>,
     last_activity: Instant,
@@ -332,7 +337,10 @@ impl Session {
             Some(Target::Shadow(s)) => s.written.len(),
             _ => 0,
         };
-        self.staged.len() + self.prepared.len() + written
+        self.staged.len()
+            + self.prepared.len()
+            + written
+            + self.spill.as_ref().map_or(0, Spill::slots)
     }
 
     fn mode(&self) -> &'static str {
@@ -361,16 +369,27 @@ pub struct WeightUpdates {
     snapshot: std::sync::Mutex<Option<(String, Arc<WeightsChecksum>)>>,
     pub max_staged_bytes: usize,
     pub session_timeout: Duration,
+    /// Bucket bytes of prepared slots an in-place session keeps in memory; later ones wait in
+    /// a spill file under `spill_dir` until the commit.
+    pub max_prepared_bytes: usize,
+    pub spill_dir: PathBuf,
 }
 
 impl WeightUpdates {
-    pub fn new(max_staged_bytes: usize, session_timeout: Duration) -> WeightUpdates {
+    pub fn new(
+        max_staged_bytes: usize,
+        session_timeout: Duration,
+        max_prepared_bytes: usize,
+        spill_dir: PathBuf,
+    ) -> WeightUpdates {
         WeightUpdates {
             session: tokio::sync::Mutex::new(None),
             commit: Arc::new(tokio::sync::Mutex::new(())),
             snapshot: std::sync::Mutex::new(None),
             max_staged_bytes,
             session_timeout,
+            max_prepared_bytes,
+            spill_dir,
         }
     }
 }
@@ -449,6 +468,8 @@ pub async fn begin_weight_update(
         bytes: 0,
         prepared: BTreeMap::new(),
         prepared_bytes: 0,
+        resident_bytes: 0,
+        spill: None,
         target: None,
         last_activity: Instant::now(),
     });
@@ -673,6 +694,9 @@ pub(crate) async fn stage_bucket(
     for (name, t) in waiting {
         session.bytes += t.data.len();
         session.prepared.remove(&name);
+        if let Some(spill) = &mut session.spill {
+            spill.remove(&name);
+        }
         if let Some(s) = session.shadow_mut() {
             s.written.remove(&name);
         }
@@ -689,7 +713,17 @@ pub(crate) async fn stage_bucket(
     match prepared {
         Prepared::Kept(updates) => {
             session.prepared_bytes += whole_bytes;
-            session.prepared.extend(names.into_iter().zip(updates));
+            if session.resident_bytes + whole_bytes <= state.updates.max_prepared_bytes {
+                session.resident_bytes += whole_bytes;
+                for (name, update) in names.into_iter().zip(updates) {
+                    if let Some(spill) = &mut session.spill {
+                        spill.remove(&name);
+                    }
+                    session.prepared.insert(name, update);
+                }
+            } else {
+                spill_slots(state, session, names.into_iter().zip(updates).collect()).await?;
+            }
         }
         Prepared::Written(changed) => {
             let s = session.shadow_mut().expect("written into the shadow");
@@ -716,8 +750,54 @@ pub(crate) async fn stage_bucket(
         "mode": session.mode(),
         "staged_tensors": session.tensors(),
         "staged_bytes": session.bytes + session.prepared_bytes,
+        "spilled_bytes": session.spill.as_ref().map_or(0, Spill::bytes),
         "waiting_bytes": session.bytes,
     })))
+}
+
+/// Writes prepared slots past `--max-prepared-weight-bytes` into the session's spill file (made
+/// on first need), off the runtime. A failure drops the session: what it staged is gone.
+async fn spill_slots(
+    state: &AppState,
+    session: &mut Session,
+    updates: Vec<(String, (String, Replacement))>,
+) -> Result<(), ApiError> {
+    let spill = match session.spill.take() {
+        Some(s) => Ok(s),
+        None => Spill::create(&state.updates.spill_dir),
+    };
+    let hidden = state.engine.info.config.hidden_size;
+    let id = session.id.clone();
+    let written = tokio::task::spawn_blocking(move || {
+        let mut spill = spill?;
+        for (name, (slot, r)) in &updates {
+            spill.write(
+                name.clone(),
+                slot.strip_suffix(".weight").unwrap_or(slot),
+                r,
+                hidden,
+            )?;
+        }
+        Ok::<_, std::io::Error>((
+            spill,
+            updates.into_iter().map(|(n, _)| n).collect::<Vec<_>>(),
+        ))
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))?;
+    match written {
+        Ok((spill, names)) => {
+            for name in names {
+                session.prepared.remove(&name);
+            }
+            session.spill = Some(spill);
+            Ok(())
+        }
+        Err(e) => Err(ApiError::Internal(format!(
+            "weight update session {id}: writing prepared slots to a spill file in {} failed: {e} (set TMPDIR or --weight-spill-dir to a disk with room)",
+            state.updates.spill_dir.display()
+        ))),
+    }
 }
 
 /// Whether the open session `id` writes into a shadow copy on the device (deciding where it
@@ -921,6 +1001,7 @@ pub async fn end_weight_update(
                 &state,
                 session.staged,
                 session.prepared,
+                session.spill,
                 version,
                 expected_checksum,
                 None,
@@ -1033,6 +1114,7 @@ pub(crate) async fn commit(
     state: &AppState,
     mut staged: BTreeMap<String, StagedTensor>,
     prepared: BTreeMap<String, (String, Replacement)>,
+    spill: Option<Spill>,
     version: Option<String>,
     expected_checksum: Option<u64>,
     pending: Option<crate::engine::PendingHashes>,
@@ -1043,7 +1125,10 @@ pub(crate) async fn commit(
         ));
     }
     let info = state.engine.info.clone();
-    drop_parts_of_whole(&mut staged, prepared.keys());
+    drop_parts_of_whole(
+        &mut staged,
+        prepared.keys().chain(spill.iter().flat_map(Spill::names)),
+    );
     let (updates, changed) = tokio::task::spawn_blocking(move || {
         let mut updates = build_replacements(&info, staged)?;
         updates.extend(prepared.into_values());
@@ -1052,15 +1137,53 @@ pub(crate) async fn commit(
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))??;
+    let changed = match &spill {
+        Some(s) => s.checksum().overlaid(&changed),
+        None => changed,
+    };
+    let more = spill.map(|s| read_back(state.engine.info.clone(), s));
     let _commit = state.updates.commit.lock().await;
     let (version, sum) = committed_checksum(state, version, &changed, expected_checksum)?;
-    let (pause, spent) = state
-        .engine
-        .apply_weights(updates, Arc::new(sum), pending, version.clone())
-        .await?;
+    let commit = crate::engine::WeightCommit {
+        updates,
+        more,
+        checksum: Arc::new(sum),
+        pending,
+        version: version.clone(),
+    };
+    let (pause, spent) = state.engine.apply_weights(commit).await?;
     // Freeing gigabytes takes a while: not on the engine thread, not on the runtime.
     tokio::task::spawn_blocking(move || drop(spent));
     Ok(Committed { version, pause })
+}
+
+/// The spilled slots as replacements, a layer at a time, read back and prepared on the engine
+/// thread during the commit's pause (a layer's copy in memory at a time).
+fn read_back(info: Arc<EngineInfo>, spill: Spill) -> crate::engine::MoreUpdates {
+    let writes = spill.slots();
+    let mut groups = spill.groups().into_iter();
+    crate::engine::MoreUpdates {
+        writes,
+        next: Box::new(move || {
+            let group = groups.next()?;
+            let read = || {
+                let mut staged = BTreeMap::new();
+                for part in group {
+                    let data = spill.read(&part).map_err(|e| {
+                        format!("reading `{}` back from the spill file: {e}", part.name)
+                    })?;
+                    let t = StagedTensor {
+                        dtype: part.dtype,
+                        shape: part.shape,
+                        data: bytes::Bytes::from(data),
+                    };
+                    staged.insert(part.name, t);
+                }
+                build_replacements(&info, staged).map_err(|e| e.to_string())
+            };
+            Some(read())
+        }),
+    }
 }
 
 /// Names what the open session `id` will commit (as `/update_weight_version` does).

@@ -1,0 +1,225 @@
+//! Prepared slots of an in-place weight update that wait for the commit on disk instead of in
+//! resident memory (`--max-prepared-weight-bytes`): each slot in checkpoint layout (what
+//! `/weights_checksum` hashes, what a converted checkpoint holds), appended to one unlinked file
+//! (gone with the session, whatever ends it), read back layer by layer during the commit's
+//! pause. Host memory then holds a layer of the update at a time, not all of it; the file's
+//! pages sit in the page cache, which the kernel may drop.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use safetensors::tensor::Dtype;
+
+use crate::model::checksum::WeightsChecksum;
+use crate::model::slots::Replacement;
+
+/// One checkpoint tensor of a spilled slot: its bytes at `offset` of the file.
+#[derive(Clone, Debug)]
+pub struct SpilledPart {
+    /// The checkpoint tensor name (`module.suffix`).
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    offset: u64,
+    len: usize,
+}
+
+pub struct Spill {
+    file: std::fs::File,
+    len: u64,
+    /// By the checkpoint name the slot arrived under (as a session's prepared slots).
+    slots: BTreeMap<String, Vec<SpilledPart>>,
+    /// The checkpoint tensors of every spilled slot, hashed as they were written.
+    checksum: WeightsChecksum,
+}
+
+impl Spill {
+    /// An empty spill file in `dir`, unlinked at once.
+    pub fn create(dir: &Path) -> std::io::Result<Spill> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let path = dir.join(format!(
+            "lockstep-weight-spill-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)?;
+        std::fs::remove_file(&path)?;
+        Ok(Spill {
+            file,
+            len: 0,
+            slots: BTreeMap::new(),
+            checksum: WeightsChecksum::default(),
+        })
+    }
+
+    /// Appends the slot `r` (of module `module`) that arrived as `name`, replacing an earlier
+    /// one of that name.
+    pub fn write(
+        &mut self,
+        name: String,
+        module: &str,
+        r: &Replacement,
+        hidden: usize,
+    ) -> std::io::Result<()> {
+        self.remove(&name);
+        let parts = r.checkpoint_parts(hidden);
+        let mut out = std::io::BufWriter::with_capacity(8 << 20, &self.file);
+        let mut spilled = Vec::with_capacity(parts.len());
+        for p in &parts {
+            out.write_all(&p.data)?;
+            spilled.push(SpilledPart {
+                name: format!("{module}.{}", p.suffix),
+                dtype: p.dtype,
+                shape: p.shape.clone(),
+                offset: self.len,
+                len: p.data.len(),
+            });
+            self.len += p.data.len() as u64;
+        }
+        out.flush()?;
+        self.checksum.insert_parts(module, &parts);
+        self.slots.insert(name, spilled);
+        Ok(())
+    }
+
+    /// Forgets the slot that arrived as `name` (sent again); its bytes stay in the file,
+    /// unread.
+    pub fn remove(&mut self, name: &str) -> bool {
+        let Some(parts) = self.slots.remove(name) else {
+            return false;
+        };
+        for p in parts {
+            self.checksum.tensors.remove(&p.name);
+        }
+        true
+    }
+
+    /// Slots spilled.
+    pub fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// The names the spilled slots arrived under.
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.slots.keys()
+    }
+
+    /// Bytes of the spilled slots.
+    pub fn bytes(&self) -> usize {
+        self.slots.values().flatten().map(|p| p.len).sum()
+    }
+
+    /// The checksum entries of every spilled slot.
+    pub fn checksum(&self) -> &WeightsChecksum {
+        &self.checksum
+    }
+
+    /// The spilled parts by layer (`model.layers.N.`; everything else as one group): a group
+    /// holds whole slots and both halves of any gate/up pair.
+    pub fn groups(&self) -> Vec<Vec<SpilledPart>> {
+        let mut by: BTreeMap<Option<usize>, Vec<SpilledPart>> = BTreeMap::new();
+        for parts in self.slots.values() {
+            for p in parts {
+                by.entry(layer_of(&p.name)).or_default().push(p.clone());
+            }
+        }
+        by.into_values().collect()
+    }
+
+    /// A part's bytes, read back.
+    pub fn read(&self, p: &SpilledPart) -> std::io::Result<Vec<u8>> {
+        let mut buf = vec![0u8; p.len];
+        self.file.read_exact_at(&mut buf, p.offset)?;
+        Ok(buf)
+    }
+}
+
+/// N of `model.layers.N.…`.
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Slots come back byte for byte, grouped by layer, with their checksum entries; a slot
+    /// sent again replaces the earlier one (entries and all).
+    #[test]
+    fn spilled_slots_read_back_by_layer() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spill = Spill::create(dir.path()).unwrap();
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "unlinked at once"
+        );
+        let v = |n: usize, x: f32| Replacement::Vector((0..n).map(|i| x + i as f32).collect());
+        let names = [
+            "model.layers.0.input_layernorm",
+            "model.layers.10.input_layernorm",
+            "model.layers.0.post_attention_layernorm",
+            "model.norm",
+        ];
+        for (i, m) in names.iter().enumerate() {
+            spill
+                .write(format!("{m}.weight"), m, &v(4 + i, i as f32), 8)
+                .unwrap();
+        }
+        // Sent again: the new values replace the old.
+        spill
+            .write(format!("{}.weight", names[1]), names[1], &v(5, 9.0), 8)
+            .unwrap();
+        assert_eq!(spill.slots(), 4);
+        let groups = spill.groups();
+        let layout: Vec<Vec<&str>> = groups
+            .iter()
+            .map(|g| g.iter().map(|p| p.name.as_str()).collect())
+            .collect();
+        assert_eq!(
+            layout,
+            [
+                vec!["model.norm.weight"],
+                vec![
+                    "model.layers.0.input_layernorm.weight",
+                    "model.layers.0.post_attention_layernorm.weight"
+                ],
+                vec!["model.layers.10.input_layernorm.weight"],
+            ]
+        );
+        let mut want = WeightsChecksum::default();
+        for (i, m) in names.iter().enumerate() {
+            let r = if i == 1 {
+                v(5, 9.0)
+            } else {
+                v(4 + i, i as f32)
+            };
+            want.insert_parts(m, &r.checkpoint_parts(8));
+            let part = groups
+                .iter()
+                .flatten()
+                .find(|p| p.name == format!("{m}.weight"))
+                .unwrap();
+            assert_eq!(
+                spill.read(part).unwrap(),
+                r.checkpoint_parts(8)[0].data.to_vec(),
+                "{m}"
+            );
+        }
+        assert_eq!(spill.checksum(), &want);
+        assert!(spill.remove("model.norm.weight"));
+        assert!(!spill.checksum().tensors.contains_key("model.norm.weight"));
+        assert_eq!(spill.slots(), 3);
+    }
+}
