@@ -215,15 +215,10 @@ def scale_round(a, tmp: Path, failures: list) -> None:
                   f"{pause * 1e3:.1f} ms", flush=True)
             torch.cuda.ipc_collect()
             after = srv.checksum()
-            wrong = [n for n, t in named
-                     if int(after["tensors"][n], 16) != xxhash.xxh3_64_intdigest(
-                         t.contiguous().view(torch.uint8).cpu().numpy())]
-            kept = [n for n, h in after["tensors"].items() if before["tensors"].get(n) == h]
-            if wrong:
-                failures.append(f"scale {fmt}: {len(wrong)} tensors hash differently from the trainer's, e.g. {wrong[:3]}")
-            if kept:
-                failures.append(f"scale {fmt}: {len(kept)} tensors kept their old checksum, e.g. {kept[:3]}")
-            print(f"scale load_format {fmt}: {'OK' if not wrong and not kept else 'MISMATCH'}: every tensor's "
+            own = {n: xxhash.xxh3_64_intdigest(t.contiguous().view(torch.uint8).cpu().numpy())
+                   for n, t in named}
+            ok = compare(failures, f"scale {fmt}", before, after, own, "the trainer's bytes")
+            print(f"scale load_format {fmt}: {'OK' if ok else 'MISMATCH'}: every tensor's "
                   f"xxh3_64 in /weights_checksum equals the trainer's bytes", flush=True)
             del named
             torch.cuda.empty_cache()
@@ -234,6 +229,19 @@ def scale_round(a, tmp: Path, failures: list) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def compare(failures, label, before, after, want, source) -> bool:
+    """`after` (a /weights_checksum answer) holds the hash `want` gives each tensor (from
+    `source`), and no tensor kept its hash from `before`; failures are recorded."""
+    got = {n: int(h, 16) for n, h in after["tensors"].items()}
+    differ = [n for n, h in want.items() if got.get(n) != h]
+    kept = [n for n, h in after["tensors"].items() if before["tensors"].get(n) == h]
+    if differ:
+        failures.append(f"{label}: {len(differ)} tensors differ from {source}, e.g. {differ[:3]}")
+    if kept:
+        failures.append(f"{label}: {len(kept)} tensors kept their old checksum, e.g. {kept[:3]}")
+    return not differ and not kept
 
 
 def wait_healthy(srv, proc, log):
@@ -319,14 +327,9 @@ def main() -> int:
             s, v = srv.call("POST", "/update_weights_from_disk", {"model_path": str(ref)})
             if s != 200:
                 raise RuntimeError(f"update_weights_from_disk: {s} {v}")
-            disk = srv.checksum()
-            differ = [n for n in disk["tensors"] if disk["tensors"][n] != after["tensors"].get(n)]
-            unchanged = [n for n, h in after["tensors"].items() if before["tensors"].get(n) == h]
-            if differ:
-                failures.append(f"{fmt}: {len(differ)} tensors differ from the disk load, e.g. {differ[:3]}")
-            if unchanged:
-                failures.append(f"{fmt}: {len(unchanged)} tensors kept their old checksum, e.g. {unchanged[:3]}")
-            print(f"load_format {fmt}: {'OK' if not differ and not unchanged else 'MISMATCH'} "
+            disk = {n: int(h, 16) for n, h in srv.checksum()["tensors"].items()}
+            ok = compare(failures, fmt, before, after, disk, "the disk load")
+            print(f"load_format {fmt}: {'OK' if ok else 'MISMATCH'} "
                   f"(checksum {after['overall']}, version {after['weight_version']})", flush=True)
             del named
             torch.cuda.empty_cache()
