@@ -223,12 +223,17 @@ def scale_round(a, tmp: Path, failures: list) -> None:
             del named
             torch.cuda.empty_cache()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop(proc, log)
+
+
+def stop(proc, log) -> None:
+    """Ends a server started by this script and closes its log."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
 
 
 def compare(failures, label, before, after, want, source) -> bool:
@@ -346,12 +351,7 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001
         failures.append(str(e))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop(proc, log)
         if failures or a.keep:
             print(f"kept {tmp} (serve.log)")
         else:

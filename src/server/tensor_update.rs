@@ -179,7 +179,7 @@ async fn write(
     let device_bytes: usize = device.iter().map(|t| t.len).sum();
     let owner = mapping.clone();
     let one_shot = session.is_none();
-    let (host, device, hashing) = tokio::task::spawn_blocking(move || {
+    let (host, device, pending, hashing) = tokio::task::spawn_blocking(move || {
         let bad = |e: ipc::IpcError| ApiError::invalid(&e.name, e.message);
         let ranges: Vec<_> = host.iter().map(|t| (t.source, t.start, t.len)).collect();
         let bufs = mapping.to_host(&gpu, &ranges).map_err(bad)?;
@@ -211,7 +211,7 @@ async fn write(
                 hash::xxh3_of_device(&gpu.ctx, &ranges).map(|h| names.into_iter().zip(h).collect());
             (hashes, started.elapsed().as_secs_f64())
         };
-        let (hashes, hashing) = if one_shot {
+        let (hashes, pending, hashing) = if one_shot {
             // Hashed while the engine writes them: the engine waits for the hashes before the
             // version moves.
             let (tx, rx) = std::sync::mpsc::channel();
@@ -220,12 +220,12 @@ async fn write(
                 let _ = tx.send(hashes.map_err(|e| e.to_string()));
                 secs
             });
-            (None, Hashing::Beside(rx, thread))
+            (None, Some(rx), Hashing::Beside(thread))
         } else {
             let (hashes, secs) = hash();
             let hashes: Vec<(String, u64)> = hashes
                 .map_err(|e| ApiError::Internal(format!("hashing the shared tensors: {e}")))?;
-            (Some(hashes), Hashing::Done(secs))
+            (Some(hashes), None, Hashing::Done(secs))
         };
         let device: Vec<(String, (String, Replacement))> = device
             .into_iter()
@@ -243,7 +243,7 @@ async fn write(
                 (t.name.clone(), (t.name, r))
             })
             .collect();
-        Ok::<_, ApiError>((host, device, hashing))
+        Ok::<_, ApiError>((host, device, pending, hashing))
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))??;
@@ -259,7 +259,6 @@ async fn write(
         return Ok((staged, device_bytes, hashing.seconds().await));
     }
     let staged: BTreeMap<String, StagedTensor> = host.into_iter().collect();
-    let (pending, hashing) = hashing.take_pending();
     let committed = weights::commit(
         state,
         staged,
@@ -283,29 +282,16 @@ async fn write(
 enum Hashing {
     /// Already, in this many seconds.
     Done(f64),
-    /// On a thread beside the commit: the hashes come through the receiver, the thread
-    /// answers its seconds.
-    Beside(
-        std::sync::mpsc::Receiver<Result<Vec<(String, u64)>, String>>,
-        std::thread::JoinHandle<f64>,
-    ),
-    /// The receiver went to the commit.
-    Joining(std::thread::JoinHandle<f64>),
+    /// On a thread beside the commit (the hashes go to the engine), which answers its seconds.
+    Beside(std::thread::JoinHandle<f64>),
 }
 
 impl Hashing {
-    fn take_pending(self) -> (Option<crate::engine::PendingHashes>, Hashing) {
-        match self {
-            Hashing::Beside(rx, thread) => (Some(rx), Hashing::Joining(thread)),
-            other => (None, other),
-        }
-    }
-
     /// The seconds hashing took, once it has ended.
     async fn seconds(self) -> f64 {
         match self {
             Hashing::Done(s) => s,
-            Hashing::Beside(_, thread) | Hashing::Joining(thread) => {
+            Hashing::Beside(thread) => {
                 tokio::task::spawn_blocking(move || thread.join().unwrap_or(f64::NAN))
                     .await
                     .unwrap_or(f64::NAN)

@@ -101,27 +101,24 @@ fn check(r: sys::CUresult, name: &str, what: &str) -> Result<(), IpcError> {
 /// took its counters with it), so the trainer can free the tensors; for a payload refused
 /// before anything was opened (an opened one gives them back when dropped).
 pub fn release_references(sources: &[IpcSource]) {
-    for s in sources {
-        if let Some(rc) = &s.ref_counter {
-            if let Err(e) = release(rc) {
-                tracing::warn!(
-                    "tensor `{}`: could not release the producer's reference ({}#{}): {e}",
-                    s.name,
-                    rc.file,
-                    rc.index
-                );
-            }
-        }
-    }
+    release(
+        sources
+            .iter()
+            .filter_map(|s| Some((s.name.as_str(), s.ref_counter.as_ref()?))),
+    );
 }
 
 /// Gives back the producer's references of tensors a payload named but that were never opened
 /// (a payload refused while it was decoded); best effort, as `release_references`.
 pub fn release_counters(counters: &[RefCounter]) {
-    for rc in counters {
-        if let Err(e) = release(rc) {
+    release(counters.iter().map(|rc| ("", rc)));
+}
+
+fn release<'a>(counters: impl Iterator<Item = (&'a str, &'a RefCounter)>) {
+    for (name, rc) in counters {
+        if let Err(e) = decrement(rc) {
             tracing::warn!(
-                "could not release the producer's reference ({}#{}): {e}",
+                "tensor `{name}`: could not release the producer's reference ({}#{}): {e}",
                 rc.file,
                 rc.index
             );
@@ -322,7 +319,7 @@ impl IpcMapping {
 
 /// Decrements the producer's counter (what torch's receiving side does when it frees its
 /// copy), so the trainer's caching allocator may reuse the memory.
-fn release(rc: &RefCounter) -> std::io::Result<()> {
+fn decrement(rc: &RefCounter) -> std::io::Result<()> {
     let path = format!("/dev/shm/{}", rc.file.trim_start_matches('/'));
     let file = std::fs::OpenOptions::new()
         .read(true)
