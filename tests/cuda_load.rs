@@ -465,7 +465,7 @@ fn device_tensor(g: &Gpu, bytes: &[u8]) -> Replacement {
     let ptr = buf.device_ptr(&g.stream).0;
     g.synchronize().unwrap();
     let hash =
-        lockstep::backend::cuda::hash::xxh3_of_device(&g.ctx, &[(ptr, bytes.len())]).unwrap()[0];
+        lockstep::backend::cuda::hash::xxh3_of_device(&g, &[(ptr, bytes.len())]).unwrap()[0];
     Replacement::Device(DeviceTensor {
         ptr,
         bytes: bytes.len(),
@@ -474,54 +474,41 @@ fn device_tensor(g: &Gpu, bytes: &[u8]) -> Replacement {
     })
 }
 
-/// The pinned-copy hasher gives xxh3_64 of the bytes, for ranges empty, tiny, odd and across
-/// its chunk boundaries, many at once (its workers share them).
+/// The device hasher gives the `xxhash` crate's xxh3_64 of the bytes: for every length up to
+/// 300 (all of xxh3's short-input cases), lengths around its 1 KiB blocks, ranges longer than
+/// one launch block's window of blocks (256 KiB), and ranges at odd addresses (its unaligned
+/// path), all in one launch.
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn device_bytes_hash_like_the_host() {
     use cudarc::driver::DevicePtr;
     let mut rng = Rng(seed());
     let g = gpu();
-    let chunk = 16usize << 20; // hash.rs's CHUNK
-    let sizes = [
-        0,
-        1,
-        77,
-        4096,
-        chunk - 1,
-        chunk,
-        chunk + 3,
-        2 * chunk + 12345,
-    ];
-    let mut host: Vec<Vec<u8>> = sizes
-        .iter()
-        .map(|&n| (0..n).map(|_| rng.next() as u8).collect())
-        .collect();
-    // Twenty small tensors more, so workers take turns.
-    host.extend((0..20).map(|i| (0..1000 + 997 * i).map(|_| rng.next() as u8).collect()));
-    let bufs: Vec<_> = host
-        .iter()
-        .map(|h| g.upload(if h.is_empty() { &[0u8][..] } else { h }).unwrap())
-        .collect();
+    let mut lens: Vec<usize> = (0..=300).collect();
+    lens.extend([1023, 1024, 1025, 1087, 1088, 2047, 2048, 2049, 16 * 1024 - 1]);
+    lens.extend([(256 << 10) - 5, 256 << 10, (256 << 10) + 1, (3 << 20) + 12345]);
+    let total: usize = lens.iter().map(|n| n + 8).sum();
+    let host: Vec<u8> = (0..total).map(|_| rng.next() as u8).collect();
+    let buf = g.upload(&host).unwrap();
     g.synchronize().unwrap();
-    let ranges: Vec<(u64, usize)> = bufs
-        .iter()
-        .zip(&host)
-        .map(|(b, h)| (b.device_ptr(&g.stream).0, h.len()))
-        .collect();
-    let got = lockstep::backend::cuda::hash::xxh3_of_device(&g.ctx, &ranges).unwrap();
-    for (i, h) in host.iter().enumerate() {
+    let base = buf.device_ptr(&g.stream).0;
+    // Range i starts (i % 8) bytes into its slot: every alignment is taken.
+    let mut ranges = Vec::with_capacity(lens.len());
+    let mut at = 0;
+    for (i, &n) in lens.iter().enumerate() {
+        ranges.push((at + i % 8, n));
+        at += n + 8;
+    }
+    let device: Vec<(u64, usize)> = ranges.iter().map(|&(a, n)| (base + a as u64, n)).collect();
+    let got = lockstep::backend::cuda::hash::xxh3_of_device(&g, &device).unwrap();
+    for (i, &(a, n)) in ranges.iter().enumerate() {
         assert_eq!(
             got[i],
-            xxhash_rust::xxh3::xxh3_64(h),
-            "range {i} of {} bytes",
-            h.len()
+            xxhash_rust::xxh3::xxh3_64(&host[a..a + n]),
+            "range {i}: {n} bytes at offset {a}"
         );
     }
-    println!(
-        "{} device ranges hashed as the host hashes them",
-        host.len()
-    );
+    println!("{} device ranges hashed as the host hashes them", ranges.len());
 }
 
 /// BF16 tensors in device memory (what `/update_weights_from_tensor` makes of a trainer's CUDA

@@ -208,7 +208,7 @@ async fn write(
         let hash = move || {
             let started = Instant::now();
             let hashes =
-                hash::xxh3_of_device(&gpu.ctx, &ranges).map(|h| names.into_iter().zip(h).collect());
+                hash::xxh3_of_device(&gpu, &ranges).map(|h| names.into_iter().zip(h).collect());
             (hashes, started.elapsed().as_secs_f64())
         };
         let (hashes, pending, hashing) = if one_shot {

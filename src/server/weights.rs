@@ -656,20 +656,23 @@ pub(crate) async fn stage_bucket(
     let shadow = session
         .shadow_mut()
         .map(|s| s.weights.take().expect("returned by every bucket"));
-    let (shadow, prepared) = tokio::task::spawn_blocking(move || {
+    let (shadow, prepared, prepare_ms) = tokio::task::spawn_blocking(move || {
+        let started = Instant::now();
         let mut updates = match build_replacements(&info, whole) {
             Ok(u) => u,
-            Err(e) => return (shadow, Err(e)),
+            Err(e) => return (shadow, Err(e), 0.0),
         };
         updates.extend(device.into_iter().map(|(_, slot)| slot));
-        match shadow {
+        let prepare_ms = started.elapsed().as_secs_f64() * 1e3;
+        let (shadow, prepared) = match shadow {
             None => (None, Ok(Prepared::Kept(updates))),
             Some(mut shadow) => match write_shadow(&mut shadow, updates, info.config.hidden_size) {
                 Ok(changed) => (Some(shadow), Ok(Prepared::Written(changed))),
                 Err(e @ ShadowWriteError::Refused(_)) => (Some(shadow), Err(e.into())),
                 Err(e) => (None, Err(e.into())),
             },
-        }
+        };
+        (shadow, prepared, prepare_ms)
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))?;
@@ -733,7 +736,7 @@ pub(crate) async fn stage_bucket(
     }
     session.last_activity = Instant::now();
     tracing::info!(
-        "bucket of {} bytes ({}): waited {:.1} ms for the session, prepared{} in {:.1} ms",
+        "bucket of {} bytes ({}): waited {:.1} ms for the session, prepared{} in {:.1} ms (slots built in {:.1} ms)",
         whole_bytes,
         session.mode(),
         (locked - arrived).as_secs_f64() * 1e3,
@@ -742,7 +745,8 @@ pub(crate) async fn stage_bucket(
         } else {
             ""
         },
-        locked.elapsed().as_secs_f64() * 1e3
+        locked.elapsed().as_secs_f64() * 1e3,
+        prepare_ms
     );
     Ok(Json(json!({
         "success": true,

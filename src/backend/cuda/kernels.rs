@@ -23,10 +23,11 @@ pub enum Source {
     Attention,
     PrefillAttention,
     Sampling,
+    Hash,
 }
 
 impl Source {
-    pub const ALL: [Source; 7] = [
+    pub const ALL: [Source; 8] = [
         Source::Elementwise,
         Source::Moe,
         Source::Quant,
@@ -34,6 +35,7 @@ impl Source {
         Source::Attention,
         Source::PrefillAttention,
         Source::Sampling,
+        Source::Hash,
     ];
 
     pub fn file_name(self) -> &'static str {
@@ -45,6 +47,7 @@ impl Source {
             Source::Attention => "attention.cu",
             Source::PrefillAttention => "prefill_attention.cu",
             Source::Sampling => "sampling.cu",
+            Source::Hash => "hash.cu",
         }
     }
 
@@ -57,6 +60,7 @@ impl Source {
             Source::Attention => include_str!("../../../kernels/attention.cu"),
             Source::PrefillAttention => include_str!("../../../kernels/prefill_attention.cu"),
             Source::Sampling => include_str!("../../../kernels/sampling.cu"),
+            Source::Hash => include_str!("../../../kernels/hash.cu"),
         }
     }
 
@@ -217,6 +221,7 @@ kernels! {
     AttentionMergeHd128 => (PrefillAttention, "attention_merge_hd128", ATTENTION_MERGE),
     SampleRows => (Sampling, "sample_rows", &[Ptr, Ptr, I32, Ptr, Ptr, I32, I32, Ptr, Ptr]),
     HostExpf => (Sampling, "host_expf_kernel", MAP_N),
+    Xxh3Ranges => (Hash, "xxh3_64_ranges", &[Ptr, Ptr, I32, Ptr]),
 }
 
 /// NVRTC options. Default precision (IEEE division and square root); the bit-exact paths
