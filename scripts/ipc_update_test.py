@@ -24,6 +24,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -139,6 +140,15 @@ class Server:
         assert s == 200, v
         return v
 
+    def greedy(self):
+        """A short greedy completion's tokens and logprobs: what the served bytes compute."""
+        s, v = self.call("POST", "/generate", {
+            "input_ids": [11, 257, 1024, 7, 99, 4000, 31, 5],
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+            "return_logprob": True})
+        assert s == 200, v
+        return v["output_ids"], v["meta_info"]["output_token_logprobs"]
+
 
 def buckets(named, limit):
     cur, size = [], 0
@@ -213,6 +223,12 @@ def scale_round(a, tmp: Path, failures: list) -> None:
                   f"{server['open_s']:.2f}, hashing {server['hash_s']:.2f}, hashing and committing "
                   f"{server['write_s']:.2f}, closing {server['close_s']:.2f}); longest commit pause "
                   f"{pause * 1e3:.1f} ms", flush=True)
+            # The engine's own split of the last commits (written, hashes, version).
+            log.flush()
+            commits = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
+                       for line in open(tmp / "serve_scale.log") if "weights committed" in line]
+            for line in commits[-3:]:
+                print(f"scale load_format {fmt}: {line[line.find('weights committed'):]}", flush=True)
             torch.cuda.ipc_collect()
             after = srv.checksum()
             own = {n: xxhash.xxh3_64_intdigest(t.contiguous().view(torch.uint8).cpu().numpy())
@@ -234,6 +250,32 @@ def stop(proc, log) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
     log.close()
+
+
+def reference_checkpoint(ref: Path, model: Path, named) -> Path:
+    """`named` written as a checkpoint of the served model's config at `ref`."""
+    ref.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        if (model / f).exists():
+            shutil.copy(model / f, ref / f)
+    write_safetensors(ref / "model.safetensors", named)
+    return ref
+
+
+def disk_load(srv, ref: Path) -> dict:
+    """Loads `ref` with /update_weights_from_disk; the served hash of each tensor."""
+    s, v = srv.call("POST", "/update_weights_from_disk", {"model_path": str(ref)})
+    if s != 200:
+        raise RuntimeError(f"update_weights_from_disk: {s} {v}")
+    return {n: int(h, 16) for n, h in srv.checksum()["tensors"].items()}
+
+
+def same_output(failures, label, written, loaded) -> bool:
+    """The greedy completion after the update equals the one after the disk load, bitwise."""
+    if written != loaded:
+        failures.append(f"{label}: the greedy completion differs from the disk load's: "
+                        f"{written} against {loaded}")
+    return written == loaded
 
 
 def compare(failures, label, before, after, want, source) -> bool:
@@ -321,23 +363,33 @@ def main() -> int:
             fmt = f"{fmt} ({'session, ' + mode if session else 'one update per request'})"
             print(f"load_format {fmt}: {sent / 1e9:.2f} GB ({d2d / 1e9:.2f} GB device to device) in {wall:.2f} s "
                   f"= {sent / 1e9 / wall:.2f} GB/s end to end (server side {copy_s:.2f} s)", flush=True)
-            after = srv.checksum()
-            # The same tensors through the disk path: the server must hold the same bytes.
-            ref = tmp / f"ref{round_}"
-            ref.mkdir()
-            for f in ("config.json", "tokenizer.json"):
-                if (model / f).exists():
-                    shutil.copy(model / f, ref / f)
-            write_safetensors(ref / "model.safetensors", named)
-            s, v = srv.call("POST", "/update_weights_from_disk", {"model_path": str(ref)})
-            if s != 200:
-                raise RuntimeError(f"update_weights_from_disk: {s} {v}")
-            disk = {n: int(h, 16) for n, h in srv.checksum()["tensors"].items()}
-            ok = compare(failures, fmt, before, after, disk, "the disk load")
+            after, written = srv.checksum(), srv.greedy()
+            # The same tensors through the disk path: the server must hold the same bytes, so
+            # it must also compute the same tokens and logprobs from them.
+            ref = reference_checkpoint(tmp / f"ref{round_}", model, named)
+            ok = compare(failures, fmt, before, after, disk_load(srv, ref), "the disk load")
+            ok &= same_output(failures, fmt, written, srv.greedy())
             print(f"load_format {fmt}: {'OK' if ok else 'MISMATCH'} "
                   f"(checksum {after['overall']}, version {after['weight_version']})", flush=True)
             del named
             torch.cuda.empty_cache()
+        # `lockstep push` of a new checkpoint: BF16 buckets go through a device shadow as
+        # device tensors (uploaded, hashed on the device); checked against the disk load.
+        named = [(n, (torch.randn(s, device="cuda", generator=gen) * 0.02).to(DTYPES[d]))
+                 for n, d, s in tensors]
+        pushed = reference_checkpoint(tmp / "pushed", model, named)
+        del named
+        before = srv.checksum()
+        out = subprocess.run([a.bin, "push", "--server", srv.url, "--checkpoint", str(pushed)],
+                             capture_output=True, text=True)
+        print("push: " + " | ".join(line for line in out.stdout.splitlines() + out.stderr.splitlines()
+                                    if "GB/s" in line or "rror" in line), flush=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"lockstep push failed: {out.stderr[-2000:]}")
+        after, written = srv.checksum(), srv.greedy()
+        ok = compare(failures, "push", before, after, disk_load(srv, pushed), "the disk load")
+        ok &= same_output(failures, "push", written, srv.greedy())
+        print(f"push: {'OK' if ok else 'MISMATCH'} (checksum {after['overall']})", flush=True)
         # A payload the server must refuse: a non-contiguous tensor.
         t = torch.zeros(16, 8, device="cuda", dtype=torch.bfloat16).t()
         s, v = srv.call("POST", "/update_weights_from_tensor",

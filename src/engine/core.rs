@@ -691,9 +691,18 @@ impl Core {
                 group += 1;
             }
         }
+        let written = started.elapsed();
         let checksum = self.with_pending_hashes(checksum, pending)?;
+        let hashed = started.elapsed();
         self.begin_weight_version(version, checksum);
-        Ok((started.elapsed(), spent))
+        let pause = started.elapsed();
+        tracing::info!(
+            "weights committed: {writes} tensors written in {:.1} ms, their hashes waited for {:.1} ms, the version moved in {:.1} ms",
+            written.as_secs_f64() * 1e3,
+            (hashed - written).as_secs_f64() * 1e3,
+            (pause - hashed).as_secs_f64() * 1e3
+        );
+        Ok((pause, spent))
     }
 
     /// After a commit wrote part of an update and cannot finish: the weights are neither the old

@@ -453,6 +453,15 @@ impl ShadowWeights {
         matches!(self.copy, ShadowCopy::Device(_))
     }
 
+    /// The stream a device copy is written on (None for a host copy): device tensors for it
+    /// made on this stream are ordered before its writes.
+    pub fn device_stream(&self) -> Option<&Gpu> {
+        match &self.copy {
+            ShadowCopy::Device(d) => Some(&d.gpu),
+            ShadowCopy::Host(_) => None,
+        }
+    }
+
     /// Bytes the copy holds.
     pub fn bytes(&self) -> usize {
         match &self.copy {

@@ -171,6 +171,83 @@ pub fn places(cfg: &ModelConfig) -> Vec<Place> {
     out
 }
 
+/// The place of checkpoint tensor `name` in a model of `cfg` (None: no such tensor), without
+/// listing every place: what [`places`] would name so, found by reading the name.
+pub fn place_of(cfg: &ModelConfig, name: &str) -> Option<Place> {
+    // A layer or expert number as `format!` writes it (no sign, no leading zero).
+    fn index(s: &str) -> Option<usize> {
+        let canonical = !s.is_empty()
+            && s.bytes().all(|b| b.is_ascii_digit())
+            && (s == "0" || !s.starts_with('0'));
+        canonical.then(|| s.parse().ok()).flatten()
+    }
+    fn swiglu(l: usize, e: Option<usize>, proj: &str) -> Option<Place> {
+        match proj {
+            "gate_proj" => Some(Place::GateUp(l, e, Half::Gate)),
+            "up_proj" => Some(Place::GateUp(l, e, Half::Up)),
+            "down_proj" => Some(Place::Down(l, e)),
+            _ => None,
+        }
+    }
+    let place = match name.strip_suffix(".weight")? {
+        "model.embed_tokens" => Place::Embedding,
+        "model.norm" => Place::FinalNorm,
+        "lm_head" => Place::LmHead,
+        module => {
+            let (l, rest) = module.strip_prefix("model.layers.")?.split_once('.')?;
+            let l = index(l)?;
+            match rest {
+                "input_layernorm" => Place::InputNorm(l),
+                "post_attention_layernorm" => Place::PostAttentionNorm(l),
+                "self_attn.q_norm" => Place::QNorm(l),
+                "self_attn.k_norm" => Place::KNorm(l),
+                "mlp.gate" => Place::Router(l),
+                _ => match rest.strip_prefix("self_attn.") {
+                    Some(proj) => Place::Attention(
+                        l,
+                        *Proj::ALL.iter().find(|p| p.name() == proj)?,
+                    ),
+                    None => {
+                        let mlp = rest.strip_prefix("mlp.")?;
+                        match mlp.strip_prefix("experts.") {
+                            Some(expert) => {
+                                let (e, proj) = expert.split_once('.')?;
+                                swiglu(l, Some(index(e)?), proj)?
+                            }
+                            None => swiglu(l, None, mlp)?,
+                        }
+                    }
+                },
+            }
+        }
+    };
+    // The rules `places` lists by.
+    let layer_ok = |l: usize| l < cfg.num_layers;
+    let experts = |l: usize| {
+        cfg.moe
+            .as_ref()
+            .filter(|_| cfg.is_moe_layer(l))
+            .map(|m| m.num_experts)
+    };
+    let expert_ok = |l: usize, e: Option<usize>| {
+        layer_ok(l)
+            && match (experts(l), e) {
+                (Some(n), Some(e)) => e < n,
+                (None, None) => true,
+                _ => false,
+            }
+    };
+    let exists = match place {
+        Place::Embedding | Place::FinalNorm => true,
+        Place::LmHead => !cfg.tie_word_embeddings,
+        Place::InputNorm(l) | Place::PostAttentionNorm(l) | Place::Attention(l, _) => layer_ok(l),
+        Place::QNorm(l) | Place::KNorm(l) => cfg.qk_norm && layer_ok(l),
+        Place::Router(l) => layer_ok(l) && experts(l).is_some(),
+        Place::GateUp(l, e, _) | Place::Down(l, e) => expert_ok(l, e),
+    };
+    exists.then_some(place)
+}
+
 impl ModelLayout {
     pub fn of(cfg: &ModelConfig, recipe: &Recipe) -> ModelLayout {
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
@@ -267,6 +344,60 @@ mod tests {
             serde_json::from_str(crate::serve::EMBEDDED_CONFIG).unwrap();
         raw["tie_word_embeddings"] = tie.into();
         ModelConfig::from_json(raw).unwrap()
+    }
+
+    /// `place_of` finds every place by its name, in tied and untied, MoE, dense and mixed
+    /// models, and nothing else: names a layout does not hold, numbers out of range or not
+    /// written as `format!` writes them, and a dense MLP's names in a MoE layer (and back).
+    #[test]
+    fn every_place_is_found_by_its_name_and_nothing_else() {
+        let mut mixed = config(true);
+        if let Some(m) = mixed.moe.as_mut() {
+            m.mlp_only_layers = vec![0];
+        }
+        let mut dense = config(false);
+        dense.moe = None;
+        dense.qk_norm = false;
+        for cfg in [config(false), config(true), mixed, dense] {
+            let all = places(&cfg);
+            for p in &all {
+                assert_eq!(place_of(&cfg, &p.name()), Some(*p), "{}", p.name());
+            }
+            let last = cfg.num_layers;
+            let mut absent = vec![
+                "model.embed_tokens".to_string(),
+                "model.embed_tokens.weight_scale".into(),
+                format!("model.layers.{last}.input_layernorm.weight"),
+                "model.layers.01.input_layernorm.weight".into(),
+                "model.layers.+1.input_layernorm.weight".into(),
+                "model.layers..input_layernorm.weight".into(),
+                "model.layers.0.self_attn.x_proj.weight".into(),
+                "model.layers.0.mlp.experts.00.up_proj.weight".into(),
+                "model.layers.0.mlp.experts.0.side_proj.weight".into(),
+                "lm_head.weight.weight".into(),
+            ];
+            for l in 0..cfg.num_layers {
+                let moe = cfg.moe.as_ref().filter(|_| cfg.is_moe_layer(l));
+                absent.push(match moe {
+                    Some(m) => format!("model.layers.{l}.mlp.experts.{}.up_proj.weight", m.num_experts),
+                    None => format!("model.layers.{l}.mlp.experts.0.up_proj.weight"),
+                });
+                if moe.is_some() {
+                    absent.push(format!("model.layers.{l}.mlp.up_proj.weight"));
+                } else {
+                    absent.push(format!("model.layers.{l}.mlp.gate.weight"));
+                }
+            }
+            if cfg.tie_word_embeddings {
+                absent.push("lm_head.weight".into());
+            }
+            if !cfg.qk_norm {
+                absent.push("model.layers.0.self_attn.q_norm.weight".into());
+            }
+            for name in absent {
+                assert_eq!(place_of(&cfg, &name), None, "{name}");
+            }
+        }
     }
 
     #[test]

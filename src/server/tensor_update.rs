@@ -24,9 +24,7 @@ use super::tensor_ipc::{self, LoadFormat};
 use super::weights::{self, StagedTensor};
 use super::AppState;
 use crate::backend::cuda::{hash, ipc};
-use crate::model::slots::{DeviceTensor, Replacement, SlotShape};
-use crate::quant::Format;
-use safetensors::tensor::Dtype;
+use crate::model::slots::{DeviceTensor, Replacement};
 
 /// SGLang's `UpdateWeightsFromTensorReqInput` over HTTP.
 #[derive(Deserialize)]
@@ -163,18 +161,10 @@ async fn write(
         None => true,
         Some(id) => weights::session_writes_shadow(state, id).await?,
     };
-    let slots = state.engine.info.slots();
-    let (device, host): (Vec<_>, Vec<_>) = tensors.into_iter().partition(|t| {
-        direct
-            && t.dtype == Dtype::BF16
-            && matches!(
-                slots.get(&t.name),
-                Some(SlotShape::Linear {
-                    format: Format::Bf16,
-                    ..
-                }) | Some(SlotShape::Embedding { .. })
-            )
-    });
+    let info = &state.engine.info;
+    let (device, host): (Vec<_>, Vec<_>) = tensors
+        .into_iter()
+        .partition(|t| direct && weights::lands_device_to_device(info, &t.name, t.dtype));
     let count = device.len() + host.len();
     let device_bytes: usize = device.iter().map(|t| t.len).sum();
     let owner = mapping.clone();

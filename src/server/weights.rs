@@ -37,10 +37,11 @@ use crate::engine::{EngineInfo, ShadowWeights};
 use crate::model::checksum::{self, WeightsChecksum};
 use crate::model::layout::gate_up_pair;
 use crate::model::loader::{self, Quantization};
-use crate::model::slots::{replacements_checksum, Replacement};
+use crate::backend::cuda::{hash, CudaError, Gpu};
+use crate::model::slots::{replacements_checksum, DeviceTensor, Replacement, SlotShape};
 use crate::model::store::WeightStore;
 use crate::quant::slot::{self, Pair, Slot, SlotError};
-use crate::quant::Recipe;
+use crate::quant::{Format, Recipe};
 
 /// How the served model was loaded, so an update is loaded the same way.
 #[derive(Clone, Debug, Default)]
@@ -658,8 +659,12 @@ pub(crate) async fn stage_bucket(
         .map(|s| s.weights.take().expect("returned by every bucket"));
     let (shadow, prepared, prepare_ms) = tokio::task::spawn_blocking(move || {
         let started = Instant::now();
-        let mut updates = match build_replacements(&info, whole) {
-            Ok(u) => u,
+        let (mut updates, whole) = match shadow.as_ref().and_then(ShadowWeights::device_stream) {
+            Some(gpu) => upload_for_device(gpu, &info, whole),
+            None => (Vec::new(), whole),
+        };
+        match build_replacements(&info, whole) {
+            Ok(u) => updates.extend(u),
             Err(e) => return (shadow, Err(e), 0.0),
         };
         updates.extend(device.into_iter().map(|(_, slot)| slot));
@@ -757,6 +762,88 @@ pub(crate) async fn stage_bucket(
         "spilled_bytes": session.spill.as_ref().map_or(0, Spill::bytes),
         "waiting_bytes": session.bytes,
     })))
+}
+
+/// Whether checkpoint tensor `name` of `dtype` can be written into the weights device to device:
+/// a BF16 tensor for a BF16 layer or the embedding, whose device layout is the checkpoint's.
+pub(crate) fn lands_device_to_device(info: &EngineInfo, name: &str, dtype: Dtype) -> bool {
+    dtype == Dtype::BF16
+        && matches!(
+            info.slots().get(name),
+            Some(SlotShape::Linear {
+                format: Format::Bf16,
+                ..
+            }) | Some(SlotShape::Embedding { .. })
+        )
+}
+
+/// A bucket's tensors for a shadow on the device: those that land device to device are copied
+/// to the device in one buffer on the shadow's stream and hashed there, then handed over as
+/// device tensors, so their bytes are neither converted nor hashed on the host (what bounded a
+/// push's bucket). Returns them and the rest, for the host path; everything goes there when
+/// the buffer cannot be had.
+fn upload_for_device(
+    gpu: &Gpu,
+    info: &EngineInfo,
+    whole: BTreeMap<String, StagedTensor>,
+) -> (Vec<(String, Replacement)>, BTreeMap<String, StagedTensor>) {
+    let (direct, mut rest): (BTreeMap<_, _>, BTreeMap<_, _>) = whole
+        .into_iter()
+        .partition(|(name, t)| lands_device_to_device(info, name, t.dtype));
+    if direct.is_empty() {
+        return (Vec::new(), rest);
+    }
+    match upload(gpu, &direct) {
+        Ok(updates) => (updates, rest),
+        Err(e) => {
+            tracing::warn!("a bucket's BF16 tensors go through host memory: uploading them for the device failed ({e})");
+            rest.extend(direct);
+            (Vec::new(), rest)
+        }
+    }
+}
+
+/// `tensors` copied into one device buffer (each at a 256-byte boundary), hashed there, as
+/// device tensors that keep the buffer alive.
+fn upload(
+    gpu: &Gpu,
+    tensors: &BTreeMap<String, StagedTensor>,
+) -> Result<Vec<(String, Replacement)>, CudaError> {
+    let mut starts = Vec::with_capacity(tensors.len());
+    let mut total = 0;
+    for t in tensors.values() {
+        starts.push(total);
+        total += t.data.len().next_multiple_of(256);
+    }
+    let mut buf = gpu.alloc::<u8>(total)?;
+    for (t, &at) in tensors.values().zip(&starts) {
+        if !t.data.is_empty() {
+            gpu.stream
+                .memcpy_htod(&t.data[..], &mut buf.slice_mut(at..at + t.data.len()))?;
+        }
+    }
+    let base = cudarc::driver::DevicePtr::device_ptr(&buf, &gpu.stream).0;
+    let ranges: Vec<(u64, usize)> = tensors
+        .values()
+        .zip(&starts)
+        .map(|(t, &at)| (base + at as u64, t.data.len()))
+        .collect();
+    // Ordered after the copies on the same stream; synchronized before it returns.
+    let hashes = hash::xxh3_of_device(gpu, &ranges)?;
+    let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::new(buf);
+    Ok(tensors
+        .keys()
+        .zip(ranges.into_iter().zip(hashes))
+        .map(|(name, ((ptr, bytes), hash))| {
+            let r = Replacement::Device(DeviceTensor {
+                ptr,
+                bytes,
+                hash: Some(hash),
+                owner: owner.clone(),
+            });
+            (name.clone(), r)
+        })
+        .collect())
 }
 
 /// Writes prepared slots past `--max-prepared-weight-bytes` into the session's spill file (made

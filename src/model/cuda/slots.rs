@@ -15,7 +15,7 @@ use crate::backend::cuda::{CudaError, Gpu};
 use crate::backend::Storage;
 use crate::checkpoint::CheckpointPart;
 use crate::model::checksum::WeightsChecksum;
-use crate::model::layout::{places, Half, Place, Proj};
+use crate::model::layout::{place_of, places, Half, Place, Proj};
 use crate::model::slots::{Replacement, SlotShape};
 use crate::model::store::StoreError;
 use crate::model::{Mlp, ModelConfig};
@@ -184,16 +184,23 @@ impl CudaWeights {
         cfg: &ModelConfig,
         updates: Vec<(String, Replacement)>,
     ) -> Result<Vec<Replacement>, StoreError> {
-        let mut updates: BTreeMap<String, Replacement> = updates.into_iter().collect();
+        // Each name read for its place: a commit of a few tensors does not walk every slot's
+        // name (tens of thousands in a large MoE).
         let mut pairs = Vec::with_capacity(updates.len());
-        for (name, loc) in self.slot_locations(cfg) {
-            if let Some(r) = updates.remove(&name) {
-                fits(&name, &self.slot(loc, cfg), &r)?;
-                pairs.push((loc, r));
+        let mut unknown = Vec::new();
+        for (name, r) in updates {
+            match place_of(cfg, &name) {
+                Some(loc) => {
+                    fits(&name, &self.slot(loc, cfg), &r)?;
+                    pairs.push((loc, r));
+                }
+                None => unknown.push(name),
             }
         }
-        if !updates.is_empty() {
-            return Err(StoreError::UnknownNames(updates.into_keys().collect()));
+        if !unknown.is_empty() {
+            unknown.sort_unstable();
+            unknown.dedup();
+            return Err(StoreError::UnknownNames(unknown));
         }
         let device = |e: CudaError| StoreError::Device(e.to_string());
         let mut spent = Vec::with_capacity(pairs.len());
