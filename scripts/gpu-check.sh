@@ -74,11 +74,14 @@ record "serve --device cuda: /generate + /v1/chat/completions" "$ok"
 fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
+# SKIP_KERNEL_BENCH=1: only the step benchmark (cuda_bench), not cuda_kernel_bench.
+if [ "${SKIP_KERNEL_BENCH:-0}" != 1 ]; then
 echo "== kernel benchmark (expert GEMMs, attention) ($(date +%T))"
 if "$bin"/cuda_kernel_bench configs/qwen3-30b-a3b.json 2>&1 | tee "$logs/kernel_bench.md"; then
   record "cuda_kernel_bench" "done (kernel_bench.md)"
 else
   record "cuda_kernel_bench" "FAIL"
+fi
 fi
 
 echo "== baseline benchmark ($(date +%T))"
