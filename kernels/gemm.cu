@@ -77,8 +77,7 @@ template <int FMT>
 __device__ void grouped_gemm(const float* x, const int* row_index, const float* row_scale, const void* w,
                              const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                              const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                             float* /* partials: the FFMA chain is never split */, const u32* /* xb */,
-                             unsigned* /* counters */) {
+                             float* /* partials: the FFMA chain is never split */, const u32* /* xb */) {
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
     int n0 = blockIdx.x * TN;
@@ -324,40 +323,6 @@ __device__ __forceinline__ void store_sum(float v, float* partials, int rows, in
     out[(u64)row * N + col] = v;
 }
 
-// Split-K's fold without a second launch (the few-rows kernels): once a warp has stored its
-// segment's sums for columns c0..c1 of rows r0..r1, it counts itself in `counter`; the last of
-// the gridDim.z warps on those columns adds every segment's sums in order, as
-// gemm_fold_segments does (the same additions, so the same bits), and resets the counter for
-// the next launch. The fence before the count makes each lane's sums visible device-wide; the
-// sums are read back from L2 (__ldcg).
-template <int FMT>
-__device__ void fold_if_last(const float* partials, unsigned* counter, int rows, int r0, int r1, int c0, int c1,
-                             int N, const int* row_index, const float* row_scale, const float* w_sdec, int sdec_groups,
-                             float* out) {
-    int lane = threadIdx.x & 31;
-    __threadfence();
-    __syncwarp();
-    unsigned done = 0;
-    if (lane == 0) done = atomicAdd(counter, 1u);
-    done = __shfl_sync(0xffffffffu, done, 0);
-    if (done != gridDim.z - 1) return;
-    __threadfence();
-    u64 count = (u64)rows * N;
-    int width = c1 - c0, segments = gridDim.z;
-    for (int i = lane; i < (r1 - r0) * width; i += 32) {
-        int row = r0 + i / width, col = c0 + i % width;
-        u64 at = (u64)row * N + col;
-        float v = __ldcg(partials + at);
-        for (int s = 1; s < segments; s++) v = __fadd_rn(v, __ldcg(partials + s * count + at));
-        if (FMT == 3 && row_scale) {
-            u64 src = row_index ? (u64)row_index[row] : (u64)row;
-            v = nvfp4_epilogue_scale(v, row_scale, src, w_sdec, 0, sdec_groups, col, N);
-        }
-        out[at] = v;
-    }
-    if (lane == 0) atomicExch(counter, 0u);
-}
-
 // ---- Tiles: activations packed to BF16 once, operands streamed into shared memory ----
 
 // The tiled kernel's A operand: every x row as BF16, [hi (K) | lo (K)] per row for plain BF16
@@ -391,7 +356,7 @@ template <int FMT>
 __device__ void grouped_gemm_mma(const float*, const int* row_index, const float* row_scale, const void* w,
                                  const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                  const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                 float* partials, const u32* xb, unsigned* /* counters: folded apart */) {
+                                 float* partials, const u32* xb) {
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
     int n0 = blockIdx.x * TILE_TN;
@@ -540,7 +505,7 @@ template <int FMT, int NF>
 __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const float* row_scale, const void* w,
                                     const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                     const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                    float* partials, unsigned* counters) {
+                                    float* partials) {
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
     constexpr bool SPLIT = FMT == 1;
@@ -635,36 +600,33 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
                                    sdec_groups, out);
                 }
         }
-    if (partials && counters)
-        fold_if_last<FMT>(partials, counters + (blockIdx.y * gridDim.x + blockIdx.x) * SKINNY_WARPS + warp, rows, r0,
-                          r1, n0, min(n0 + 8 * NF, N), N, row_index, row_scale, w_sdec, sdec_groups, out);
 }
 
 template <int FMT>
 __device__ void grouped_gemm_skinny1(const float* x, const int* row_index, const float* row_scale, const void* w,
                                      const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                      const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                     float* partials, const u32* /* xb: reads x itself */, unsigned* counters) {
+                                     float* partials, const u32* /* xb: reads x itself */) {
     grouped_gemm_skinny<FMT, 1>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets,
-                                rows, N, K, out, partials, counters);
+                                rows, N, K, out, partials);
 }
 
 template <int FMT>
 __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const float* row_scale, const void* w,
                                      const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                      const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                     float* partials, const u32* /* xb: reads x itself */, unsigned* counters) {
+                                     float* partials, const u32* /* xb: reads x itself */) {
     grouped_gemm_skinny<FMT, 4>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets,
-                                rows, N, K, out, partials, counters);
+                                rows, N, K, out, partials);
 }
 
 #define GEMM_KERNEL(KIND, NAME, FMT)                                                                              \
     extern "C" __global__ void NAME(const float* x, const int* row_index, const float* row_scale, const void* w,   \
                                     const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,    \
                                     const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,  \
-                                    float* partials, const u32* xb, unsigned* counters) {                          \
+                                    float* partials, const u32* xb) {                                              \
         KIND<FMT>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets, rows, N, K, \
-                  out, partials, xb, counters);                                                                    \
+                  out, partials, xb);                                                                              \
     }
 
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_bf16, 1)

@@ -20,8 +20,6 @@ const MMA_TILE_COLS: usize = 128;
 /// Output columns per block of the few-rows tensor-core kernels: 4 warps of 8 (or, in the
 /// `skinny4` kernels, 32) columns.
 const SKINNY_COLS_PER_BLOCK: usize = 32;
-/// Warps per block of the few-rows kernels (kernels/gemm.cu `SKINNY_WARPS`).
-const SKINNY_WARPS: usize = 4;
 /// Warps at which a few-rows launch takes the 32-columns-per-warp kernels: enough to fill the
 /// GPU, and each warp's activation packing then serves four times the weights.
 const SKINNY4_MIN_WARPS: usize = 2048;
@@ -58,9 +56,6 @@ pub enum WeightData {
 pub struct GemmScratch {
     partials: Option<CudaSlice<f32>>,
     operand: Option<CudaSlice<u32>>,
-    /// Split-K's per-warp counts for the few-rows kernels' own fold: zero between launches
-    /// (each launch's last warp on a column range resets its count).
-    counters: Option<CudaSlice<u32>>,
     /// Counts the times a buffer moved (a recorded step holds their addresses).
     pub generation: u64,
 }
@@ -469,15 +464,6 @@ fn launch_gemm(
     } else {
         None
     };
-    // The few-rows kernels fold split-K's segments themselves (the last warp on a column range
-    // adds them in order); the tiled kernel leaves that to `gemm_fold_segments`.
-    let self_fold = matches!(path, GemmPath::Skinny | GemmPath::Skinny4) && segments.is_some();
-    let counters = if self_fold {
-        let warps = grid_x * grid_y * SKINNY_WARPS;
-        Some(&*grown(gpu, &mut scratch.counters, &mut scratch.generation, warps)?)
-    } else {
-        None
-    };
     // Block shapes (kernels/gemm.cu): FFMA 32x64 tiles on 256 threads, MMA 32x128 tiles on 4
     // warps, few-rows MMA 32 or 128 columns on 4 warps; split-K adds a block per segment.
     // x, its row index and scales, and the weights are read at the rows and experts the plan
@@ -503,10 +489,9 @@ fn launch_gemm(
             out,
             partials.map(View::whole),
             operand,
-            counters.map(View::whole),
         ),
     )?;
-    let (Some(segments), Some(partials), false) = (segments, partials, self_fold) else {
+    let (Some(segments), Some(partials)) = (segments, partials) else {
         return Ok(());
     };
     let count = rows_arg * n;
