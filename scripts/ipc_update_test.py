@@ -252,6 +252,22 @@ def stop(proc, log) -> None:
     log.close()
 
 
+def push_round(a, srv, pushed: Path, label: str, failures: list) -> None:
+    """`lockstep push` of the checkpoint `pushed`, checked against its disk load: the same
+    checksum and the same greedy tokens and logprobs."""
+    before = srv.checksum()
+    out = subprocess.run([a.bin, "push", "--server", srv.url, "--checkpoint", str(pushed)],
+                         capture_output=True, text=True)
+    print(f"{label}: " + " | ".join(line for line in out.stdout.splitlines() + out.stderr.splitlines()
+                                    if "GB/s" in line or "rror" in line or "paused" in line), flush=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{label}: lockstep push failed: {out.stderr[-2000:]}")
+    after, written = srv.checksum(), srv.greedy()
+    ok = compare(failures, label, before, after, disk_load(srv, pushed), "the disk load")
+    ok &= same_output(failures, label, written, srv.greedy())
+    print(f"{label}: {'OK' if ok else 'MISMATCH'} (checksum {after['overall']})", flush=True)
+
+
 def reference_checkpoint(ref: Path, model: Path, named) -> Path:
     """`named` written as a checkpoint of the served model's config at `ref`."""
     ref.mkdir()
@@ -379,25 +395,25 @@ def main() -> int:
                  for n, d, s in tensors]
         pushed = reference_checkpoint(tmp / "pushed", model, named)
         del named
-        before = srv.checksum()
-        out = subprocess.run([a.bin, "push", "--server", srv.url, "--checkpoint", str(pushed)],
-                             capture_output=True, text=True)
-        print("push: " + " | ".join(line for line in out.stdout.splitlines() + out.stderr.splitlines()
-                                    if "GB/s" in line or "rror" in line), flush=True)
-        if out.returncode != 0:
-            raise RuntimeError(f"lockstep push failed: {out.stderr[-2000:]}")
-        after, written = srv.checksum(), srv.greedy()
-        ok = compare(failures, "push", before, after, disk_load(srv, pushed), "the disk load")
-        ok &= same_output(failures, "push", written, srv.greedy())
-        print(f"push: {'OK' if ok else 'MISMATCH'} (checksum {after['overall']})", flush=True)
+        push_round(a, srv, pushed, "push (shadow)", failures)
         # A payload the server must refuse: a non-contiguous tensor.
         t = torch.zeros(16, 8, device="cuda", dtype=torch.bfloat16).t()
         s, v = srv.call("POST", "/update_weights_from_tensor",
                         {"serialized_named_tensors": [serialize([(tensors[0][0], t)])]})
         if s != 400:
             failures.append(f"a non-contiguous tensor answered {s}: {v}")
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop(proc, log)
+        # The same push into a server with no shadow and a 256 MiB bound on prepared slots:
+        # written in place, most slots waiting in the spill file and read back at the commit.
+        log = open(tmp / "serve_in_place.log", "w")
+        proc = subprocess.Popen([a.bin, "serve", "--device", "cuda", "--model-path", str(model),
+                                 "--port", str(a.port), "--weights-root", str(tmp),
+                                 "--weight-update-shadow", "off",
+                                 "--max-prepared-weight-bytes", str(256 << 20)],
+                                stdout=log, stderr=subprocess.STDOUT)
+        wait_healthy(srv, proc, tmp / "serve_in_place.log")
+        push_round(a, srv, pushed, "push (in place, spilled)", failures)
+        stop(proc, log)
         if a.scale_gb > 0:
             scale_round(a, tmp, failures)
     except Exception as e:  # noqa: BLE001
