@@ -424,8 +424,8 @@ impl Core {
             Command::ApplyWeights { commit, reply } => {
                 let _ = reply.send(self.apply_weights(commit));
             }
-            Command::IpcStream(reply) => {
-                let _ = reply.send(self.exec.ipc_stream());
+            Command::SideStream(reply) => {
+                let _ = reply.send(self.exec.side_stream());
             }
             Command::ReleaseMemory { tags, reply } => {
                 let _ = reply.send(self.release_memory(tags.as_deref()));

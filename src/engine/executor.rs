@@ -139,9 +139,10 @@ pub(crate) trait Executor {
     /// the caller to free off the engine thread.
     fn install_shadow(&mut self, copy: ShadowCopy) -> Result<ShadowCopy, EngineError>;
 
-    /// A stream of its own for copying tensors shared through CUDA IPC, off the engine thread.
-    /// Only a CUDA executor can open them.
-    fn ipc_stream(&mut self) -> Result<Gpu, EngineError> {
+    /// The device with a stream of its own, for copies off the engine thread (tensors shared
+    /// through CUDA IPC, an in-place commit's staging). Only a CUDA executor has one; the
+    /// refusal names what asks for it from outside, a colocated trainer's tensors.
+    fn side_stream(&mut self) -> Result<Gpu, EngineError> {
         Err(EngineError::BadInput {
             param: "serialized_named_tensors".into(),
             message: "serialized_named_tensors holds CUDA IPC tensor handles, which this server cannot open: it computes on the CPU (start it with --device cuda on the trainer's GPU, or stream safetensors buckets with PUT /update_weights)".into(),
@@ -697,9 +698,9 @@ impl Executor for CudaExecutor {
         Ok(ShadowCopy::device(gpu, config, old))
     }
 
-    fn ipc_stream(&mut self) -> Result<Gpu, EngineError> {
+    fn side_stream(&mut self) -> Result<Gpu, EngineError> {
         self.model.gpu().with_own_stream().map_err(|e| {
-            EngineError::Conflict(format!("no stream for copying the shared tensors: {e}"))
+            EngineError::Conflict(format!("no stream of its own on the device: {e}"))
         })
     }
 

@@ -158,8 +158,8 @@ pub(crate) enum Command {
         /// caller, off the engine thread).
         reply: oneshot::Sender<Result<(std::time::Duration, Vec<Replacement>), EngineError>>,
     },
-    /// A stream for copying tensors shared through CUDA IPC (see [`EngineHandle::read_ipc`]).
-    IpcStream(oneshot::Sender<Result<crate::backend::cuda::Gpu, EngineError>>),
+    /// A stream beside the engine's (see [`EngineHandle::side_stream`]).
+    SideStream(oneshot::Sender<Result<crate::backend::cuda::Gpu, EngineError>>),
     /// `/release_memory_occupation` (see [`EngineHandle::release_memory`]).
     ReleaseMemory {
         tags: Option<Vec<MemoryTag>>,
@@ -428,6 +428,17 @@ impl EngineHandle {
             .map_err(|_| EngineError::Stopped(self.last_error()))?
     }
 
+    /// The engine's device with a stream of its own, for copies beside the engine's work (a
+    /// colocated trainer's tensors, an in-place commit's next layer); the engine's work is not
+    /// ordered with it, so synchronize it before handing the engine what it wrote. A CPU engine
+    /// refuses.
+    pub async fn side_stream(&self) -> Result<crate::backend::cuda::Gpu, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::SideStream(reply))?;
+        rx.await
+            .map_err(|_| EngineError::Stopped(self.last_error()))?
+    }
+
     /// Opens the allocations another process on this GPU shares through CUDA IPC, off the
     /// engine thread (generation goes on), and waits for the producer's events. The mapping
     /// comes back with a stream of its own for copies out of it; the handles close, and the
@@ -444,15 +455,7 @@ impl EngineHandle {
         EngineError,
     > {
         use crate::backend::cuda::ipc;
-        let (reply, rx) = oneshot::channel();
-        let stream = match self.send(Command::IpcStream(reply)) {
-            Ok(()) => rx
-                .await
-                .map_err(|_| EngineError::Stopped(self.last_error()))
-                .and_then(|r| r),
-            Err(e) => Err(e),
-        };
-        let gpu = match stream {
+        let gpu = match self.side_stream().await {
             Ok(gpu) => gpu,
             Err(e) => {
                 ipc::release_references(&sources);

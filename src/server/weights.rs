@@ -777,10 +777,11 @@ pub(crate) fn lands_device_to_device(info: &EngineInfo, name: &str, dtype: Dtype
         )
 }
 
-/// A bucket's tensors for a shadow on the device: those that land device to device are copied
-/// to the device in one buffer on the shadow's stream and hashed there, then handed over as
-/// device tensors, so their bytes are neither converted nor hashed on the host (what bounded a
-/// push's bucket). Returns them and the rest, for the host path; everything goes there when
+/// Tensors bound for weights on the device (a pushed bucket for a device shadow, on the
+/// shadow's stream; an in-place commit's spilled layer, on a side stream): those that land
+/// device to device are copied to the device in one buffer and hashed there, then handed over
+/// as device tensors, so their bytes are neither converted nor hashed on the host (what bounded
+/// a push's bucket). Returns them and the rest, for the host path; everything goes there when
 /// the buffer cannot be had.
 fn upload_for_device(
     gpu: &Gpu,
@@ -796,12 +797,15 @@ fn upload_for_device(
     match upload(gpu, &direct) {
         Ok(updates) => (updates, rest),
         Err(e) => {
-            tracing::warn!("a bucket's BF16 tensors go through host memory: uploading them for the device failed ({e})");
+            tracing::warn!("BF16 tensors go through host memory: staging them on the device failed ({e})");
             rest.extend(direct);
             (Vec::new(), rest)
         }
     }
 }
+
+/// Device memory an upload leaves free (else its tensors take the host path).
+const UPLOAD_SPARE_BYTES: usize = 1 << 30;
 
 /// `tensors` copied into one device buffer (each at a 256-byte boundary), hashed there, as
 /// device tensors that keep the buffer alive.
@@ -814,6 +818,13 @@ fn upload(
     for t in tensors.values() {
         starts.push(total);
         total += t.data.len().next_multiple_of(256);
+    }
+    // Never the engine's last memory: generation may be running and growing its scratch.
+    let (free, _) = gpu.memory()?;
+    if free < total + UPLOAD_SPARE_BYTES {
+        return Err(CudaError::Capacity(format!(
+            "{total} bytes to stage with {free} free on the device"
+        )));
     }
     let mut buf = gpu.alloc::<u8>(total)?;
     for (t, &at) in tensors.values().zip(&starts) {
@@ -1232,7 +1243,14 @@ pub(crate) async fn commit(
         Some(s) => s.checksum().overlaid(&changed),
         None => changed,
     };
-    let more = spill.map(|s| read_back(state.engine.info.clone(), s));
+    let more = match spill {
+        Some(s) => {
+            // BF16 slots read back go to the device beside generation, when there is one.
+            let gpu = state.engine.side_stream().await.ok();
+            Some(read_back(state.engine.info.clone(), s, gpu))
+        }
+        None => None,
+    };
     let _commit = state.updates.commit.lock().await;
     let (version, sum) = committed_checksum(state, version, &changed, expected_checksum)?;
     let commit = crate::engine::WeightCommit {
@@ -1248,15 +1266,18 @@ pub(crate) async fn commit(
     Ok(Committed { version, pause })
 }
 
-/// The spilled slots as replacements, a layer at a time, read back and prepared on the engine
-/// thread during the commit's pause (a layer's copy in memory at a time).
-fn read_back(info: Arc<EngineInfo>, spill: Spill) -> crate::engine::MoreUpdates {
+/// The spilled slots as replacements, a layer at a time. A thread reads and prepares them ahead
+/// of the engine, from the moment the commit is handed over: the next layer is made while the
+/// engine writes the last (two layers of the update in memory at most, the one written and the
+/// one waiting). With `gpu`, a layer's BF16 slots are uploaded to the device there (as a pushed
+/// bucket's for a device shadow), so the engine's pause copies them device to device. The
+/// thread ends at the first failure, or when the engine stops asking.
+fn read_back(info: Arc<EngineInfo>, spill: Spill, gpu: Option<Gpu>) -> crate::engine::MoreUpdates {
     let writes = spill.slots();
-    let mut groups = spill.groups().into_iter();
-    crate::engine::MoreUpdates {
-        writes,
-        next: Box::new(move || {
-            let group = groups.next()?;
+    let groups = spill.groups();
+    let (tx, rx) = std::sync::mpsc::sync_channel(0);
+    std::thread::spawn(move || {
+        for group in groups {
             let read = || {
                 let mut staged = BTreeMap::new();
                 for part in group {
@@ -1270,10 +1291,23 @@ fn read_back(info: Arc<EngineInfo>, spill: Spill) -> crate::engine::MoreUpdates 
                     };
                     staged.insert(part.name, t);
                 }
-                build_replacements(&info, staged).map_err(|e| e.to_string())
+                let (mut updates, rest) = match &gpu {
+                    Some(gpu) => upload_for_device(gpu, &info, staged),
+                    None => (Vec::new(), staged),
+                };
+                updates.extend(build_replacements(&info, rest).map_err(|e| e.to_string())?);
+                Ok(updates)
             };
-            Some(read())
-        }),
+            let group = read();
+            let failed = group.is_err();
+            if tx.send(group).is_err() || failed {
+                return;
+            }
+        }
+    });
+    crate::engine::MoreUpdates {
+        writes,
+        next: Box::new(move || rx.recv().ok()),
     }
 }
 
