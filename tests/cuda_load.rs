@@ -469,7 +469,7 @@ fn device_tensor(g: &Gpu, bytes: &[u8]) -> Replacement {
     Replacement::Device(DeviceTensor {
         ptr,
         bytes: bytes.len(),
-        hash: Some(hash),
+        hash,
         owner: Arc::new(buf),
     })
 }

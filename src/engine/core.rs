@@ -661,7 +661,6 @@ impl Core {
             updates,
             more,
             checksum,
-            pending,
             version,
         } = commit;
         let slots = self.info.slots();
@@ -692,15 +691,12 @@ impl Core {
             }
         }
         let written = started.elapsed();
-        let checksum = self.with_pending_hashes(checksum, pending)?;
-        let hashed = started.elapsed();
         self.begin_weight_version(version, checksum);
         let pause = started.elapsed();
         tracing::info!(
-            "weights committed: {writes} tensors written in {:.1} ms, their hashes waited for {:.1} ms, the version moved in {:.1} ms",
+            "weights committed: {writes} tensors written in {:.1} ms, the version moved in {:.1} ms",
             written.as_secs_f64() * 1e3,
-            (hashed - written).as_secs_f64() * 1e3,
-            (pause - hashed).as_secs_f64() * 1e3
+            (pause - written).as_secs_f64() * 1e3
         );
         Ok((pause, spent))
     }
@@ -717,31 +713,6 @@ impl Core {
         EngineError::Failed(format!(
             "{why}; the weights are marked absent: generation is refused until an update writes every tensor"
         ))
-    }
-
-    /// `checksum` with the hashes a commit computes beside the engine's writes. Without them
-    /// the weights just written have no known checksum ([`Self::weights_lost`]).
-    fn with_pending_hashes(
-        &mut self,
-        checksum: Arc<crate::model::checksum::WeightsChecksum>,
-        pending: Option<super::PendingHashes>,
-    ) -> Result<Arc<crate::model::checksum::WeightsChecksum>, EngineError> {
-        let Some(pending) = pending else {
-            return Ok(checksum);
-        };
-        let hashes = pending
-            .recv()
-            .unwrap_or_else(|_| Err("the hashing thread ended without an answer".into()));
-        match hashes {
-            Ok(hashes) => {
-                let mut sum = Arc::unwrap_or_clone(checksum);
-                sum.tensors.extend(hashes);
-                Ok(Arc::new(sum))
-            }
-            Err(e) => Err(self.weights_lost(&format!(
-                "the update was written but its tensors could not be hashed ({e})"
-            ))),
-        }
     }
 
     fn begin_weight_version(

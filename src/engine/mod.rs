@@ -78,10 +78,6 @@ pub enum PauseMode {
     InPlace,
 }
 
-/// Checkpoint tensor hashes still being computed (by another thread) when a commit reaches the
-/// engine, or why they could not be.
-pub type PendingHashes = std::sync::mpsc::Receiver<Result<Vec<(String, u64)>, String>>;
-
 /// Replacements read back group by group during the commit's pause (an update that waited on
 /// disk): each call gives the next group, None once all were given.
 pub struct MoreUpdates {
@@ -95,10 +91,8 @@ pub struct WeightCommit {
     pub updates: Vec<(String, Replacement)>,
     /// Written after `updates`, in the same pause.
     pub more: Option<MoreUpdates>,
-    /// The whole model's checksum after the commit, but for the hashes `pending` delivers.
+    /// The whole model's checksum after the commit.
     pub checksum: Arc<WeightsChecksum>,
-    /// Hashes of device tensors among `updates`, computed while they are written.
-    pub pending: Option<PendingHashes>,
     pub version: String,
 }
 
@@ -113,7 +107,6 @@ impl WeightCommit {
             updates,
             more: None,
             checksum,
-            pending: None,
             version,
         }
     }
@@ -410,14 +403,12 @@ impl EngineHandle {
 
     /// Swaps validated tensor replacements in between two engine steps (all at once), flushes
     /// the prefix cache and sets the weight version. The names must come from the served
-    /// model's slot table; `checksum` is the whole model's after the update, but for the
-    /// hashes `pending` delivers (device tensors hashed while the engine writes them: the
-    /// version moves once they arrive). `more` is written after `updates` in the same pause.
-    /// If the hashes cannot be had, or a group of `more` cannot be read or written, after
-    /// something was written, the weights are marked absent and generation is refused until
-    /// an update writes every tensor: weights that are neither the old nor the new ones, or of
-    /// unknown checksum, are never served. Returns the time generation stood still, and the
-    /// spent replacements for the caller to free.
+    /// model's slot table; `checksum` is the whole model's after the update. `more` is written
+    /// after `updates` in the same pause. If a group of `more` cannot be read or written after
+    /// something was written, the weights are marked absent and generation is refused until an
+    /// update writes every tensor: weights that are neither the old nor the new ones are never
+    /// served. Returns the time generation stood still, and the spent replacements for the
+    /// caller to free.
     pub async fn apply_weights(
         &self,
         commit: WeightCommit,

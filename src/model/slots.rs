@@ -57,8 +57,8 @@ pub struct DeviceTensor {
     /// The first byte, in the CUDA context of the store it is written into.
     pub ptr: u64,
     pub bytes: usize,
-    /// None: being hashed while it is written; the commit brings the hash to the engine.
-    pub hash: Option<u64>,
+    /// Its xxh3_64, the checksum's entry for the slot.
+    pub hash: u64,
     /// Keeps the memory mapped (and its producer's reference held) while the tensor lives.
     pub owner: std::sync::Arc<dyn std::any::Any + Send + Sync>,
 }
@@ -105,9 +105,9 @@ pub fn replacements_checksum(updates: &[(String, Replacement)], hidden: usize) -
     );
     // A device tensor is the slot's one checkpoint part (`weight`), hashed where it lies.
     for (name, r) in updates {
-        if let Replacement::Device(DeviceTensor { hash: Some(h), .. }) = r {
+        if let Replacement::Device(DeviceTensor { hash, .. }) = r {
             sum.tensors
-                .insert(format!("{}.weight", module_of(name)), *h);
+                .insert(format!("{}.weight", module_of(name)), *hash);
         }
     }
     sum

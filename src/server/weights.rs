@@ -849,7 +849,7 @@ fn upload(
             let r = Replacement::Device(DeviceTensor {
                 ptr,
                 bytes,
-                hash: Some(hash),
+                hash,
                 owner: owner.clone(),
             });
             (name.clone(), r)
@@ -1106,7 +1106,6 @@ pub async fn end_weight_update(
                 session.spill,
                 version,
                 expected_checksum,
-                None,
             )
             .await?
         }
@@ -1209,9 +1208,7 @@ fn check_expected(expected: Option<u64>, sum: &WeightsChecksum) -> Result<(), Ap
 
 /// Prepares the parts still raw, overlays the served checksum, checks `expected_checksum`, and
 /// swaps everything in at once (the end of a session, or a one-shot
-/// `/update_weights_from_tensor`). On any error nothing changes. `pending`: the hashes of
-/// device tensors among `prepared` that are computed while the engine writes them (see
-/// `EngineHandle::apply_weights`); not with `expected_checksum`, which needs them first.
+/// `/update_weights_from_tensor`). On any error nothing changes.
 pub(crate) async fn commit(
     state: &AppState,
     mut staged: BTreeMap<String, StagedTensor>,
@@ -1219,13 +1216,7 @@ pub(crate) async fn commit(
     spill: Option<Spill>,
     version: Option<String>,
     expected_checksum: Option<u64>,
-    pending: Option<crate::engine::PendingHashes>,
 ) -> Result<Committed, ApiError> {
-    if pending.is_some() && expected_checksum.is_some() {
-        return Err(ApiError::Internal(
-            "a commit checked against an expected checksum needs every hash first".into(),
-        ));
-    }
     let info = state.engine.info.clone();
     drop_parts_of_whole(
         &mut staged,
@@ -1257,7 +1248,6 @@ pub(crate) async fn commit(
         updates,
         more,
         checksum: Arc::new(sum),
-        pending,
         version: version.clone(),
     };
     let (pause, spent) = state.engine.apply_weights(commit).await?;
