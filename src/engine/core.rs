@@ -669,22 +669,34 @@ impl Core {
             .filter(|(n, _)| slots.contains_key(n))
             .count();
         self.check_update(writes + more.as_ref().map_or(0, |m| m.writes))?;
+        let mut more = more;
+        let mut undo = more.as_mut().and_then(|m| m.undo.take());
+        // Groups follow: what `updates` overwrite is kept first (nothing is written yet).
+        if let Some(log) = undo.as_mut() {
+            self.keep_for_undo(log.as_mut(), &updates)?;
+        }
         let spent = self.exec.apply(updates)?;
         if let Some(mut more) = more {
-            let wrote_some = !spent.is_empty();
+            let mut wrote = !spent.is_empty();
             let mut group = 0;
             while let Some(next) = (more.next)() {
-                let written = next
-                    .map_err(EngineError::Failed)
-                    .and_then(|updates| self.exec.apply(updates));
+                let written = match (next, undo.as_mut()) {
+                    (Err(e), _) => Err(EngineError::Failed(e)),
+                    (Ok(updates), Some(log)) => self
+                        .keep_for_undo(log.as_mut(), &updates)
+                        .and_then(|()| self.exec.apply(updates)),
+                    (Ok(updates), None) => self.exec.apply(updates),
+                };
                 match written {
                     // Freed at once: only one group's copy is held at a time.
-                    Ok(done) => drop(done),
-                    Err(e) if !wrote_some && group == 0 => return Err(e),
+                    Ok(done) => {
+                        wrote |= !done.is_empty();
+                        drop(done);
+                    }
+                    Err(e) if !wrote => return Err(e),
                     Err(e) => {
-                        return Err(self.weights_lost(&format!(
-                            "group {group} of the update could not be written ({e})"
-                        )))
+                        let why = format!("group {group} of the update could not be written ({e})");
+                        return Err(self.roll_back(undo, &why));
                     }
                 }
                 group += 1;
@@ -699,6 +711,39 @@ impl Core {
             (pause - written).as_secs_f64() * 1e3
         );
         Ok((pause, spent))
+    }
+
+    /// Keeps the served contents of the slots `updates` are about to overwrite in `log`.
+    fn keep_for_undo(
+        &mut self,
+        log: &mut dyn super::UndoLog,
+        updates: &[(String, crate::model::slots::Replacement)],
+    ) -> Result<(), EngineError> {
+        let names: Vec<String> = updates.iter().map(|(n, _)| n.clone()).collect();
+        let parts = self.exec.parts_of(&names)?;
+        log.keep(parts)
+            .map_err(|e| EngineError::Failed(format!("keeping what the update overwrites: {e}")))
+    }
+
+    /// After a commit in groups wrote part of an update and cannot finish (`why`): what it
+    /// overwrote is written back from its undo log, so the weights and version stay as they
+    /// were. Without a log, or when writing back fails too, the weights are marked absent.
+    fn roll_back(&mut self, undo: Option<Box<dyn super::UndoLog>>, why: &str) -> EngineError {
+        let Some(log) = undo else {
+            return self.weights_lost(why);
+        };
+        let mut replay = log.replay();
+        while let Some(group) = (replay.next)() {
+            let restored = group
+                .map_err(EngineError::Failed)
+                .and_then(|g| self.exec.apply(g));
+            if let Err(e) = restored {
+                return self.weights_lost(&format!("{why}, and rolling back failed ({e})"));
+            }
+        }
+        EngineError::Failed(format!(
+            "{why}; what it had written was rolled back: the weights and version are as before"
+        ))
     }
 
     /// After a commit wrote part of an update and cannot finish: the weights are neither the old

@@ -12,7 +12,7 @@ use crate::model::checksum::WeightsChecksum;
 use crate::model::cuda::{CudaModel, CudaWeights};
 use crate::model::loader::{open_serving_checkpoint, Quantization};
 use crate::model::slots::{Replacement, SlotShape};
-use crate::model::store::{StoreError, WeightStore};
+use crate::model::store::{SlotParts, StoreError, WeightStore};
 use crate::model::{
     forward, ForwardBatch, ForwardOptions, ForwardOutput, Model, ModelConfig, StepState,
 };
@@ -114,6 +114,10 @@ pub(crate) trait Executor {
         &mut self,
         updates: Vec<(String, Replacement)>,
     ) -> Result<Vec<Replacement>, EngineError>;
+
+    /// The served contents of the slots `names` in checkpoint layout (see
+    /// [`WeightStore::parts_of`]).
+    fn parts_of(&mut self, names: &[String]) -> Result<SlotParts, EngineError>;
 
     /// The slot table and checksum of device-only weights (None when the host holds them).
     fn device_catalog(&mut self) -> Result<Option<DeviceCatalog>, EngineError> {
@@ -320,6 +324,17 @@ impl Executor for CpuExecutor {
             .map_err(store_error)
     }
 
+    fn parts_of(&mut self, names: &[String]) -> Result<SlotParts, EngineError> {
+        std::sync::Arc::get_mut(&mut self.model)
+            .ok_or_else(|| {
+                EngineError::Conflict(
+                    "a shadow copy of the weights is being made; nothing was kept".into(),
+                )
+            })?
+            .parts_of(names)
+            .map_err(store_error)
+    }
+
     /// Only when asked (`--weight-update-shadow on`): the shadow shares the served model until
     /// its first write copies it (on the writer's thread, not this one); it doubles the
     /// weights' memory, so `auto` writes in place on the CPU.
@@ -512,6 +527,13 @@ impl WeightStore for ShadowWeights {
             ShadowCopy::Device(d) => d.weights.write_replacements(&d.gpu, &d.config, updates),
         }
     }
+
+    fn parts_of(&mut self, names: &[String]) -> Result<SlotParts, StoreError> {
+        match &mut self.copy {
+            ShadowCopy::Host(m) => own(m).parts_of(names),
+            ShadowCopy::Device(d) => d.weights.parts_of(&d.gpu, &d.config, names),
+        }
+    }
 }
 
 /// Host memory the kernel says is available (`MemAvailable`), when it says.
@@ -607,6 +629,10 @@ impl Executor for CudaExecutor {
         updates: Vec<(String, Replacement)>,
     ) -> Result<Vec<Replacement>, EngineError> {
         self.model.write(updates).map_err(store_error)
+    }
+
+    fn parts_of(&mut self, names: &[String]) -> Result<SlotParts, EngineError> {
+        self.model.parts_of(names).map_err(store_error)
     }
 
     fn device_catalog(&mut self) -> Result<Option<DeviceCatalog>, EngineError> {

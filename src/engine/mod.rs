@@ -84,6 +84,18 @@ pub struct MoreUpdates {
     /// Slots the groups write, all told.
     pub writes: usize,
     pub next: Box<dyn FnMut() -> Option<Result<Vec<(String, Replacement)>, String>> + Send>,
+    /// Where the commit keeps what it overwrites, so a group that cannot be read or written
+    /// after others were is rolled back (None: the weights are then marked absent).
+    pub undo: Option<Box<dyn UndoLog>>,
+}
+
+/// Where an in-place commit in groups keeps the served contents of the slots it is about to
+/// overwrite (in checkpoint layout), to write them back if a later group fails.
+pub trait UndoLog: Send {
+    /// Keeps these slots' served contents.
+    fn keep(&mut self, slots: crate::model::store::SlotParts) -> Result<(), String>;
+    /// Everything kept, as replacements, group by group.
+    fn replay(self: Box<Self>) -> MoreUpdates;
 }
 
 /// One commit of replacements into the served weights (see [`EngineHandle::apply_weights`]).
@@ -404,11 +416,13 @@ impl EngineHandle {
     /// Swaps validated tensor replacements in between two engine steps (all at once), flushes
     /// the prefix cache and sets the weight version. The names must come from the served
     /// model's slot table; `checksum` is the whole model's after the update. `more` is written
-    /// after `updates` in the same pause. If a group of `more` cannot be read or written after
-    /// something was written, the weights are marked absent and generation is refused until an
-    /// update writes every tensor: weights that are neither the old nor the new ones are never
-    /// served. Returns the time generation stood still, and the spent replacements for the
-    /// caller to free.
+    /// after `updates` in the same pause, each slot's served contents kept first in its undo
+    /// log. If a group of `more` cannot be read or written after something was written, what
+    /// was written is rolled back from the log: the weights and version stay as they were and
+    /// the error says so. Without a log, or if the rollback fails too, the weights are marked
+    /// absent and generation is refused until an update writes every tensor: weights that are
+    /// neither the old nor the new ones are never served. Returns the time generation stood
+    /// still, and the spent replacements for the caller to free.
     pub async fn apply_weights(
         &self,
         commit: WeightCommit,

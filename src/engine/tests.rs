@@ -82,6 +82,12 @@ impl Executor for NoBackup {
     ) -> Result<Vec<Replacement>, EngineError> {
         self.cpu.apply(updates)
     }
+    fn parts_of(
+        &mut self,
+        names: &[String],
+    ) -> Result<crate::model::store::SlotParts, EngineError> {
+        self.cpu.parts_of(names)
+    }
     fn shadow(&mut self, required: bool) -> Result<Option<ShadowCopy>, EngineError> {
         self.cpu.shadow(required)
     }
@@ -247,12 +253,13 @@ fn weights_resumed_without_a_backup_serve_nothing_until_an_update_writes_every_t
 }
 
 /// `updates` then `groups` as one commit: the groups are handed out one by one, as a spilled
-/// update reads them back.
+/// update reads them back; `undo` keeps what they overwrite.
 fn commit_in_groups(
     updates: Vec<(String, Replacement)>,
     groups: Vec<Result<Vec<(String, Replacement)>, String>>,
     checksum: Arc<crate::model::checksum::WeightsChecksum>,
     version: &str,
+    undo: Option<Box<dyn UndoLog>>,
 ) -> WeightCommit {
     let writes = groups.iter().map(|g| g.as_ref().map_or(1, Vec::len)).sum();
     let mut groups = groups.into_iter();
@@ -260,17 +267,20 @@ fn commit_in_groups(
         more: Some(MoreUpdates {
             writes,
             next: Box::new(move || groups.next()),
+            undo,
         }),
         ..WeightCommit::of(updates, checksum, version.into())
     }
 }
 
 /// A commit whose slots come group by group (an in-place update read back from its spill file)
-/// serves exactly the new weights. A group that fails after others were written leaves weights
-/// that are neither old nor new: they are marked absent, not served, and the version stays; a
-/// first group that fails before anything was written changes nothing.
+/// serves exactly the new weights. A first group that fails before anything was written changes
+/// nothing. A group that fails after others were written is rolled back from the undo log (the
+/// served slots kept in a file before each group overwrote them): the old weights are served
+/// bitwise, under the old version and checksum. Without a log such weights, neither old nor
+/// new, are marked absent, not served, and the version stays.
 #[test]
-fn a_commit_in_groups_serves_the_new_weights_or_none() {
+fn a_commit_in_groups_serves_the_new_weights_or_rolls_back() {
     let mut m = embedded(0);
     let h = Engine::start(embedded(0), info(&mut m), config()).unwrap();
     let rt = rt();
@@ -282,15 +292,20 @@ fn a_commit_in_groups_serves_the_new_weights_or_none() {
     );
     assert_ne!(before, want);
     let sum = Arc::new(new.weights_checksum());
-    let mut all = new.into_replacements();
-    let mut rest = all.split_off(3);
-    let mut groups = Vec::new();
-    while !rest.is_empty() {
-        let tail = rest.split_off(rest.len().min(5));
-        groups.push(Ok(std::mem::replace(&mut rest, tail)));
-    }
+    // A few slots in hand, the rest in groups of five.
+    let groups_of = |model: Model| {
+        let mut all = model.into_replacements();
+        let mut rest = all.split_off(3);
+        let mut groups = Vec::new();
+        while !rest.is_empty() {
+            let tail = rest.split_off(rest.len().min(5));
+            groups.push(Ok(std::mem::replace(&mut rest, tail)));
+        }
+        (all, groups)
+    };
+    let (all, groups) = groups_of(new);
     assert!(groups.len() > 2);
-    rt.block_on(h.apply_weights(commit_in_groups(all, groups, sum.clone(), "v1")))
+    rt.block_on(h.apply_weights(commit_in_groups(all, groups, sum.clone(), "v1", None)))
         .unwrap();
     assert_eq!(h.weight_version(), "v1");
     assert_eq!(
@@ -307,6 +322,7 @@ fn a_commit_in_groups_serves_the_new_weights_or_none() {
             vec![Err("the disk is gone".into())],
             sum.clone(),
             "v2",
+            None,
         )))
         .err()
         .expect("refused");
@@ -314,26 +330,43 @@ fn a_commit_in_groups_serves_the_new_weights_or_none() {
     assert_eq!(h.weight_version(), "v1");
     assert_eq!(run(&h, "c"), want);
 
-    // A group fails after one was written: absent, and the version stays.
-    let mut old = embedded(0);
-    let old_sum = Arc::new(old.weights_checksum());
-    let mut old = old.into_replacements();
-    let second = old.split_off(4);
-    drop(second);
+    // A group fails after two were written: rolled back from the undo log.
+    let mut other = embedded(3);
+    let other_sum = Arc::new(other.weights_checksum());
+    let (head, mut groups) = groups_of(other);
+    groups.truncate(2);
+    groups.push(Err("the disk is gone".into()));
+    let dir = tempfile::tempdir().unwrap();
+    let undo = crate::server::weights::SpillUndo::create(dir.path(), h.info.clone()).unwrap();
     let e = rt
         .block_on(h.apply_weights(commit_in_groups(
-            old,
-            vec![Err("the disk is gone".into())],
-            old_sum,
+            head,
+            groups,
+            other_sum.clone(),
             "v2",
+            Some(Box::new(undo)),
         )))
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("rolled back"), "{e}");
+    assert_eq!(h.memory().weights, WeightsState::Resident);
+    assert_eq!(h.weight_version(), "v1");
+    assert_eq!(*h.weights_checksum().1, *sum);
+    assert_eq!(run(&h, "d"), want, "bitwise the weights before the commit");
+
+    // The same without a log: absent, and the version stays.
+    let (head, mut groups) = groups_of(embedded(3));
+    groups.truncate(1);
+    groups.push(Err("the disk is gone".into()));
+    let e = rt
+        .block_on(h.apply_weights(commit_in_groups(head, groups, other_sum, "v2", None)))
         .err()
         .expect("refused");
     assert!(e.to_string().contains("marked absent"), "{e}");
     assert_eq!(h.memory().weights, WeightsState::Absent);
     assert_eq!(h.weight_version(), "v1");
     assert!(matches!(
-        h.submit(greedy("d")).unwrap_err(),
+        h.submit(greedy("e")).unwrap_err(),
         EngineError::Unavailable(_)
     ));
 }

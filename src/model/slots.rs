@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use super::checksum::WeightsChecksum;
 use super::layout::{Half, Place, Proj};
-use super::store::{StoreError, WeightStore};
+use super::store::{SlotParts, StoreError, WeightStore};
 use super::{Mlp, Model, SwiGlu};
 use crate::backend::cpu::linear::{linear_from, make_linear, DenseWeight};
 use crate::backend::Linear;
@@ -334,6 +334,28 @@ impl WeightStore for Model {
         updates: Vec<(String, Replacement)>,
     ) -> Result<Vec<Replacement>, StoreError> {
         self.apply_replacements(updates)
+    }
+
+    fn parts_of(&mut self, names: &[String]) -> Result<SlotParts, StoreError> {
+        let mut want: BTreeMap<&str, &String> =
+            names.iter().map(|n| (module_of(n), n)).collect();
+        let out: SlotParts = self
+            .checkpoint_parts()
+            .into_iter()
+            .filter_map(|(module, parts)| {
+                let name = want.remove(module.as_str())?;
+                Some((
+                    name.clone(),
+                    parts.into_iter().map(CheckpointPart::into_owned).collect(),
+                ))
+            })
+            .collect();
+        if !want.is_empty() {
+            return Err(StoreError::UnknownNames(
+                want.into_values().cloned().collect(),
+            ));
+        }
+        Ok(out)
     }
 }
 

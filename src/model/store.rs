@@ -45,4 +45,11 @@ pub trait WeightStore {
         &mut self,
         updates: Vec<(String, Replacement)>,
     ) -> Result<Vec<Replacement>, StoreError>;
+
+    /// The served contents of the slots `names`, copied out in checkpoint layout (by slot
+    /// name): what an in-place commit keeps, to write back if it cannot finish.
+    fn parts_of(&mut self, names: &[String]) -> Result<SlotParts, StoreError>;
 }
+
+/// Slots in checkpoint layout: each slot's name and its checkpoint parts.
+pub type SlotParts = Vec<(String, Vec<crate::checkpoint::CheckpointPart<'static>>)>;

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use safetensors::tensor::Dtype;
 
+use crate::checkpoint::CheckpointPart;
 use crate::model::checksum::WeightsChecksum;
 use crate::model::slots::Replacement;
 
@@ -68,11 +69,21 @@ impl Spill {
         r: &Replacement,
         hidden: usize,
     ) -> std::io::Result<()> {
+        self.write_parts(name, module, &r.checkpoint_parts(hidden))
+    }
+
+    /// Appends a slot given as its checkpoint parts (of module `module`) under `name`,
+    /// replacing an earlier one of that name.
+    pub fn write_parts(
+        &mut self,
+        name: String,
+        module: &str,
+        parts: &[CheckpointPart<'_>],
+    ) -> std::io::Result<()> {
         self.remove(&name);
-        let parts = r.checkpoint_parts(hidden);
         let mut out = std::io::BufWriter::with_capacity(8 << 20, &self.file);
         let mut spilled = Vec::with_capacity(parts.len());
-        for p in &parts {
+        for p in parts {
             out.write_all(&p.data)?;
             spilled.push(SpilledPart {
                 name: format!("{module}.{}", p.suffix),
@@ -84,7 +95,7 @@ impl Spill {
             self.len += p.data.len() as u64;
         }
         out.flush()?;
-        self.checksum.insert_parts(module, &parts);
+        self.checksum.insert_parts(module, parts);
         self.slots.insert(name, spilled);
         Ok(())
     }

@@ -1236,9 +1236,20 @@ pub(crate) async fn commit(
     };
     let more = match spill {
         Some(s) => {
+            // What the groups overwrite is kept on disk too, to roll back a commit that cannot
+            // finish.
+            let dir = &state.updates.spill_dir;
+            let undo = SpillUndo::create(dir, state.engine.info.clone()).map_err(|e| {
+                ApiError::Internal(format!(
+                    "creating the undo file of an in-place commit in {} failed: {e} (set TMPDIR or --weight-spill-dir to a disk with room); nothing changed",
+                    dir.display()
+                ))
+            })?;
             // BF16 slots read back go to the device beside generation, when there is one.
             let gpu = state.engine.side_stream().await.ok();
-            Some(read_back(state.engine.info.clone(), s, gpu))
+            let mut more = read_back(state.engine.info.clone(), s, gpu);
+            more.undo = Some(Box::new(undo));
+            Some(more)
         }
         None => None,
     };
@@ -1298,6 +1309,40 @@ fn read_back(info: Arc<EngineInfo>, spill: Spill, gpu: Option<Gpu>) -> crate::en
     crate::engine::MoreUpdates {
         writes,
         next: Box::new(move || rx.recv().ok()),
+        undo: None,
+    }
+}
+
+/// An in-place commit's undo log: the served contents of each slot it overwrites, in a spill
+/// file of their own (host memory stays bounded), read back like the update's spilled layers
+/// if the commit has to be rolled back.
+pub(crate) struct SpillUndo {
+    spill: Spill,
+    info: Arc<EngineInfo>,
+}
+
+impl SpillUndo {
+    pub(crate) fn create(dir: &Path, info: Arc<EngineInfo>) -> std::io::Result<SpillUndo> {
+        Ok(SpillUndo {
+            spill: Spill::create(dir)?,
+            info,
+        })
+    }
+}
+
+impl crate::engine::UndoLog for SpillUndo {
+    fn keep(&mut self, slots: crate::model::store::SlotParts) -> Result<(), String> {
+        for (name, parts) in slots {
+            let module = name.strip_suffix(".weight").unwrap_or(&name).to_string();
+            self.spill
+                .write_parts(name.clone(), &module, &parts)
+                .map_err(|e| format!("`{name}` into the undo file: {e}"))?;
+        }
+        Ok(())
+    }
+
+    fn replay(self: Box<Self>) -> crate::engine::MoreUpdates {
+        read_back(self.info, self.spill, None)
     }
 }
 

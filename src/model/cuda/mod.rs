@@ -25,7 +25,7 @@ use crate::backend::{Linear, MoeShape, Sampled};
 use crate::model::checksum::WeightsChecksum;
 use crate::model::layout::{Place, Proj};
 use crate::model::slots::{Replacement, SlotShape};
-use crate::model::store::{StoreError, WeightStore};
+use crate::model::store::{SlotParts, StoreError, WeightStore};
 use crate::sampling::SampleInput;
 use std::collections::BTreeMap;
 
@@ -145,6 +145,11 @@ impl WeightStore for CudaModel {
         self.backend.clear_graphs();
         let (gpu, weights) = (&self.backend.gpu, &mut self.weights);
         weights.write_replacements(gpu, &self.config, updates)
+    }
+
+    fn parts_of(&mut self, names: &[String]) -> Result<SlotParts, StoreError> {
+        let (gpu, weights) = (&self.backend.gpu, &mut self.weights);
+        weights.parts_of(gpu, &self.config, names)
     }
 }
 

@@ -17,7 +17,7 @@ use crate::checkpoint::CheckpointPart;
 use crate::model::checksum::WeightsChecksum;
 use crate::model::layout::{place_of, places, Half, Place, Proj};
 use crate::model::slots::{Replacement, SlotShape};
-use crate::model::store::StoreError;
+use crate::model::store::{SlotParts, StoreError};
 use crate::model::{Mlp, ModelConfig};
 use crate::quant::{slot, Format, MXFP8_BLOCK, NVFP4_BLOCK};
 use half::bf16;
@@ -172,6 +172,32 @@ impl CudaWeights {
             sum.insert_parts(&module, &parts);
         }
         Ok(sum)
+    }
+
+    /// The served contents of the slots `names` in checkpoint layout, downloaded.
+    pub fn parts_of(
+        &mut self,
+        gpu: &Gpu,
+        cfg: &ModelConfig,
+        names: &[String],
+    ) -> Result<SlotParts, StoreError> {
+        let unknown: Vec<String> = names
+            .iter()
+            .filter(|n| place_of(cfg, n).is_none())
+            .cloned()
+            .collect();
+        if !unknown.is_empty() {
+            return Err(StoreError::UnknownNames(unknown));
+        }
+        names
+            .iter()
+            .map(|name| {
+                let loc = place_of(cfg, name).expect("checked above");
+                let parts = checkpoint_parts(gpu, &self.slot(loc, cfg))
+                    .map_err(|e| StoreError::Device(e.to_string()))?;
+                Ok((name.clone(), parts))
+            })
+            .collect()
     }
 
     /// Writes validated replacements (names from the slot table) into the device buffers the
