@@ -259,6 +259,11 @@ pub struct ServeArgs {
     /// one on a disk, not a tmpfs, or the spill stays in memory).
     #[arg(long, env = "LOCKSTEP_WEIGHT_SPILL_DIR", help_heading = "Weights")]
     pub weight_spill_dir: Option<std::path::PathBuf>,
+    /// Keep what an in-place commit with spilled slots overwrites (in an undo file beside the
+    /// spill) so that a commit that fails midway is rolled back to the old weights instead of
+    /// marking them absent. It writes the overwritten weights to disk during the commit's pause.
+    #[arg(long, env = "LOCKSTEP_WEIGHT_UPDATE_ROLLBACK", help_heading = "Weights")]
+    pub weight_update_rollback: bool,
     /// Seconds a streamed weight update session may stay idle before it is dropped.
     #[arg(
         long,
@@ -635,6 +640,7 @@ pub fn app_state(args: &ServeArgs, engine: EngineHandle, limits: Limits) -> AppS
             args.weight_spill_dir
                 .clone()
                 .unwrap_or_else(std::env::temp_dir),
+            args.weight_update_rollback,
         )),
     }
 }

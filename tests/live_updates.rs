@@ -235,8 +235,9 @@ async fn a_push_larger_than_the_staging_limit_succeeds() {
 /// An in-place update past `--max-prepared-weight-bytes` (here one byte: every prepared slot)
 /// waits on disk, in an unlinked file of `--weight-spill-dir`, and is read back a layer at a
 /// time during the commit: the server ends on the checkpoint's exact weights, NVFP4 experts
-/// (quantized on arrival, read back as their parts) included; an aborted session leaves the
-/// served weights as they were.
+/// (quantized on arrival, read back as their parts) included, with the overwritten slots kept
+/// for a rollback (`--weight-update-rollback`) on the way; an aborted session leaves the served
+/// weights as they were.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_in_place_update_past_the_memory_bound_waits_on_disk_and_lands_exactly() {
     let (tmp, [a, b, c]) = three_checkpoints();
@@ -254,6 +255,7 @@ async fn an_in_place_update_past_the_memory_bound_waits_on_disk_and_lands_exactl
         "1",
         "--weight-spill-dir",
         &dir,
+        "--weight-update-rollback",
     ];
     let s = Proc::start(&[&args[..], &q].concat()).await;
     let fresh = Proc::start(&[&["--model-path", &mb][..], &q].concat()).await;

@@ -217,9 +217,18 @@ impl Model {
     }
 
     fn checkpoint_parts(&mut self) -> Vec<(String, Vec<CheckpointPart<'_>>)> {
+        self.checkpoint_parts_where(|_| true)
+    }
+
+    /// [`Self::checkpoint_parts`] of the slots whose names `want` takes (only theirs are made).
+    fn checkpoint_parts_where(
+        &mut self,
+        mut want: impl FnMut(&str) -> bool,
+    ) -> Vec<(String, Vec<CheckpointPart<'_>>)> {
         let hidden = self.config.hidden_size;
         self.slots_mut()
             .into_iter()
+            .filter(|(name, _)| want(name))
             .map(|(name, slot)| {
                 let parts = match slot {
                     SlotMut::Linear(l) => shared(l).checkpoint_parts(),
@@ -339,8 +348,9 @@ impl WeightStore for Model {
     fn parts_of(&mut self, names: &[String]) -> Result<SlotParts, StoreError> {
         let mut want: BTreeMap<&str, &String> =
             names.iter().map(|n| (module_of(n), n)).collect();
+        let asked: std::collections::BTreeSet<&str> = names.iter().map(String::as_str).collect();
         let out: SlotParts = self
-            .checkpoint_parts()
+            .checkpoint_parts_where(|name| asked.contains(name))
             .into_iter()
             .filter_map(|(module, parts)| {
                 let name = want.remove(module.as_str())?;

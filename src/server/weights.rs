@@ -374,6 +374,9 @@ pub struct WeightUpdates {
     /// a spill file under `spill_dir` until the commit.
     pub max_prepared_bytes: usize,
     pub spill_dir: PathBuf,
+    /// Whether a commit with spilled slots keeps what it overwrites, to roll back
+    /// (`--weight-update-rollback`).
+    pub rollback: bool,
 }
 
 impl WeightUpdates {
@@ -382,6 +385,7 @@ impl WeightUpdates {
         session_timeout: Duration,
         max_prepared_bytes: usize,
         spill_dir: PathBuf,
+        rollback: bool,
     ) -> WeightUpdates {
         WeightUpdates {
             session: tokio::sync::Mutex::new(None),
@@ -391,6 +395,7 @@ impl WeightUpdates {
             session_timeout,
             max_prepared_bytes,
             spill_dir,
+            rollback,
         }
     }
 }
@@ -1236,19 +1241,21 @@ pub(crate) async fn commit(
     };
     let more = match spill {
         Some(s) => {
-            // What the groups overwrite is kept on disk too, to roll back a commit that cannot
-            // finish.
-            let dir = &state.updates.spill_dir;
-            let undo = SpillUndo::create(dir, state.engine.info.clone()).map_err(|e| {
-                ApiError::Internal(format!(
-                    "creating the undo file of an in-place commit in {} failed: {e} (set TMPDIR or --weight-spill-dir to a disk with room); nothing changed",
-                    dir.display()
-                ))
-            })?;
             // BF16 slots read back go to the device beside generation, when there is one.
             let gpu = state.engine.side_stream().await.ok();
             let mut more = read_back(state.engine.info.clone(), s, gpu);
-            more.undo = Some(Box::new(undo));
+            if state.updates.rollback {
+                // What the groups overwrite is kept on disk too, to roll back a commit that
+                // cannot finish.
+                let dir = &state.updates.spill_dir;
+                let undo = SpillUndo::create(dir, state.engine.info.clone()).map_err(|e| {
+                    ApiError::Internal(format!(
+                        "creating the undo file of an in-place commit in {} failed: {e} (set TMPDIR or --weight-spill-dir to a disk with room); nothing changed",
+                        dir.display()
+                    ))
+                })?;
+                more.undo = Some(Box::new(undo));
+            }
             Some(more)
         }
         None => None,
