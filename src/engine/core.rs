@@ -659,7 +659,7 @@ impl Core {
         let started = Instant::now();
         let super::WeightCommit {
             updates,
-            more,
+            mut more,
             checksum,
             version,
         } = commit;
@@ -669,7 +669,6 @@ impl Core {
             .filter(|(n, _)| slots.contains_key(n))
             .count();
         self.check_update(writes + more.as_ref().map_or(0, |m| m.writes))?;
-        let mut more = more;
         let mut undo = more.as_mut().and_then(|m| m.undo.take());
         // Groups follow: what `updates` overwrite is kept first (nothing is written yet).
         if let Some(log) = undo.as_mut() {
