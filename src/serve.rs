@@ -262,7 +262,11 @@ pub struct ServeArgs {
     /// Keep what an in-place commit with spilled slots overwrites (in an undo file beside the
     /// spill) so that a commit that fails midway is rolled back to the old weights instead of
     /// marking them absent. It writes the overwritten weights to disk during the commit's pause.
-    #[arg(long, env = "LOCKSTEP_WEIGHT_UPDATE_ROLLBACK", help_heading = "Weights")]
+    #[arg(
+        long,
+        env = "LOCKSTEP_WEIGHT_UPDATE_ROLLBACK",
+        help_heading = "Weights"
+    )]
     pub weight_update_rollback: bool,
     /// Seconds a streamed weight update session may stay idle before it is dropped.
     #[arg(

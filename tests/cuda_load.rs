@@ -464,8 +464,7 @@ fn device_tensor(g: &Gpu, bytes: &[u8]) -> Replacement {
     let buf = g.upload(bytes).unwrap();
     let ptr = buf.device_ptr(&g.stream).0;
     g.synchronize().unwrap();
-    let hash =
-        lockstep::backend::cuda::hash::xxh3_of_device(&g, &[(ptr, bytes.len())]).unwrap()[0];
+    let hash = lockstep::backend::cuda::hash::xxh3_of_device(&g, &[(ptr, bytes.len())]).unwrap()[0];
     Replacement::Device(DeviceTensor {
         ptr,
         bytes: bytes.len(),
@@ -485,8 +484,23 @@ fn device_bytes_hash_like_the_host() {
     let mut rng = Rng(seed());
     let g = gpu();
     let mut lens: Vec<usize> = (0..=300).collect();
-    lens.extend([1023, 1024, 1025, 1087, 1088, 2047, 2048, 2049, 16 * 1024 - 1]);
-    lens.extend([(256 << 10) - 5, 256 << 10, (256 << 10) + 1, (3 << 20) + 12345]);
+    lens.extend([
+        1023,
+        1024,
+        1025,
+        1087,
+        1088,
+        2047,
+        2048,
+        2049,
+        16 * 1024 - 1,
+    ]);
+    lens.extend([
+        (256 << 10) - 5,
+        256 << 10,
+        (256 << 10) + 1,
+        (3 << 20) + 12345,
+    ]);
     let total: usize = lens.iter().map(|n| n + 8).sum();
     let host: Vec<u8> = (0..total).map(|_| rng.next() as u8).collect();
     let buf = g.upload(&host).unwrap();
@@ -508,7 +522,10 @@ fn device_bytes_hash_like_the_host() {
             "range {i}: {n} bytes at offset {a}"
         );
     }
-    println!("{} device ranges hashed as the host hashes them", ranges.len());
+    println!(
+        "{} device ranges hashed as the host hashes them",
+        ranges.len()
+    );
 }
 
 /// BF16 tensors in device memory (what `/update_weights_from_tensor` makes of a trainer's CUDA

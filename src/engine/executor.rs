@@ -725,9 +725,10 @@ impl Executor for CudaExecutor {
     }
 
     fn side_stream(&mut self) -> Result<Gpu, EngineError> {
-        self.model.gpu().with_own_stream().map_err(|e| {
-            EngineError::Conflict(format!("no stream of its own on the device: {e}"))
-        })
+        self.model
+            .gpu()
+            .with_own_stream()
+            .map_err(|e| EngineError::Conflict(format!("no stream of its own on the device: {e}")))
     }
 
     fn keeps_weights_backup(&self) -> bool {

@@ -203,10 +203,9 @@ pub fn place_of(cfg: &ModelConfig, name: &str) -> Option<Place> {
                 "self_attn.k_norm" => Place::KNorm(l),
                 "mlp.gate" => Place::Router(l),
                 _ => match rest.strip_prefix("self_attn.") {
-                    Some(proj) => Place::Attention(
-                        l,
-                        *Proj::ALL.iter().find(|p| p.name() == proj)?,
-                    ),
+                    Some(proj) => {
+                        Place::Attention(l, *Proj::ALL.iter().find(|p| p.name() == proj)?)
+                    }
                     None => {
                         let mlp = rest.strip_prefix("mlp.")?;
                         match mlp.strip_prefix("experts.") {
@@ -379,7 +378,10 @@ mod tests {
             for l in 0..cfg.num_layers {
                 let moe = cfg.moe.as_ref().filter(|_| cfg.is_moe_layer(l));
                 absent.push(match moe {
-                    Some(m) => format!("model.layers.{l}.mlp.experts.{}.up_proj.weight", m.num_experts),
+                    Some(m) => format!(
+                        "model.layers.{l}.mlp.experts.{}.up_proj.weight",
+                        m.num_experts
+                    ),
                     None => format!("model.layers.{l}.mlp.experts.0.up_proj.weight"),
                 });
                 if moe.is_some() {

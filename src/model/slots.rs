@@ -346,8 +346,7 @@ impl WeightStore for Model {
     }
 
     fn parts_of(&mut self, names: &[String]) -> Result<SlotParts, StoreError> {
-        let mut want: BTreeMap<&str, &String> =
-            names.iter().map(|n| (module_of(n), n)).collect();
+        let mut want: BTreeMap<&str, &String> = names.iter().map(|n| (module_of(n), n)).collect();
         let asked: std::collections::BTreeSet<&str> = names.iter().map(String::as_str).collect();
         let out: SlotParts = self
             .checkpoint_parts_where(|name| asked.contains(name))

@@ -33,11 +33,11 @@ use super::errors::ApiError;
 use super::extract::{ApiBytes, ApiJson};
 use super::spill::Spill;
 use super::AppState;
+use crate::backend::cuda::{hash, CudaError, Gpu};
 use crate::engine::{EngineInfo, ShadowWeights};
 use crate::model::checksum::{self, WeightsChecksum};
 use crate::model::layout::gate_up_pair;
 use crate::model::loader::{self, Quantization};
-use crate::backend::cuda::{hash, CudaError, Gpu};
 use crate::model::slots::{replacements_checksum, DeviceTensor, Replacement, SlotShape};
 use crate::model::store::WeightStore;
 use crate::quant::slot::{self, Pair, Slot, SlotError};
@@ -802,7 +802,9 @@ fn upload_for_device(
     match upload(gpu, &direct) {
         Ok(updates) => (updates, rest),
         Err(e) => {
-            tracing::warn!("BF16 tensors go through host memory: staging them on the device failed ({e})");
+            tracing::warn!(
+                "BF16 tensors go through host memory: staging them on the device failed ({e})"
+            );
             rest.extend(direct);
             (Vec::new(), rest)
         }
