@@ -347,9 +347,8 @@ impl WeightStore for Model {
 
     fn parts_of(&mut self, names: &[String]) -> Result<SlotParts, StoreError> {
         let mut want: BTreeMap<&str, &String> = names.iter().map(|n| (module_of(n), n)).collect();
-        let asked: std::collections::BTreeSet<&str> = names.iter().map(String::as_str).collect();
         let out: SlotParts = self
-            .checkpoint_parts_where(|name| asked.contains(name))
+            .checkpoint_parts_where(|name| want.contains_key(module_of(name)))
             .into_iter()
             .filter_map(|(module, parts)| {
                 let name = want.remove(module.as_str())?;

@@ -181,18 +181,20 @@ impl CudaWeights {
         cfg: &ModelConfig,
         names: &[String],
     ) -> Result<SlotParts, StoreError> {
-        let unknown: Vec<String> = names
-            .iter()
-            .filter(|n| place_of(cfg, n).is_none())
-            .cloned()
-            .collect();
+        let mut located = Vec::with_capacity(names.len());
+        let mut unknown = Vec::new();
+        for name in names {
+            match place_of(cfg, name) {
+                Some(loc) => located.push((name, loc)),
+                None => unknown.push(name.clone()),
+            }
+        }
         if !unknown.is_empty() {
             return Err(StoreError::UnknownNames(unknown));
         }
-        names
-            .iter()
-            .map(|name| {
-                let loc = place_of(cfg, name).expect("checked above");
+        located
+            .into_iter()
+            .map(|(name, loc)| {
                 let parts = checkpoint_parts(gpu, &self.slot(loc, cfg))
                     .map_err(|e| StoreError::Device(e.to_string()))?;
                 Ok((name.clone(), parts))
