@@ -404,16 +404,25 @@ def main() -> int:
             failures.append(f"a non-contiguous tensor answered {s}: {v}")
         stop(proc, log)
         # The same push into a server with no shadow and a 256 MiB bound on prepared slots:
-        # written in place, most slots waiting in the spill file and read back at the commit.
-        log = open(tmp / "serve_in_place.log", "w")
-        proc = subprocess.Popen([a.bin, "serve", "--device", "cuda", "--model-path", str(model),
-                                 "--port", str(a.port), "--weights-root", str(tmp),
-                                 "--weight-update-shadow", "off",
-                                 "--max-prepared-weight-bytes", str(256 << 20)],
-                                stdout=log, stderr=subprocess.STDOUT)
-        wait_healthy(srv, proc, tmp / "serve_in_place.log")
-        push_round(a, srv, pushed, "push (in place, spilled)", failures)
-        stop(proc, log)
+        # written in place, most slots waiting in the spill file and read back at the commit:
+        # before the pause (onto the device), during it (no read-ahead room), and keeping an
+        # undo file of what it overwrites.
+        for label, extra in [("read ahead", []),
+                             ("read in the pause", ["--max-read-ahead-weight-bytes", "0"]),
+                             ("with rollback", ["--weight-update-rollback"])]:
+            name = "serve_in_place_" + label.replace(" ", "_") + ".log"
+            log = open(tmp / name, "w")
+            proc = subprocess.Popen([a.bin, "serve", "--device", "cuda", "--model-path", str(model),
+                                     "--port", str(a.port), "--weights-root", str(tmp),
+                                     "--weight-update-shadow", "off",
+                                     "--max-prepared-weight-bytes", str(256 << 20)] + extra,
+                                    stdout=log, stderr=subprocess.STDOUT)
+            wait_healthy(srv, proc, tmp / name)
+            push_round(a, srv, pushed, f"push (in place, spilled, {label})", failures)
+            stop(proc, log)
+            for line in open(tmp / name):
+                if "in-place commit" in line or "weights committed" in line:
+                    print(f"  {label}: {line.strip()[-220:]}", flush=True)
         if a.scale_gb > 0:
             scale_round(a, tmp, failures)
     except Exception as e:  # noqa: BLE001

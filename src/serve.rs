@@ -268,6 +268,16 @@ pub struct ServeArgs {
         help_heading = "Weights"
     )]
     pub weight_update_rollback: bool,
+    /// Device memory an in-place commit (a session past --max-prepared-weight-bytes, or
+    /// --weight-update-shadow off) fills with its spilled layers, read back from disk while
+    /// generation goes on, before it pauses generation to write them; the rest is read during
+    /// the pause. Default: what is free on the device, less 1 GiB.
+    #[arg(
+        long,
+        env = "LOCKSTEP_MAX_READ_AHEAD_WEIGHT_BYTES",
+        help_heading = "Weights"
+    )]
+    pub max_read_ahead_weight_bytes: Option<usize>,
     /// Seconds a streamed weight update session may stay idle before it is dropped.
     #[arg(
         long,
@@ -645,6 +655,7 @@ pub fn app_state(args: &ServeArgs, engine: EngineHandle, limits: Limits) -> AppS
                 .clone()
                 .unwrap_or_else(std::env::temp_dir),
             args.weight_update_rollback,
+            args.max_read_ahead_weight_bytes,
         )),
     }
 }

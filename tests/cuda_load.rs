@@ -528,6 +528,53 @@ fn device_bytes_hash_like_the_host() {
     );
 }
 
+/// Bytes copied to the device through the page-locked ring (an in-place commit's read-back)
+/// arrive exactly where they were sent, whatever their length against the ring's buffers, and
+/// a source that fails to fill a buffer fails the upload.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn uploads_through_the_page_locked_ring_arrive_exactly() {
+    use cudarc::driver::DevicePtr;
+    use lockstep::backend::cuda::pinned::{HostRing, UploadError};
+    let mut rng = Rng(seed());
+    let g = gpu();
+    let chunk = 4096;
+    let mut ring = HostRing::new(&g, 3, chunk).unwrap();
+    // Lengths around the buffer size and over the whole ring, at unaligned offsets.
+    let lens = [1, 4095, 4096, 4097, 3 * 4096, 3 * 4096 + 1, 10 * 4096 + 77];
+    let total: usize = lens.iter().map(|n| n + 3).sum();
+    let host: Vec<u8> = (0..total).map(|_| rng.next() as u8).collect();
+    let buf = g.alloc::<u8>(total).unwrap();
+    let base = buf.device_ptr(&g.stream).0;
+    let mut at = 0;
+    for &n in &lens {
+        let src = &host[at + 3..at + 3 + n];
+        ring.upload(&g, base + (at + 3) as u64, n, |off, out| {
+            out.copy_from_slice(&src[off..off + out.len()]);
+            Ok(())
+        })
+        .unwrap();
+        at += n + 3;
+    }
+    let got = g.download(&buf, total).unwrap();
+    g.synchronize().unwrap();
+    let mut at = 0;
+    for &n in &lens {
+        assert!(got[at + 3..at + 3 + n] == host[at + 3..at + 3 + n], "{n} bytes at {}", at + 3);
+        at += n + 3;
+    }
+    let e = ring
+        .upload(&g, base, 2 * chunk, |off, _| {
+            if off == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::other("the file is gone"))
+            }
+        })
+        .unwrap_err();
+    assert!(matches!(e, UploadError::Read(_)), "{e}");
+}
+
 /// BF16 tensors in device memory (what `/update_weights_from_tensor` makes of a trainer's CUDA
 /// IPC tensors) are copied device to device into the embedding, an attention projection and
 /// one expert's stacked gate, up and down: the weights then equal the host model given the

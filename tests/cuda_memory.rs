@@ -249,3 +249,83 @@ fn with_no_room_for_a_second_copy_updates_are_written_in_place() {
     drop(squeeze);
     h.shutdown();
 }
+
+/// An in-place commit in groups (a spilled update read back layer by layer) on a GPU: it serves
+/// exactly the new weights; one whose third group fails after two were written is rolled back
+/// from its undo file (the served slots read back from the device before each group overwrote
+/// them), so the old weights compute the same bits as before, under the old version and
+/// checksum.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn an_in_place_commit_that_fails_midway_rolls_back_to_the_same_bits() {
+    use lockstep::engine::MoreUpdates;
+    use lockstep::model::loader::dummy_model;
+    use lockstep::model::slots::Replacement;
+    use lockstep::server::weights::SpillUndo;
+    let mut rng = Rng(seed());
+    let dir = Path::new("tests/data/reference/qwen3_moe");
+    let (reference, recipe) = load_model(dir, None, None).unwrap();
+    let config = reference.config.clone();
+    let served = || dummy_model(config.clone(), &recipe, 4).unwrap();
+    let new = || dummy_model(config.clone(), &recipe, 5).unwrap();
+    let prompts = prompts(&mut rng, config.vocab_size);
+    let fresh = start(CudaSource::Model(new()), config.clone(), &recipe, false);
+    let want = generate(&fresh, &prompts, "fresh");
+    fresh.shutdown();
+
+    let h = start(CudaSource::Model(served()), config.clone(), &recipe, false);
+    let before = generate(&h, &prompts, "before");
+    assert_ne!(before, want, "the two weight sets differ");
+    let (version, served_sum) = (h.weight_version(), h.weights_checksum().1);
+    type Groups = Vec<Result<Vec<(String, Replacement)>, String>>;
+    // A few slots in hand, the rest in groups of seven.
+    let split = |mut all: Vec<(String, Replacement)>| -> (Vec<(String, Replacement)>, Groups) {
+        let mut rest = all.split_off(3);
+        let mut groups = Vec::new();
+        while !rest.is_empty() {
+            let tail = rest.split_off(rest.len().min(7));
+            groups.push(Ok(std::mem::replace(&mut rest, tail)));
+        }
+        (all, groups)
+    };
+    let commit = |head, groups: Groups, sum, undo| {
+        let writes = groups.iter().map(|g| g.as_ref().map_or(1, Vec::len)).sum();
+        let mut groups = groups.into_iter();
+        WeightCommit {
+            more: Some(MoreUpdates {
+                writes,
+                next: Box::new(move || groups.next()),
+                undo,
+            }),
+            ..WeightCommit::of(head, sum, "v1".into())
+        }
+    };
+
+    let mut model = new();
+    let sum = Arc::new(model.weights_checksum());
+    let (head, mut groups) = split(model.into_replacements());
+    assert!(groups.len() > 3);
+    groups.truncate(2);
+    groups.push(Err("the spill file is gone".into()));
+    let undo_dir = tempfile::tempdir().unwrap();
+    let undo = SpillUndo::create(undo_dir.path(), h.info.clone()).unwrap();
+    let e = block_on(h.apply_weights(commit(head, groups, sum.clone(), Some(Box::new(undo)))))
+        .err()
+        .expect("the third group fails");
+    assert!(e.to_string().contains("rolled back"), "{e}");
+    assert_eq!(h.memory().weights, WeightsState::Resident);
+    assert_eq!(h.weight_version(), version);
+    assert!(*h.weights_checksum().1 == *served_sum);
+    assert_eq!(
+        generate(&h, &prompts, "rolled"),
+        before,
+        "bitwise the weights before the commit"
+    );
+
+    let (head, groups) = split(new().into_replacements());
+    block_on(h.apply_weights(commit(head, groups, sum.clone(), None))).unwrap();
+    assert_eq!(h.weight_version(), "v1");
+    assert!(*h.weights_checksum().1 == *sum);
+    assert_eq!(generate(&h, &prompts, "after"), want, "the new weights' bits");
+    h.shutdown();
+}

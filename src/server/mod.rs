@@ -12,6 +12,7 @@ pub mod metrics;
 mod native;
 mod openai;
 pub mod pickle;
+mod read_back;
 mod spill;
 pub mod tensor_ipc;
 mod tensor_update;

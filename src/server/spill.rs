@@ -25,7 +25,7 @@ pub struct SpilledPart {
     pub dtype: Dtype,
     pub shape: Vec<usize>,
     offset: u64,
-    len: usize,
+    pub len: usize,
 }
 
 pub struct Spill {
@@ -147,8 +147,39 @@ impl Spill {
     /// A part's bytes, read back.
     pub fn read(&self, p: &SpilledPart) -> std::io::Result<Vec<u8>> {
         let mut buf = vec![0u8; p.len];
-        self.file.read_exact_at(&mut buf, p.offset)?;
+        self.read_into(p, 0, &mut buf)?;
         Ok(buf)
+    }
+
+    /// A part's bytes `at..at + buf.len()`, read back into `buf`, a few pieces at once (the
+    /// file's pages are usually still in the page cache, where one thread's copy is the
+    /// bound).
+    pub fn read_into(&self, p: &SpilledPart, at: usize, buf: &mut [u8]) -> std::io::Result<()> {
+        use rayon::prelude::*;
+        if at + buf.len() > p.len {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "bytes {at}..{} of `{}`, which has {}",
+                    at + buf.len(),
+                    p.name,
+                    p.len
+                ),
+            ));
+        }
+        const PIECE: usize = 8 << 20;
+        let start = p.offset + at as u64;
+        buf.par_chunks_mut(PIECE)
+            .enumerate()
+            .try_for_each(|(i, piece)| {
+                self.file
+                    .read_exact_at(piece, start + (i * PIECE) as u64)
+            })
+    }
+
+    /// The checksum entry of a spilled part, as hashed when it was written.
+    pub fn hash_of(&self, p: &SpilledPart) -> Option<u64> {
+        self.checksum.tensors.get(&p.name).copied()
     }
 }
 
@@ -232,5 +263,54 @@ mod tests {
         assert!(spill.remove("model.norm.weight"));
         assert!(!spill.checksum().tensors.contains_key("model.norm.weight"));
         assert_eq!(spill.slots(), 3);
+    }
+
+    /// Any range of a part comes back as written, across the pieces it is read in; a range
+    /// past the part's end is refused.
+    #[test]
+    fn ranges_of_a_part_read_back_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spill = Spill::create(dir.path()).unwrap();
+        // Something before it, so the part does not start at the file's beginning.
+        spill
+            .write_parts(
+                "a.weight".into(),
+                "a",
+                &[CheckpointPart::bytes("weight", Dtype::U8, vec![3], &[1, 2, 3])],
+            )
+            .unwrap();
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let bytes: Vec<u8> = (0..(17 << 20) + 13)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect();
+        let n = bytes.len();
+        spill
+            .write_parts(
+                "b.weight".into(),
+                "b",
+                &[CheckpointPart::bytes("weight", Dtype::U8, vec![n], &bytes)],
+            )
+            .unwrap();
+        let part = spill
+            .groups()
+            .into_iter()
+            .flatten()
+            .find(|p| p.name == "b.weight")
+            .unwrap();
+        assert_eq!(part.len, n);
+        assert_eq!(spill.read(&part).unwrap(), bytes);
+        for (at, len) in [(0, 1), (5, (8 << 20) + 1), ((8 << 20) - 3, 9 << 20), (n - 7, 7)] {
+            let mut buf = vec![0u8; len];
+            spill.read_into(&part, at, &mut buf).unwrap();
+            assert!(buf == bytes[at..at + len], "bytes {at}..{}", at + len);
+        }
+        let mut buf = vec![0u8; 8];
+        let e = spill.read_into(&part, n - 7, &mut buf).unwrap_err();
+        assert!(e.to_string().contains("b.weight"), "{e}");
     }
 }

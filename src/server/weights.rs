@@ -31,6 +31,7 @@ use serde_json::json;
 
 use super::errors::ApiError;
 use super::extract::{ApiBytes, ApiJson};
+use super::read_back;
 use super::spill::Spill;
 use super::AppState;
 use crate::backend::cuda::{hash, CudaError, Gpu};
@@ -377,6 +378,9 @@ pub struct WeightUpdates {
     /// Whether a commit with spilled slots keeps what it overwrites, to roll back
     /// (`--weight-update-rollback`).
     pub rollback: bool,
+    /// Device bytes an in-place commit may fill with spilled layers read back before it
+    /// pauses generation (`--max-read-ahead-weight-bytes`; None: what is free, less a spare).
+    pub max_read_ahead_bytes: Option<usize>,
 }
 
 impl WeightUpdates {
@@ -386,6 +390,7 @@ impl WeightUpdates {
         max_prepared_bytes: usize,
         spill_dir: PathBuf,
         rollback: bool,
+        max_read_ahead_bytes: Option<usize>,
     ) -> WeightUpdates {
         WeightUpdates {
             session: tokio::sync::Mutex::new(None),
@@ -396,6 +401,7 @@ impl WeightUpdates {
             max_prepared_bytes,
             spill_dir,
             rollback,
+            max_read_ahead_bytes,
         }
     }
 }
@@ -812,7 +818,7 @@ fn upload_for_device(
 }
 
 /// Device memory an upload leaves free (else its tensors take the host path).
-const UPLOAD_SPARE_BYTES: usize = 1 << 30;
+pub(crate) const UPLOAD_SPARE_BYTES: usize = 1 << 30;
 
 /// `tensors` copied into one device buffer (each at a 256-byte boundary), hashed there, as
 /// device tensors that keep the buffer alive.
@@ -1245,7 +1251,25 @@ pub(crate) async fn commit(
         Some(s) => {
             // BF16 slots read back go to the device beside generation, when there is one.
             let gpu = state.engine.side_stream().await.ok();
-            let mut more = read_back(state.engine.info.clone(), s, gpu);
+            let budget = read_back::Budget {
+                host_bytes: state.updates.max_prepared_bytes,
+                device_bytes: state.updates.max_read_ahead_bytes,
+            };
+            let started = Instant::now();
+            let read = read_back::start(state.engine.info.clone(), s, gpu, budget);
+            // Generation goes on while the first layers are read back; it pauses once they are
+            // ready (or all are).
+            if let Ok(p) = read.ready.await {
+                tracing::info!(
+                    "in-place commit: {} of {} spilled layers read back before the pause in {:.1} ms ({} bytes on the device, {} in host memory)",
+                    p.groups,
+                    p.of,
+                    started.elapsed().as_secs_f64() * 1e3,
+                    p.device_bytes,
+                    p.host_bytes
+                );
+            }
+            let mut more = read.more;
             if state.updates.rollback {
                 // What the groups overwrite is kept on disk too, to roll back a commit that
                 // cannot finish.
@@ -1276,62 +1300,16 @@ pub(crate) async fn commit(
     Ok(Committed { version, pause })
 }
 
-/// The spilled slots as replacements, a layer at a time. A thread reads and prepares them ahead
-/// of the engine, from the moment the commit is handed over: the next layer is made while the
-/// engine writes the last (two layers of the update in memory at most, the one written and the
-/// one waiting). With `gpu`, a layer's BF16 slots are uploaded to the device there (as a pushed
-/// bucket's for a device shadow), so the engine's pause copies them device to device. The
-/// thread ends at the first failure, or when the engine stops asking.
-fn read_back(info: Arc<EngineInfo>, spill: Spill, gpu: Option<Gpu>) -> crate::engine::MoreUpdates {
-    let writes = spill.slots();
-    let groups = spill.groups();
-    let (tx, rx) = std::sync::mpsc::sync_channel(0);
-    std::thread::spawn(move || {
-        for group in groups {
-            let read = || {
-                let mut staged = BTreeMap::new();
-                for part in group {
-                    let data = spill.read(&part).map_err(|e| {
-                        format!("reading `{}` back from the spill file: {e}", part.name)
-                    })?;
-                    let t = StagedTensor {
-                        dtype: part.dtype,
-                        shape: part.shape,
-                        data: bytes::Bytes::from(data),
-                    };
-                    staged.insert(part.name, t);
-                }
-                let (mut updates, rest) = match &gpu {
-                    Some(gpu) => upload_for_device(gpu, &info, staged),
-                    None => (Vec::new(), staged),
-                };
-                updates.extend(build_replacements(&info, rest).map_err(|e| e.to_string())?);
-                Ok(updates)
-            };
-            let group = read();
-            let failed = group.is_err();
-            if tx.send(group).is_err() || failed {
-                return;
-            }
-        }
-    });
-    crate::engine::MoreUpdates {
-        writes,
-        next: Box::new(move || rx.recv().ok()),
-        undo: None,
-    }
-}
-
 /// An in-place commit's undo log: the served contents of each slot it overwrites, in a spill
 /// file of their own (host memory stays bounded), read back like the update's spilled layers
 /// if the commit has to be rolled back.
-pub(crate) struct SpillUndo {
+pub struct SpillUndo {
     spill: Spill,
     info: Arc<EngineInfo>,
 }
 
 impl SpillUndo {
-    pub(crate) fn create(dir: &Path, info: Arc<EngineInfo>) -> std::io::Result<SpillUndo> {
+    pub fn create(dir: &Path, info: Arc<EngineInfo>) -> std::io::Result<SpillUndo> {
         Ok(SpillUndo {
             spill: Spill::create(dir)?,
             info,
@@ -1351,7 +1329,7 @@ impl crate::engine::UndoLog for SpillUndo {
     }
 
     fn replay(self: Box<Self>) -> crate::engine::MoreUpdates {
-        read_back(self.info, self.spill, None)
+        read_back::start(self.info, self.spill, None, read_back::Budget::ONE_AHEAD).more
     }
 }
 
@@ -1630,7 +1608,7 @@ pub async fn abort_weight_update(
 /// Turns staged checkpoint-layout tensors into replacements with `quant::slot`: dense tensors
 /// bound for a quantized slot are quantized with the contract (an NVFP4 expert's gate and up
 /// share one scale, so both must be in the update); pre-quantized ones must be complete.
-fn build_replacements(
+pub(crate) fn build_replacements(
     info: &EngineInfo,
     staged: BTreeMap<String, StagedTensor>,
 ) -> Result<Vec<(String, Replacement)>, ApiError> {

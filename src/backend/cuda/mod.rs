@@ -16,6 +16,7 @@ pub mod hash;
 pub mod ipc;
 pub mod kernels;
 pub mod ops;
+pub mod pinned;
 pub mod sampling;
 pub mod weights;
 
