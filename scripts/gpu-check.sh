@@ -155,7 +155,7 @@ fi
 # /update_weights_from_disk of the same directory while scripts/stream_gaps.py reads one long
 # greedy stream for DISK_UPDATE_WINDOW (default 90) seconds; prints the update's answer
 # (load_seconds, swap_seconds) and the stream's
-# largest gap.
+# largest gap. DISK_UPDATE_QUANT=nvfp4_online (or mxfp8) serves it quantized.
 if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
   py=python3  # one with numpy (make_push_checkpoint.py)
   for c in /opt/torch/.venv/bin/python python3; do
@@ -166,7 +166,7 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
   {
     "$py" scripts/make_push_checkpoint.py --out "$ck" --gb "${DISK_UPDATE_GB:-8}"
     "$bin"/lockstep serve --device cuda --model-path "$ck" --weights-root /tmp --port 30557 \
-      >"$logs/serve_disk_update.log" 2>&1 &
+      ${DISK_UPDATE_QUANT:+--quantization "$DISK_UPDATE_QUANT"} >"$logs/serve_disk_update.log" 2>&1 &
     pid=$!
     wait_healthy 30557 300
     "$py" scripts/stream_gaps.py http://127.0.0.1:30557 "${DISK_UPDATE_WINDOW:-90}" &

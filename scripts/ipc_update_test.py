@@ -268,6 +268,64 @@ def push_round(a, srv, pushed: Path, label: str, failures: list) -> None:
     print(f"{label}: {'OK' if ok else 'MISMATCH'} (checksum {after['overall']})", flush=True)
 
 
+def quantized_round(a, tmp: Path, model: Path, tensors, pushed: Path, failures: list) -> None:
+    """A server that quantizes its experts to NVFP4 (`--quantization nvfp4_online`) updated with
+    BF16 tensors: CUDA IPC in one request (every gate/up pair complete, so quantized on the
+    device), then through a session in buckets (pairs split across buckets wait and are
+    quantized on the host), then `lockstep push` (into the device shadow, quantized there).
+    Each must equal the disk load of the same BF16 checkpoint, which the server quantizes with
+    the same recipe: checksum, and a greedy completion's tokens and logprobs."""
+    log = open(tmp / "serve_nvfp4.log", "w")
+    proc = subprocess.Popen([a.bin, "serve", "--device", "cuda", "--model-path", str(model),
+                             "--port", str(a.port), "--weights-root", str(tmp),
+                             "--quantization", "nvfp4_online"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    srv = Server(f"http://127.0.0.1:{a.port}")
+    try:
+        wait_healthy(srv, proc, tmp / "serve_nvfp4.log")
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        for round_, (label, limit, session) in enumerate(
+                [("one request", 1 << 40, False), ("session", a.bucket_mb << 20, True)]):
+            before = srv.checksum()
+            named = [(n, (torch.randn(s, device="cuda", generator=gen) * 0.02).to(DTYPES[d]))
+                     for n, d, s in tensors]
+            torch.cuda.synchronize()
+            if session:
+                s, v = srv.call("POST", "/begin_weight_update", {})
+                if s != 200:
+                    raise RuntimeError(f"begin_weight_update: {s} {v}")
+            sent, d2d, t0 = 0, 0, time.perf_counter()
+            for b in buckets(named, limit):
+                body = {"serialized_named_tensors": [serialize(flattened_bucket(b))],
+                        "load_format": "flattened_bucket", "flush_cache": True}
+                s, v = srv.call("POST", "/update_weights_from_tensor", body)
+                if s != 200 or not v.get("success"):
+                    raise RuntimeError(f"nvfp4 {label}: {s} {v}")
+                sent += v["copied_bytes"]
+                d2d += v["device_to_device_bytes"]
+            if session:
+                s, v = srv.call("POST", "/end_weight_update", {})
+                if s != 200:
+                    raise RuntimeError(f"end_weight_update: {s} {v}")
+            wall = time.perf_counter() - t0
+            label = f"nvfp4 experts, IPC {label}"
+            print(f"{label}: {sent / 1e9:.2f} GB ({d2d / 1e9:.2f} GB never through the host) in "
+                  f"{wall:.2f} s", flush=True)
+            after, written = srv.checksum(), srv.greedy()
+            ref = reference_checkpoint(tmp / f"nvfp4_ref{round_}", model, named)
+            ok = compare(failures, label, before, after, disk_load(srv, ref), "the disk load")
+            ok &= same_output(failures, label, written, srv.greedy())
+            print(f"{label}: {'OK' if ok else 'MISMATCH'} (checksum {after['overall']})", flush=True)
+            del named
+            torch.cuda.empty_cache()
+        push_round(a, srv, pushed, "nvfp4 experts, push (shadow)", failures)
+        for line in open(tmp / "serve_nvfp4.log"):
+            if "quantiz" in line and "WARN" in line:
+                failures.append(f"nvfp4: {line.strip()[-300:]}")
+    finally:
+        stop(proc, log)
+
+
 def reference_checkpoint(ref: Path, model: Path, named) -> Path:
     """`named` written as a checkpoint of the served model's config at `ref`."""
     ref.mkdir()
@@ -423,6 +481,7 @@ def main() -> int:
             for line in open(tmp / name):
                 if "in-place commit" in line or "weights committed" in line:
                     print(f"  {label}: {line.strip()[-220:]}", flush=True)
+        quantized_round(a, tmp, model, tensors, pushed, failures)
         if a.scale_gb > 0:
             scale_round(a, tmp, failures)
     except Exception as e:  # noqa: BLE001

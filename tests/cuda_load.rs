@@ -4,7 +4,8 @@
 //! written into device-loaded weights equal to the same update applied to the host model; and
 //! an update from disk loaded beside the served weights while requests run, then swapped in;
 //! a streamed update written into a device shadow while requests run, then swapped in; BF16
-//! tensors in device memory written device to device, and the pinned-copy hasher.
+//! tensors in device memory written device to device, or quantized on the device for MXFP8 and
+//! NVFP4 layers; the device hasher and the page-locked upload ring.
 //! These need an NVIDIA GPU, so they are `#[ignore]`d here and run on the GPU host by
 //! scripts/gpu-check.sh (`cuda_load --ignored`), from the repository root.
 
@@ -526,6 +527,81 @@ fn device_bytes_hash_like_the_host() {
         "{} device ranges hashed as the host hashes them",
         ranges.len()
     );
+}
+
+/// Dense BF16 weights quantized on the device into MXFP8 and NVFP4 slots (an attention
+/// projection, an expert's NVFP4 gate/up pair sharing one scale, its down projection) store
+/// the host's bytes: the weights after the write equal, buffer for buffer, the host model
+/// given the same update, and the checksum predicted from the device hashes is the one served.
+/// A pair's half without its partner is refused, naming the partner.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn dense_weights_quantized_on_the_device_store_the_hosts_bytes() {
+    use lockstep::model::cuda::quantize::{quantize_slots, quantizes, Dense};
+    use lockstep::model::slots::served_slot;
+    let seed = seed();
+    let (_tmp, root) = scratch("ckpts");
+    let (old, new) = (root.join("old"), root.join("new"));
+    bf16_checkpoint(&old, seed);
+    bf16_checkpoint(&new, seed + 1);
+    let newck = Checkpoint::open(&new).unwrap();
+    for q in [Quantization::Mxfp8, Quantization::Nvfp4Online] {
+        let what = format!("{q:?}");
+        let g = gpu();
+        let (mut host, recipe) = load_model(&old, Some(q), None).unwrap();
+        let src = open_serving_checkpoint(&old, Some(q), None).unwrap();
+        let mut dev = CudaWeights::from_checkpoint(&g, &src).unwrap();
+        let cfg = host.config.clone();
+        let slots = host.slot_shapes();
+        let dense_of = |name: &str| {
+            let module = name.strip_suffix(".weight")?;
+            let slot = served_slot(&slots, &recipe, cfg.num_layers, module)?;
+            quantizes(&slot).then(|| {
+                let t = newck.tensor(name).unwrap();
+                assert_eq!(t.dtype(), Dtype::BF16);
+                let bits: Vec<u16> = t
+                    .data()
+                    .chunks_exact(2)
+                    .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                    .collect();
+                Dense {
+                    slot,
+                    values: g.upload(&bits).unwrap(),
+                }
+            })
+        };
+        let new_model = || load_model(&new, Some(q), None).unwrap().0;
+        let for_host = some_replacements(&mut new_model());
+        let dense: Vec<Dense> = for_host.iter().filter_map(|(n, _)| dense_of(n)).collect();
+        assert!(dense.len() >= 3, "{what}: {} slots quantized on the device", dense.len());
+        let quantized = quantize_slots(&g, dense).unwrap();
+        let names: Vec<String> = quantized.iter().map(|(n, _)| n.clone()).collect();
+        let mut for_dev: Vec<(String, Replacement)> = some_replacements(&mut new_model())
+            .into_iter()
+            .filter(|(n, _)| !names.contains(n))
+            .collect();
+        for_dev.extend(quantized);
+        let predicted = replacements_checksum(&for_dev, cfg.hidden_size);
+        let before = dev.weights_checksum(&g, &cfg).unwrap();
+        host.apply_replacements(for_host).unwrap();
+        dev.write_replacements(&g, &cfg, for_dev).unwrap();
+        let after = dev.weights_checksum(&g, &cfg).unwrap();
+        assert_ne!(before, after, "{what}: the update changed nothing");
+        assert_eq!(after, host.weights_checksum(), "{what}: checksum after the update");
+        for (name, h) in &predicted.tensors {
+            assert_eq!(after.tensors.get(name), Some(h), "{what}: {name}'s predicted hash");
+        }
+        let uploaded = CudaWeights::upload(&g, &host).unwrap();
+        assert_same_buffers(&what, &buffers(&g, &dev), &buffers(&g, &uploaded));
+        println!("{what}: {} slots quantized on the device, bytes equal to the host's", names.len());
+        if q == Quantization::Nvfp4Online {
+            let gate = "model.layers.1.mlp.experts.3.gate_proj.weight";
+            let lonely = dense_of(gate).expect("an NVFP4 gate");
+            assert!(lonely.slot.pair.is_some(), "the gate shares its scale");
+            let e = quantize_slots(&g, vec![lonely]).err().expect("refused");
+            assert!(e.to_string().contains("experts.3.up_proj"), "{e}");
+        }
+    }
 }
 
 /// Bytes copied to the device through the page-locked ring (an in-place commit's read-back)

@@ -6,14 +6,14 @@ use std::collections::BTreeMap;
 use rayon::prelude::*;
 
 use super::checksum::WeightsChecksum;
-use super::layout::{Half, Place, Proj};
+use super::layout::{gate_up_pair, Half, Place, Proj};
 use super::store::{SlotParts, StoreError, WeightStore};
 use super::{Mlp, Model, SwiGlu};
 use crate::backend::cpu::linear::{linear_from, make_linear, DenseWeight};
 use crate::backend::Linear;
 use crate::checkpoint::CheckpointPart;
-use crate::quant::slot::{dense_part, Stored};
-use crate::quant::{Format, TensorFormat};
+use crate::quant::slot::{dense_part, Pair, Slot, Stored};
+use crate::quant::{Format, Recipe, TensorFormat};
 
 /// What a checkpoint tensor name holds in the served model.
 #[derive(Clone, Debug, PartialEq)]
@@ -41,6 +41,27 @@ impl SlotShape {
     }
 }
 
+/// The slot of `module` as a model with slot table `slots`, built with `recipe`, holds it:
+/// shape and format from the table, the recipe's numerics, and its NVFP4 gate/up pair.
+pub fn served_slot(
+    slots: &BTreeMap<String, SlotShape>,
+    recipe: &Recipe,
+    num_layers: usize,
+    module: &str,
+) -> Option<Slot> {
+    let served = |m: &str| {
+        let (shape, format) = slots.get(&format!("{m}.weight"))?.dims();
+        // The recipe's numerics as the layout gives them, with the format the slot holds.
+        let numerics = recipe.format_for(m, num_layers);
+        let cols = shape[shape.len() - 1];
+        Some((shape, numerics.fitting(cols).with(format)))
+    };
+    let (shape, format) = served(module)?;
+    let pair = gate_up_pair(module)
+        .and_then(|(g, u)| Pair::of(&g, served(&g)?.1, &u, served(&u)?.1.format));
+    Some(Slot::new(module, shape, format, pair))
+}
+
 /// A new value for one slot.
 pub enum Replacement {
     Linear(Box<dyn Linear>),
@@ -49,6 +70,50 @@ pub enum Replacement {
     /// BF16 bytes already in device memory (a colocated trainer's tensor opened through CUDA
     /// IPC), copied device to device into a BF16 slot of a CUDA store; a host store refuses it.
     Device(DeviceTensor),
+    /// A quantized linear slot's stored bytes in device memory (quantized there from a dense
+    /// tensor), copied device to device into a slot of its format of a CUDA store.
+    DeviceQuantized(DeviceQuantized),
+}
+
+/// MXFP8 or NVFP4 stored bytes of a `[rows, cols]` linear slot in device memory, each part
+/// hashed where it lies.
+pub struct DeviceQuantized {
+    pub format: Format,
+    pub rows: usize,
+    pub cols: usize,
+    /// The values (`weight`): FP8 codes, or packed E2M1 pairs.
+    pub data: DeviceTensor,
+    /// The block scales (`weight_scale_inv` / `weight_scale`).
+    pub scales: DeviceTensor,
+    /// NVFP4's second-level scale (`weight_scale_2`); unused for MXFP8.
+    pub second_level: f32,
+}
+
+impl DeviceQuantized {
+    /// The checksum entries of its checkpoint parts (`module.suffix`): the device hashes of
+    /// the values and block scales, the host's of the scalars.
+    pub fn checksum_entries(&self, module: &str) -> Vec<(String, u64)> {
+        let none = std::borrow::Cow::Borrowed(&[][..]);
+        let parts = crate::quant::slot::quantized_parts(
+            self.format,
+            self.rows,
+            self.cols,
+            [none.clone(), none],
+            Some(self.second_level),
+        );
+        parts
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let hash = match i {
+                    0 => self.data.hash,
+                    1 => self.scales.hash,
+                    _ => xxhash_rust::xxh3::xxh3_64(&p.data),
+                };
+                (format!("{module}.{}", p.suffix), hash)
+            })
+            .collect()
+    }
 }
 
 /// A dense BF16 tensor in device memory, in checkpoint layout, with its xxh3_64 (hashed where it
@@ -78,14 +143,22 @@ impl Replacement {
         }
     }
 
+    /// Whether its bytes are in device memory (hashed there).
+    pub fn on_device(&self) -> bool {
+        matches!(
+            self,
+            Replacement::Device(_) | Replacement::DeviceQuantized(_)
+        )
+    }
+
     /// The replacement in checkpoint layout (what the slot will hold after commit).
     pub fn checkpoint_parts(&self, hidden: usize) -> Vec<CheckpointPart<'_>> {
         match self {
             Replacement::Linear(l) => l.checkpoint_parts(),
             Replacement::Vector(v) => vec![CheckpointPart::from_f32("weight", vec![v.len()], v)],
             Replacement::Embedding(e) => dense_parts(e, hidden),
-            // Hashed where it lies: see `replacements_checksum`.
-            Replacement::Device(_) => vec![],
+            // Hashed where they lie: see `replacements_checksum`.
+            Replacement::Device(_) | Replacement::DeviceQuantized(_) => vec![],
         }
     }
 }
@@ -99,15 +172,21 @@ pub fn replacements_checksum(updates: &[(String, Replacement)], hidden: usize) -
     let mut sum = WeightsChecksum::of_parts(
         updates
             .iter()
-            .filter(|(_, r)| !matches!(r, Replacement::Device(_)))
+            .filter(|(_, r)| !r.on_device())
             .map(|(name, r)| (module_of(name).to_string(), r.checkpoint_parts(hidden)))
             .collect(),
     );
-    // A device tensor is the slot's one checkpoint part (`weight`), hashed where it lies.
     for (name, r) in updates {
-        if let Replacement::Device(DeviceTensor { hash, .. }) = r {
-            sum.tensors
-                .insert(format!("{}.weight", module_of(name)), *hash);
+        match r {
+            // A device tensor is the slot's one checkpoint part (`weight`).
+            Replacement::Device(DeviceTensor { hash, .. }) => {
+                sum.tensors
+                    .insert(format!("{}.weight", module_of(name)), *hash);
+            }
+            Replacement::DeviceQuantized(q) => {
+                sum.tensors.extend(q.checksum_entries(module_of(name)));
+            }
+            _ => {}
         }
     }
     sum
@@ -386,7 +465,7 @@ fn fits(name: &str, slot: &SlotMut<'_>, r: &Replacement) -> Result<(), StoreErro
             SlotMut::Vector(_) | SlotMut::Embedding(_),
             Replacement::Vector(_) | Replacement::Embedding(_),
         ) => refuse("size differs from the served tensor"),
-        (_, Replacement::Device(_)) => {
+        (_, Replacement::Device(_) | Replacement::DeviceQuantized(_)) => {
             refuse("a tensor in device memory can only be written into weights on a CUDA device")
         }
         _ => refuse("the wrong kind of tensor"),

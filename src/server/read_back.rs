@@ -41,7 +41,7 @@ impl Budget {
 }
 
 /// Page-locked buffers for the read-back: a few, so the file's reads and the copies overlap.
-const RING_BUFFERS: usize = 3;
+const RING_BUFFERS: usize = 4;
 const RING_BUFFER_BYTES: usize = 32 << 20;
 
 /// Layers prepared and not yet written, by where they wait.

@@ -167,7 +167,7 @@ impl Spill {
                 ),
             ));
         }
-        const PIECE: usize = 8 << 20;
+        const PIECE: usize = 2 << 20;
         let start = p.offset + at as u64;
         buf.par_chunks_mut(PIECE)
             .enumerate()

@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::extract::{Query, State};
+use cudarc::driver::DevicePtrMut;
 use axum::Json;
 use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
@@ -37,11 +38,11 @@ use super::AppState;
 use crate::backend::cuda::{hash, CudaError, Gpu};
 use crate::engine::{EngineInfo, ShadowWeights};
 use crate::model::checksum::{self, WeightsChecksum};
-use crate::model::layout::gate_up_pair;
+use crate::model::cuda::quantize::{self, quantize_slots, Dense};
 use crate::model::loader::{self, Quantization};
 use crate::model::slots::{replacements_checksum, DeviceTensor, Replacement, SlotShape};
 use crate::model::store::WeightStore;
-use crate::quant::slot::{self, Pair, Slot, SlotError};
+use crate::quant::slot::{self, Slot, SlotError};
 use crate::quant::{Format, Recipe};
 
 /// How the served model was loaded, so an update is loaded the same way.
@@ -789,32 +790,119 @@ pub(crate) fn lands_device_to_device(info: &EngineInfo, name: &str, dtype: Dtype
 }
 
 /// Tensors bound for weights on the device (a pushed bucket for a device shadow, on the
-/// shadow's stream; an in-place commit's spilled layer, on a side stream): those that land
-/// device to device are copied to the device in one buffer and hashed there, then handed over
-/// as device tensors, so their bytes are neither converted nor hashed on the host (what bounded
-/// a push's bucket). Returns them and the rest, for the host path; everything goes there when
-/// the buffer cannot be had.
+/// shadow's stream): those that land device to device are copied to the device in one buffer
+/// and hashed there, and dense BF16 weights of MXFP8 or NVFP4 layers are copied there and
+/// quantized there ([`quantize_slots`]); both are handed over as device replacements, so their
+/// bytes are neither converted, quantized nor hashed on the host (what bounded a push's
+/// bucket). Returns them and the rest, for the host path; tensors go there too when the device
+/// has no room for them.
 fn upload_for_device(
     gpu: &Gpu,
     info: &EngineInfo,
     whole: BTreeMap<String, StagedTensor>,
 ) -> (Vec<(String, Replacement)>, BTreeMap<String, StagedTensor>) {
-    let (direct, mut rest): (BTreeMap<_, _>, BTreeMap<_, _>) = whole
+    let (direct, rest): (BTreeMap<_, _>, BTreeMap<_, _>) = whole
         .into_iter()
         .partition(|(name, t)| lands_device_to_device(info, name, t.dtype));
-    if direct.is_empty() {
-        return (Vec::new(), rest);
-    }
-    match upload(gpu, &direct) {
-        Ok(updates) => (updates, rest),
-        Err(e) => {
-            tracing::warn!(
-                "BF16 tensors go through host memory: staging them on the device failed ({e})"
-            );
-            rest.extend(direct);
-            (Vec::new(), rest)
+    let (to_quantize, mut rest) = quantized_on_device(info, rest, |t| t.dtype);
+    let mut updates = Vec::new();
+    if !direct.is_empty() {
+        match upload(gpu, &direct) {
+            Ok(u) => updates = u,
+            Err(e) => {
+                tracing::warn!(
+                    "BF16 tensors go through host memory: staging them on the device failed ({e})"
+                );
+                rest.extend(direct);
+            }
         }
     }
+    if !to_quantize.is_empty() {
+        let dense = |(slot, t): &(Slot, StagedTensor)| {
+            let mut values = gpu.alloc::<u16>(t.data.len() / 2)?;
+            {
+                let (dst, _sync) = values.device_ptr_mut(&gpu.stream);
+                // SAFETY: `values` holds the tensor's bytes (its dense shape, checked on
+                // arrival); pageable host memory is copied before the call returns.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        dst,
+                        &t.data[..],
+                        gpu.stream.cu_stream(),
+                    )
+                }?;
+            }
+            Ok(Dense {
+                slot: slot.clone(),
+                values,
+            })
+        };
+        let quantized = room_for(gpu, to_quantize.values().map(|(_, t)| t.data.len() * 2))
+            .and_then(|()| to_quantize.values().map(dense).collect::<Result<Vec<_>, CudaError>>())
+            .and_then(|d| quantize_slots(gpu, d));
+        match quantized {
+            Ok(u) => updates.extend(u),
+            Err(e) => {
+                tracing::warn!(
+                    "dense weights of quantized layers are quantized on the host: quantizing them on the device failed ({e})"
+                );
+                rest.extend(to_quantize.into_iter().map(|(n, (_, t))| (n, t)));
+            }
+        }
+    }
+    (updates, rest)
+}
+
+/// The tensors of `tensors` that are quantized on the device for their slots (dense BF16
+/// weights of MXFP8 or NVFP4 layers that [`quantize::quantizes`], with both halves of a shared
+/// scale's gate/up pair among them), with their slots, and the rest.
+pub(crate) fn quantized_on_device<T>(
+    info: &EngineInfo,
+    tensors: BTreeMap<String, T>,
+    dtype: impl Fn(&T) -> Dtype,
+) -> (BTreeMap<String, (Slot, T)>, BTreeMap<String, T>) {
+    let mut chosen = BTreeMap::new();
+    let mut rest = BTreeMap::new();
+    for (name, t) in tensors {
+        let slot = served_part(info, &name).ok().filter(|(slot, suffix)| {
+            *suffix == "weight" && dtype(&t) == Dtype::BF16 && quantize::quantizes(slot)
+        });
+        match slot {
+            Some((slot, _)) => {
+                chosen.insert(name, (slot, t));
+            }
+            None => {
+                rest.insert(name, t);
+            }
+        }
+    }
+    let lonely: Vec<String> = chosen
+        .iter()
+        .filter(|(_, (slot, _))| {
+            slot.pair.as_ref().is_some_and(|p| {
+                !chosen.contains_key(&format!("{}.weight", p.gate))
+                    || !chosen.contains_key(&format!("{}.weight", p.up))
+            })
+        })
+        .map(|(n, _)| n.clone())
+        .collect();
+    for name in lonely {
+        let (_, t) = chosen.remove(&name).expect("listed above");
+        rest.insert(name, t);
+    }
+    (chosen, rest)
+}
+
+/// Whether the device has room for buffers of `bytes` and the spare.
+fn room_for(gpu: &Gpu, bytes: impl Iterator<Item = usize>) -> Result<(), CudaError> {
+    let total: usize = bytes.sum();
+    let (free, _) = gpu.memory()?;
+    if free < total + UPLOAD_SPARE_BYTES {
+        return Err(CudaError::Capacity(format!(
+            "{total} bytes to stage with {free} free on the device"
+        )));
+    }
+    Ok(())
 }
 
 /// Device memory an upload leaves free (else its tensors take the host path).
@@ -833,12 +921,7 @@ fn upload(
         total += t.data.len().next_multiple_of(256);
     }
     // Never the engine's last memory: generation may be running and growing its scratch.
-    let (free, _) = gpu.memory()?;
-    if free < total + UPLOAD_SPARE_BYTES {
-        return Err(CudaError::Capacity(format!(
-            "{total} bytes to stage with {free} free on the device"
-        )));
-    }
+    room_for(gpu, std::iter::once(total))?;
     let mut buf = gpu.alloc::<u8>(total)?;
     for (t, &at) in tensors.values().zip(&starts) {
         if !t.data.is_empty() {
@@ -1003,7 +1086,7 @@ fn write_shadow(
 }
 
 /// The served slot of the checkpoint tensor `name` and its part (`weight`, `weight_scale`...).
-fn served_part(info: &EngineInfo, name: &str) -> Result<(Slot, &'static str), ApiError> {
+pub(crate) fn served_part(info: &EngineInfo, name: &str) -> Result<(Slot, &'static str), ApiError> {
     let unknown = || {
         ApiError::invalid(
             name,
@@ -1017,17 +1100,7 @@ fn served_part(info: &EngineInfo, name: &str) -> Result<(Slot, &'static str), Ap
 /// The slot of `module` as the server holds it: shape and format from the slot table, the
 /// numerics of the recipe, and its NVFP4 gate/up pair.
 fn served_slot(info: &EngineInfo, module: &str) -> Option<Slot> {
-    let served = |m: &str| {
-        let (shape, format) = info.slots().get(&format!("{m}.weight"))?.dims();
-        // The recipe's numerics as the layout gives them, with the format the slot holds.
-        let numerics = info.recipe.format_for(m, info.config.num_layers);
-        let cols = shape[shape.len() - 1];
-        Some((shape, numerics.fitting(cols).with(format)))
-    };
-    let (shape, format) = served(module)?;
-    let pair = gate_up_pair(module)
-        .and_then(|(g, u)| Pair::of(&g, served(&g)?.1, &u, served(&u)?.1.format));
-    Some(Slot::new(module, shape, format, pair))
+    crate::model::slots::served_slot(info.slots(), &info.recipe, info.config.num_layers, module)
 }
 
 fn invalid(e: SlotError) -> ApiError {

@@ -6,6 +6,7 @@ mod dummy;
 pub use dummy::DummyWeights;
 pub mod load;
 pub mod memory;
+pub mod quantize;
 pub mod slots;
 
 use cudarc::driver::CudaSlice;

@@ -369,21 +369,40 @@ fn fits(name: &str, slot: &DeviceSlot<'_>, r: &Replacement) -> Result<(), StoreE
             Table::Bf16(t) if t.len() * 2 == d.bytes => Ok(()),
             _ => refuse("the embedding's dtype or size differs from the served table"),
         },
+        (DeviceSlot::Linear { matrix, rows, .. }, Replacement::DeviceQuantized(q)) => {
+            if (q.rows, q.cols) != (*rows, matrix.k) {
+                return refuse("shape differs from the served layer");
+            }
+            let n = q.rows * q.cols;
+            let sizes = match (&matrix.data, q.format) {
+                (WeightData::Mxfp8 { .. }, Format::Mxfp8) => (n, n / MXFP8_BLOCK),
+                (WeightData::Nvfp4 { .. }, Format::Nvfp4) => (n / 2, n / NVFP4_BLOCK),
+                _ => return refuse("storage format differs from the served layer"),
+            };
+            if (q.data.bytes, q.scales.bytes) == sizes {
+                Ok(())
+            } else {
+                refuse(&format!(
+                    "{} value and {} scale bytes in device memory, expected {} and {}",
+                    q.data.bytes, q.scales.bytes, sizes.0, sizes.1
+                ))
+            }
+        }
         _ => refuse("the wrong kind of tensor"),
     }
 }
 
 /// Copies `bytes` bytes of device memory at `src` (this context's) to element `at` of `dev`,
 /// on the store's stream.
-fn put_device(
+fn put_device<T: DeviceRepr>(
     gpu: &Gpu,
     src: u64,
     bytes: usize,
-    dev: &mut CudaSlice<u16>,
+    dev: &mut CudaSlice<T>,
     at: usize,
 ) -> Result<(), CudaError> {
     if bytes > 0 {
-        let mut dst = dev.slice_mut(at..at + bytes / 2);
+        let mut dst = dev.slice_mut(at..at + bytes / std::mem::size_of::<T>());
         let (dst, _sync) = dst.device_ptr_mut(&gpu.stream);
         // SAFETY: `dst` holds `bytes` bytes (the slice above); `src` is device memory of this
         // context kept mapped by the replacement's owner, which outlives the copy (the store
@@ -487,6 +506,36 @@ fn write_slot(gpu: &Gpu, slot: DeviceSlot<'_>, r: &Replacement) -> Result<(), Cu
             let a = (expert * matrix.n + row0) * matrix.k;
             match &mut matrix.data {
                 WeightData::Bf16(w) => put_device(gpu, d.ptr, d.bytes, w, a),
+                _ => unreachable!("checked by `fits`"),
+            }
+        }
+        (
+            DeviceSlot::Linear {
+                matrix,
+                expert,
+                group,
+                row0,
+                ..
+            },
+            Replacement::DeviceQuantized(q),
+        ) => {
+            let a = (expert * matrix.n + row0) * matrix.k;
+            let (data, scales) = (&q.data, &q.scales);
+            match &mut matrix.data {
+                WeightData::Mxfp8 { data: d, scales: s } => {
+                    put_device(gpu, data.ptr, data.bytes, d, a)?;
+                    put_device(gpu, scales.ptr, scales.bytes, s, a / MXFP8_BLOCK)
+                }
+                WeightData::Nvfp4 {
+                    data: d,
+                    scales: s,
+                    s_dec,
+                    groups,
+                } => {
+                    put_device(gpu, data.ptr, data.bytes, d, a / 2)?;
+                    put_device(gpu, scales.ptr, scales.bytes, s, a / NVFP4_BLOCK)?;
+                    put(gpu, &[q.second_level], s_dec, expert * *groups + group)
+                }
                 _ => unreachable!("checked by `fits`"),
             }
         }
