@@ -463,28 +463,42 @@ impl Slot {
 /// Prepares the slots of one update (by module) with [`Slot::prepare`]; the dense halves of
 /// each NVFP4 gate/up pair get one shared second-level scale, so both halves must be in the
 /// update, dense and of one shape.
+///
+/// Slots are prepared in parallel (each one's copy out of its tensor is serial); a failure is
+/// the first in module order, whichever finished first.
 pub fn prepare_all(
     slots: &BTreeMap<String, (Slot, Parts<'_>)>,
 ) -> Result<Vec<(String, Stored)>, SlotError> {
-    let mut levels: BTreeMap<&str, SecondLevel> = BTreeMap::new();
-    let mut out = Vec::with_capacity(slots.len());
-    for (module, (slot, parts)) in slots {
-        let dense = parts
+    use rayon::prelude::*;
+    let dense = |parts: &Parts<'_>| {
+        parts
             .get("weight")
-            .is_some_and(|w| FLOATS.contains(&w.dtype()));
-        let shared = match slot.pair.as_ref().filter(|_| dense) {
-            Some(pair) if levels.contains_key(pair.gate.as_str()) => {
-                Some(levels[pair.gate.as_str()])
-            }
-            Some(pair) => {
-                let level = pair_level(slots, slot, pair)?;
-                Some(*levels.entry(&pair.gate).or_insert(level))
-            }
-            None => None,
-        };
-        out.push((module.clone(), slot.prepare(parts, shared)?));
+            .is_some_and(|w| FLOATS.contains(&w.dtype()))
+    };
+    // Each pair's shared scale, once, from the first of its halves in module order.
+    let mut pairs: BTreeMap<&str, (&Slot, &Pair)> = BTreeMap::new();
+    for (slot, parts) in slots.values() {
+        if let Some(pair) = slot.pair.as_ref().filter(|_| dense(parts)) {
+            pairs.entry(pair.gate.as_str()).or_insert((slot, pair));
+        }
     }
-    Ok(out)
+    let levels: Vec<Result<(&str, SecondLevel), SlotError>> = pairs
+        .into_par_iter()
+        .map(|(gate, (slot, pair))| Ok((gate, pair_level(slots, slot, pair)?)))
+        .collect();
+    let levels: BTreeMap<&str, SecondLevel> = levels.into_iter().collect::<Result<_, _>>()?;
+    let out: Vec<Result<(String, Stored), SlotError>> = slots
+        .par_iter()
+        .map(|(module, (slot, parts))| {
+            let shared = slot
+                .pair
+                .as_ref()
+                .filter(|_| dense(parts))
+                .map(|pair| levels[pair.gate.as_str()]);
+            Ok((module.clone(), slot.prepare(parts, shared)?))
+        })
+        .collect();
+    out.into_iter().collect()
 }
 
 fn pair_level(
