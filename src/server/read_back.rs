@@ -288,17 +288,22 @@ impl Reader {
             .alloc::<u8>(bytes)
             .map_err(|e| Staging::NoRoom(e.to_string()))?;
         let base = cudarc::driver::DevicePtr::device_ptr(&buf, &gpu.stream).0;
-        let mut ranges = Vec::with_capacity(parts.len());
+        let mut layout = Vec::with_capacity(parts.len());
         let mut at = 0;
         for p in parts {
-            let spill = &self.spill;
-            ring.upload(gpu, base + at as u64, p.len, |off, chunk| {
-                spill.read_into(p, off, chunk)
-            })
-            .map_err(|e| Staging::Failed(format!("reading `{}` back from the spill file: {e}", p.name)))?;
-            ranges.push((base + at as u64, p.len));
+            layout.push((p, at));
             at += p.len.next_multiple_of(256);
         }
+        // The layer as one span: a ring buffer holds several small parts, read at once.
+        let spill = &self.spill;
+        ring.upload(gpu, base, bytes, |off, chunk| {
+            spill.read_laid_out(&layout, off, chunk)
+        })
+        .map_err(|e| Staging::Failed(format!("reading a layer back from the spill file: {e}")))?;
+        let ranges: Vec<(u64, usize)> = layout
+            .iter()
+            .map(|&(p, start)| (base + start as u64, p.len))
+            .collect();
         // Ordered after the copies on the same stream; synchronized before it returns.
         let hashes = hash::xxh3_of_device(gpu, &ranges)
             .map_err(|e| Staging::Failed(format!("hashing spilled slots on the device: {e}")))?;

@@ -151,11 +151,8 @@ impl Spill {
         Ok(buf)
     }
 
-    /// A part's bytes `at..at + buf.len()`, read back into `buf`, a few pieces at once (the
-    /// file's pages are usually still in the page cache, where one thread's copy is the
-    /// bound).
+    /// A part's bytes `at..at + buf.len()`, read back into `buf`.
     pub fn read_into(&self, p: &SpilledPart, at: usize, buf: &mut [u8]) -> std::io::Result<()> {
-        use rayon::prelude::*;
         if at + buf.len() > p.len {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
@@ -167,14 +164,44 @@ impl Spill {
                 ),
             ));
         }
+        self.read_laid_out(&[(p, 0)], at, buf)
+    }
+
+    /// Bytes `at..at + buf.len()` of a buffer that holds each part of `layout` at its start
+    /// (in increasing order, not overlapping), read into `buf`; bytes between parts are left
+    /// as they were. Read in pieces of a few MiB on several threads at once: the file's pages
+    /// are usually still in the page cache, where one thread's copy is the bound, and a layer's
+    /// parts are often smaller than a piece.
+    pub fn read_laid_out(
+        &self,
+        layout: &[(&SpilledPart, usize)],
+        at: usize,
+        buf: &mut [u8],
+    ) -> std::io::Result<()> {
+        use rayon::prelude::*;
         const PIECE: usize = 2 << 20;
-        let start = p.offset + at as u64;
-        buf.par_chunks_mut(PIECE)
-            .enumerate()
-            .try_for_each(|(i, piece)| {
-                self.file
-                    .read_exact_at(piece, start + (i * PIECE) as u64)
-            })
+        let end = at + buf.len();
+        // (file offset, range of `buf`) of every piece of every part inside at..end.
+        let mut pieces = Vec::new();
+        for &(p, start) in layout {
+            let (mut x, hi) = (start.max(at), (start + p.len).min(end));
+            while x < hi {
+                let n = (hi - x).min(PIECE);
+                pieces.push((p.offset + (x - start) as u64, x - at, n));
+                x += n;
+            }
+        }
+        let mut slices = Vec::with_capacity(pieces.len());
+        let (mut rest, mut taken) = (buf, 0);
+        for (offset, from, n) in pieces {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(from - taken);
+            let (piece, tail) = tail.split_at_mut(n);
+            slices.push((offset, piece));
+            (rest, taken) = (tail, from + n);
+        }
+        slices
+            .into_par_iter()
+            .try_for_each(|(offset, piece)| self.file.read_exact_at(piece, offset))
     }
 
     /// The checksum entry of a spilled part, as hashed when it was written.
@@ -312,5 +339,26 @@ mod tests {
         let mut buf = vec![0u8; 8];
         let e = spill.read_into(&part, n - 7, &mut buf).unwrap_err();
         assert!(e.to_string().contains("b.weight"), "{e}");
+
+        // Both parts laid out with a gap, read in chunks that cut through parts and gaps:
+        // every part's bytes at its start, the gaps untouched.
+        let a = spill
+            .groups()
+            .into_iter()
+            .flatten()
+            .find(|p| p.name == "a.weight")
+            .unwrap();
+        let layout = [(&a, 5), (&part, 300)];
+        let total = 300 + n + 11;
+        let mut want = vec![0xEEu8; total];
+        want[5..8].copy_from_slice(&[1, 2, 3]);
+        want[300..300 + n].copy_from_slice(&bytes);
+        for chunk in [7, 4 << 20, (3 << 20) + 5, total] {
+            let mut got = vec![0xEEu8; total];
+            for (i, c) in got.chunks_mut(chunk).enumerate() {
+                spill.read_laid_out(&layout, i * chunk, c).unwrap();
+            }
+            assert!(got == want, "read in chunks of {chunk}");
+        }
     }
 }
