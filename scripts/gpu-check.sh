@@ -155,7 +155,8 @@ fi
 # /update_weights_from_disk of the same directory while scripts/stream_gaps.py reads one long
 # greedy stream for DISK_UPDATE_WINDOW (default 90) seconds; prints the update's answer
 # (load_seconds, swap_seconds) and the stream's
-# largest gap. DISK_UPDATE_QUANT=nvfp4_online (or mxfp8) serves it quantized.
+# largest gap. DISK_UPDATE_QUANT=nvfp4_online (or mxfp8) serves it quantized;
+# DISK_UPDATE_SERVE_ARGS adds serve flags (e.g. "--weight-update-shadow off").
 if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
   py=python3  # one with numpy (make_push_checkpoint.py)
   for c in /opt/torch/.venv/bin/python python3; do
@@ -166,7 +167,8 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
   {
     "$py" scripts/make_push_checkpoint.py --out "$ck" --gb "${DISK_UPDATE_GB:-8}"
     "$bin"/lockstep serve --device cuda --model-path "$ck" --weights-root /tmp --port 30557 \
-      ${DISK_UPDATE_QUANT:+--quantization "$DISK_UPDATE_QUANT"} >"$logs/serve_disk_update.log" 2>&1 &
+      ${DISK_UPDATE_QUANT:+--quantization "$DISK_UPDATE_QUANT"} ${DISK_UPDATE_SERVE_ARGS:-} \
+      >"$logs/serve_disk_update.log" 2>&1 &
     pid=$!
     wait_healthy 30557 300
     "$py" scripts/stream_gaps.py http://127.0.0.1:30557 "${DISK_UPDATE_WINDOW:-90}" &
@@ -185,6 +187,7 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
     wait $gaps
     # The server's side of each bucket: waiting for the session, building the slots, writing.
     grep -o "bucket of .*" "$logs/serve_disk_update.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -n 32
+    grep -oE "(in-place commit|weights committed).*" "$logs/serve_disk_update.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -n 4
     grep -E "VmHWM|peak" /proc/$pid/status 2>/dev/null || true
     kill $pid 2>/dev/null; wait $pid 2>/dev/null
   } 2>&1 | tee "$logs/disk_update.md"
