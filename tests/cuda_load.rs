@@ -573,7 +573,11 @@ fn dense_weights_quantized_on_the_device_store_the_hosts_bytes() {
         let new_model = || load_model(&new, Some(q), None).unwrap().0;
         let for_host = some_replacements(&mut new_model());
         let dense: Vec<Dense> = for_host.iter().filter_map(|(n, _)| dense_of(n)).collect();
-        assert!(dense.len() >= 3, "{what}: {} slots quantized on the device", dense.len());
+        assert!(
+            dense.len() >= 3,
+            "{what}: {} slots quantized on the device",
+            dense.len()
+        );
         let quantized = quantize_slots(&g, dense).unwrap();
         let names: Vec<String> = quantized.iter().map(|(n, _)| n.clone()).collect();
         let mut for_dev: Vec<(String, Replacement)> = some_replacements(&mut new_model())
@@ -587,13 +591,24 @@ fn dense_weights_quantized_on_the_device_store_the_hosts_bytes() {
         dev.write_replacements(&g, &cfg, for_dev).unwrap();
         let after = dev.weights_checksum(&g, &cfg).unwrap();
         assert_ne!(before, after, "{what}: the update changed nothing");
-        assert_eq!(after, host.weights_checksum(), "{what}: checksum after the update");
+        assert_eq!(
+            after,
+            host.weights_checksum(),
+            "{what}: checksum after the update"
+        );
         for (name, h) in &predicted.tensors {
-            assert_eq!(after.tensors.get(name), Some(h), "{what}: {name}'s predicted hash");
+            assert_eq!(
+                after.tensors.get(name),
+                Some(h),
+                "{what}: {name}'s predicted hash"
+            );
         }
         let uploaded = CudaWeights::upload(&g, &host).unwrap();
         assert_same_buffers(&what, &buffers(&g, &dev), &buffers(&g, &uploaded));
-        println!("{what}: {} slots quantized on the device, bytes equal to the host's", names.len());
+        println!(
+            "{what}: {} slots quantized on the device, bytes equal to the host's",
+            names.len()
+        );
         if q == Quantization::Nvfp4Online {
             let gate = "model.layers.1.mlp.experts.3.gate_proj.weight";
             let lonely = dense_of(gate).expect("an NVFP4 gate");
@@ -636,7 +651,11 @@ fn uploads_through_the_page_locked_ring_arrive_exactly() {
     g.synchronize().unwrap();
     let mut at = 0;
     for &n in &lens {
-        assert!(got[at + 3..at + 3 + n] == host[at + 3..at + 3 + n], "{n} bytes at {}", at + 3);
+        assert!(
+            got[at + 3..at + 3 + n] == host[at + 3..at + 3 + n],
+            "{n} bytes at {}",
+            at + 3
+        );
         at += n + 3;
     }
     let e = ring

@@ -326,6 +326,10 @@ fn an_in_place_commit_that_fails_midway_rolls_back_to_the_same_bits() {
     block_on(h.apply_weights(commit(head, groups, sum.clone(), None))).unwrap();
     assert_eq!(h.weight_version(), "v1");
     assert!(*h.weights_checksum().1 == *sum);
-    assert_eq!(generate(&h, &prompts, "after"), want, "the new weights' bits");
+    assert_eq!(
+        generate(&h, &prompts, "after"),
+        want,
+        "the new weights' bits"
+    );
     h.shutdown();
 }

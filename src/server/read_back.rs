@@ -16,7 +16,9 @@ use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::spill::{Spill, SpilledPart};
-use super::weights::{build_replacements, lands_device_to_device, StagedTensor, UPLOAD_SPARE_BYTES};
+use super::weights::{
+    build_replacements, lands_device_to_device, StagedTensor, UPLOAD_SPARE_BYTES,
+};
 use crate::backend::cuda::hash;
 use crate::backend::cuda::pinned::HostRing;
 use crate::backend::cuda::Gpu;

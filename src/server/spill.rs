@@ -303,7 +303,12 @@ mod tests {
             .write_parts(
                 "a.weight".into(),
                 "a",
-                &[CheckpointPart::bytes("weight", Dtype::U8, vec![3], &[1, 2, 3])],
+                &[CheckpointPart::bytes(
+                    "weight",
+                    Dtype::U8,
+                    vec![3],
+                    &[1, 2, 3],
+                )],
             )
             .unwrap();
         let mut state = 0x9e37_79b9_7f4a_7c15_u64;
@@ -331,7 +336,12 @@ mod tests {
             .unwrap();
         assert_eq!(part.len, n);
         assert_eq!(spill.read(&part).unwrap(), bytes);
-        for (at, len) in [(0, 1), (5, (8 << 20) + 1), ((8 << 20) - 3, 9 << 20), (n - 7, 7)] {
+        for (at, len) in [
+            (0, 1),
+            (5, (8 << 20) + 1),
+            ((8 << 20) - 3, 9 << 20),
+            (n - 7, 7),
+        ] {
             let mut buf = vec![0u8; len];
             spill.read_into(&part, at, &mut buf).unwrap();
             assert!(buf == bytes[at..at + len], "bytes {at}..{}", at + len);

@@ -325,7 +325,10 @@ fn quantize_shared(
 }
 
 /// Device replacements by slot name with the bytes each read, and what goes through the host.
-type QuantizedShared = (Vec<(String, Replacement, usize)>, Vec<tensor_ipc::SharedTensor>);
+type QuantizedShared = (
+    Vec<(String, Replacement, usize)>,
+    Vec<tensor_ipc::SharedTensor>,
+);
 
 /// Why a shared tensor was not quantized on the device.
 enum Copy {

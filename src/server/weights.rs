@@ -23,8 +23,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::extract::{Query, State};
-use cudarc::driver::DevicePtrMut;
 use axum::Json;
+use cudarc::driver::DevicePtrMut;
 use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
 use serde::Deserialize;
@@ -838,7 +838,12 @@ fn upload_for_device(
             })
         };
         let quantized = room_for(gpu, to_quantize.values().map(|(_, t)| t.data.len() * 2))
-            .and_then(|()| to_quantize.values().map(dense).collect::<Result<Vec<_>, CudaError>>())
+            .and_then(|()| {
+                to_quantize
+                    .values()
+                    .map(dense)
+                    .collect::<Result<Vec<_>, CudaError>>()
+            })
             .and_then(|d| quantize_slots(gpu, d));
         match quantized {
             Ok(u) => updates.extend(u),

@@ -43,11 +43,17 @@ pub fn quantizes(slot: &Slot) -> bool {
 /// The stored bytes of each tensor's slot, as device replacements by slot name
 /// (`module.weight`). Every slot must pass [`quantizes`], and both halves of an NVFP4 gate/up
 /// pair must be here. Synchronizes `gpu`'s stream.
-pub fn quantize_slots(gpu: &Gpu, dense: Vec<Dense>) -> Result<Vec<(String, Replacement)>, CudaError> {
+pub fn quantize_slots(
+    gpu: &Gpu,
+    dense: Vec<Dense>,
+) -> Result<Vec<(String, Replacement)>, CudaError> {
     let dims = |d: &Dense| (d.slot.shape[0], d.slot.shape[1]);
     // Every NVFP4 tensor's amax, queued at once, then read back.
     let mut amax_bufs = Vec::new();
-    for d in dense.iter().filter(|d| d.slot.format.format == Format::Nvfp4) {
+    for d in dense
+        .iter()
+        .filter(|d| d.slot.format.format == Format::Nvfp4)
+    {
         let (rows, cols) = dims(d);
         let mut buf = gpu.alloc::<u32>(2)?;
         ops::amax(gpu, &d.values, rows * cols, &mut buf)?;
@@ -64,7 +70,8 @@ pub fn quantize_slots(gpu: &Gpu, dense: Vec<Dense>) -> Result<Vec<(String, Repla
         let slot = &d.slot;
         let (data, scales, second_level) = match slot.format.format {
             Format::Mxfp8 => {
-                let (mut data, mut scales) = (gpu.alloc::<u8>(n)?, gpu.alloc::<u8>(n / MXFP8_BLOCK)?);
+                let (mut data, mut scales) =
+                    (gpu.alloc::<u8>(n)?, gpu.alloc::<u8>(n / MXFP8_BLOCK)?);
                 ops::mxfp8_quantize(gpu, &d.values, n, &mut data, &mut scales, None)?;
                 (data, scales, 1.0)
             }
@@ -86,7 +93,16 @@ pub fn quantize_slots(gpu: &Gpu, dense: Vec<Dense>) -> Result<Vec<(String, Repla
                 let params = Nvfp4Params::from_four_over_six(slot.format.four_over_six);
                 let (mut data, mut scales) =
                     (gpu.alloc::<u8>(n / 2)?, gpu.alloc::<u8>(n / NVFP4_BLOCK)?);
-                ops::nvfp4_quantize_bf16(gpu, &d.values, rows, cols, a, params, &mut data, &mut scales)?;
+                ops::nvfp4_quantize_bf16(
+                    gpu,
+                    &d.values,
+                    rows,
+                    cols,
+                    a,
+                    params,
+                    &mut data,
+                    &mut scales,
+                )?;
                 (data, scales, SecondLevel::from_amax(a, params.range).s_dec)
             }
             Format::Bf16 => {
@@ -113,12 +129,13 @@ pub fn quantize_slots(gpu: &Gpu, dense: Vec<Dense>) -> Result<Vec<(String, Repla
         .into_iter()
         .zip(ranges.chunks(2).zip(hashes.chunks(2)))
         .map(|((slot, rows, cols, data, scales, second_level), (r, h))| {
-            let tensor = |owner: CudaSlice<u8>, (ptr, bytes): (u64, usize), hash: u64| DeviceTensor {
-                ptr,
-                bytes,
-                hash,
-                owner: Arc::new(owner),
-            };
+            let tensor =
+                |owner: CudaSlice<u8>, (ptr, bytes): (u64, usize), hash: u64| DeviceTensor {
+                    ptr,
+                    bytes,
+                    hash,
+                    owner: Arc::new(owner),
+                };
             let q = DeviceQuantized {
                 format: slot.format.format,
                 rows,
