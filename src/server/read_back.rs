@@ -222,19 +222,14 @@ impl Reader {
                     return;
                 }
             }
-            let (updates, device, host) = self.prepare(to_device, to_host, device, host);
-            let failed = updates.is_err();
+            let group = self.prepare(to_device, to_host, device, host);
+            let failed = group.updates.is_err();
             {
                 let mut f = shared.0.lock().expect("read-back lock");
                 f.groups += 1;
-                f.host += host;
-                f.device += device;
+                f.host += group.host;
+                f.device += group.device;
             }
-            let group = Group {
-                updates,
-                host,
-                device,
-            };
             if tx.send(group).is_err() || failed {
                 break;
             }
@@ -242,24 +237,29 @@ impl Reader {
         signal(&shared.0.lock().expect("read-back lock"));
     }
 
-    /// One layer's replacements, and the device and host bytes they hold.
+    /// One layer's replacements, with the device and host bytes they hold.
     fn prepare(
         &mut self,
         to_device: Vec<SpilledPart>,
         mut to_host: Vec<SpilledPart>,
         device: usize,
         host: usize,
-    ) -> (Result<Vec<(String, Replacement)>, String>, usize, usize) {
+    ) -> Group {
+        let failed = |e| Group {
+            updates: Err(e),
+            host: 0,
+            device: 0,
+        };
         let mut updates = Vec::new();
         let mut device_bytes = 0;
         let mut host_bytes = host;
         if !to_device.is_empty() {
-            match self.to_device(&to_device, device) {
+            match self.stage_on_device(&to_device, device) {
                 Ok(u) => {
                     updates = u;
                     device_bytes = device;
                 }
-                Err(Staging::Failed(e)) => return (Err(e), 0, 0),
+                Err(Staging::Failed(e)) => return failed(e),
                 Err(Staging::NoRoom(e)) => {
                     tracing::warn!(
                         "a spilled layer is read back through host memory: staging it on the device failed ({e})"
@@ -269,18 +269,22 @@ impl Reader {
                 }
             }
         }
-        match self.to_host(to_host) {
+        match self.read_to_host(to_host) {
             Ok(u) => {
                 updates.extend(u);
-                (Ok(updates), device_bytes, host_bytes)
+                Group {
+                    updates: Ok(updates),
+                    host: host_bytes,
+                    device: device_bytes,
+                }
             }
-            Err(e) => (Err(e), 0, 0),
+            Err(e) => failed(e),
         }
     }
 
     /// `parts` read into one device buffer (`bytes`, each at a 256-byte boundary) through the
     /// page-locked ring, hashed there and checked against what the spill recorded.
-    fn to_device(
+    fn stage_on_device(
         &mut self,
         parts: &[SpilledPart],
         bytes: usize,
@@ -332,7 +336,7 @@ impl Reader {
     }
 
     /// `parts` read into host memory and prepared as a pushed bucket's are.
-    fn to_host(&self, parts: Vec<SpilledPart>) -> Result<Vec<(String, Replacement)>, String> {
+    fn read_to_host(&self, parts: Vec<SpilledPart>) -> Result<Vec<(String, Replacement)>, String> {
         let mut staged = BTreeMap::new();
         for part in parts {
             let data = self
