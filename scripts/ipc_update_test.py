@@ -268,6 +268,46 @@ def push_round(a, srv, pushed: Path, label: str, failures: list) -> None:
     print(f"{label}: {'OK' if ok else 'MISMATCH'} (checksum {after['overall']})", flush=True)
 
 
+def send_ipc(srv, named, fmt, limit: int, session: bool):
+    """`named` through /update_weights_from_tensor in buckets of at most `limit` bytes (`fmt`:
+    the load format), inside one /begin_weight_update .. /end_weight_update when `session`.
+    Returns (bytes sent, bytes that never went through the host, the server's copy seconds,
+    the mode it reported, wall seconds)."""
+    if session:
+        s, v = srv.call("POST", "/begin_weight_update", {})
+        if s != 200:
+            raise RuntimeError(f"begin_weight_update: {s} {v}")
+    sent, d2d, copy_s, mode, t0 = 0, 0, 0.0, "one update", time.perf_counter()
+    for b in buckets(named, limit):
+        obj = flattened_bucket(b) if fmt else b
+        body = {"serialized_named_tensors": [serialize(obj)], "load_format": fmt,
+                "flush_cache": True}
+        s, v = srv.call("POST", "/update_weights_from_tensor", body)
+        if s != 200 or not v.get("success"):
+            raise RuntimeError(f"{fmt}: {s} {v}")
+        sent += v["copied_bytes"]
+        d2d += v["device_to_device_bytes"]
+        copy_s += v["copy_s"]
+        mode = v.get("mode", "one update")
+    if session:
+        s, v = srv.call("POST", "/end_weight_update", {})
+        if s != 200:
+            raise RuntimeError(f"end_weight_update: {s} {v}")
+    return sent, d2d, copy_s, mode, time.perf_counter() - t0
+
+
+def check_against_disk(srv, failures, label, before, named, ref: Path, model: Path) -> None:
+    """The served weights after an update of `named` equal the same tensors loaded from disk
+    (written as a checkpoint at `ref`): the same checksum, and so the same greedy tokens and
+    logprobs; no tensor kept its checksum from `before`."""
+    after, written = srv.checksum(), srv.greedy()
+    ref = reference_checkpoint(ref, model, named)
+    ok = compare(failures, label, before, after, disk_load(srv, ref), "the disk load")
+    ok &= same_output(failures, label, written, srv.greedy())
+    print(f"{label}: {'OK' if ok else 'MISMATCH'} "
+          f"(checksum {after['overall']}, version {after['weight_version']})", flush=True)
+
+
 def quantized_round(a, tmp: Path, model: Path, tensors, pushed: Path, failures: list) -> None:
     """A server that quantizes its experts to NVFP4 (`--quantization nvfp4_online`) updated with
     BF16 tensors: CUDA IPC in one request (every gate/up pair complete, so quantized on the
@@ -290,32 +330,11 @@ def quantized_round(a, tmp: Path, model: Path, tensors, pushed: Path, failures: 
             named = [(n, (torch.randn(s, device="cuda", generator=gen) * 0.02).to(DTYPES[d]))
                      for n, d, s in tensors]
             torch.cuda.synchronize()
-            if session:
-                s, v = srv.call("POST", "/begin_weight_update", {})
-                if s != 200:
-                    raise RuntimeError(f"begin_weight_update: {s} {v}")
-            sent, d2d, t0 = 0, 0, time.perf_counter()
-            for b in buckets(named, limit):
-                body = {"serialized_named_tensors": [serialize(flattened_bucket(b))],
-                        "load_format": "flattened_bucket", "flush_cache": True}
-                s, v = srv.call("POST", "/update_weights_from_tensor", body)
-                if s != 200 or not v.get("success"):
-                    raise RuntimeError(f"nvfp4 {label}: {s} {v}")
-                sent += v["copied_bytes"]
-                d2d += v["device_to_device_bytes"]
-            if session:
-                s, v = srv.call("POST", "/end_weight_update", {})
-                if s != 200:
-                    raise RuntimeError(f"end_weight_update: {s} {v}")
-            wall = time.perf_counter() - t0
+            sent, d2d, _, _, wall = send_ipc(srv, named, "flattened_bucket", limit, session)
             label = f"nvfp4 experts, IPC {label}"
             print(f"{label}: {sent / 1e9:.2f} GB ({d2d / 1e9:.2f} GB never through the host) in "
                   f"{wall:.2f} s", flush=True)
-            after, written = srv.checksum(), srv.greedy()
-            ref = reference_checkpoint(tmp / f"nvfp4_ref{round_}", model, named)
-            ok = compare(failures, label, before, after, disk_load(srv, ref), "the disk load")
-            ok &= same_output(failures, label, written, srv.greedy())
-            print(f"{label}: {'OK' if ok else 'MISMATCH'} (checksum {after['overall']})", flush=True)
+            check_against_disk(srv, failures, label, before, named, tmp / f"nvfp4_ref{round_}", model)
             del named
             torch.cuda.empty_cache()
         push_round(a, srv, pushed, "nvfp4 experts, push (shadow)", failures)
@@ -413,42 +432,17 @@ def main() -> int:
         for round_, (fmt, session) in enumerate([(None, False), ("flattened_bucket", False),
                                                  ("flattened_bucket", True)]):
             before = srv.checksum()
-            if session:
-                s, v = srv.call("POST", "/begin_weight_update", {})
-                if s != 200:
-                    raise RuntimeError(f"begin_weight_update: {s} {v}")
             named = [(n, (torch.randn(s, device="cuda", generator=gen) * 0.02).to(DTYPES[d]))
                      for n, d, s in tensors]
             torch.cuda.synchronize()
-            sent, d2d, t0 = 0, 0, time.perf_counter()
-            copy_s = 0.0
-            for b in buckets(named, a.bucket_mb << 20):
-                obj = flattened_bucket(b) if fmt else b
-                body = {"serialized_named_tensors": [serialize(obj)], "load_format": fmt,
-                        "flush_cache": True}
-                s, v = srv.call("POST", "/update_weights_from_tensor", body)
-                if s != 200 or not v.get("success"):
-                    raise RuntimeError(f"{fmt}: {s} {v}")
-                sent += v["copied_bytes"]
-                d2d += v["device_to_device_bytes"]
-                copy_s += v["copy_s"]
-                mode = v.get("mode", "one update")
-            if session:
-                s, v = srv.call("POST", "/end_weight_update", {})
-                if s != 200:
-                    raise RuntimeError(f"end_weight_update: {s} {v}")
-            wall = time.perf_counter() - t0
+            sent, d2d, copy_s, mode, wall = send_ipc(srv, named, fmt, a.bucket_mb << 20, session)
             fmt = f"{fmt} ({'session, ' + mode if session else 'one update per request'})"
             print(f"load_format {fmt}: {sent / 1e9:.2f} GB ({d2d / 1e9:.2f} GB device to device) in {wall:.2f} s "
                   f"= {sent / 1e9 / wall:.2f} GB/s end to end (server side {copy_s:.2f} s)", flush=True)
-            after, written = srv.checksum(), srv.greedy()
             # The same tensors through the disk path: the server must hold the same bytes, so
             # it must also compute the same tokens and logprobs from them.
-            ref = reference_checkpoint(tmp / f"ref{round_}", model, named)
-            ok = compare(failures, fmt, before, after, disk_load(srv, ref), "the disk load")
-            ok &= same_output(failures, fmt, written, srv.greedy())
-            print(f"load_format {fmt}: {'OK' if ok else 'MISMATCH'} "
-                  f"(checksum {after['overall']}, version {after['weight_version']})", flush=True)
+            check_against_disk(srv, failures, f"load_format {fmt}", before, named, tmp / f"ref{round_}",
+                               model)
             del named
             torch.cuda.empty_cache()
         # `lockstep push` of a new checkpoint: BF16 buckets go through a device shadow as

@@ -295,6 +295,16 @@ fn scratch(name: &str) -> (tempfile::TempDir, PathBuf) {
     (tmp, p)
 }
 
+/// Two BF16 checkpoints of the embedded config (the served weights and an update), from
+/// `seed` and `seed + 1`, in a directory that lives as long as the handle.
+fn old_and_new(seed: u64) -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let (tmp, root) = scratch("ckpts");
+    let (old, new) = (root.join("old"), root.join("new"));
+    bf16_checkpoint(&old, seed);
+    bf16_checkpoint(&new, seed + 1);
+    (tmp, old, new)
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn device_loaded_weights_equal_the_uploaded_cpu_model() {
@@ -403,10 +413,7 @@ fn some_replacements(m: &mut Model) -> Vec<(String, Replacement)> {
 fn streamed_update_on_device_loaded_weights_matches_the_host_model() {
     let seed = seed();
     println!("seed {seed}");
-    let (_tmp, root) = scratch("ckpts");
-    let (old, new) = (root.join("old"), root.join("new"));
-    bf16_checkpoint(&old, seed);
-    bf16_checkpoint(&new, seed + 1);
+    let (_tmp, old, new) = old_and_new(seed);
     for q in [
         None,
         Some(Quantization::Mxfp8),
@@ -540,10 +547,7 @@ fn dense_weights_quantized_on_the_device_store_the_hosts_bytes() {
     use lockstep::model::cuda::quantize::{quantize_slots, quantizes, Dense};
     use lockstep::model::slots::served_slot;
     let seed = seed();
-    let (_tmp, root) = scratch("ckpts");
-    let (old, new) = (root.join("old"), root.join("new"));
-    bf16_checkpoint(&old, seed);
-    bf16_checkpoint(&new, seed + 1);
+    let (_tmp, old, new) = old_and_new(seed);
     let newck = Checkpoint::open(&new).unwrap();
     for q in [Quantization::Mxfp8, Quantization::Nvfp4Online] {
         let what = format!("{q:?}");
@@ -679,10 +683,7 @@ fn uploads_through_the_page_locked_ring_arrive_exactly() {
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn device_tensors_are_written_device_to_device_like_host_replacements() {
     let seed = seed();
-    let (_tmp, root) = scratch("ckpts");
-    let (old, new) = (root.join("old"), root.join("new"));
-    bf16_checkpoint(&old, seed);
-    bf16_checkpoint(&new, seed + 1);
+    let (_tmp, old, new) = old_and_new(seed);
     let g = gpu();
     let (mut host, _) = load_model(&old, None, None).unwrap();
     let src = open_serving_checkpoint(&old, None, None).unwrap();
