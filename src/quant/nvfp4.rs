@@ -138,6 +138,11 @@ fn quantize_row<T: Element>(
     quantize_row_portable(row, level, fos, data, scales)
 }
 
+/// The standard path (no four-over-six) in AVX2 intrinsics: a block's amax, its elements'
+/// E2M1 codes (seven threshold compares, the sign, NaN to 0x7) two 8-lane vectors at a time,
+/// with the block scale and multiplier computed as the portable path does. The same IEEE
+/// operations in the same order, so the same bytes (`avx2_rows_equal_the_portable_rows`).
+/// Four-over-six takes the portable path, compiled for AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn quantize_row_avx2<T: Element>(
@@ -147,7 +152,100 @@ unsafe fn quantize_row_avx2<T: Element>(
     data: &mut [u8],
     scales: &mut [u8],
 ) {
-    quantize_row_portable(row, level, fos, data, scales)
+    use std::arch::x86_64::*;
+    if fos.is_some() {
+        return quantize_row_portable(row, level, fos, data, scales);
+    }
+    let t = level.s_enc * R6;
+    let abs_mask = _mm256_set1_epi32(0x7FFF_FFFF);
+    let inf_bits = _mm256_set1_epi32(0x7F80_0000);
+    // |x| of each 8-lane half of the block as bits, NaN lanes as an all-ones mask.
+    let split = |v: __m256| {
+        let b = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
+        (b, _mm256_cmpgt_epi32(b, inf_bits))
+    };
+    let encode = |v: __m256| {
+        let bits = _mm256_castps_si256(v);
+        let sign = _mm256_and_si256(_mm256_srli_epi32::<28>(bits), _mm256_set1_epi32(8));
+        let a = _mm256_castsi256_ps(_mm256_and_si256(bits, abs_mask));
+        // The midpoints below |v|, as `e2m1_encode` counts them (each true compare is -1).
+        let below = |m: __m256| _mm256_castps_si256(m);
+        let mut n = below(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(0.25)));
+        n = _mm256_add_epi32(
+            n,
+            below(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(0.75))),
+        );
+        n = _mm256_add_epi32(
+            n,
+            below(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(1.25))),
+        );
+        n = _mm256_add_epi32(
+            n,
+            below(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(1.75))),
+        );
+        n = _mm256_add_epi32(
+            n,
+            below(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(2.5))),
+        );
+        n = _mm256_add_epi32(
+            n,
+            below(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(3.5))),
+        );
+        n = _mm256_add_epi32(
+            n,
+            below(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(5.0))),
+        );
+        let code = _mm256_or_si256(sign, _mm256_sub_epi32(_mm256_setzero_si256(), n));
+        let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+        _mm256_blendv_epi8(code, _mm256_set1_epi32(7), nan)
+    };
+    for ((block, out), scale) in row
+        .chunks_exact(NVFP4_BLOCK)
+        .zip(data.chunks_exact_mut(NVFP4_BLOCK / 2))
+        .zip(scales.iter_mut())
+    {
+        let mut x = [0f32; NVFP4_BLOCK];
+        for (v, e) in x.iter_mut().zip(block) {
+            *v = e.to_f32();
+        }
+        // SAFETY: `x` holds 16 f32; unaligned loads.
+        let (lo, hi) = unsafe {
+            (
+                _mm256_loadu_ps(x.as_ptr()),
+                _mm256_loadu_ps(x.as_ptr().add(8)),
+            )
+        };
+        // `amax`: the largest |x| bits among the numbers; NaN only when all 16 are NaN.
+        let ((blo, nan_lo), (bhi, nan_hi)) = (split(lo), split(hi));
+        let m = _mm256_max_epu32(
+            _mm256_andnot_si256(nan_lo, blo),
+            _mm256_andnot_si256(nan_hi, bhi),
+        );
+        let m = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256::<1>(m));
+        let m = _mm_max_epu32(m, _mm_shuffle_epi32::<0b01_00_11_10>(m));
+        let m = _mm_max_epu32(m, _mm_shuffle_epi32::<0b10_11_00_01>(m));
+        let all_nan = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_and_si256(nan_lo, nan_hi)));
+        let block_amax = if all_nan == 0xFF {
+            f32::NAN
+        } else {
+            f32::from_bits(_mm_cvtsi128_si32(m) as u32)
+        };
+        let s8 = e4m3_encode(block_amax * t);
+        let enc = _mm256_set1_ps(element_multiplier(s8, level.s_dec));
+        let mut codes = [0i32; NVFP4_BLOCK];
+        // SAFETY: `codes` holds 16 i32; unaligned stores.
+        unsafe {
+            _mm256_storeu_si256(codes.as_mut_ptr().cast(), encode(_mm256_mul_ps(lo, enc)));
+            _mm256_storeu_si256(
+                codes.as_mut_ptr().add(8).cast(),
+                encode(_mm256_mul_ps(hi, enc)),
+            );
+        }
+        for (byte, pair) in out.iter_mut().zip(codes.chunks_exact(2)) {
+            *byte = ((pair[1] << 4) | pair[0]) as u8;
+        }
+        *scale = s8;
+    }
 }
 
 #[inline(always)]
@@ -386,5 +484,84 @@ impl Nvfp4Tensor {
                 }
             });
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    /// Rows of every kind of value (magnitudes over the whole range, zeros, subnormals,
+    /// infinities, NaNs, blocks of only NaN, ties of the E2M1 grid) quantize to the same bytes
+    /// through the AVX2 path as through the portable one, from BF16 and from f32.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_rows_equal_the_portable_rows() {
+        assert!(
+            std::is_x86_feature_detected!("avx2"),
+            "the path this checks runs on AVX2 CPUs; run it on one"
+        );
+        {
+            let mut s = 0x9E37_79B9_7F4A_7C15u64;
+            let mut next = || {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                s
+            };
+            let cols = 16 * 64;
+            let mut x: Vec<f32> = (0..cols * 8)
+                .map(|i| {
+                    let r = next();
+                    let u = (r >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                    match r % 23 {
+                        0 => f32::NAN,
+                        1 => f32::INFINITY,
+                        2 => -0.0,
+                        3 => 1e-40,
+                        // E2M1 midpoints once scaled by a block whose max maps to 6.
+                        4 => [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0][i % 7],
+                        _ => u * 2f32.powi((r >> 8) as i32 % 60 - 30),
+                    }
+                })
+                .collect();
+            x[16..32].fill(f32::NAN);
+            x[32..48].fill(0.0);
+            x[48..64].copy_from_slice(&[6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0].repeat(2));
+            let b: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            for level in [
+                SecondLevel::standard(6.0),
+                SecondLevel::standard(1e3),
+                SecondLevel::standard(3e-3),
+            ] {
+                let run = |avx2: bool, f32_input: bool| {
+                    let (mut data, mut scales) = (vec![0u8; x.len() / 2], vec![0u8; x.len() / 16]);
+                    for ((row, d), sc) in (0..8)
+                        .zip(data.chunks_exact_mut(cols / 2))
+                        .zip(scales.chunks_exact_mut(cols / 16))
+                    {
+                        let r = row * cols..(row + 1) * cols;
+                        match (avx2, f32_input) {
+                            // SAFETY: AVX2 was detected above.
+                            (true, true) => unsafe { quantize_row_avx2(&x[r], level, None, d, sc) },
+                            (true, false) => unsafe {
+                                quantize_row_avx2(&b[r], level, None, d, sc)
+                            },
+                            (false, true) => quantize_row_portable(&x[r], level, None, d, sc),
+                            (false, false) => quantize_row_portable(&b[r], level, None, d, sc),
+                        }
+                    }
+                    (data, scales)
+                };
+                for f32_input in [true, false] {
+                    assert_eq!(
+                        run(true, f32_input),
+                        run(false, f32_input),
+                        "{level:?} f32 {f32_input}"
+                    );
+                }
+            }
+        }
     }
 }
