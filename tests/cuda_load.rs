@@ -295,6 +295,33 @@ fn scratch(name: &str) -> (tempfile::TempDir, PathBuf) {
     (tmp, p)
 }
 
+/// Applies the same update to the host model and to the device weights: the device checksum
+/// changes and equals the host's, and every device buffer equals the host model uploaded.
+/// Returns the device checksum after it.
+fn update_both(
+    g: &Gpu,
+    host: &mut Model,
+    dev: &mut CudaWeights,
+    for_host: Vec<(String, Replacement)>,
+    for_dev: Vec<(String, Replacement)>,
+    what: &str,
+) -> lockstep::model::checksum::WeightsChecksum {
+    let cfg = host.config.clone();
+    let before = dev.weights_checksum(g, &cfg).unwrap();
+    host.apply_replacements(for_host).unwrap();
+    dev.write_replacements(g, &cfg, for_dev).unwrap();
+    let after = dev.weights_checksum(g, &cfg).unwrap();
+    assert_ne!(before, after, "{what}: the update changed nothing");
+    assert_eq!(
+        after,
+        host.weights_checksum(),
+        "{what}: checksum after the update"
+    );
+    let uploaded = CudaWeights::upload(g, host).unwrap();
+    assert_same_buffers(what, &buffers(g, dev), &buffers(g, &uploaded));
+    after
+}
+
 /// Two BF16 checkpoints of the embedded config (the served weights and an update), from
 /// `seed` and `seed + 1`, in a directory that lives as long as the handle.
 fn old_and_new(seed: u64) -> (tempfile::TempDir, PathBuf, PathBuf) {
@@ -428,18 +455,7 @@ fn streamed_update_on_device_loaded_weights_matches_the_host_model() {
         let for_host = some_replacements(&mut load_model(&new, q, None).unwrap().0);
         let for_dev = some_replacements(&mut load_model(&new, q, None).unwrap().0);
         let cfg = host.config.clone();
-        let before = dev.weights_checksum(&g, &cfg).unwrap();
-        host.apply_replacements(for_host).unwrap();
-        dev.write_replacements(&g, &cfg, for_dev).unwrap();
-        let after = dev.weights_checksum(&g, &cfg).unwrap();
-        assert_ne!(before, after, "{what}: the update changed nothing");
-        assert_eq!(
-            after,
-            host.weights_checksum(),
-            "{what}: checksum after update"
-        );
-        let uploaded = CudaWeights::upload(&g, &host).unwrap();
-        assert_same_buffers(&what, &buffers(&g, &dev), &buffers(&g, &uploaded));
+        let after = update_both(&g, &mut host, &mut dev, for_host, for_dev, &what);
         // A replacement of the wrong shape is refused and changes nothing.
         let (mut other, _) = load_model(&new, q, None).unwrap();
         let wrong = vec![
@@ -590,16 +606,7 @@ fn dense_weights_quantized_on_the_device_store_the_hosts_bytes() {
             .collect();
         for_dev.extend(quantized);
         let predicted = replacements_checksum(&for_dev, cfg.hidden_size);
-        let before = dev.weights_checksum(&g, &cfg).unwrap();
-        host.apply_replacements(for_host).unwrap();
-        dev.write_replacements(&g, &cfg, for_dev).unwrap();
-        let after = dev.weights_checksum(&g, &cfg).unwrap();
-        assert_ne!(before, after, "{what}: the update changed nothing");
-        assert_eq!(
-            after,
-            host.weights_checksum(),
-            "{what}: checksum after the update"
-        );
+        let after = update_both(&g, &mut host, &mut dev, for_host, for_dev, &what);
         for (name, h) in &predicted.tensors {
             assert_eq!(
                 after.tensors.get(name),
@@ -607,8 +614,6 @@ fn dense_weights_quantized_on_the_device_store_the_hosts_bytes() {
                 "{what}: {name}'s predicted hash"
             );
         }
-        let uploaded = CudaWeights::upload(&g, &host).unwrap();
-        assert_same_buffers(&what, &buffers(&g, &dev), &buffers(&g, &uploaded));
         println!(
             "{what}: {} slots quantized on the device, bytes equal to the host's",
             names.len()

@@ -168,34 +168,23 @@ unsafe fn quantize_row_avx2<T: Element>(
         let bits = _mm256_castps_si256(v);
         let sign = _mm256_and_si256(_mm256_srli_epi32::<28>(bits), _mm256_set1_epi32(8));
         let a = _mm256_castsi256_ps(_mm256_and_si256(bits, abs_mask));
-        // The midpoints below |v|, as `e2m1_encode` counts them (each true compare is -1).
-        let below = |m: __m256| _mm256_castps_si256(m);
-        let mut n = below(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(0.25)));
-        n = _mm256_add_epi32(
-            n,
-            below(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(0.75))),
-        );
-        n = _mm256_add_epi32(
-            n,
-            below(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(1.25))),
-        );
-        n = _mm256_add_epi32(
-            n,
-            below(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(1.75))),
-        );
-        n = _mm256_add_epi32(
-            n,
-            below(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(2.5))),
-        );
-        n = _mm256_add_epi32(
-            n,
-            below(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(3.5))),
-        );
-        n = _mm256_add_epi32(
-            n,
-            below(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(5.0))),
-        );
-        let code = _mm256_or_si256(sign, _mm256_sub_epi32(_mm256_setzero_si256(), n));
+        // The midpoints below |v|, as `e2m1_encode` counts them: `>` where a tie goes to the
+        // lower code, `>=` where it goes to the upper one (a true compare is -1).
+        let gt = |m: f32| _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(m)));
+        let ge = |m: f32| _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(m)));
+        let below = [
+            gt(0.25),
+            ge(0.75),
+            gt(1.25),
+            ge(1.75),
+            gt(2.5),
+            ge(3.5),
+            gt(5.0),
+        ];
+        let n = below
+            .into_iter()
+            .fold(_mm256_setzero_si256(), |n, m| _mm256_sub_epi32(n, m));
+        let code = _mm256_or_si256(sign, n);
         let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
         _mm256_blendv_epi8(code, _mm256_set1_epi32(7), nan)
     };
