@@ -18,6 +18,7 @@ use lockstep::backend::cuda::device::copy_bandwidth;
 use lockstep::backend::cuda::ops::{
     self, AttnRows, AttnShape, GemmPath, GemmRows, MoePlan, Nvfp4Out, SplitK,
 };
+use lockstep::backend::cuda::pinned::ring_bandwidth;
 use lockstep::backend::cuda::weights::Activation;
 use lockstep::backend::cuda::Gpu;
 use lockstep::model::cuda::DummyWeights;
@@ -54,11 +55,14 @@ fn main() {
     let n = 2 * moe.intermediate_size;
     let gpu = Gpu::open(0).expect("CUDA device");
     let bw = copy_bandwidth(&gpu).expect("copy bandwidth");
+    // The ring an in-place weight commit reads its spilled layers back through (server/read_back.rs).
+    let h2d = ring_bandwidth(&gpu, 4, 32 << 20).expect("host-to-device bandwidth");
     println!(
-        "device {} ({}), copy bandwidth {:.0} GB/s; gate_up of {experts} experts [{n} x {k}], top-{top_k}",
+        "device {} ({}), copy bandwidth {:.0} GB/s, host to device through 4 page-locked buffers of 32 MiB {:.1} GB/s; gate_up of {experts} experts [{n} x {k}], top-{top_k}",
         gpu.name,
         gpu.arch,
-        bw / 1e9
+        bw / 1e9,
+        h2d / 1e9
     );
     println!("| experts | kernel | tokens | rows | us | GB/s | TFLOP/s | of roofline |");
     println!("|---|---|---|---|---|---|---|---|");

@@ -312,7 +312,8 @@ def quantized_round(a, tmp: Path, model: Path, tensors, pushed: Path, failures: 
     """A server that quantizes its experts to NVFP4 (`--quantization nvfp4_online`) updated with
     BF16 tensors: CUDA IPC in one request (every gate/up pair complete, so quantized on the
     device), then through a session in buckets (pairs split across buckets wait and are
-    quantized on the host), then `lockstep push` (into the device shadow, quantized there).
+    quantized on the host), then `lockstep push` (into the device shadow, quantized there),
+    then the same push in place (no shadow, most slots spilled, read back at the commit).
     Each must equal the disk load of the same BF16 checkpoint, which the server quantizes with
     the same recipe: checksum, and a greedy completion's tokens and logprobs."""
     log = open(tmp / "serve_nvfp4.log", "w")
@@ -341,6 +342,17 @@ def quantized_round(a, tmp: Path, model: Path, tensors, pushed: Path, failures: 
         for line in open(tmp / "serve_nvfp4.log"):
             if "quantiz" in line and "WARN" in line:
                 failures.append(f"nvfp4: {line.strip()[-300:]}")
+        stop(proc, log)
+        # In place, most slots spilled in their stored (quantized) form and read back at the
+        # commit through host memory.
+        log = open(tmp / "serve_nvfp4_in_place.log", "w")
+        proc = subprocess.Popen([a.bin, "serve", "--device", "cuda", "--model-path", str(model),
+                                 "--port", str(a.port), "--weights-root", str(tmp),
+                                 "--quantization", "nvfp4_online", "--weight-update-shadow", "off",
+                                 "--max-prepared-weight-bytes", str(256 << 20)],
+                                stdout=log, stderr=subprocess.STDOUT)
+        wait_healthy(srv, proc, tmp / "serve_nvfp4_in_place.log")
+        push_round(a, srv, pushed, "nvfp4 experts, push (in place, spilled)", failures)
     finally:
         stop(proc, log)
 

@@ -50,11 +50,86 @@ fn quantize_block<T: Element>(block: &[T], out: &mut [u8]) -> u8 {
     quantize_block_portable(block, out)
 }
 
-/// The same IEEE operations compiled for 8-lane vectors: identical bytes, more per cycle.
+/// The block in AVX2 intrinsics, four 8-lane vectors: the amax (NaN lanes masked, an
+/// unsigned max), then `e4m3_encode` lane for lane (the same integer rounding, the same
+/// subnormal trick, saturation and NaN), packed to bytes. The scale code and its inverse are
+/// the portable path's scalar code, so the bytes are the same
+/// (`avx2_blocks_equal_the_portable_blocks`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn quantize_block_avx2<T: Element>(block: &[T], out: &mut [u8]) -> u8 {
-    quantize_block_portable(block, out)
+    use std::arch::x86_64::*;
+    let mut vals = [0f32; MXFP8_BLOCK];
+    for (v, e) in vals.iter_mut().zip(block) {
+        *v = e.to_f32();
+    }
+    // SAFETY: `vals` holds 32 f32; unaligned loads.
+    let x: [__m256; 4] =
+        std::array::from_fn(|i| unsafe { _mm256_loadu_ps(vals.as_ptr().add(8 * i)) });
+    let abs_mask = _mm256_set1_epi32(0x7FFF_FFFF);
+    let inf_bits = _mm256_set1_epi32(0x7F80_0000);
+    let mag = x.map(|v| _mm256_and_si256(_mm256_castps_si256(v), abs_mask));
+    let nan = mag.map(|m| _mm256_cmpgt_epi32(m, inf_bits));
+    // `amax`: the largest |x| bits among the numbers; NaN only when all 32 are NaN.
+    let numbers = |i: usize| _mm256_andnot_si256(nan[i], mag[i]);
+    let m = _mm256_max_epu32(
+        _mm256_max_epu32(numbers(0), numbers(1)),
+        _mm256_max_epu32(numbers(2), numbers(3)),
+    );
+    let m = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256::<1>(m));
+    let m = _mm_max_epu32(m, _mm_shuffle_epi32::<0b01_00_11_10>(m));
+    let m = _mm_max_epu32(m, _mm_shuffle_epi32::<0b10_11_00_01>(m));
+    let all_nan = _mm256_and_si256(
+        _mm256_and_si256(nan[0], nan[1]),
+        _mm256_and_si256(nan[2], nan[3]),
+    );
+    let block_amax = if _mm256_movemask_ps(_mm256_castsi256_ps(all_nan)) == 0xFF {
+        f32::NAN
+    } else {
+        f32::from_bits(_mm_cvtsi128_si32(m) as u32)
+    };
+    let code = block_scale_code(block_amax);
+    let inv = _mm256_set1_ps(e8m0_inverse(code));
+    let encode = |v: __m256| {
+        let bits = _mm256_castps_si256(_mm256_mul_ps(v, inv));
+        let sign = _mm256_and_si256(_mm256_srli_epi32::<24>(bits), _mm256_set1_epi32(0x80));
+        let mag = _mm256_and_si256(bits, abs_mask);
+        // Normal: round to nearest even on the dropped 20 bits, rebias.
+        let odd = _mm256_and_si256(_mm256_srli_epi32::<20>(mag), _mm256_set1_epi32(1));
+        let rounded = _mm256_srli_epi32::<20>(_mm256_add_epi32(
+            _mm256_add_epi32(mag, _mm256_set1_epi32(0x7FFFF)),
+            odd,
+        ));
+        let normal = _mm256_sub_epi32(rounded, _mm256_set1_epi32((127 - 7) << 3));
+        // Subnormal: |x| * 2^9 rounded to an integer by the 1.5 * 2^23 trick.
+        let small = _mm256_set1_epi32(0x3C80_0000);
+        let magic = _mm256_set1_ps(12_582_912.0);
+        let v = _mm256_mul_ps(
+            _mm256_castsi256_ps(_mm256_min_epi32(mag, small)),
+            _mm256_set1_ps(512.0),
+        );
+        let subnormal = _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(v, magic), magic));
+        let code = _mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(small, mag));
+        let saturated = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x43E0_0000 - 1));
+        let code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7E), saturated);
+        let byte = _mm256_or_si256(sign, code);
+        let nan = _mm256_cmpgt_epi32(mag, inf_bits);
+        _mm256_blendv_epi8(
+            byte,
+            _mm256_set1_epi32(i32::from(super::codec::E4M3_NAN)),
+            nan,
+        )
+    };
+    let [a, b, c, d] = x.map(encode);
+    // 32 lanes of 0..=255 to bytes in order: the packs interleave 128-bit halves, the
+    // permute puts them back.
+    let packed = _mm256_packus_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+    let ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    let mut bytes = [0u8; MXFP8_BLOCK];
+    // SAFETY: `bytes` holds 32 bytes; an unaligned store.
+    unsafe { _mm256_storeu_si256(bytes.as_mut_ptr().cast(), ordered) };
+    out.copy_from_slice(&bytes[..out.len()]);
+    code
 }
 
 #[inline(always)]
@@ -173,5 +248,77 @@ impl Mxfp8Tensor {
                 }
             });
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    /// Blocks of every kind of value (magnitudes over the whole range and beyond E4M3's, zeros,
+    /// subnormal results, infinities, NaNs, blocks of only NaN, rounding ties) quantize to the
+    /// same bytes and scale through the AVX2 path as through the portable one, from BF16 and
+    /// from f32.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_blocks_equal_the_portable_blocks() {
+        assert!(
+            std::is_x86_feature_detected!("avx2"),
+            "the path this checks runs on AVX2 CPUs; run it on one"
+        );
+        let mut s = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let mut x: Vec<f32> = (0..MXFP8_BLOCK * 512)
+            .map(|i| {
+                let r = next();
+                let u = (r >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                match r % 29 {
+                    0 => f32::NAN,
+                    1 => f32::NEG_INFINITY,
+                    2 => -0.0,
+                    3 => 1e-42,
+                    // Halfway between E4M3 neighbours once scaled, the lower one even
+                    // (1.0625) or odd (1.1875): both directions of round-to-nearest-even.
+                    4 => [1.0625f32, 1.1875][i % 2] * 2f32.powi(i as i32 % 9),
+                    _ => u * 2f32.powi((r >> 8) as i32 % 80 - 40),
+                }
+            })
+            .collect();
+        x[32..64].fill(f32::NAN);
+        x[64..96].fill(0.0);
+        // One huge value beside tiny ones: most of the block lands in the subnormal range.
+        x[96] = 3e4;
+        let b: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let run = |avx2: bool, f32_input: bool| {
+            let mut out = vec![0u8; x.len()];
+            let scales: Vec<u8> = out
+                .chunks_exact_mut(MXFP8_BLOCK)
+                .enumerate()
+                .map(|(i, o)| {
+                    let r = i * MXFP8_BLOCK..(i + 1) * MXFP8_BLOCK;
+                    match (avx2, f32_input) {
+                        // SAFETY: AVX2 was detected above.
+                        (true, true) => unsafe { quantize_block_avx2(&x[r], o) },
+                        (true, false) => unsafe { quantize_block_avx2(&b[r], o) },
+                        (false, true) => quantize_block_portable(&x[r], o),
+                        (false, false) => quantize_block_portable(&b[r], o),
+                    }
+                })
+                .collect();
+            (out, scales)
+        };
+        for f32_input in [true, false] {
+            assert_eq!(
+                run(true, f32_input),
+                run(false, f32_input),
+                "f32 input {f32_input}"
+            );
+        }
     }
 }

@@ -117,3 +117,24 @@ impl HostRing {
         Ok(())
     }
 }
+
+/// Host-to-device bandwidth through a ring of `count` page-locked buffers of `bytes`: the
+/// median of 5 uploads of 1 GiB whose source writes nothing (so only the link is timed), after
+/// a warm-up. What an in-place commit's read-back could reach if reading the spill cost nothing.
+pub fn ring_bandwidth(gpu: &Gpu, count: usize, bytes: usize) -> Result<f64, UploadError> {
+    let n = 1usize << 30;
+    let mut ring = HostRing::new(gpu, count, bytes)?;
+    let dst = gpu.alloc::<u8>(n)?;
+    let base = cudarc::driver::DevicePtr::device_ptr(&dst, &gpu.stream).0;
+    let mut times = Vec::with_capacity(5);
+    for round in 0..6 {
+        let t = std::time::Instant::now();
+        ring.upload(gpu, base, n, |_, _| Ok(()))?;
+        gpu.synchronize()?;
+        if round > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(n as f64 / times[times.len() / 2])
+}
