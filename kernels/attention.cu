@@ -15,6 +15,7 @@ extern "C" __global__ void paged_attention(const float* q, float* out, const bf1
                                            const int* row_pos, const int* row_seq, const int* table_offsets,
                                            const int* block_tables, int heads, int kv_heads, int hd, int block_size,
                                            float scale) {
+    pdl_entry();
     int t = blockIdx.x, h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int pos = row_pos[t];
     const int* table = block_tables + table_offsets[row_seq[t]];

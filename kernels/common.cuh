@@ -31,6 +31,18 @@ __device__ __forceinline__ u32 pack_bf16x2_rn(float lo, float hi) {
     return d;
 }
 
+// The first statement of every kernel. Launched as a programmatic dependent (Gpu::launch on
+// Hopper and later), a kernel's blocks may be resident before the kernel ahead of it on the
+// stream has finished: this waits until that kernel has completed and its writes are visible
+// (so no read or write moves), then lets the next kernel's launch begin. Launched plainly,
+// both instructions return at once.
+__device__ __forceinline__ void pdl_entry() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -4,6 +4,7 @@
 // Counter-based dummy weights: element i of a tensor depends only on (key, i), the same
 // splitmix64 finalizer as `model::loader`, so the CPU and the GPU draw identical values.
 extern "C" __global__ void dummy_fill_bf16(bf16_t* out, u64 n, u64 key, float bound) {
+    pdl_entry();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         u64 z = key + i * 0x9E3779B97F4A7C15ull;
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -15,17 +16,20 @@ extern "C" __global__ void dummy_fill_bf16(bf16_t* out, u64 n, u64 key, float bo
 }
 
 extern "C" __global__ void bf16_to_f32_kernel(const bf16_t* x, float* out, u64 n) {
+    pdl_entry();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         out[i] = bf16_to_f32(x[i]);
 }
 
 extern "C" __global__ void f32_to_bf16_kernel(const float* x, bf16_t* out, u64 n) {
+    pdl_entry();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         out[i] = f32_to_bf16(x[i]);
 }
 
 // One block per token; the table is BF16 (`is_bf16`) or F32.
 extern "C" __global__ void embedding(const u32* tokens, const void* table, int is_bf16, float* out, int hidden) {
+    pdl_entry();
     u64 src = (u64)tokens[blockIdx.x] * hidden;
     float* o = out + (u64)blockIdx.x * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x)
@@ -33,12 +37,47 @@ extern "C" __global__ void embedding(const u32* tokens, const void* table, int i
 }
 
 // out[b] = rms_norm(x[row]) * w, row = rows ? rows[b] : b. With `residual`, x[row] += residual[row]
-// first (the CPU's add-then-norm, same f32 additions). One block per output row.
+// first (the CPU's add-then-norm, same f32 additions). One block per output row; thread i takes
+// elements i, i + blockDim, ... in that order (the sum of squares' order, fixed by d alone).
+// A row of up to NORM_REGS elements a thread is loaded into registers first, all its loads in
+// flight at once (a decode row is otherwise a chain of dependent round trips); longer rows
+// stream. Both make the same operations in the same order.
+#define NORM_REGS 16
 extern "C" __global__ void rms_norm(float* x, const float* residual, const float* w, float* out,
                                     const int* rows, int d, float eps) {
+    pdl_entry();
     u64 r = rows ? (u64)rows[blockIdx.x] : (u64)blockIdx.x;
     float* xr = x + r * d;
+    float* o = out + (u64)blockIdx.x * d;
     float ss = 0.0f;
+    if (d <= NORM_REGS * (int)blockDim.x) {
+        float v[NORM_REGS], a[NORM_REGS];
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            v[j] = i < d ? xr[i] : 0.0f;
+            a[j] = residual && i < d ? residual[r * d + i] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            if (i >= d) break;
+            if (residual) {
+                v[j] = __fadd_rn(v[j], a[j]);
+                xr[i] = v[j];
+            }
+            ss += v[j] * v[j];
+        }
+        ss = block_sum(ss);
+        float inv = 1.0f / sqrtf(ss / (float)d + eps);
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            if (i >= d) break;
+            o[i] = __fmul_rn(__fmul_rn(v[j], inv), w[i]);
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         float v = xr[i];
         if (residual) {
@@ -49,12 +88,12 @@ extern "C" __global__ void rms_norm(float* x, const float* residual, const float
     }
     ss = block_sum(ss);
     float inv = 1.0f / sqrtf(ss / (float)d + eps);
-    float* o = out + (u64)blockIdx.x * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
 }
 
 // x += y (the residual add when no norm follows).
 extern "C" __global__ void add_inplace(float* x, const float* y, u64 n) {
+    pdl_entry();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         x[i] = __fadd_rn(x[i], y[i]);
 }
@@ -66,6 +105,7 @@ extern "C" __global__ void qk_norm_rope_store(float* q, float* k, const float* v
                                               const float* k_norm, const float* inv_freq, const int* pos,
                                               const int* slots, bf16_t* k_cache, bf16_t* v_cache, int heads,
                                               int kv_heads, int hd, float eps) {
+    pdl_entry();
     int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
     bool is_q = h < heads;
     int kh = h - heads;
@@ -106,6 +146,7 @@ extern "C" __global__ void qk_norm_rope_store(float* q, float* k, const float* v
 
 // h[r, i] = silu(gu[r, i]) * gu[r, inter + i]: gate and up come from one GEMM of width 2*inter.
 extern "C" __global__ void silu_mul(const float* gu, float* h, u64 rows, int inter) {
+    pdl_entry();
     u64 n = rows * inter;
     for (u64 j = blockIdx.x * (u64)blockDim.x + threadIdx.x; j < n; j += (u64)gridDim.x * blockDim.x) {
         u64 r = j / inter, i = j % inter;
@@ -115,14 +156,36 @@ extern "C" __global__ void silu_mul(const float* gu, float* h, u64 rows, int int
 }
 
 // y[t] = sum over top-k slots, in slot order, of weight * expert_out[row of (t, slot)].
+#define COMBINE_SLOTS 16
 extern "C" __global__ void moe_combine(const float* expert_out, const int* slot_row, const float* weights,
                                        float* y, int top_k, int hidden) {
+    pdl_entry();
     int t = blockIdx.x;
+    // The token's rows and weights once, into registers (top_k <= COMBINE_SLOTS; more stream):
+    // each element's top_k loads are then independent, all in flight at once. The sum is the
+    // same either way: slot 0, then + slot 1, ...
+    int rows[COMBINE_SLOTS];
+    float wts[COMBINE_SLOTS];
+    bool held = top_k <= COMBINE_SLOTS;
+#pragma unroll
+    for (int s = 0; s < COMBINE_SLOTS; s++) {
+        rows[s] = held && s < top_k ? slot_row[t * top_k + s] : 0;
+        wts[s] = held && s < top_k ? weights[t * top_k + s] : 0.0f;
+    }
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
         float acc = 0.0f;
-        for (int s = 0; s < top_k; s++) {
-            int r = slot_row[t * top_k + s];
-            acc = __fadd_rn(acc, __fmul_rn(weights[t * top_k + s], expert_out[(u64)r * hidden + i]));
+        if (held) {
+            float e[COMBINE_SLOTS];
+#pragma unroll
+            for (int s = 0; s < COMBINE_SLOTS; s++) e[s] = s < top_k ? expert_out[(u64)rows[s] * hidden + i] : 0.0f;
+#pragma unroll
+            for (int s = 0; s < COMBINE_SLOTS; s++)
+                if (s < top_k) acc = __fadd_rn(acc, __fmul_rn(wts[s], e[s]));
+        } else {
+            for (int s = 0; s < top_k; s++) {
+                int r = slot_row[t * top_k + s];
+                acc = __fadd_rn(acc, __fmul_rn(weights[t * top_k + s], expert_out[(u64)r * hidden + i]));
+            }
         }
         y[(u64)t * hidden + i] = acc;
     }

@@ -147,6 +147,7 @@ __device__ void block_sums(const u8* block, const u64* keys, u64 sums[8]) {
 // ptrs[r], lens[r]: range r; out[r]: its xxh3_64. Grid: one block of HASH_THREADS per range.
 extern "C" __global__ __launch_bounds__(HASH_THREADS) void xxh3_64_ranges(const u64* ptrs, const u64* lens, int n,
                                                                       u64* out) {
+    pdl_entry();
     int r = blockIdx.x;
     if (r >= n) return;
     const u8* p = (const u8*)ptrs[r];

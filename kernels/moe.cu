@@ -7,6 +7,7 @@
 // the CPU does); any other row is routed normally.
 extern "C" __global__ void moe_route(const float* logits, int tokens, int experts, int top_k, int renormalize,
                                      const int* given, int* topk_ids, float* topk_w) {
+    pdl_entry();
     int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (t >= tokens) return;
     const float* row = logits + (u64)t * experts;
@@ -73,6 +74,7 @@ extern "C" __global__ void moe_route(const float* logits, int tokens, int expert
 
 // counts[e] = number of (token, slot) pairs routed to e. `counts` must be zeroed first.
 extern "C" __global__ void moe_count(const int* topk_ids, int pairs, int* counts) {
+    pdl_entry();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += gridDim.x * blockDim.x)
         atomicAdd(&counts[topk_ids[i]], 1);
 }
@@ -85,6 +87,7 @@ extern "C" __global__ void moe_count(const int* topk_ids, int pairs, int* counts
 #define PLAN_THREADS 256
 extern "C" __global__ void moe_plan(const int* counts, int experts, int tile_rows, int* offsets, int* cursor,
                                     int* tiles, int* num_tiles) {
+    pdl_entry();
     __shared__ int rows_s[PLAN_THREADS], tiles_s[PLAN_THREADS];
     int tid = threadIdx.x, per = (experts + PLAN_THREADS - 1) / PLAN_THREADS;
     int e0 = min(tid * per, experts), e1 = min(e0 + per, experts);
@@ -124,6 +127,7 @@ extern "C" __global__ void moe_plan(const int* counts, int experts, int tile_row
 // not matter: every row is computed independently and the combine reads by (token, slot).
 extern "C" __global__ void moe_scatter(const int* topk_ids, int pairs, int top_k, int* cursor, int* slot_row,
                                        int* row_token) {
+    pdl_entry();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += gridDim.x * blockDim.x) {
         int r = atomicAdd(&cursor[topk_ids[i]], 1);
         slot_row[i] = r;

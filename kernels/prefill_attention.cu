@@ -411,7 +411,7 @@ __device__ void attention_merge(const float* part, float* out, const int* row_po
     extern "C" __global__ void PREFILL(                                                                               \
         const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,                 \
         const int* row_seq, const int* table_offsets, const int* block_tables, const int* tiles, int heads,           \
-        int kv_heads, int block_size, float scale, float* /* part */, int /* max_chunks */) {                         \
+        int kv_heads, int block_size, float scale, float* /* part */, int /* max_chunks */) { pdl_entry();                         \
         /* one signature for both kernels: prefill never splits its keys over blocks */                              \
         prefill_attention<HD>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, tiles,         \
                               heads, kv_heads, block_size, scale);                                                    \
@@ -419,12 +419,12 @@ __device__ void attention_merge(const float* part, float* out, const int* row_po
     extern "C" __global__ void DECODE(                                                                                \
         const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,                 \
         const int* row_seq, const int* table_offsets, const int* block_tables, const int* rows, int heads,            \
-        int kv_heads, int block_size, float scale, float* part, int max_chunks) {                                     \
+        int kv_heads, int block_size, float scale, float* part, int max_chunks) { pdl_entry();                                     \
         decode_attention<HD>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, rows, heads,    \
                              kv_heads, block_size, scale, part, max_chunks);                                          \
     }                                                                                                                 \
     extern "C" __global__ void MERGE(const float* part, float* out, const int* row_pos, const int* rows, int heads,   \
-                                     int max_chunks) {                                                                \
+                                     int max_chunks) { pdl_entry();                                                                \
         attention_merge<HD>(part, out, row_pos, rows, heads, max_chunks);                                             \
     }
 

@@ -81,10 +81,12 @@ __device__ void mxfp8_rowwise(const T* x, u64 blocks, u8* data, u8* scales, floa
 }
 
 extern "C" __global__ void mxfp8_quantize_f32(const float* x, u64 blocks, u8* data, u8* scales, float* deq) {
+    pdl_entry();
     mxfp8_rowwise(x, blocks, data, scales, deq);
 }
 
 extern "C" __global__ void mxfp8_quantize_bf16(const bf16_t* x, u64 blocks, u8* data, u8* scales, float* deq) {
+    pdl_entry();
     mxfp8_rowwise(x, blocks, data, scales, deq);
 }
 
@@ -202,6 +204,7 @@ __device__ void nvfp4_rows(const T* x, int cols, int per_token, float amax, floa
 extern "C" __global__ void nvfp4_quantize_f32(const float* x, int cols, int per_token, const u32* tensor_amax,
                                               float range, float fos_range, int fos_squared, u8* data, u8* scales,
                                               float* row_s_dec, float* deq) {
+    pdl_entry();
     float amax = 0.0f;
     if (!per_token) amax = tensor_amax[1] ? __uint_as_float(tensor_amax[0]) : __uint_as_float(0x7fc00000u);
     nvfp4_rows(x, cols, per_token, amax, range, fos_range, fos_squared, data, scales, row_s_dec, deq);
@@ -209,11 +212,13 @@ extern "C" __global__ void nvfp4_quantize_f32(const float* x, int cols, int per_
 
 extern "C" __global__ void nvfp4_quantize_bf16(const bf16_t* x, int cols, float amax, float range,
                                                float fos_range, int fos_squared, u8* data, u8* scales) {
+    pdl_entry();
     nvfp4_rows(x, cols, 0, amax, range, fos_range, fos_squared, data, scales, (float*)0, (float*)0);
 }
 
 // out[0] = max |x| bits (NaN skipped), out[1] |= 1 if any element is a number. Zero `out` first.
 extern "C" __global__ void amax_bf16(const bf16_t* x, u64 n, u32* out) {
+    pdl_entry();
     u32 mb = 0u, any_number = 0u;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         float v = bf16_to_f32(x[i]);
@@ -229,6 +234,7 @@ extern "C" __global__ void amax_bf16(const bf16_t* x, u64 n, u32* out) {
 }
 
 extern "C" __global__ void amax_f32(const float* x, u64 n, u32* out) {
+    pdl_entry();
     u32 mb = 0u, any_number = 0u;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         mb = max(mb, amax_bits(x[i]));
@@ -255,6 +261,7 @@ __device__ __forceinline__ float x86_mul(float x, float y) {
 // out[i, j] = e4m3(q[i, j]) * scale_inv[i / bn, j / bk], scale_inv `[ceil(rows/bn), ceil(cols/bk)]`.
 extern "C" __global__ void fp8_block_dequantize(const u8* q, const float* scale_inv, u64 rows, u64 cols, u64 bn,
                                                 u64 bk, float* out) {
+    pdl_entry();
     u64 n = rows * cols, scale_cols = (cols + bk - 1) / bk;
     for (u64 idx = blockIdx.x * (u64)blockDim.x + threadIdx.x; idx < n; idx += (u64)gridDim.x * blockDim.x) {
         u64 i = idx / cols, j = idx - i * cols;
@@ -268,6 +275,7 @@ extern "C" __global__ void fp8_block_dequantize(const u8* q, const float* scale_
 // 128 x 4 tiles of 512 bytes, tiles row-block major; inside a tile, scale (r, c) sits at
 // (r % 32) * 16 + (r / 32) * 4 + c. Padding (rows to 128, cols to 4) is zero.
 extern "C" __global__ void swizzle_block_scales(const u8* src, int rows, int cols, u8* dst) {
+    pdl_entry();
     int padded_rows = (rows + 127) / 128 * 128, padded_cols = (cols + 3) / 4 * 4;
     u64 total = (u64)padded_rows * padded_cols;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
@@ -281,6 +289,7 @@ extern "C" __global__ void swizzle_block_scales(const u8* src, int rows, int col
 // dst[r] = src[row_index[r]] for rows of `width` bytes (quantized activations permuted into
 // their experts' row groups, data and scales alike).
 extern "C" __global__ void gather_rows_u8(const u8* src, const int* row_index, int rows, int width, u8* dst) {
+    pdl_entry();
     u64 total = (u64)rows * width;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         u64 r = i / width, c = i % width;
@@ -292,6 +301,7 @@ extern "C" __global__ void gather_rows_u8(const u8* src, const int* row_index, i
 // out[r, n] = (out[r, n] * s_tok[row_index(r)]) * S_dec[e * groups + n / (N / groups)].
 extern "C" __global__ void nvfp4_epilogue(float* out, const float* row_scale, const int* row_index,
                                           const float* w_sdec, int e, int groups, int rows, int N) {
+    pdl_entry();
     u64 total = (u64)rows * N;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         int r = (int)(i / N), n = (int)(i % N);

@@ -117,6 +117,7 @@ __device__ __forceinline__ float host_expf(float x, const u64* table) {
 
 // For the test that checks the port against the host's expf.
 extern "C" __global__ void host_expf_kernel(const float* x, float* y, u64 n) {
+    pdl_entry();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         y[i] = host_expf(x[i], EXP2F_TABLE);
 }
@@ -400,6 +401,7 @@ __device__ u64 member_max_key(const RowView& r, SampleShared& sh) {
 // processed in place. `probs` has one row per block. Results go to slot first_slot + blockIdx.x.
 extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* logits, float* probs, int vocab, const RowParams* params, const PenaltyEntry* penalties,
                 int first_slot, int top_stride, RowResult* results, TopEntry* tops) {
+    pdl_entry();
     __shared__ SampleShared sh;
     const int tid = threadIdx.x;
     const RowParams pr = params[blockIdx.x];

@@ -107,6 +107,12 @@ if [ -x "$bin/cuda_bench_before" ]; then
   "$bin"/cuda_bench_before "${bench_args[@]}" 2>&1 | tee "$logs/bench_before.md" \
     && record "cuda_bench_before (previous code)" "done (bench_before.md)" || record "cuda_bench_before" "FAIL"
 fi
+# BENCH_PDL_OFF=1: the step benchmark again with programmatic dependent launch off
+# (LOCKSTEP_PDL=0), for its share of the step time in the same run.
+if [ "${BENCH_PDL_OFF:-0}" = 1 ]; then
+  LOCKSTEP_PDL=0 "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_pdl_off.md" \
+    && record "cuda_bench, LOCKSTEP_PDL=0" "done (bench_pdl_off.md)" || record "cuda_bench, LOCKSTEP_PDL=0" "FAIL"
+fi
 if [ "$mode" = full ] && [ "${SKIP_PEER:-0}" != 1 ]; then
   PYTHONUNBUFFERED=1 python3 scripts/hf_peer_bench.py configs/qwen3-30b-a3b.json 2>&1 | tee "$logs/hf_peer.md" \
     && record "transformers peer (bf16)" "done (hf_peer.md)" || record "transformers peer" "FAIL"
@@ -210,6 +216,16 @@ if [ "${IPC_TEST:-0}" = 1 ]; then
   fi
 fi
 
+# NCU_PREFILL=1: per-kernel times of one 4x2048 BF16 prefill step on two layers (ncu_prefill.csv;
+# the first forward is a warm-up, the second the timed one).
+if [ "${NCU_PREFILL:-0}" = 1 ]; then
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  echo "== ncu profile, prefill 4x2048 ($(date +%T))"
+  timeout 150 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv "$bin"/cuda_bench \
+    configs/qwen3-30b-a3b.json --layers 2 --formats bf16 --batches 1 --steps 1 --prompt 16 --prefill 4x2048 \
+    >"$logs/ncu_prefill.csv" 2>&1 && record "ncu profile, prefill" "done (ncu_prefill.csv)" || record "ncu profile, prefill" "FAIL"
+fi
+
 # NCU=1: an ncu profile (per-kernel times) of the batch-1 and batch-64 BF16 decode steps on two
 # layers (ncu_b1.csv, ncu_b64.csv; `--clock-control none`, as the device host allows).
 # NCU_KERNELS=REGEX adds, for the first NCU_COUNT (default 6) launches after the warm-up whose
@@ -233,6 +249,7 @@ if [ "${NCU:-0}" = 1 ]; then
     fi
   done
 fi
+
 
 {
   echo

@@ -321,25 +321,30 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
                 GemmPath::Skinny,
                 GemmPath::Skinny4,
             ] {
-                let out = gemm(
-                    &g,
-                    (path, SplitK::Auto),
-                    &part,
-                    Some(&plan.row_token),
-                    &m,
-                    GemmRows::Plan(&plan),
-                    tokens * top_k,
-                );
-                assert_bits(
-                    &by_slot(&out, &plan, tokens),
-                    &want_rows,
-                    &what(&format!("{path:?}")),
-                );
-                assert_bits(
-                    &combine(&out, &plan, &w, tokens),
-                    &gather(&want_y, &rows, n),
-                    &what(&format!("combine after {path:?}")),
-                );
+                // K = 288 is two segments: split, the second step adds them and applies the
+                // NVFP4 epilogue of each row's expert.
+                for split in [SplitK::Auto, SplitK::Off, SplitK::On] {
+                    let choice = (path, split);
+                    let out = gemm(
+                        &g,
+                        choice,
+                        &part,
+                        Some(&plan.row_token),
+                        &m,
+                        GemmRows::Plan(&plan),
+                        tokens * top_k,
+                    );
+                    assert_bits(
+                        &by_slot(&out, &plan, tokens),
+                        &want_rows,
+                        &what(&format!("{choice:?}")),
+                    );
+                    assert_bits(
+                        &combine(&out, &plan, &w, tokens),
+                        &gather(&want_y, &rows, n),
+                        &what(&format!("combine after {choice:?}")),
+                    );
+                }
             }
         }
         println!(

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use cudarc::driver::sys;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
     ValidAsZeroBits,
@@ -21,6 +22,9 @@ pub struct Gpu {
     pub name: String,
     pub sm_count: u32,
     functions: HashMap<Kernel, CudaFunction>,
+    /// Kernels are launched as programmatic dependents of the one before them (Hopper and
+    /// later; `LOCKSTEP_PDL=0` turns it off): see [`Gpu::launch`].
+    pub pdl: bool,
     /// The GEMMs' scratch (split-K sums, packed activations), grown on first need; every
     /// launch is on `stream`, so one set of buffers serves them in turn.
     pub(crate) gemm_scratch: Mutex<GemmScratch>,
@@ -80,7 +84,15 @@ impl Gpu {
                 functions.insert(k, module.load_function(k.symbol())?);
             }
         }
-        tracing::info!("CUDA device {ordinal}: {name} ({arch}, {sm_count} SMs)");
+        let pdl = major >= 9 && std::env::var("LOCKSTEP_PDL").map_or(true, |v| v != "0");
+        tracing::info!(
+            "CUDA device {ordinal}: {name} ({arch}, {sm_count} SMs){}",
+            if pdl {
+                ", programmatic dependent launch"
+            } else {
+                ""
+            }
+        );
         Ok(Gpu {
             ctx,
             stream,
@@ -88,6 +100,7 @@ impl Gpu {
             name,
             sm_count,
             functions,
+            pdl,
             gemm_scratch: Mutex::new(GemmScratch::default()),
         })
     }
@@ -103,6 +116,7 @@ impl Gpu {
             name: self.name.clone(),
             sm_count: self.sm_count,
             functions: self.functions.clone(),
+            pdl: self.pdl,
             gemm_scratch: Mutex::new(GemmScratch::default()),
         })
     }
@@ -127,6 +141,9 @@ impl Gpu {
         let mut raw = [Raw::U64(0); MAX_PARAMS];
         args.raw(self, &mut raw);
         let f = &self.functions[&kernel];
+        if self.pdl {
+            return self.launch_dependent(f, grid, block, &mut raw[..A::KINDS.len()]);
+        }
         let mut b = self.stream.launch_builder(f);
         for a in &raw[..A::KINDS.len()] {
             match a {
@@ -144,6 +161,59 @@ impl Gpu {
         // (checked above; tests/cuda_kernels.rs checks the declaration against the PTX), and
         // every wrapper passes buffers it has checked to hold what the kernel touches.
         unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// A launch with programmatic stream serialization: the kernel's blocks may be scheduled
+    /// while the kernel before it on the stream finishes, instead of after. Every kernel opens
+    /// with `pdl_entry` (kernels/common.cuh): it waits there, before touching memory, until the
+    /// kernel before has completed and its writes are visible, then lets the next one start.
+    /// So the order of every read and write is the stream's, and only the launch latency
+    /// between dependent kernels overlaps (on a CUDA graph too: capture keeps the edge).
+    fn launch_dependent(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        raw: &mut [Raw],
+    ) -> Result<(), CudaError> {
+        let mut params: Vec<*mut std::ffi::c_void> = raw
+            .iter_mut()
+            .map(|a| match a {
+                Raw::U64(v) => v as *mut u64 as *mut std::ffi::c_void,
+                Raw::I32(v) => v as *mut i32 as *mut std::ffi::c_void,
+                Raw::F32(v) => v as *mut f32 as *mut std::ffi::c_void,
+            })
+            .collect();
+        // SAFETY: a zeroed attribute is a valid plain-data value; the two fields set are the
+        // attribute's id and its value.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        self.ctx.bind_to_thread()?;
+        // SAFETY: as in `launch`: the arguments match the kernel's signature (checked by the
+        // caller), each pointer in `params` points at one of them, alive for the call.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()?;
         Ok(())
     }
 

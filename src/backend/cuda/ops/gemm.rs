@@ -17,6 +17,15 @@ pub const GEMM_TILE_ROWS: usize = 32;
 pub const GEMM_TILE_COLS: usize = 64;
 /// Columns per tile of the tiled tensor-core kernel (kernels/gemm.cu `TILE_TN`).
 const MMA_TILE_COLS: usize = 128;
+/// Threads per tile of the tiled tensor-core kernel (kernels/gemm.cu `tile_warps`): two warps
+/// of 64 columns for plain BF16 layers, four of 32 for MXFP8 and NVFP4.
+fn mma_tile_threads(split_activations: bool) -> u32 {
+    if split_activations {
+        64
+    } else {
+        128
+    }
+}
 /// Output columns per block of the few-rows tensor-core kernels: 4 warps of 8 (or, in the
 /// `skinny4` kernels, 32) columns.
 const SKINNY_COLS_PER_BLOCK: usize = 32;
@@ -30,6 +39,10 @@ pub const K_SEGMENT: usize = 256;
 /// Blocks below which [`SplitK::Auto`] splits a dense launch over its K segments: about two
 /// waves of an H200's 132 SMs.
 const SPLIT_K_BELOW_BLOCKS: usize = 264;
+/// The same for a routing plan's tiles (decode-sized expert launches). Each of their warps
+/// walks all of K alone, one dependent round trip to memory per few spans, so a launch
+/// needs several warps per scheduler before the loads overlap: about eight blocks per SM.
+const SPLIT_K_PLAN_BELOW_BLOCKS: usize = 1024;
 /// The largest split-K scratch (f32 per-segment sums) [`SplitK::Auto`] takes: 64 MiB.
 const SPLIT_K_MAX_PARTIALS: usize = 1 << 24;
 
@@ -100,49 +113,44 @@ pub enum GemmPath {
     Skinny4,
 }
 
-/// Whether a tensor-core launch over a dense layer runs a block per K segment (then
-/// `gemm_fold_segments` adds the segments' sums in order). The bits are the same either way.
+/// Whether a tensor-core launch runs a block per K segment (then `gemm_fold_segments` adds the
+/// segments' sums in order, and applies the NVFP4 epilogue of each row's expert). The bits are
+/// the same either way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SplitK {
     /// Split when the launch has too few blocks to fill the GPU (decode-sized dense layers).
     Auto,
     Off,
-    /// Split wherever K has more than one segment (an error on a routing plan's rows).
+    /// Split wherever K has more than one segment.
     On,
 }
 
 impl SplitK {
-    /// The segments to split over, or `None` to walk all of K in one block.
+    /// The segments to split over, or `None` to walk all of K in one block. `out_rows` rows of
+    /// per-segment sums are kept (a plan's rows are its pairs).
     fn segments(
         self,
         path: GemmPath,
         rows: &GemmRows<'_>,
         blocks: usize,
+        out_rows: usize,
         n: usize,
         k: usize,
-    ) -> Result<Option<usize>, CudaError> {
+    ) -> Option<usize> {
         let segments = k.div_ceil(K_SEGMENT);
-        let dense = match rows {
-            GemmRows::Dense(r) => Some(*r),
-            GemmRows::Plan(_) => None,
-        };
         if path == GemmPath::Ffma || self == SplitK::Off || segments < 2 {
-            return Ok(None);
+            return None;
         }
-        let Some(r) = dense else {
-            return match self {
-                SplitK::On => Err(CudaError::Unsupported(
-                    "split-K runs on dense layers only".into(),
-                )),
-                _ => Ok(None),
-            };
+        let below = match rows {
+            GemmRows::Dense(_) => SPLIT_K_BELOW_BLOCKS,
+            GemmRows::Plan(_) => SPLIT_K_PLAN_BELOW_BLOCKS,
         };
-        let fits = segments * r * n <= SPLIT_K_MAX_PARTIALS;
-        Ok(match self {
+        let fits = segments * out_rows * n <= SPLIT_K_MAX_PARTIALS;
+        match self {
             SplitK::On => Some(segments),
-            _ if blocks < SPLIT_K_BELOW_BLOCKS && fits => Some(segments),
+            _ if blocks < below && fits => Some(segments),
             _ => None,
-        })
+        }
     }
 }
 
@@ -414,18 +422,24 @@ fn launch_gemm(
     let out = need(out, max_rows * n, "gemm out")?;
     let path = path.resolve(w.f32_weights, &rows, max_rows, n, k);
     let (kernel, cols_per_block, threads) = match path {
-        GemmPath::TensorCore => (w.kernels[1], MMA_TILE_COLS, 128),
+        GemmPath::TensorCore => (
+            w.kernels[1],
+            MMA_TILE_COLS,
+            mma_tile_threads(w.split_activations),
+        ),
         GemmPath::Skinny4 => (w.kernels[3], 4 * SKINNY_COLS_PER_BLOCK, 128),
         GemmPath::Skinny => (w.kernels[2], SKINNY_COLS_PER_BLOCK, 128),
         _ => (w.kernels[0], GEMM_TILE_COLS, 256),
     };
-    let (tiles, num_tiles, offsets, rows_arg, grid_y) = match rows {
-        GemmRows::Dense(r) => (None, None, None, r, r.div_ceil(GEMM_TILE_ROWS)),
+    // A plan's launch takes `max_rows` (its pairs) as the row count of split-K's sums.
+    let (tiles, num_tiles, offsets, experts, rows_arg, grid_y) = match rows {
+        GemmRows::Dense(r) => (None, None, None, 0, r, r.div_ceil(GEMM_TILE_ROWS)),
         GemmRows::Plan(p) => (
             Some(View::whole(&p.tiles)),
             Some(View::whole(&p.num_tiles)),
             Some(View::whole(&p.offsets)),
-            0,
+            p.counts.len(),
+            max_rows,
             p.tiles_launched(),
         ),
     };
@@ -433,7 +447,7 @@ fn launch_gemm(
         return Ok(());
     }
     let grid_x = n.div_ceil(cols_per_block);
-    let segments = split.segments(path, &rows, grid_x * grid_y, n, k)?;
+    let segments = split.segments(path, &rows, grid_x * grid_y, rows_arg, n, k);
     let mut guard = gpu
         .gemm_scratch
         .lock()
@@ -464,8 +478,8 @@ fn launch_gemm(
     } else {
         None
     };
-    // Block shapes (kernels/gemm.cu): FFMA 32x64 tiles on 256 threads, MMA 32x128 tiles on 4
-    // warps, few-rows MMA 32 or 128 columns on 4 warps; split-K adds a block per segment.
+    // Block shapes (kernels/gemm.cu): FFMA 32x64 tiles on 256 threads, MMA 32x128 tiles on 2
+    // (BF16) or 4 warps, few-rows MMA 32 or 128 columns on 4 warps; split-K adds a block per segment.
     // x, its row index and scales, and the weights are read at the rows and experts the plan
     // (or the dense row count) names: sized by the layer's owner.
     gpu.launch(
@@ -509,6 +523,8 @@ fn launch_gemm(
             row_scale.filter(|_| nvfp4).map(View::whole),
             w.s_dec,
             w.groups as i32,
+            offsets.filter(|_| nvfp4),
+            experts as i32,
             out,
         ),
     )
