@@ -344,21 +344,15 @@ extern "C" __global__ void pack_gemm_operand(const float* x, int rows, int K, in
     }
 }
 
-#define TILE_TN 128   // columns per block
+#define TILE_TN 128   // columns per block: 4 warps of 32
 #define TILE_STAGES 3 // spans in flight
-// Warps per block, each computing the 32 rows x (128 / warps) columns: two for plain BF16
-// layers, four for MXFP8 and NVFP4 (whose block scales leave no registers for 64 columns).
-template <int FMT>
-__device__ constexpr int tile_warps() { return FMT == 1 ? 2 : 4; }
 
-// Grid (ceil(N / 128), tiles), 32 * tile_warps<FMT>() threads; xb is x packed by pack_gemm_operand.
-// Requires K % 32 == 0 (the host checks). Each span's packed activations and raw weight bytes
-// are copied into a ring of TILE_STAGES shared-memory stages (cp.async) while the tensor cores
-// work on an earlier one; each warp decodes its own columns' weights from shared memory
-// straight into mma fragments (block scales read one span ahead into registers). A BF16 warp
-// takes 64 columns: each activation fragment (hi and lo) read from shared memory then feeds
-// eight products; shared memory, not the tensor cores, bounded its 32-column warps. The
-// products are the K chain's, in its order, as the few-rows kernels make them.
+// Grid (ceil(N / 128), tiles), 128 threads; xb is x packed by pack_gemm_operand. Requires
+// K % 32 == 0 (the host checks). Each span's packed activations and raw weight bytes are
+// copied into a ring of TILE_STAGES shared-memory stages (cp.async) while the tensor cores
+// work on an earlier one; each warp decodes its own 32 columns' weights from shared memory
+// straight into mma fragments (block scales read one span ahead into registers). The products
+// are the K chain's, in its order, as the few-rows kernels make them.
 template <int FMT>
 __device__ void grouped_gemm_mma(const float*, const int* row_index, const float* row_scale, const void* w,
                                  const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
@@ -367,8 +361,6 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
     int n0 = blockIdx.x * TILE_TN;
-    constexpr int THREADS = 32 * tile_warps<FMT>();
-    constexpr int NI = TILE_TN / tile_warps<FMT>() / 8;  // n8 fragments per warp
     constexpr bool SPLIT = FMT == 1;
     constexpr int A_PARTS = SPLIT ? 2 : 1;                     // hi, lo
     constexpr int W_BYTES = FMT == 1 ? 64 : FMT == 2 ? 32 : 16;  // one column's span
@@ -376,28 +368,14 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
     __shared__ __align__(16) u8 ws[TILE_STAGES][TILE_TN][W_BYTES];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
-    // Copy roles: A rows tid / 4 + (THREADS / 4) j, 16-byte chunk tid % 4 (of each part);
-    // W chunks tid + THREADS c.
-    constexpr int A_ROWS = TM * 4 / THREADS;  // rows per thread
-    int a_chunk = tid & 3;
-    const u8* a_base[A_ROWS];
-    bool a_live[A_ROWS];
-#pragma unroll
-    for (int j = 0; j < A_ROWS; j++) {
-        int a_row = (tid >> 2) + j * (THREADS / 4);
-        a_live[j] = r0 + a_row < r1;
-        u64 a_src = a_live[j] ? (row_index ? (u64)row_index[r0 + a_row] : (u64)(r0 + a_row)) : 0;
-        a_base[j] = (const u8*)(xb + a_src * (K / 2) * A_PARTS) + a_chunk * 16;
-    }
-    constexpr int W_CHUNKS = TILE_TN * W_BYTES / 16 / THREADS;  // per thread per span
-    constexpr int W_PARTS = W_BYTES / 16;                     // chunks per column span
-    constexpr int W_COL_STEP = THREADS / W_PARTS;              // columns between a thread's chunks
+    // Copy roles: A row tid / 4, 16-byte chunk tid % 4 (of each part); W columns tid + 128 c.
+    int a_row = tid >> 2, a_chunk = tid & 3;
+    bool a_live = r0 + a_row < r1;
+    u64 a_src = a_live ? (row_index ? (u64)row_index[r0 + a_row] : (u64)(r0 + a_row)) : 0;
+    const u8* a_base = (const u8*)(xb + a_src * (K / 2) * A_PARTS) + a_chunk * 16;
+    constexpr int W_CHUNKS = TILE_TN * W_BYTES / 16 / 128;  // per thread per span
+    const u8* wbytes = (const u8*)w;
     u64 w_row_bytes = FMT == 1 ? (u64)K * 2 : FMT == 2 ? (u64)K : (u64)K / 2;
-    // Chunk c of this thread: column tid / W_PARTS + W_COL_STEP c, part tid % W_PARTS. One base
-    // and a stride, not a pointer per chunk (those took the registers the accumulators need).
-    int w_col0 = tid / W_PARTS;
-    const u8* w_base = (const u8*)w + ((u64)e * N + n0 + w_col0) * w_row_bytes + 16 * (tid % W_PARTS);
-    u64 w_stride = (u64)W_COL_STEP * w_row_bytes;
 
     int k_begin, k_end;
     block_k_range(partials, K, k_begin, k_end);
@@ -405,40 +383,41 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
     auto issue = [&](int span) {
         int stage = span % TILE_STAGES, k0 = k_begin + span * MMA_TK;
 #pragma unroll
-        for (int j = 0; j < A_ROWS; j++)
-#pragma unroll
-            for (int p = 0; p < A_PARTS; p++)
-                cp_async16(&as[stage][p][(tid >> 2) + j * (THREADS / 4)][4 * a_chunk],
-                           a_base[j] + (u64)p * K * 2 + k0 * 2, a_live[j]);
-        const u8* src = w_base + k0 * W_BYTES / 32;
+        for (int p = 0; p < A_PARTS; p++)
+            cp_async16(&as[stage][p][a_row][4 * a_chunk], a_base + (u64)p * K * 2 + k0 * 2, a_live);
 #pragma unroll
         for (int c = 0; c < W_CHUNKS; c++) {
-            int col = w_col0 + W_COL_STEP * c;
+            int chunk = tid + 128 * c, col = chunk / (W_BYTES / 16), part = chunk % (W_BYTES / 16);
             bool live = n0 + col < N;
-            cp_async16(&ws[stage][col][16 * (tid % W_PARTS)], live ? src + c * w_stride : (const u8*)w, live);
+            u64 row = (u64)e * N + (live ? n0 + col : 0);
+            cp_async16(&ws[stage][col][16 * part], wbytes + row * w_row_bytes + k0 * W_BYTES / 32 + 16 * part, live);
         }
     };
 
     // This lane's weight columns (g of each n8 fragment) and their block scales, a span ahead.
-    auto scale_row = [&](int ni) {
-        int n = n0 + warp * 8 * NI + ni * 8 + g;
-        return (u64)e * N + (n < N ? n : 0);
-    };
+    u64 scale_row[4];
+    bool col_live[4];
+#pragma unroll
+    for (int ni = 0; ni < 4; ni++) {
+        int n = n0 + warp * 32 + ni * 8 + g;
+        col_live[ni] = n < N;
+        scale_row[ni] = (u64)e * N + (col_live[ni] ? n : 0);
+    }
     auto load_scales = [&](int span, u8* out_scales) {
         int k0 = k_begin + span * MMA_TK;
 #pragma unroll
-        for (int ni = 0; ni < NI; ni++) {
+        for (int ni = 0; ni < 4; ni++) {
             out_scales[ni] = 0;
-            if (FMT == 2 && span < spans) out_scales[ni] = w_scales[scale_row(ni) * (K / 32) + k0 / 32];
-            if (FMT == 3 && span < spans) out_scales[ni] = w_scales[scale_row(ni) * (K / 16) + k0 / 16 + t / 2];
+            if (FMT == 2 && span < spans) out_scales[ni] = w_scales[scale_row[ni] * (K / 32) + k0 / 32];
+            if (FMT == 3 && span < spans) out_scales[ni] = w_scales[scale_row[ni] * (K / 16) + k0 / 16 + t / 2];
         }
     };
 
-    float acc[2][NI][4], tot[2][NI][4];
+    float acc[2][4][4], tot[2][4][4];
 #pragma unroll
     for (int i = 0; i < 2; i++)
 #pragma unroll
-        for (int j = 0; j < NI; j++)
+        for (int j = 0; j < 4; j++)
 #pragma unroll
             for (int v = 0; v < 4; v++) acc[i][j][v] = 0.0f;
 
@@ -447,7 +426,7 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
         if (s < spans) issue(s);
         cp_async_commit();
     }
-    u8 sc[NI], sc_next[NI];
+    u8 sc[4], sc_next[4];
     load_scales(0, sc);
     for (int span = 0; span < spans; span++) {
         int k0 = k_begin + span * MMA_TK;
@@ -467,8 +446,8 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
                 if constexpr (SPLIT) al[mi][h] = *(const uint4*)&as[stage][A_PARTS - 1][mi * 16 + g + 8 * h][4 * t];
             }
 #pragma unroll
-        for (int ni = 0; ni < NI; ni++) {
-            const u8* wp = &ws[stage][warp * 8 * NI + ni * 8 + g][t * W_BYTES / 4];
+        for (int ni = 0; ni < 4; ni++) {
+            const u8* wp = &ws[stage][warp * 32 + ni * 8 + g][t * W_BYTES / 4];
             Weight8 c;
             c.q = make_uint4(0, 0, 0, 0);
             if (FMT == 1) c.q = *(const uint4*)wp;
@@ -487,9 +466,9 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
                                 (const u32*)&al[mi][1], b);
         }
         if ((k0 + MMA_TK) % SEG == 0 || k0 + MMA_TK >= k_end)
-            end_segment<2 * NI * 4>(&acc[0][0][0], &tot[0][0][0], k0 < k_begin + SEG);
+            end_segment<32>(&acc[0][0][0], &tot[0][0][0], k0 < k_begin + SEG);
 #pragma unroll
-        for (int ni = 0; ni < NI; ni++) sc[ni] = sc_next[ni];
+        for (int ni = 0; ni < 4; ni++) sc[ni] = sc_next[ni];
     }
     cp_async_wait<0>();
 
@@ -502,10 +481,10 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
             if (row >= r1) continue;
             u64 src = row_index ? (u64)row_index[row] : (u64)row;
 #pragma unroll
-            for (int ni = 0; ni < NI; ni++)
+            for (int ni = 0; ni < 4; ni++)
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
-                    int col = n0 + warp * 8 * NI + ni * 8 + 2 * t + j;
+                    int col = n0 + warp * 32 + ni * 8 + 2 * t + j;
                     if (col >= N) continue;
                     store_sum<FMT>(tot[mi][ni][2 * half + j], partials, rows, row, col, N, row_scale, src, w_sdec, e,
                                    sdec_groups, out);

@@ -17,15 +17,6 @@ pub const GEMM_TILE_ROWS: usize = 32;
 pub const GEMM_TILE_COLS: usize = 64;
 /// Columns per tile of the tiled tensor-core kernel (kernels/gemm.cu `TILE_TN`).
 const MMA_TILE_COLS: usize = 128;
-/// Threads per tile of the tiled tensor-core kernel (kernels/gemm.cu `tile_warps`): two warps
-/// of 64 columns for plain BF16 layers, four of 32 for MXFP8 and NVFP4.
-fn mma_tile_threads(split_activations: bool) -> u32 {
-    if split_activations {
-        64
-    } else {
-        128
-    }
-}
 /// Output columns per block of the few-rows tensor-core kernels: 4 warps of 8 (or, in the
 /// `skinny4` kernels, 32) columns.
 const SKINNY_COLS_PER_BLOCK: usize = 32;
@@ -188,6 +179,16 @@ impl GemmPath {
             // A dense launch of few rows splits over K (SplitK::Auto), which gives the 32-column
             // warps blocks enough (H200: 0.65-0.95x the 8-column kernel's time at 1-8 rows).
             GemmPath::Auto if matches!(rows, GemmRows::Dense(_)) && k > K_SEGMENT => {
+                GemmPath::Skinny4
+            }
+            // So does a plan's launch small enough to split (SplitK::Auto): at one token (8 rows)
+            // the split 32-column warps take 0.7-0.9x the 8-column kernel's time (H200,
+            // cuda_kernel_bench, 2026-12-02).
+            GemmPath::Auto
+                if matches!(rows, GemmRows::Plan(p) if k > K_SEGMENT
+                    && p.tiles_launched() * n.div_ceil(4 * SKINNY_COLS_PER_BLOCK)
+                        < SPLIT_K_PLAN_BELOW_BLOCKS) =>
+            {
                 GemmPath::Skinny4
             }
             GemmPath::Auto if live_tiles * n.div_ceil(32) >= SKINNY4_MIN_WARPS => GemmPath::Skinny4,
@@ -422,11 +423,7 @@ fn launch_gemm(
     let out = need(out, max_rows * n, "gemm out")?;
     let path = path.resolve(w.f32_weights, &rows, max_rows, n, k);
     let (kernel, cols_per_block, threads) = match path {
-        GemmPath::TensorCore => (
-            w.kernels[1],
-            MMA_TILE_COLS,
-            mma_tile_threads(w.split_activations),
-        ),
+        GemmPath::TensorCore => (w.kernels[1], MMA_TILE_COLS, 128),
         GemmPath::Skinny4 => (w.kernels[3], 4 * SKINNY_COLS_PER_BLOCK, 128),
         GemmPath::Skinny => (w.kernels[2], SKINNY_COLS_PER_BLOCK, 128),
         _ => (w.kernels[0], GEMM_TILE_COLS, 256),
@@ -478,8 +475,8 @@ fn launch_gemm(
     } else {
         None
     };
-    // Block shapes (kernels/gemm.cu): FFMA 32x64 tiles on 256 threads, MMA 32x128 tiles on 2
-    // (BF16) or 4 warps, few-rows MMA 32 or 128 columns on 4 warps; split-K adds a block per segment.
+    // Block shapes (kernels/gemm.cu): FFMA 32x64 tiles on 256 threads, MMA 32x128 tiles on 4
+    // warps, few-rows MMA 32 or 128 columns on 4 warps; split-K adds a block per segment.
     // x, its row index and scales, and the weights are read at the rows and experts the plan
     // (or the dense row count) names: sized by the layer's owner.
     gpu.launch(
