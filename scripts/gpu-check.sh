@@ -193,7 +193,7 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
     wait $gaps
     # The server's side of each bucket: waiting for the session, building the slots, writing.
     grep -o "bucket of .*" "$logs/serve_disk_update.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -n 32
-    grep -oE "(in-place commit|weights committed).*" "$logs/serve_disk_update.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -n 4
+    grep -oE "(in-place commit|read-back of|weights committed).*" "$logs/serve_disk_update.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -n 6
     grep -E "VmHWM|peak" /proc/$pid/status 2>/dev/null || true
     kill $pid 2>/dev/null; wait $pid 2>/dev/null
   } 2>&1 | tee "$logs/disk_update.md"

@@ -156,6 +156,23 @@ struct Reader {
     device: Option<(Gpu, HostRing)>,
     host_budget: usize,
     device_budget: usize,
+    spent: Spent,
+}
+
+/// Where the read-back's time went, logged when it ends.
+#[derive(Default)]
+struct Spent {
+    /// Reading the spill file into the page-locked buffers.
+    file: std::time::Duration,
+    /// Allocating the layers' device buffers.
+    alloc: std::time::Duration,
+    /// Staging layers on the device in all (file reads, copies, hashes, allocation).
+    device: std::time::Duration,
+    /// Reading and preparing layers in host memory.
+    host: std::time::Duration,
+    /// Waiting for the engine to take layers (the budget was full).
+    waiting: std::time::Duration,
+    bytes: usize,
 }
 
 impl Reader {
@@ -178,6 +195,7 @@ impl Reader {
             spill,
             device_budget: budget.device_bytes.map_or(free, |b| b.min(free)),
             host_budget: budget.host_bytes,
+            spent: Spent::default(),
             device,
         }
     }
@@ -201,6 +219,7 @@ impl Reader {
                 });
             }
         };
+        let started = std::time::Instant::now();
         for parts in groups {
             let (to_device, to_host): (Vec<SpilledPart>, Vec<SpilledPart>) =
                 parts.into_iter().partition(|p| {
@@ -208,6 +227,7 @@ impl Reader {
                 });
             let device: usize = to_device.iter().map(|p| p.len.next_multiple_of(256)).sum();
             let host: usize = to_host.iter().map(|p| p.len).sum();
+            let waited = std::time::Instant::now();
             {
                 let (lock, room) = &*shared;
                 let mut f = lock.lock().expect("read-back lock");
@@ -222,7 +242,9 @@ impl Reader {
                     return;
                 }
             }
+            self.spent.waiting += waited.elapsed();
             let group = self.prepare(to_device, to_host, device, host);
+            self.spent.bytes += group.host + group.device;
             let failed = group.updates.is_err();
             {
                 let mut f = shared.0.lock().expect("read-back lock");
@@ -235,6 +257,17 @@ impl Reader {
             }
         }
         signal(&shared.0.lock().expect("read-back lock"));
+        let t = &self.spent;
+        tracing::info!(
+            "read-back of {of} spilled layers ({} bytes) took {:.1} ms: on the device {:.1} ms (spill file reads {:.1} ms, allocations {:.1} ms), in host memory {:.1} ms, waiting for the engine {:.1} ms",
+            t.bytes,
+            started.elapsed().as_secs_f64() * 1e3,
+            t.device.as_secs_f64() * 1e3,
+            t.file.as_secs_f64() * 1e3,
+            t.alloc.as_secs_f64() * 1e3,
+            t.host.as_secs_f64() * 1e3,
+            t.waiting.as_secs_f64() * 1e3,
+        );
     }
 
     /// One layer's replacements, with the device and host bytes they hold.
@@ -254,7 +287,10 @@ impl Reader {
         let mut device_bytes = 0;
         let mut host_bytes = host;
         if !to_device.is_empty() {
-            match self.stage_on_device(&to_device, device) {
+            let started = std::time::Instant::now();
+            let staged = self.stage_on_device(&to_device, device);
+            self.spent.device += started.elapsed();
+            match staged {
                 Ok(u) => {
                     updates = u;
                     device_bytes = device;
@@ -269,7 +305,10 @@ impl Reader {
                 }
             }
         }
-        match self.read_to_host(to_host) {
+        let started = std::time::Instant::now();
+        let read = self.read_to_host(to_host);
+        self.spent.host += started.elapsed();
+        match read {
             Ok(u) => {
                 updates.extend(u);
                 Group {
@@ -290,9 +329,11 @@ impl Reader {
         bytes: usize,
     ) -> Result<Vec<(String, Replacement)>, Staging> {
         let (gpu, ring) = self.device.as_mut().expect("called with a device");
+        let started = std::time::Instant::now();
         let buf = gpu
             .alloc::<u8>(bytes)
             .map_err(|e| Staging::NoRoom(e.to_string()))?;
+        self.spent.alloc += started.elapsed();
         let base = cudarc::driver::DevicePtr::device_ptr(&buf, &gpu.stream).0;
         let mut layout = Vec::with_capacity(parts.len());
         let mut at = 0;
@@ -301,9 +342,12 @@ impl Reader {
             at += p.len.next_multiple_of(256);
         }
         // The layer as one span: a ring buffer holds several small parts, read at once.
-        let spill = &self.spill;
+        let (spill, file) = (&self.spill, &mut self.spent.file);
         ring.upload(gpu, base, bytes, |off, chunk| {
-            spill.read_laid_out(&layout, off, chunk)
+            let started = std::time::Instant::now();
+            let read = spill.read_laid_out(&layout, off, chunk);
+            *file += started.elapsed();
+            read
         })
         .map_err(|e| Staging::Failed(format!("reading a layer back from the spill file: {e}")))?;
         let ranges: Vec<(u64, usize)> = layout

@@ -177,14 +177,14 @@ impl Gpu {
         block: u32,
         raw: &mut [Raw],
     ) -> Result<(), CudaError> {
-        let mut params: Vec<*mut std::ffi::c_void> = raw
-            .iter_mut()
-            .map(|a| match a {
+        let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_PARAMS];
+        for (p, a) in params.iter_mut().zip(raw.iter_mut()) {
+            *p = match a {
                 Raw::U64(v) => v as *mut u64 as *mut std::ffi::c_void,
                 Raw::I32(v) => v as *mut i32 as *mut std::ffi::c_void,
                 Raw::F32(v) => v as *mut f32 as *mut std::ffi::c_void,
-            })
-            .collect();
+            };
+        }
         // SAFETY: a zeroed attribute is a valid plain-data value; the two fields set are the
         // attribute's id and its value.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
