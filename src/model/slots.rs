@@ -116,8 +116,9 @@ impl DeviceQuantized {
     }
 }
 
-/// A dense BF16 tensor in device memory, in checkpoint layout, with its xxh3_64 (hashed where it
-/// lies, so the commit's checksum needs no copy back).
+/// A tensor's bytes in device memory, in checkpoint layout, with its xxh3_64 (hashed where it
+/// lies, so the commit's checksum needs no copy back). A clone shares the memory.
+#[derive(Clone)]
 pub struct DeviceTensor {
     /// The first byte, in the CUDA context of the store it is written into.
     pub ptr: u64,

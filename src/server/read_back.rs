@@ -6,8 +6,10 @@
 //! prepared, or the read-ahead's budget is full. Layers whose slots land device to device (BF16
 //! into BF16) are read from the spill file into page-locked buffers and copied to the device
 //! there, on a side stream, where they wait within the device budget (what is free, less a
-//! spare, or `--max-read-ahead-weight-bytes`); the others wait in host memory within the host
-//! budget (`--max-prepared-weight-bytes`). With room for the whole update on the device the
+//! spare, or `--max-read-ahead-weight-bytes`). So do MXFP8 and NVFP4 slots, spilled in their
+//! stored form: their values and block scales go through the same buffers, their scalars are
+//! read on the host, and each becomes a [`DeviceQuantized`]. The others wait in host memory
+//! within the host budget (`--max-prepared-weight-bytes`). With room for the whole update on the device the
 //! pause only copies device to device; with less, the rest is read during the pause, at the
 //! speed of the page cache and the host link.
 
@@ -17,13 +19,14 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use super::spill::{Spill, SpilledPart};
 use super::weights::{
-    build_replacements, lands_device_to_device, StagedTensor, UPLOAD_SPARE_BYTES,
+    build_replacements, lands_device_to_device, served_part, StagedTensor, UPLOAD_SPARE_BYTES,
 };
 use crate::backend::cuda::hash;
 use crate::backend::cuda::pinned::HostRing;
 use crate::backend::cuda::Gpu;
 use crate::engine::{EngineInfo, MoreUpdates};
-use crate::model::slots::{DeviceTensor, Replacement};
+use crate::model::slots::{DeviceQuantized, DeviceTensor, Replacement};
+use crate::quant::Format;
 
 /// How much a read-back may prepare before the engine takes it.
 #[derive(Clone, Copy, Debug)]
@@ -225,7 +228,26 @@ impl Reader {
                 parts.into_iter().partition(|p| {
                     self.device.is_some() && lands_device_to_device(&self.info, &p.name, p.dtype)
                 });
-            let device: usize = to_device.iter().map(|p| p.len.next_multiple_of(256)).sum();
+            let (quantized, to_host) = match self.device {
+                Some(_) => match quantized_slots(&self.info, &self.spill, to_host) {
+                    Ok(split) => split,
+                    Err(e) => {
+                        let failed = Group {
+                            updates: Err(e),
+                            host: 0,
+                            device: 0,
+                        };
+                        let _ = tx.send(failed);
+                        break;
+                    }
+                },
+                None => (Vec::new(), to_host),
+            };
+            let device: usize = to_device
+                .iter()
+                .chain(quantized.iter().flat_map(|q| [&q.values, &q.scales]))
+                .map(|p| p.len.next_multiple_of(256))
+                .sum();
             let host: usize = to_host.iter().map(|p| p.len).sum();
             let waited = std::time::Instant::now();
             {
@@ -243,7 +265,7 @@ impl Reader {
                 }
             }
             self.spent.waiting += waited.elapsed();
-            let group = self.prepare(to_device, to_host, device, host);
+            let group = self.prepare(to_device, quantized, to_host, device, host);
             self.spent.bytes += group.host + group.device;
             let failed = group.updates.is_err();
             {
@@ -274,6 +296,7 @@ impl Reader {
     fn prepare(
         &mut self,
         to_device: Vec<SpilledPart>,
+        quantized: Vec<QuantizedSlot>,
         mut to_host: Vec<SpilledPart>,
         device: usize,
         host: usize,
@@ -286,9 +309,9 @@ impl Reader {
         let mut updates = Vec::new();
         let mut device_bytes = 0;
         let mut host_bytes = host;
-        if !to_device.is_empty() {
+        if !to_device.is_empty() || !quantized.is_empty() {
             let started = std::time::Instant::now();
-            let staged = self.stage_on_device(&to_device, device);
+            let staged = self.stage_on_device(&to_device, &quantized, device);
             self.spent.device += started.elapsed();
             match staged {
                 Ok(u) => {
@@ -300,8 +323,13 @@ impl Reader {
                     tracing::warn!(
                         "a spilled layer is read back through host memory: staging it on the device failed ({e})"
                     );
-                    host_bytes += to_device.iter().map(|p| p.len).sum::<usize>();
-                    to_host.extend(to_device);
+                    let back = to_device
+                        .into_iter()
+                        .chain(quantized.into_iter().flat_map(|q| q.parts));
+                    for p in back {
+                        host_bytes += p.len;
+                        to_host.push(p);
+                    }
                 }
             }
         }
@@ -321,11 +349,13 @@ impl Reader {
         }
     }
 
-    /// `parts` read into one device buffer (`bytes`, each at a 256-byte boundary) through the
-    /// page-locked ring, hashed there and checked against what the spill recorded.
+    /// `parts`, and the values and block scales of the `quantized` slots, read into one device
+    /// buffer (`bytes`, each at a 256-byte boundary) through the page-locked ring, hashed there
+    /// and checked against what the spill recorded.
     fn stage_on_device(
         &mut self,
         parts: &[SpilledPart],
+        quantized: &[QuantizedSlot],
         bytes: usize,
     ) -> Result<Vec<(String, Replacement)>, Staging> {
         let (gpu, ring) = self.device.as_mut().expect("called with a device");
@@ -335,9 +365,10 @@ impl Reader {
             .map_err(|e| Staging::NoRoom(e.to_string()))?;
         self.spent.alloc += started.elapsed();
         let base = cudarc::driver::DevicePtr::device_ptr(&buf, &gpu.stream).0;
-        let mut layout = Vec::with_capacity(parts.len());
+        let mut layout = Vec::with_capacity(parts.len() + 2 * quantized.len());
         let mut at = 0;
-        for p in parts {
+        let stored = quantized.iter().flat_map(|q| [&q.values, &q.scales]);
+        for p in parts.iter().chain(stored) {
             layout.push((p, at));
             at += p.len.next_multiple_of(256);
         }
@@ -358,25 +389,45 @@ impl Reader {
         let hashes = hash::xxh3_of_device(gpu, &ranges)
             .map_err(|e| Staging::Failed(format!("hashing spilled slots on the device: {e}")))?;
         let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::new(buf);
-        parts
+        let tensors = layout
             .iter()
             .zip(ranges.into_iter().zip(hashes))
-            .map(|(p, ((ptr, bytes), hash))| {
+            .map(|(&(p, _), ((ptr, bytes), hash))| {
                 if self.spill.hash_of(p) != Some(hash) {
                     return Err(Staging::Failed(format!(
                         "`{}` read back from the spill file differs from what was written to it",
                         p.name
                     )));
                 }
-                let r = Replacement::Device(DeviceTensor {
+                Ok(DeviceTensor {
                     ptr,
                     bytes,
                     hash,
                     owner: owner.clone(),
-                });
-                Ok((p.name.clone(), r))
+                })
             })
-            .collect()
+            .collect::<Result<Vec<_>, Staging>>()?;
+        let (dense, mut stored) = (&tensors[..parts.len()], tensors[parts.len()..].iter());
+        let mut updates: Vec<(String, Replacement)> = parts
+            .iter()
+            .zip(dense)
+            .map(|(p, t)| (p.name.clone(), Replacement::Device(t.clone())))
+            .collect();
+        for q in quantized {
+            let (Some(data), Some(scales)) = (stored.next(), stored.next()) else {
+                unreachable!("two tensors laid out for each quantized slot");
+            };
+            let r = Replacement::DeviceQuantized(DeviceQuantized {
+                format: q.format,
+                rows: q.rows,
+                cols: q.cols,
+                data: data.clone(),
+                scales: scales.clone(),
+                second_level: q.second_level,
+            });
+            updates.push((q.values.name.clone(), r));
+        }
+        Ok(updates)
     }
 
     /// `parts` read into host memory and prepared as a pushed bucket's are.
@@ -398,10 +449,248 @@ impl Reader {
     }
 }
 
+/// An MXFP8 or NVFP4 slot spilled in its stored form, every part as the served slot stores it.
+struct QuantizedSlot {
+    format: Format,
+    rows: usize,
+    cols: usize,
+    /// `weight`: the codes.
+    values: SpilledPart,
+    /// `weight_scale_inv` (MXFP8) or `weight_scale` (NVFP4): the block scales.
+    scales: SpilledPart,
+    /// NVFP4's `weight_scale_2`, read on the host; 1 for MXFP8 (unused).
+    second_level: f32,
+    /// All of them, scalars included (for the host path when the device has no room).
+    parts: Vec<SpilledPart>,
+}
+
+/// Splits `parts` into the MXFP8 and NVFP4 slots whose every part is spilled, in the served
+/// slot's stored layout (checked part by part), and the rest. The slots' scalar parts are read
+/// here and checked against the spill's hashes; an `input_scale` other than 1 (the stored form
+/// carries no other) leaves its slot to the host path.
+fn quantized_slots(
+    info: &EngineInfo,
+    spill: &Spill,
+    parts: Vec<SpilledPart>,
+) -> Result<(Vec<QuantizedSlot>, Vec<SpilledPart>), String> {
+    let mut by_module: BTreeMap<String, Vec<SpilledPart>> = BTreeMap::new();
+    let mut rest = Vec::new();
+    for p in parts {
+        match crate::quant::slot::split(&p.name) {
+            Some((module, _)) => by_module.entry(module.to_string()).or_default().push(p),
+            None => rest.push(p),
+        }
+    }
+    let mut slots = Vec::new();
+    for (module, mut parts) in by_module {
+        let stored = served_part(info, &format!("{module}.weight"))
+            .ok()
+            .map(|(slot, _)| slot)
+            .filter(|slot| {
+                matches!(slot.format.format, Format::Mxfp8 | Format::Nvfp4) && slot.shape.len() == 2
+            });
+        let Some(slot) = stored else {
+            rest.extend(parts);
+            continue;
+        };
+        let (format, rows, cols) = (slot.format.format, slot.shape[0], slot.shape[1]);
+        let none = std::borrow::Cow::Borrowed(&[][..]);
+        let want =
+            crate::quant::slot::quantized_parts(format, rows, cols, [none.clone(), none], None);
+        // The spilled parts in the stored layout's order, or None when they differ from it.
+        let mut ordered = Vec::with_capacity(want.len());
+        for w in &want {
+            let name = slot.name(w.suffix);
+            let found = parts
+                .iter()
+                .position(|p| p.name == name && p.dtype == w.dtype && p.shape == w.shape);
+            match found {
+                Some(i) => ordered.push(parts.swap_remove(i)),
+                None => break,
+            }
+        }
+        if ordered.len() != want.len() || !parts.is_empty() {
+            rest.extend(ordered);
+            rest.extend(parts);
+            continue;
+        }
+        let scalar = |p: &SpilledPart| -> Result<f32, String> {
+            let bytes = spill
+                .read(p)
+                .map_err(|e| format!("reading `{}` back from the spill file: {e}", p.name))?;
+            if spill.hash_of(p) != Some(xxhash_rust::xxh3::xxh3_64(&bytes)) {
+                return Err(format!(
+                    "`{}` read back from the spill file differs from what was written to it",
+                    p.name
+                ));
+            }
+            let four: [u8; 4] = bytes[..]
+                .try_into()
+                .map_err(|_| format!("`{}` is not one f32", p.name))?;
+            Ok(f32::from_le_bytes(four))
+        };
+        let (second_level, input_scale) = match format {
+            Format::Nvfp4 => (scalar(&ordered[2])?, scalar(&ordered[3])?),
+            _ => (1.0, 1.0),
+        };
+        if input_scale != 1.0 {
+            rest.extend(ordered);
+            continue;
+        }
+        slots.push(QuantizedSlot {
+            format,
+            rows,
+            cols,
+            values: ordered[0].clone(),
+            scales: ordered[1].clone(),
+            second_level,
+            parts: ordered,
+        });
+    }
+    Ok((slots, rest))
+}
+
 /// Why a layer was not staged on the device.
 enum Staging {
     /// No device memory for it: it takes the host path.
     NoRoom(String),
     /// Reading or checking it failed: the commit cannot go on.
     Failed(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::loader;
+    use crate::model::ModelConfig;
+    use crate::quant::Recipe;
+    use crate::tokenizer::Tokenizer;
+
+    /// The embedded model's engine description with NVFP4 experts.
+    fn nvfp4_info() -> EngineInfo {
+        let cfg =
+            ModelConfig::from_json(serde_json::from_str(crate::serve::EMBEDDED_CONFIG).unwrap())
+                .unwrap();
+        let recipe = Recipe::builtin("nvfp4").unwrap();
+        let mut model = loader::dummy_model(cfg, &recipe, 7).unwrap();
+        let checksum = Arc::new(model.weights_checksum());
+        EngineInfo {
+            model_path: "embedded".into(),
+            served_model_name: "test".into(),
+            config: model.config.clone(),
+            tokenizer: Arc::new(Tokenizer::embedded()),
+            quantization: "nvfp4".into(),
+            recipe_name: recipe.name.clone(),
+            recipe_hash: recipe.hash(),
+            recipe,
+            slots: std::sync::OnceLock::from(model.slot_shapes()),
+            weights_on_device: true,
+            max_context_len: 256,
+            block_size: 16,
+            weight_version: std::sync::RwLock::new("v0".into()),
+            weights_checksum: std::sync::RwLock::new(("v0".into(), checksum)),
+        }
+    }
+
+    /// A BF16 tensor of `shape` with values from `seed`.
+    fn bf16(shape: &[usize], seed: u32) -> StagedTensor {
+        let n: usize = shape.iter().product();
+        let data: Vec<u8> = (0..n)
+            .flat_map(|i| {
+                let x = ((i as u32).wrapping_mul(2654435761) ^ seed) % 2001;
+                half::bf16::from_f32((x as f32 - 1000.0) / 4000.0).to_le_bytes()
+            })
+            .collect();
+        StagedTensor {
+            dtype: safetensors::tensor::Dtype::BF16,
+            shape: shape.to_vec(),
+            data: bytes::Bytes::from(data),
+        }
+    }
+
+    /// NVFP4 slots spilled in stored form come out whole, in the stored layout, with the
+    /// second-level scale the host quantizer chose (one for both halves of a gate/up pair);
+    /// other slots, and a slot whose `input_scale` is not 1, are left to the host path.
+    #[test]
+    fn spilled_nvfp4_slots_are_recognised_whole() {
+        let info = nvfp4_info();
+        let hidden = info.config.hidden_size;
+        // A gate/up pair of one expert in an NVFP4 layer, and a BF16 norm.
+        let gate = info
+            .slots()
+            .keys()
+            .map(|n| n.as_str())
+            .find(|n| {
+                n.ends_with("gate_proj.weight")
+                    && served_part(&info, n)
+                        .is_ok_and(|(s, _)| s.format.format == Format::Nvfp4 && s.pair.is_some())
+            })
+            .expect("an NVFP4 expert")
+            .to_string();
+        let up = gate.replace("gate_proj", "up_proj");
+        let norm = "model.norm.weight".to_string();
+        let shape = |n: &str| served_part(&info, n).unwrap().0.shape;
+        let staged: BTreeMap<String, StagedTensor> = [
+            (gate.clone(), bf16(&shape(&gate), 1)),
+            (up.clone(), bf16(&shape(&up), 2)),
+            (norm.clone(), bf16(&shape(&norm), 3)),
+        ]
+        .into_iter()
+        .collect();
+        let prepared = build_replacements(&info, staged).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let mut spill = Spill::create(dir.path()).unwrap();
+        for (name, r) in &prepared {
+            let module = name.strip_suffix(".weight").unwrap();
+            spill.write(name.clone(), module, r, hidden).unwrap();
+        }
+        let parts: Vec<SpilledPart> = spill.groups().into_iter().flatten().collect();
+        let (slots, rest) = quantized_slots(&info, &spill, parts).unwrap();
+
+        let rest: Vec<&str> = rest.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(rest, [norm.as_str()], "the BF16 norm takes the host path");
+        let names: Vec<&str> = slots.iter().map(|q| q.values.name.as_str()).collect();
+        assert_eq!(names.len(), 2);
+        assert!(names.contains(&gate.as_str()) && names.contains(&up.as_str()));
+        for q in &slots {
+            let (rows, cols) = (shape(&q.values.name)[0], shape(&q.values.name)[1]);
+            assert_eq!((q.format, q.rows, q.cols), (Format::Nvfp4, rows, cols));
+            assert_eq!(q.values.shape, [rows, cols / 2]);
+            assert_eq!(
+                q.scales.name,
+                q.values.name.replace(".weight", ".weight_scale")
+            );
+            // The second level is the one spilled, read back.
+            let spilled = q
+                .parts
+                .iter()
+                .find(|p| p.name.ends_with(".weight_scale_2"))
+                .unwrap();
+            let bytes = spill.read(spilled).unwrap();
+            assert_eq!(q.second_level.to_le_bytes().to_vec(), bytes);
+            assert!(q.second_level > 0.0);
+        }
+        assert_eq!(
+            slots[0].second_level.to_bits(),
+            slots[1].second_level.to_bits(),
+            "the pair shares its second-level scale"
+        );
+
+        // The same gate slot with an input scale of 2: not the stored form, so the host path.
+        let module = gate.strip_suffix(".weight").unwrap();
+        let r = &prepared.iter().find(|(n, _)| *n == gate).unwrap().1;
+        let mut odd = r.checkpoint_parts(hidden);
+        let input = odd.iter_mut().find(|p| p.suffix == "input_scale").unwrap();
+        input.data = std::borrow::Cow::Owned(2.0f32.to_le_bytes().to_vec());
+        let mut spill = Spill::create(dir.path()).unwrap();
+        spill.write_parts(gate.clone(), module, &odd).unwrap();
+        let parts: Vec<SpilledPart> = spill.groups().into_iter().flatten().collect();
+        let (slots, rest) = quantized_slots(&info, &spill, parts).unwrap();
+        assert!(slots.is_empty());
+        assert_eq!(
+            rest.len(),
+            4,
+            "every part of the slot goes to the host path"
+        );
+    }
 }
