@@ -676,8 +676,9 @@ fn the_trainer_forward_on_the_gpu_gives_the_rollout_logprobs() {
 }
 
 /// Decode steps on CUDA graphs (padded to a graph row count, recorded on their second run,
-/// replayed after) give the logits and routing of the same steps run launch by launch, bit for
-/// bit, and the recordings are really used.
+/// replayed after) with programmatic dependent launches give the logits and routing of the same
+/// steps run launch by launch with plain launches, bit for bit, and the recordings are really
+/// used.
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn decode_steps_on_cuda_graphs_give_the_eager_bits() {
@@ -687,8 +688,10 @@ fn decode_steps_on_cuda_graphs_give_the_eager_bits() {
     let v = config.vocab_size;
     for name in ["bf16", "nvfp4"] {
         let recipe = Recipe::builtin(name).unwrap();
-        let model = |graph_max_rows| device_model(&config, &recipe, 8, 4096, graph_max_rows);
-        let (mut eager, mut graphed) = (model(0), model(256));
+        let model = |graph_max_rows, pdl| {
+            device_model_launched(&config, &recipe, 8, 4096, graph_max_rows, pdl)
+        };
+        let (mut eager, mut graphed) = (model(0, false), model(256, true));
         // Five sequences with 8 blocks (128 positions) each.
         let mut seqs: Vec<Vec<u32>> = (0..5).map(|i| prompt(&mut rng, 20 + 7 * i, v)).collect();
         let tables: Vec<Vec<u32>> = (0..5u32).map(|i| (i * 8..i * 8 + 8).collect()).collect();
@@ -749,7 +752,7 @@ fn decode_steps_on_cuda_graphs_give_the_eager_bits() {
             2,
             "{name}: the 8- and 4-row steps were recorded"
         );
-        println!("{name}: 10 decode steps on CUDA graphs (8 and 4 padded rows) equal the eager steps bit for bit");
+        println!("{name}: 10 decode steps on CUDA graphs with dependent launches (8 and 4 padded rows) equal the eager steps with plain launches bit for bit");
     }
 }
 
@@ -762,8 +765,29 @@ fn device_model(
     max_total_tokens: usize,
     graph_max_rows: usize,
 ) -> lockstep::model::cuda::CudaModel {
+    device_model_launched(
+        config,
+        recipe,
+        max_running_requests,
+        max_total_tokens,
+        graph_max_rows,
+        true,
+    )
+}
+
+/// [`device_model`] with programmatic dependent launches where the device has them (`pdl`) or
+/// plain launches.
+fn device_model_launched(
+    config: &ModelConfig,
+    recipe: &Recipe,
+    max_running_requests: usize,
+    max_total_tokens: usize,
+    graph_max_rows: usize,
+    pdl: bool,
+) -> lockstep::model::cuda::CudaModel {
     use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
-    let g = common::cuda::gpu();
+    let mut g = common::cuda::gpu();
+    g.pdl &= pdl;
     let w = CudaWeights::dummy(&g, config, recipe, 3).unwrap();
     let sizes = CudaSizes {
         max_batch_tokens: 512,
