@@ -255,6 +255,33 @@ impl EngineInfo {
             std::collections::BTreeMap::new();
         self.slots.get().unwrap_or(&NONE)
     }
+
+    /// The description of `model` served with `recipe` (its weights on the device or not),
+    /// for unit tests: the embedded tokenizer, version "v0".
+    #[cfg(test)]
+    pub(crate) fn for_test(
+        model: &mut Model,
+        recipe: crate::quant::Recipe,
+        weights_on_device: bool,
+    ) -> EngineInfo {
+        let checksum = Arc::new(model.weights_checksum());
+        EngineInfo {
+            model_path: "embedded".into(),
+            served_model_name: "test".into(),
+            config: model.config.clone(),
+            tokenizer: Arc::new(Tokenizer::embedded()),
+            quantization: recipe.name.clone(),
+            recipe_name: recipe.name.clone(),
+            recipe_hash: recipe.hash(),
+            recipe,
+            slots: std::sync::OnceLock::from(model.slot_shapes()),
+            weights_on_device,
+            max_context_len: 256,
+            block_size: 16,
+            weight_version: std::sync::RwLock::new("v0".into()),
+            weights_checksum: std::sync::RwLock::new(("v0".into(), checksum)),
+        }
+    }
 }
 
 /// A cheap, cloneable handle to the engine thread.

@@ -19,24 +19,7 @@ fn embedded(seed: u64) -> Model {
 }
 
 fn info(model: &mut Model) -> EngineInfo {
-    let recipe = Recipe::bf16();
-    let checksum = Arc::new(model.weights_checksum());
-    EngineInfo {
-        model_path: "embedded".into(),
-        served_model_name: "test".into(),
-        config: model.config.clone(),
-        tokenizer: Arc::new(Tokenizer::embedded()),
-        quantization: "bf16".into(),
-        recipe_name: recipe.name.clone(),
-        recipe_hash: recipe.hash(),
-        recipe,
-        slots: std::sync::OnceLock::from(model.slot_shapes()),
-        weights_on_device: false,
-        max_context_len: 256,
-        block_size: 16,
-        weight_version: std::sync::RwLock::new("v0".into()),
-        weights_checksum: std::sync::RwLock::new(("v0".into(), checksum)),
-    }
+    EngineInfo::for_test(model, Recipe::bf16(), false)
 }
 
 fn config() -> EngineConfig {

@@ -564,7 +564,6 @@ mod tests {
     use crate::model::loader;
     use crate::model::ModelConfig;
     use crate::quant::Recipe;
-    use crate::tokenizer::Tokenizer;
 
     /// The embedded model's engine description with NVFP4 experts.
     fn nvfp4_info() -> EngineInfo {
@@ -573,23 +572,7 @@ mod tests {
                 .unwrap();
         let recipe = Recipe::builtin("nvfp4").unwrap();
         let mut model = loader::dummy_model(cfg, &recipe, 7).unwrap();
-        let checksum = Arc::new(model.weights_checksum());
-        EngineInfo {
-            model_path: "embedded".into(),
-            served_model_name: "test".into(),
-            config: model.config.clone(),
-            tokenizer: Arc::new(Tokenizer::embedded()),
-            quantization: "nvfp4".into(),
-            recipe_name: recipe.name.clone(),
-            recipe_hash: recipe.hash(),
-            recipe,
-            slots: std::sync::OnceLock::from(model.slot_shapes()),
-            weights_on_device: true,
-            max_context_len: 256,
-            block_size: 16,
-            weight_version: std::sync::RwLock::new("v0".into()),
-            weights_checksum: std::sync::RwLock::new(("v0".into(), checksum)),
-        }
+        EngineInfo::for_test(&mut model, recipe, true)
     }
 
     /// A BF16 tensor of `shape` with values from `seed`.
