@@ -69,6 +69,28 @@ impl Element for f16 {
     }
 }
 
+/// A block of `N` elements widened to f32 (the quantizers' first step on every block).
+#[inline(always)]
+pub(crate) fn block_f32<const N: usize, T: Element>(block: &[T]) -> [f32; N] {
+    let mut x = [0f32; N];
+    for (v, e) in x.iter_mut().zip(block) {
+        *v = e.to_f32();
+    }
+    x
+}
+
+/// The quantizer tests' pseudo-random source: xorshift64 from `seed` (not zero).
+#[cfg(test)]
+pub(crate) fn xorshift64(seed: u64) -> impl FnMut() -> u64 {
+    let mut s = seed;
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    }
+}
+
 pub(crate) fn check_len(len: usize, rows: usize, cols: usize) -> Result<(), QuantError> {
     let expected = rows * cols;
     if len != expected {

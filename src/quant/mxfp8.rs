@@ -59,10 +59,7 @@ fn quantize_block<T: Element>(block: &[T], out: &mut [u8]) -> u8 {
 #[target_feature(enable = "avx2")]
 unsafe fn quantize_block_avx2<T: Element>(block: &[T], out: &mut [u8]) -> u8 {
     use std::arch::x86_64::*;
-    let mut vals = [0f32; MXFP8_BLOCK];
-    for (v, e) in vals.iter_mut().zip(block) {
-        *v = e.to_f32();
-    }
+    let vals: [f32; MXFP8_BLOCK] = super::block_f32(block);
     // SAFETY: `vals` holds 32 f32; unaligned loads.
     let x: [__m256; 4] =
         std::array::from_fn(|i| unsafe { _mm256_loadu_ps(vals.as_ptr().add(8 * i)) });
@@ -134,10 +131,7 @@ unsafe fn quantize_block_avx2<T: Element>(block: &[T], out: &mut [u8]) -> u8 {
 
 #[inline(always)]
 fn quantize_block_portable<T: Element>(block: &[T], out: &mut [u8]) -> u8 {
-    let mut vals = [0f32; MXFP8_BLOCK];
-    for (v, e) in vals.iter_mut().zip(block) {
-        *v = e.to_f32();
-    }
+    let vals: [f32; MXFP8_BLOCK] = super::block_f32(block);
     let code = block_scale_code(amax(&vals));
     let inv = e8m0_inverse(code);
     for (o, v) in out.iter_mut().zip(vals) {
@@ -267,13 +261,7 @@ mod tests {
             std::is_x86_feature_detected!("avx2"),
             "the path this checks runs on AVX2 CPUs; run it on one"
         );
-        let mut s = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s
-        };
+        let mut next = crate::quant::xorshift64(0x2545_F491_4F6C_DD1Du64);
         let mut x: Vec<f32> = (0..MXFP8_BLOCK * 512)
             .map(|i| {
                 let r = next();

@@ -193,10 +193,7 @@ unsafe fn quantize_row_avx2<T: Element>(
         .zip(data.chunks_exact_mut(NVFP4_BLOCK / 2))
         .zip(scales.iter_mut())
     {
-        let mut x = [0f32; NVFP4_BLOCK];
-        for (v, e) in x.iter_mut().zip(block) {
-            *v = e.to_f32();
-        }
+        let x: [f32; NVFP4_BLOCK] = super::block_f32(block);
         // SAFETY: `x` holds 16 f32; unaligned loads.
         let (lo, hi) = unsafe {
             (
@@ -251,10 +248,7 @@ fn quantize_row_portable<T: Element>(
         .zip(data.chunks_exact_mut(NVFP4_BLOCK / 2))
         .zip(scales.iter_mut())
     {
-        let mut x = [0f32; NVFP4_BLOCK];
-        for (v, e) in x.iter_mut().zip(block) {
-            *v = e.to_f32();
-        }
+        let x: [f32; NVFP4_BLOCK] = super::block_f32(block);
         let block_amax = amax(&x);
         let mut codes = [0u8; NVFP4_BLOCK];
         *scale = match fos {
@@ -492,13 +486,7 @@ mod tests {
             "the path this checks runs on AVX2 CPUs; run it on one"
         );
         {
-            let mut s = 0x9E37_79B9_7F4A_7C15u64;
-            let mut next = || {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                s
-            };
+            let mut next = crate::quant::xorshift64(0x9E37_79B9_7F4A_7C15u64);
             let cols = 16 * 64;
             let mut x: Vec<f32> = (0..cols * 8)
                 .map(|i| {

@@ -407,22 +407,20 @@ impl Reader {
                 })
             })
             .collect::<Result<Vec<_>, Staging>>()?;
-        let (dense, mut stored) = (&tensors[..parts.len()], tensors[parts.len()..].iter());
+        let (dense, stored) = tensors.split_at(parts.len());
         let mut updates: Vec<(String, Replacement)> = parts
             .iter()
             .zip(dense)
             .map(|(p, t)| (p.name.clone(), Replacement::Device(t.clone())))
             .collect();
-        for q in quantized {
-            let (Some(data), Some(scales)) = (stored.next(), stored.next()) else {
-                unreachable!("two tensors laid out for each quantized slot");
-            };
+        // Laid out above: each quantized slot's values, then its block scales.
+        for (q, pair) in quantized.iter().zip(stored.chunks_exact(2)) {
             let r = Replacement::DeviceQuantized(DeviceQuantized {
                 format: q.format,
                 rows: q.rows,
                 cols: q.cols,
-                data: data.clone(),
-                scales: scales.clone(),
+                data: pair[0].clone(),
+                scales: pair[1].clone(),
                 second_level: q.second_level,
             });
             updates.push((q.values.name.clone(), r));
