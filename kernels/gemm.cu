@@ -325,13 +325,21 @@ __device__ __forceinline__ void store_sum(float v, float* partials, int rows, in
 
 // ---- Tiles: activations packed to BF16 once, operands streamed into shared memory ----
 
+// Where word j (k = 2j, 2j + 1) of a 16-word span of a packed row is stored: the span's 4x4
+// words transposed, so its 16-byte piece s holds words s, s + 4, s + 8, s + 12. An ldmatrix
+// row of piece 2c (2c + 1) then hands lane t the word 4t + 2c (4t + 2c + 1): the K chain's
+// fragment slots {2t, 2t + 1} ({2t + 8, 2t + 9}) of chunk c (host: ops::gemm::packed_word).
+__device__ __forceinline__ int packed_word(int j) { return (j & ~15) | (j & 3) << 2 | (j & 15) >> 2; }
+
 // The tiled kernel's A operand: every x row as BF16, [hi (K) | lo (K)] per row for plain BF16
-// layers (pack_act8's split) and [values (K)] otherwise. Grid-stride over word pairs.
+// layers (pack_act8's split) and [values (K)] otherwise, each span's words in packed_word's
+// order. Grid-stride over word pairs.
 extern "C" __global__ void pack_gemm_operand(const float* x, int rows, int K, int split, u32* out) {
     pdl_entry();
     u64 words = (u64)rows * (K / 2);
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
-        u64 row = i / (K / 2), w = i % (K / 2);
+        u64 row = i / (K / 2);
+        int w = packed_word((int)(i % (K / 2)));
         float2 v = *(const float2*)(x + 2 * i);
         if (split) {
             u32 hi = pack_bf16(v.x, v.y);
@@ -344,15 +352,29 @@ extern "C" __global__ void pack_gemm_operand(const float* x, int rows, int K, in
     }
 }
 
+// Four 8x8 BF16 matrices from shared memory, lane l addressing row l % 8 of matrix l / 8;
+// register i of lane (g, t) is word t of row g of matrix i.
+__device__ __forceinline__ void ldmatrix_x4(const void* smem, u32* r) {
+    u32 a = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// The 16-byte piece s of tile row r in shared memory: pieces swizzled by (r / 2) % 4, so the
+// 8 rows one ldmatrix matrix reads fall in distinct banks.
+__device__ __forceinline__ int a_piece(int r, int s) { return s ^ ((r >> 1) & 3); }
+
 #define TILE_TN 128   // columns per block: 4 warps of 32
 #define TILE_STAGES 3 // spans in flight
 
 // Grid (ceil(N / 128), tiles), 128 threads; xb is x packed by pack_gemm_operand. Requires
 // K % 32 == 0 (the host checks). Each span's packed activations and raw weight bytes are
 // copied into a ring of TILE_STAGES shared-memory stages (cp.async) while the tensor cores
-// work on an earlier one; each warp decodes its own 32 columns' weights from shared memory
-// straight into mma fragments (block scales read one span ahead into registers). The products
-// are the K chain's, in its order, as the few-rows kernels make them.
+// work on an earlier one. The activations come out of shared memory as whole mma fragments
+// (ldmatrix over the packed order); each warp decodes its own 32 columns' weights from
+// shared memory straight into fragments (block scales read one span ahead into registers).
+// The products are the K chain's, in its order, as the few-rows kernels make them.
 template <int FMT>
 __device__ void grouped_gemm_mma(const float*, const int* row_index, const float* row_scale, const void* w,
                                  const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
@@ -364,15 +386,16 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
     constexpr bool SPLIT = FMT == 1;
     constexpr int A_PARTS = SPLIT ? 2 : 1;                     // hi, lo
     constexpr int W_BYTES = FMT == 1 ? 64 : FMT == 2 ? 32 : 16;  // one column's span
-    __shared__ __align__(16) u32 as[TILE_STAGES][A_PARTS][TM][16];  // 32 BF16 per row
+    __shared__ __align__(16) u32 as[TILE_STAGES][A_PARTS][TM][16];  // 32 BF16 per row, a_piece order
     __shared__ __align__(16) u8 ws[TILE_STAGES][TILE_TN][W_BYTES];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
-    // Copy roles: A row tid / 4, 16-byte chunk tid % 4 (of each part); W columns tid + 128 c.
+    // Copy roles: A row tid / 4, 16-byte piece tid % 4 (of each part); W columns tid + 128 c.
     int a_row = tid >> 2, a_chunk = tid & 3;
     bool a_live = r0 + a_row < r1;
     u64 a_src = a_live ? (row_index ? (u64)row_index[r0 + a_row] : (u64)(r0 + a_row)) : 0;
     const u8* a_base = (const u8*)(xb + a_src * (K / 2) * A_PARTS) + a_chunk * 16;
+    int a_dst = 4 * a_piece(a_row, a_chunk);
     constexpr int W_CHUNKS = TILE_TN * W_BYTES / 16 / 128;  // per thread per span
     const u8* wbytes = (const u8*)w;
     u64 w_row_bytes = FMT == 1 ? (u64)K * 2 : FMT == 2 ? (u64)K : (u64)K / 2;
@@ -384,7 +407,7 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
         int stage = span % TILE_STAGES, k0 = k_begin + span * MMA_TK;
 #pragma unroll
         for (int p = 0; p < A_PARTS; p++)
-            cp_async16(&as[stage][p][a_row][4 * a_chunk], a_base + (u64)p * K * 2 + k0 * 2, a_live);
+            cp_async16(&as[stage][p][a_row][a_dst], a_base + (u64)p * K * 2 + k0 * 2, a_live);
 #pragma unroll
         for (int c = 0; c < W_CHUNKS; c++) {
             int chunk = tid + 128 * c, col = chunk / (W_BYTES / 16), part = chunk % (W_BYTES / 16);
@@ -393,15 +416,16 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
             cp_async16(&ws[stage][col][16 * part], wbytes + row * w_row_bytes + k0 * W_BYTES / 32 + 16 * part, live);
         }
     };
+    // This lane's ldmatrix rows: row l % 8 (+ 8 for matrices 1 and 3) of each m16 fragment;
+    // matrices 2 and 3 take a chunk's second piece.
+    int lm_row = (lane & 7) + 8 * ((lane >> 3) & 1), lm_piece = lane >> 4;
 
     // This lane's weight columns (g of each n8 fragment) and their block scales, a span ahead.
     u64 scale_row[4];
-    bool col_live[4];
 #pragma unroll
     for (int ni = 0; ni < 4; ni++) {
         int n = n0 + warp * 32 + ni * 8 + g;
-        col_live[ni] = n < N;
-        scale_row[ni] = (u64)e * N + (col_live[ni] ? n : 0);
+        scale_row[ni] = (u64)e * N + (n < N ? n : 0);
     }
     auto load_scales = [&](int span, u8* out_scales) {
         int k0 = k_begin + span * MMA_TK;
@@ -428,47 +452,55 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
     }
     u8 sc[4], sc_next[4];
     load_scales(0, sc);
-    for (int span = 0; span < spans; span++) {
-        int k0 = k_begin + span * MMA_TK;
-        load_scales(span + 1, sc_next);
-        cp_async_wait<TILE_STAGES - 2>();
-        __syncthreads();  // this span's stage is in; every warp is done with the one refilled next
-        if (span + TILE_STAGES - 1 < spans) issue(span + TILE_STAGES - 1);
-        cp_async_commit();
-        int stage = span % TILE_STAGES;
-        // Lane (g, t) reads words 4t..4t+3 (k = 8t..8t+7) of its rows and columns.
-        uint4 a[2][2], al[2][2];
-#pragma unroll
-        for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                a[mi][h] = *(const uint4*)&as[stage][0][mi * 16 + g + 8 * h][4 * t];
-                if constexpr (SPLIT) al[mi][h] = *(const uint4*)&as[stage][A_PARTS - 1][mi * 16 + g + 8 * h][4 * t];
-            }
-#pragma unroll
-        for (int ni = 0; ni < 4; ni++) {
-            const u8* wp = &ws[stage][warp * 32 + ni * 8 + g][t * W_BYTES / 4];
-            Weight8 c;
-            c.q = make_uint4(0, 0, 0, 0);
-            if (FMT == 1) c.q = *(const uint4*)wp;
-            if (FMT == 2) {
-                uint2 v = *(const uint2*)wp;
-                c.q.x = v.x;
-                c.q.y = v.y;
-            }
-            if (FMT == 3) c.q.x = *(const u32*)wp;
-            c.scale = sc[ni];
-            u32 b[4];
-            decode_weight8<FMT>(c, b);
+    // Segment by segment (SEG / MMA_TK spans each; the last may be shorter), so the running
+    // total is touched once per segment.
+    for (int seg0 = 0; seg0 < spans; seg0 += SEG / MMA_TK) {
+        int seg_end = min(spans, seg0 + SEG / MMA_TK);
+        for (int span = seg0; span < seg_end; span++) {
+            load_scales(span + 1, sc_next);
+            cp_async_wait<TILE_STAGES - 2>();
+            __syncthreads();  // this span's stage is in; every warp is done with the one refilled next
+            if (span + TILE_STAGES - 1 < spans) issue(span + TILE_STAGES - 1);
+            cp_async_commit();
+            int stage = span % TILE_STAGES;
+            // a[mi][c]: chunk c's A fragment of rows mi * 16.. (hi; al: lo), one ldmatrix each.
+            u32 a[2][2][4], al[2][2][4];
 #pragma unroll
             for (int mi = 0; mi < 2; mi++)
-                mma_span<SPLIT>(acc[mi][ni], (const u32*)&a[mi][0], (const u32*)&a[mi][1], (const u32*)&al[mi][0],
-                                (const u32*)&al[mi][1], b);
-        }
-        if ((k0 + MMA_TK) % SEG == 0 || k0 + MMA_TK >= k_end)
-            end_segment<32>(&acc[0][0][0], &tot[0][0][0], k0 < k_begin + SEG);
 #pragma unroll
-        for (int ni = 0; ni < 4; ni++) sc[ni] = sc_next[ni];
+                for (int c = 0; c < 2; c++) {
+                    int r = mi * 16 + lm_row, piece = 4 * a_piece(r, 2 * c + lm_piece);
+                    ldmatrix_x4(&as[stage][0][r][piece], a[mi][c]);
+                    if constexpr (SPLIT) ldmatrix_x4(&as[stage][A_PARTS - 1][r][piece], al[mi][c]);
+                }
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) {
+                const u8* wp = &ws[stage][warp * 32 + ni * 8 + g][t * W_BYTES / 4];
+                Weight8 wc;
+                wc.q = make_uint4(0, 0, 0, 0);
+                if (FMT == 1) wc.q = *(const uint4*)wp;
+                if (FMT == 2) {
+                    uint2 v = *(const uint2*)wp;
+                    wc.q.x = v.x;
+                    wc.q.y = v.y;
+                }
+                if (FMT == 3) wc.q.x = *(const u32*)wp;
+                wc.scale = sc[ni];
+                u32 b[4];
+                decode_weight8<FMT>(wc, b);
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        // The K chain's order: chunk 0 then 1, each hi then (split) lo.
+                        mma_bf16(acc[mi][ni], a[mi][c], &b[2 * c]);
+                        if constexpr (SPLIT) mma_bf16(acc[mi][ni], al[mi][c], &b[2 * c]);
+                    }
+            }
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) sc[ni] = sc_next[ni];
+        }
+        end_segment<32>(&acc[0][0][0], &tot[0][0][0], seg0 == 0);
     }
     cp_async_wait<0>();
 

@@ -224,6 +224,17 @@ if [ "${NCU_PREFILL:-0}" = 1 ]; then
   timeout 150 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv "$bin"/cuda_bench \
     configs/qwen3-30b-a3b.json --layers 2 --formats bf16 --batches 1 --steps 1 --prompt 16 --prefill 4x2048 \
     >"$logs/ncu_prefill.csv" 2>&1 && record "ncu profile, prefill" "done (ncu_prefill.csv)" || record "ncu profile, prefill" "FAIL"
+  # NCU_PREFILL_KERNELS=REGEX: what bounds the first NCU_COUNT (default 6) matching launches of
+  # the timed prefill (NCU_PREFILL_SKIP, default 12, skips the warm-up's).
+  if [ -n "${NCU_PREFILL_KERNELS:-}" ]; then
+    timeout 240 "$ncu" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats --section InstructionStats --section Occupancy \
+      --section LaunchStats --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,dram__bytes_read.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,lts__t_bytes.sum" \
+      -k "regex:$NCU_PREFILL_KERNELS" --launch-skip "${NCU_PREFILL_SKIP:-12}" --launch-count "${NCU_COUNT:-6}" "$bin"/cuda_bench \
+      configs/qwen3-30b-a3b.json --layers 2 --formats bf16 --batches 1 --steps 1 --prompt 16 --prefill 4x2048 \
+      --mem-fraction 0.2 >"$logs/ncu_detail_prefill.txt" 2>&1 \
+      && record "ncu sections, prefill ($NCU_PREFILL_KERNELS)" "done (ncu_detail_prefill.txt)" || record "ncu sections, prefill" "FAIL"
+  fi
 fi
 
 # NCU=1: an ncu profile (per-kernel times) of the batch-1 and batch-64 BF16 decode steps on two

@@ -680,7 +680,8 @@ fn the_gemm_operand_is_rounded_to_nearest_even_like_the_cpu() {
         })
         .collect();
     let dx = g.upload(&x).unwrap();
-    // Split (plain BF16 weights): each row is [hi (k / 2 words) | lo], lo the rounding of x - hi.
+    // Split (plain BF16 weights): each row is [hi (k / 2 words) | lo], lo the rounding of x - hi,
+    // each half's words in the kernel's packed order.
     let mut out = poisoned(&g, rows * k, 0xdead_beefu32);
     ops::pack_gemm_operand(&g, &dx, rows, k, true, &mut out).unwrap();
     let got = g.download(&out, rows * k).unwrap();
@@ -688,8 +689,9 @@ fn the_gemm_operand_is_rounded_to_nearest_even_like_the_cpu() {
     for r in 0..rows {
         for c in 0..k {
             let v = x[r * k + c];
+            let at = ops::packed_word(c / 2);
             let hi = bf16::from_f32(v);
-            let got_hi = half_of(got[r * k + c / 2], c);
+            let got_hi = half_of(got[r * k + at], c);
             assert_eq!(
                 got_hi.to_bits(),
                 hi.to_bits(),
@@ -697,7 +699,7 @@ fn the_gemm_operand_is_rounded_to_nearest_even_like_the_cpu() {
                 v.to_bits()
             );
             let lo = bf16::from_f32(v - hi.to_f32());
-            let got_lo = half_of(got[r * k + k / 2 + c / 2], c);
+            let got_lo = half_of(got[r * k + k / 2 + at], c);
             assert!(
                 got_lo.to_bits() == lo.to_bits() || (got_lo.is_nan() && lo.is_nan()),
                 "lo of x[{r}, {c}] = {v:e}: {got_lo:?} against {lo:?}"

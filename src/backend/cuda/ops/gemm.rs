@@ -153,21 +153,30 @@ impl SplitK {
 /// gate/up at 8-128 tokens (up to 8 rows per expert) 0.65-0.7x, at 256 tokens 1.04x.
 pub const SKINNY_MAX_DENSE_ROWS: usize = 8;
 pub const SKINNY_MAX_ROWS_PER_EXPERT: usize = 8;
+/// The same for a routing plan over MXFP8 or NVFP4 experts, in routed rows: their weights are
+/// decoded in registers, which the tiled kernel does once for all of a tile's rows. H200
+/// (cuda_kernel_bench, 2026-12-02, gate/up of 128 experts, top-8): at 8 routed rows the split
+/// 32-column warps take 0.9x the tiled kernel's time; at 64 rows the tiled kernel takes
+/// 0.94x (MXFP8) and 0.91x (NVFP4) of theirs, at 512 rows 0.78x and 0.90x.
+pub const SKINNY_MAX_QUANTIZED_PLAN_ROWS: usize = 32;
 
 impl GemmPath {
     fn resolve(
         self,
-        f32_weights: bool,
+        w: &Operand<'_>,
         rows: &GemmRows<'_>,
         max_rows: usize,
         n: usize,
         k: usize,
     ) -> GemmPath {
-        let tensor_ok = k % 32 == 0 && !f32_weights;
+        let tensor_ok = k % 32 == 0 && !w.f32_weights;
         // Tiles that will hold rows (a routing plan's active experts, at most one per routed
         // row), times the 32-column groups of N: the warps of a `Skinny4` launch.
         let (skinny_rows, live_tiles) = match rows {
             GemmRows::Dense(r) => (SKINNY_MAX_DENSE_ROWS, r.div_ceil(GEMM_TILE_ROWS)),
+            GemmRows::Plan(p) if w.scales.is_some() => {
+                (SKINNY_MAX_QUANTIZED_PLAN_ROWS, p.counts.len().min(max_rows))
+            }
             GemmRows::Plan(p) => (
                 SKINNY_MAX_ROWS_PER_EXPERT * p.counts.len(),
                 p.counts.len().min(max_rows),
@@ -383,9 +392,16 @@ pub fn table_gemm(
     )
 }
 
-/// The tiled kernel's A operand: `rows` rows of `x` (`k` wide, even) as BF16x2 words, rounded
-/// to nearest even; `split` (plain BF16 weights) gives each row as `[hi (k / 2 words) | lo]`,
-/// lo the rounding of `x - hi`, else `[values]`.
+/// Where word `j` (k = 2j, 2j + 1) of a row of the tiled kernel's packed operand is stored
+/// (kernels/gemm.cu `packed_word`): each 16-word span's words transposed as a 4x4 matrix, so
+/// that the kernel's `ldmatrix` hands every lane its mma fragment whole.
+pub fn packed_word(j: usize) -> usize {
+    (j & !15) | (j & 3) << 2 | (j & 15) >> 2
+}
+
+/// The tiled kernel's A operand: `rows` rows of `x` (`k` wide, a multiple of 32) as BF16x2
+/// words, rounded to nearest even, in [`packed_word`]'s order; `split` (plain BF16 weights)
+/// gives each row as `[hi (k / 2 words) | lo]`, lo the rounding of `x - hi`, else `[values]`.
 pub fn pack_gemm_operand(
     gpu: &Gpu,
     x: &CudaSlice<f32>,
@@ -421,7 +437,7 @@ fn launch_gemm(
     out: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
     let out = need(out, max_rows * n, "gemm out")?;
-    let path = path.resolve(w.f32_weights, &rows, max_rows, n, k);
+    let path = path.resolve(&w, &rows, max_rows, n, k);
     let (kernel, cols_per_block, threads) = match path {
         GemmPath::TensorCore => (w.kernels[1], MMA_TILE_COLS, 128),
         GemmPath::Skinny4 => (w.kernels[3], 4 * SKINNY_COLS_PER_BLOCK, 128),
