@@ -674,7 +674,7 @@ impl Core {
         if let Some(log) = undo.as_mut() {
             self.keep_for_undo(log.as_mut(), &updates)?;
         }
-        let mut spent = self.exec.apply(updates)?;
+        let spent = self.exec.apply(updates)?;
         // The groups' time by phase: waiting for the next group, writing it, freeing it.
         let (mut taking, mut freeing) = (std::time::Duration::ZERO, std::time::Duration::ZERO);
         if let Some(mut more) = more {
@@ -692,15 +692,7 @@ impl Core {
                     (Ok(updates), None) => self.exec.apply(updates),
                 };
                 match written {
-                    // A group read into host memory is freed at once: only one is held at a
-                    // time. One read ahead into device memory was held before the pause
-                    // anyway; it is freed after the pause, off the engine thread: handing
-                    // its memory back to the driver takes time, and the pool does that at the
-                    // next synchronization, here the next group's.
-                    Ok(done) if done.iter().any(|r| r.on_device()) => {
-                        wrote |= !done.is_empty();
-                        spent.extend(done);
-                    }
+                    // Freed at once: only one group's copy is held at a time.
                     Ok(done) => {
                         wrote |= !done.is_empty();
                         let freed = Instant::now();

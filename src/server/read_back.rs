@@ -152,36 +152,6 @@ pub(crate) fn start(
     }
 }
 
-/// Frees what a commit spent, off the engine thread. Layers read ahead into device memory go
-/// back to the driver one at a time through `gpu` (a stream of its own): left to the memory
-/// pool, gigabytes of them would be handed back at once inside whichever synchronization came
-/// next, the engine's included.
-pub(crate) fn release(spent: Vec<Replacement>, gpu: Option<Gpu>) {
-    let started = std::time::Instant::now();
-    let mut device = 0;
-    for r in spent {
-        let on_device = r.on_device();
-        drop(r);
-        if let (true, Some(gpu)) = (on_device, &gpu) {
-            device += 1;
-            if let Err(e) = gpu.trim_freed_memory() {
-                tracing::warn!("handing freed weight buffers back to the driver: {e}");
-            }
-        }
-    }
-    // The last frees run on the streams that allocated them: wait for them, then hand back.
-    if let (true, Some(gpu)) = (device > 0, &gpu) {
-        let done = gpu.ctx.synchronize().map_err(|e| e.to_string());
-        if let Err(e) = done.and_then(|()| gpu.trim_freed_memory().map_err(|e| e.to_string())) {
-            tracing::warn!("handing freed weight buffers back to the driver: {e}");
-        }
-        tracing::info!(
-            "released {device} replaced tensors' device buffers in {:.1} ms",
-            started.elapsed().as_secs_f64() * 1e3
-        );
-    }
-}
-
 struct Reader {
     info: Arc<EngineInfo>,
     spill: Spill,

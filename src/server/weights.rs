@@ -1374,11 +1374,7 @@ pub(crate) async fn commit(
     };
     let (pause, spent) = state.engine.apply_weights(commit).await?;
     // Freeing gigabytes takes a while: not on the engine thread, not on the runtime.
-    let gpu = match spent.iter().any(|r| r.on_device()) {
-        true => state.engine.side_stream().await.ok(),
-        false => None,
-    };
-    tokio::task::spawn_blocking(move || read_back::release(spent, gpu));
+    tokio::task::spawn_blocking(move || drop(spent));
     Ok(Committed { version, pause })
 }
 

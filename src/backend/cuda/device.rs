@@ -289,12 +289,6 @@ impl Gpu {
     /// stream-ordered allocator's pool, which keeps them for reuse unless trimmed.
     pub fn return_freed_memory(&self) -> Result<(), CudaError> {
         self.synchronize()?;
-        self.trim_freed_memory()
-    }
-
-    /// Hands back to the driver what the pool holds free now (buffers freed on any stream of
-    /// this context whose frees have run), waiting for no stream.
-    pub fn trim_freed_memory(&self) -> Result<(), CudaError> {
         if self.ctx.has_async_alloc() {
             // SAFETY: the pool of this context's device, asked of a loaded driver; trimming
             // releases only memory that no allocation holds.
