@@ -172,7 +172,8 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
   echo "== update from disk while streaming ($(date +%T))"
   {
     "$py" scripts/make_push_checkpoint.py --out "$ck" --gb "${DISK_UPDATE_GB:-8}"
-    "$bin"/lockstep serve --device cuda --model-path "$ck" --weights-root /tmp --port 30557 \
+    RUST_LOG="lockstep=info,lockstep::model::cuda=debug" \
+      "$bin"/lockstep serve --device cuda --model-path "$ck" --weights-root /tmp --port 30557 \
       ${DISK_UPDATE_QUANT:+--quantization "$DISK_UPDATE_QUANT"} ${DISK_UPDATE_SERVE_ARGS:-} \
       >"$logs/serve_disk_update.log" 2>&1 &
     pid=$!
@@ -194,6 +195,14 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
     # The server's side of each bucket: waiting for the session, building the slots, writing.
     grep -o "bucket of .*" "$logs/serve_disk_update.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -n 32
     grep -oE "(in-place commit|read-back of|weights committed).*" "$logs/serve_disk_update.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -n 6
+    # The in-place writes of every commit, summed: recordings dropped, copies checked, queued
+    # and waited for (the store's debug lines).
+    sed 's/\x1b\[[0-9;]*m//g' "$logs/serve_disk_update.log" | awk '
+      /in-place write: recordings dropped in/ { for (i = 1; i <= NF; i++) if ($i == "in" && $(i+1) ~ /^[0-9.]+$/) d += $(i+1) }
+      /in-place write: [0-9]+ tensors/ { n++; for (i = 1; i <= NF; i++) { if ($i == "tensors,") t += $(i-1);
+        if ($i == "checked") c += $(i+2); if ($i == "queued") q += $(i+2); if ($i == "waited") w += $(i+1) } }
+      END { if (n) printf "in-place writes: %d groups, %d tensors; recordings dropped %.1f ms, checked %.1f ms, copies queued %.1f ms, waited %.1f ms for them\n", n, t, d, c, q, w }'
+
     grep -E "VmHWM|peak" /proc/$pid/status 2>/dev/null || true
     kill $pid 2>/dev/null; wait $pid 2>/dev/null
   } 2>&1 | tee "$logs/disk_update.md"

@@ -143,7 +143,12 @@ impl WeightStore for CudaModel {
         updates: Vec<(String, Replacement)>,
     ) -> Result<Vec<Replacement>, StoreError> {
         // Written in place, but a slot may be reallocated: record the steps again.
+        let started = std::time::Instant::now();
         self.backend.clear_graphs();
+        tracing::debug!(
+            "in-place write: recordings dropped in {:.3} ms",
+            started.elapsed().as_secs_f64() * 1e3
+        );
         let (gpu, weights) = (&self.backend.gpu, &mut self.weights);
         weights.write_replacements(gpu, &self.config, updates)
     }

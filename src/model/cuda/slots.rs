@@ -214,6 +214,7 @@ impl CudaWeights {
     ) -> Result<Vec<Replacement>, StoreError> {
         // Each name read for its place: a commit of a few tensors does not walk every slot's
         // name (tens of thousands in a large MoE).
+        let started = std::time::Instant::now();
         let mut pairs = Vec::with_capacity(updates.len());
         let mut unknown = Vec::new();
         for (name, r) in updates {
@@ -231,12 +232,22 @@ impl CudaWeights {
             return Err(StoreError::UnknownNames(unknown));
         }
         let device = |e: CudaError| StoreError::Device(e.to_string());
+        let checked = started.elapsed();
         let mut spent = Vec::with_capacity(pairs.len());
         for (loc, r) in pairs {
             write_slot(gpu, self.slot(loc, cfg), &r).map_err(device)?;
             spent.push(r);
         }
+        let queued = started.elapsed();
         gpu.synchronize().map_err(device)?;
+        // Where an in-place commit's pause goes (scripts/gpu-check.sh sums these lines).
+        tracing::debug!(
+            "in-place write: {} tensors, checked in {:.3} ms, copies queued in {:.3} ms, waited {:.3} ms for them",
+            spent.len(),
+            checked.as_secs_f64() * 1e3,
+            (queued - checked).as_secs_f64() * 1e3,
+            (started.elapsed() - queued).as_secs_f64() * 1e3
+        );
         Ok(spent)
     }
 }
