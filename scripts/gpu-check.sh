@@ -160,9 +160,9 @@ fi
 # checkpoint of DISK_UPDATE_GB (default 8) GB served with --device cuda, then
 # /update_weights_from_disk of the same directory while scripts/stream_gaps.py reads one long
 # greedy stream for DISK_UPDATE_WINDOW (default 90) seconds; prints the update's answer
-# (load_seconds, swap_seconds) and the stream's
-# largest gap. DISK_UPDATE_QUANT=nvfp4_online (or mxfp8) serves it quantized;
-# DISK_UPDATE_SERVE_ARGS adds serve flags (e.g. "--weight-update-shadow off").
+# (load_seconds, swap_seconds) and the stream's largest gap, and for the push the server's
+# read-back, commit and in-place write lines. DISK_UPDATE_QUANT=nvfp4_online (or mxfp8) serves
+# it quantized; DISK_UPDATE_SERVE_ARGS adds serve flags (e.g. "--weight-update-shadow off").
 if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
   py=python3  # one with numpy (make_push_checkpoint.py)
   for c in /opt/torch/.venv/bin/python python3; do

@@ -542,3 +542,36 @@ fn launch_gemm(
         ),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::packed_word;
+
+    /// The packed order is a permutation of each 16-word span, and piece `s` (words 4s..4s+3
+    /// as stored) holds words s, s + 4, s + 8, s + 12: lane t of an `ldmatrix` row of piece 2c
+    /// (2c + 1) gets word 4t + 2c (4t + 2c + 1), the K chain's slots of chunk c.
+    #[test]
+    fn packed_words_put_each_fragment_in_one_piece() {
+        for span in 0..3 {
+            let base = 16 * span;
+            let mut seen = [false; 16];
+            for j in base..base + 16 {
+                let at = packed_word(j);
+                assert!((base..base + 16).contains(&at), "word {j} leaves its span");
+                assert!(
+                    !std::mem::replace(&mut seen[at - base], true),
+                    "two words at {at}"
+                );
+            }
+            for c in 0..2 {
+                for t in 0..4 {
+                    assert_eq!(packed_word(base + 4 * t + 2 * c), base + 4 * (2 * c) + t);
+                    assert_eq!(
+                        packed_word(base + 4 * t + 2 * c + 1),
+                        base + 4 * (2 * c + 1) + t
+                    );
+                }
+            }
+        }
+    }
+}
