@@ -124,7 +124,9 @@ fi
 # of SERVER_CONFIG with the Qwen3 tokenizer carried as .bin/qwen3-tokenizer.json.gz, loaded by
 # `lockstep bench` at 1, 64 and 256 streams (4, 64, 256 prompts of 512 in; 128 / 256 / 256 out); the same for
 # .bin/lockstep_before (a build of the previous code) when carried. SERVER_QUANT picks the
-# expert format (default: none = BF16).
+# expert format (default: none = BF16). SERVER_BENCH_TARGETS=1 adds issue 15's other rows: RL
+# (32 prompts x 8 seeded samples, 512 / 512, 256 concurrent), 16 concurrent 4096 / 1024, and
+# the TTFT of one 32k prompt.
 if [ "${SERVER_BENCH:-0}" = 1 ]; then
   model=/tmp/lockstep-server-model
   mkdir -p "$model"
@@ -141,12 +143,14 @@ if [ "${SERVER_BENCH:-0}" = 1 ]; then
     wait_healthy 30556 300
     ok=done
     : >"$logs/server_bench_$server.md"
-    for run in "1 4 128" "64 64 256" "256 256 256"; do
-      read -r conc prompts out <<<"$run"
-      echo "-- $server: $conc concurrent, $prompts prompts, 512 in / $out out" | tee -a "$logs/server_bench_$server.md"
+    runs=("1 4 512 128 random" "64 64 512 256 random" "256 256 512 256 random")
+    [ "${SERVER_BENCH_TARGETS:-0}" = 1 ] && runs+=("256 32 512 512 rl" "16 16 4096 1024 random" "1 1 32768 1 random")
+    for run in "${runs[@]}"; do
+      read -r conc prompts in out dataset <<<"$run"
+      echo "-- $server: $conc concurrent, $prompts prompts ($dataset), $in in / $out out" | tee -a "$logs/server_bench_$server.md"
       "$bin/lockstep" bench --base-url http://127.0.0.1:30556 --tokenizer "$model/tokenizer.json" \
-        --num-prompts "$prompts" --max-concurrency "$conc" --input-len 512 --output-len "$out" \
-        --range-ratio 1 --warmup 2 2>&1 | tee -a "$logs/server_bench_$server.md" || ok=FAIL
+        --dataset "$dataset" --num-prompts "$prompts" --max-concurrency "$conc" --input-len "$in" \
+        --output-len "$out" --range-ratio 1 --warmup 2 2>&1 | tee -a "$logs/server_bench_$server.md" || ok=FAIL
       # The engine's step phases so far (cumulative): the host's share is 1 - forward / all.
       curl -s localhost:30556/metrics | grep -E "^lockstep_engine_step_(seconds|tokens)_(sum|count)" \
         >>"$logs/server_bench_$server.md"
