@@ -623,7 +623,9 @@ mod tests {
         let mut spill = Spill::create(dir.path()).unwrap();
         for (name, r) in &prepared {
             let module = name.strip_suffix(".weight").unwrap();
-            spill.write(name.clone(), module, r, hidden).unwrap();
+            spill
+                .write_parts(name.clone(), module, &r.checkpoint_parts(hidden))
+                .unwrap();
         }
         let parts: Vec<SpilledPart> = spill.groups().into_iter().flatten().collect();
         let (slots, rest) = quantized_slots(&info, &spill, parts).unwrap();

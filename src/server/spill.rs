@@ -6,7 +6,6 @@
 //! pages sit in the page cache, which the kernel may drop.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -60,18 +59,6 @@ impl Spill {
         })
     }
 
-    /// Appends the slot `r` (of module `module`) that arrived as `name`, replacing an earlier
-    /// one of that name.
-    pub fn write(
-        &mut self,
-        name: String,
-        module: &str,
-        r: &Replacement,
-        hidden: usize,
-    ) -> std::io::Result<()> {
-        self.write_parts(name, module, &r.checkpoint_parts(hidden))
-    }
-
     /// Appends a slot given as its checkpoint parts (of module `module`) under `name`,
     /// replacing an earlier one of that name.
     pub fn write_parts(
@@ -80,23 +67,52 @@ impl Spill {
         module: &str,
         parts: &[CheckpointPart<'_>],
     ) -> std::io::Result<()> {
-        self.remove(&name);
-        let mut out = std::io::BufWriter::with_capacity(8 << 20, &self.file);
-        let mut spilled = Vec::with_capacity(parts.len());
-        for p in parts {
-            out.write_all(&p.data)?;
-            spilled.push(SpilledPart {
-                name: format!("{module}.{}", p.suffix),
-                dtype: p.dtype,
-                shape: p.shape.clone(),
-                offset: self.len,
-                len: p.data.len(),
-            });
-            self.len += p.data.len() as u64;
+        self.write_slots(vec![(name, module, parts)])
+    }
+
+    /// Appends slots, each `(name, module, parts)` as [`Spill::write_parts`] takes one, in
+    /// order (a later slot of a name replaces an earlier one). The parts' places in the file
+    /// are set first; then they are written at them and hashed on every core at once (a
+    /// bucket is hundreds of megabytes: one thread copying it into the page cache was the
+    /// bound).
+    pub fn write_slots(
+        &mut self,
+        slots: Vec<(String, &str, &[CheckpointPart<'_>])>,
+    ) -> std::io::Result<()> {
+        use rayon::prelude::*;
+        let mut placed: Vec<(Vec<SpilledPart>, String)> = Vec::with_capacity(slots.len());
+        let mut writes = Vec::new();
+        for (name, module, parts) in slots {
+            self.remove(&name);
+            let mut spilled = Vec::with_capacity(parts.len());
+            for p in parts {
+                spilled.push(SpilledPart {
+                    name: format!("{module}.{}", p.suffix),
+                    dtype: p.dtype,
+                    shape: p.shape.clone(),
+                    offset: self.len,
+                    len: p.data.len(),
+                });
+                writes.push((self.len, &p.data[..]));
+                self.len += p.data.len() as u64;
+            }
+            placed.push((spilled, name));
         }
-        out.flush()?;
-        self.checksum.insert_parts(module, parts);
-        self.slots.insert(name, spilled);
+        let hashes: Vec<u64> = writes
+            .into_par_iter()
+            .map(|(offset, data)| {
+                self.file.write_all_at(data, offset)?;
+                Ok(xxhash_rust::xxh3::xxh3_64(data))
+            })
+            .collect::<std::io::Result<_>>()?;
+        let mut hashes = hashes.into_iter();
+        for (spilled, name) in placed {
+            for p in &spilled {
+                let hash = hashes.next().expect("one hash per part written");
+                self.checksum.tensors.insert(p.name.clone(), hash);
+            }
+            self.slots.insert(name, spilled);
+        }
         Ok(())
     }
 
@@ -241,15 +257,29 @@ mod tests {
             "model.layers.0.post_attention_layernorm",
             "model.norm",
         ];
-        for (i, m) in names.iter().enumerate() {
-            spill
-                .write(format!("{m}.weight"), m, &v(4 + i, i as f32), 8)
-                .unwrap();
+        fn slot<'a>(m: &str, r: &'a Replacement) -> (String, Vec<CheckpointPart<'a>>) {
+            (format!("{m}.weight"), r.checkpoint_parts(8))
         }
-        // Sent again: the new values replace the old.
-        spill
-            .write(format!("{}.weight", names[1]), names[1], &v(5, 9.0), 8)
-            .unwrap();
+        let batch = |spill: &mut Spill, slots: &[(&str, (String, Vec<CheckpointPart<'_>>))]| {
+            let slots = slots
+                .iter()
+                .map(|(m, (name, parts))| (name.clone(), *m, &parts[..]))
+                .collect();
+            spill.write_slots(slots).unwrap();
+        };
+        let first: Vec<Replacement> = (0..3).map(|i| v(4 + i, i as f32)).collect();
+        let slots: Vec<_> = (0..3)
+            .map(|i| (names[i], slot(names[i], &first[i])))
+            .collect();
+        batch(&mut spill, &slots);
+        // Sent again, in a later batch or later in the same one: the new values replace the old.
+        let (stale, last, again) = (v(7, 100.0), v(7, 3.0), v(5, 9.0));
+        let slots = [
+            (names[3], slot(names[3], &stale)),
+            (names[1], slot(names[1], &again)),
+            (names[3], slot(names[3], &last)),
+        ];
+        batch(&mut spill, &slots);
         assert_eq!(spill.slots(), 4);
         let groups = spill.groups();
         let layout: Vec<Vec<&str>> = groups

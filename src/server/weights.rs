@@ -973,14 +973,19 @@ async fn spill_slots(
     let id = session.id.clone();
     let written = tokio::task::spawn_blocking(move || {
         let mut spill = spill?;
-        for (name, (slot, r)) in &updates {
-            spill.write(
-                name.clone(),
-                slot.strip_suffix(".weight").unwrap_or(slot),
-                r,
-                hidden,
-            )?;
-        }
+        let parts: Vec<_> = updates
+            .iter()
+            .map(|(_, (_, r))| r.checkpoint_parts(hidden))
+            .collect();
+        let slots = updates
+            .iter()
+            .zip(&parts)
+            .map(|((name, (slot, _)), parts)| {
+                let module = slot.strip_suffix(".weight").unwrap_or(slot);
+                (name.clone(), module, &parts[..])
+            })
+            .collect();
+        spill.write_slots(slots)?;
         Ok::<_, std::io::Error>((
             spill,
             updates.into_iter().map(|(n, _)| n).collect::<Vec<_>>(),
