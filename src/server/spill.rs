@@ -14,7 +14,6 @@ use safetensors::tensor::Dtype;
 
 use crate::checkpoint::CheckpointPart;
 use crate::model::checksum::WeightsChecksum;
-use crate::model::slots::Replacement;
 
 /// One checkpoint tensor of a spilled slot: its bytes at `offset` of the file.
 #[derive(Clone, Debug)]
@@ -238,6 +237,7 @@ fn layer_of(name: &str) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::slots::Replacement;
 
     /// Slots come back byte for byte, grouped by layer, with their checksum entries; a slot
     /// sent again replaces the earlier one (entries and all).
