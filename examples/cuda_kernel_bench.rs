@@ -39,7 +39,7 @@ fn main() {
     let config = it
         .next()
         .expect("usage: cuda_kernel_bench CONFIG.json [--tokens a,b]");
-    let mut token_counts = vec![1usize, 8, 16, 32, 64, 128, 256, 4096];
+    let mut token_counts = vec![1usize, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096];
     while let Some(flag) = it.next() {
         let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
         match flag.as_str() {
@@ -148,10 +148,15 @@ fn main() {
             for path in [
                 GemmPath::Ffma,
                 GemmPath::TensorCore,
+                GemmPath::TensorCoreWide,
                 GemmPath::Skinny,
                 GemmPath::Skinny4,
                 GemmPath::Auto,
             ] {
+                // The FFMA and few-rows kernels are far behind from a few hundred tokens.
+                if tokens > 256 && matches!(path, GemmPath::Ffma | GemmPath::Skinny) {
+                    continue;
+                }
                 let mut run = || {
                     ops::grouped_gemm_on(
                         path,
@@ -205,7 +210,7 @@ fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f3
         let m = dummy
             .matrix(&parts, k, &lockstep::quant::TensorFormat::BF16, false)
             .expect("weights");
-        for rows in [1usize, 8, 16, 32, 64, 128, 256] {
+        for rows in [1usize, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096] {
             if rows * k > x.len() {
                 continue;
             }
@@ -214,11 +219,15 @@ fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f3
             for (path, split) in [
                 (GemmPath::TensorCore, SplitK::Off),
                 (GemmPath::TensorCore, SplitK::On),
+                (GemmPath::TensorCoreWide, SplitK::Off),
                 (GemmPath::Skinny, SplitK::Off),
                 (GemmPath::Skinny, SplitK::On),
                 (GemmPath::Skinny4, SplitK::On),
                 (GemmPath::Auto, SplitK::Auto),
             ] {
+                if rows > 256 && matches!(path, GemmPath::Skinny | GemmPath::Skinny4) {
+                    continue;
+                }
                 let s = time(gpu, || {
                     ops::grouped_gemm_on(
                         path,

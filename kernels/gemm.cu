@@ -10,7 +10,7 @@
 // - grouped_gemm_*: CUDA cores (FFMA), any K: each element is one fmaf chain over k = 0..K-1;
 //   the only one for F32 weights (kept exact in f32).
 // - grouped_gemm_mma_*: BF16 tensor cores (mma.sync m16n8k16, FP32 accumulation), 32x128
-//   tiles. Activations are packed to BF16 once (pack_gemm_operand) and streamed with the raw
+//   tiles (grouped_gemm_mma_wide_*: 64x128, over the routing plan's wide tiles). Activations are packed to BF16 once (pack_gemm_operand) and streamed with the raw
 //   weight bytes through shared memory; weights are decoded to BF16 in registers: exact for
 //   MXFP8 (E4M3 x E8M0) and NVFP4 (E2M1 x E4M3) weights and for quantized activations (the
 //   quantizers' dequantized values).
@@ -39,20 +39,20 @@
 #define SEG 256  // k per segment of the K chain (host: ops::gemm::K_SEGMENT)
 
 // The rows of this block's tile (blockIdx.y): from the routing plan's `tiles` (expert, first
-// row), or the tile-th run of TM rows of one dense group. False: no such tile this step.
+// row), or the tile-th run of `tm` rows of one dense group. False: no such tile this step.
 __device__ __forceinline__ bool tile_rows(const int* tiles, const int* num_tiles, const int* offsets, int rows, int& e,
-                                          int& r0, int& r1) {
+                                          int& r0, int& r1, int tm = TM) {
     int tile = blockIdx.y;
     if (tiles) {
         if (tile >= *num_tiles) return false;
         e = tiles[2 * tile];
         r0 = tiles[2 * tile + 1];
-        r1 = min(r0 + TM, offsets[e + 1]);
+        r1 = min(r0 + tm, offsets[e + 1]);
     } else {
         e = 0;
-        r0 = tile * TM;
+        r0 = tile * tm;
         if (r0 >= rows) return false;
-        r1 = min(r0 + TM, rows);
+        r1 = min(r0 + tm, rows);
     }
     return true;
 }
@@ -367,36 +367,41 @@ __device__ __forceinline__ int a_piece(int r, int s) { return s ^ ((r >> 1) & 3)
 
 #define TILE_TN 128   // columns per block: 4 warps of 32
 #define TILE_STAGES 3 // spans in flight
+#define TM_WIDE 64    // rows per wide tile (host: ops::gemm::GEMM_WIDE_TILE_ROWS)
 
-// Grid (ceil(N / 128), tiles), 128 threads; xb is x packed by pack_gemm_operand. Requires
-// K % 32 == 0 (the host checks). Each span's packed activations and raw weight bytes are
+// Grid (ceil(N / 128), tiles), 128 * WM threads: tiles of 32 * WM rows, a warp per 32 rows and
+// 32 columns (WM = 2: the routing plan's wide tiles, each expert's weights read from L2 once per
+// 64 rows instead of 32). xb is x packed by pack_gemm_operand. Requires K % 32 == 0 (the host
+// checks). Each span's packed activations and raw weight bytes are
 // copied into a ring of TILE_STAGES shared-memory stages (cp.async) while the tensor cores
 // work on an earlier one. The activations come out of shared memory as whole mma fragments
 // (ldmatrix over the packed order); each warp decodes its own 32 columns' weights from
 // shared memory straight into fragments (block scales read one span ahead into registers).
 // The products are the K chain's, in its order, as the few-rows kernels make them.
-template <int FMT>
-__device__ void grouped_gemm_mma(const float*, const int* row_index, const float* row_scale, const void* w,
+template <int FMT, int WM>
+__device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_index, const float* row_scale, const void* w,
                                  const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                  const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
                                  float* partials, const u32* xb) {
     int e, r0, r1;
-    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
+    constexpr int TMR = 32 * WM, THREADS = 128 * WM;
+    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TMR)) return;
     int n0 = blockIdx.x * TILE_TN;
     constexpr bool SPLIT = FMT == 1;
     constexpr int A_PARTS = SPLIT ? 2 : 1;                     // hi, lo
     constexpr int W_BYTES = FMT == 1 ? 64 : FMT == 2 ? 32 : 16;  // one column's span
-    __shared__ __align__(16) u32 as[TILE_STAGES][A_PARTS][TM][16];  // 32 BF16 per row, a_piece order
+    __shared__ __align__(16) u32 as[TILE_STAGES][A_PARTS][TMR][16];  // 32 BF16 per row, a_piece order
     __shared__ __align__(16) u8 ws[TILE_STAGES][TILE_TN][W_BYTES];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    int wm = warp >> 2, wn = warp & 3;  // this warp's rows wm * 32.., columns wn * 32..
 
-    // Copy roles: A row tid / 4, 16-byte piece tid % 4 (of each part); W columns tid + 128 c.
+    // Copy roles: A row tid / 4, 16-byte piece tid % 4 (of each part); W chunks tid + THREADS c.
     int a_row = tid >> 2, a_chunk = tid & 3;
     bool a_live = r0 + a_row < r1;
     u64 a_src = a_live ? (row_index ? (u64)row_index[r0 + a_row] : (u64)(r0 + a_row)) : 0;
     const u8* a_base = (const u8*)(xb + a_src * (K / 2) * A_PARTS) + a_chunk * 16;
     int a_dst = 4 * a_piece(a_row, a_chunk);
-    constexpr int W_CHUNKS = TILE_TN * W_BYTES / 16 / 128;  // per thread per span
+    constexpr int W_ALL = TILE_TN * W_BYTES / 16, W_CHUNKS = (W_ALL + THREADS - 1) / THREADS;  // per thread per span
     const u8* wbytes = (const u8*)w;
     u64 w_row_bytes = FMT == 1 ? (u64)K * 2 : FMT == 2 ? (u64)K : (u64)K / 2;
 
@@ -410,7 +415,8 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
             cp_async16(&as[stage][p][a_row][a_dst], a_base + (u64)p * K * 2 + k0 * 2, a_live);
 #pragma unroll
         for (int c = 0; c < W_CHUNKS; c++) {
-            int chunk = tid + 128 * c, col = chunk / (W_BYTES / 16), part = chunk % (W_BYTES / 16);
+            int chunk = tid + THREADS * c, col = chunk / (W_BYTES / 16), part = chunk % (W_BYTES / 16);
+            if (W_ALL % THREADS != 0 && chunk >= W_ALL) break;
             bool live = n0 + col < N;
             u64 row = (u64)e * N + (live ? n0 + col : 0);
             cp_async16(&ws[stage][col][16 * part], wbytes + row * w_row_bytes + k0 * W_BYTES / 32 + 16 * part, live);
@@ -424,7 +430,7 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
     u64 scale_row[4];
 #pragma unroll
     for (int ni = 0; ni < 4; ni++) {
-        int n = n0 + warp * 32 + ni * 8 + g;
+        int n = n0 + wn * 32 + ni * 8 + g;
         scale_row[ni] = (u64)e * N + (n < N ? n : 0);
     }
     auto load_scales = [&](int span, u8* out_scales) {
@@ -469,13 +475,13 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
             for (int mi = 0; mi < 2; mi++)
 #pragma unroll
                 for (int c = 0; c < 2; c++) {
-                    int r = mi * 16 + lm_row, piece = 4 * a_piece(r, 2 * c + lm_piece);
+                    int r = wm * 32 + mi * 16 + lm_row, piece = 4 * a_piece(r, 2 * c + lm_piece);
                     ldmatrix_x4(&as[stage][0][r][piece], a[mi][c]);
                     if constexpr (SPLIT) ldmatrix_x4(&as[stage][A_PARTS - 1][r][piece], al[mi][c]);
                 }
 #pragma unroll
             for (int ni = 0; ni < 4; ni++) {
-                const u8* wp = &ws[stage][warp * 32 + ni * 8 + g][t * W_BYTES / 4];
+                const u8* wp = &ws[stage][wn * 32 + ni * 8 + g][t * W_BYTES / 4];
                 Weight8 wc;
                 wc.q = make_uint4(0, 0, 0, 0);
                 if (FMT == 1) wc.q = *(const uint4*)wp;
@@ -509,19 +515,38 @@ __device__ void grouped_gemm_mma(const float*, const int* row_index, const float
     for (int mi = 0; mi < 2; mi++)
 #pragma unroll
         for (int half = 0; half < 2; half++) {
-            int row = r0 + mi * 16 + g + 8 * half;
+            int row = r0 + wm * 32 + mi * 16 + g + 8 * half;
             if (row >= r1) continue;
             u64 src = row_index ? (u64)row_index[row] : (u64)row;
 #pragma unroll
             for (int ni = 0; ni < 4; ni++)
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
-                    int col = n0 + warp * 32 + ni * 8 + 2 * t + j;
+                    int col = n0 + wn * 32 + ni * 8 + 2 * t + j;
                     if (col >= N) continue;
                     store_sum<FMT>(tot[mi][ni][2 * half + j], partials, rows, row, col, N, row_scale, src, w_sdec, e,
                                    sdec_groups, out);
                 }
         }
+}
+
+template <int FMT>
+__device__ void grouped_gemm_mma(const float* x, const int* row_index, const float* row_scale, const void* w,
+                                 const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
+                                 const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
+                                 float* partials, const u32* xb) {
+    grouped_gemm_tiled<FMT, 1>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets,
+                               rows, N, K, out, partials, xb);
+}
+
+// `tiles` is the routing plan's list of wide tiles (TM_WIDE rows).
+template <int FMT>
+__device__ void grouped_gemm_mma_wide(const float* x, const int* row_index, const float* row_scale, const void* w,
+                                      const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
+                                      const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
+                                      float* partials, const u32* xb) {
+    grouped_gemm_tiled<FMT, TM_WIDE / 32>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles,
+                                          num_tiles, offsets, rows, N, K, out, partials, xb);
 }
 
 // ---- Tensor cores for tiles of few rows: a warp per 8 * NF output columns ----
@@ -662,6 +687,20 @@ __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const
                   out, partials, xb);                                                                              \
     }
 
+// The wide tiles' kernels: 256 threads, two blocks an SM (at most 128 registers a thread).
+#define GEMM_KERNEL_WIDE(NAME, FMT)                                                                               \
+    extern "C" __global__ void __launch_bounds__(4 * TM_WIDE, 2)                                                  \
+        NAME(const float* x, const int* row_index, const float* row_scale, const void* w, const u8* w_scales,     \
+             const float* w_sdec, int sdec_groups, const int* tiles, const int* num_tiles, const int* offsets,     \
+             int rows, int N, int K, float* out, float* partials, const u32* xb) {                                 \
+        pdl_entry();                                                                                              \
+        grouped_gemm_mma_wide<FMT>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles,   \
+                                   offsets, rows, N, K, out, partials, xb);                                       \
+    }
+
+GEMM_KERNEL_WIDE(grouped_gemm_mma_wide_bf16, 1)
+GEMM_KERNEL_WIDE(grouped_gemm_mma_wide_mxfp8, 2)
+GEMM_KERNEL_WIDE(grouped_gemm_mma_wide_nvfp4, 3)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_bf16, 1)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_mxfp8, 2)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_nvfp4, 3)

@@ -80,33 +80,38 @@ extern "C" __global__ void moe_count(const int* topk_ids, int pairs, int* counts
 }
 
 // One block of PLAN_THREADS threads: offsets[e] = first permuted row of expert e; tiles =
-// (expert, first row) of every `tile_rows`-row tile of the grouped GEMMs, in expert order;
-// cursor[e] = offsets[e] for the scatter. Thread i takes a contiguous run of experts; a block
-// scan of the runs' rows and tiles gives each run its first row and tile, so the plan is the
-// one a single walk over e = 0, 1, ... writes (integers: the same for any thread count).
+// (expert, first row) of every `tile_rows`-row tile of the grouped GEMMs, in expert order, and
+// wide_tiles the same for `wide_rows`-row tiles (the tiled GEMM's wide blocks); cursor[e] =
+// offsets[e] for the scatter. Thread i takes a contiguous run of experts; a block scan of the
+// runs' rows and tiles gives each run its first row and tiles, so the plan is the one a single
+// walk over e = 0, 1, ... writes (integers: the same for any thread count).
 #define PLAN_THREADS 256
-extern "C" __global__ void moe_plan(const int* counts, int experts, int tile_rows, int* offsets, int* cursor,
-                                    int* tiles, int* num_tiles) {
+extern "C" __global__ void moe_plan(const int* counts, int experts, int tile_rows, int wide_rows, int* offsets,
+                                    int* cursor, int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles) {
     pdl_entry();
-    __shared__ int rows_s[PLAN_THREADS], tiles_s[PLAN_THREADS];
+    __shared__ int rows_s[PLAN_THREADS], tiles_s[PLAN_THREADS], wide_s[PLAN_THREADS];
     int tid = threadIdx.x, per = (experts + PLAN_THREADS - 1) / PLAN_THREADS;
     int e0 = min(tid * per, experts), e1 = min(e0 + per, experts);
-    int my_rows = 0, my_tiles = 0;
+    int my_rows = 0, my_tiles = 0, my_wide = 0;
     for (int e = e0; e < e1; e++) {
         my_rows += counts[e];
         my_tiles += (counts[e] + tile_rows - 1) / tile_rows;
+        my_wide += (counts[e] + wide_rows - 1) / wide_rows;
     }
     rows_s[tid] = my_rows;
     tiles_s[tid] = my_tiles;
+    wide_s[tid] = my_wide;
     __syncthreads();
     for (int off = 1; off < PLAN_THREADS; off <<= 1) {  // inclusive scan (Hillis-Steele)
         int r = tid >= off ? rows_s[tid - off] : 0, n = tid >= off ? tiles_s[tid - off] : 0;
+        int m = tid >= off ? wide_s[tid - off] : 0;
         __syncthreads();
         rows_s[tid] += r;
         tiles_s[tid] += n;
+        wide_s[tid] += m;
         __syncthreads();
     }
-    int row = rows_s[tid] - my_rows, n = tiles_s[tid] - my_tiles;
+    int row = rows_s[tid] - my_rows, n = tiles_s[tid] - my_tiles, m = wide_s[tid] - my_wide;
     for (int e = e0; e < e1; e++) {
         offsets[e] = row;
         cursor[e] = row;
@@ -115,11 +120,17 @@ extern "C" __global__ void moe_plan(const int* counts, int experts, int tile_row
             tiles[2 * n + 1] = row + r;
             n++;
         }
+        for (int r = 0; r < counts[e]; r += wide_rows) {
+            wide_tiles[2 * m] = e;
+            wide_tiles[2 * m + 1] = row + r;
+            m++;
+        }
         row += counts[e];
     }
     if (tid == PLAN_THREADS - 1) {
         offsets[experts] = rows_s[tid];
         *num_tiles = tiles_s[tid];
+        *num_wide_tiles = wide_s[tid];
     }
 }
 

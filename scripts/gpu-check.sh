@@ -107,6 +107,11 @@ if [ -x "$bin/cuda_bench_before" ]; then
   "$bin"/cuda_bench_before "${bench_args[@]}" 2>&1 | tee "$logs/bench_before.md" \
     && record "cuda_bench_before (previous code)" "done (bench_before.md)" || record "cuda_bench_before" "FAIL"
 fi
+# BENCH_WIDE_OFF=1: the step benchmark again on 32-row GEMM tiles only (LOCKSTEP_WIDE_TILES=0).
+if [ "${BENCH_WIDE_OFF:-0}" = 1 ]; then
+  LOCKSTEP_WIDE_TILES=0 "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_wide_off.md" \
+    && record "cuda_bench, LOCKSTEP_WIDE_TILES=0" "done (bench_wide_off.md)" || record "cuda_bench, LOCKSTEP_WIDE_TILES=0" "FAIL"
+fi
 # BENCH_PDL_OFF=1: the step benchmark again with programmatic dependent launch off
 # (LOCKSTEP_PDL=0), for its share of the step time in the same run.
 if [ "${BENCH_PDL_OFF:-0}" = 1 ]; then

@@ -202,6 +202,7 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
                 for path in [
                     GemmPath::Auto,
                     GemmPath::TensorCore,
+                    GemmPath::TensorCoreWide,
                     GemmPath::Skinny,
                     GemmPath::Skinny4,
                 ] {
@@ -318,6 +319,7 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
             for path in [
                 GemmPath::Auto,
                 GemmPath::TensorCore,
+                GemmPath::TensorCoreWide,
                 GemmPath::Skinny,
                 GemmPath::Skinny4,
             ] {

@@ -749,11 +749,12 @@ fn the_routing_plan_is_the_sequential_walk_over_experts() {
         let mut plan = MoePlan::new(&g, pairs, experts).unwrap();
         let dids = g.upload(&ids).unwrap();
         plan.build(&g, &dids, tokens, top_k, experts).unwrap();
-        let (mut offsets, mut tiles) = (vec![0i32], Vec::new());
+        let (mut offsets, mut tiles, mut wide) = (vec![0i32], Vec::new(), Vec::new());
         for e in 0..experts {
             let count = ids.iter().filter(|&&i| i == e as i32).count() as i32;
             let first = *offsets.last().unwrap();
             tiles.extend((0..count).step_by(32).flat_map(|r| [e as i32, first + r]));
+            wide.extend((0..count).step_by(64).flat_map(|r| [e as i32, first + r]));
             offsets.push(first + count);
         }
         let shape = format!("{tokens} tokens x {top_k} of {experts}");
@@ -769,6 +770,17 @@ fn the_routing_plan_is_the_sequential_walk_over_experts() {
             "{shape}: {n} tiles over the launch bound"
         );
         assert_eq!(g.download(&plan.tiles, 2 * n).unwrap(), tiles, "{shape}");
+        let n = g.download(&plan.num_wide_tiles, 1).unwrap()[0] as usize;
+        assert_eq!(n, wide.len() / 2, "{shape}: wide tiles");
+        assert!(
+            n <= plan.wide_tiles_launched(),
+            "{shape}: {n} wide tiles over the launch bound"
+        );
+        assert_eq!(
+            g.download(&plan.wide_tiles, 2 * n).unwrap(),
+            wide,
+            "{shape}: wide tiles"
+        );
         // Every pair has a row of its expert's group, and that row names the pair's token.
         let slot_row = g.download(&plan.slot_row, pairs).unwrap();
         let row_token = g.download(&plan.row_token, pairs).unwrap();
@@ -797,8 +809,9 @@ fn the_routing_plan_is_the_sequential_walk_over_experts() {
 fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
     let g = gpu();
     let mut rng = Rng(seed());
-    // K = 288: a partial last group of spans for the few-rows kernels; N = 96: a partial tile.
-    let (tokens, experts, top_k, n, k) = (45, 6, 2, 96, 288);
+    // K = 288: a partial last group of spans for the few-rows kernels; N = 96: a partial tile;
+    // 50 rows per expert on average: full and partial tiles of 32 and of 64 rows.
+    let (tokens, experts, top_k, n, k) = (150, 6, 2, 96, 288);
     let logits = rng.vec(tokens * experts, 3.0);
     let (mut ids, mut wts) = (
         g.alloc::<i32>(tokens * top_k).unwrap(),
@@ -891,6 +904,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
         for path in [
             GemmPath::Ffma,
             GemmPath::TensorCore,
+            GemmPath::TensorCoreWide,
             GemmPath::Skinny,
             GemmPath::Skinny4,
         ] {
@@ -946,6 +960,9 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             (5, GemmPath::Skinny4, SplitK::On),
             (13, GemmPath::TensorCore, SplitK::Off),
             (13, GemmPath::TensorCore, SplitK::On),
+            (13, GemmPath::TensorCoreWide, SplitK::Off),
+            (77, GemmPath::TensorCoreWide, SplitK::Off),
+            (77, GemmPath::TensorCoreWide, SplitK::On),
         ] {
             let mut out = poisoned(&g, rows * n, f32::NAN);
             ops::grouped_gemm_on(

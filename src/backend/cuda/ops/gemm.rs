@@ -13,6 +13,8 @@ use crate::backend::cuda::{CudaError, Gpu};
 
 /// Rows per tile of the grouped GEMM (kernels/gemm.cu `TM`).
 pub const GEMM_TILE_ROWS: usize = 32;
+/// Rows per wide tile of the tiled tensor-core kernel (kernels/gemm.cu `TM_WIDE`).
+pub const GEMM_WIDE_TILE_ROWS: usize = 64;
 /// Columns per tile of the FFMA kernel (kernels/gemm.cu `TN`).
 pub const GEMM_TILE_COLS: usize = 64;
 /// Columns per tile of the tiled tensor-core kernel (kernels/gemm.cu `TILE_TN`).
@@ -90,14 +92,17 @@ pub enum GemmRows<'a> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmPath {
     /// Picked from the shape: [`GemmPath::Skinny`] or [`GemmPath::Skinny4`] for tiles of few
-    /// rows, [`GemmPath::TensorCore`] otherwise, CUDA cores where K is not a multiple of 32 or
-    /// the weights are F32.
+    /// rows, [`GemmPath::TensorCore`] or (many rows) [`GemmPath::TensorCoreWide`] otherwise,
+    /// CUDA cores where K is not a multiple of 32 or the weights are F32.
     Auto,
     /// CUDA cores (FFMA), any shape: the exact-f32 path.
     Ffma,
     /// BF16 tensor cores (mma.sync) in 32x128 tiles: activations packed to BF16 first, then
     /// streamed through shared memory with the raw weights.
     TensorCore,
+    /// The same kernel in 64x128 tiles (8 warps; a routing plan's wide tiles): each weight
+    /// column is read once per 64 rows, half the L2 traffic of [`GemmPath::TensorCore`].
+    TensorCoreWide,
     /// The same tensor-core products, a warp per 8 columns, for decode-sized tiles.
     Skinny,
     /// As [`GemmPath::Skinny`], a warp per 32 columns: for launches with warps enough.
@@ -159,6 +164,18 @@ pub const SKINNY_MAX_ROWS_PER_EXPERT: usize = 8;
 /// 32-column warps take 0.9x the tiled kernel's time; at 64 rows the tiled kernel takes
 /// 0.94x (MXFP8) and 0.91x (NVFP4) of theirs, at 512 rows 0.78x and 0.90x.
 pub const SKINNY_MAX_QUANTIZED_PLAN_ROWS: usize = 32;
+/// Rows from which [`GemmPath::Auto`] takes the wide tiles for one dense group and, on average
+/// per expert, for a routing plan.
+pub const WIDE_MIN_DENSE_ROWS: usize = 1024;
+pub const WIDE_MIN_ROWS_PER_EXPERT: usize = 128;
+
+/// Whether [`GemmPath::Auto`] may take the wide tiles: `LOCKSTEP_WIDE_TILES=0` keeps it on
+/// 32-row tiles, to measure the difference in one run (scripts/gpu-check.sh
+/// `BENCH_WIDE_OFF=1`). The bits are the same either way.
+fn wide_tiles_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("LOCKSTEP_WIDE_TILES").map_or(true, |v| v != "0"))
+}
 
 impl GemmPath {
     fn resolve(
@@ -182,8 +199,15 @@ impl GemmPath {
                 p.counts.len().min(max_rows),
             ),
         };
+        let wide_rows = match rows {
+            GemmRows::Dense(_) => WIDE_MIN_DENSE_ROWS,
+            GemmRows::Plan(p) => WIDE_MIN_ROWS_PER_EXPERT * p.counts.len(),
+        };
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
+            GemmPath::Auto if max_rows >= wide_rows && wide_tiles_allowed() => {
+                GemmPath::TensorCoreWide
+            }
             GemmPath::Auto if max_rows > skinny_rows => GemmPath::TensorCore,
             // A dense launch of few rows splits over K (SplitK::Auto), which gives the 32-column
             // warps blocks enough (H200: 0.65-0.95x the 8-column kernel's time at 1-8 rows).
@@ -211,8 +235,8 @@ impl GemmPath {
 /// block scales, NVFP4 S_dec and its groups.
 struct Operand<'a> {
     /// The FFMA, tiled tensor-core and few-rows tensor-core kernels (8 and 32 columns per
-    /// warp) of the format (F32 has FFMA only).
-    kernels: [Kernel; 4],
+    /// warp), then the wide-tiled one, of the format (F32 has FFMA only).
+    kernels: [Kernel; 5],
     f32_weights: bool,
     /// Plain BF16 weights: the tiled kernel's packed activations carry hi and lo terms.
     split_activations: bool,
@@ -224,7 +248,7 @@ struct Operand<'a> {
 
 impl<'a> Operand<'a> {
     fn new(
-        kernels: [Kernel; 4],
+        kernels: [Kernel; 5],
         data: DevPtr,
         scales: Option<View<'a, u8>>,
         s_dec: Option<View<'a, f32>>,
@@ -243,7 +267,7 @@ impl<'a> Operand<'a> {
 
     fn f32(gpu: &Gpu, d: &'a CudaSlice<f32>) -> Operand<'a> {
         let k = Kernel::GroupedGemmF32;
-        Operand::new([k, k, k, k], DevPtr(addr(gpu, d)), None, None, 1)
+        Operand::new([k, k, k, k, k], DevPtr(addr(gpu, d)), None, None, 1)
     }
 
     fn bf16(gpu: &Gpu, d: &'a CudaSlice<u16>) -> Operand<'a> {
@@ -252,6 +276,7 @@ impl<'a> Operand<'a> {
             Kernel::GroupedGemmMmaBf16,
             Kernel::GroupedGemmSkinnyBf16,
             Kernel::GroupedGemmSkinny4Bf16,
+            Kernel::GroupedGemmMmaWideBf16,
         ];
         Operand::new(kernels, DevPtr(addr(gpu, d)), None, None, 1)
     }
@@ -266,6 +291,7 @@ impl<'a> Operand<'a> {
                     Kernel::GroupedGemmMmaMxfp8,
                     Kernel::GroupedGemmSkinnyMxfp8,
                     Kernel::GroupedGemmSkinny4Mxfp8,
+                    Kernel::GroupedGemmMmaWideMxfp8,
                 ],
                 DevPtr(addr(gpu, data)),
                 Some(View::whole(scales)),
@@ -283,6 +309,7 @@ impl<'a> Operand<'a> {
                     Kernel::GroupedGemmMmaNvfp4,
                     Kernel::GroupedGemmSkinnyNvfp4,
                     Kernel::GroupedGemmSkinny4Nvfp4,
+                    Kernel::GroupedGemmMmaWideNvfp4,
                 ],
                 DevPtr(addr(gpu, data)),
                 Some(View::whole(scales)),
@@ -440,13 +467,28 @@ fn launch_gemm(
     let path = path.resolve(&w, &rows, max_rows, n, k);
     let (kernel, cols_per_block, threads) = match path {
         GemmPath::TensorCore => (w.kernels[1], MMA_TILE_COLS, 128),
+        GemmPath::TensorCoreWide => (w.kernels[4], MMA_TILE_COLS, 4 * GEMM_WIDE_TILE_ROWS as u32),
         GemmPath::Skinny4 => (w.kernels[3], 4 * SKINNY_COLS_PER_BLOCK, 128),
         GemmPath::Skinny => (w.kernels[2], SKINNY_COLS_PER_BLOCK, 128),
         _ => (w.kernels[0], GEMM_TILE_COLS, 256),
     };
     // A plan's launch takes `max_rows` (its pairs) as the row count of split-K's sums.
+    let wide = path == GemmPath::TensorCoreWide;
+    let tile_rows = if wide {
+        GEMM_WIDE_TILE_ROWS
+    } else {
+        GEMM_TILE_ROWS
+    };
     let (tiles, num_tiles, offsets, experts, rows_arg, grid_y) = match rows {
-        GemmRows::Dense(r) => (None, None, None, 0, r, r.div_ceil(GEMM_TILE_ROWS)),
+        GemmRows::Dense(r) => (None, None, None, 0, r, r.div_ceil(tile_rows)),
+        GemmRows::Plan(p) if wide => (
+            Some(View::whole(&p.wide_tiles)),
+            Some(View::whole(&p.num_wide_tiles)),
+            Some(View::whole(&p.offsets)),
+            p.counts.len(),
+            max_rows,
+            p.wide_tiles_launched(),
+        ),
         GemmRows::Plan(p) => (
             Some(View::whole(&p.tiles)),
             Some(View::whole(&p.num_tiles)),
@@ -476,7 +518,7 @@ fn launch_gemm(
         None => None,
     };
     // The tiled kernel reads x packed to BF16: every row the rows (through row_index) name.
-    let operand = if path == GemmPath::TensorCore {
+    let operand = if matches!(path, GemmPath::TensorCore | GemmPath::TensorCoreWide) {
         let x_rows = match (&rows, row_index) {
             (GemmRows::Dense(r), None) => *r,
             (GemmRows::Plan(p), Some(_)) => p.tokens,
@@ -492,7 +534,8 @@ fn launch_gemm(
         None
     };
     // Block shapes (kernels/gemm.cu): FFMA 32x64 tiles on 256 threads, MMA 32x128 tiles on 4
-    // warps, few-rows MMA 32 or 128 columns on 4 warps; split-K adds a block per segment.
+    // warps (64x128 on 8), few-rows MMA 32 or 128 columns on 4 warps; split-K adds a block per
+    // segment.
     // x, its row index and scales, and the weights are read at the rows and experts the plan
     // (or the dense row count) names: sized by the layer's owner.
     gpu.launch(

@@ -3,7 +3,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{need, BLOCK, GEMM_TILE_ROWS};
+use super::{need, BLOCK, GEMM_TILE_ROWS, GEMM_WIDE_TILE_ROWS};
 use crate::backend::cuda::args::View;
 use crate::backend::cuda::kernels::Kernel;
 use crate::backend::cuda::{CudaError, Gpu};
@@ -64,6 +64,9 @@ pub struct MoePlan {
     pub cursor: CudaSlice<i32>,
     pub tiles: CudaSlice<i32>,
     pub num_tiles: CudaSlice<i32>,
+    /// The same tiles of [`GEMM_WIDE_TILE_ROWS`] rows (the tiled GEMM's wide blocks).
+    pub wide_tiles: CudaSlice<i32>,
+    pub num_wide_tiles: CudaSlice<i32>,
     pub slot_row: CudaSlice<i32>,
     pub row_token: CudaSlice<i32>,
     /// The tokens and (token, expert) pairs of the last [`MoePlan::build`].
@@ -77,8 +80,10 @@ impl MoePlan {
             counts: gpu.alloc(experts)?,
             offsets: gpu.alloc(experts + 1)?,
             cursor: gpu.alloc(experts)?,
-            tiles: gpu.alloc(2 * Self::max_tiles(max_pairs, experts))?,
+            tiles: gpu.alloc(2 * Self::max_tiles(max_pairs, experts, GEMM_TILE_ROWS))?,
             num_tiles: gpu.alloc(1)?,
+            wide_tiles: gpu.alloc(2 * Self::max_tiles(max_pairs, experts, GEMM_WIDE_TILE_ROWS))?,
+            num_wide_tiles: gpu.alloc(1)?,
             slot_row: gpu.alloc(max_pairs)?,
             row_token: gpu.alloc(max_pairs)?,
             tokens: 0,
@@ -86,25 +91,32 @@ impl MoePlan {
         })
     }
 
-    /// Tiles can number at most one partial tile per expert plus the full ones.
-    pub fn max_tiles(pairs: usize, experts: usize) -> usize {
-        pairs / GEMM_TILE_ROWS + experts
+    /// Tiles of `rows` rows can number at most one partial tile per expert plus the full ones.
+    pub fn max_tiles(pairs: usize, experts: usize, rows: usize) -> usize {
+        pairs / rows + experts
     }
 
-    /// The most tiles `pairs` routed pairs can make: `m = min(experts, pairs)` experts at
-    /// most hold rows, and `sum ceil(n_e / T) <= (pairs + (T - 1) m) / T`. A GEMM over the
-    /// plan launches this many tile blocks (the plan's own count is on the device): at one
-    /// decode row, 8 where [`MoePlan::max_tiles`] of the largest batch is thousands.
-    pub fn tile_bound(pairs: usize, experts: usize) -> usize {
-        (pairs + (GEMM_TILE_ROWS - 1) * experts.min(pairs)) / GEMM_TILE_ROWS
+    /// The most tiles of `rows` rows that `pairs` routed pairs can make: `m = min(experts,
+    /// pairs)` experts at most hold rows, and `sum ceil(n_e / T) <= (pairs + (T - 1) m) / T`.
+    /// A GEMM over the plan launches this many tile blocks (the plan's own count is on the
+    /// device): at one decode row, 8 where [`MoePlan::max_tiles`] of the largest batch is
+    /// thousands.
+    pub fn tile_bound(pairs: usize, experts: usize, rows: usize) -> usize {
+        (pairs + (rows - 1) * experts.min(pairs)) / rows
     }
 
-    /// [`MoePlan::tile_bound`] of the last [`MoePlan::build`].
+    /// [`MoePlan::tile_bound`] of the last [`MoePlan::build`], for its tiles.
     pub fn tiles_launched(&self) -> usize {
-        Self::tile_bound(self.pairs, self.counts.len()).min(self.tiles.len() / 2)
+        Self::tile_bound(self.pairs, self.counts.len(), GEMM_TILE_ROWS).min(self.tiles.len() / 2)
     }
 
-    /// Groups the pairs of `ids` by expert: counts, offsets, GEMM tiles, and for every pair
+    /// The same for its wide tiles.
+    pub fn wide_tiles_launched(&self) -> usize {
+        Self::tile_bound(self.pairs, self.counts.len(), GEMM_WIDE_TILE_ROWS)
+            .min(self.wide_tiles.len() / 2)
+    }
+
+    /// Groups the pairs of `ids` by expert: counts, offsets, GEMM tiles (and wide tiles), and for every pair
     /// its row (`slot_row`) and for every row its token (`row_token`).
     pub fn build(
         &mut self,
@@ -140,10 +152,13 @@ impl MoePlan {
                 counts,
                 experts as i32,
                 GEMM_TILE_ROWS as i32,
+                GEMM_WIDE_TILE_ROWS as i32,
                 View::whole(&self.offsets),
                 cursor,
                 View::whole(&self.tiles),
                 View::whole(&self.num_tiles),
+                View::whole(&self.wide_tiles),
+                View::whole(&self.num_wide_tiles),
             ),
         )?;
         if pairs > 0 {
@@ -191,16 +206,21 @@ mod tests {
                 counts.pop();
             }
         }
-        for experts in 1..=4 {
-            for pairs in [0, 1, 3, 31, 32, 33, 64, 65, 95, 97, 130] {
-                let bound = MoePlan::tile_bound(pairs, experts);
-                let mut most = 0;
-                routings(pairs, experts, &mut Vec::new(), &mut |counts| {
-                    let tiles: usize = counts.iter().map(|c| c.div_ceil(GEMM_TILE_ROWS)).sum();
-                    most = most.max(tiles);
-                });
-                assert_eq!(most, bound, "{pairs} pairs over {experts} experts");
-                assert!(bound <= MoePlan::max_tiles(pairs, experts));
+        for rows in [GEMM_TILE_ROWS, GEMM_WIDE_TILE_ROWS] {
+            for experts in 1..=4 {
+                for pairs in [0, 1, 3, 31, 32, 33, 63, 64, 65, 95, 97, 128, 130, 193] {
+                    let bound = MoePlan::tile_bound(pairs, experts, rows);
+                    let mut most = 0;
+                    routings(pairs, experts, &mut Vec::new(), &mut |counts| {
+                        let tiles: usize = counts.iter().map(|c| c.div_ceil(rows)).sum();
+                        most = most.max(tiles);
+                    });
+                    assert_eq!(
+                        most, bound,
+                        "{pairs} pairs over {experts} experts, {rows} rows"
+                    );
+                    assert!(bound <= MoePlan::max_tiles(pairs, experts, rows));
+                }
             }
         }
     }
