@@ -101,3 +101,29 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool li
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Four 8x8 BF16 matrices from shared memory (16-byte rows), lane l addressing row l % 8 of
+// matrix l / 8; register i of lane (g, t) is word t of row g of matrix i (columns 2t, 2t + 1).
+__device__ __forceinline__ void ldmatrix_x4(const void* smem, u32* r) {
+    u32 a = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// The same, transposed: register i of lane (g, t) holds rows 2t (low half) and 2t + 1 of
+// column g of matrix i.
+__device__ __forceinline__ void ldmatrix_x4_trans(const void* smem, u32* r) {
+    u32 a = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// Two matrices, transposed (lanes 0-15 address them).
+__device__ __forceinline__ void ldmatrix_x2_trans(const void* smem, u32* r) {
+    u32 a = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(a));
+}

@@ -352,15 +352,6 @@ extern "C" __global__ void pack_gemm_operand(const float* x, int rows, int K, in
     }
 }
 
-// Four 8x8 BF16 matrices from shared memory, lane l addressing row l % 8 of matrix l / 8;
-// register i of lane (g, t) is word t of row g of matrix i.
-__device__ __forceinline__ void ldmatrix_x4(const void* smem, u32* r) {
-    u32 a = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-
 // The 16-byte piece s of tile row r in shared memory: pieces swizzled by (r / 2) % 4, so the
 // 8 rows one ldmatrix matrix reads fall in distinct banks.
 __device__ __forceinline__ int a_piece(int r, int s) { return s ^ ((r >> 1) & 3); }

@@ -96,7 +96,7 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
     constexpr int KSTEPS = HD / 16;  // k16 steps of q.k
     __shared__ __align__(16) bf16_t ks[FA_KEYS][FA_LD];
     __shared__ __align__(16) bf16_t vs[FA_KEYS][FA_LD];
-    int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    int tid = threadIdx.x, lane = tid & 31, t = lane & 3;
     u64 kv_width = (u64)kv_heads * HD;
     // One 64-key tile of K or V into shared memory (one cp.async group); keys past last_pos
     // are zero.
@@ -150,18 +150,22 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
         cp_async_wait<1>();  // this tile's K is in (its V may still be coming)
         __syncthreads();
 
-        // S = q k^T for this warp's 16 rows x 64 keys: 8 n8 tiles.
+        // S = q k^T for this warp's 16 rows x 64 keys: 8 n8 tiles. One ldmatrix gives the B
+        // fragments of two k16 steps: lane (g, t) gets key j * 8 + g, columns st * 16 + 2t
+        // (+ 1) and the same + 8.
         float s[8][4];
 #pragma unroll
         for (int j = 0; j < 8; j++) {
 #pragma unroll
             for (int i = 0; i < 4; i++) s[j][i] = 0.0f;
 #pragma unroll
-            for (int st = 0; st < KSTEPS; st++) {
-                int key = j * 8 + g, c = st * 16 + 2 * t;
-                u32 b0 = *(const u32*)&ks[key][c], b1 = *(const u32*)&ks[key][c + 8];
-                fa_mma(s[j], qa_hi[st], b0, b1);
-                fa_mma(s[j], qa_lo[st], b0, b1);
+            for (int st = 0; st < KSTEPS; st += 2) {
+                u32 b[4];
+                ldmatrix_x4(&ks[j * 8 + (lane & 7)][(st + (lane >> 4)) * 16 + (lane & 8)], b);
+                fa_mma(s[j], qa_hi[st], b[0], b[1]);
+                fa_mma(s[j], qa_lo[st], b[0], b[1]);
+                fa_mma(s[j], qa_hi[st + 1], b[2], b[3]);
+                fa_mma(s[j], qa_lo[st + 1], b[2], b[3]);
             }
         }
         // Causal mask and the online softmax; the quad (t = 0..3) shares each row.
@@ -225,14 +229,27 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
             fa_split(s[2 * kk][2], s[2 * kk][3], p_hi[1], p_lo[1]);
             fa_split(s[2 * kk + 1][0], s[2 * kk + 1][1], p_hi[2], p_lo[2]);
             fa_split(s[2 * kk + 1][2], s[2 * kk + 1][3], p_hi[3], p_lo[3]);
-            int key = kk * 16 + 2 * t;
+            // Transposed ldmatrix: lane (g, t) gets keys kk * 16 + 2t (+ 1) and + 8 (+ 9) of
+            // column g of an 8-column tile; two tiles a load (one where DW is odd).
+            int v_key = kk * 16 + (lane & 15);
+            if constexpr (DW % 2 == 0) {
 #pragma unroll
-            for (int d = 0; d < DW; d++) {
-                int col = (d0 + d) * 8 + g;
-                u32 b0 = (u32)vs[key][col] | ((u32)vs[key + 1][col] << 16);
-                u32 b1 = (u32)vs[key + 8][col] | ((u32)vs[key + 9][col] << 16);
-                fa_mma(o[d], p_hi, b0, b1);
-                fa_mma(o[d], p_lo, b0, b1);
+                for (int d = 0; d < DW; d += 2) {
+                    u32 b[4];
+                    ldmatrix_x4_trans(&vs[v_key][(d0 + d + (lane >> 4)) * 8], b);
+                    fa_mma(o[d], p_hi, b[0], b[1]);
+                    fa_mma(o[d], p_lo, b[0], b[1]);
+                    fa_mma(o[d + 1], p_hi, b[2], b[3]);
+                    fa_mma(o[d + 1], p_lo, b[2], b[3]);
+                }
+            } else {
+#pragma unroll
+                for (int d = 0; d < DW; d++) {
+                    u32 b[2];
+                    ldmatrix_x2_trans(&vs[v_key][(d0 + d) * 8], b);
+                    fa_mma(o[d], p_hi, b[0], b[1]);
+                    fa_mma(o[d], p_lo, b[0], b[1]);
+                }
             }
         }
         __syncthreads();  // every warp is done with vs
