@@ -29,9 +29,12 @@ const SKINNY4_MIN_WARPS: usize = 2048;
 /// zero, and the segments' sums are added in order, so a split-K launch (a block per segment)
 /// gives the bits of one that walks all of K.
 pub const K_SEGMENT: usize = 256;
-/// Blocks below which [`SplitK::Auto`] splits a dense launch over its K segments: about two
-/// waves of an H200's 132 SMs.
-const SPLIT_K_BELOW_BLOCKS: usize = 264;
+/// Blocks below which [`SplitK::Auto`] splits a dense launch over its K segments: about one
+/// block per SM of an H200 (132). From there the per-segment sums cost more than the blocks
+/// they add (H200, cuda_kernel_bench, 2026-12-02: q_proj [4096 x 2048] at 128 rows (128
+/// blocks) 37.4 us whole against 42.8 split, o_proj at 256 rows 60.3 against 67.2, k_proj
+/// [512 x 2048] at 1,024 rows 39.5 against 43.6; at 64 blocks and fewer the split wins).
+const SPLIT_K_BELOW_BLOCKS: usize = 128;
 /// The same for a routing plan's tiles (decode-sized expert launches). Each of their warps
 /// walks all of K alone, one dependent round trip to memory per few spans, so a launch
 /// needs several warps per scheduler before the loads overlap: about eight blocks per SM.
@@ -164,10 +167,17 @@ pub const SKINNY_MAX_ROWS_PER_EXPERT: usize = 8;
 /// 32-column warps take 0.9x the tiled kernel's time; at 64 rows the tiled kernel takes
 /// 0.94x (MXFP8) and 0.91x (NVFP4) of theirs, at 512 rows 0.78x and 0.90x.
 pub const SKINNY_MAX_QUANTIZED_PLAN_ROWS: usize = 32;
-/// Rows from which [`GemmPath::Auto`] takes the wide tiles for one dense group and, on average
-/// per expert, for a routing plan.
+/// Rows from which [`GemmPath::Auto`] takes the wide tiles for one dense group of at least
+/// [`WIDE_MIN_DENSE_COLS`] columns and, on average per expert, for a routing plan over BF16 or
+/// MXFP8 experts. H200 (cuda_kernel_bench, 2026-12-02): o_proj [2048 x 4096] at 1,024 rows
+/// 134 us wide against 150, q_proj [4096 x 2048] 2% faster from 512 rows, k_proj [512 x 2048]
+/// slower below 4,096 rows (too few blocks); expert gate/up of 128 experts, top-8, at 1,024
+/// tokens (64 rows an expert): BF16 399 us against 434, MXFP8 419 against 455, NVFP4 equal
+/// and 1-2% slower from 2,048 tokens (so NVFP4 plans stay on 32-row tiles); BF16 at 4,096
+/// tokens 8% slower, but the 8x2048 prefill step 1% faster with them.
 pub const WIDE_MIN_DENSE_ROWS: usize = 1024;
-pub const WIDE_MIN_ROWS_PER_EXPERT: usize = 128;
+pub const WIDE_MIN_DENSE_COLS: usize = 2048;
+pub const WIDE_MIN_ROWS_PER_EXPERT: usize = 64;
 
 /// Whether [`GemmPath::Auto`] may take the wide tiles: `LOCKSTEP_WIDE_TILES=0` keeps it on
 /// 32-row tiles, to measure the difference in one run (scripts/gpu-check.sh
@@ -199,15 +209,16 @@ impl GemmPath {
                 p.counts.len().min(max_rows),
             ),
         };
-        let wide_rows = match rows {
-            GemmRows::Dense(_) => WIDE_MIN_DENSE_ROWS,
-            GemmRows::Plan(p) => WIDE_MIN_ROWS_PER_EXPERT * p.counts.len(),
-        };
+        let wide = wide_tiles_allowed()
+            && match rows {
+                GemmRows::Dense(_) => max_rows >= WIDE_MIN_DENSE_ROWS && n >= WIDE_MIN_DENSE_COLS,
+                GemmRows::Plan(p) => {
+                    w.s_dec.is_none() && max_rows >= WIDE_MIN_ROWS_PER_EXPERT * p.counts.len()
+                }
+            };
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
-            GemmPath::Auto if max_rows >= wide_rows && wide_tiles_allowed() => {
-                GemmPath::TensorCoreWide
-            }
+            GemmPath::Auto if wide => GemmPath::TensorCoreWide,
             GemmPath::Auto if max_rows > skinny_rows => GemmPath::TensorCore,
             // A dense launch of few rows splits over K (SplitK::Auto), which gives the 32-column
             // warps blocks enough (H200: 0.65-0.95x the 8-column kernel's time at 1-8 rows).
