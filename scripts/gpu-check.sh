@@ -139,11 +139,17 @@ if [ "${SERVER_BENCH:-0}" = 1 ]; then
   gunzip -c "$bin/qwen3-tokenizer.json.gz" >"$model/tokenizer.json"
   quant=()
   [ -n "${SERVER_QUANT:-}" ] && quant=(--quantization "$SERVER_QUANT")
-  for server in lockstep lockstep_before; do
-    [ -x "$bin/$server" ] || continue
-    echo "== server bench: $server ($(date +%T))"
-    "$bin/$server" serve --device cuda --model-path "$model" --load-format dummy "${quant[@]}" \
-      --max-running-requests 256 --port 30556 >"$logs/serve_$server.log" 2>&1 &
+  # SERVER_ALT_ARGS="--chunked-prefill-size 8192": lockstep once more with these serve flags
+  # (reported as lockstep_alt).
+  servers=(lockstep lockstep_before)
+  [ -n "${SERVER_ALT_ARGS:-}" ] && servers+=(lockstep_alt)
+  for server in "${servers[@]}"; do
+    exe=$server extra=()
+    [ "$server" = lockstep_alt ] && exe=lockstep && read -r -a extra <<<"$SERVER_ALT_ARGS"
+    [ -x "$bin/$exe" ] || continue
+    echo "== server bench: $server ${extra[*]} ($(date +%T))"
+    "$bin/$exe" serve --device cuda --model-path "$model" --load-format dummy "${quant[@]}" \
+      --max-running-requests 256 --port 30556 "${extra[@]}" >"$logs/serve_$server.log" 2>&1 &
     pid=$!
     wait_healthy 30556 300
     ok=done
@@ -157,7 +163,7 @@ if [ "${SERVER_BENCH:-0}" = 1 ]; then
         --dataset "$dataset" --num-prompts "$prompts" --max-concurrency "$conc" --input-len "$in" \
         --output-len "$out" --range-ratio 1 --warmup 2 2>&1 | tee -a "$logs/server_bench_$server.md" || ok=FAIL
       # The engine's step phases so far (cumulative): the host's share is 1 - forward / all.
-      curl -s localhost:30556/metrics | grep -E "^lockstep_engine_step_(seconds|tokens)_(sum|count)" \
+      curl -s localhost:30556/metrics | grep -E "^lockstep_engine_(step_seconds|step_tokens|decode_step_seconds)_(sum|count)" \
         >>"$logs/server_bench_$server.md"
     done
     kill $pid 2>/dev/null; wait $pid 2>/dev/null

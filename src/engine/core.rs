@@ -16,7 +16,7 @@ use super::request::{
 };
 use super::{
     Command, EngineError, EngineHandle, EngineInfo, EngineShared, Installed, MemoryReport,
-    PauseMode, STEP_SECONDS, STEP_TOKENS,
+    PauseMode, DECODE_STEP_SECONDS, STEP_SECONDS, STEP_TOKENS,
 };
 use crate::kv::KvPool;
 use crate::model::{ForwardBatch, Model, SeqInput};
@@ -918,6 +918,9 @@ impl Core {
         }
         let tokens: usize = out.seqs.iter().map(|s| s.tokens.len()).sum();
         metrics::histogram!(STEP_TOKENS).record(tokens as f64);
+        if tokens == out.seqs.len() {
+            metrics::histogram!(DECODE_STEP_SECONDS).record((executed - scheduled).as_secs_f64());
+        }
         Ok(())
     }
 

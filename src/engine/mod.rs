@@ -35,6 +35,9 @@ use crate::tokenizer::Tokenizer;
 pub const STEP_SECONDS: &str = "lockstep_engine_step_seconds";
 /// Histogram of the token rows each engine step runs (prefill chunks and decode rows).
 pub const STEP_TOKENS: &str = "lockstep_engine_step_tokens";
+/// Histogram of the forward pass (with sampling) of the steps whose every row is one decode
+/// token: a server's decode step, to set beside a kernel benchmark's.
+pub const DECODE_STEP_SECONDS: &str = "lockstep_engine_decode_step_seconds";
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq)]
 pub enum EngineError {

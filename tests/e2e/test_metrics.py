@@ -97,6 +97,8 @@ def test_metrics_follow_traffic(server):
         assert delta("lockstep_engine_step_seconds_count", phase=phase) == 5, phase
     assert delta("lockstep_engine_step_tokens_count") == 5
     assert delta("lockstep_engine_step_tokens_sum") == len(prompt) + 4
+    # The four steps after the prompt's decode one token each.
+    assert delta("lockstep_engine_decode_step_seconds_count") == 4
 
 
 def test_kv_gauges_match_server_info(server):
