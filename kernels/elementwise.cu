@@ -190,3 +190,22 @@ extern "C" __global__ void moe_combine(const float* expert_out, const int* slot_
         y[(u64)t * hidden + i] = acc;
     }
 }
+
+// Device-to-device copies of `n` byte ranges in one launch: ranges[3i..3i+3] = (dst, src,
+// bytes) of range i, in any order and never overlapping. Grid (x, n), 256 threads: the x blocks
+// of range blockIdx.y copy it grid-stride, 16 bytes at a time where dst, src and bytes allow
+// (an in-place weight commit writes thousands of tensors; a copy call each cost ~14 us).
+extern "C" __global__ void copy_ranges(const u64* ranges, int n) {
+    pdl_entry();
+    int r = blockIdx.y;
+    if (r >= n) return;
+    u8* dst = (u8*)ranges[3 * r];
+    const u8* src = (const u8*)ranges[3 * r + 1];
+    u64 bytes = ranges[3 * r + 2];
+    u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, step = (u64)gridDim.x * blockDim.x;
+    if ((((u64)dst | (u64)src | bytes) & 15) == 0) {
+        for (u64 i = first; i < bytes / 16; i += step) ((uint4*)dst)[i] = ((const uint4*)src)[i];
+    } else {
+        for (u64 i = first; i < bytes; i += step) dst[i] = src[i];
+    }
+}

@@ -176,6 +176,7 @@ kernels! {
     ]),
     SiluMul => (Elementwise, "silu_mul", &[Ptr, Ptr, U64, I32]),
     MoeCombine => (Elementwise, "moe_combine", &[Ptr, Ptr, Ptr, Ptr, I32, I32]),
+    CopyRanges => (Elementwise, "copy_ranges", &[Ptr, I32]),
     MoeRoute => (Moe, "moe_route", &[Ptr, I32, I32, I32, I32, Ptr, Ptr, Ptr]),
     MoeCount => (Moe, "moe_count", &[Ptr, I32, Ptr]),
     MoePlan => (Moe, "moe_plan", &[Ptr, I32, I32, I32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr]),

@@ -5,11 +5,11 @@
 
 use std::collections::BTreeMap;
 
-use cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
 use super::CudaWeights;
 use crate::backend::cpu::linear::DenseWeight;
-use crate::backend::cuda::ops::{Table, WeightData};
+use crate::backend::cuda::ops::{self, CopyRange, Table, WeightData};
 use crate::backend::cuda::weights::GpuMatrix;
 use crate::backend::cuda::{CudaError, Gpu};
 use crate::backend::Storage;
@@ -234,10 +234,15 @@ impl CudaWeights {
         let device = |e: CudaError| StoreError::Device(e.to_string());
         let checked = started.elapsed();
         let mut spent = Vec::with_capacity(pairs.len());
+        let mut copies = Vec::new();
         for (loc, r) in pairs {
-            write_slot(gpu, self.slot(loc, cfg), &r).map_err(device)?;
+            write_slot(gpu, self.slot(loc, cfg), &r, &mut copies).map_err(device)?;
             spent.push(r);
         }
+        // SAFETY: every range is a slot's span of its device buffer (checked by `fits`; slots
+        // never overlap) and a replacement's device memory, kept mapped by its owner until the
+        // copies are done (the synchronize below, before the replacements are returned).
+        unsafe { ops::copy_ranges(gpu, &copies) }.map_err(device)?;
         let queued = started.elapsed();
         gpu.synchronize().map_err(device)?;
         // Where an in-place commit's pause goes (scripts/gpu-check.sh sums these lines).
@@ -405,24 +410,25 @@ fn fits(name: &str, slot: &DeviceSlot<'_>, r: &Replacement) -> Result<(), StoreE
 
 /// Copies `bytes` bytes of device memory at `src` (this context's) to element `at` of `dev`,
 /// on the store's stream.
+/// Adds the copy of `bytes` device bytes at `src` to element `at` of `dev` to `copies`
+/// (queued together by [`ops::copy_ranges`]).
 fn put_device<T: DeviceRepr>(
     gpu: &Gpu,
     src: u64,
     bytes: usize,
     dev: &mut CudaSlice<T>,
     at: usize,
-) -> Result<(), CudaError> {
+    copies: &mut Vec<CopyRange>,
+) {
     if bytes > 0 {
-        let mut dst = dev.slice_mut(at..at + bytes / std::mem::size_of::<T>());
-        let (dst, _sync) = dst.device_ptr_mut(&gpu.stream);
-        // SAFETY: `dst` holds `bytes` bytes (the slice above); `src` is device memory of this
-        // context kept mapped by the replacement's owner, which outlives the copy (the store
-        // synchronizes before it returns the replacement).
-        unsafe {
-            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, gpu.stream.cu_stream())
-        }?;
+        let dst = dev.slice_mut(at..at + bytes / std::mem::size_of::<T>());
+        let (dst, _sync) = dst.device_ptr(&gpu.stream);
+        copies.push(CopyRange {
+            dst,
+            src,
+            bytes: bytes as u64,
+        });
     }
-    Ok(())
 }
 
 fn put<T: DeviceRepr>(
@@ -438,8 +444,14 @@ fn put<T: DeviceRepr>(
     Ok(())
 }
 
-/// Copies a checked replacement into its slot's device buffers.
-fn write_slot(gpu: &Gpu, slot: DeviceSlot<'_>, r: &Replacement) -> Result<(), CudaError> {
+/// Copies a checked replacement into its slot's device buffers: from host memory at once,
+/// from device memory by adding the copies to `copies`.
+fn write_slot(
+    gpu: &Gpu,
+    slot: DeviceSlot<'_>,
+    r: &Replacement,
+    copies: &mut Vec<CopyRange>,
+) -> Result<(), CudaError> {
     match (slot, r) {
         (DeviceSlot::Vector(v), Replacement::Vector(n)) => put(gpu, n, v, 0),
         (
@@ -516,7 +528,10 @@ fn write_slot(gpu: &Gpu, slot: DeviceSlot<'_>, r: &Replacement) -> Result<(), Cu
         ) => {
             let a = (expert * matrix.n + row0) * matrix.k;
             match &mut matrix.data {
-                WeightData::Bf16(w) => put_device(gpu, d.ptr, d.bytes, w, a),
+                WeightData::Bf16(w) => {
+                    put_device(gpu, d.ptr, d.bytes, w, a, copies);
+                    Ok(())
+                }
                 _ => unreachable!("checked by `fits`"),
             }
         }
@@ -534,8 +549,9 @@ fn write_slot(gpu: &Gpu, slot: DeviceSlot<'_>, r: &Replacement) -> Result<(), Cu
             let (data, scales) = (&q.data, &q.scales);
             match &mut matrix.data {
                 WeightData::Mxfp8 { data: d, scales: s } => {
-                    put_device(gpu, data.ptr, data.bytes, d, a)?;
-                    put_device(gpu, scales.ptr, scales.bytes, s, a / MXFP8_BLOCK)
+                    put_device(gpu, data.ptr, data.bytes, d, a, copies);
+                    put_device(gpu, scales.ptr, scales.bytes, s, a / MXFP8_BLOCK, copies);
+                    Ok(())
                 }
                 WeightData::Nvfp4 {
                     data: d,
@@ -543,8 +559,8 @@ fn write_slot(gpu: &Gpu, slot: DeviceSlot<'_>, r: &Replacement) -> Result<(), Cu
                     s_dec,
                     groups,
                 } => {
-                    put_device(gpu, data.ptr, data.bytes, d, a / 2)?;
-                    put_device(gpu, scales.ptr, scales.bytes, s, a / NVFP4_BLOCK)?;
+                    put_device(gpu, data.ptr, data.bytes, d, a / 2, copies);
+                    put_device(gpu, scales.ptr, scales.bytes, s, a / NVFP4_BLOCK, copies);
                     put(gpu, &[q.second_level], s_dec, expert * *groups + group)
                 }
                 _ => unreachable!("checked by `fits`"),
@@ -558,12 +574,12 @@ fn write_slot(gpu: &Gpu, slot: DeviceSlot<'_>, r: &Replacement) -> Result<(), Cu
             },
             Replacement::Device(d),
         ) => {
-            put_device(gpu, d.ptr, d.bytes, t, 0)?;
+            put_device(gpu, d.ptr, d.bytes, t, 0, copies);
             // Tied: lm_head is the embedding matrix.
-            match tied_head.map(|h| &mut h.data) {
-                Some(WeightData::Bf16(h)) => put_device(gpu, d.ptr, d.bytes, h, 0),
-                _ => Ok(()),
+            if let Some(WeightData::Bf16(h)) = tied_head.map(|h| &mut h.data) {
+                put_device(gpu, d.ptr, d.bytes, h, 0, copies);
             }
+            Ok(())
         }
         _ => unreachable!("checked by `fits`"),
     }

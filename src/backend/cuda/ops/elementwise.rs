@@ -245,3 +245,38 @@ pub fn moe_combine(
         ),
     )
 }
+
+/// A device-to-device copy of `bytes` bytes from `src` to `dst` (raw addresses of this
+/// context), for [`copy_ranges`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyRange {
+    pub dst: u64,
+    pub src: u64,
+    pub bytes: u64,
+}
+
+/// Blocks per range of a [`copy_ranges`] launch at most: 256 threads of 16 bytes, 4 rounds
+/// each, cover 4 MiB a round of the grid.
+const COPY_RANGE_BLOCKS: u64 = 1024;
+
+/// Queues every copy of `ranges` (disjoint, device memory that outlives the launch) as one
+/// kernel launch per 65,535 ranges, the descriptors uploaded first.
+///
+/// # Safety
+/// Every range must name `bytes` bytes of live device memory at `src` and at `dst`, and no
+/// two destinations, nor a destination and a source, may overlap.
+pub unsafe fn copy_ranges(gpu: &Gpu, ranges: &[CopyRange]) -> Result<(), CudaError> {
+    for chunk in ranges.chunks(u16::MAX as usize) {
+        let flat: Vec<u64> = chunk.iter().flat_map(|r| [r.dst, r.src, r.bytes]).collect();
+        let most = chunk.iter().map(|r| r.bytes).max().unwrap_or(0);
+        let blocks = most.div_ceil(16 * 256 * 4).clamp(1, COPY_RANGE_BLOCKS);
+        let table = gpu.upload(&flat)?;
+        gpu.launch(
+            Kernel::CopyRanges,
+            (blocks as u32, chunk.len() as u32, 1),
+            256,
+            (View::whole(&table), chunk.len() as i32),
+        )?;
+    }
+    Ok(())
+}
