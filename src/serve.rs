@@ -171,14 +171,14 @@ pub struct ServeArgs {
     /// --mem-fraction-static leaves, capped by this when given).
     #[arg(long, env = "LOCKSTEP_MAX_TOTAL_TOKENS", help_heading = "Scheduling")]
     pub max_total_tokens: Option<usize>,
-    /// Tokens computed per step (prefill chunks + decodes).
+    /// Tokens computed per step (prefill chunks + decodes; default: 2048 on the CPU, 8192 on
+    /// CUDA, SGLang's default on a GPU of an H200's memory).
     #[arg(
         long,
-        default_value_t = defaults::MAX_BATCH_TOKENS,
         env = "LOCKSTEP_CHUNKED_PREFILL_SIZE",
         help_heading = "Scheduling"
     )]
-    pub chunked_prefill_size: usize,
+    pub chunked_prefill_size: Option<usize>,
     /// KV cache block size in tokens.
     #[arg(
         long,
@@ -345,9 +345,18 @@ impl ServeArgs {
     /// `--max-running-requests`, or its default on the device (`cuda`) the engine runs on.
     pub fn running_requests(&self, cuda: bool) -> usize {
         self.max_running_requests.unwrap_or(if cuda {
-            defaults::CUDA_MAX_RUNNING_REQUESTS.min(self.chunked_prefill_size)
+            defaults::CUDA_MAX_RUNNING_REQUESTS.min(self.batch_tokens(cuda))
         } else {
             defaults::MAX_RUNNING_REQUESTS
+        })
+    }
+
+    /// `--chunked-prefill-size`, or its default on the device (`cuda`) the engine runs on.
+    pub fn batch_tokens(&self, cuda: bool) -> usize {
+        self.chunked_prefill_size.unwrap_or(if cuda {
+            defaults::CUDA_MAX_BATCH_TOKENS
+        } else {
+            defaults::MAX_BATCH_TOKENS
         })
     }
 
@@ -362,7 +371,11 @@ impl ServeArgs {
 }
 
 /// Flag combinations the engine cannot run with, reported before anything is loaded.
-fn check_sizes(args: &ServeArgs, max_running_requests: usize) -> Result<(), ServeError> {
+fn check_sizes(
+    args: &ServeArgs,
+    max_running_requests: usize,
+    batch_tokens: usize,
+) -> Result<(), ServeError> {
     let bad = |msg: String| Err(ServeError::Config(msg));
     if !(args.schedule_conservativeness >= 0.0 && args.schedule_conservativeness.is_finite()) {
         return bad(format!(
@@ -375,10 +388,9 @@ fn check_sizes(args: &ServeArgs, max_running_requests: usize) -> Result<(), Serv
             "--max-running-requests, --page-size and --max-queued-requests must be positive".into(),
         );
     }
-    if args.chunked_prefill_size < max_running_requests {
+    if batch_tokens < max_running_requests {
         return bad(format!(
-            "--chunked-prefill-size {} must be at least --max-running-requests {}: every running request decodes one token per step",
-            args.chunked_prefill_size, max_running_requests
+            "--chunked-prefill-size {batch_tokens} must be at least --max-running-requests {max_running_requests}: every running request decodes one token per step"
         ));
     }
     if let Some(t) = args.max_total_tokens.filter(|&t| t < args.page_size) {
@@ -436,7 +448,8 @@ impl Loaded {
 pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeError> {
     let cuda = resolve_device(args.device)?;
     let max_running_requests = args.running_requests(cuda);
-    check_sizes(args, max_running_requests)?;
+    let batch_tokens = args.batch_tokens(cuda);
+    check_sizes(args, max_running_requests, batch_tokens)?;
     let recipe = args.recipe.as_deref().map(Recipe::from_file).transpose()?;
     let dummy = |cfg: ModelConfig, recipe: &Recipe| -> Result<Loaded, ServeError> {
         Ok(if cuda {
@@ -602,7 +615,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
     };
     let cfg = EngineConfig {
         max_running_requests,
-        max_batch_tokens: args.chunked_prefill_size,
+        max_batch_tokens: batch_tokens,
         max_total_tokens: args.max_total_tokens.unwrap_or(defaults::MAX_TOTAL_TOKENS),
         block_size: args.page_size,
         max_context_len: context_len,

@@ -11,8 +11,12 @@ pub mod defaults {
     /// tokens, `--chunked-prefill-size`): the KV cache, through admission's reserve, is what
     /// bounds the running requests there.
     pub const CUDA_MAX_RUNNING_REQUESTS: usize = 1024;
-    /// Tokens per step (`--chunked-prefill-size`).
+    /// Tokens per step (`--chunked-prefill-size`) on the CPU backend.
     pub const MAX_BATCH_TOKENS: usize = 2048;
+    /// The same on a CUDA device: SGLang's default for a GPU of an H200's memory. Through the
+    /// server at 256 streams (512 in / 256 out, H200, 2026-12-02) 3,658 output tok/s against
+    /// 3,434 with 2048; one stream the same.
+    pub const CUDA_MAX_BATCH_TOKENS: usize = 8192;
     /// KV capacity of the CPU backend (a device sizes its cache from memory).
     pub const MAX_TOTAL_TOKENS: usize = 65536;
     /// `--max-prepared-weight-bytes` when the weights live only on the device: the bucket
