@@ -492,22 +492,21 @@ fn launch_gemm(
     };
     let (tiles, num_tiles, offsets, experts, rows_arg, grid_y) = match rows {
         GemmRows::Dense(r) => (None, None, None, 0, r, r.div_ceil(tile_rows)),
-        GemmRows::Plan(p) if wide => (
-            Some(View::whole(&p.wide_tiles)),
-            Some(View::whole(&p.num_wide_tiles)),
-            Some(View::whole(&p.offsets)),
-            p.counts.len(),
-            max_rows,
-            p.wide_tiles_launched(),
-        ),
-        GemmRows::Plan(p) => (
-            Some(View::whole(&p.tiles)),
-            Some(View::whole(&p.num_tiles)),
-            Some(View::whole(&p.offsets)),
-            p.counts.len(),
-            max_rows,
-            p.tiles_launched(),
-        ),
+        GemmRows::Plan(p) => {
+            let (list, count, launched) = if wide {
+                (&p.wide_tiles, &p.num_wide_tiles, p.wide_tiles_launched())
+            } else {
+                (&p.tiles, &p.num_tiles, p.tiles_launched())
+            };
+            (
+                Some(View::whole(list)),
+                Some(View::whole(count)),
+                Some(View::whole(&p.offsets)),
+                p.counts.len(),
+                max_rows,
+                launched,
+            )
+        }
     };
     if grid_y == 0 || n == 0 {
         return Ok(());
