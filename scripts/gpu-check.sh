@@ -215,8 +215,9 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
     sed 's/\x1b\[[0-9;]*m//g' "$logs/serve_disk_update.log" | awk '
       /in-place write: recordings dropped in/ { for (i = 1; i <= NF; i++) if ($i == "in" && $(i+1) ~ /^[0-9.]+$/) d += $(i+1) }
       /in-place write: [0-9]+ tensors/ { n++; for (i = 1; i <= NF; i++) { if ($i == "tensors,") t += $(i-1);
-        if ($i == "checked") c += $(i+2); if ($i == "queued") q += $(i+2); if ($i == "waited") w += $(i+1) } }
-      END { if (n) printf "in-place writes: %d groups, %d tensors; recordings dropped %.1f ms, checked %.1f ms, copies queued %.1f ms, waited %.1f ms for them\n", n, t, d, c, q, w }'
+        if ($i == "checked") c += $(i+2); if ($i == "writes") h += $(i+2); if ($i == "device") k += $(i-1);
+        if ($i == "queued") q += $(i+2); if ($i == "waited") w += $(i+1) } }
+      END { if (n) printf "in-place writes: %d groups, %d tensors; recordings dropped %.1f ms, checked %.1f ms, host writes %.1f ms, %d device copies queued in %.1f ms, waited %.1f ms for them\n", n, t, d, c, h, k, q, w }'
 
     grep -E "VmHWM|peak" /proc/$pid/status 2>/dev/null || true
     kill $pid 2>/dev/null; wait $pid 2>/dev/null

@@ -239,18 +239,22 @@ impl CudaWeights {
             write_slot(gpu, self.slot(loc, cfg), &r, &mut copies).map_err(device)?;
             spent.push(r);
         }
+        let written = started.elapsed();
         // SAFETY: every range is a slot's span of its device buffer (checked by `fits`; slots
         // never overlap) and a replacement's device memory, kept mapped by its owner until the
         // copies are done (the synchronize below, before the replacements are returned).
         unsafe { ops::copy_ranges(gpu, &copies) }.map_err(device)?;
         let queued = started.elapsed();
         gpu.synchronize().map_err(device)?;
-        // Where an in-place commit's pause goes (scripts/gpu-check.sh sums these lines).
+        // Where an in-place commit's pause goes (scripts/gpu-check.sh sums these lines): host
+        // tensors written and device copies listed, the copies queued, the wait for them.
         tracing::debug!(
-            "in-place write: {} tensors, checked in {:.3} ms, copies queued in {:.3} ms, waited {:.3} ms for them",
+            "in-place write: {} tensors, checked in {:.3} ms, host writes in {:.3} ms, {} device copies queued in {:.3} ms, waited {:.3} ms for them",
             spent.len(),
             checked.as_secs_f64() * 1e3,
-            (queued - checked).as_secs_f64() * 1e3,
+            (written - checked).as_secs_f64() * 1e3,
+            copies.len(),
+            (queued - written).as_secs_f64() * 1e3,
             (started.elapsed() - queued).as_secs_f64() * 1e3
         );
         Ok(spent)
