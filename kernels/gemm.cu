@@ -10,8 +10,9 @@
 // - grouped_gemm_*: CUDA cores (FFMA), any K: each element is one fmaf chain over k = 0..K-1;
 //   the only one for F32 weights (kept exact in f32).
 // - grouped_gemm_mma_*: BF16 tensor cores (mma.sync m16n8k16, FP32 accumulation), 32x128
-//   tiles (grouped_gemm_mma_wide_*: 64x128, over the routing plan's wide tiles). Activations are packed to BF16 once (pack_gemm_operand) and streamed with the raw
-//   weight bytes through shared memory; weights are decoded to BF16 in registers: exact for
+//   tiles (grouped_gemm_mma_wide_*: 64x128, over the routing plan's wide tiles). Activations
+//   are packed to BF16 once (pack_gemm_operand) and streamed with the raw weight bytes
+//   through shared memory; weights are decoded to BF16 in registers: exact for
 //   MXFP8 (E4M3 x E8M0) and NVFP4 (E2M1 x E4M3) weights and for quantized activations (the
 //   quantizers' dequantized values).
 //   Plain BF16 layers take f32 activations: each is split into two BF16 terms (hi + lo, 16
@@ -360,20 +361,21 @@ __device__ __forceinline__ int a_piece(int r, int s) { return s ^ ((r >> 1) & 3)
 #define TILE_STAGES 3 // spans in flight
 #define TM_WIDE 64    // rows per wide tile (host: ops::gemm::GEMM_WIDE_TILE_ROWS)
 
-// Grid (ceil(N / 128), tiles), 128 * WM threads: tiles of 32 * WM rows, a warp per 32 rows and
-// 32 columns (WM = 2: the routing plan's wide tiles, each expert's weights read from L2 once per
-// 64 rows instead of 32). xb is x packed by pack_gemm_operand. Requires K % 32 == 0 (the host
-// checks). Each span's packed activations and raw weight bytes are
-// copied into a ring of TILE_STAGES shared-memory stages (cp.async) while the tensor cores
-// work on an earlier one. The activations come out of shared memory as whole mma fragments
+// Grid (ceil(N / 128), tiles), 128 * WM threads: tiles of 32 * WM rows, a warp per 32 rows
+// and 32 columns (WM = 2: the routing plan's wide tiles, each expert's weights read from L2
+// once per 64 rows instead of 32). xb is x packed by pack_gemm_operand. Requires K % 32 == 0
+// (the host checks). Each span's packed activations and raw weight bytes are copied into a
+// ring of TILE_STAGES shared-memory stages (cp.async) while the tensor cores work on an
+// earlier one. The activations come out of shared memory as whole mma fragments
 // (ldmatrix over the packed order); each warp decodes its own 32 columns' weights from
 // shared memory straight into fragments (block scales read one span ahead into registers).
 // The products are the K chain's, in its order, as the few-rows kernels make them.
 template <int FMT, int WM>
-__device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_index, const float* row_scale, const void* w,
-                                 const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
-                                 const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                 float* partials, const u32* xb) {
+__device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_index, const float* row_scale,
+                                                   const void* w, const u8* w_scales, const float* w_sdec,
+                                                   int sdec_groups, const int* tiles, const int* num_tiles,
+                                                   const int* offsets, int rows, int N, int K, float* out,
+                                                   float* partials, const u32* xb) {
     int e, r0, r1;
     constexpr int TMR = 32 * WM, THREADS = 128 * WM;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TMR)) return;
@@ -392,7 +394,8 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     u64 a_src = a_live ? (row_index ? (u64)row_index[r0 + a_row] : (u64)(r0 + a_row)) : 0;
     const u8* a_base = (const u8*)(xb + a_src * (K / 2) * A_PARTS) + a_chunk * 16;
     int a_dst = 4 * a_piece(a_row, a_chunk);
-    constexpr int W_ALL = TILE_TN * W_BYTES / 16, W_CHUNKS = (W_ALL + THREADS - 1) / THREADS;  // per thread per span
+    // 16-byte weight chunks of a span: all of them, and per thread.
+    constexpr int W_ALL = TILE_TN * W_BYTES / 16, W_CHUNKS = (W_ALL + THREADS - 1) / THREADS;
     const u8* wbytes = (const u8*)w;
     u64 w_row_bytes = FMT == 1 ? (u64)K * 2 : FMT == 2 ? (u64)K : (u64)K / 2;
 
