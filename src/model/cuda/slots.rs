@@ -5,10 +5,11 @@
 
 use std::collections::BTreeMap;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 
 use super::CudaWeights;
 use crate::backend::cpu::linear::DenseWeight;
+use crate::backend::cuda::args::addr;
 use crate::backend::cuda::ops::{self, CopyRange, Table, WeightData};
 use crate::backend::cuda::weights::GpuMatrix;
 use crate::backend::cuda::{CudaError, Gpu};
@@ -420,15 +421,15 @@ fn put_device<T: DeviceRepr>(
     gpu: &Gpu,
     src: u64,
     bytes: usize,
-    dev: &mut CudaSlice<T>,
+    dev: &CudaSlice<T>,
     at: usize,
     copies: &mut Vec<CopyRange>,
 ) {
     if bytes > 0 {
-        let dst = dev.slice_mut(at..at + bytes / std::mem::size_of::<T>());
-        let (dst, _sync) = dst.device_ptr(&gpu.stream);
+        let size = std::mem::size_of::<T>();
+        assert!(at + bytes / size <= dev.len(), "a slot outside its buffer");
         copies.push(CopyRange {
-            dst,
+            dst: addr(gpu, dev) + (at * size) as u64,
             src,
             bytes: bytes as u64,
         });
