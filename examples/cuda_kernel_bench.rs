@@ -288,6 +288,7 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
         ("decode", 1, 8192, 1),
         ("decode", 64, 512, 1),
         ("decode", 256, 512, 1),
+        ("decode", 256, 768, 1),
         ("decode", 64, 4096, 1),
     ] {
         let blocks_per_seq = ctx.div_ceil(shape.block_size);

@@ -76,7 +76,7 @@ __device__ __forceinline__ float fa_merge(float total, float a, float part, floa
 // the sequence, the KV head and last_pos). The copies run ahead of the arithmetic: a tile's V
 // arrives while its scores are computed, and the next tile's K while its V is summed. The warp
 // writes DW of the head's HD / 8 output column tiles, starting at tile d0 (warps that share
-// rows split the columns; each computes the same scores).
+// rows split the columns, and the scores' key tiles, passing the scores through shared memory).
 //
 // The warp walks the chunks chunk0, chunk0 + chunk_step, ... up to last_pos. Without a split
 // (part null; then chunk0 = 0, chunk_step = 1) it merges them in order, keeping the running
@@ -94,9 +94,15 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
                           const int* table, int kvh, int kv_heads, int block_size, float scale, int d0, int chunk0,
                           int chunk_step, int max_chunks) {
     constexpr int KSTEPS = HD / 16;  // k16 steps of q.k
+    constexpr int WARPS = THREADS / 32;
+    // Decode: every warp of the block holds the same rows (and writes DW of their columns).
+    constexpr bool SHARED_ROWS = DW < HD / 8;
+    static_assert(!SHARED_ROWS || 8 % WARPS == 0, "the key tiles split evenly over the warps");
     __shared__ __align__(16) bf16_t ks[FA_KEYS][FA_LD];
     __shared__ __align__(16) bf16_t vs[FA_KEYS][FA_LD];
-    int tid = threadIdx.x, lane = tid & 31, t = lane & 3;
+    // The scores of the 8 key tiles as C fragments, [tile][lane] (shared rows only).
+    __shared__ float4 shared_s[SHARED_ROWS ? 8 * 32 : 1];
+    int tid = threadIdx.x, lane = tid & 31, t = lane & 3, warp = tid >> 5;
     u64 kv_width = (u64)kv_heads * HD;
     // One 64-key tile of K or V into shared memory (one cp.async group); keys past last_pos
     // are zero.
@@ -153,20 +159,42 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
         // S = q k^T for this warp's 16 rows x 64 keys: 8 n8 tiles. One ldmatrix gives the B
         // fragments of two k16 steps: lane (g, t) gets key j * 8 + g, columns st * 16 + 2t
         // (+ 1) and the same + 8.
-        float s[8][4];
+        auto score = [&](float* acc, int j) {
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) s[j][i] = 0.0f;
+            for (int i = 0; i < 4; i++) acc[i] = 0.0f;
 #pragma unroll
             for (int st = 0; st < KSTEPS; st += 2) {
                 u32 b[4];
                 ldmatrix_x4(&ks[j * 8 + (lane & 7)][(st + (lane >> 4)) * 16 + (lane & 8)], b);
-                fa_mma(s[j], qa_hi[st], b[0], b[1]);
-                fa_mma(s[j], qa_lo[st], b[0], b[1]);
-                fa_mma(s[j], qa_hi[st + 1], b[2], b[3]);
-                fa_mma(s[j], qa_lo[st + 1], b[2], b[3]);
+                fa_mma(acc, qa_hi[st], b[0], b[1]);
+                fa_mma(acc, qa_lo[st], b[0], b[1]);
+                fa_mma(acc, qa_hi[st + 1], b[2], b[3]);
+                fa_mma(acc, qa_lo[st + 1], b[2], b[3]);
             }
+        };
+        float s[8][4];
+        if constexpr (SHARED_ROWS) {
+            // The warps hold the same rows: each computes 8 / WARPS of the key tiles (the same
+            // MMAs, so the same bits as computing them all) and takes the rest from the others.
+#pragma unroll
+            for (int jj = 0; jj < 8 / WARPS; jj++) {
+                int j = warp * (8 / WARPS) + jj;
+                float acc[4];
+                score(acc, j);
+                shared_s[j * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            }
+            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                float4 v = shared_s[j * 32 + lane];
+                s[j][0] = v.x;
+                s[j][1] = v.y;
+                s[j][2] = v.z;
+                s[j][3] = v.w;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; j++) score(s[j], j);
         }
         // Causal mask and the online softmax; the quad (t = 0..3) shares each row.
         float mx_lo = -INFINITY, mx_hi = -INFINITY;
@@ -364,7 +392,8 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
 // Decode: one query row per sequence. Grid (rows, kv_heads * passes, splits), 4 warps: the 16
 // tile rows are the query heads sharing one KV head (GQA; a group of more than 16 heads takes
 // `passes` blocks), so each K/V row is read once per KV head; the 4 warps copy the tiles
-// together and each writes a quarter of the output columns. `rows` maps block x to the step's
+// together, each computes the scores of a quarter of a tile's keys (shared through shared
+// memory) and writes a quarter of the output columns. `rows` maps block x to the step's
 // row (null: identity). With `part` (split-KV), block z takes the chunks z, z + splits, ... and
 // stores their states at part[((x * heads + head) * max_chunks + chunk) * (HD + 2)] for
 // attention_merge; without, splits is 1 and the block writes the output.

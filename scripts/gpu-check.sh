@@ -163,7 +163,7 @@ if [ "${SERVER_BENCH:-0}" = 1 ]; then
         --dataset "$dataset" --num-prompts "$prompts" --max-concurrency "$conc" --input-len "$in" \
         --output-len "$out" --range-ratio 1 --warmup 2 2>&1 | tee -a "$logs/server_bench_$server.md" || ok=FAIL
       # The engine's step phases so far (cumulative): the host's share is 1 - forward / all.
-      curl -s localhost:30556/metrics | grep -E "^lockstep_engine_(step_seconds|step_tokens|decode_step_seconds)_(sum|count)" \
+      curl -s localhost:30556/metrics | grep -E "^lockstep_engine_((step_seconds|step_tokens|decode_step_seconds)_(sum|count)|cuda_graph_steps_total)" \
         >>"$logs/server_bench_$server.md"
     done
     kill $pid 2>/dev/null; wait $pid 2>/dev/null

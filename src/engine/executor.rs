@@ -582,7 +582,15 @@ impl CudaExecutor {
                 (config, w)
             }
         };
-        let model = CudaModel::new(gpu, config, dev_weights, sizes)?;
+        let mut model = CudaModel::new(gpu, config, dev_weights, sizes)?;
+        if sizes.graph_max_rows > 0 {
+            let started = std::time::Instant::now();
+            let recorded = model.capture_decode_graphs()?;
+            tracing::info!(
+                "captured {recorded} decode step sizes on CUDA graphs in {:.1} s",
+                started.elapsed().as_secs_f64()
+            );
+        }
         Ok(CudaExecutor {
             model: Box::new(model),
             weights_cpu_backup,

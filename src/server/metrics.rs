@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use super::AppState;
-use crate::engine::{STEP_SECONDS, STEP_TOKENS};
+use crate::engine::{DECODE_STEP_SECONDS, STEP_SECONDS, STEP_TOKENS};
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -33,6 +33,8 @@ pub fn handle() -> &'static PrometheusHandle {
         // A full-name matcher is applied before a suffix one.
         let recorder = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Full(STEP_SECONDS.into()), STEP_BUCKETS)
+            .expect("valid buckets")
+            .set_buckets_for_metric(Matcher::Full(DECODE_STEP_SECONDS.into()), STEP_BUCKETS)
             .expect("valid buckets")
             .set_buckets_for_metric(Matcher::Full(STEP_TOKENS.into()), TOKEN_BUCKETS)
             .expect("valid buckets")

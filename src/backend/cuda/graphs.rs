@@ -1,13 +1,17 @@
 //! Decode steps on CUDA graphs: the launches of a step's layers (every kernel from the
 //! embedding to the last layer's output) recorded once per row count and replayed, so a step
-//! costs one graph launch instead of a thousand kernel launches.
+//! costs one graph launch instead of a thousand kernel launches. A server records every row
+//! count at start-up (`CudaModel::capture_decode_graphs`); a row count without a recording
+//! (after the weights moved) runs eagerly once and is recorded on its second run.
 //!
 //! A recording holds the addresses of every buffer it touches: the weights, the KV cache, the
 //! step buffers, the metadata buffers and the GEMM scratch. The metadata a step changes (its
 //! tokens, positions, KV slots, block tables) is written into the fixed metadata buffers before
 //! the replay, so the same recording serves every step of its row count. Whatever moves a
 //! buffer drops the recordings: the owner calls [`StepGraphs::clear`] when the weights or the
-//! KV cache are replaced, released or resumed, and a grown GEMM scratch is seen here.
+//! KV cache are replaced, released or resumed (not when an update writes the weights in
+//! place), and a grown GEMM scratch is seen here (it is sized for the largest step up front,
+//! so only an oversized test launch grows it).
 //!
 //! A replay queues exactly the launches the eager run queues, with the same arguments, so its
 //! bits are the eager run's (tests/cuda_generate.rs compares rollouts on graphs with eager
@@ -19,6 +23,11 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
 
 use super::{Cuda, CudaError};
+
+/// Decode steps by how they ran (label `mode`): `replay` (a recording), `record` (run while
+/// recording), `eager` (launch by launch: a row count's first run, or one whose recording
+/// failed). Served at `/metrics` (docs/api.md).
+pub const GRAPH_STEPS: &str = "lockstep_engine_cuda_graph_steps_total";
 
 /// Row counts a decode step is padded to so that a few recordings serve every batch: SGLang's
 /// capture sizes up to 256 (1, 2, 4, 8, then every 8 to 128, every 16 to 192, then 224, 256).
@@ -76,11 +85,15 @@ impl StepGraphs {
             self.scratch = generation;
         }
         if let Some(graph) = self.graphs.get(&rows) {
+            metrics::counter!(GRAPH_STEPS, "mode" => "replay").increment(1);
             return Ok(graph.launch()?);
         }
         if self.refused.contains(&rows) || self.warmed.insert(rows) {
+            metrics::counter!(GRAPH_STEPS, "mode" => "eager").increment(1);
             return layers(cuda);
         }
+        metrics::counter!(GRAPH_STEPS, "mode" => "record").increment(1);
+        let started = std::time::Instant::now();
         let stream = cuda.gpu.stream.clone();
         // Thread-local: the loader and IPC threads keep allocating on their own streams.
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
@@ -91,7 +104,10 @@ impl StepGraphs {
             (Ok(()), Ok(Some(graph))) if same_scratch => {
                 graph.launch()?;
                 self.graphs.insert(rows, graph);
-                tracing::debug!("recorded the decode step of {rows} rows on a CUDA graph");
+                tracing::debug!(
+                    "recorded the decode step of {rows} rows on a CUDA graph in {:.1} ms",
+                    started.elapsed().as_secs_f64() * 1e3
+                );
                 Ok(())
             }
             (queued, captured) => {

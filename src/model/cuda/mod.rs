@@ -18,7 +18,7 @@ use super::{
 use crate::backend::cpu::linear::DenseWeight;
 pub use crate::backend::cuda::backend::{Cuda, CudaSizes};
 use crate::backend::cuda::backend::{CudaExperts, CudaKv, CudaSwiGlu, ModelShape};
-use crate::backend::cuda::graphs::padded_rows;
+use crate::backend::cuda::graphs::{padded_rows, GRAPH_ROWS};
 use crate::backend::cuda::ops::Table;
 use crate::backend::cuda::weights::GpuMatrix;
 use crate::backend::cuda::{CudaError, Gpu};
@@ -142,13 +142,9 @@ impl WeightStore for CudaModel {
         &mut self,
         updates: Vec<(String, Replacement)>,
     ) -> Result<Vec<Replacement>, StoreError> {
-        // Written in place, but a slot may be reallocated: record the steps again.
-        let started = std::time::Instant::now();
-        self.backend.clear_graphs();
-        tracing::debug!(
-            "in-place write: recordings dropped in {:.3} ms",
-            started.elapsed().as_secs_f64() * 1e3
-        );
+        // Written into the buffers the weights live in, which do not move: the recorded decode
+        // steps read the new values (kernels read every weight, scale and S_dec from device
+        // memory; none is a launch argument).
         let (gpu, weights) = (&self.backend.gpu, &mut self.weights);
         weights.write_replacements(gpu, &self.config, updates)
     }
@@ -476,6 +472,40 @@ impl CudaModel {
         self.run(batch, opts)
     }
 
+    /// The largest decode step run on a CUDA graph (0: none).
+    fn graph_max_rows(&self) -> usize {
+        let sizes = &self.backend.sizes;
+        sizes
+            .graph_max_rows
+            .min(sizes.max_running_requests)
+            .min(sizes.max_batch_tokens)
+    }
+
+    /// Records the decode step of every row count of [`GRAPH_ROWS`] up to the largest a step
+    /// runs on a graph, as SGLang captures its graphs at start-up: so serving never runs a step
+    /// launch by launch, nor stops to record one. Each is a step of padding rows (the padding
+    /// block, whose contents nobody reads), run once eagerly, then recorded. Returns the row
+    /// counts recorded.
+    pub fn capture_decode_graphs(&mut self) -> Result<usize, CudaError> {
+        let padding_table = [self.kv.padding_block()];
+        let padding = SeqInput {
+            tokens: &[0],
+            start_pos: 0,
+            block_table: &padding_table,
+            logits_from: None,
+        };
+        let max_rows = self.graph_max_rows();
+        for &rows in GRAPH_ROWS.iter().filter(|&&r| r <= max_rows) {
+            let batch = ForwardBatch {
+                seqs: vec![padding; rows],
+            };
+            for _ in 0..2 {
+                self.forward(&batch)?;
+            }
+        }
+        Ok(self.backend.recorded_steps())
+    }
+
     /// The one forward on this device's weights, KV cache and step buffers. A decode step
     /// (one row per sequence, no trace, no replayed routing) is padded with one-row sequences
     /// in the padding block to a row count of [`GRAPH_ROWS`] and runs on a CUDA graph
@@ -486,11 +516,7 @@ impl CudaModel {
         batch: &ForwardBatch<'_>,
         mut opts: ForwardOptions<'_, '_>,
     ) -> Result<(ForwardOutput, Sampled), CudaError> {
-        let sizes = &self.backend.sizes;
-        let max_rows = sizes
-            .graph_max_rows
-            .min(sizes.max_running_requests)
-            .min(sizes.max_batch_tokens);
+        let max_rows = self.graph_max_rows();
         let decode = !batch.seqs.is_empty() && batch.seqs.iter().all(|s| s.tokens.len() == 1);
         let padded = (decode && opts.trace.is_none() && opts.routing.is_none())
             .then(|| padded_rows(batch.seqs.len(), max_rows))

@@ -69,6 +69,39 @@ pub struct GemmScratch {
     pub generation: u64,
 }
 
+/// Sizes the GEMM scratch for the largest step up front, so that no later launch grows it (a
+/// grown buffer moves, and the recorded decode steps that hold its address are dropped):
+/// `operand_words` packed activation words (every row a launch packs: `rows * k` for split
+/// BF16 weights, half that otherwise) and the split-K sums of launches up to `rows` output rows
+/// of up to `n` columns over up to `k` inputs, at most [`SPLIT_K_MAX_PARTIALS`].
+pub fn reserve_gemm_scratch(
+    gpu: &Gpu,
+    operand_words: usize,
+    rows: usize,
+    n: usize,
+    k: usize,
+) -> Result<(), CudaError> {
+    let partials = SPLIT_K_MAX_PARTIALS.min(k.div_ceil(K_SEGMENT) * rows * n);
+    let mut guard = gpu
+        .gemm_scratch
+        .lock()
+        .map_err(|_| CudaError::Capacity("the GEMM scratch lock is poisoned".into()))?;
+    let scratch = &mut *guard;
+    grown(
+        gpu,
+        &mut scratch.operand,
+        &mut scratch.generation,
+        operand_words,
+    )?;
+    grown(
+        gpu,
+        &mut scratch.partials,
+        &mut scratch.generation,
+        partials,
+    )?;
+    Ok(())
+}
+
 /// `buf`, grown to hold at least `len` elements (a move counted in `generation`).
 fn grown<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     gpu: &Gpu,
