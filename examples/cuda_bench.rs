@@ -4,7 +4,11 @@
 //!
 //! cargo run --release --example cuda_bench -- configs/qwen3-30b-a3b.json \
 //!     [--formats bf16,mxfp8,nvfp4] [--batches 1,8,64,256] [--prompt 512] [--steps 256]
-//!     [--prefill 8x2048] [--layers N] [--mem-fraction 0.9]
+//!     [--prefill 8x2048] [--layers N] [--mem-fraction 0.9] [--feed-sampled true]
+//!
+//! `--feed-sampled true` feeds each decode step the tokens the step before sampled, as serving
+//! does (by default every step decodes the same tokens). Each decode row is followed by the
+//! experts its last step touched per MoE layer, against uniform routing's expectation.
 //!
 //! `--mem-fraction` is the device memory the model and its KV cache take (default 0.9, as
 //! `--mem-fraction-static`): a small one leaves ncu room to save and restore memory when it
@@ -32,6 +36,9 @@ struct Args {
     prefill: (usize, usize),
     layers: Option<usize>,
     mem_fraction: f32,
+    /// Each decode step's inputs are the tokens the last one sampled (as in serving), not the
+    /// same tokens every step.
+    feed_sampled: bool,
 }
 
 fn parse() -> Args {
@@ -45,6 +52,7 @@ fn parse() -> Args {
         prefill: (8, 2048),
         layers: None,
         mem_fraction: 0.9,
+        feed_sampled: false,
     };
     while let Some(flag) = it.next() {
         let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
@@ -55,6 +63,7 @@ fn parse() -> Args {
             "--steps" => a.steps = v.parse().expect("steps"),
             "--layers" => a.layers = Some(v.parse().expect("layers")),
             "--mem-fraction" => a.mem_fraction = v.parse().expect("mem-fraction"),
+            "--feed-sampled" => a.feed_sampled = v.parse().expect("--feed-sampled true|false"),
             "--prefill" => {
                 let (n, len) = v.split_once('x').expect("--prefill NxLEN");
                 a.prefill = (n.parse().expect("N"), len.parse().expect("LEN"));
@@ -192,7 +201,7 @@ fn main() {
                 };
                 model.forward(&batch).expect("prompt");
             }
-            let ids: Vec<[u32; 1]> = (0..b).map(|s| [token(s)]).collect();
+            let mut ids: Vec<[u32; 1]> = (0..b).map(|s| [token(s)]).collect();
             let params = SamplingParams {
                 temperature: 0.0,
                 ..Default::default()
@@ -200,7 +209,7 @@ fn main() {
             .validate(&Default::default())
             .expect("greedy params");
             let history = TokenHistory::new(&prompt);
-            let step = |model: &mut CudaModel, i: usize| {
+            let step = |model: &mut CudaModel, i: usize, ids: &mut Vec<[u32; 1]>| {
                 let batch = ForwardBatch {
                     seqs: (0..b)
                         .map(|s| SeqInput {
@@ -224,16 +233,28 @@ fn main() {
                         })
                     })
                     .collect();
-                let (_, sampled) = model.forward_and_sample(&batch, &greedy).expect("decode");
-                assert!(sampled.iter().all(|t| matches!(t, Some(Ok(_)))));
+                let (out, sampled) = model.forward_and_sample(&batch, &greedy).expect("decode");
+                let next: Vec<[u32; 1]> = sampled
+                    .iter()
+                    .map(|t| match t {
+                        Some(Ok(t)) => [t.token],
+                        other => panic!("not sampled: {other:?}"),
+                    })
+                    .collect();
+                drop(batch);
+                if a.feed_sampled {
+                    *ids = next;
+                }
+                out.routed_experts
             };
             // Two warm-up steps: the first runs launch by launch, the second records the
             // step on a CUDA graph (backend/cuda/graphs.rs); the timed steps replay it.
-            step(&mut model, 0);
-            step(&mut model, 1);
+            step(&mut model, 0, &mut ids);
+            step(&mut model, 1, &mut ids);
+            let mut routed = Vec::new();
             let t = Instant::now();
             for i in 2..a.steps {
-                step(&mut model, i);
+                routed = step(&mut model, i, &mut ids);
             }
             let s = t.elapsed().as_secs_f64() / (a.steps - 2).max(1) as f64;
             let bytes = decode_bytes(&cfg, expert_format, b, a.prompt + a.steps / 2);
@@ -247,6 +268,26 @@ fn main() {
                 bytes / 1e9,
                 roof * 1e3,
                 100.0 * roof / s
+            );
+            let moe = cfg.moe.as_ref().expect("an MoE config");
+            let layers = cfg.num_moe_layers();
+            let mut touched = 0;
+            for l in 0..layers {
+                let mut seen = vec![false; moe.num_experts];
+                for r in 0..b {
+                    let at = (r * layers + l) * moe.top_k;
+                    for &e in &routed[at..at + moe.top_k] {
+                        seen[e as usize] = true;
+                    }
+                }
+                touched += seen.iter().filter(|&&x| x).count();
+            }
+            let e = moe.num_experts as f64;
+            println!(
+                "|   | experts touched per MoE layer (last step) | {b} | {:.1} of {} (uniform routing: {:.1}) | | | | |",
+                touched as f64 / layers.max(1) as f64,
+                moe.num_experts,
+                e * (1.0 - (1.0 - moe.top_k as f64 / e).powi(b as i32))
             );
         }
     }

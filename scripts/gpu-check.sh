@@ -107,6 +107,12 @@ if [ -x "$bin/cuda_bench_before" ]; then
   "$bin"/cuda_bench_before "${bench_args[@]}" 2>&1 | tee "$logs/bench_before.md" \
     && record "cuda_bench_before (previous code)" "done (bench_before.md)" || record "cuda_bench_before" "FAIL"
 fi
+# BENCH_ALT_ARGS="...": the step benchmark once more with these arguments (bench_alt.md).
+if [ -n "${BENCH_ALT_ARGS:-}" ]; then
+  read -r -a alt_args <<<"$BENCH_ALT_ARGS"
+  "$bin"/cuda_bench "${alt_args[@]}" 2>&1 | tee "$logs/bench_alt.md" \
+    && record "cuda_bench ${alt_args[*]}" "done (bench_alt.md)" || record "cuda_bench ${alt_args[*]}" "FAIL"
+fi
 # BENCH_WIDE_OFF=1: the step benchmark again on 32-row GEMM tiles only (LOCKSTEP_WIDE_TILES=0).
 if [ "${BENCH_WIDE_OFF:-0}" = 1 ]; then
   LOCKSTEP_WIDE_TILES=0 "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_wide_off.md" \
@@ -210,14 +216,13 @@ if [ "${DISK_UPDATE_BENCH:-0}" = 1 ]; then
     # The server's side of each bucket: waiting for the session, building the slots, writing.
     grep -o "bucket of .*" "$logs/serve_disk_update.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -n 32
     grep -oE "(in-place commit|read-back of|weights committed).*" "$logs/serve_disk_update.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -n 6
-    # The in-place writes of every commit, summed: recordings dropped, copies checked, queued
-    # and waited for (the store's debug lines).
+    # The in-place writes of every commit, summed: tensors checked, host writes, device copies
+    # queued and waited for (the store's debug lines).
     sed 's/\x1b\[[0-9;]*m//g' "$logs/serve_disk_update.log" | awk '
-      /in-place write: recordings dropped in/ { for (i = 1; i <= NF; i++) if ($i == "in" && $(i+1) ~ /^[0-9.]+$/) d += $(i+1) }
       /in-place write: [0-9]+ tensors/ { n++; for (i = 1; i <= NF; i++) { if ($i == "tensors,") t += $(i-1);
         if ($i == "checked") c += $(i+2); if ($i == "writes") h += $(i+2); if ($i == "device") k += $(i-1);
         if ($i == "queued") q += $(i+2); if ($i == "waited") w += $(i+1) } }
-      END { if (n) printf "in-place writes: %d groups, %d tensors; recordings dropped %.1f ms, checked %.1f ms, host writes %.1f ms, %d device copies queued in %.1f ms, waited %.1f ms for them\n", n, t, d, c, h, k, q, w }'
+      END { if (n) printf "in-place writes: %d groups, %d tensors; checked %.1f ms, host writes %.1f ms, %d device copies queued in %.1f ms, waited %.1f ms for them\n", n, t, c, h, k, q, w }'
 
     grep -E "VmHWM|peak" /proc/$pid/status 2>/dev/null || true
     kill $pid 2>/dev/null; wait $pid 2>/dev/null
