@@ -14,6 +14,10 @@
 //! `--mem-fraction-static`): a small one leaves ncu room to save and restore memory when it
 //! replays a kernel for several sections.
 //!
+//! Every sequence has a prompt of its own, so decode rows route like serving's (each decode row
+//! is followed by the experts its last step touched per MoE layer, against uniform routing's
+//! count, which the roofline assumes).
+//!
 //! Times are host clocks around whole forward passes after a warm-up pass: prefill ends with
 //! the last logits row copied to the host, decode with greedy sampling on the device (only the
 //! token comes back), as in serving. Prints one table row per measurement.
@@ -184,15 +188,20 @@ fn main() {
         );
 
         for &b in &a.batches {
-            // Prompts first (not timed), then `steps` decode steps of all b sequences.
-            let prompt: Vec<u32> = (0..a.prompt).map(token).collect();
+            // Prompts first (not timed), then `steps` decode steps of all b sequences. Each
+            // sequence has a prompt of its own, as in serving: with one shared prompt the rows'
+            // hidden states are alike and route to a few experts (cuda_bench before 2026-12-02
+            // shared one; its decode rows read a fraction of the expert bytes they claimed).
+            let prompts: Vec<Vec<u32>> = (0..b)
+                .map(|s| (0..a.prompt).map(|i| token(1 + s * a.prompt + i)).collect())
+                .collect();
             let per_step = (8192 / a.prompt).max(1);
             for group in (0..b).collect::<Vec<_>>().chunks(per_step) {
                 let batch = ForwardBatch {
                     seqs: group
                         .iter()
                         .map(|&s| SeqInput {
-                            tokens: &prompt,
+                            tokens: &prompts[s],
                             start_pos: 0,
                             block_table: &tables[s],
                             logits_from: Some(a.prompt - 1),
@@ -208,7 +217,8 @@ fn main() {
             }
             .validate(&Default::default())
             .expect("greedy params");
-            let history = TokenHistory::new(&prompt);
+            let histories: Vec<TokenHistory> =
+                prompts.iter().map(|p| TokenHistory::new(p)).collect();
             let step = |model: &mut CudaModel, i: usize, ids: &mut Vec<[u32; 1]>| {
                 let batch = ForwardBatch {
                     seqs: (0..b)
@@ -222,10 +232,10 @@ fn main() {
                 };
                 // Sampled on the device, as in serving: only the token comes back.
                 let greedy: Vec<Option<SampleInput<'_>>> = (0..b)
-                    .map(|_| {
+                    .map(|s| {
                         Some(SampleInput {
                             params: &params,
-                            history: &history,
+                            history: &histories[s],
                             eos_token_ids: &[],
                             seed: 0,
                             sample_index: 0,

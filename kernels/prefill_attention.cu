@@ -18,7 +18,8 @@
 // the batches too small to fill the GPU) and merged by attention_merge, with the bits of a
 // block that walks them all, as prefill does.
 //
-// Needs head_dim 32, 64 or 128 (the host checks; other shapes use paged_attention for every row).
+// Needs head_dim 32, 64 or 128 and a power-of-two block size (the host checks; other shapes use
+// paged_attention for every row).
 
 #define FA_ROWS 64
 #define FA_KEYS 64
@@ -89,7 +90,11 @@ __device__ __forceinline__ float fa_merge(float total, float a, float part, floa
 // the row's own position, change nothing (a tile, or a chunk, of keys all past a row's position
 // leaves its state exactly as it was), so prefill chunks and decode rows give the same bits
 // (docs/determinism.md).
-template <int HD, int THREADS, int DW>
+//
+// HI false: the warp's rows g + 8 are never rows (a decode block of at most 8 query heads), so
+// their arithmetic is left out; the rows g compute what they compute with it (an MMA's rows are
+// independent, and the absent rows' q and p terms are the zeros they would be).
+template <int HD, int THREADS, int DW, bool HI = true>
 __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
                           const int* table, int kvh, int kv_heads, int block_size, float scale, int d0, int chunk0,
                           int chunk_step, int max_chunks) {
@@ -101,9 +106,11 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
     __shared__ __align__(16) bf16_t ks[FA_KEYS][FA_LD];
     __shared__ __align__(16) bf16_t vs[FA_KEYS][FA_LD];
     // The scores of the 8 key tiles as C fragments, [tile][lane] (shared rows only).
-    __shared__ float4 shared_s[SHARED_ROWS ? 8 * 32 : 1];
+    __shared__ __align__(16) float shared_s[SHARED_ROWS ? 8 * 32 * 4 : 1];
     int tid = threadIdx.x, lane = tid & 31, t = lane & 3, warp = tid >> 5;
     u64 kv_width = (u64)kv_heads * HD;
+    // The block size is a power of two (the host checks): a key's block by shifts.
+    int block_shift = __ffs(block_size) - 1;
     // One 64-key tile of K or V into shared memory (one cp.async group); keys past last_pos
     // are zero.
     auto copy_tile = [&](bf16_t (*dst)[FA_LD], const bf16_t* cache, int k0) {
@@ -113,9 +120,10 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
             int key = c / CHUNKS, part = (c % CHUNKS) * 8, kpos = k0 + key;
             bool live = kpos <= last_pos;
             const bf16_t* src = cache;
-            if (live)
-                src += ((u64)table[kpos / block_size] * block_size + kpos % block_size) * kv_width + (u64)kvh * HD +
-                       part;
+            if (live) {
+                src += (((u64)table[kpos >> block_shift] << block_shift) + (kpos & (block_size - 1))) * kv_width +
+                       (u64)kvh * HD + part;
+            }
             cp_async16(&dst[key][part], src, live);
         }
         cp_async_commit();
@@ -127,7 +135,7 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
     for (int s = 0; s < KSTEPS; s++) {
         int c0 = s * 16 + 2 * t, c1 = c0 + 8;
         auto ql = [&](int c) { return r.live_lo ? __fmul_rn(r.q_lo[c], scale) : 0.0f; };
-        auto qh = [&](int c) { return r.live_hi ? __fmul_rn(r.q_hi[c], scale) : 0.0f; };
+        auto qh = [&](int c) { return HI && r.live_hi ? __fmul_rn(r.q_hi[c], scale) : 0.0f; };
         fa_split(ql(c0), ql(c0 + 1), qa_hi[s][0], qa_lo[s][0]);
         fa_split(qh(c0), qh(c0 + 1), qa_hi[s][1], qa_lo[s][1]);
         fa_split(ql(c1), ql(c1 + 1), qa_hi[s][2], qa_lo[s][2]);
@@ -181,16 +189,26 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
                 int j = warp * (8 / WARPS) + jj;
                 float acc[4];
                 score(acc, j);
-                shared_s[j * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                if constexpr (HI)
+                    reinterpret_cast<float4*>(shared_s)[j * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                else
+                    reinterpret_cast<float2*>(shared_s)[j * 32 + lane] = make_float2(acc[0], acc[1]);
             }
             __syncthreads();
 #pragma unroll
             for (int j = 0; j < 8; j++) {
-                float4 v = shared_s[j * 32 + lane];
-                s[j][0] = v.x;
-                s[j][1] = v.y;
-                s[j][2] = v.z;
-                s[j][3] = v.w;
+                if constexpr (HI) {
+                    float4 v = reinterpret_cast<const float4*>(shared_s)[j * 32 + lane];
+                    s[j][0] = v.x;
+                    s[j][1] = v.y;
+                    s[j][2] = v.z;
+                    s[j][3] = v.w;
+                } else {
+                    float2 v = reinterpret_cast<const float2*>(shared_s)[j * 32 + lane];
+                    s[j][0] = v.x;
+                    s[j][1] = v.y;
+                    s[j][2] = s[j][3] = -INFINITY;
+                }
             }
         } else {
 #pragma unroll
@@ -204,14 +222,16 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
             for (int i = 0; i < 2; i++) {
                 int key = k0 + j * 8 + 2 * t + i;
                 if (!r.live_lo || key > r.p_lo) s[j][i] = -INFINITY;
-                if (!r.live_hi || key > r.p_hi) s[j][2 + i] = -INFINITY;
                 mx_lo = fmaxf(mx_lo, s[j][i]);
-                mx_hi = fmaxf(mx_hi, s[j][2 + i]);
+                if constexpr (HI) {
+                    if (!r.live_hi || key > r.p_hi) s[j][2 + i] = -INFINITY;
+                    mx_hi = fmaxf(mx_hi, s[j][2 + i]);
+                }
             }
 #pragma unroll
         for (int off = 1; off < 4; off <<= 1) {
             mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
-            mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
+            if constexpr (HI) mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
         }
         float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
         // A fully masked row so far keeps m = -inf: use 0 as the reference to avoid inf - inf.
@@ -223,14 +243,16 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 s[j][i] = expf(__fsub_rn(s[j][i], ref_lo));
-                s[j][2 + i] = expf(__fsub_rn(s[j][2 + i], ref_hi));
                 sum_lo = __fadd_rn(sum_lo, s[j][i]);
-                sum_hi = __fadd_rn(sum_hi, s[j][2 + i]);
+                if constexpr (HI) {
+                    s[j][2 + i] = expf(__fsub_rn(s[j][2 + i], ref_hi));
+                    sum_hi = __fadd_rn(sum_hi, s[j][2 + i]);
+                }
             }
 #pragma unroll
         for (int off = 1; off < 4; off <<= 1) {
             sum_lo = __fadd_rn(sum_lo, __shfl_xor_sync(0xffffffffu, sum_lo, off));
-            sum_hi = __fadd_rn(sum_hi, __shfl_xor_sync(0xffffffffu, sum_hi, off));
+            if constexpr (HI) sum_hi = __fadd_rn(sum_hi, __shfl_xor_sync(0xffffffffu, sum_hi, off));
         }
         l_lo = __fmaf_rn(l_lo, c_lo, sum_lo);
         l_hi = __fmaf_rn(l_hi, c_hi, sum_hi);
@@ -245,8 +267,10 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
         for (int d = 0; d < DW; d++) {
             o[d][0] = __fmul_rn(o[d][0], c_lo);
             o[d][1] = __fmul_rn(o[d][1], c_lo);
-            o[d][2] = __fmul_rn(o[d][2], c_hi);
-            o[d][3] = __fmul_rn(o[d][3], c_hi);
+            if constexpr (HI) {
+                o[d][2] = __fmul_rn(o[d][2], c_hi);
+                o[d][3] = __fmul_rn(o[d][3], c_hi);
+            }
         }
         // O += P V: the S accumulators of key tiles (2kk, 2kk + 1) are the A fragment of the
         // k16 step kk; V's B fragment pairs keys (2t, 2t + 1) and (2t + 8, 2t + 9) at column g.
@@ -254,9 +278,27 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
         for (int kk = 0; kk < 4; kk++) {
             u32 p_hi[4], p_lo[4];
             fa_split(s[2 * kk][0], s[2 * kk][1], p_hi[0], p_lo[0]);
-            fa_split(s[2 * kk][2], s[2 * kk][3], p_hi[1], p_lo[1]);
             fa_split(s[2 * kk + 1][0], s[2 * kk + 1][1], p_hi[2], p_lo[2]);
-            fa_split(s[2 * kk + 1][2], s[2 * kk + 1][3], p_hi[3], p_lo[3]);
+            if constexpr (HI) {
+                fa_split(s[2 * kk][2], s[2 * kk][3], p_hi[1], p_lo[1]);
+                fa_split(s[2 * kk + 1][2], s[2 * kk + 1][3], p_hi[3], p_lo[3]);
+            } else {
+                p_hi[1] = p_lo[1] = p_hi[3] = p_lo[3] = 0u;
+            }
+            // acc += p_hi v, then += p_lo v. Without rows g + 8 their accumulators start from zero
+            // each time and are dropped (they stay zero), so they take no registers across tiles.
+            auto pv = [&](float* acc, const u32* ph, const u32* pl, u32 b0, u32 b1) {
+                if constexpr (HI) {
+                    fa_mma(acc, ph, b0, b1);
+                    fa_mma(acc, pl, b0, b1);
+                } else {
+                    float c[4] = {acc[0], acc[1], 0.0f, 0.0f};
+                    fa_mma(c, ph, b0, b1);
+                    fa_mma(c, pl, b0, b1);
+                    acc[0] = c[0];
+                    acc[1] = c[1];
+                }
+            };
             // Transposed ldmatrix: lane (g, t) gets keys kk * 16 + 2t (+ 1) and + 8 (+ 9) of
             // column g of an 8-column tile; two tiles a load (one where DW is odd).
             int v_key = kk * 16 + (lane & 15);
@@ -265,18 +307,15 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
                 for (int d = 0; d < DW; d += 2) {
                     u32 b[4];
                     ldmatrix_x4_trans(&vs[v_key][(d0 + d + (lane >> 4)) * 8], b);
-                    fa_mma(o[d], p_hi, b[0], b[1]);
-                    fa_mma(o[d], p_lo, b[0], b[1]);
-                    fa_mma(o[d + 1], p_hi, b[2], b[3]);
-                    fa_mma(o[d + 1], p_lo, b[2], b[3]);
+                    pv(o[d], p_hi, p_lo, b[0], b[1]);
+                    pv(o[d + 1], p_hi, p_lo, b[2], b[3]);
                 }
             } else {
 #pragma unroll
                 for (int d = 0; d < DW; d++) {
                     u32 b[2];
                     ldmatrix_x2_trans(&vs[v_key][(d0 + d) * 8], b);
-                    fa_mma(o[d], p_hi, b[0], b[1]);
-                    fa_mma(o[d], p_lo, b[0], b[1]);
+                    pv(o[d], p_hi, p_lo, b[0], b[1]);
                 }
             }
         }
@@ -298,7 +337,7 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
                             pl[col] = o[d][0];
                             pl[col + 1] = o[d][1];
                         }
-                        if (r.live_hi) {
+                        if (HI && r.live_hi) {
                             ph[col] = o[d][2];
                             ph[col + 1] = o[d][3];
                         }
@@ -308,7 +347,7 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
                             pl[HD] = m_lo;
                             pl[HD + 1] = l_lo;
                         }
-                        if (r.live_hi) {
+                        if (HI && r.live_hi) {
                             ph[HD] = m_hi;
                             ph[HD + 1] = l_hi;
                         }
@@ -341,7 +380,7 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
                             float v = first_chunk ? o[d][j] : fa_merge(r.out_lo[col], a_lo, o[d][j], b_lo);
                             r.out_lo[col] = more ? v : __fmul_rn(v, inv_lo);
                         }
-                        if (r.live_hi) {
+                        if (HI && r.live_hi) {
                             float v = first_chunk ? o[d][2 + j] : fa_merge(r.out_hi[col], a_hi, o[d][2 + j], b_hi);
                             r.out_hi[col] = more ? v : __fmul_rn(v, inv_hi);
                         }
@@ -397,7 +436,7 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
 // row (null: identity). With `part` (split-KV), block z takes the chunks z, z + splits, ... and
 // stores their states at part[((x * heads + head) * max_chunks + chunk) * (HD + 2)] for
 // attention_merge; without, splits is 1 and the block writes the output.
-template <int HD>
+template <int HD, bool HI>
 __device__ void decode_attention(const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache,
                                  const int* row_pos, const int* row_seq, const int* table_offsets,
                                  const int* block_tables, const int* rows, int heads, int kv_heads, int block_size,
@@ -427,7 +466,7 @@ __device__ void decode_attention(const float* q, float* out, const bf16_t* k_cac
         r.part_hi = part + ((u64)blockIdx.x * heads + head_hi) * max_chunks * (HD + 2);
     }
     constexpr int DW = HD / 8 / DECODE_WARPS;
-    fa_attend<HD, 32 * DECODE_WARPS, DW>(r, pos, k_cache, v_cache, block_tables + table_offsets[row_seq[row]], kvh,
+    fa_attend<HD, 32 * DECODE_WARPS, DW, HI>(r, pos, k_cache, v_cache, block_tables + table_offsets[row_seq[row]], kvh,
                                          kv_heads, block_size, scale, warp * DW, blockIdx.z, gridDim.z, max_chunks);
 }
 
@@ -453,7 +492,7 @@ __device__ void attention_merge(const float* part, float* out, const int* row_po
     out[((u64)row * heads + h) * HD + d] = __fmul_rn(O, inv);
 }
 
-#define ATTENTION_KERNELS(PREFILL, DECODE, MERGE, HD)                                                                        \
+#define ATTENTION_KERNELS(PREFILL, DECODE, DECODE_G8, MERGE, HD)                                                                        \
     extern "C" __global__ void PREFILL(                                                                               \
         const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,                 \
         const int* row_seq, const int* table_offsets, const int* block_tables, const int* tiles, int heads,           \
@@ -466,14 +505,22 @@ __device__ void attention_merge(const float* part, float* out, const int* row_po
         const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,                 \
         const int* row_seq, const int* table_offsets, const int* block_tables, const int* rows, int heads,            \
         int kv_heads, int block_size, float scale, float* part, int max_chunks) { pdl_entry();                                     \
-        decode_attention<HD>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, rows, heads,    \
-                             kv_heads, block_size, scale, part, max_chunks);                                          \
+        decode_attention<HD, true>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, rows,     \
+                                   heads, kv_heads, block_size, scale, part, max_chunks);                             \
+    }                                                                                                                 \
+    /* at most 8 query heads a KV head: the tile rows g + 8 are never rows */                                        \
+    extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS, 4) DECODE_G8(                                     \
+        const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,                 \
+        const int* row_seq, const int* table_offsets, const int* block_tables, const int* rows, int heads,            \
+        int kv_heads, int block_size, float scale, float* part, int max_chunks) { pdl_entry();                                     \
+        decode_attention<HD, false>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, rows,    \
+                                    heads, kv_heads, block_size, scale, part, max_chunks);                            \
     }                                                                                                                 \
     extern "C" __global__ void MERGE(const float* part, float* out, const int* row_pos, const int* rows, int heads,   \
                                      int max_chunks) { pdl_entry();                                                                \
         attention_merge<HD>(part, out, row_pos, rows, heads, max_chunks);                                             \
     }
 
-ATTENTION_KERNELS(prefill_attention_hd32, decode_attention_hd32, attention_merge_hd32, 32)
-ATTENTION_KERNELS(prefill_attention_hd64, decode_attention_hd64, attention_merge_hd64, 64)
-ATTENTION_KERNELS(prefill_attention_hd128, decode_attention_hd128, attention_merge_hd128, 128)
+ATTENTION_KERNELS(prefill_attention_hd32, decode_attention_hd32, decode_attention_g8_hd32, attention_merge_hd32, 32)
+ATTENTION_KERNELS(prefill_attention_hd64, decode_attention_hd64, decode_attention_g8_hd64, attention_merge_hd64, 64)
+ATTENTION_KERNELS(prefill_attention_hd128, decode_attention_hd128, decode_attention_g8_hd128, attention_merge_hd128, 128)

@@ -268,7 +268,7 @@ impl Cuda {
     /// Drops the recorded decode steps: call it whenever a buffer they read moves (weights or
     /// KV cache replaced, released or resumed).
     pub fn clear_graphs(&mut self) {
-        self.graphs.clear();
+        self.graphs.clear(&self.gpu);
     }
 
     /// How many decode row counts have a recording.

@@ -22,7 +22,7 @@ use std::collections::{HashMap, HashSet};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
 
-use super::{Cuda, CudaError};
+use super::{Cuda, CudaError, Gpu};
 
 /// Decode steps by how they ran (label `mode`): `replay` (a recording), `record` (run while
 /// recording), `eager` (launch by launch: a row count's first run, or one whose recording
@@ -59,11 +59,31 @@ pub struct StepGraphs {
     scratch: u64,
 }
 
+/// Recordings on their way out: destroyed on a thread of their own.
+struct Dropped(#[allow(dead_code)] HashMap<usize, CudaGraph>);
+
+// SAFETY: a recording is driver handles and the stream it was made on; the driver's calls are
+// thread-safe, and destroying an executable graph that is still running frees it when it
+// completes (cuGraphExecDestroy).
+unsafe impl Send for Dropped {}
+
 impl StepGraphs {
-    /// Drops every recording (their buffers moved or are gone).
-    pub fn clear(&mut self) {
-        self.graphs.clear();
+    /// Drops every recording (their buffers moved or are gone). Destroying them takes some
+    /// milliseconds each (25 sizes after start-up), so it happens off the calling thread: a
+    /// weight swap does not stall generation for it.
+    pub fn clear(&mut self, gpu: &Gpu) {
         self.warmed.clear();
+        if self.graphs.is_empty() {
+            return;
+        }
+        let dropped = Dropped(std::mem::take(&mut self.graphs));
+        let ctx = gpu.ctx.clone();
+        std::thread::spawn(move || {
+            if let Err(e) = ctx.bind_to_thread() {
+                tracing::warn!("destroying the dropped CUDA graphs on the calling thread: {e}");
+            }
+            drop(dropped);
+        });
     }
 
     /// How many row counts have a recording.
@@ -81,7 +101,7 @@ impl StepGraphs {
     ) -> Result<(), CudaError> {
         let generation = cuda.gpu.gemm_scratch_generation();
         if generation != self.scratch {
-            self.clear();
+            self.clear(&cuda.gpu);
             self.scratch = generation;
         }
         if let Some(graph) = self.graphs.get(&rows) {

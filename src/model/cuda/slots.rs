@@ -235,26 +235,27 @@ impl CudaWeights {
         let device = |e: CudaError| StoreError::Device(e.to_string());
         let checked = started.elapsed();
         let mut spent = Vec::with_capacity(pairs.len());
-        let mut copies = Vec::new();
+        let mut queue = Queued::default();
         for (loc, r) in pairs {
-            write_slot(gpu, self.slot(loc, cfg), &r, &mut copies).map_err(device)?;
+            write_slot(gpu, self.slot(loc, cfg), &r, &mut queue).map_err(device)?;
             spent.push(r);
         }
         let written = started.elapsed();
-        // SAFETY: every range is a slot's span of its device buffer (checked by `fits`; slots
-        // never overlap) and a replacement's device memory, kept mapped by its owner until the
-        // copies are done (the synchronize below, before the replacements are returned).
-        unsafe { ops::copy_ranges(gpu, &copies) }.map_err(device)?;
+        let count = queue.count;
+        let uploads = queue.run(gpu).map_err(device)?;
         let queued = started.elapsed();
+        // The replacements' device memory and the upload are kept until here.
         gpu.synchronize().map_err(device)?;
+        drop(uploads);
         // Where an in-place commit's pause goes (scripts/gpu-check.sh sums these lines): host
-        // tensors written and device copies listed, the copies queued, the wait for them.
+        // tensors staged (or, large, written), the copies (staged ones uploaded first) queued,
+        // the wait for them.
         tracing::debug!(
             "in-place write: {} tensors, checked in {:.3} ms, host writes in {:.3} ms, {} device copies queued in {:.3} ms, waited {:.3} ms for them",
             spent.len(),
             checked.as_secs_f64() * 1e3,
             (written - checked).as_secs_f64() * 1e3,
-            copies.len(),
+            count,
             (queued - written).as_secs_f64() * 1e3,
             (started.elapsed() - queued).as_secs_f64() * 1e3
         );
@@ -423,12 +424,13 @@ fn put_device<T: DeviceRepr>(
     bytes: usize,
     dev: &CudaSlice<T>,
     at: usize,
-    copies: &mut Vec<CopyRange>,
+    q: &mut Queued,
 ) {
     if bytes > 0 {
         let size = std::mem::size_of::<T>();
         assert!(at + bytes / size <= dev.len(), "a slot outside its buffer");
-        copies.push(CopyRange {
+        q.count += 1;
+        q.copies.push(CopyRange {
             dst: addr(gpu, dev) + (at * size) as u64,
             src,
             bytes: bytes as u64,
@@ -436,29 +438,104 @@ fn put_device<T: DeviceRepr>(
     }
 }
 
+/// Host tensors up to this size are gathered into one upload per in-place group: a copy call
+/// from pageable memory costs ~80 us whatever its size (H200, 2026-12-02: the ~1,600 norms of
+/// a 16 GB commit took 129 ms one by one).
+const STAGED_MAX_BYTES: usize = 1 << 20;
+/// Staged bytes uploaded at a time (a whole small model written in place stages no more).
+const STAGED_UPLOAD_BYTES: usize = 64 << 20;
+
+/// The writes of one in-place group, queued to run together: device-to-device copies, and small
+/// host tensors gathered into one buffer, uploaded once and then copied like the others.
+#[derive(Default)]
+struct Queued {
+    copies: Vec<CopyRange>,
+    staged: Vec<u8>,
+    /// (destination address, offset in `staged`, bytes).
+    staged_copies: Vec<(u64, usize, usize)>,
+    /// Staged bytes uploaded so far, the sources of some of `copies`.
+    uploads: Vec<CudaSlice<u8>>,
+    /// Copies listed, staged ones included.
+    count: usize,
+}
+
+impl Queued {
+    /// Uploads the staged bytes and lists their copies.
+    fn upload_staged(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
+        if self.staged.is_empty() {
+            return Ok(());
+        }
+        let up = gpu.upload(&self.staged)?;
+        let base = addr(gpu, &up);
+        self.copies.extend(
+            self.staged_copies
+                .drain(..)
+                .map(|(dst, at, bytes)| CopyRange {
+                    dst,
+                    src: base + at as u64,
+                    bytes: bytes as u64,
+                }),
+        );
+        self.staged.clear();
+        self.uploads.push(up);
+        Ok(())
+    }
+
+    /// Queues every copy as one launch (see [`ops::copy_ranges`]). The returned uploads must
+    /// live until the copies are done.
+    fn run(mut self, gpu: &Gpu) -> Result<Vec<CudaSlice<u8>>, CudaError> {
+        self.upload_staged(gpu)?;
+        // SAFETY: every range is a slot's span of its device buffer (checked by `fits`; slots
+        // never overlap) and either a replacement's device memory, kept mapped by its owner
+        // until the copies are done, or an upload, which the caller keeps as long.
+        unsafe { ops::copy_ranges(gpu, &self.copies) }?;
+        Ok(self.uploads)
+    }
+}
+
+/// Writes `host` at element `at` of `dev`: a small tensor is staged in `q` (16-byte aligned, so
+/// its copy moves 16 bytes at a time), a large one copied at once.
 fn put<T: DeviceRepr>(
     gpu: &Gpu,
     host: &[T],
     dev: &mut CudaSlice<T>,
     at: usize,
+    q: &mut Queued,
 ) -> Result<(), CudaError> {
-    if !host.is_empty() {
+    let size = std::mem::size_of_val(host);
+    if size == 0 {
+        return Ok(());
+    }
+    if size > STAGED_MAX_BYTES {
         gpu.stream
             .memcpy_htod(host, &mut dev.slice_mut(at..at + host.len()))?;
+        return Ok(());
     }
+    assert!(at + host.len() <= dev.len(), "a slot outside its buffer");
+    if q.staged.len() + size > STAGED_UPLOAD_BYTES {
+        q.upload_staged(gpu)?;
+    }
+    q.count += 1;
+    let offset = q.staged.len().next_multiple_of(16);
+    q.staged.resize(offset, 0);
+    // SAFETY: `host` is `size` initialized bytes of plain device-representable values.
+    let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr() as *const u8, size) };
+    q.staged.extend_from_slice(bytes);
+    let dst = addr(gpu, dev) + (at * std::mem::size_of::<T>()) as u64;
+    q.staged_copies.push((dst, offset, size));
     Ok(())
 }
 
-/// Copies a checked replacement into its slot's device buffers: from host memory at once,
-/// from device memory by adding the copies to `copies`.
+/// Queues a checked replacement's writes into its slot's device buffers in `queue` (a large
+/// host tensor is copied at once).
 fn write_slot(
     gpu: &Gpu,
     slot: DeviceSlot<'_>,
     r: &Replacement,
-    copies: &mut Vec<CopyRange>,
+    queue: &mut Queued,
 ) -> Result<(), CudaError> {
     match (slot, r) {
-        (DeviceSlot::Vector(v), Replacement::Vector(n)) => put(gpu, n, v, 0),
+        (DeviceSlot::Vector(v), Replacement::Vector(n)) => put(gpu, n, v, 0, queue),
         (
             DeviceSlot::Embedding {
                 table, tied_head, ..
@@ -467,17 +544,17 @@ fn write_slot(
         ) => {
             match (table, e) {
                 (Table::Bf16(t), DenseWeight::Bf16(n)) => {
-                    put(gpu, bytemuck::cast_slice::<_, u16>(n), t, 0)?
+                    put(gpu, bytemuck::cast_slice::<_, u16>(n), t, 0, queue)?
                 }
-                (Table::F32(t), DenseWeight::F32(n)) => put(gpu, n, t, 0)?,
+                (Table::F32(t), DenseWeight::F32(n)) => put(gpu, n, t, 0, queue)?,
                 _ => unreachable!("checked by `fits`"),
             }
             // Tied: lm_head is the embedding matrix (the host model rebuilds it likewise).
             match (tied_head.map(|h| &mut h.data), e) {
                 (Some(WeightData::Bf16(h)), DenseWeight::Bf16(n)) => {
-                    put(gpu, bytemuck::cast_slice::<_, u16>(n), h, 0)
+                    put(gpu, bytemuck::cast_slice::<_, u16>(n), h, 0, queue)
                 }
-                (Some(WeightData::F32(h)), DenseWeight::F32(n)) => put(gpu, n, h, 0),
+                (Some(WeightData::F32(h)), DenseWeight::F32(n)) => put(gpu, n, h, 0, queue),
                 _ => Ok(()),
             }
         }
@@ -493,13 +570,13 @@ fn write_slot(
         ) => {
             let a = (expert * matrix.n + row0) * matrix.k;
             match (&mut matrix.data, l.storage()) {
-                (WeightData::F32(w), Storage::F32(n)) => put(gpu, n, w, a),
+                (WeightData::F32(w), Storage::F32(n)) => put(gpu, n, w, a, queue),
                 (WeightData::Bf16(w), Storage::Bf16(n)) => {
-                    put(gpu, bytemuck::cast_slice::<_, u16>(n), w, a)
+                    put(gpu, bytemuck::cast_slice::<_, u16>(n), w, a, queue)
                 }
                 (WeightData::Mxfp8 { data, scales }, Storage::Mxfp8(t)) => {
-                    put(gpu, &t.data, data, a)?;
-                    put(gpu, &t.scales, scales, a / MXFP8_BLOCK)
+                    put(gpu, &t.data, data, a, queue)?;
+                    put(gpu, &t.scales, scales, a / MXFP8_BLOCK, queue)
                 }
                 (
                     WeightData::Nvfp4 {
@@ -510,13 +587,14 @@ fn write_slot(
                     },
                     Storage::Nvfp4 { weight, .. },
                 ) => {
-                    put(gpu, &weight.data, data, a / 2)?;
-                    put(gpu, &weight.scales, scales, a / NVFP4_BLOCK)?;
+                    put(gpu, &weight.data, data, a / 2, queue)?;
+                    put(gpu, &weight.scales, scales, a / NVFP4_BLOCK, queue)?;
                     put(
                         gpu,
                         &[weight.global.of_row(0)],
                         s_dec,
                         expert * *groups + group,
+                        queue,
                     )
                 }
                 _ => unreachable!("checked by `fits`"),
@@ -534,7 +612,7 @@ fn write_slot(
             let a = (expert * matrix.n + row0) * matrix.k;
             match &mut matrix.data {
                 WeightData::Bf16(w) => {
-                    put_device(gpu, d.ptr, d.bytes, w, a, copies);
+                    put_device(gpu, d.ptr, d.bytes, w, a, queue);
                     Ok(())
                 }
                 _ => unreachable!("checked by `fits`"),
@@ -554,8 +632,8 @@ fn write_slot(
             let (data, scales) = (&q.data, &q.scales);
             match &mut matrix.data {
                 WeightData::Mxfp8 { data: d, scales: s } => {
-                    put_device(gpu, data.ptr, data.bytes, d, a, copies);
-                    put_device(gpu, scales.ptr, scales.bytes, s, a / MXFP8_BLOCK, copies);
+                    put_device(gpu, data.ptr, data.bytes, d, a, queue);
+                    put_device(gpu, scales.ptr, scales.bytes, s, a / MXFP8_BLOCK, queue);
                     Ok(())
                 }
                 WeightData::Nvfp4 {
@@ -564,9 +642,15 @@ fn write_slot(
                     s_dec,
                     groups,
                 } => {
-                    put_device(gpu, data.ptr, data.bytes, d, a / 2, copies);
-                    put_device(gpu, scales.ptr, scales.bytes, s, a / NVFP4_BLOCK, copies);
-                    put(gpu, &[q.second_level], s_dec, expert * *groups + group)
+                    put_device(gpu, data.ptr, data.bytes, d, a / 2, queue);
+                    put_device(gpu, scales.ptr, scales.bytes, s, a / NVFP4_BLOCK, queue);
+                    put(
+                        gpu,
+                        &[q.second_level],
+                        s_dec,
+                        expert * *groups + group,
+                        queue,
+                    )
                 }
                 _ => unreachable!("checked by `fits`"),
             }
@@ -579,10 +663,10 @@ fn write_slot(
             },
             Replacement::Device(d),
         ) => {
-            put_device(gpu, d.ptr, d.bytes, t, 0, copies);
+            put_device(gpu, d.ptr, d.bytes, t, 0, queue);
             // Tied: lm_head is the embedding matrix.
             if let Some(WeightData::Bf16(h)) = tied_head.map(|h| &mut h.data) {
-                put_device(gpu, d.ptr, d.bytes, h, 0, copies);
+                put_device(gpu, d.ptr, d.bytes, h, 0, queue);
             }
             Ok(())
         }

@@ -70,9 +70,14 @@ impl DecodeSplit {
     }
 }
 
-/// Whether [`prefill_attention`] and [`decode_attention`] have a kernel for this shape.
+/// Whether [`prefill_attention`] and [`decode_attention`] have a kernel for this shape: head_dim
+/// 32, 64 or 128, whole GQA groups and a power-of-two block size (the kernels find a key's
+/// block by shifts).
 pub fn prefill_attention_supports(s: AttnShape) -> bool {
-    matches!(s.head_dim, 32 | 64 | 128) && s.heads % s.kv_heads == 0
+    matches!(s.head_dim, 32 | 64 | 128)
+        && s.kv_heads > 0
+        && s.heads % s.kv_heads == 0
+        && s.block_size.is_power_of_two()
 }
 
 /// The tiles of [`prefill_attention`] for sequences of `rows_per_seq` consecutive rows each
@@ -179,7 +184,18 @@ pub fn decode_attention(
         (Kernel::DecodeAttentionHd64, Kernel::AttentionMergeHd64),
         (Kernel::DecodeAttentionHd128, Kernel::AttentionMergeHd128),
     ];
-    let kernel = kernel_for(s, kernels.map(|k| k.0))?;
+    // At most 8 query heads a KV head (Qwen3-30B-A3B's 32 over 4): the kernel that leaves out
+    // the tile's other 8 rows, the same bits in fewer registers.
+    let kernel = if s.kv_heads > 0 && s.heads / s.kv_heads <= 8 {
+        let narrow = [
+            Kernel::DecodeAttentionG8Hd32,
+            Kernel::DecodeAttentionG8Hd64,
+            Kernel::DecodeAttentionG8Hd128,
+        ];
+        kernel_for(s, narrow)?
+    } else {
+        kernel_for(s, kernels.map(|k| k.0))?
+    };
     let merge = kernel_for(s, kernels.map(|k| k.1))?;
     let rows = rows.map(|r| need(r, count, "decode rows")).transpose()?;
     if count == 0 {
