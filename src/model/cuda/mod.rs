@@ -482,8 +482,9 @@ impl CudaModel {
     }
 
     /// Records the decode step of every row count of [`GRAPH_ROWS`] up to the largest a step
-    /// runs on a graph, as SGLang captures its graphs at start-up: so serving never runs a step
-    /// launch by launch, nor stops to record one. Each is a step of padding rows (the padding
+    /// runs on a graph, as SGLang captures its graphs at start-up: so serving runs no step launch
+    /// by launch, nor stops to record one, until the weights or the KV cache move (then each
+    /// size is recorded again on its second step). Each is a step of padding rows (the padding
     /// block, whose contents nobody reads), run once eagerly, then recorded. Returns the row
     /// counts recorded.
     pub fn capture_decode_graphs(&mut self) -> Result<usize, CudaError> {

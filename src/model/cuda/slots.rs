@@ -414,10 +414,8 @@ fn fits(name: &str, slot: &DeviceSlot<'_>, r: &Replacement) -> Result<(), StoreE
     }
 }
 
-/// Copies `bytes` bytes of device memory at `src` (this context's) to element `at` of `dev`,
-/// on the store's stream.
-/// Adds the copy of `bytes` device bytes at `src` to element `at` of `dev` to `copies`
-/// (queued together by [`ops::copy_ranges`]).
+/// Adds the copy of `bytes` device bytes at `src` (this context's) to element `at` of `dev` to
+/// `q`'s copies (queued together by [`ops::copy_ranges`]).
 fn put_device<T: DeviceRepr>(
     gpu: &Gpu,
     src: u64,
