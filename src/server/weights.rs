@@ -1403,10 +1403,12 @@ pub(crate) async fn commit(
                         0
                     }
                 };
-                tracing::info!(
-                    "in-place commit: {taken} bytes of held weights uploaded before the pause in {:.1} ms",
-                    started.elapsed().as_secs_f64() * 1e3
-                );
+                if taken > 0 {
+                    tracing::info!(
+                        "in-place commit: {taken} bytes of held weights uploaded before the pause in {:.1} ms",
+                        started.elapsed().as_secs_f64() * 1e3
+                    );
+                }
                 (updates, taken)
             })
             .await
