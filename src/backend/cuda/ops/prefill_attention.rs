@@ -76,7 +76,7 @@ impl DecodeSplit {
 pub fn prefill_attention_supports(s: AttnShape) -> bool {
     matches!(s.head_dim, 32 | 64 | 128)
         && s.kv_heads > 0
-        && s.heads % s.kv_heads == 0
+        && s.heads.is_multiple_of(s.kv_heads)
         && s.block_size.is_power_of_two()
 }
 
