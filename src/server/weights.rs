@@ -965,8 +965,8 @@ fn upload(
 const HELD_UPLOAD_MIN_BYTES: usize = 1 << 20;
 
 /// An in-place commit's host-held BF16 weights (layers stored in BF16, the embedding), uploaded
-/// on the side stream `gpu` while generation still runs, within `budget` device bytes and the
-/// room [`room_for`] leaves, so the pause copies them device to device instead of from pageable
+/// on the side stream `gpu` while generation still runs, within `budget` device bytes and what
+/// is free less [`UPLOAD_SPARE_BYTES`], so the pause copies them device to device instead of from pageable
 /// host memory (H200, 2026-12-02: the last 1 GB of a 16 GB commit took 127-286 ms of the pause
 /// that way). Each becomes a device tensor under the checksum entry `changed` has for it, once
 /// every upload is done; on an error none does. Returns the device bytes taken; what does not
@@ -977,6 +977,9 @@ fn upload_held(
     changed: &WeightsChecksum,
     budget: usize,
 ) -> Result<usize, CudaError> {
+    // Never the engine's last memory: what is free now, less the spare, bounds them all.
+    let (free, _) = gpu.memory()?;
+    let budget = budget.min(free.saturating_sub(UPLOAD_SPARE_BYTES));
     let mut taken = 0;
     let mut uploaded = Vec::new();
     for (i, (name, r)) in updates.iter().enumerate() {
@@ -991,10 +994,7 @@ fn upload_held(
         let Some(&hash) = changed.tensors.get(name) else {
             continue;
         };
-        if bytes.len() < HELD_UPLOAD_MIN_BYTES
-            || taken + bytes.len() > budget
-            || room_for(gpu, std::iter::once(bytes.len())).is_err()
-        {
+        if bytes.len() < HELD_UPLOAD_MIN_BYTES || taken + bytes.len() > budget {
             continue;
         }
         let buf = gpu.upload(bytes)?;
@@ -1389,7 +1389,7 @@ pub(crate) async fn commit(
     };
     // On a CUDA server the held BF16 weights, then the spilled ones, go to the device beside
     // generation, so that the pause copies device to device.
-    let (updates, held_on_device) = match state.engine.side_stream().await.ok() {
+    let (updates, held_on_device, gpu) = match state.engine.side_stream().await.ok() {
         Some(g) => {
             let budget = state.updates.max_read_ahead_bytes.unwrap_or(usize::MAX);
             let sum = changed.clone();
@@ -1409,16 +1409,15 @@ pub(crate) async fn commit(
                         started.elapsed().as_secs_f64() * 1e3
                     );
                 }
-                (updates, taken)
+                (updates, taken, Some(g))
             })
             .await
             .map_err(|e| ApiError::Internal(e.to_string()))?
         }
-        None => (updates, 0),
+        None => (updates, 0, None),
     };
     let more = match spill {
         Some(s) => {
-            let gpu = state.engine.side_stream().await.ok();
             let budget = read_back::Budget {
                 host_bytes: state.updates.max_prepared_bytes,
                 device_bytes: state

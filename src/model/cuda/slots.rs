@@ -241,7 +241,7 @@ impl CudaWeights {
             spent.push(r);
         }
         let written = started.elapsed();
-        let count = queue.count;
+        let count = queue.len();
         let uploads = queue.run(gpu).map_err(device)?;
         let queued = started.elapsed();
         // The replacements' device memory and the upload are kept until here.
@@ -427,7 +427,6 @@ fn put_device<T: DeviceRepr>(
     if bytes > 0 {
         let size = std::mem::size_of::<T>();
         assert!(at + bytes / size <= dev.len(), "a slot outside its buffer");
-        q.count += 1;
         q.copies.push(CopyRange {
             dst: addr(gpu, dev) + (at * size) as u64,
             src,
@@ -453,11 +452,14 @@ struct Queued {
     staged_copies: Vec<(u64, usize, usize)>,
     /// Staged bytes uploaded so far, the sources of some of `copies`.
     uploads: Vec<CudaSlice<u8>>,
-    /// Copies listed, staged ones included.
-    count: usize,
 }
 
 impl Queued {
+    /// Copies listed, staged ones included.
+    fn len(&self) -> usize {
+        self.copies.len() + self.staged_copies.len()
+    }
+
     /// Uploads the staged bytes and lists their copies.
     fn upload_staged(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
         if self.staged.is_empty() {
@@ -513,7 +515,6 @@ fn put<T: DeviceRepr>(
     if q.staged.len() + size > STAGED_UPLOAD_BYTES {
         q.upload_staged(gpu)?;
     }
-    q.count += 1;
     let offset = q.staged.len().next_multiple_of(16);
     q.staged.resize(offset, 0);
     // SAFETY: `host` is `size` initialized bytes of plain device-representable values.
