@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Builds what scripts/gpu-check.sh runs and copies it, stripped, into the git-ignored .bin/ that
+# the device tool carries (64 MiB in all with the tree; docs/gpu.md):
+#   scripts/stage_gpu_bin.sh [TEST ...]          # the named cuda_* test binaries (default: all)
+#   BEFORE=REV scripts/stage_gpu_bin.sh [TEST ...]  # also REV's lockstep, cuda_bench and
+#                                                # cuda_kernel_bench as *_before (target/before)
+#   NO_TESTS=1 scripts/stage_gpu_bin.sh          # only lockstep and the two benchmarks
+# Needs scripts/fetch_test_assets.sh's Qwen3 tokenizer for the server benchmark's copy.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+all=(cuda_ops cuda_load cuda_sampling cuda_attention cuda_invariance cuda_generate cuda_memory)
+tests=("$@")
+[ ${#tests[@]} -eq 0 ] && tests=("${all[@]}")
+[ "${NO_TESTS:-0}" = 1 ] && tests=()
+
+cargo build --release --bin lockstep --examples
+if [ ${#tests[@]} -gt 0 ]; then
+  cargo test --release $(printf -- '--test %s ' "${tests[@]}") --no-run
+fi
+rm -rf .bin && mkdir -p .bin
+cp target/release/lockstep target/release/examples/cuda_bench target/release/examples/cuda_kernel_bench .bin/
+for t in "${tests[@]}"; do
+  cp "$(ls -t target/release/deps/"$t"-* | grep -v '\.d$' | head -1)" ".bin/$t"
+done
+
+if [ -n "${BEFORE:-}" ]; then
+  here=$PWD tree=$(mktemp -d)/before
+  git worktree add -f "$tree" "$BEFORE"
+  (cd "$tree" && CARGO_TARGET_DIR="$here/target/before" cargo build --release --bin lockstep \
+    --example cuda_bench --example cuda_kernel_bench)
+  for b in lockstep examples/cuda_bench examples/cuda_kernel_bench; do
+    cp "target/before/release/$b" ".bin/$(basename "$b")_before"
+  done
+  git worktree remove --force "$tree"
+fi
+
+strip .bin/*
+tok=.cache/assets/qwen3/tokenizer.json
+[ -f "$tok" ] && gzip -9c "$tok" >.bin/qwen3-tokenizer.json.gz
+du -ch .bin/* | tail -1
