@@ -254,13 +254,13 @@ if [ "${NCU_PREFILL:-0}" = 1 ]; then
   timeout 150 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv "$bin"/cuda_bench \
     configs/qwen3-30b-a3b.json --layers 2 --formats bf16 --batches 1 --steps 1 --prompt 16 --prefill 4x2048 \
     >"$logs/ncu_prefill.csv" 2>&1 && record "ncu profile, prefill" "done (ncu_prefill.csv)" || record "ncu profile, prefill" "FAIL"
-  # NCU_PREFILL_KERNELS=REGEX: what bounds the first NCU_COUNT (default 6) matching launches of
-  # the timed prefill (NCU_PREFILL_SKIP, default 12, skips the warm-up's).
+  # NCU_PREFILL_KERNELS=REGEX: what bounds the first NCU_PREFILL_COUNT (or NCU_COUNT, default 6)
+  # matching launches of the timed prefill (NCU_PREFILL_SKIP, default 12, skips the warm-up's).
   if [ -n "${NCU_PREFILL_KERNELS:-}" ]; then
     timeout 240 "$ncu" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section SchedulerStats --section InstructionStats --section Occupancy \
       --section LaunchStats --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,dram__bytes_read.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,lts__t_bytes.sum" \
-      -k "regex:$NCU_PREFILL_KERNELS" --launch-skip "${NCU_PREFILL_SKIP:-12}" --launch-count "${NCU_COUNT:-6}" "$bin"/cuda_bench \
+      -k "regex:$NCU_PREFILL_KERNELS" --launch-skip "${NCU_PREFILL_SKIP:-12}" --launch-count "${NCU_PREFILL_COUNT:-${NCU_COUNT:-6}}" "$bin"/cuda_bench \
       configs/qwen3-30b-a3b.json --layers 2 --formats bf16 --batches 1 --steps 1 --prompt 16 --prefill 4x2048 \
       --mem-fraction 0.2 >"$logs/ncu_detail_prefill.txt" 2>&1 \
       && record "ncu sections, prefill ($NCU_PREFILL_KERNELS)" "done (ncu_detail_prefill.txt)" || record "ncu sections, prefill" "FAIL"
@@ -269,7 +269,8 @@ fi
 
 # NCU_KERNEL_BENCH=REGEX: what bounds the launches of cuda_kernel_bench whose names match,
 # NCU_COUNT (default 1) of them after NCU_SKIP (default 0), e.g. NCU_KERNEL_BENCH=decode_attention
-# NCU_SKIP=84: the 256-row decode at context 512 (each measurement is 21 launches).
+# NCU_SKIP=84: the 256-row decode at context 512 (each measurement is 21 launches). NCU_TOKENS
+# (default 1) is the bench's --tokens: the expert GEMMs' token counts.
 if [ -n "${NCU_KERNEL_BENCH:-}" ]; then
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   echo "== ncu sections, kernel bench ($NCU_KERNEL_BENCH) ($(date +%T))"
@@ -277,7 +278,7 @@ if [ -n "${NCU_KERNEL_BENCH:-}" ]; then
     --section WarpStateStats --section SchedulerStats --section InstructionStats --section Occupancy \
     --section LaunchStats --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,dram__bytes_read.sum" \
     -k "regex:$NCU_KERNEL_BENCH" --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_COUNT:-1}" \
-    "$bin"/cuda_kernel_bench configs/qwen3-30b-a3b.json --tokens 1 >"$logs/ncu_kernel_bench.txt" 2>&1 \
+    "$bin"/cuda_kernel_bench configs/qwen3-30b-a3b.json --tokens "${NCU_TOKENS:-1}" >"$logs/ncu_kernel_bench.txt" 2>&1 \
     && record "ncu sections, kernel bench ($NCU_KERNEL_BENCH)" "done (ncu_kernel_bench.txt)" || record "ncu sections, kernel bench" "FAIL"
 fi
 
