@@ -279,6 +279,10 @@ fn main() {
                 roof * 1e3,
                 100.0 * roof / s
             );
+            // No timed step (--steps 2 or fewer, as the ncu profiles run): no routing to show.
+            if routed.is_empty() {
+                continue;
+            }
             let moe = cfg.moe.as_ref().expect("an MoE config");
             let layers = cfg.num_moe_layers();
             let mut touched = 0;

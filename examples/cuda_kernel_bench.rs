@@ -4,7 +4,7 @@
 //! the measured copy bandwidth and the H200's dense BF16 tensor rate.
 //!
 //! cargo run --release --example cuda_kernel_bench -- configs/qwen3-30b-a3b.json \
-//!     [--tokens 1,8,64,256,4096]
+//!     [--tokens 1,8,64,256,4096] [--sections attention,dense,moe]
 //!
 //! Also paged attention alone at prefill and decode shapes, against the bytes of K/V it reads,
 //! and the dense attention projections at decode row counts on each tensor-core kernel.
@@ -36,14 +36,20 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     let mut it = std::env::args().skip(1);
-    let config = it
-        .next()
-        .expect("usage: cuda_kernel_bench CONFIG.json [--tokens a,b]");
+    let config = it.next().expect(
+        "usage: cuda_kernel_bench CONFIG.json [--tokens a,b] [--sections attention,dense,moe]",
+    );
     let mut token_counts = vec![1usize, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096];
+    let mut sections = vec![
+        "attention".to_string(),
+        "dense".to_string(),
+        "moe".to_string(),
+    ];
     while let Some(flag) = it.next() {
         let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
         match flag.as_str() {
             "--tokens" => token_counts = v.split(',').map(|t| t.parse().expect("tokens")).collect(),
+            "--sections" => sections = v.split(',').map(str::to_string).collect(),
             other => panic!("unknown flag {other}"),
         }
     }
@@ -77,9 +83,18 @@ fn main() {
     let mut scales = gpu.alloc::<u8>(max_tokens * k / 16).expect("scales");
     let mut row_scale = gpu.alloc::<f32>(max_tokens).expect("row scale");
     let mut out = gpu.alloc::<f32>(max_tokens * top_k * n).expect("out");
-    attention(&gpu, &cfg, bw);
-    dense(&gpu, &cfg, bw, &x);
-    for name in ["bf16", "mxfp8", "nvfp4"] {
+    if sections.iter().any(|s| s == "attention") {
+        attention(&gpu, &cfg, bw);
+    }
+    if sections.iter().any(|s| s == "dense") {
+        dense(&gpu, &cfg, bw, &x);
+    }
+    let moe_formats: &[&str] = if sections.iter().any(|s| s == "moe") {
+        &["bf16", "mxfp8", "nvfp4"]
+    } else {
+        &[]
+    };
+    for &name in moe_formats {
         let recipe = Recipe::builtin(name).expect("recipe");
         let fmt = recipe.format_for("model.layers.0.mlp.experts.0.gate_proj", cfg.num_layers);
         let parts: Vec<Vec<(String, usize)>> = (0..experts)
