@@ -38,6 +38,11 @@
 #define TN 64
 #define TK 32
 #define SEG 256  // k per segment of the K chain (host: ops::gemm::K_SEGMENT)
+// The 32-column few-rows kernels hold four 128-thread blocks an SM (at most 128 registers a
+// thread; BF16 spills 188 bytes). They wait on memory, and 16 warps an SM instead of 12 (160
+// registers) take BF16 expert gate/up at 64 tokens from 288 to 255 us, and 2 us more at one
+// token (H200, cuda_kernel_bench, 2026-12-03).
+#define SKINNY4_BLOCKS_PER_SM 4
 
 // The rows of this block's tile (blockIdx.y): from the routing plan's `tiles` (expert, first
 // row), or the tile-th run of `tm` rows of one dense group. False: no such tile this step.
@@ -681,6 +686,17 @@ __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const
                   out, partials, xb);                                                                              \
     }
 
+// The same with a floor on the blocks an SM holds (the registers a thread may use follow).
+#define GEMM_KERNEL_BOUNDED(KIND, NAME, FMT, BLOCKS)                                                              \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS)                                                     \
+        NAME(const float* x, const int* row_index, const float* row_scale, const void* w, const u8* w_scales,     \
+             const float* w_sdec, int sdec_groups, const int* tiles, const int* num_tiles, const int* offsets,     \
+             int rows, int N, int K, float* out, float* partials, const u32* xb) {                                 \
+        pdl_entry();                                                                                              \
+        KIND<FMT>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets, rows, N, K, \
+                  out, partials, xb);                                                                              \
+    }
+
 // The wide tiles' kernels: 256 threads, two blocks an SM (at most 128 registers a thread).
 #define GEMM_KERNEL_WIDE(NAME, FMT)                                                                               \
     extern "C" __global__ void __launch_bounds__(4 * TM_WIDE, 2)                                                  \
@@ -701,9 +717,9 @@ GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_nvfp4, 3)
 GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_bf16, 1)
 GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_mxfp8, 2)
 GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_nvfp4, 3)
-GEMM_KERNEL(grouped_gemm_skinny4, grouped_gemm_skinny4_bf16, 1)
-GEMM_KERNEL(grouped_gemm_skinny4, grouped_gemm_skinny4_mxfp8, 2)
-GEMM_KERNEL(grouped_gemm_skinny4, grouped_gemm_skinny4_nvfp4, 3)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_bf16, 1, SKINNY4_BLOCKS_PER_SM)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_mxfp8, 2, SKINNY4_BLOCKS_PER_SM)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_nvfp4, 3, SKINNY4_BLOCKS_PER_SM)
 
 GEMM_KERNEL(grouped_gemm, grouped_gemm_f32, 0)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_bf16, 1)
