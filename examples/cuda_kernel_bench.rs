@@ -49,7 +49,15 @@ fn main() {
         let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
         match flag.as_str() {
             "--tokens" => token_counts = v.split(',').map(|t| t.parse().expect("tokens")).collect(),
-            "--sections" => sections = v.split(',').map(str::to_string).collect(),
+            "--sections" => {
+                sections = v.split(',').map(str::to_string).collect();
+                if let Some(bad) = sections
+                    .iter()
+                    .find(|s| !["attention", "dense", "moe"].contains(&s.as_str()))
+                {
+                    panic!("--sections: unknown section {bad} (attention, dense, moe)");
+                }
+            }
             other => panic!("unknown flag {other}"),
         }
     }
