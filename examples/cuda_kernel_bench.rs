@@ -40,21 +40,15 @@ fn main() {
         "usage: cuda_kernel_bench CONFIG.json [--tokens a,b] [--sections attention,dense,moe]",
     );
     let mut token_counts = vec![1usize, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096];
-    let mut sections = vec![
-        "attention".to_string(),
-        "dense".to_string(),
-        "moe".to_string(),
-    ];
+    const SECTIONS: [&str; 3] = ["attention", "dense", "moe"];
+    let mut sections: Vec<String> = SECTIONS.iter().map(|s| s.to_string()).collect();
     while let Some(flag) = it.next() {
         let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
         match flag.as_str() {
             "--tokens" => token_counts = v.split(',').map(|t| t.parse().expect("tokens")).collect(),
             "--sections" => {
                 sections = v.split(',').map(str::to_string).collect();
-                if let Some(bad) = sections
-                    .iter()
-                    .find(|s| !["attention", "dense", "moe"].contains(&s.as_str()))
-                {
+                if let Some(bad) = sections.iter().find(|s| !SECTIONS.contains(&s.as_str())) {
                     panic!("--sections: unknown section {bad} (attention, dense, moe)");
                 }
             }
@@ -91,13 +85,14 @@ fn main() {
     let mut scales = gpu.alloc::<u8>(max_tokens * k / 16).expect("scales");
     let mut row_scale = gpu.alloc::<f32>(max_tokens).expect("row scale");
     let mut out = gpu.alloc::<f32>(max_tokens * top_k * n).expect("out");
-    if sections.iter().any(|s| s == "attention") {
+    let wanted = |section: &str| sections.iter().any(|s| s == section);
+    if wanted("attention") {
         attention(&gpu, &cfg, bw);
     }
-    if sections.iter().any(|s| s == "dense") {
+    if wanted("dense") {
         dense(&gpu, &cfg, bw, &x);
     }
-    let moe_formats: &[&str] = if sections.iter().any(|s| s == "moe") {
+    let moe_formats: &[&str] = if wanted("moe") {
         &["bf16", "mxfp8", "nvfp4"]
     } else {
         &[]

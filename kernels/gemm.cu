@@ -686,9 +686,10 @@ __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const
                   out, partials, xb);                                                                              \
     }
 
-// The same with a floor on the blocks an SM holds (the registers a thread may use follow).
-#define GEMM_KERNEL_BOUNDED(KIND, NAME, FMT, BLOCKS)                                                              \
-    extern "C" __global__ void __launch_bounds__(128, BLOCKS)                                                     \
+// The same with launch bounds: THREADS a block, at least BLOCKS blocks an SM (the registers a
+// thread may use follow).
+#define GEMM_KERNEL_BOUNDED(KIND, NAME, FMT, THREADS, BLOCKS)                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS)                                                 \
         NAME(const float* x, const int* row_index, const float* row_scale, const void* w, const u8* w_scales,     \
              const float* w_sdec, int sdec_groups, const int* tiles, const int* num_tiles, const int* offsets,     \
              int rows, int N, int K, float* out, float* partials, const u32* xb) {                                 \
@@ -698,28 +699,18 @@ __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const
     }
 
 // The wide tiles' kernels: 256 threads, two blocks an SM (at most 128 registers a thread).
-#define GEMM_KERNEL_WIDE(NAME, FMT)                                                                               \
-    extern "C" __global__ void __launch_bounds__(4 * TM_WIDE, 2)                                                  \
-        NAME(const float* x, const int* row_index, const float* row_scale, const void* w, const u8* w_scales,     \
-             const float* w_sdec, int sdec_groups, const int* tiles, const int* num_tiles, const int* offsets,     \
-             int rows, int N, int K, float* out, float* partials, const u32* xb) {                                 \
-        pdl_entry();                                                                                              \
-        grouped_gemm_mma_wide<FMT>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles,   \
-                                   offsets, rows, N, K, out, partials, xb);                                       \
-    }
-
-GEMM_KERNEL_WIDE(grouped_gemm_mma_wide_bf16, 1)
-GEMM_KERNEL_WIDE(grouped_gemm_mma_wide_mxfp8, 2)
-GEMM_KERNEL_WIDE(grouped_gemm_mma_wide_nvfp4, 3)
+GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_bf16, 1, 4 * TM_WIDE, 2)
+GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_mxfp8, 2, 4 * TM_WIDE, 2)
+GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_nvfp4, 3, 4 * TM_WIDE, 2)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_bf16, 1)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_mxfp8, 2)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_nvfp4, 3)
 GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_bf16, 1)
 GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_mxfp8, 2)
 GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_nvfp4, 3)
-GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_bf16, 1, SKINNY4_BLOCKS_PER_SM)
-GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_mxfp8, 2, SKINNY4_BLOCKS_PER_SM)
-GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_nvfp4, 3, SKINNY4_BLOCKS_PER_SM)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_bf16, 1, 128, SKINNY4_BLOCKS_PER_SM)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_mxfp8, 2, 128, SKINNY4_BLOCKS_PER_SM)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_nvfp4, 3, 128, SKINNY4_BLOCKS_PER_SM)
 
 GEMM_KERNEL(grouped_gemm, grouped_gemm_f32, 0)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_bf16, 1)
