@@ -677,6 +677,199 @@ __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const
                                 rows, N, K, out, partials);
 }
 
+// ---- Hopper (sm_90a): warpgroup MMAs with the weights as the A operand ----
+//
+// The K chain's products on wgmma: examples/cuda_wgmma_probe.rs found wgmma's k16 steps
+// bitwise equal to mma.sync's, with either operand as A (H200, 2026-12-03), so this kernel
+// gives the bits of the ones above. It computes out^T = W x^T: a warpgroup's 64 weight columns
+// are wgmma's rows (A, in registers: each lane's fragment is the decoded weight words the
+// few-rows kernels make), and the tile's 64 rows of x its N (B, from shared memory, where the
+// packed operand's pieces are already wgmma's core-matrix rows: piece 2c (2c + 1) of a row
+// holds slots 0-7 (8-15) of chunk c). Tiles are the wide tiles (64 rows x 128 columns, two
+// warpgroups), so the grid and the routing plan are the wide kernel's.
+
+#define WG_STAGES 4
+// One piece (16 bytes) of each of the tile's 64 rows, then 32 bytes of padding so that a row's
+// four pieces fall in distinct banks when the copy writes them.
+#define WG_PIECE_BYTES (TM_WIDE * 16 + 32)
+#define WG_X_STAGE (2 * 4 * WG_PIECE_BYTES)  // hi and lo parts of a span
+#define WG_W_STAGE (TILE_TN * 64)            // a span of 128 BF16 columns
+// Dynamic shared memory of the wgmma kernels (host: ops::gemm::WGMMA_SMEM_BYTES).
+#define WG_SMEM (WG_STAGES * (WG_X_STAGE + WG_W_STAGE))
+
+__device__ __forceinline__ u64 wgmma_desc(u32 smem_addr, u32 lbo, u32 sbo) {
+    // K-major, no swizzle: core matrices of 8 rows x 16 bytes; lbo: the next 8 k, sbo: the next 8 rows.
+    return (u64)((smem_addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+}
+
+// d (m64n64, f32) += a (m64k16, BF16 from registers) * b (k16n64, BF16 in shared memory).
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float* d, const u32* a, u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// Keeps the compiler from touching v (a wgmma operand or accumulator) across this point.
+__device__ __forceinline__ void wgmma_hold(float& v) { asm volatile("" : "+f"(v)::"memory"); }
+__device__ __forceinline__ void wgmma_hold(u32& v) { asm volatile("" : "+r"(v)::"memory"); }
+
+template <int FMT>
+__device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_index, const float* row_scale,
+                                                   const void* w, const u8* w_scales, const float* w_sdec,
+                                                   int sdec_groups, const int* tiles, const int* num_tiles,
+                                                   const int* offsets, int rows, int N, int K, float* out,
+                                                   float* partials, const u32* xb) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    int e, r0, r1;
+    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TM_WIDE)) return;
+    int n0 = blockIdx.x * TILE_TN;
+    constexpr bool SPLIT = FMT == 1;
+    constexpr int A_PARTS = SPLIT ? 2 : 1;
+    constexpr int W_BYTES = FMT == 1 ? 64 : FMT == 2 ? 32 : 16;  // one column's span
+    extern __shared__ __align__(128) u8 wg_smem[];
+    u8* xs = wg_smem;                          // [stage][part][piece][row][16 bytes] (+ padding)
+    u8* ws = wg_smem + WG_STAGES * WG_X_STAGE;  // [stage][column][W_BYTES]
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    int wg = warp >> 2, wq = warp & 3;  // warpgroup (64 columns), warp in it (16 of them)
+
+    // Copy roles: x row tid / 4, piece tid % 4 (of each part); W chunks tid + 256 c.
+    int a_row = tid >> 2, a_piece = tid & 3;
+    bool a_live = r0 + a_row < r1;
+    u64 a_src = a_live ? (row_index ? (u64)row_index[r0 + a_row] : (u64)(r0 + a_row)) : 0;
+    const u8* a_base = (const u8*)(xb + a_src * (K / 2) * A_PARTS) + a_piece * 16;
+    int a_dst = a_piece * WG_PIECE_BYTES + a_row * 16;
+    constexpr int W_ALL = TILE_TN * W_BYTES / 16, W_CHUNKS = (W_ALL + 255) / 256;
+    const u8* wbytes = (const u8*)w;
+    u64 w_row_bytes = FMT == 1 ? (u64)K * 2 : FMT == 2 ? (u64)K : (u64)K / 2;
+
+    int k_begin, k_end;
+    block_k_range(partials, K, k_begin, k_end);
+    int spans = (k_end - k_begin) / MMA_TK;
+    auto issue = [&](int span) {
+        int stage = span % WG_STAGES, k0 = k_begin + span * MMA_TK;
+        u8* xst = xs + stage * WG_X_STAGE;
+#pragma unroll
+        for (int p = 0; p < A_PARTS; p++)
+            cp_async16(xst + p * 4 * WG_PIECE_BYTES + a_dst, a_base + (u64)p * K * 2 + k0 * 2, a_live);
+        u8* wst = ws + stage * WG_W_STAGE;
+#pragma unroll
+        for (int c = 0; c < W_CHUNKS; c++) {
+            int chunk = tid + 256 * c, col = chunk / (W_BYTES / 16), part = chunk % (W_BYTES / 16);
+            if (W_ALL % 256 != 0 && chunk >= W_ALL) break;
+            bool live = n0 + col < N;
+            u64 row = (u64)e * N + (live ? n0 + col : 0);
+            cp_async16(wst + col * W_BYTES + 16 * part, wbytes + row * w_row_bytes + k0 * W_BYTES / 32 + 16 * part, live);
+        }
+    };
+
+    // This lane's weight columns: A rows g and g + 8 of its warp's 16, and their block scales a
+    // span ahead.
+    int col_local[2] = {wg * 64 + wq * 16 + g, wg * 64 + wq * 16 + g + 8};
+    u64 scale_row[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int n = n0 + col_local[h];
+        scale_row[h] = (u64)e * N + (n < N ? n : 0);
+    }
+    auto load_scales = [&](int span, u8* out_scales) {
+        int k0 = k_begin + span * MMA_TK;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            out_scales[h] = 0;
+            if (FMT == 2 && span < spans) out_scales[h] = w_scales[scale_row[h] * (K / 32) + k0 / 32];
+            if (FMT == 3 && span < spans) out_scales[h] = w_scales[scale_row[h] * (K / 16) + k0 / 16 + t / 2];
+        }
+    };
+
+    // acc[4j + i]: column (A row) wq * 16 + g + 8 (i >> 1) of this warpgroup's 64, tile row
+    // 8j + 2t + (i & 1).
+    float acc[32], tot[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) acc[i] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < WG_STAGES - 1; s++) {
+        if (s < spans) issue(s);
+        cp_async_commit();
+    }
+    u32 xs_addr = (u32)__cvta_generic_to_shared(xs);
+    u8 sc[2], sc_next[2];
+    load_scales(0, sc);
+    for (int seg0 = 0; seg0 < spans; seg0 += SEG / MMA_TK) {
+        int seg_end = min(spans, seg0 + SEG / MMA_TK);
+        for (int span = seg0; span < seg_end; span++) {
+            load_scales(span + 1, sc_next);
+            cp_async_wait<WG_STAGES - 2>();
+            // This thread's copies of the span, seen by the tensor cores' reads (async proxy).
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads();  // the span's stage is in; every warp's MMAs on the stage refilled next are done
+            if (span + WG_STAGES - 1 < spans) issue(span + WG_STAGES - 1);
+            cp_async_commit();
+            int stage = span % WG_STAGES;
+            u32 wd[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const u8* wp = ws + stage * WG_W_STAGE + col_local[h] * W_BYTES + t * W_BYTES / 4;
+                Weight8 wc;
+                wc.q = make_uint4(0, 0, 0, 0);
+                if (FMT == 1) wc.q = *(const uint4*)wp;
+                if (FMT == 2) {
+                    uint2 v = *(const uint2*)wp;
+                    wc.q.x = v.x;
+                    wc.q.y = v.y;
+                }
+                if (FMT == 3) wc.q.x = *(const u32*)wp;
+                wc.scale = sc[h];
+                decode_weight8<FMT>(wc, wd[h]);
+            }
+            // Chunk c's A fragment: (row g, slots 2t..), (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..).
+            u32 a[2][4];
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                a[c][0] = wd[0][2 * c];
+                a[c][1] = wd[1][2 * c];
+                a[c][2] = wd[0][2 * c + 1];
+                a[c][3] = wd[1][2 * c + 1];
+            }
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+            u32 x_stage = xs_addr + stage * WG_X_STAGE;
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                // The K chain's order: chunk 0 then 1, each hi then (split) lo.
+#pragma unroll
+                for (int p = 0; p < A_PARTS; p++)
+                    wgmma_m64n64k16_rs(acc, a[c], wgmma_desc(x_stage + (4 * p + 2 * c) * WG_PIECE_BYTES, WG_PIECE_BYTES, 128));
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+            for (int i = 0; i < 32; i++) wgmma_hold(acc[i]);
+#pragma unroll
+            for (int c = 0; c < 2; c++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) wgmma_hold(a[c][i]);
+            sc[0] = sc_next[0];
+            sc[1] = sc_next[1];
+        }
+        end_segment<32>(acc, tot, seg0 == 0);
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int row = r0 + 8 * j + 2 * t + (i & 1), col = n0 + col_local[i >> 1];
+            if (row >= r1 || col >= N) continue;
+            u64 src = row_index ? (u64)row_index[row] : (u64)row;
+            store_sum<FMT>(tot[4 * j + i], partials, rows, row, col, N, row_scale, src, w_sdec, e, sdec_groups, out);
+        }
+#else
+    __trap();  // sm_90a only: the host never picks this kernel elsewhere
+#endif
+}
+
 #define GEMM_KERNEL(KIND, NAME, FMT)                                                                              \
     extern "C" __global__ void NAME(const float* x, const int* row_index, const float* row_scale, const void* w,   \
                                     const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,    \
@@ -702,6 +895,10 @@ __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const
 GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_bf16, 1, 4 * TM_WIDE, 2)
 GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_mxfp8, 2, 4 * TM_WIDE, 2)
 GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_nvfp4, 3, 4 * TM_WIDE, 2)
+// The wgmma kernels: the wide tiles' grid and 256 threads, two blocks an SM.
+GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_bf16, 1, 256, 2)
+GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_mxfp8, 2, 256, 2)
+GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_nvfp4, 3, 256, 2)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_bf16, 1)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_mxfp8, 2)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_nvfp4, 3)

@@ -118,6 +118,11 @@ if [ "${BENCH_WIDE_OFF:-0}" = 1 ]; then
   LOCKSTEP_WIDE_TILES=0 "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_wide_off.md" \
     && record "cuda_bench, LOCKSTEP_WIDE_TILES=0" "done (bench_wide_off.md)" || record "cuda_bench, LOCKSTEP_WIDE_TILES=0" "FAIL"
 fi
+# BENCH_WGMMA_OFF=1: the step benchmark again without the wgmma GEMM kernels (LOCKSTEP_WGMMA=0).
+if [ "${BENCH_WGMMA_OFF:-0}" = 1 ]; then
+  LOCKSTEP_WGMMA=0 "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_wgmma_off.md" \
+    && record "cuda_bench, LOCKSTEP_WGMMA=0" "done (bench_wgmma_off.md)" || record "cuda_bench, LOCKSTEP_WGMMA=0" "FAIL"
+fi
 # BENCH_PDL_OFF=1: the step benchmark again with programmatic dependent launch off
 # (LOCKSTEP_PDL=0), for its share of the step time in the same run.
 if [ "${BENCH_PDL_OFF:-0}" = 1 ]; then
@@ -243,6 +248,17 @@ if [ "${IPC_TEST:-0}" = 1 ]; then
     record "update_weights_from_tensor (CUDA IPC)" "PASS ($(grep -o '[0-9.]* s end to end = [0-9.]* GB/s' "$logs/ipc_update.log" | tr '\n' ';'))"
   else
     record "update_weights_from_tensor (CUDA IPC)" "FAIL (ipc_update.log)"
+  fi
+fi
+
+# WGMMA_PROBE=1: whether wgmma adds BF16 products with the mma.sync K chain's bits
+# (examples/cuda_wgmma_probe.rs; wgmma_probe.md).
+if [ "${WGMMA_PROBE:-0}" = 1 ]; then
+  echo "== wgmma probe ($(date +%T))"
+  if timeout 120 "$bin"/cuda_wgmma_probe >"$logs/wgmma_probe.md" 2>&1; then
+    record "wgmma probe" "done (wgmma_probe.md)"
+  else
+    record "wgmma probe" "FAIL (wgmma_probe.md)"
   fi
 fi
 

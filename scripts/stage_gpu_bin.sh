@@ -18,7 +18,8 @@ if [ ${#tests[@]} -gt 0 ]; then
   cargo test --release $(printf -- '--test %s ' "${tests[@]}") --no-run
 fi
 rm -rf .bin && mkdir -p .bin
-cp target/release/lockstep target/release/examples/cuda_bench target/release/examples/cuda_kernel_bench .bin/
+cp target/release/lockstep target/release/examples/cuda_bench target/release/examples/cuda_kernel_bench \
+  target/release/examples/cuda_wgmma_probe .bin/
 for t in "${tests[@]}"; do
   cp "$(ls -t target/release/deps/"$t"-* | grep -v '\.d$' | head -1)" ".bin/$t"
 done

@@ -203,6 +203,7 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
                     GemmPath::Auto,
                     GemmPath::TensorCore,
                     GemmPath::TensorCoreWide,
+                    GemmPath::Wgmma,
                     GemmPath::Skinny,
                     GemmPath::Skinny4,
                 ] {
@@ -320,6 +321,7 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
                 GemmPath::Auto,
                 GemmPath::TensorCore,
                 GemmPath::TensorCoreWide,
+                GemmPath::Wgmma,
                 GemmPath::Skinny,
                 GemmPath::Skinny4,
             ] {

@@ -905,6 +905,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             GemmPath::Ffma,
             GemmPath::TensorCore,
             GemmPath::TensorCoreWide,
+            GemmPath::Wgmma,
             GemmPath::Skinny,
             GemmPath::Skinny4,
         ] {
@@ -963,6 +964,9 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             (13, GemmPath::TensorCoreWide, SplitK::Off),
             (77, GemmPath::TensorCoreWide, SplitK::Off),
             (77, GemmPath::TensorCoreWide, SplitK::On),
+            (13, GemmPath::Wgmma, SplitK::Off),
+            (77, GemmPath::Wgmma, SplitK::Off),
+            (77, GemmPath::Wgmma, SplitK::On),
         ] {
             let mut out = poisoned(&g, rows * n, f32::NAN);
             ops::grouped_gemm_on(

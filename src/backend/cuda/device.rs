@@ -81,7 +81,14 @@ impl Gpu {
             let ptx = kernels::cached_ptx(source, arch, driver)?;
             let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
             for &k in Kernel::ALL.iter().filter(|k| k.source() == source) {
-                functions.insert(k, module.load_function(k.symbol())?);
+                let f = module.load_function(k.symbol())?;
+                if k.dynamic_smem() > 0 {
+                    f.set_attribute(
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        k.dynamic_smem() as i32,
+                    )?;
+                }
+                functions.insert(k, f);
             }
         }
         let pdl = major >= 9 && std::env::var("LOCKSTEP_PDL").map_or(true, |v| v != "0");
@@ -141,8 +148,9 @@ impl Gpu {
         let mut raw = [Raw::U64(0); MAX_PARAMS];
         args.raw(self, &mut raw);
         let f = &self.functions[&kernel];
+        let smem = kernel.dynamic_smem();
         if self.pdl {
-            return self.launch_dependent(f, grid, block, &mut raw[..A::KINDS.len()]);
+            return self.launch_dependent(f, grid, block, smem, &mut raw[..A::KINDS.len()]);
         }
         let mut b = self.stream.launch_builder(f);
         for a in &raw[..A::KINDS.len()] {
@@ -155,7 +163,7 @@ impl Gpu {
         let cfg = LaunchConfig {
             grid_dim: grid,
             block_dim: (block, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem,
         };
         // SAFETY: the arguments are of the kinds and in the order the kernel's signature has
         // (checked above; tests/cuda_kernels.rs checks the declaration against the PTX), and
@@ -175,6 +183,7 @@ impl Gpu {
         f: &CudaFunction,
         grid: (u32, u32, u32),
         block: u32,
+        smem: u32,
         raw: &mut [Raw],
     ) -> Result<(), CudaError> {
         let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_PARAMS];
@@ -197,7 +206,7 @@ impl Gpu {
             blockDimX: block,
             blockDimY: 1,
             blockDimZ: 1,
-            sharedMemBytes: 0,
+            sharedMemBytes: smem,
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
             numAttrs: 1,

@@ -203,6 +203,9 @@ kernels! {
     GroupedGemmMmaWideBf16 => (Gemm, "grouped_gemm_mma_wide_bf16", GROUPED_GEMM),
     GroupedGemmMmaWideMxfp8 => (Gemm, "grouped_gemm_mma_wide_mxfp8", GROUPED_GEMM),
     GroupedGemmMmaWideNvfp4 => (Gemm, "grouped_gemm_mma_wide_nvfp4", GROUPED_GEMM),
+    GroupedGemmWgmmaBf16 => (Gemm, "grouped_gemm_wgmma_bf16", GROUPED_GEMM),
+    GroupedGemmWgmmaMxfp8 => (Gemm, "grouped_gemm_wgmma_mxfp8", GROUPED_GEMM),
+    GroupedGemmWgmmaNvfp4 => (Gemm, "grouped_gemm_wgmma_nvfp4", GROUPED_GEMM),
     GroupedGemmSkinnyBf16 => (Gemm, "grouped_gemm_skinny_bf16", GROUPED_GEMM),
     GroupedGemmSkinnyMxfp8 => (Gemm, "grouped_gemm_skinny_mxfp8", GROUPED_GEMM),
     GroupedGemmSkinnyNvfp4 => (Gemm, "grouped_gemm_skinny_nvfp4", GROUPED_GEMM),
@@ -229,6 +232,23 @@ kernels! {
     SampleRows => (Sampling, "sample_rows", &[Ptr, Ptr, I32, Ptr, Ptr, I32, I32, Ptr, Ptr]),
     HostExpf => (Sampling, "host_expf_kernel", MAP_N),
     Xxh3Ranges => (Hash, "xxh3_64_ranges", &[Ptr, Ptr, I32, Ptr]),
+}
+
+/// Dynamic shared memory of the wgmma GEMM kernels (kernels/gemm.cu `WG_SMEM`): four stages of
+/// a 64-row activation span (hi and lo, 4 pieces of 64 rows x 16 bytes, each padded by 32) and
+/// of 128 BF16 weight columns' span.
+pub const WGMMA_SMEM_BYTES: u32 = 4 * (2 * 4 * (64 * 16 + 32) + 128 * 64);
+
+impl Kernel {
+    /// The dynamic shared memory a launch gives it (its limit is raised to this on load).
+    pub fn dynamic_smem(self) -> u32 {
+        match self {
+            Kernel::GroupedGemmWgmmaBf16
+            | Kernel::GroupedGemmWgmmaMxfp8
+            | Kernel::GroupedGemmWgmmaNvfp4 => WGMMA_SMEM_BYTES,
+            _ => 0,
+        }
+    }
 }
 
 /// NVRTC options. Default precision (IEEE division and square root); the bit-exact paths

@@ -143,6 +143,12 @@ pub enum GemmPath {
     Skinny,
     /// As [`GemmPath::Skinny`], a warp per 32 columns: for launches with warps enough.
     Skinny4,
+    /// Hopper's warpgroup MMAs (`wgmma`, sm_90a) on the wide tiles: the weights decoded into
+    /// registers as the A operand, the packed activations read by the tensor cores from shared
+    /// memory. The same products and sums as the other tensor-core paths, bit for bit (see
+    /// examples/cuda_wgmma_probe.rs). Elsewhere, or with `LOCKSTEP_WGMMA=0`, it runs as
+    /// [`GemmPath::TensorCoreWide`] (the same bits).
+    Wgmma,
 }
 
 /// Whether a tensor-core launch runs a block per K segment (then `gemm_fold_segments` adds the
@@ -220,9 +226,18 @@ fn wide_tiles_allowed() -> bool {
     *ALLOWED.get_or_init(|| std::env::var("LOCKSTEP_WIDE_TILES").map_or(true, |v| v != "0"))
 }
 
+/// Whether the wgmma kernels may run: on sm_90a (Hopper; Blackwell has no wgmma), unless
+/// `LOCKSTEP_WGMMA=0` (to measure the difference in one run; the bits are the same).
+fn wgmma_allowed(gpu: &Gpu) -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    gpu.arch == "sm_90a"
+        && *ALLOWED.get_or_init(|| std::env::var("LOCKSTEP_WGMMA").map_or(true, |v| v != "0"))
+}
+
 impl GemmPath {
     fn resolve(
         self,
+        wgmma: bool,
         w: &Operand<'_>,
         rows: &GemmRows<'_>,
         max_rows: usize,
@@ -251,7 +266,9 @@ impl GemmPath {
             };
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
+            GemmPath::Auto if wide && wgmma => GemmPath::Wgmma,
             GemmPath::Auto if wide => GemmPath::TensorCoreWide,
+            GemmPath::Wgmma if !wgmma => GemmPath::TensorCoreWide,
             GemmPath::Auto if max_rows > skinny_rows => GemmPath::TensorCore,
             // A dense launch of few rows splits over K (SplitK::Auto), which gives the 32-column
             // warps blocks enough (H200: 0.65-0.95x the 8-column kernel's time at 1-8 rows).
@@ -279,8 +296,8 @@ impl GemmPath {
 /// block scales, NVFP4 S_dec and its groups.
 struct Operand<'a> {
     /// The FFMA, tiled tensor-core and few-rows tensor-core kernels (8 and 32 columns per
-    /// warp), then the wide-tiled one, of the format (F32 has FFMA only).
-    kernels: [Kernel; 5],
+    /// warp), then the wide-tiled and the wgmma ones, of the format (F32 has FFMA only).
+    kernels: [Kernel; 6],
     f32_weights: bool,
     /// Plain BF16 weights: the tiled kernel's packed activations carry hi and lo terms.
     split_activations: bool,
@@ -292,7 +309,7 @@ struct Operand<'a> {
 
 impl<'a> Operand<'a> {
     fn new(
-        kernels: [Kernel; 5],
+        kernels: [Kernel; 6],
         data: DevPtr,
         scales: Option<View<'a, u8>>,
         s_dec: Option<View<'a, f32>>,
@@ -311,7 +328,7 @@ impl<'a> Operand<'a> {
 
     fn f32(gpu: &Gpu, d: &'a CudaSlice<f32>) -> Operand<'a> {
         let k = Kernel::GroupedGemmF32;
-        Operand::new([k, k, k, k, k], DevPtr(addr(gpu, d)), None, None, 1)
+        Operand::new([k, k, k, k, k, k], DevPtr(addr(gpu, d)), None, None, 1)
     }
 
     fn bf16(gpu: &Gpu, d: &'a CudaSlice<u16>) -> Operand<'a> {
@@ -321,6 +338,7 @@ impl<'a> Operand<'a> {
             Kernel::GroupedGemmSkinnyBf16,
             Kernel::GroupedGemmSkinny4Bf16,
             Kernel::GroupedGemmMmaWideBf16,
+            Kernel::GroupedGemmWgmmaBf16,
         ];
         Operand::new(kernels, DevPtr(addr(gpu, d)), None, None, 1)
     }
@@ -336,6 +354,7 @@ impl<'a> Operand<'a> {
                     Kernel::GroupedGemmSkinnyMxfp8,
                     Kernel::GroupedGemmSkinny4Mxfp8,
                     Kernel::GroupedGemmMmaWideMxfp8,
+                    Kernel::GroupedGemmWgmmaMxfp8,
                 ],
                 DevPtr(addr(gpu, data)),
                 Some(View::whole(scales)),
@@ -354,6 +373,7 @@ impl<'a> Operand<'a> {
                     Kernel::GroupedGemmSkinnyNvfp4,
                     Kernel::GroupedGemmSkinny4Nvfp4,
                     Kernel::GroupedGemmMmaWideNvfp4,
+                    Kernel::GroupedGemmWgmmaNvfp4,
                 ],
                 DevPtr(addr(gpu, data)),
                 Some(View::whole(scales)),
@@ -508,16 +528,18 @@ fn launch_gemm(
     out: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
     let out = need(out, max_rows * n, "gemm out")?;
-    let path = path.resolve(&w, &rows, max_rows, n, k);
+    let path = path.resolve(wgmma_allowed(gpu), &w, &rows, max_rows, n, k);
     let (kernel, cols_per_block, threads) = match path {
         GemmPath::TensorCore => (w.kernels[1], MMA_TILE_COLS, 128),
         GemmPath::TensorCoreWide => (w.kernels[4], MMA_TILE_COLS, 4 * GEMM_WIDE_TILE_ROWS as u32),
+        // Two warpgroups of 64 columns over a wide tile's 64 rows.
+        GemmPath::Wgmma => (w.kernels[5], MMA_TILE_COLS, 256),
         GemmPath::Skinny4 => (w.kernels[3], 4 * SKINNY_COLS_PER_BLOCK, 128),
         GemmPath::Skinny => (w.kernels[2], SKINNY_COLS_PER_BLOCK, 128),
         _ => (w.kernels[0], GEMM_TILE_COLS, 256),
     };
     // A plan's launch takes `max_rows` (its pairs) as the row count of split-K's sums.
-    let wide = path == GemmPath::TensorCoreWide;
+    let wide = matches!(path, GemmPath::TensorCoreWide | GemmPath::Wgmma);
     let tile_rows = if wide {
         GEMM_WIDE_TILE_ROWS
     } else {
@@ -561,7 +583,10 @@ fn launch_gemm(
         None => None,
     };
     // The tiled kernel reads x packed to BF16: every row the rows (through row_index) name.
-    let operand = if matches!(path, GemmPath::TensorCore | GemmPath::TensorCoreWide) {
+    let operand = if matches!(
+        path,
+        GemmPath::TensorCore | GemmPath::TensorCoreWide | GemmPath::Wgmma
+    ) {
         let x_rows = match (&rows, row_index) {
             (GemmRows::Dense(r), None) => *r,
             (GemmRows::Plan(p), Some(_)) => p.tokens,
@@ -577,8 +602,8 @@ fn launch_gemm(
         None
     };
     // Block shapes (kernels/gemm.cu): FFMA 32x64 tiles on 256 threads, MMA 32x128 tiles on 4
-    // warps (64x128 on 8), few-rows MMA 32 or 128 columns on 4 warps; split-K adds a block per
-    // segment.
+    // warps (64x128 on 8, or on two warpgroups for wgmma), few-rows MMA 32 or 128 columns on
+    // 4 warps; split-K adds a block per segment.
     // x, its row index and scales, and the weights are read at the rows and experts the plan
     // (or the dense row count) names: sized by the layer's owner.
     gpu.launch(
