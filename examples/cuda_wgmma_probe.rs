@@ -172,9 +172,7 @@ fn main() {
             let x = stream.clone_htod(&xs).expect("upload");
             let w = stream.clone_htod(&ws).expect("upload");
             let c0 = stream.clone_htod(&cs).expect("upload");
-            let mut out = stream
-                .alloc_zeros::<f32>(trials * 5 * 4096)
-                .expect("alloc");
+            let mut out = stream.alloc_zeros::<f32>(trials * 5 * 4096).expect("alloc");
             let cfg = LaunchConfig {
                 grid_dim: (trials as u32, 1, 1),
                 block_dim: (128, 1, 1),
@@ -182,7 +180,13 @@ fn main() {
             };
             let k = K as i32;
             let mut b = stream.launch_builder(&f);
-            b.arg(&x).arg(&w).arg(&c0).arg(&k).arg(&lbo).arg(&sbo).arg(&mut out);
+            b.arg(&x)
+                .arg(&w)
+                .arg(&c0)
+                .arg(&k)
+                .arg(&lbo)
+                .arg(&sbo)
+                .arg(&mut out);
             // SAFETY: the arguments match probe's signature; every buffer holds `trials`
             // trials' worth of what the kernel reads and writes.
             unsafe { b.launch(cfg) }.expect("launch");

@@ -788,70 +788,87 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     float acc[32], tot[32];
 #pragma unroll
     for (int i = 0; i < 32; i++) acc[i] = 0.0f;
+    // Spans in flight: the copies run WG_STAGES - 2 spans ahead, so the stage refilled at a
+    // span was last read by the MMAs two spans back, which are done (each span waits for all
+    // but its own group); the MMAs of a span overlap the next span's copies and decoding.
 #pragma unroll
-    for (int s = 0; s < WG_STAGES - 1; s++) {
+    for (int s = 0; s < WG_STAGES - 2; s++) {
         if (s < spans) issue(s);
         cp_async_commit();
     }
     u32 xs_addr = (u32)__cvta_generic_to_shared(xs);
     u8 sc[2], sc_next[2];
     load_scales(0, sc);
+    // One span: its A fragments decoded into `cur` (the previous span's, `prev`, are free once
+    // its MMAs are done).
+    auto step = [&](int span, u32 (&cur)[2][4], u32 (&prev)[2][4]) {
+        load_scales(span + 1, sc_next);
+        cp_async_wait<WG_STAGES - 3>();
+        // This thread's copies of the span, seen by the tensor cores' reads (async proxy).
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();  // the span's stage is in; every warp's MMAs two spans back are done
+        if (span + WG_STAGES - 2 < spans) issue(span + WG_STAGES - 2);
+        cp_async_commit();
+        int stage = span % WG_STAGES;
+        u32 wd[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const u8* wp = ws + stage * WG_W_STAGE + col_local[h] * W_BYTES + t * W_BYTES / 4;
+            Weight8 wc;
+            wc.q = make_uint4(0, 0, 0, 0);
+            if (FMT == 1) wc.q = *(const uint4*)wp;
+            if (FMT == 2) {
+                uint2 v = *(const uint2*)wp;
+                wc.q.x = v.x;
+                wc.q.y = v.y;
+            }
+            if (FMT == 3) wc.q.x = *(const u32*)wp;
+            wc.scale = sc[h];
+            decode_weight8<FMT>(wc, wd[h]);
+        }
+        // Chunk c's A fragment: (row g, slots 2t..), (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..).
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            cur[c][0] = wd[0][2 * c];
+            cur[c][1] = wd[1][2 * c];
+            cur[c][2] = wd[0][2 * c + 1];
+            cur[c][3] = wd[1][2 * c + 1];
+        }
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        u32 x_stage = xs_addr + stage * WG_X_STAGE;
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            // The K chain's order: chunk 0 then 1, each hi then (split) lo.
+#pragma unroll
+            for (int p = 0; p < A_PARTS; p++)
+                wgmma_m64n64k16_rs(acc, cur[c], wgmma_desc(x_stage + (4 * p + 2 * c) * WG_PIECE_BYTES, WG_PIECE_BYTES, 128));
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+#pragma unroll
+        for (int c = 0; c < 2; c++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) wgmma_hold(prev[c][i]);
+        sc[0] = sc_next[0];
+        sc[1] = sc_next[1];
+    };
+    u32 a0[2][4], a1[2][4];
     for (int seg0 = 0; seg0 < spans; seg0 += SEG / MMA_TK) {
         int seg_end = min(spans, seg0 + SEG / MMA_TK);
-        for (int span = seg0; span < seg_end; span++) {
-            load_scales(span + 1, sc_next);
-            cp_async_wait<WG_STAGES - 2>();
-            // This thread's copies of the span, seen by the tensor cores' reads (async proxy).
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            __syncthreads();  // the span's stage is in; every warp's MMAs on the stage refilled next are done
-            if (span + WG_STAGES - 1 < spans) issue(span + WG_STAGES - 1);
-            cp_async_commit();
-            int stage = span % WG_STAGES;
-            u32 wd[2][4];
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const u8* wp = ws + stage * WG_W_STAGE + col_local[h] * W_BYTES + t * W_BYTES / 4;
-                Weight8 wc;
-                wc.q = make_uint4(0, 0, 0, 0);
-                if (FMT == 1) wc.q = *(const uint4*)wp;
-                if (FMT == 2) {
-                    uint2 v = *(const uint2*)wp;
-                    wc.q.x = v.x;
-                    wc.q.y = v.y;
-                }
-                if (FMT == 3) wc.q.x = *(const u32*)wp;
-                wc.scale = sc[h];
-                decode_weight8<FMT>(wc, wd[h]);
-            }
-            // Chunk c's A fragment: (row g, slots 2t..), (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..).
-            u32 a[2][4];
-#pragma unroll
-            for (int c = 0; c < 2; c++) {
-                a[c][0] = wd[0][2 * c];
-                a[c][1] = wd[1][2 * c];
-                a[c][2] = wd[0][2 * c + 1];
-                a[c][3] = wd[1][2 * c + 1];
-            }
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            u32 x_stage = xs_addr + stage * WG_X_STAGE;
-#pragma unroll
-            for (int c = 0; c < 2; c++) {
-                // The K chain's order: chunk 0 then 1, each hi then (split) lo.
-#pragma unroll
-                for (int p = 0; p < A_PARTS; p++)
-                    wgmma_m64n64k16_rs(acc, a[c], wgmma_desc(x_stage + (4 * p + 2 * c) * WG_PIECE_BYTES, WG_PIECE_BYTES, 128));
-            }
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-            for (int i = 0; i < 32; i++) wgmma_hold(acc[i]);
-#pragma unroll
-            for (int c = 0; c < 2; c++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) wgmma_hold(a[c][i]);
-            sc[0] = sc_next[0];
-            sc[1] = sc_next[1];
+        for (int span = seg0; span < seg_end; span += 2) {
+            step(span, a0, a1);
+            if (span + 1 < seg_end) step(span + 1, a1, a0);
         }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+        for (int i = 0; i < 32; i++) wgmma_hold(acc[i]);
+#pragma unroll
+        for (int c = 0; c < 2; c++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                wgmma_hold(a0[c][i]);
+                wgmma_hold(a1[c][i]);
+            }
         end_segment<32>(acc, tot, seg0 == 0);
     }
     cp_async_wait<0>();

@@ -1014,7 +1014,8 @@ fn embedded_config(layers: Option<usize>) -> ModelConfig {
 /// step, CPU vs CUDA with the CPU's routing replayed on the device (so a near-tie among random
 /// experts can never send the two backends to different experts): the worst relative error of
 /// any logits row.
-fn compare_models(cpu_model: &Model, cuda: &mut CudaModel, rng: &mut Rng) -> f64 {
+/// Each logit row's relative error against the CPU, over three steps of two sequences.
+fn compare_models(cpu_model: &Model, cuda: &mut CudaModel, rng: &mut Rng) -> Vec<f64> {
     let c = &cpu_model.config;
     let vocab = c.vocab_size.min(250);
     let bs = 4;
@@ -1035,7 +1036,7 @@ fn compare_models(cpu_model: &Model, cuda: &mut CudaModel, rng: &mut Rng) -> f64
         vec![(0, &a[8..], 8, &ta[..]), (1, &b[..], 0, &tb[..])],
         vec![(0, &a[..1], 13, &ta[..]), (1, &b[..1], 6, &tb[..])],
     ];
-    let mut worst = 0f64;
+    let mut errors = Vec::new();
     for step in steps {
         let batch = ForwardBatch {
             seqs: step
@@ -1058,13 +1059,42 @@ fn compare_models(cpu_model: &Model, cuda: &mut CudaModel, rng: &mut Rng) -> f64
         );
         let v = c.vocab_size;
         for r in 0..want.logits.len() / v {
-            worst = worst.max(rel_err(
+            errors.push(rel_err(
                 &got.logits[r * v..][..v],
                 &want.logits[r * v..][..v],
             ));
         }
     }
-    worst
+    errors
+}
+
+/// The median and the worst of a check's row errors.
+fn median_and_worst(mut errors: Vec<f64>) -> (f64, f64) {
+    errors.sort_by(f64::total_cmp);
+    (errors[errors.len() / 2], errors[errors.len() - 1])
+}
+
+/// Quantized formats requantize activations that differ from the CPU's by summation order; a
+/// value crossing an E2M1/E4M3 rounding boundary moves by up to a sixth of its block's amax,
+/// and that difference carries on through the later layers and positions of its sequence. How
+/// far it goes is chaotic (H200: a check's worst row 3e-6 on most draws, up to 0.18 on some),
+/// so quantized models are held to their median row, which one crossing does not move, and
+/// their worst row only to a bound that an unrelated model's logits (error ~1) would break.
+/// The per-op comparison on the same inputs is traced_forward_on_the_gpu_matches_the_cpu_trace;
+/// the quantizers and GEMMs are checked byte for byte and to 1e-5 above. BF16 and f32 models
+/// see the CPU's inputs up to summation order: every row within 3e-2 (seen: <= 2e-3).
+fn assert_logits_close(what: &str, quantized: bool, median: f64, worst: f64) {
+    if quantized {
+        assert!(
+            median < 1e-2 && worst < 0.5,
+            "{what}: logits relative error median {median}, worst {worst} (bounds 1e-2, 0.5)"
+        );
+    } else {
+        assert!(
+            worst < 3e-2,
+            "{what}: logits relative error {worst} (bound 3e-2)"
+        );
+    }
 }
 
 fn sizes() -> CudaSizes {
@@ -1095,9 +1125,11 @@ fn models_match_the_cpu_in_every_format() {
             None => CudaWeights::upload(&g, &cpu_model).unwrap(),
         };
         let mut cuda = CudaModel::new(g, cpu_model.config.clone(), w, sizes()).unwrap();
-        let worst = compare_models(&cpu_model, &mut cuda, &mut rng);
-        println!("{what:<40} logits rel err {worst:.2e} (CPU routing replayed)");
-        report.push((what, worst));
+        let (median, worst) = median_and_worst(compare_models(&cpu_model, &mut cuda, &mut rng));
+        println!(
+            "{what:<40} logits rel err: median {median:.2e}, worst {worst:.2e} (CPU routing replayed)"
+        );
+        report.push((what, median, worst));
     };
     // NVFP4 experts with four-over-six (256, squared error): its gate/up second-level range
     // differs from plain NVFP4's, and device-drawn weights must follow the CPU loader there too.
@@ -1140,17 +1172,9 @@ fn models_match_the_cpu_in_every_format() {
         .unwrap();
         check(format!("reference {r} (f32 checkpoint)"), model, None);
     }
-    for (what, worst) in &report {
-        // Quantized formats requantize activations that differ from the CPU's by summation
-        // order; a value crossing an E2M1/E4M3 rounding boundary moves by up to a sixth of its
-        // block's amax (see midsize_qwen3_30b_shape_matches_the_cpu). Seen on the H200: BF16
-        // and f32 models <= 2e-3; quantized ones 3e-6 on most prompts, up to 8e-2 on some.
+    for (what, median, worst) in &report {
         let quantized = what.contains("mxfp8") || what.contains("nvfp4");
-        let tol = if quantized { 0.15 } else { 3e-2 };
-        assert!(
-            *worst < tol,
-            "{what}: logits relative error {worst} (tolerance {tol})"
-        );
+        assert_logits_close(what, quantized, *median, *worst);
     }
 }
 
@@ -1400,19 +1424,11 @@ fn midsize_qwen3_30b_shape_matches_the_cpu() {
         let g = gpu();
         let w = CudaWeights::dummy(&g, &cfg, &recipe, 3).unwrap();
         let mut cuda = CudaModel::new(g, cfg.clone(), w, sizes()).unwrap();
-        let worst = compare_models(&cpu_model, &mut cuda, &mut rng);
+        let (median, worst) = median_and_worst(compare_models(&cpu_model, &mut cuda, &mut rng));
         println!(
-            "qwen3-30b-a3b shape, 4 layers, {name:<6} logits rel err {worst:.2e} (CPU routing replayed)"
+            "qwen3-30b-a3b shape, 4 layers, {name:<6} logits rel err: median {median:.2e}, worst {worst:.2e} (CPU routing replayed)"
         );
-        // BF16 experts see the same f32 inputs as the CPU up to summation order. Quantized
-        // experts requantize those inputs: a 1e-7 difference can move a value across an NVFP4
-        // or E4M3 rounding boundary (a step of up to 1/6 of its block's amax). The quantizers
-        // and GEMMs themselves are checked byte for byte and to 1e-5 above; here the bound is
-        // looser. Routing is the CPU's, replayed, so no near-tie flip takes a row out.
-        let tol = if name == "bf16" { 3e-2 } else { 0.15 };
-        assert!(
-            worst < tol,
-            "{name}: logits relative error {worst} (tolerance {tol})"
-        );
+        // Routing is the CPU's, replayed, so no near-tie flip takes a row out.
+        assert_logits_close(name, name != "bf16", median, worst);
     }
 }
