@@ -156,6 +156,8 @@ extern "C" __global__ void silu_mul(const float* gu, float* h, u64 rows, int int
 }
 
 // y[t] = sum over top-k slots, in slot order, of weight * expert_out[row of (t, slot)].
+// Grid (tokens, column blocks): block (t, c) sums token t's columns c * blockDim.x.. (strided by
+// the grid), so one token's columns are spread over blocks instead of walked by one.
 #define COMBINE_SLOTS 16
 extern "C" __global__ void moe_combine(const float* expert_out, const int* slot_row, const float* weights,
                                        float* y, int top_k, int hidden) {
@@ -172,7 +174,7 @@ extern "C" __global__ void moe_combine(const float* expert_out, const int* slot_
         rows[s] = held && s < top_k ? slot_row[t * top_k + s] : 0;
         wts[s] = held && s < top_k ? weights[t * top_k + s] : 0.0f;
     }
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < hidden; i += gridDim.y * blockDim.x) {
         float acc = 0.0f;
         if (held) {
             float e[COMBINE_SLOTS];

@@ -30,9 +30,10 @@
 // layers) lo. Each lane's 8 values of a span are then one 16-byte load. The spans are grouped
 // in segments of SEG k (the last may be shorter): each segment accumulates from zero, and the
 // segments' sums are added in order (total = s0, then total + s1, ...). A block either walks
-// every segment and keeps that running total, or (split-K, `partials` not null, dense layers of
-// few rows) takes the one segment blockIdx.z and stores its sum; gemm_fold_segments then adds
-// the segments in the same order. Both give the same bits; split-K only buys blocks.
+// every segment and keeps that running total, or (split-K, `partials` not null, launches of few
+// blocks) takes the one segment blockIdx.z and stores its sum; the last of an output region's
+// blocks (or, few-rows kernels, warps) to finish then adds the region's segments in the same
+// order (fold_if_last). Both give the same bits; split-K only buys blocks.
 
 #define TM 32
 #define TN 64
@@ -83,7 +84,8 @@ template <int FMT>
 __device__ void grouped_gemm(const float* x, const int* row_index, const float* row_scale, const void* w,
                              const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                              const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                             float* /* partials: the FFMA chain is never split */, const u32* /* xb */) {
+                             float* /* partials: the FFMA chain is never split */, const u32* /* xb */,
+                             u32* /* counters */) {
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
     int n0 = blockIdx.x * TN;
@@ -329,6 +331,48 @@ __device__ __forceinline__ void store_sum(float v, float* partials, int rows, in
     out[(u64)row * N + col] = v;
 }
 
+// Split-K's last step, inside the launch: the group (a block, or with WARP one warp) whose
+// segment's sums are the last of the gridDim.z to land for its output region adds the
+// region's segments in order (s0, then + s1, ...: the additions a whole-K block makes) and
+// applies the NVFP4 epilogue of expert e. counters[counter] counts the region's finished
+// groups and is left at zero for the next launch. The region is rows r0..r1 x columns c0..c1.
+template <int FMT, bool WARP>
+__device__ __forceinline__ void fold_if_last(const float* partials, u32* counters, int counter, int rows, int N,
+                                             int r0, int r1, int c0, int c1, const int* row_index,
+                                             const float* row_scale, const float* w_sdec, int e, int sdec_groups,
+                                             float* out) {
+    __shared__ int block_last;
+    __threadfence();  // this thread's sums, seen device-wide before the count
+    int last;
+    if (WARP) {
+        __syncwarp();
+        int mine = 0;
+        if ((threadIdx.x & 31) == 0) mine = atomicAdd(&counters[counter], 1u) == gridDim.z - 1;
+        last = __shfl_sync(0xffffffffu, mine, 0);
+    } else {
+        __syncthreads();
+        if (threadIdx.x == 0) block_last = atomicAdd(&counters[counter], 1u) == gridDim.z - 1;
+        __syncthreads();
+        last = block_last;
+    }
+    if (!last) return;
+    __threadfence();
+    int cols = min(c1, N) - c0, width = WARP ? 32 : blockDim.x, id = WARP ? threadIdx.x & 31 : threadIdx.x;
+    u64 count = (u64)rows * N;
+    for (int i = id; i < (r1 - r0) * cols; i += width) {
+        int row = r0 + i / cols, col = c0 + i % cols;
+        u64 at = (u64)row * N + col;
+        float v = __ldcg(partials + at);
+        for (int z = 1; z < (int)gridDim.z; z++) v = __fadd_rn(v, __ldcg(partials + z * count + at));
+        if (FMT == 3) {
+            u64 src = row_index ? (u64)row_index[row] : (u64)row;
+            v = nvfp4_epilogue_scale(v, row_scale, src, w_sdec, e, sdec_groups, col, N);
+        }
+        out[at] = v;
+    }
+    if (id == 0) counters[counter] = 0;
+}
+
 // ---- Tiles: activations packed to BF16 once, operands streamed into shared memory ----
 
 // Where word j (k = 2j, 2j + 1) of a 16-word span of a packed row is stored: the span's 4x4
@@ -380,7 +424,7 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
                                                    const void* w, const u8* w_scales, const float* w_sdec,
                                                    int sdec_groups, const int* tiles, const int* num_tiles,
                                                    const int* offsets, int rows, int N, int K, float* out,
-                                                   float* partials, const u32* xb) {
+                                                   float* partials, const u32* xb, u32* counters) {
     int e, r0, r1;
     constexpr int TMR = 32 * WM, THREADS = 128 * WM;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TMR)) return;
@@ -527,15 +571,18 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
                                    sdec_groups, out);
                 }
         }
+    if (partials)
+        fold_if_last<FMT, false>(partials, counters, blockIdx.y * gridDim.x + blockIdx.x, rows, N, r0, r1, n0,
+                                 n0 + TILE_TN, row_index, row_scale, w_sdec, e, sdec_groups, out);
 }
 
 template <int FMT>
 __device__ void grouped_gemm_mma(const float* x, const int* row_index, const float* row_scale, const void* w,
                                  const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                  const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                 float* partials, const u32* xb) {
+                                 float* partials, const u32* xb, u32* counters) {
     grouped_gemm_tiled<FMT, 1>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets,
-                               rows, N, K, out, partials, xb);
+                               rows, N, K, out, partials, xb, counters);
 }
 
 // `tiles` is the routing plan's list of wide tiles (TM_WIDE rows).
@@ -543,9 +590,9 @@ template <int FMT>
 __device__ void grouped_gemm_mma_wide(const float* x, const int* row_index, const float* row_scale, const void* w,
                                       const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                       const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                      float* partials, const u32* xb) {
+                                      float* partials, const u32* xb, u32* counters) {
     grouped_gemm_tiled<FMT, TM_WIDE / 32>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles,
-                                          num_tiles, offsets, rows, N, K, out, partials, xb);
+                                          num_tiles, offsets, rows, N, K, out, partials, xb, counters);
 }
 
 // ---- Tensor cores for tiles of few rows: a warp per 8 * NF output columns ----
@@ -562,7 +609,7 @@ template <int FMT, int NF>
 __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const float* row_scale, const void* w,
                                     const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                     const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                    float* partials) {
+                                    float* partials, u32* counters) {
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
     constexpr bool SPLIT = FMT == 1;
@@ -570,7 +617,7 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
     constexpr int SPANS = NF == 1 ? 8 : 4;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int n0 = (blockIdx.x * SKINNY_WARPS + warp) * 8 * NF;
-    if (n0 >= N) return;
+    if (n0 >= N) return;  // warp-uniform; split-K folds per warp
     // A lane past N reads column n0 (never stored: lanes store columns 2t, 2t + 1).
     u64 w_row[NF];
 #pragma unroll
@@ -653,28 +700,30 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
                     int col = n0 + 8 * f + 2 * t + j;
                     if (col >= N) continue;
                     store_sum<FMT>(tot[32 * ((mi * NF + f) * 4 + 2 * half + j)], partials, rows, row, col, N, row_scale,
-                                   src, w_sdec, e,
-                                   sdec_groups, out);
+                                   src, w_sdec, e, sdec_groups, out);
                 }
         }
+    if (partials)
+        fold_if_last<FMT, true>(partials, counters, (blockIdx.y * gridDim.x + blockIdx.x) * SKINNY_WARPS + warp, rows,
+                                N, r0, r1, n0, n0 + 8 * NF, row_index, row_scale, w_sdec, e, sdec_groups, out);
 }
 
 template <int FMT>
 __device__ void grouped_gemm_skinny1(const float* x, const int* row_index, const float* row_scale, const void* w,
                                      const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                      const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                     float* partials, const u32* /* xb: reads x itself */) {
+                                     float* partials, const u32* /* xb: reads x itself */, u32* counters) {
     grouped_gemm_skinny<FMT, 1>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets,
-                                rows, N, K, out, partials);
+                                rows, N, K, out, partials, counters);
 }
 
 template <int FMT>
 __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const float* row_scale, const void* w,
                                      const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                      const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                     float* partials, const u32* /* xb: reads x itself */) {
+                                     float* partials, const u32* /* xb: reads x itself */, u32* counters) {
     grouped_gemm_skinny<FMT, 4>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets,
-                                rows, N, K, out, partials);
+                                rows, N, K, out, partials, counters);
 }
 
 // ---- Hopper (sm_90a): warpgroup MMAs with the weights as the A operand ----
@@ -720,7 +769,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
                                                    const void* w, const u8* w_scales, const float* w_sdec,
                                                    int sdec_groups, const int* tiles, const int* num_tiles,
                                                    const int* offsets, int rows, int N, int K, float* out,
-                                                   float* partials, const u32* xb) {
+                                                   float* partials, const u32* xb, u32* counters) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TM_WIDE)) return;
@@ -882,6 +931,9 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
             u64 src = row_index ? (u64)row_index[row] : (u64)row;
             store_sum<FMT>(tot[4 * j + i], partials, rows, row, col, N, row_scale, src, w_sdec, e, sdec_groups, out);
         }
+    if (partials)
+        fold_if_last<FMT, false>(partials, counters, blockIdx.y * gridDim.x + blockIdx.x, rows, N, r0, r1, n0,
+                                 n0 + TILE_TN, row_index, row_scale, w_sdec, e, sdec_groups, out);
 #else
     __trap();  // sm_90a only: the host never picks this kernel elsewhere
 #endif
@@ -891,9 +943,9 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     extern "C" __global__ void NAME(const float* x, const int* row_index, const float* row_scale, const void* w,   \
                                     const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,    \
                                     const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,  \
-                                    float* partials, const u32* xb) { pdl_entry();                                              \
+                                    float* partials, const u32* xb, u32* counters) { pdl_entry();                                              \
         KIND<FMT>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets, rows, N, K, \
-                  out, partials, xb);                                                                              \
+                  out, partials, xb, counters);                                                                              \
     }
 
 // The same with launch bounds: THREADS a block, at least BLOCKS blocks an SM (the registers a
@@ -902,10 +954,10 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS)                                                 \
         NAME(const float* x, const int* row_index, const float* row_scale, const void* w, const u8* w_scales,     \
              const float* w_sdec, int sdec_groups, const int* tiles, const int* num_tiles, const int* offsets,     \
-             int rows, int N, int K, float* out, float* partials, const u32* xb) {                                 \
+             int rows, int N, int K, float* out, float* partials, const u32* xb, u32* counters) {                                 \
         pdl_entry();                                                                                              \
         KIND<FMT>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets, rows, N, K, \
-                  out, partials, xb);                                                                              \
+                  out, partials, xb, counters);                                                                              \
     }
 
 // The wide tiles' kernels: 256 threads, two blocks an SM (at most 128 registers a thread).
@@ -930,35 +982,3 @@ GEMM_KERNEL(grouped_gemm, grouped_gemm_f32, 0)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_bf16, 1)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_mxfp8, 2)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_nvfp4, 3)
-
-// Split-K's second step: out[row, col] = the segments' sums added in order (the same additions
-// the unsplit kernels make), then the NVFP4 epilogue when row_scale is given: of expert 0 for a
-// dense layer, of the row's expert (offsets, `experts` + 1 entries) for a routing plan's rows.
-// partials: [segments][rows][N]. Grid ceil(rows * N / 256), 256 threads.
-extern "C" __global__ void gemm_fold_segments(const float* partials, int segments, int rows, int N,
-                                              const int* row_index, const float* row_scale, const float* w_sdec,
-                                              int sdec_groups, const int* offsets, int experts, float* out) {
-    pdl_entry();
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    u64 count = (u64)rows * N;
-    if (i >= count) return;
-    float v = partials[i];
-    for (int s = 1; s < segments; s++) v = __fadd_rn(v, partials[s * count + i]);
-    if (row_scale) {
-        int row = (int)(i / N), col = (int)(i % N);
-        u64 src = row_index ? (u64)row_index[row] : (u64)row;
-        int e = 0;
-        if (offsets) {
-            // The last expert whose rows start at or before `row`: offsets[e] <= row < offsets[e + 1].
-            int lo = 0, hi = experts - 1;
-            while (lo < hi) {
-                int mid = (lo + hi + 1) / 2;
-                if (offsets[mid] <= row) lo = mid;
-                else hi = mid - 1;
-            }
-            e = lo;
-        }
-        v = nvfp4_epilogue_scale(v, row_scale, src, w_sdec, e, sdec_groups, col, N);
-    }
-    out[i] = v;
-}

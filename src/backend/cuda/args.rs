@@ -12,8 +12,8 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use super::device::Gpu;
 use super::kernels::Param;
 
-/// The most parameters a kernel may have (the widest, the GEMMs, take 14).
-pub const MAX_PARAMS: usize = 16;
+/// The most parameters a kernel may have (the widest, the GEMMs, take 17).
+pub const MAX_PARAMS: usize = 17;
 
 /// One argument as the driver receives it.
 #[derive(Clone, Copy, Debug)]
@@ -161,6 +161,7 @@ tuple_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12);
 tuple_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13);
 tuple_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13, O 14);
 tuple_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13, O 14, P 15);
+tuple_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13, O 14, P 15, Q 16);
 
 #[cfg(test)]
 mod tests {

@@ -145,9 +145,9 @@ macro_rules! kernels {
 use Param::{Ptr, F32, I32, U64};
 
 /// `GEMM_KERNEL` in gemm.cu: x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles,
-/// num_tiles, offsets, rows, N, K, out, partials, xb.
+/// num_tiles, offsets, rows, N, K, out, partials, xb, counters.
 const GROUPED_GEMM: &[Param] = &[
-    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, Ptr, Ptr, Ptr, I32, I32, I32, Ptr, Ptr, Ptr,
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, Ptr, Ptr, Ptr, I32, I32, I32, Ptr, Ptr, Ptr, Ptr,
 ];
 /// The prefill and decode kernels of prefill_attention.cu: q, out, k_cache, v_cache, row_pos,
 /// row_seq, table_offsets, block_tables, tiles (prefill) or rows (decode), heads, kv_heads,
@@ -212,7 +212,6 @@ kernels! {
     GroupedGemmSkinny4Bf16 => (Gemm, "grouped_gemm_skinny4_bf16", GROUPED_GEMM),
     GroupedGemmSkinny4Mxfp8 => (Gemm, "grouped_gemm_skinny4_mxfp8", GROUPED_GEMM),
     GroupedGemmSkinny4Nvfp4 => (Gemm, "grouped_gemm_skinny4_nvfp4", GROUPED_GEMM),
-    GemmFoldSegments => (Gemm, "gemm_fold_segments", &[Ptr, I32, I32, I32, Ptr, Ptr, Ptr, I32, Ptr, I32, Ptr]),
     PackGemmOperand => (Gemm, "pack_gemm_operand", &[Ptr, I32, I32, I32, Ptr]),
     PagedAttention => (Attention, "paged_attention", &[
         Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, F32,

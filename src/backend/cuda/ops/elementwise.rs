@@ -231,9 +231,11 @@ pub fn moe_combine(
     if tokens == 0 {
         return Ok(());
     }
+    // A block per token and 256 columns: at one token (decode) the columns' loads are all in
+    // flight at once instead of eight rounds of one block.
     gpu.launch(
         Kernel::MoeCombine,
-        (tokens as u32, 1, 1),
+        (tokens as u32, hidden.div_ceil(256) as u32, 1),
         256,
         (
             expert_out,

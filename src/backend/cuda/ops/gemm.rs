@@ -41,6 +41,10 @@ const SPLIT_K_BELOW_BLOCKS: usize = 128;
 const SPLIT_K_PLAN_BELOW_BLOCKS: usize = 1024;
 /// The largest split-K scratch (f32 per-segment sums) [`SplitK::Auto`] takes: 64 MiB.
 const SPLIT_K_MAX_PARTIALS: usize = 1 << 24;
+/// Split-K counters reserved up front: one per output region (a block's tile, or a few-rows
+/// warp's columns), enough for every launch [`SplitK::Auto`] splits (fewer than 1,024 blocks
+/// of 4 warps); a larger forced split grows them.
+const SPLIT_K_COUNTERS: usize = 1 << 14;
 
 /// A weight matrix (or a stack of expert matrices) in GPU memory, in its storage format.
 pub enum WeightData {
@@ -59,11 +63,13 @@ pub enum WeightData {
     },
 }
 
-/// The GEMMs' device scratch, held by [`Gpu`]: split-K's per-segment sums and the tiled
+/// The GEMMs' device scratch, held by [`Gpu`]: split-K's per-segment sums and the counters
+/// that find each output region's last segment (zero between launches), and the tiled
 /// kernel's packed activations.
 #[derive(Default)]
 pub struct GemmScratch {
     partials: Option<CudaSlice<f32>>,
+    counters: Option<CudaSlice<u32>>,
     operand: Option<CudaSlice<u32>>,
     /// Counts the times a buffer moved (a recorded step holds their addresses).
     pub generation: u64,
@@ -98,6 +104,12 @@ pub fn reserve_gemm_scratch(
         &mut scratch.partials,
         &mut scratch.generation,
         partials,
+    )?;
+    grown(
+        gpu,
+        &mut scratch.counters,
+        &mut scratch.generation,
+        SPLIT_K_COUNTERS,
     )?;
     Ok(())
 }
@@ -151,9 +163,9 @@ pub enum GemmPath {
     Wgmma,
 }
 
-/// Whether a tensor-core launch runs a block per K segment (then `gemm_fold_segments` adds the
-/// segments' sums in order, and applies the NVFP4 epilogue of each row's expert). The bits are
-/// the same either way.
+/// Whether a tensor-core launch runs a block per K segment (then the last of an output region's
+/// segments to finish adds the region's sums in order and applies the NVFP4 epilogue, in the
+/// same launch). The bits are the same either way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SplitK {
     /// Split when the launch has too few blocks to fill the GPU (decode-sized dense layers).
@@ -545,8 +557,8 @@ fn launch_gemm(
     } else {
         GEMM_TILE_ROWS
     };
-    let (tiles, num_tiles, offsets, experts, rows_arg, grid_y) = match rows {
-        GemmRows::Dense(r) => (None, None, None, 0, r, r.div_ceil(tile_rows)),
+    let (tiles, num_tiles, offsets, rows_arg, grid_y) = match rows {
+        GemmRows::Dense(r) => (None, None, None, r, r.div_ceil(tile_rows)),
         GemmRows::Plan(p) => {
             let (list, count, launched) = if wide {
                 (&p.wide_tiles, &p.num_wide_tiles, p.wide_tiles_launched())
@@ -557,7 +569,6 @@ fn launch_gemm(
                 Some(View::whole(list)),
                 Some(View::whole(count)),
                 Some(View::whole(&p.offsets)),
-                p.counts.len(),
                 max_rows,
                 launched,
             )
@@ -579,6 +590,16 @@ fn launch_gemm(
             &mut scratch.partials,
             &mut scratch.generation,
             s * rows_arg * n,
+        )?),
+        None => None,
+    };
+    // A counter per block, or per warp of the few-rows kernels (4 a block).
+    let counters = match segments {
+        Some(_) => Some(&*grown(
+            gpu,
+            &mut scratch.counters,
+            &mut scratch.generation,
+            (grid_x * grid_y * 4).max(SPLIT_K_COUNTERS),
         )?),
         None => None,
     };
@@ -627,29 +648,7 @@ fn launch_gemm(
             out,
             partials.map(View::whole),
             operand,
-        ),
-    )?;
-    let (Some(segments), Some(partials)) = (segments, partials) else {
-        return Ok(());
-    };
-    let count = rows_arg * n;
-    let nvfp4 = w.s_dec.is_some();
-    gpu.launch(
-        Kernel::GemmFoldSegments,
-        (count.div_ceil(256) as u32, 1, 1),
-        256,
-        (
-            View::whole(partials),
-            segments as i32,
-            rows_arg as i32,
-            n as i32,
-            row_index.filter(|_| nvfp4).map(View::whole),
-            row_scale.filter(|_| nvfp4).map(View::whole),
-            w.s_dec,
-            w.groups as i32,
-            offsets.filter(|_| nvfp4),
-            experts as i32,
-            out,
+            counters.map(View::whole),
         ),
     )
 }
