@@ -229,6 +229,15 @@ pub const SKINNY_MAX_QUANTIZED_PLAN_ROWS: usize = 32;
 pub const WIDE_MIN_DENSE_ROWS: usize = 1024;
 pub const WIDE_MIN_DENSE_COLS: usize = 2048;
 pub const WIDE_MIN_ROWS_PER_EXPERT: usize = 64;
+/// Rows per expert (on average) from which [`GemmPath::Auto`] takes the wgmma kernel for a
+/// routing plan over MXFP8 or NVFP4 experts (where allowed, [`wgmma_allowed`]). H200
+/// (cuda_kernel_bench, 2026-12-03, gate/up of 128 experts, top-8, the first wgmma kernel):
+/// MXFP8 at 1,024 / 2,048 / 4,096 tokens 341 / 645 / 1,225 us against the wide tiles' 410 /
+/// 797 / 1,543, NVFP4 430 / 833 / 1,615 against the 32-row tiles' 561 / 1,068 / 2,106; at 512
+/// tokens the 32-row tiles win (MXFP8 237 against 275 us, NVFP4 294 against 372). BF16 (two
+/// activation terms, twice the MMAs) was slower on it than on the wide tiles there (1,987
+/// against 1,437 us at 4,096 tokens), so BF16 stays on them.
+pub const WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT: usize = 64;
 
 /// Whether [`GemmPath::Auto`] may take the wide tiles: `LOCKSTEP_WIDE_TILES=0` keeps it on
 /// 32-row tiles, to measure the difference in one run (scripts/gpu-check.sh
@@ -276,9 +285,14 @@ impl GemmPath {
                     w.s_dec.is_none() && max_rows >= WIDE_MIN_ROWS_PER_EXPERT * p.counts.len()
                 }
             };
+        // The wgmma kernel over MXFP8 or NVFP4 experts from the wide tiles' rows per expert.
+        let wgmma_wins = wgmma
+            && w.scales.is_some()
+            && matches!(rows, GemmRows::Plan(p)
+                if max_rows >= WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT * p.counts.len());
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
-            GemmPath::Auto if wide && wgmma => GemmPath::Wgmma,
+            GemmPath::Auto if wgmma_wins => GemmPath::Wgmma,
             GemmPath::Auto if wide => GemmPath::TensorCoreWide,
             GemmPath::Wgmma if !wgmma => GemmPath::TensorCoreWide,
             GemmPath::Auto if max_rows > skinny_rows => GemmPath::TensorCore,
