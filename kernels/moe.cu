@@ -5,11 +5,8 @@
 // `given` (optional, [tokens, top_k]): routing replay. A row whose given ids are all valid takes
 // them, weighted by this router's probabilities (renormalized over them, summed in slot order as
 // the CPU does); any other row is routed normally.
-extern "C" __global__ void moe_route(const float* logits, int tokens, int experts, int top_k, int renormalize,
-                                     const int* given, int* topk_ids, float* topk_w) {
-    pdl_entry();
-    int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (t >= tokens) return;
+__device__ void route_token(const float* logits, int t, int lane, int experts, int top_k, int renormalize,
+                            const int* given, int* topk_ids, float* topk_w) {
     const float* row = logits + (u64)t * experts;
     float m = -INFINITY;
     for (int e = lane; e < experts; e += 32) m = fmaxf(m, row[e]);
@@ -72,6 +69,14 @@ extern "C" __global__ void moe_route(const float* logits, int tokens, int expert
     if (renormalize && lane < top_k) topk_w[t * top_k + lane] = topk_w[t * top_k + lane] / picked_sum;
 }
 
+extern "C" __global__ void moe_route(const float* logits, int tokens, int experts, int top_k, int renormalize,
+                                     const int* given, int* topk_ids, float* topk_w) {
+    pdl_entry();
+    int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (t >= tokens) return;
+    route_token(logits, t, lane, experts, top_k, renormalize, given, topk_ids, topk_w);
+}
+
 // counts[e] = number of (token, slot) pairs routed to e. `counts` must be zeroed first.
 extern "C" __global__ void moe_count(const int* topk_ids, int pairs, int* counts) {
     pdl_entry();
@@ -86,9 +91,8 @@ extern "C" __global__ void moe_count(const int* topk_ids, int pairs, int* counts
 // runs' rows and tiles gives each run its first row and tiles, so the plan is the one a single
 // walk over e = 0, 1, ... writes (integers: the same for any thread count).
 #define PLAN_THREADS 256
-extern "C" __global__ void moe_plan(const int* counts, int experts, int tile_rows, int wide_rows, int* offsets,
-                                    int* cursor, int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles) {
-    pdl_entry();
+__device__ void plan_block(const int* counts, int experts, int tile_rows, int wide_rows, int* offsets, int* cursor,
+                           int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles) {
     __shared__ int rows_s[PLAN_THREADS], tiles_s[PLAN_THREADS], wide_s[PLAN_THREADS];
     int tid = threadIdx.x, per = (experts + PLAN_THREADS - 1) / PLAN_THREADS;
     int e0 = min(tid * per, experts), e1 = min(e0 + per, experts);
@@ -134,12 +138,48 @@ extern "C" __global__ void moe_plan(const int* counts, int experts, int tile_row
     }
 }
 
+extern "C" __global__ void moe_plan(const int* counts, int experts, int tile_rows, int wide_rows, int* offsets,
+                                    int* cursor, int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles) {
+    pdl_entry();
+    plan_block(counts, experts, tile_rows, wide_rows, offsets, cursor, tiles, num_tiles, wide_tiles, num_wide_tiles);
+}
+
 // Assigns each (token, slot) pair a row in its expert's group. The order inside a group does
 // not matter: every row is computed independently and the combine reads by (token, slot).
 extern "C" __global__ void moe_scatter(const int* topk_ids, int pairs, int top_k, int* cursor, int* slot_row,
                                        int* row_token) {
     pdl_entry();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += gridDim.x * blockDim.x) {
+        int r = atomicAdd(&cursor[topk_ids[i]], 1);
+        slot_row[i] = r;
+        row_token[r] = i / top_k;
+    }
+}
+
+// Routing and its plan in one block of PLAN_THREADS threads, for few tokens (decode): what
+// moe_route, moe_count, moe_plan and moe_scatter write, in one launch instead of four and a
+// memset. Each token is routed by the same code (a warp per token); counts, offsets and tiles
+// are integers; rows within an expert's group are handed out in any order, as moe_scatter's
+// are. Requires experts <= ROUTE_PLAN_MAX_EXPERTS (host: ops::moe::ROUTE_PLAN_MAX_EXPERTS).
+#define ROUTE_PLAN_MAX_EXPERTS 1024
+extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
+    moe_route_plan(const float* logits, int tokens, int experts, int top_k, int renormalize, const int* given,
+                   int* topk_ids, float* topk_w, int* counts, int tile_rows, int wide_rows, int* offsets,
+                   int* cursor, int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles, int* slot_row,
+                   int* row_token) {
+    pdl_entry();
+    __shared__ int counts_s[ROUTE_PLAN_MAX_EXPERTS];
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, pairs = tokens * top_k;
+    for (int e = tid; e < experts; e += PLAN_THREADS) counts_s[e] = 0;
+    for (int t = warp; t < tokens; t += PLAN_THREADS / 32)
+        route_token(logits, t, lane, experts, top_k, renormalize, given, topk_ids, topk_w);
+    __syncthreads();
+    for (int i = tid; i < pairs; i += PLAN_THREADS) atomicAdd(&counts_s[topk_ids[i]], 1);
+    __syncthreads();
+    for (int e = tid; e < experts; e += PLAN_THREADS) counts[e] = counts_s[e];
+    plan_block(counts_s, experts, tile_rows, wide_rows, offsets, cursor, tiles, num_tiles, wide_tiles, num_wide_tiles);
+    __syncthreads();
+    for (int i = tid; i < pairs; i += PLAN_THREADS) {
         int r = atomicAdd(&cursor[topk_ids[i]], 1);
         slot_row[i] = r;
         row_token[r] = i / top_k;

@@ -806,6 +806,103 @@ fn the_routing_plan_is_the_sequential_walk_over_experts() {
 
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn one_launch_routing_gives_the_routes_and_plan_of_the_separate_launches() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    for (tokens, top_k, experts) in [(1, 8, 128), (7, 8, 128), (64, 8, 128), (33, 4, 300)] {
+        assert!(tokens <= ops::ROUTE_PLAN_MAX_TOKENS);
+        let pairs = tokens * top_k;
+        let logits = g.upload(&rng.vec(tokens * experts, 3.0)).unwrap();
+        // Replay: every third row given valid experts, every third an invalid id (routed).
+        let given: Vec<i32> = (0..tokens)
+            .flat_map(|t| {
+                let pick: Vec<i32> = match t % 3 {
+                    0 => (0..top_k)
+                        .map(|s| ((t * 7 + s * 13) % experts) as i32)
+                        .collect(),
+                    1 => (0..top_k)
+                        .map(|s| if s == 0 { -1 } else { s as i32 })
+                        .collect(),
+                    _ => vec![experts as i32; top_k],
+                };
+                pick
+            })
+            .collect();
+        let dgiven = g.upload(&given).unwrap();
+        for replay in [None, Some(&dgiven)] {
+            let shape = format!(
+                "{tokens} tokens x {top_k} of {experts}, replay {}",
+                replay.is_some()
+            );
+            let run = |fused: bool| {
+                let mut ids = g.alloc::<i32>(pairs).unwrap();
+                let mut w = g.alloc::<f32>(pairs).unwrap();
+                let mut plan = MoePlan::new(&g, pairs, experts).unwrap();
+                if fused {
+                    ops::route_and_plan(
+                        &g, &logits, tokens, experts, top_k, true, replay, &mut ids, &mut w,
+                        &mut plan,
+                    )
+                    .unwrap();
+                } else {
+                    ops::moe_route(
+                        &g, &logits, tokens, experts, top_k, true, replay, &mut ids, &mut w,
+                    )
+                    .unwrap();
+                    plan.build(&g, &ids, tokens, top_k, experts).unwrap();
+                }
+                (ids, w, plan)
+            };
+            let (ids_a, w_a, plan_a) = run(true);
+            let (ids_b, w_b, plan_b) = run(false);
+            let ids = g.download(&ids_b, pairs).unwrap();
+            assert_eq!(g.download(&ids_a, pairs).unwrap(), ids, "{shape}: ids");
+            let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(g.download(&w_a, pairs).unwrap()),
+                bits(g.download(&w_b, pairs).unwrap()),
+                "{shape}: weights"
+            );
+            let ints = |p: &MoePlan| {
+                let n = g.download(&p.num_tiles, 1).unwrap()[0] as usize;
+                let m = g.download(&p.num_wide_tiles, 1).unwrap()[0] as usize;
+                (
+                    g.download(&p.counts, experts).unwrap(),
+                    g.download(&p.offsets, experts + 1).unwrap(),
+                    g.download(&p.tiles, 2 * n).unwrap(),
+                    g.download(&p.wide_tiles, 2 * m).unwrap(),
+                )
+            };
+            let want = ints(&plan_b);
+            assert_eq!(ints(&plan_a), want, "{shape}: counts, offsets, tiles");
+            assert_eq!((plan_a.tokens, plan_a.pairs), (tokens, pairs));
+            // Every pair has a row of its expert's group, and that row names the pair's token.
+            let offsets = &want.1;
+            let slot_row = g.download(&plan_a.slot_row, pairs).unwrap();
+            let row_token = g.download(&plan_a.row_token, pairs).unwrap();
+            let mut seen = vec![false; pairs];
+            for (i, &r) in slot_row.iter().enumerate() {
+                let e = ids[i] as usize;
+                assert!(
+                    offsets[e] <= r && r < offsets[e + 1],
+                    "{shape}: pair {i} row {r}"
+                );
+                assert!(
+                    !std::mem::replace(&mut seen[r as usize], true),
+                    "{shape}: row {r} twice"
+                );
+                assert_eq!(
+                    row_token[r as usize] as usize,
+                    i / top_k,
+                    "{shape}: row {r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
     let g = gpu();
     let mut rng = Rng(seed());

@@ -12,8 +12,8 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use super::device::Gpu;
 use super::kernels::Param;
 
-/// The most parameters a kernel may have (the widest, the GEMMs, take 17).
-pub const MAX_PARAMS: usize = 17;
+/// The most parameters a kernel may have (the widest, `moe_route_plan`, takes 19).
+pub const MAX_PARAMS: usize = 19;
 
 /// One argument as the driver receives it.
 #[derive(Clone, Copy, Debug)]
@@ -162,6 +162,8 @@ tuple_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, 
 tuple_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13, O 14);
 tuple_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13, O 14, P 15);
 tuple_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13, O 14, P 15, Q 16);
+tuple_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13, O 14, P 15, Q 16, R 17);
+tuple_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13, O 14, P 15, Q 16, R 17, S 18);
 
 #[cfg(test)]
 mod tests {

@@ -745,7 +745,7 @@ impl Backend for Cuda {
         if let Some(ids) = replay {
             gpu.write(ids, &mut route.replay)?;
         }
-        ops::moe_route(
+        ops::route_and_plan(
             gpu,
             logits,
             rows,
@@ -755,10 +755,8 @@ impl Backend for Cuda {
             replay.map(|_| &route.replay),
             &mut route.ids,
             &mut route.weights,
+            &mut route.plan,
         )?;
-        route
-            .plan
-            .build(gpu, &route.ids, rows, shape.top_k, shape.experts)?;
         route.rows = rows;
         route.top_k = shape.top_k;
         Ok(())

@@ -57,6 +57,86 @@ pub fn moe_route(
     )
 }
 
+/// Tokens up to which [`route_and_plan`] runs routing and plan as one block (`moe_route_plan`):
+/// a decode step's, where the four launches and the memset cost more than the work.
+pub const ROUTE_PLAN_MAX_TOKENS: usize = 64;
+/// The most experts `moe_route_plan` counts in shared memory (kernels/moe.cu).
+pub const ROUTE_PLAN_MAX_EXPERTS: usize = 1024;
+
+/// [`moe_route`] and then [`MoePlan::build`] over its ids: as one launch for up to
+/// [`ROUTE_PLAN_MAX_TOKENS`] tokens (the same ids, weights and plan), else as the two.
+#[allow(clippy::too_many_arguments)]
+pub fn route_and_plan(
+    gpu: &Gpu,
+    logits: &CudaSlice<f32>,
+    tokens: usize,
+    experts: usize,
+    top_k: usize,
+    renormalize: bool,
+    given: Option<&CudaSlice<i32>>,
+    ids: &mut CudaSlice<i32>,
+    weights: &mut CudaSlice<f32>,
+    plan: &mut MoePlan,
+) -> Result<(), CudaError> {
+    if tokens == 0 || tokens > ROUTE_PLAN_MAX_TOKENS || experts > ROUTE_PLAN_MAX_EXPERTS {
+        moe_route(
+            gpu,
+            logits,
+            tokens,
+            experts,
+            top_k,
+            renormalize,
+            given,
+            ids,
+            weights,
+        )?;
+        return plan.build(gpu, ids, tokens, top_k, experts);
+    }
+    if top_k > 32 || top_k > experts {
+        return Err(CudaError::Unsupported(format!(
+            "top_k {top_k} of {experts} experts (max 32)"
+        )));
+    }
+    let pairs = tokens * top_k;
+    let logits = need(logits, tokens * experts, "route logits")?;
+    let ids = need(ids, pairs, "route ids")?;
+    let weights = need(weights, pairs, "route weights")?;
+    let given = given
+        .map(|g| need(g, pairs, "route given ids"))
+        .transpose()?;
+    let slot_row = need(&plan.slot_row, pairs, "plan slot_row")?;
+    let counts = need(&plan.counts, experts, "plan counts")?;
+    (plan.tokens, plan.pairs) = (tokens, pairs);
+    // Offsets, cursor and the tiles are sized by `MoePlan::new` for `experts` and the most
+    // pairs, row_token for the rows the cursor hands out.
+    gpu.launch(
+        Kernel::MoeRoutePlan,
+        (1, 1, 1),
+        MOE_PLAN_THREADS,
+        (
+            logits,
+            tokens as i32,
+            experts as i32,
+            top_k as i32,
+            renormalize as i32,
+            given,
+            ids,
+            weights,
+            counts,
+            GEMM_TILE_ROWS as i32,
+            GEMM_WIDE_TILE_ROWS as i32,
+            View::whole(&plan.offsets),
+            View::whole(&plan.cursor),
+            View::whole(&plan.tiles),
+            View::whole(&plan.num_tiles),
+            View::whole(&plan.wide_tiles),
+            View::whole(&plan.num_wide_tiles),
+            slot_row,
+            View::whole(&plan.row_token),
+        ),
+    )
+}
+
 /// Device buffers of a routing plan for `pairs = tokens * top_k` (token, slot) pairs.
 pub struct MoePlan {
     pub counts: CudaSlice<i32>,
