@@ -162,8 +162,7 @@ extern "C" __global__ void moe_scatter(const int* topk_ids, int pairs, int top_k
 // are integers; rows within an expert's group are handed out in any order, as moe_scatter's
 // are. Requires experts <= ROUTE_PLAN_MAX_EXPERTS (host: ops::moe::ROUTE_PLAN_MAX_EXPERTS).
 #define ROUTE_PLAN_MAX_EXPERTS 1024
-extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
-    moe_route_plan(const float* logits, int tokens, int experts, int top_k, int renormalize, const int* given,
+extern "C" __global__ void moe_route_plan(const float* logits, int tokens, int experts, int top_k, int renormalize, const int* given,
                    int* topk_ids, float* topk_w, int* counts, int tile_rows, int wide_rows, int* offsets,
                    int* cursor, int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles, int* slot_row,
                    int* row_token) {
