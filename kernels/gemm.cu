@@ -31,9 +31,10 @@
 // in segments of SEG k (the last may be shorter): each segment accumulates from zero, and the
 // segments' sums are added in order (total = s0, then total + s1, ...). A block either walks
 // every segment and keeps that running total, or (split-K, `partials` not null, launches of few
-// blocks) takes the one segment blockIdx.z and stores its sum; the last of an output region's
-// blocks (or, few-rows kernels, warps) to finish then adds the region's segments in the same
-// order (fold_if_last). Both give the same bits; split-K only buys blocks.
+// blocks) takes the one segment blockIdx.z and stores its sum; then either (with `counters`,
+// regions of few rows) the last of an output region's blocks (few-rows kernels: warps) to
+// finish adds the region's segments in the same order (fold_if_last), or gemm_fold_segments
+// does, a thread per element. Both give the same bits; split-K only buys blocks.
 
 #define TM 32
 #define TN 64
@@ -571,7 +572,7 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
                                    sdec_groups, out);
                 }
         }
-    if (partials)
+    if (partials && counters)
         fold_if_last<FMT, false>(partials, counters, blockIdx.y * gridDim.x + blockIdx.x, rows, N, r0, r1, n0,
                                  n0 + TILE_TN, row_index, row_scale, w_sdec, e, sdec_groups, out);
 }
@@ -703,7 +704,7 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
                                    src, w_sdec, e, sdec_groups, out);
                 }
         }
-    if (partials)
+    if (partials && counters)
         fold_if_last<FMT, true>(partials, counters, (blockIdx.y * gridDim.x + blockIdx.x) * SKINNY_WARPS + warp, rows,
                                 N, r0, r1, n0, n0 + 8 * NF, row_index, row_scale, w_sdec, e, sdec_groups, out);
 }
@@ -931,7 +932,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
             u64 src = row_index ? (u64)row_index[row] : (u64)row;
             store_sum<FMT>(tot[4 * j + i], partials, rows, row, col, N, row_scale, src, w_sdec, e, sdec_groups, out);
         }
-    if (partials)
+    if (partials && counters)
         fold_if_last<FMT, false>(partials, counters, blockIdx.y * gridDim.x + blockIdx.x, rows, N, r0, r1, n0,
                                  n0 + TILE_TN, row_index, row_scale, w_sdec, e, sdec_groups, out);
 #else
@@ -982,3 +983,36 @@ GEMM_KERNEL(grouped_gemm, grouped_gemm_f32, 0)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_bf16, 1)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_mxfp8, 2)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_nvfp4, 3)
+
+// Split-K's second step for launches whose regions hold many rows (the in-launch fold would
+// walk them in one block): out[row, col] = the segments' sums added in order (the same additions
+// the unsplit kernels make), then the NVFP4 epilogue when row_scale is given: of expert 0 for a
+// dense layer, of the row's expert (offsets, `experts` + 1 entries) for a routing plan's rows.
+// partials: [segments][rows][N]. Grid ceil(rows * N / 256), 256 threads.
+extern "C" __global__ void gemm_fold_segments(const float* partials, int segments, int rows, int N,
+                                              const int* row_index, const float* row_scale, const float* w_sdec,
+                                              int sdec_groups, const int* offsets, int experts, float* out) {
+    pdl_entry();
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 count = (u64)rows * N;
+    if (i >= count) return;
+    float v = partials[i];
+    for (int s = 1; s < segments; s++) v = __fadd_rn(v, partials[s * count + i]);
+    if (row_scale) {
+        int row = (int)(i / N), col = (int)(i % N);
+        u64 src = row_index ? (u64)row_index[row] : (u64)row;
+        int e = 0;
+        if (offsets) {
+            // The last expert whose rows start at or before `row`: offsets[e] <= row < offsets[e + 1].
+            int lo = 0, hi = experts - 1;
+            while (lo < hi) {
+                int mid = (lo + hi + 1) / 2;
+                if (offsets[mid] <= row) lo = mid;
+                else hi = mid - 1;
+            }
+            e = lo;
+        }
+        v = nvfp4_epilogue_scale(v, row_scale, src, w_sdec, e, sdec_groups, col, N);
+    }
+    out[i] = v;
+}

@@ -41,6 +41,13 @@ const SPLIT_K_BELOW_BLOCKS: usize = 128;
 const SPLIT_K_PLAN_BELOW_BLOCKS: usize = 1024;
 /// The largest split-K scratch (f32 per-segment sums) [`SplitK::Auto`] takes: 64 MiB.
 const SPLIT_K_MAX_PARTIALS: usize = 1 << 24;
+/// Dense rows (or a plan's tokens) up to which a split launch folds its segments itself: the
+/// last block (or few-rows warp) of an output region adds them. Its region then holds a few
+/// rows; with more, that one block's walk over them is slower than `gemm_fold_segments`' thread
+/// per element (H200, 2026-12-03: folding every split launch in place took decode at 64 rows
+/// from 26.1 to 33.9 ms a step, at 256 from 38.9 to 42.9; at one row 6.14 to 5.94 ms with the
+/// one-launch routing).
+const FOLD_IN_LAUNCH_MAX_ROWS: usize = 8;
 /// Split-K counters reserved up front: one per output region (a block's tile, or a few-rows
 /// warp's columns), enough for every launch [`SplitK::Auto`] splits (fewer than 1,024 blocks
 /// of 4 warps); a larger forced split grows them.
@@ -163,9 +170,9 @@ pub enum GemmPath {
     Wgmma,
 }
 
-/// Whether a tensor-core launch runs a block per K segment (then the last of an output region's
-/// segments to finish adds the region's sums in order and applies the NVFP4 epilogue, in the
-/// same launch). The bits are the same either way.
+/// Whether a tensor-core launch runs a block per K segment (then the region's sums are added in
+/// order and the NVFP4 epilogue applied: in the launch by the last of a region's blocks for few
+/// rows, else by `gemm_fold_segments`). The bits are the same either way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SplitK {
     /// Split when the launch has too few blocks to fill the GPU (decode-sized dense layers).
@@ -571,8 +578,8 @@ fn launch_gemm(
     } else {
         GEMM_TILE_ROWS
     };
-    let (tiles, num_tiles, offsets, rows_arg, grid_y) = match rows {
-        GemmRows::Dense(r) => (None, None, None, r, r.div_ceil(tile_rows)),
+    let (tiles, num_tiles, offsets, experts, rows_arg, grid_y) = match rows {
+        GemmRows::Dense(r) => (None, None, None, 0, r, r.div_ceil(tile_rows)),
         GemmRows::Plan(p) => {
             let (list, count, launched) = if wide {
                 (&p.wide_tiles, &p.num_wide_tiles, p.wide_tiles_launched())
@@ -583,6 +590,7 @@ fn launch_gemm(
                 Some(View::whole(list)),
                 Some(View::whole(count)),
                 Some(View::whole(&p.offsets)),
+                p.counts.len(),
                 max_rows,
                 launched,
             )
@@ -607,15 +615,20 @@ fn launch_gemm(
         )?),
         None => None,
     };
-    // A counter per block, or per warp of the few-rows kernels (4 a block).
+    // Regions of few rows are folded in the launch (a counter per block, or per warp of the
+    // few-rows kernels, 4 a block); others by gemm_fold_segments, a thread per element.
+    let fold_in_launch = match &rows {
+        GemmRows::Dense(r) => *r <= FOLD_IN_LAUNCH_MAX_ROWS,
+        GemmRows::Plan(p) => p.tokens <= FOLD_IN_LAUNCH_MAX_ROWS,
+    };
     let counters = match segments {
-        Some(_) => Some(&*grown(
+        Some(_) if fold_in_launch => Some(&*grown(
             gpu,
             &mut scratch.counters,
             &mut scratch.generation,
             (grid_x * grid_y * 4).max(SPLIT_K_COUNTERS),
         )?),
-        None => None,
+        _ => None,
     };
     // The tiled kernel reads x packed to BF16: every row the rows (through row_index) name.
     let operand = if matches!(
@@ -663,6 +676,29 @@ fn launch_gemm(
             partials.map(View::whole),
             operand,
             counters.map(View::whole),
+        ),
+    )?;
+    let (Some(segments), Some(partials), None) = (segments, partials, counters) else {
+        return Ok(());
+    };
+    let count = rows_arg * n;
+    let nvfp4 = w.s_dec.is_some();
+    gpu.launch(
+        Kernel::GemmFoldSegments,
+        (count.div_ceil(256) as u32, 1, 1),
+        256,
+        (
+            View::whole(partials),
+            segments as i32,
+            rows_arg as i32,
+            n as i32,
+            row_index.filter(|_| nvfp4).map(View::whole),
+            row_scale.filter(|_| nvfp4).map(View::whole),
+            w.s_dec,
+            w.groups as i32,
+            offsets.filter(|_| nvfp4),
+            experts as i32,
+            out,
         ),
     )
 }

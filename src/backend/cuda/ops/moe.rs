@@ -57,9 +57,11 @@ pub fn moe_route(
     )
 }
 
-/// Tokens up to which [`route_and_plan`] runs routing and plan as one block (`moe_route_plan`):
-/// a decode step's, where the four launches and the memset cost more than the work.
-pub const ROUTE_PLAN_MAX_TOKENS: usize = 64;
+/// Tokens up to which [`route_and_plan`] runs routing and plan as one block (`moe_route_plan`,
+/// a warp a token): small decode steps, where the four launches and the memset cost more than
+/// the work. Its 8 warps route one token each; more would queue (H200, 2026-12-03: at 64
+/// tokens, 8 a warp, with the in-launch folds, decode took 33.9 ms a step against 26.1).
+pub const ROUTE_PLAN_MAX_TOKENS: usize = 8;
 /// The most experts `moe_route_plan` counts in shared memory (kernels/moe.cu).
 pub const ROUTE_PLAN_MAX_EXPERTS: usize = 1024;
 
