@@ -295,6 +295,23 @@ __device__ __forceinline__ void decode_weight8(const Weight8& c, u32* out) {
     }
 }
 
+// The raw bytes of a lane's 8 weights of a span from a shared-memory stage (W_BYTES / 4 of a
+// column's span), with their block scale.
+template <int FMT>
+__device__ __forceinline__ Weight8 smem_weight8(const u8* wp, u8 scale) {
+    Weight8 wc;
+    wc.q = make_uint4(0, 0, 0, 0);
+    if (FMT == 1) wc.q = *(const uint4*)wp;
+    if (FMT == 2) {
+        uint2 v = *(const uint2*)wp;
+        wc.q.x = v.x;
+        wc.q.y = v.y;
+    }
+    if (FMT == 3) wc.q.x = *(const u32*)wp;
+    wc.scale = scale;
+    return wc;
+}
+
 __device__ __forceinline__ float nvfp4_epilogue_scale(float v, const float* row_scale, u64 src, const float* w_sdec,
                                                       int e, int sdec_groups, int col, int N) {
     return __fmul_rn(__fmul_rn(v, row_scale[src]), w_sdec[e * sdec_groups + col / (N / sdec_groups)]);
@@ -525,19 +542,8 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
                 }
 #pragma unroll
             for (int ni = 0; ni < 4; ni++) {
-                const u8* wp = &ws[stage][wn * 32 + ni * 8 + g][t * W_BYTES / 4];
-                Weight8 wc;
-                wc.q = make_uint4(0, 0, 0, 0);
-                if (FMT == 1) wc.q = *(const uint4*)wp;
-                if (FMT == 2) {
-                    uint2 v = *(const uint2*)wp;
-                    wc.q.x = v.x;
-                    wc.q.y = v.y;
-                }
-                if (FMT == 3) wc.q.x = *(const u32*)wp;
-                wc.scale = sc[ni];
                 u32 b[4];
-                decode_weight8<FMT>(wc, b);
+                decode_weight8<FMT>(smem_weight8<FMT>(&ws[stage][wn * 32 + ni * 8 + g][t * W_BYTES / 4], sc[ni]), b);
 #pragma unroll
                 for (int mi = 0; mi < 2; mi++)
 #pragma unroll
@@ -863,18 +869,8 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
         u32 wd[2][4];
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const u8* wp = ws + stage * WG_W_STAGE + col_local[h] * W_BYTES + t * W_BYTES / 4;
-            Weight8 wc;
-            wc.q = make_uint4(0, 0, 0, 0);
-            if (FMT == 1) wc.q = *(const uint4*)wp;
-            if (FMT == 2) {
-                uint2 v = *(const uint2*)wp;
-                wc.q.x = v.x;
-                wc.q.y = v.y;
-            }
-            if (FMT == 3) wc.q.x = *(const u32*)wp;
-            wc.scale = sc[h];
-            decode_weight8<FMT>(wc, wd[h]);
+            decode_weight8<FMT>(smem_weight8<FMT>(ws + stage * WG_W_STAGE + col_local[h] * W_BYTES + t * W_BYTES / 4, sc[h]),
+                                wd[h]);
         }
         // Chunk c's A fragment: (row g, slots 2t..), (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..).
 #pragma unroll

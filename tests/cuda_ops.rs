@@ -781,26 +781,39 @@ fn the_routing_plan_is_the_sequential_walk_over_experts() {
             wide,
             "{shape}: wide tiles"
         );
-        // Every pair has a row of its expert's group, and that row names the pair's token.
-        let slot_row = g.download(&plan.slot_row, pairs).unwrap();
-        let row_token = g.download(&plan.row_token, pairs).unwrap();
-        let mut seen = vec![false; pairs];
-        for (i, &r) in slot_row.iter().enumerate() {
-            let e = ids[i] as usize;
-            assert!(
-                offsets[e] <= r && r < offsets[e + 1],
-                "{shape}: pair {i} row {r}"
-            );
-            assert!(
-                !std::mem::replace(&mut seen[r as usize], true),
-                "{shape}: row {r} twice"
-            );
-            assert_eq!(
-                row_token[r as usize] as usize,
-                i / top_k,
-                "{shape}: row {r}"
-            );
-        }
+        assert_rows_of_groups(&g, &plan, &ids, &offsets, top_k, &shape);
+    }
+}
+
+/// Every pair of `plan` has a row of its expert's group (`offsets`), no row twice, and that
+/// row names the pair's token.
+fn assert_rows_of_groups(
+    g: &lockstep::backend::cuda::Gpu,
+    plan: &MoePlan,
+    ids: &[i32],
+    offsets: &[i32],
+    top_k: usize,
+    shape: &str,
+) {
+    let pairs = ids.len();
+    let slot_row = g.download(&plan.slot_row, pairs).unwrap();
+    let row_token = g.download(&plan.row_token, pairs).unwrap();
+    let mut seen = vec![false; pairs];
+    for (i, &r) in slot_row.iter().enumerate() {
+        let e = ids[i] as usize;
+        assert!(
+            offsets[e] <= r && r < offsets[e + 1],
+            "{shape}: pair {i} row {r}"
+        );
+        assert!(
+            !std::mem::replace(&mut seen[r as usize], true),
+            "{shape}: row {r} twice"
+        );
+        assert_eq!(
+            row_token[r as usize] as usize,
+            i / top_k,
+            "{shape}: row {r}"
+        );
     }
 }
 
@@ -876,27 +889,7 @@ fn one_launch_routing_gives_the_routes_and_plan_of_the_separate_launches() {
             let want = ints(&plan_b);
             assert_eq!(ints(&plan_a), want, "{shape}: counts, offsets, tiles");
             assert_eq!((plan_a.tokens, plan_a.pairs), (tokens, pairs));
-            // Every pair has a row of its expert's group, and that row names the pair's token.
-            let offsets = &want.1;
-            let slot_row = g.download(&plan_a.slot_row, pairs).unwrap();
-            let row_token = g.download(&plan_a.row_token, pairs).unwrap();
-            let mut seen = vec![false; pairs];
-            for (i, &r) in slot_row.iter().enumerate() {
-                let e = ids[i] as usize;
-                assert!(
-                    offsets[e] <= r && r < offsets[e + 1],
-                    "{shape}: pair {i} row {r}"
-                );
-                assert!(
-                    !std::mem::replace(&mut seen[r as usize], true),
-                    "{shape}: row {r} twice"
-                );
-                assert_eq!(
-                    row_token[r as usize] as usize,
-                    i / top_k,
-                    "{shape}: row {r}"
-                );
-            }
+            assert_rows_of_groups(&g, &plan_a, &ids, &want.1, top_k, &shape);
         }
     }
 }

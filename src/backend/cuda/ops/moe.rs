@@ -11,6 +11,40 @@ use crate::backend::cuda::{CudaError, Gpu};
 /// Threads of the one `moe_plan` block (kernels/moe.cu `PLAN_THREADS`).
 const MOE_PLAN_THREADS: u32 = 256;
 
+/// The router's buffers, checked to hold `tokens` rows: logits, given ids, ids, weights.
+#[allow(clippy::type_complexity)]
+fn route_buffers<'a>(
+    logits: &'a CudaSlice<f32>,
+    tokens: usize,
+    experts: usize,
+    top_k: usize,
+    given: Option<&'a CudaSlice<i32>>,
+    ids: &'a CudaSlice<i32>,
+    weights: &'a CudaSlice<f32>,
+) -> Result<
+    (
+        View<'a, f32>,
+        Option<View<'a, i32>>,
+        View<'a, i32>,
+        View<'a, f32>,
+    ),
+    CudaError,
+> {
+    if top_k > 32 || top_k > experts {
+        return Err(CudaError::Unsupported(format!(
+            "top_k {top_k} of {experts} experts (max 32)"
+        )));
+    }
+    Ok((
+        need(logits, tokens * experts, "route logits")?,
+        given
+            .map(|g| need(g, tokens * top_k, "route given ids"))
+            .transpose()?,
+        need(ids, tokens * top_k, "route ids")?,
+        need(weights, tokens * top_k, "route weights")?,
+    ))
+}
+
 /// Router softmax, top-k (ties to the lower id) and optional renormalisation; with `given`
 /// (`[tokens, top_k]`), each row whose given ids are all valid takes them instead (replay).
 #[allow(clippy::too_many_arguments)]
@@ -25,17 +59,8 @@ pub fn moe_route(
     ids: &mut CudaSlice<i32>,
     weights: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
-    if top_k > 32 || top_k > experts {
-        return Err(CudaError::Unsupported(format!(
-            "top_k {top_k} of {experts} experts (max 32)"
-        )));
-    }
-    let logits = need(logits, tokens * experts, "route logits")?;
-    let ids = need(ids, tokens * top_k, "route ids")?;
-    let weights = need(weights, tokens * top_k, "route weights")?;
-    let given = given
-        .map(|g| need(g, tokens * top_k, "route given ids"))
-        .transpose()?;
+    let (logits, given, ids, weights) =
+        route_buffers(logits, tokens, experts, top_k, given, ids, weights)?;
     if tokens == 0 {
         return Ok(());
     }
@@ -94,18 +119,9 @@ pub fn route_and_plan(
         )?;
         return plan.build(gpu, ids, tokens, top_k, experts);
     }
-    if top_k > 32 || top_k > experts {
-        return Err(CudaError::Unsupported(format!(
-            "top_k {top_k} of {experts} experts (max 32)"
-        )));
-    }
     let pairs = tokens * top_k;
-    let logits = need(logits, tokens * experts, "route logits")?;
-    let ids = need(ids, pairs, "route ids")?;
-    let weights = need(weights, pairs, "route weights")?;
-    let given = given
-        .map(|g| need(g, pairs, "route given ids"))
-        .transpose()?;
+    let (logits, given, ids, weights) =
+        route_buffers(logits, tokens, experts, top_k, given, ids, weights)?;
     let slot_row = need(&plan.slot_row, pairs, "plan slot_row")?;
     let counts = need(&plan.counts, experts, "plan counts")?;
     (plan.tokens, plan.pairs) = (tokens, pairs);
