@@ -156,9 +156,15 @@ fn main() {
     // (LBO, SBO): the core-matrix strides along K and along rows of a no-swizzle K-major
     // descriptor (a layout read the wrong way shows as gross differences, not last-place
     // ones): packed core matrices, 8-k groups 1 KiB apart, and 1,056 bytes apart (the GEMM
-    // kernel's padded pieces: core matrices 16-byte but not 128-byte aligned).
-    for (lbo, sbo) in [(128i32, 256i32), (1024, 128), (1056, 128)] {
-        println!("\ndescriptor LBO {lbo}, SBO {sbo}");
+    // kernel's padded pieces: core matrices 16-byte but not 128-byte aligned). LBO 0: the
+    // 64-byte swizzle, rows of 64 bytes, 8-row groups 512 bytes apart (examples/wgmma_probe.cu
+    // `to_smem`).
+    for (lbo, sbo) in [(128i32, 256i32), (1024, 128), (1056, 128), (0, 512)] {
+        if lbo == 0 {
+            println!("\ndescriptor with the 64-byte swizzle, SBO {sbo}");
+        } else {
+            println!("\ndescriptor LBO {lbo}, SBO {sbo}");
+        }
         println!("| data | variant | outputs differing | largest difference (ulp) |");
         println!("|---|---|---|---|");
         for kind in ["normal", "wide exponents", "cancellation", "hi + lo"] {

@@ -54,17 +54,26 @@ __device__ __forceinline__ void b_frag(const u16* m, int K, int n, int k0, int t
     b[1] = pair(m, K, n, k0 + 2 * t + 8);
 }
 
-// 64 rows x 16 k of m into shared memory, K-major without swizzle: 8x8 core matrices of
-// 16-byte rows, (row block rb, k block kb) at rb * sbo + kb * lbo.
+// 64 rows x 16 k of m into shared memory, K-major. lbo > 0: no swizzle, 8x8 core matrices of
+// 16-byte rows, (row block rb, k block kb) at rb * sbo + kb * lbo. lbo == 0: the 64-byte
+// swizzle (the mma.sync tiled kernel's `a_piece` order): rows of 64 bytes (32 k), 16-byte
+// chunk c of row r at chunk c ^ (r / 2) % 4; the k16 step fills chunks 2h, 2h + 1 of its row,
+// h = (k0 / 16) % 2, so odd steps also try a descriptor that starts 32 bytes into the rows.
 __device__ __forceinline__ void to_smem(const u16* m, int K, int k0, u16* s, int lbo, int sbo) {
+    int h = (k0 / 16) & 1;
     for (int i = threadIdx.x; i < 64 * 16; i += blockDim.x) {
         int r = i / 16, k = i % 16;
-        s[((r / 8) * sbo + (k / 8) * lbo) / 2 + (r % 8) * 8 + k % 8] = m[r * K + k0 + k];
+        int at = lbo > 0 ? ((r / 8) * sbo + (k / 8) * lbo) / 2 + (r % 8) * 8 + k % 8
+                         : r * 32 + (((2 * h + k / 8) ^ ((r >> 1) & 3)) * 8) + k % 8;
+        s[at] = m[r * K + k0 + k];
     }
 }
 
-__device__ __forceinline__ u64 desc(const void* s, int lbo, int sbo) {
+__device__ __forceinline__ u64 desc(const void* s, int lbo, int sbo, int k0) {
     u64 addr = (u64)__cvta_generic_to_shared(s);
+    if (lbo == 0)  // 64-byte swizzle (mode 2): 8-row groups sbo bytes apart, LBO unused
+        return (((addr + 32 * ((k0 / 16) & 1)) & 0x3FFFF) >> 4) | (1ull << 16) | ((u64)(sbo >> 4) << 32) |
+               (2ull << 62);
     return ((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
 }
 
@@ -81,9 +90,9 @@ __device__ __forceinline__ void wg_wait() {
 
 extern "C" __global__ void __launch_bounds__(128) probe(const u16* X, const u16* W, const float* C0, int K, int lbo,
                                                         int sbo, float* out) {
-    // Room for the largest layout the host tries (LBO up to 1,056 bytes).
-    __shared__ __align__(1024) u16 xs[64 * 24];
-    __shared__ __align__(1024) u16 ws[64 * 24];
+    // Room for the largest layout the host tries (64 rows of 64 bytes).
+    __shared__ __align__(1024) u16 xs[64 * 32];
+    __shared__ __align__(1024) u16 ws[64 * 32];
     const u16* x = X + (u64)blockIdx.x * 64 * K;
     const u16* w = W + (u64)blockIdx.x * 64 * K;
     const float* c0 = C0 + (u64)blockIdx.x * 64 * 64;
@@ -117,9 +126,9 @@ extern "C" __global__ void __launch_bounds__(128) probe(const u16* X, const u16*
                 u32 a[4];
                 a_frag(v == 3 ? w : x, K, r0, k0, g, t, a);
                 wg_sync_smem();
-                if (v == 1) wgmma_rs_n64(d, a, desc(ws, lbo, sbo));
-                if (v == 2) wgmma_ss_n64(d, desc(xs, lbo, sbo), desc(ws, lbo, sbo));
-                if (v == 3) wgmma_rs_n64(d, a, desc(xs, lbo, sbo));
+                if (v == 1) wgmma_rs_n64(d, a, desc(ws, lbo, sbo, k0));
+                if (v == 2) wgmma_ss_n64(d, desc(xs, lbo, sbo, k0), desc(ws, lbo, sbo, k0));
+                if (v == 3) wgmma_rs_n64(d, a, desc(xs, lbo, sbo, k0));
                 wg_wait();
             }
         }
