@@ -295,6 +295,15 @@ __device__ __forceinline__ void decode_weight8(const Weight8& c, u32* out) {
     }
 }
 
+// The block scale of lane t's 8 weights of weight row `scale_row` in the span at k0: MXFP8's
+// 32-block, NVFP4's 16-block of k0 + 8t (none for BF16).
+template <int FMT>
+__device__ __forceinline__ u8 span_scale(const u8* w_scales, u64 scale_row, int K, int k0, int t) {
+    if (FMT == 2) return w_scales[scale_row * (K / 32) + k0 / 32];
+    if (FMT == 3) return w_scales[scale_row * (K / 16) + k0 / 16 + t / 2];
+    return 0;
+}
+
 // The raw bytes of a lane's 8 weights of a span from a shared-memory stage (W_BYTES / 4 of a
 // column's span), with their block scale.
 template <int FMT>
@@ -497,11 +506,7 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     auto load_scales = [&](int span, u8* out_scales) {
         int k0 = k_begin + span * MMA_TK;
 #pragma unroll
-        for (int ni = 0; ni < 4; ni++) {
-            out_scales[ni] = 0;
-            if (FMT == 2 && span < spans) out_scales[ni] = w_scales[scale_row[ni] * (K / 32) + k0 / 32];
-            if (FMT == 3 && span < spans) out_scales[ni] = w_scales[scale_row[ni] * (K / 16) + k0 / 16 + t / 2];
-        }
+        for (int ni = 0; ni < 4; ni++) out_scales[ni] = span < spans ? span_scale<FMT>(w_scales, scale_row[ni], K, k0, t) : 0;
     };
 
     float acc[2][4][4], tot[2][4][4];
@@ -832,11 +837,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     auto load_scales = [&](int span, u8* out_scales) {
         int k0 = k_begin + span * MMA_TK;
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            out_scales[h] = 0;
-            if (FMT == 2 && span < spans) out_scales[h] = w_scales[scale_row[h] * (K / 32) + k0 / 32];
-            if (FMT == 3 && span < spans) out_scales[h] = w_scales[scale_row[h] * (K / 16) + k0 / 16 + t / 2];
-        }
+        for (int h = 0; h < 2; h++) out_scales[h] = span < spans ? span_scale<FMT>(w_scales, scale_row[h], K, k0, t) : 0;
     };
 
     // acc[4j + i]: column (A row) wq * 16 + g + 8 (i >> 1) of this warpgroup's 64, tile row
