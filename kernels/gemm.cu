@@ -755,8 +755,8 @@ __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const
 #define WG_PIECE_BYTES (TM_WIDE * 16 + 32)
 #define WG_X_STAGE (2 * 4 * WG_PIECE_BYTES)  // hi and lo parts of a span
 #define WG_W_STAGE (TILE_TN * 64)            // a span of 128 BF16 columns
-// Dynamic shared memory of the wgmma kernels (host: ops::gemm::WGMMA_SMEM_BYTES).
-#define WG_SMEM (WG_STAGES * (WG_X_STAGE + WG_W_STAGE))
+// The wgmma kernels' dynamic shared memory, WG_STAGES * (WG_X_STAGE + WG_W_STAGE) bytes, is
+// given by the host (kernels::WGMMA_SMEM_BYTES).
 
 __device__ __forceinline__ u64 wgmma_desc(u32 smem_addr, u32 lbo, u32 sbo) {
     // K-major, no swizzle: core matrices of 8 rows x 16 bytes; lbo: the next 8 k, sbo: the next 8 rows.

@@ -237,7 +237,8 @@ kernels! {
     Xxh3Ranges => (Hash, "xxh3_64_ranges", &[Ptr, Ptr, I32, Ptr]),
 }
 
-/// Dynamic shared memory of the wgmma GEMM kernels (kernels/gemm.cu `WG_SMEM`): four stages of
+/// Dynamic shared memory of the wgmma GEMM kernels (kernels/gemm.cu: `WG_STAGES` stages of
+/// `WG_X_STAGE + WG_W_STAGE` bytes): four stages of
 /// a 64-row activation span (hi and lo, 4 pieces of 64 rows x 16 bytes, each padded by 32) and
 /// of 128 BF16 weight columns' span.
 pub const WGMMA_SMEM_BYTES: u32 = 4 * (2 * 4 * (64 * 16 + 32) + 128 * 64);

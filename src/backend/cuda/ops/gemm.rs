@@ -251,15 +251,20 @@ pub const WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT: usize = 64;
 /// `BENCH_WIDE_OFF=1`). The bits are the same either way.
 fn wide_tiles_allowed() -> bool {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ALLOWED.get_or_init(|| std::env::var("LOCKSTEP_WIDE_TILES").map_or(true, |v| v != "0"))
+    switched_on(&ALLOWED, "LOCKSTEP_WIDE_TILES")
+}
+
+/// Whether the environment variable `var` leaves a kernel choice on (anything but `0`), read
+/// once into `cell`.
+fn switched_on(cell: &std::sync::OnceLock<bool>, var: &str) -> bool {
+    *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v != "0"))
 }
 
 /// Whether the wgmma kernels may run: on sm_90a (Hopper; Blackwell has no wgmma), unless
 /// `LOCKSTEP_WGMMA=0` (to measure the difference in one run; the bits are the same).
 fn wgmma_allowed(gpu: &Gpu) -> bool {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    gpu.arch == "sm_90a"
-        && *ALLOWED.get_or_init(|| std::env::var("LOCKSTEP_WGMMA").map_or(true, |v| v != "0"))
+    gpu.arch == "sm_90a" && switched_on(&ALLOWED, "LOCKSTEP_WGMMA")
 }
 
 impl GemmPath {
