@@ -741,34 +741,46 @@ __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const
 // ---- Hopper (sm_90a): warpgroup MMAs with the weights as the A operand ----
 //
 // The K chain's products on wgmma: examples/cuda_wgmma_probe.rs found wgmma's k16 steps
-// bitwise equal to mma.sync's, with either operand as A (H200, 2026-12-03), so this kernel
-// gives the bits of the ones above. It computes out^T = W x^T: a warpgroup's 64 weight columns
-// are wgmma's rows (A, in registers: each lane's fragment is the decoded weight words the
-// few-rows kernels make), and the tile's 64 rows of x its N (B, from shared memory, where the
-// packed operand's pieces are already wgmma's core-matrix rows: piece 2c (2c + 1) of a row
-// holds slots 0-7 (8-15) of chunk c). Tiles are the wide tiles (64 rows x 128 columns, two
-// warpgroups), so the grid and the routing plan are the wide kernel's.
+// bitwise equal to mma.sync's, with either operand as A and with the B operand unswizzled or
+// in the 64-byte swizzle (H200, 2026-12-03), so this kernel gives the bits of the ones above.
+// It computes out^T = W x^T: a warpgroup's 64 weight columns are wgmma's rows (A, in
+// registers: each lane's fragment is the decoded weight words the few-rows kernels make), and
+// the tile's rows of x its N (B, from shared memory in the 64-byte swizzle: a row's span is 64
+// bytes whose 16-byte pieces are the packed operand's, piece s at s ^ (row / 2) % 4, the tiled
+// kernel's `a_piece` order; chunk c's k16 step starts 32c bytes into the rows).
+// A tile is 128 rows (two of the routing plan's wide tiles of one expert, or of a dense group)
+// x 128 columns over two warpgroups, one block an SM: each decoded weight fragment feeds 128
+// rows, and each byte brought from L2 feeds twice the products of a 64-row tile (ncu, H200,
+// 2026-12-03: the 64-row kernel kept L2 87% busy and its shared-memory reads conflicted 62% of
+// the time, unswizzled). The grid is the wide tiles'; the block of a wide tile that is the
+// second of its pair returns at once. A tile of at most 64 live rows uses m64n64 MMAs.
 
-#define WG_STAGES 4
-// One piece (16 bytes) of each of the tile's 64 rows, then 32 bytes of padding so that a row's
-// four pieces fall in distinct banks when the copy writes them.
-#define WG_PIECE_BYTES (TM_WIDE * 16 + 32)
-#define WG_X_STAGE (2 * 4 * WG_PIECE_BYTES)  // hi and lo parts of a span
-#define WG_W_STAGE (TILE_TN * 64)            // a span of 128 BF16 columns
-// The wgmma kernels' dynamic shared memory, WG_STAGES * (WG_X_STAGE + WG_W_STAGE) bytes, is
-// given by the host (kernels::WGMMA_SMEM_BYTES).
+#define WG_ROWS 128  // rows per wgmma tile: two wide tiles
+#define WG_STAGES 6
+#define WG_X_PART (WG_ROWS * 64)     // one activation term of a span: 64 bytes a row
+#define WG_X_STAGE (2 * WG_X_PART)   // hi and lo terms
+#define WG_W_STAGE (TILE_TN * 64)    // a span of 128 BF16 columns
+// The wgmma kernels' dynamic shared memory, 1024 (the swizzle's alignment) + WG_STAGES *
+// (WG_X_STAGE + WG_W_STAGE) bytes, is given by the host (kernels::WGMMA_SMEM_BYTES).
 
-__device__ __forceinline__ u64 wgmma_desc(u32 smem_addr, u32 lbo, u32 sbo) {
-    // K-major, no swizzle: core matrices of 8 rows x 16 bytes; lbo: the next 8 k, sbo: the next 8 rows.
-    return (u64)((smem_addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+// A K-major B operand in the 64-byte swizzle: 8-row groups 512 bytes apart (LBO unused).
+__device__ __forceinline__ u64 wgmma_desc_sw64(u32 smem_addr) {
+    return (u64)((smem_addr & 0x3FFFF) >> 4) | (1ull << 16) | ((u64)(512 >> 4) << 32) | (2ull << 62);
 }
 
-// d (m64n64, f32) += a (m64k16, BF16 from registers) * b (k16n64, BF16 in shared memory).
+// d (m64nN, f32) += a (m64k16, BF16 from registers) * b (k16nN, BF16 in shared memory).
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float* d, const u32* a, u64 desc_b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float* d, const u32* a, u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
@@ -785,22 +797,36 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TM_WIDE)) return;
+    // The first wide tile of each pair takes both: rows r0 .. r0 + 128 of its expert or group.
+    if (((r0 - (tiles ? offsets[e] : 0)) / TM_WIDE) % 2 == 1) return;
+    r1 = min(r0 + WG_ROWS, tiles ? offsets[e + 1] : rows);
+    bool wide_n = r1 - r0 > 64;  // block-uniform: m64n128 MMAs, else m64n64
     int n0 = blockIdx.x * TILE_TN;
     constexpr bool SPLIT = FMT == 1;
     constexpr int A_PARTS = SPLIT ? 2 : 1;
     constexpr int W_BYTES = FMT == 1 ? 64 : FMT == 2 ? 32 : 16;  // one column's span
     extern __shared__ __align__(128) u8 wg_smem[];
-    u8* xs = wg_smem;                          // [stage][part][piece][row][16 bytes] (+ padding)
-    u8* ws = wg_smem + WG_STAGES * WG_X_STAGE;  // [stage][column][W_BYTES]
+    // The swizzle is of shared-memory address bits: stages start 1024-byte aligned.
+    u32 smem_base = (u32)__cvta_generic_to_shared(wg_smem);
+    u8* xs = wg_smem + ((1024 - (smem_base & 1023)) & 1023);  // [stage][part][row][64 bytes], swizzled
+    u8* ws = xs + WG_STAGES * WG_X_STAGE;                         // [stage][column][W_BYTES]
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     int wg = warp >> 2, wq = warp & 3;  // warpgroup (64 columns), warp in it (16 of them)
 
-    // Copy roles: x row tid / 4, piece tid % 4 (of each part); W chunks tid + 256 c.
-    int a_row = tid >> 2, a_piece = tid & 3;
-    bool a_live = r0 + a_row < r1;
-    u64 a_src = a_live ? (row_index ? (u64)row_index[r0 + a_row] : (u64)(r0 + a_row)) : 0;
-    const u8* a_base = (const u8*)(xb + a_src * (K / 2) * A_PARTS) + a_piece * 16;
-    int a_dst = a_piece * WG_PIECE_BYTES + a_row * 16;
+    // Copy roles: x piece tid & 3 of rows tid / 4 and tid / 4 + 64 (of each part); W chunks
+    // tid + 256 c.
+    int piece = tid & 3;
+    const u8* a_base[2];
+    bool a_live[2];
+    int a_dst[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int r = (tid >> 2) + 64 * h;
+        a_live[h] = r0 + r < r1;
+        u64 src = a_live[h] ? (row_index ? (u64)row_index[r0 + r] : (u64)(r0 + r)) : 0;
+        a_base[h] = (const u8*)(xb + src * (K / 2) * A_PARTS) + piece * 16;
+        a_dst[h] = r * 64 + 16 * a_piece(r, piece);
+    }
     constexpr int W_ALL = TILE_TN * W_BYTES / 16, W_CHUNKS = (W_ALL + 255) / 256;
     const u8* wbytes = (const u8*)w;
     u64 w_row_bytes = FMT == 1 ? (u64)K * 2 : FMT == 2 ? (u64)K : (u64)K / 2;
@@ -813,7 +839,10 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
         u8* xst = xs + stage * WG_X_STAGE;
 #pragma unroll
         for (int p = 0; p < A_PARTS; p++)
-            cp_async16(xst + p * 4 * WG_PIECE_BYTES + a_dst, a_base + (u64)p * K * 2 + k0 * 2, a_live);
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                if (h == 0 || wide_n)
+                    cp_async16(xst + p * WG_X_PART + a_dst[h], a_base[h] + (u64)p * K * 2 + k0 * 2, a_live[h]);
         u8* wst = ws + stage * WG_W_STAGE;
 #pragma unroll
         for (int c = 0; c < W_CHUNKS; c++) {
@@ -841,10 +870,10 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     };
 
     // acc[4j + i]: column (A row) wq * 16 + g + 8 (i >> 1) of this warpgroup's 64, tile row
-    // 8j + 2t + (i & 1).
-    float acc[32], tot[32];
+    // 8j + 2t + (i & 1) (j < 8 with m64n64 MMAs).
+    float acc[64], tot[64];
 #pragma unroll
-    for (int i = 0; i < 32; i++) acc[i] = 0.0f;
+    for (int i = 0; i < 64; i++) acc[i] = 0.0f;
     // Spans in flight: the copies run WG_STAGES - 2 spans ahead, so the stage refilled at a
     // span was last read by the MMAs two spans back, which are done (each span waits for all
     // but its own group); the MMAs of a span overlap the next span's copies and decoding.
@@ -887,8 +916,11 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
         for (int c = 0; c < 2; c++) {
             // The K chain's order: chunk 0 then 1, each hi then (split) lo.
 #pragma unroll
-            for (int p = 0; p < A_PARTS; p++)
-                wgmma_m64n64k16_rs(acc, cur[c], wgmma_desc(x_stage + (4 * p + 2 * c) * WG_PIECE_BYTES, WG_PIECE_BYTES, 128));
+            for (int p = 0; p < A_PARTS; p++) {
+                u64 desc = wgmma_desc_sw64(x_stage + p * WG_X_PART + 32 * c);
+                if (wide_n) wgmma_m64n128k16_rs(acc, cur[c], desc);
+                else wgmma_m64n64k16_rs(acc, cur[c], desc);
+            }
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
@@ -908,7 +940,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #pragma unroll
-        for (int i = 0; i < 32; i++) wgmma_hold(acc[i]);
+        for (int i = 0; i < 64; i++) wgmma_hold(acc[i]);
 #pragma unroll
         for (int c = 0; c < 2; c++)
 #pragma unroll
@@ -916,12 +948,12 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
                 wgmma_hold(a0[c][i]);
                 wgmma_hold(a1[c][i]);
             }
-        end_segment<32>(acc, tot, seg0 == 0);
+        end_segment<64>(acc, tot, seg0 == 0);
     }
     cp_async_wait<0>();
 
 #pragma unroll
-    for (int j = 0; j < 8; j++)
+    for (int j = 0; j < 16; j++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             int row = r0 + 8 * j + 2 * t + (i & 1), col = n0 + col_local[i >> 1];
@@ -962,10 +994,10 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
 GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_bf16, 1, 4 * TM_WIDE, 2)
 GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_mxfp8, 2, 4 * TM_WIDE, 2)
 GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_nvfp4, 3, 4 * TM_WIDE, 2)
-// The wgmma kernels: the wide tiles' grid and 256 threads, two blocks an SM.
-GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_bf16, 1, 256, 2)
-GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_mxfp8, 2, 256, 2)
-GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_nvfp4, 3, 256, 2)
+// The wgmma kernels: the wide tiles' grid and 256 threads, one block an SM.
+GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_bf16, 1, 256, 1)
+GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_mxfp8, 2, 256, 1)
+GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_nvfp4, 3, 256, 1)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_bf16, 1)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_mxfp8, 2)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_nvfp4, 3)

@@ -283,20 +283,29 @@ if [ "${NCU_PREFILL:-0}" = 1 ]; then
   fi
 fi
 
-# NCU_KERNEL_BENCH=REGEX: what bounds the launches of cuda_kernel_bench whose names match,
-# NCU_COUNT (default 1) of them after NCU_SKIP (default 0), e.g. NCU_KERNEL_BENCH=decode_attention
-# NCU_SKIP=84: the 256-row decode at context 512 (each measurement is 21 launches). NCU_TOKENS
-# (default 1) is the bench's --tokens: the expert GEMMs' token counts; NCU_SECTIONS its
-# --sections (e.g. moe: only the expert GEMMs).
+# NCU_KERNEL_BENCH=REGEX[;REGEX...]: what bounds the launches of cuda_kernel_bench whose names
+# match, NCU_COUNT (default 1) of them after NCU_SKIP (default 0), for each regex in turn (logs
+# ncu_kernel_bench.txt, then _2, _3...), e.g. NCU_KERNEL_BENCH=decode_attention NCU_SKIP=84: the
+# 256-row decode at context 512 (each measurement is 21 launches). NCU_TOKENS (default 1) is the
+# bench's --tokens: the expert GEMMs' token counts; NCU_SECTIONS its --sections (e.g. moe: only
+# the expert GEMMs).
 if [ -n "${NCU_KERNEL_BENCH:-}" ]; then
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-  echo "== ncu sections, kernel bench ($NCU_KERNEL_BENCH) ($(date +%T))"
-  timeout 200 "$ncu" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section WarpStateStats --section SchedulerStats --section InstructionStats --section Occupancy \
-    --section LaunchStats --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,dram__bytes_read.sum" \
-    -k "regex:$NCU_KERNEL_BENCH" --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_COUNT:-1}" \
-    "$bin"/cuda_kernel_bench configs/qwen3-30b-a3b.json --tokens "${NCU_TOKENS:-1}" --sections "${NCU_SECTIONS:-attention,dense,moe}" >"$logs/ncu_kernel_bench.txt" 2>&1 \
-    && record "ncu sections, kernel bench ($NCU_KERNEL_BENCH)" "done (ncu_kernel_bench.txt)" || record "ncu sections, kernel bench" "FAIL"
+  IFS=';' read -r -a ncu_regexes <<<"$NCU_KERNEL_BENCH"
+  i=1
+  for regex in "${ncu_regexes[@]}"; do
+    log="$logs/ncu_kernel_bench.txt"
+    [ "$i" -gt 1 ] && log="$logs/ncu_kernel_bench_$i.txt"
+    echo "== ncu sections, kernel bench ($regex) ($(date +%T))"
+    timeout 200 "$ncu" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+      --section InstructionStats --section Occupancy --section LaunchStats --section SourceCounters \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,dram__bytes_read.sum,lts__t_bytes.sum" \
+      -k "regex:$regex" --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_COUNT:-1}" \
+      "$bin"/cuda_kernel_bench configs/qwen3-30b-a3b.json --tokens "${NCU_TOKENS:-1}" --sections "${NCU_SECTIONS:-attention,dense,moe}" >"$log" 2>&1 \
+      && record "ncu sections, kernel bench ($regex)" "done ($(basename "$log"))" || record "ncu sections, kernel bench ($regex)" "FAIL"
+    i=$((i + 1))
+  done
 fi
 
 # NCU=1: an ncu profile (per-kernel times) of the batch-1 and batch-64 BF16 decode steps on two

@@ -237,11 +237,11 @@ kernels! {
     Xxh3Ranges => (Hash, "xxh3_64_ranges", &[Ptr, Ptr, I32, Ptr]),
 }
 
-/// Dynamic shared memory of the wgmma GEMM kernels (kernels/gemm.cu: `WG_STAGES` stages of
-/// `WG_X_STAGE + WG_W_STAGE` bytes): four stages of
-/// a 64-row activation span (hi and lo, 4 pieces of 64 rows x 16 bytes, each padded by 32) and
-/// of 128 BF16 weight columns' span.
-pub const WGMMA_SMEM_BYTES: u32 = 4 * (2 * 4 * (64 * 16 + 32) + 128 * 64);
+/// Dynamic shared memory of the wgmma GEMM kernels (kernels/gemm.cu): 1,024 bytes to align the
+/// stages for the 64-byte swizzle, then `WG_STAGES` (six) stages of `WG_X_STAGE + WG_W_STAGE`
+/// bytes: a 128-row activation span (hi and lo terms, 64 bytes a row) and 128 BF16 weight
+/// columns' span.
+pub const WGMMA_SMEM_BYTES: u32 = 1024 + 6 * (2 * 128 * 64 + 128 * 64);
 
 impl Kernel {
     /// The dynamic shared memory a launch gives it (its limit is raised to this on load).

@@ -162,9 +162,9 @@ pub enum GemmPath {
     Skinny,
     /// As [`GemmPath::Skinny`], a warp per 32 columns: for launches with warps enough.
     Skinny4,
-    /// Hopper's warpgroup MMAs (`wgmma`, sm_90a) on the wide tiles: the weights decoded into
-    /// registers as the A operand, the packed activations read by the tensor cores from shared
-    /// memory. The same products and sums as the other tensor-core paths, bit for bit (see
+    /// Hopper's warpgroup MMAs (`wgmma`, sm_90a) on pairs of the wide tiles (128 rows x 128
+    /// columns, one block an SM): the weights decoded into registers as the A operand, the
+    /// packed activations read by the tensor cores from shared memory. The same products and sums as the other tensor-core paths, bit for bit (see
     /// examples/cuda_wgmma_probe.rs). Elsewhere, or with `LOCKSTEP_WGMMA=0`, it runs as
     /// [`GemmPath::TensorCoreWide`] (the same bits).
     Wgmma,
@@ -237,14 +237,14 @@ pub const WIDE_MIN_DENSE_ROWS: usize = 1024;
 pub const WIDE_MIN_DENSE_COLS: usize = 2048;
 pub const WIDE_MIN_ROWS_PER_EXPERT: usize = 64;
 /// Rows per expert (on average) from which [`GemmPath::Auto`] takes the wgmma kernel for a
-/// routing plan over MXFP8 or NVFP4 experts (where allowed, [`wgmma_allowed`]). H200
-/// (cuda_kernel_bench, 2026-12-03, gate/up of 128 experts, top-8, the first wgmma kernel):
-/// MXFP8 at 1,024 / 2,048 / 4,096 tokens 341 / 645 / 1,225 us against the wide tiles' 410 /
-/// 797 / 1,543, NVFP4 430 / 833 / 1,615 against the 32-row tiles' 561 / 1,068 / 2,106; at 512
-/// tokens the 32-row tiles win (MXFP8 237 against 275 us, NVFP4 294 against 372). BF16 (two
-/// activation terms, twice the MMAs) was slower on it than on the wide tiles there (1,987
-/// against 1,437 us at 4,096 tokens), so BF16 stays on them.
-pub const WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT: usize = 64;
+/// routing plan over MXFP8 or NVFP4 experts (where allowed, [`wgmma_allowed`]); it also takes
+/// it wherever it would take the wide tiles. H200 (cuda_kernel_bench, 2026-12-03, gate/up of
+/// 128 experts, top-8, the 128-row wgmma tiles), us at 512 / 1,024 / 2,048 / 4,096 tokens:
+/// MXFP8 wgmma 407 / 419 / 507 / 1,000 against the best other 239 / 417 / 805 / 1,565; NVFP4
+/// 577 / 628 / 802 / 1,590 against 306 / 579 / 1,104 / 2,167; BF16 392 / 415 / 675 / 1,348
+/// against 352 / 407 / 734 / 1,430. Dense q_proj [4096 x 2048] at 1,024 / 4,096 rows: 109 /
+/// 406 against the wide tiles' 127 / 465.
+pub const WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT: usize = 128;
 
 /// Whether [`GemmPath::Auto`] may take the wide tiles: `LOCKSTEP_WIDE_TILES=0` keeps it on
 /// 32-row tiles, to measure the difference in one run (scripts/gpu-check.sh
@@ -297,11 +297,13 @@ impl GemmPath {
                     w.s_dec.is_none() && max_rows >= WIDE_MIN_ROWS_PER_EXPERT * p.counts.len()
                 }
             };
-        // The wgmma kernel over MXFP8 or NVFP4 experts from the wide tiles' rows per expert.
+        // The wgmma kernel wherever the wide tiles would run, and over MXFP8 or NVFP4 experts
+        // from the wide tiles' rows per expert.
         let wgmma_wins = wgmma
-            && w.scales.is_some()
-            && matches!(rows, GemmRows::Plan(p)
-                if max_rows >= WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT * p.counts.len());
+            && (wide
+                || w.scales.is_some()
+                    && matches!(rows, GemmRows::Plan(p)
+                        if max_rows >= WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT * p.counts.len()));
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
             GemmPath::Auto if wgmma_wins => GemmPath::Wgmma,
@@ -570,7 +572,8 @@ fn launch_gemm(
     let (kernel, cols_per_block, threads) = match path {
         GemmPath::TensorCore => (w.kernels[1], MMA_TILE_COLS, 128),
         GemmPath::TensorCoreWide => (w.kernels[4], MMA_TILE_COLS, 4 * GEMM_WIDE_TILE_ROWS as u32),
-        // Two warpgroups of 64 columns over a wide tile's 64 rows.
+        // Two warpgroups of 64 columns over two wide tiles' 128 rows (the grid is the wide
+        // tiles'; a pair's second block returns at once).
         GemmPath::Wgmma => (w.kernels[5], MMA_TILE_COLS, 256),
         GemmPath::Skinny4 => (w.kernels[3], 4 * SKINNY_COLS_PER_BLOCK, 128),
         GemmPath::Skinny => (w.kernels[2], SKINNY_COLS_PER_BLOCK, 128),
