@@ -756,7 +756,7 @@ __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const
 // second of its pair returns at once. A tile of at most 64 live rows uses m64n64 MMAs.
 
 #define WG_ROWS 128  // rows per wgmma tile: two wide tiles
-#define WG_STAGES 6
+#define WG_STAGES 8
 #define WG_X_PART (WG_ROWS * 64)     // one activation term of a span: 64 bytes a row
 #define WG_X_STAGE (2 * WG_X_PART)   // hi and lo terms
 #define WG_W_STAGE (TILE_TN * 64)    // a span of 128 BF16 columns
@@ -874,12 +874,14 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     float acc[64], tot[64];
 #pragma unroll
     for (int i = 0; i < 64; i++) acc[i] = 0.0f;
-    // Spans in flight: the copies run WG_STAGES - 2 spans ahead, so the stage refilled at a
-    // span was last read by the MMAs two spans back, which are done (each span waits for all
-    // but its own group); the MMAs of a span overlap the next span's copies and decoding.
+    // Spans in flight, copied and waited for in pairs (one barrier per two spans): at span 2q
+    // the pair 2q + 4, 2q + 5 is issued into the stages of spans 2q - 4 and 2q - 3, whose MMAs
+    // are done (each span waits for all but its own group); the MMAs of a span overlap the next
+    // span's copies and decoding.
 #pragma unroll
-    for (int s = 0; s < WG_STAGES - 2; s++) {
+    for (int s = 0; s < 4; s += 2) {
         if (s < spans) issue(s);
+        if (s + 1 < spans) issue(s + 1);
         cp_async_commit();
     }
     u32 xs_addr = (u32)__cvta_generic_to_shared(xs);
@@ -889,12 +891,15 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     // its MMAs are done).
     auto step = [&](int span, u32 (&cur)[2][4], u32 (&prev)[2][4]) {
         load_scales(span + 1, sc_next);
-        cp_async_wait<WG_STAGES - 3>();
-        // This thread's copies of the span, seen by the tensor cores' reads (async proxy).
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();  // the span's stage is in; every warp's MMAs two spans back are done
-        if (span + WG_STAGES - 2 < spans) issue(span + WG_STAGES - 2);
-        cp_async_commit();
+        if (span % 2 == 0) {
+            cp_async_wait<1>();
+            // This thread's copies of the pair, seen by the tensor cores' reads (async proxy).
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads();  // the pair's stages are in; every warp's MMAs two spans back are done
+            if (span + 4 < spans) issue(span + 4);
+            if (span + 5 < spans) issue(span + 5);
+            cp_async_commit();
+        }
         int stage = span % WG_STAGES;
         u32 wd[2][4];
 #pragma unroll

@@ -238,10 +238,10 @@ kernels! {
 }
 
 /// Dynamic shared memory of the wgmma GEMM kernels (kernels/gemm.cu): 1,024 bytes to align the
-/// stages for the 64-byte swizzle, then `WG_STAGES` (six) stages of `WG_X_STAGE + WG_W_STAGE`
+/// stages for the 64-byte swizzle, then `WG_STAGES` (eight) stages of `WG_X_STAGE + WG_W_STAGE`
 /// bytes: a 128-row activation span (hi and lo terms, 64 bytes a row) and 128 BF16 weight
 /// columns' span.
-pub const WGMMA_SMEM_BYTES: u32 = 1024 + 6 * (2 * 128 * 64 + 128 * 64);
+pub const WGMMA_SMEM_BYTES: u32 = 1024 + 8 * (2 * 128 * 64 + 128 * 64);
 
 impl Kernel {
     /// The dynamic shared memory a launch gives it (its limit is raised to this on load).
