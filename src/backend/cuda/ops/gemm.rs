@@ -240,10 +240,10 @@ pub const WIDE_MIN_ROWS_PER_EXPERT: usize = 64;
 /// routing plan over MXFP8 or NVFP4 experts (where allowed, [`wgmma_allowed`]); it also takes
 /// it wherever it would take the wide tiles. H200 (cuda_kernel_bench, 2026-12-03, gate/up of
 /// 128 experts, top-8, the 128-row wgmma tiles), us at 512 / 1,024 / 2,048 / 4,096 tokens:
-/// MXFP8 wgmma 407 / 419 / 507 / 1,000 against the best other 239 / 417 / 805 / 1,565; NVFP4
-/// 577 / 628 / 802 / 1,590 against 306 / 579 / 1,104 / 2,167; BF16 392 / 415 / 675 / 1,348
-/// against 352 / 407 / 734 / 1,430. Dense q_proj [4096 x 2048] at 1,024 / 4,096 rows: 109 /
-/// 406 against the wide tiles' 127 / 465.
+/// MXFP8 wgmma 390 / 403 / 493 / 975 against the best other 235 / 415 / 804 / 1,554; NVFP4
+/// 570 / 621 / 796 / 1,581 against 306 / 577 / 1,100 / 2,166; BF16 367 / 383 / 634 / 1,222
+/// against 350 / 405 / 706 / 1,450. Dense q_proj [4096 x 2048] at 1,024 / 4,096 rows: 102 /
+/// 376 against the wide tiles' 126 / 448.
 pub const WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT: usize = 128;
 
 /// Whether [`GemmPath::Auto`] may take the wide tiles: `LOCKSTEP_WIDE_TILES=0` keeps it on
