@@ -309,14 +309,15 @@ if [ -n "${NCU_KERNEL_BENCH:-}" ]; then
 fi
 
 # NCU=1: an ncu profile (per-kernel times) of the batch-1 and batch-64 BF16 decode steps on two
-# layers (ncu_b1.csv, ncu_b64.csv; `--clock-control none`, as the device host allows).
+# layers (ncu_b1.csv, ncu_b64.csv; `--clock-control none`, as the device host allows);
+# NCU_BATCHES="1 64 256" picks the batches.
 # NCU_KERNELS=REGEX adds, for the first NCU_COUNT (default 6) launches after the warm-up whose
 # names match, the sections that say what bounds a kernel (throughput, warp stalls, issue
 # rate, instruction mix, occupancy) for both batches (ncu_detail_b1.txt, ncu_detail_b64.txt).
 # cuda_bench then takes 20% of the device, so ncu can save and restore memory between replays.
 if [ "${NCU:-0}" = 1 ]; then
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-  for b in 1 64; do
+  for b in ${NCU_BATCHES:-1 64}; do
     echo "== ncu profile, batch $b ($(date +%T))"
     step=(configs/qwen3-30b-a3b.json --layers 2 --formats bf16 --batches "$b" --steps 4 --prefill 1x16)
     timeout 120 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv "$bin"/cuda_bench \

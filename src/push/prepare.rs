@@ -147,7 +147,7 @@ pub fn prepare_bucket(
         data: shared(t.data()),
     };
     let mut send: Vec<BodyTensor> = Vec::new();
-    let mut expected = WeightsChecksum::default();
+    let mut as_is = Vec::new();
     for (module, parts) in by_module {
         let s = opts.layout.slot(module, &parts, opts.recipe)?;
         // A BF16 weight for a BF16 slot is stored as it is: hashed and sent from the
@@ -159,12 +159,14 @@ pub fn prepare_bucket(
                     reason: e.reason,
                 })?;
             let part = CheckpointPart::bytes("weight", w.dtype(), w.shape().to_vec(), w.data());
-            expected.insert_parts(module, std::slice::from_ref(&part));
+            as_is.push((module.to_string(), vec![part]));
             send.push(as_sent(s.name("weight"), w));
             continue;
         }
         slots.insert(module.to_string(), (s, parts));
     }
+    // Hashing reads every byte of the bucket: the tensors in parallel.
+    let mut expected = WeightsChecksum::of_parts(as_is);
     let stored = slot::prepare_all(&slots).map_err(|e: SlotError| PushError::Tensor {
         name: e.name,
         reason: e.reason,
