@@ -5,7 +5,7 @@
 // applied in the epilogue, in the contract's order.
 //
 // Batch invariance (docs/determinism.md): every output element is reduced over K in an order
-// fixed by K alone, so a row's result has the same bits whatever the batch holds. Three kernels
+// fixed by K alone, so a row's result has the same bits whatever the batch holds. Four kernels
 // share the arguments and the tile plan, and the host picks one per launch (ops::grouped_gemm):
 // - grouped_gemm_*: CUDA cores (FFMA), any K: each element is one fmaf chain over k = 0..K-1;
 //   the only one for F32 weights (kept exact in f32).
@@ -21,6 +21,8 @@
 // - grouped_gemm_skinny_*, grouped_gemm_skinny4_*: the same tensor-core products for tiles of
 //   few rows (decode): a warp per 8 (or 32) output columns, weights loaded straight into
 //   registers, no shared memory.
+// - grouped_gemm_wgmma_* (Hopper, sm_90a): the same products on warpgroup MMAs, 128x128 tiles
+//   (two of the plan's wide tiles), the weights as the A operand (section below).
 // The tensor-core kernels feed each mma exactly the same operands in the same order (the
 // "K chain" below), so they give the same bits and the choice between them is speed alone.
 //
