@@ -164,9 +164,10 @@ pub enum GemmPath {
     Skinny4,
     /// Hopper's warpgroup MMAs (`wgmma`, sm_90a) on pairs of the wide tiles (128 rows x 128
     /// columns, one block an SM): the weights decoded into registers as the A operand, the
-    /// packed activations read by the tensor cores from shared memory. The same products and sums as the other tensor-core paths, bit for bit (see
-    /// examples/cuda_wgmma_probe.rs). Elsewhere, or with `LOCKSTEP_WGMMA=0`, it runs as
-    /// [`GemmPath::TensorCoreWide`] (the same bits).
+    /// packed activations read by the tensor cores from shared memory. The same products and
+    /// sums as the other tensor-core paths, bit for bit (see examples/cuda_wgmma_probe.rs).
+    /// Elsewhere, or with `LOCKSTEP_WGMMA=0`, it runs as [`GemmPath::TensorCoreWide`] (the
+    /// same bits).
     Wgmma,
 }
 
@@ -298,7 +299,7 @@ impl GemmPath {
                 }
             };
         // The wgmma kernel wherever the wide tiles would run, and over MXFP8 or NVFP4 experts
-        // from the wide tiles' rows per expert.
+        // from WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT rows an expert.
         let wgmma_wins = wgmma
             && (wide
                 || w.scales.is_some()
