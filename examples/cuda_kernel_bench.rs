@@ -1,10 +1,11 @@
 //! The grouped expert GEMM kernels alone, on a model's expert shapes: for each weight format
-//! and each kernel (FFMA, BF16 tensor cores in tiles, for few rows), the time of one gate/up projection over
-//! `tokens * top_k` routed rows, with the bytes it must read and the FLOPs it must do, against
-//! the measured copy bandwidth and the H200's dense BF16 tensor rate.
+//! and each kernel (FFMA, BF16 tensor cores in tiles, for few rows, wgmma), the time of one
+//! gate/up projection (section `moe`) or down projection (`moe_down`) over `tokens * top_k`
+//! routed rows, with the bytes it must read and the FLOPs it must do, against the measured copy
+//! bandwidth and the H200's dense BF16 tensor rate.
 //!
 //! cargo run --release --example cuda_kernel_bench -- configs/qwen3-30b-a3b.json \
-//!     [--tokens 1,8,64,256,4096] [--sections attention,dense,moe]
+//!     [--tokens 1,8,64,256,4096] [--sections attention,dense,moe,moe_down]
 //!
 //! Also paged attention alone at prefill and decode shapes, against the bytes of K/V it reads,
 //! and the dense attention projections at decode row counts on each tensor-core kernel.
@@ -37,11 +38,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn main() {
     let mut it = std::env::args().skip(1);
     let config = it.next().expect(
-        "usage: cuda_kernel_bench CONFIG.json [--tokens a,b] [--sections attention,dense,moe]",
+        "usage: cuda_kernel_bench CONFIG.json [--tokens a,b] [--sections attention,dense,moe,moe_down]",
     );
     let mut token_counts = vec![1usize, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096];
-    const SECTIONS: [&str; 3] = ["attention", "dense", "moe"];
-    let mut sections: Vec<String> = SECTIONS.iter().map(|s| s.to_string()).collect();
+    const SECTIONS: [&str; 4] = ["attention", "dense", "moe", "moe_down"];
+    // By default the first three (moe_down on request).
+    let mut sections: Vec<String> = SECTIONS[..3].iter().map(|s| s.to_string()).collect();
     while let Some(flag) = it.next() {
         let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
         match flag.as_str() {
@@ -49,7 +51,7 @@ fn main() {
             "--sections" => {
                 sections = v.split(',').map(str::to_string).collect();
                 if let Some(bad) = sections.iter().find(|s| !SECTIONS.contains(&s.as_str())) {
-                    panic!("--sections: unknown section {bad} (attention, dense, moe)");
+                    panic!("--sections: unknown section {bad} (attention, dense, moe, moe_down)");
                 }
             }
             other => panic!("unknown flag {other}"),
@@ -59,32 +61,26 @@ fn main() {
         serde_json::from_str(&std::fs::read_to_string(&config).expect("config")).expect("json");
     let cfg = ModelConfig::from_json(raw).expect("config");
     let moe = cfg.moe.clone().expect("an MoE config");
-    let (experts, top_k, k) = (moe.num_experts, moe.top_k, cfg.hidden_size);
-    let n = 2 * moe.intermediate_size;
+    let (experts, top_k, hidden) = (moe.num_experts, moe.top_k, cfg.hidden_size);
     let gpu = Gpu::open(0).expect("CUDA device");
     let bw = copy_bandwidth(&gpu).expect("copy bandwidth");
     // The ring an in-place weight commit reads its spilled layers back through (server/read_back.rs).
     let h2d = ring_bandwidth(&gpu, 4, 32 << 20).expect("host-to-device bandwidth");
     println!(
-        "device {} ({}), copy bandwidth {:.0} GB/s, host to device through 4 page-locked buffers of 32 MiB {:.1} GB/s; gate_up of {experts} experts [{n} x {k}], top-{top_k}",
+        "device {} ({}), copy bandwidth {:.0} GB/s, host to device through 4 page-locked buffers of 32 MiB {:.1} GB/s; {experts} experts, top-{top_k}",
         gpu.name,
         gpu.arch,
         bw / 1e9,
         h2d / 1e9
     );
-    println!("| experts | kernel | tokens | rows | us | GB/s | TFLOP/s | of roofline |");
-    println!("|---|---|---|---|---|---|---|---|");
     let max_tokens = *token_counts.iter().max().unwrap_or(&1);
-    let dummy = DummyWeights { gpu: &gpu, seed: 7 };
-    let x_host: Vec<f32> = (0..max_tokens * k)
+    // The largest input either projection reads: tokens x hidden (gate/up) or routed rows x
+    // intermediate (down).
+    let max_x = (max_tokens * hidden).max(max_tokens * top_k * moe.intermediate_size);
+    let x_host: Vec<f32> = (0..max_x)
         .map(|i| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / 8.4e6 - 1.0)
         .collect();
     let x = gpu.upload(&x_host).expect("x");
-    let mut deq = gpu.alloc::<f32>(max_tokens * k).expect("deq");
-    let mut data = gpu.alloc::<u8>(max_tokens * k).expect("data");
-    let mut scales = gpu.alloc::<u8>(max_tokens * k / 16).expect("scales");
-    let mut row_scale = gpu.alloc::<f32>(max_tokens).expect("row scale");
-    let mut out = gpu.alloc::<f32>(max_tokens * top_k * n).expect("out");
     let wanted = |section: &str| sections.iter().any(|s| s == section);
     if wanted("attention") {
         attention(&gpu, &cfg, bw);
@@ -92,25 +88,74 @@ fn main() {
     if wanted("dense") {
         dense(&gpu, &cfg, bw, &x);
     }
-    let moe_formats: &[&str] = if wanted("moe") {
-        &["bf16", "mxfp8", "nvfp4"]
-    } else {
-        &[]
+    for (section, projection) in [("moe", Projection::GateUp), ("moe_down", Projection::Down)] {
+        if wanted(section) {
+            expert_gemms(&gpu, &cfg, bw, &x, &token_counts, projection);
+        }
+    }
+}
+
+/// One projection of the experts: gate/up (hidden -> 2 x intermediate, each routed row read
+/// from its token's row through the plan) or down (intermediate -> hidden, over the routed rows
+/// in the plan's order, as the layer runs it).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Projection {
+    GateUp,
+    Down,
+}
+
+/// Every kernel on one expert projection, in each weight format, at each token count.
+fn expert_gemms(
+    gpu: &Gpu,
+    cfg: &ModelConfig,
+    bw: f64,
+    x: &cudarc::driver::CudaSlice<f32>,
+    token_counts: &[usize],
+    projection: Projection,
+) {
+    let moe = cfg.moe.clone().expect("an MoE config");
+    let (experts, top_k, inter) = (moe.num_experts, moe.top_k, moe.intermediate_size);
+    let (n, k, module) = match projection {
+        Projection::GateUp => (2 * inter, cfg.hidden_size, "gate_proj"),
+        Projection::Down => (cfg.hidden_size, inter, "down_proj"),
     };
-    for &name in moe_formats {
+    println!();
+    println!("{projection:?} of {experts} experts [{n} x {k}], top-{top_k}");
+    println!("| experts | kernel | tokens | rows | us | GB/s | TFLOP/s | of roofline |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let max_tokens = *token_counts.iter().max().unwrap_or(&1);
+    // Rows of x a launch reads: the tokens (gate/up, through the plan's row_token) or the
+    // routed rows themselves (down).
+    let x_rows = |tokens: usize| match projection {
+        Projection::GateUp => tokens,
+        Projection::Down => tokens * top_k,
+    };
+    let max_rows = x_rows(max_tokens);
+    let dummy = DummyWeights { gpu, seed: 7 };
+    let mut deq = gpu.alloc::<f32>(max_rows * k).expect("deq");
+    let mut data = gpu.alloc::<u8>(max_rows * k).expect("data");
+    let mut scales = gpu.alloc::<u8>(max_rows * k / 16).expect("scales");
+    let mut row_scale = gpu.alloc::<f32>(max_rows).expect("row scale");
+    let mut out = gpu.alloc::<f32>(max_tokens * top_k * n).expect("out");
+    for name in ["bf16", "mxfp8", "nvfp4"] {
         let recipe = Recipe::builtin(name).expect("recipe");
-        let fmt = recipe.format_for("model.layers.0.mlp.experts.0.gate_proj", cfg.num_layers);
+        let fmt = recipe.format_for(
+            &format!("model.layers.0.mlp.experts.0.{module}"),
+            cfg.num_layers,
+        );
         let parts: Vec<Vec<(String, usize)>> = (0..experts)
-            .map(|e| {
-                vec![
-                    (format!("e{e}.gate"), moe.intermediate_size),
-                    (format!("e{e}.up"), moe.intermediate_size),
-                ]
+            .map(|e| match projection {
+                Projection::GateUp => {
+                    vec![(format!("e{e}.gate"), inter), (format!("e{e}.up"), inter)]
+                }
+                Projection::Down => vec![(format!("e{e}.down"), n)],
             })
             .collect();
-        let m = dummy.matrix(&parts, k, &fmt, true).expect("weights");
+        let m = dummy
+            .matrix(&parts, k, &fmt, projection == Projection::GateUp)
+            .expect("weights");
         let bytes_per_param = fmt.format.bytes_per_element();
-        for &tokens in &token_counts {
+        for &tokens in token_counts {
             // Uniform random routing: token t picks top_k distinct experts.
             let ids: Vec<i32> = (0..tokens)
                 .flat_map(|t| {
@@ -120,28 +165,22 @@ fn main() {
                 .collect();
             let dids = gpu.upload(&ids).expect("ids");
             let pairs = tokens * top_k;
-            let mut plan = MoePlan::new(&gpu, pairs, experts).expect("plan");
-            plan.build(&gpu, &dids, tokens, top_k, experts)
+            let rows = x_rows(tokens);
+            let mut plan = MoePlan::new(gpu, pairs, experts).expect("plan");
+            plan.build(gpu, &dids, tokens, top_k, experts)
                 .expect("plan");
             let (xin, rs) = match m.act {
-                Activation::Plain => (&x, None),
+                Activation::Plain => (x, None),
                 Activation::Mxfp8 => {
-                    ops::mxfp8_quantize(
-                        &gpu,
-                        &x,
-                        tokens * k,
-                        &mut data,
-                        &mut scales,
-                        Some(&mut deq),
-                    )
-                    .expect("quantize");
+                    ops::mxfp8_quantize(gpu, x, rows * k, &mut data, &mut scales, Some(&mut deq))
+                        .expect("quantize");
                     (&deq, None)
                 }
                 Activation::Nvfp4 { params, .. } => {
                     ops::nvfp4_quantize_f32(
-                        &gpu,
-                        &x,
-                        tokens,
+                        gpu,
+                        x,
+                        rows,
                         k,
                         true,
                         None,
@@ -159,7 +198,7 @@ fn main() {
             };
             let touched = ids.iter().collect::<std::collections::BTreeSet<_>>().len();
             let bytes = touched as f64 * (n * k) as f64 * bytes_per_param
-                + (tokens * k * 4) as f64
+                + (rows * k * 4) as f64
                 + (pairs * n * 4) as f64;
             let flops = 2.0 * (pairs * n * k) as f64;
             let roofline = (bytes / bw).max(flops / TENSOR_FLOPS);
@@ -176,13 +215,14 @@ fn main() {
                 if tokens > 256 && matches!(path, GemmPath::Ffma | GemmPath::Skinny) {
                     continue;
                 }
+                let row_index = (projection == Projection::GateUp).then_some(&plan.row_token);
                 let mut run = || {
                     ops::grouped_gemm_on(
                         path,
                         SplitK::Auto,
-                        &gpu,
+                        gpu,
                         xin,
-                        Some(&plan.row_token),
+                        row_index,
                         rs,
                         &m.data,
                         GemmRows::Plan(&plan),

@@ -75,9 +75,11 @@ fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
 # SKIP_KERNEL_BENCH=1: only the step benchmark (cuda_bench), not cuda_kernel_bench.
+# KERNEL_BENCH_ARGS="--sections moe,moe_down --tokens 64,256,4096": its flags.
 if [ "${SKIP_KERNEL_BENCH:-0}" != 1 ]; then
 echo "== kernel benchmark (expert GEMMs, attention) ($(date +%T))"
-if "$bin"/cuda_kernel_bench configs/qwen3-30b-a3b.json 2>&1 | tee "$logs/kernel_bench.md"; then
+read -r -a kernel_bench_args <<<"${KERNEL_BENCH_ARGS:-}"
+if "$bin"/cuda_kernel_bench configs/qwen3-30b-a3b.json "${kernel_bench_args[@]}" 2>&1 | tee "$logs/kernel_bench.md"; then
   record "cuda_kernel_bench" "done (kernel_bench.md)"
 else
   record "cuda_kernel_bench" "FAIL"
