@@ -439,6 +439,30 @@ __device__ __forceinline__ int a_piece(int r, int s) { return s ^ ((r >> 1) & 3)
 #define TILE_STAGES 3 // spans in flight
 #define TM_WIDE 64    // rows per wide tile (host: ops::gemm::GEMM_WIDE_TILE_ROWS)
 
+// One span (32 k from k0) of the TILE_TN weight columns n0.. of expert e into `dst`
+// ([column][W_BYTES], W_BYTES a column's span in FMT) as 16-byte cp.async copies spread over
+// THREADS threads; columns past N read nothing (zeros). The tiled and wgmma kernels' copy;
+// `w_row_bytes` (weight_row_bytes) is computed once by the caller.
+template <int FMT>
+__device__ __forceinline__ u64 weight_row_bytes(int K) {
+    return FMT == 1 ? (u64)K * 2 : FMT == 2 ? (u64)K : (u64)K / 2;
+}
+template <int FMT, int THREADS>
+__device__ __forceinline__ void copy_weight_span(u8* dst, const void* w, u64 w_row_bytes, int e, int N, int n0,
+                                                 int k0, int tid) {
+    constexpr int W_BYTES = FMT == 1 ? 64 : FMT == 2 ? 32 : 16;
+    constexpr int W_ALL = TILE_TN * W_BYTES / 16, W_CHUNKS = (W_ALL + THREADS - 1) / THREADS;
+#pragma unroll
+    for (int c = 0; c < W_CHUNKS; c++) {
+        int chunk = tid + THREADS * c, col = chunk / (W_BYTES / 16), part = chunk % (W_BYTES / 16);
+        if (W_ALL % THREADS != 0 && chunk >= W_ALL) break;
+        bool live = n0 + col < N;
+        u64 row = (u64)e * N + (live ? n0 + col : 0);
+        cp_async16(dst + col * W_BYTES + 16 * part, (const u8*)w + row * w_row_bytes + k0 * W_BYTES / 32 + 16 * part,
+                   live);
+    }
+}
+
 // Grid (ceil(N / 128), tiles), 128 * WM threads: tiles of 32 * WM rows, a warp per 32 rows
 // and 32 columns (WM = 2: the routing plan's wide tiles, each expert's weights read from L2
 // once per 64 rows instead of 32). xb is x packed by pack_gemm_operand. Requires K % 32 == 0
@@ -472,10 +496,8 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     u64 a_src = a_live ? (row_index ? (u64)row_index[r0 + a_row] : (u64)(r0 + a_row)) : 0;
     const u8* a_base = (const u8*)(xb + a_src * (K / 2) * A_PARTS) + a_chunk * 16;
     int a_dst = 4 * a_piece(a_row, a_chunk);
-    // 16-byte weight chunks of a span: all of them, and per thread.
-    constexpr int W_ALL = TILE_TN * W_BYTES / 16, W_CHUNKS = (W_ALL + THREADS - 1) / THREADS;
-    const u8* wbytes = (const u8*)w;
-    u64 w_row_bytes = FMT == 1 ? (u64)K * 2 : FMT == 2 ? (u64)K : (u64)K / 2;
+
+    u64 w_row_bytes = weight_row_bytes<FMT>(K);
 
     int k_begin, k_end;
     block_k_range(partials, K, k_begin, k_end);
@@ -485,14 +507,7 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
 #pragma unroll
         for (int p = 0; p < A_PARTS; p++)
             cp_async16(&as[stage][p][a_row][a_dst], a_base + (u64)p * K * 2 + k0 * 2, a_live);
-#pragma unroll
-        for (int c = 0; c < W_CHUNKS; c++) {
-            int chunk = tid + THREADS * c, col = chunk / (W_BYTES / 16), part = chunk % (W_BYTES / 16);
-            if (W_ALL % THREADS != 0 && chunk >= W_ALL) break;
-            bool live = n0 + col < N;
-            u64 row = (u64)e * N + (live ? n0 + col : 0);
-            cp_async16(&ws[stage][col][16 * part], wbytes + row * w_row_bytes + k0 * W_BYTES / 32 + 16 * part, live);
-        }
+        copy_weight_span<FMT, THREADS>(&ws[stage][0][0], w, w_row_bytes, e, N, n0, k0, tid);
     };
     // This lane's ldmatrix rows: row l % 8 (+ 8 for matrices 1 and 3) of each m16 fragment;
     // matrices 2 and 3 take a chunk's second piece.
@@ -829,9 +844,8 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
         a_base[h] = (const u8*)(xb + src * (K / 2) * A_PARTS) + piece * 16;
         a_dst[h] = r * 64 + 16 * a_piece(r, piece);
     }
-    constexpr int W_ALL = TILE_TN * W_BYTES / 16, W_CHUNKS = (W_ALL + 255) / 256;
-    const u8* wbytes = (const u8*)w;
-    u64 w_row_bytes = FMT == 1 ? (u64)K * 2 : FMT == 2 ? (u64)K : (u64)K / 2;
+
+    u64 w_row_bytes = weight_row_bytes<FMT>(K);
 
     int k_begin, k_end;
     block_k_range(partials, K, k_begin, k_end);
@@ -845,15 +859,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
             for (int h = 0; h < 2; h++)
                 if (h == 0 || wide_n)
                     cp_async16(xst + p * WG_X_PART + a_dst[h], a_base[h] + (u64)p * K * 2 + k0 * 2, a_live[h]);
-        u8* wst = ws + stage * WG_W_STAGE;
-#pragma unroll
-        for (int c = 0; c < W_CHUNKS; c++) {
-            int chunk = tid + 256 * c, col = chunk / (W_BYTES / 16), part = chunk % (W_BYTES / 16);
-            if (W_ALL % 256 != 0 && chunk >= W_ALL) break;
-            bool live = n0 + col < N;
-            u64 row = (u64)e * N + (live ? n0 + col : 0);
-            cp_async16(wst + col * W_BYTES + 16 * part, wbytes + row * w_row_bytes + k0 * W_BYTES / 32 + 16 * part, live);
-        }
+        copy_weight_span<FMT, 256>(ws + stage * WG_W_STAGE, w, w_row_bytes, e, N, n0, k0, tid);
     };
 
     // This lane's weight columns: A rows g and g + 8 of its warp's 16, and their block scales a
