@@ -225,25 +225,33 @@ __device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
     return d;
 }
 
-// Eight E2M1 codes (code i in bits 4i..4i+3) as four BF16x2 words (codes 2p, 2p + 1 in word p).
-// The magnitude code (3 bits) picks the high and the low byte of its BF16 value from two
-// 8-byte tables: 0, 0.5, 1, 1.5, 2, 3, 4, 6 = 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040,
-// 0x4080, 0x40C0; the sign bit moves to bit 15 of its half.
-__device__ __forceinline__ void e2m1x8_to_bf16(u32 q, u32* out) {
-    u32 mag = q & 0x77777777u;
-    u32 even_sign = (q << 4) & 0x80808080u, odd_sign = q & 0x80808080u;  // byte j: codes 2j, 2j + 1
+// Eight E2M1 codes (code i in bits 4i..4i+3) as four BF16x2 words (codes 2p, 2p + 1 in word p),
+// each value times 2^120 (nvfp4_scale_bf16x2 takes the factor back). The magnitude code (3 bits)
+// picks the high and the low byte of its BF16 value from two 8-byte tables: 2^120 x {0, 0.5, 1,
+// 1.5, 2, 3, 4, 6} = 0x0000, 0x7B00, 0x7B80, 0x7BC0, 0x7C00, 0x7C40, 0x7C80, 0x7CC0. The signs
+// join the high bytes four codes at a time: code 2j's is bit 7 of byte j of q << 4, code
+// 2j + 1's bit 7 of byte j of q, so one byte permute lines them up with the looked-up bytes.
+__device__ __forceinline__ void e2m1x8_to_bf16_x2p120(u32 q, u32* out) {
+    u32 mag = q & 0x77777777u, even_sign = q << 4;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        u32 sel = mag >> (16 * h);
-        u32 hi = prmt(0x3F3F3F00u, 0x40404040u, sel), lo = prmt(0xC0800000u, 0xC0804000u, sel);
-#pragma unroll
-        for (int p = 0; p < 2; p++) {
-            int j = 2 * h + p;  // byte j of q: codes 2j, 2j + 1
-            u32 v = prmt(lo, hi, p == 0 ? 0x5140u : 0x7362u);
-            u32 sign = prmt(even_sign, odd_sign, (u32)((4 + j) << 12 | j << 4));
-            out[j] = v | (sign & 0x80008000u);
-        }
+        u32 sel = mag >> (16 * h);  // codes 4h..4h + 3
+        u32 sign = prmt(even_sign, q, h == 0 ? 0x5140u : 0x7362u);  // theirs at bit 7 of bytes 0..3
+        u32 hi = prmt(0x7B7B7B00u, 0x7C7C7C7Cu, sel) | (sign & 0x80808080u);
+        u32 lo = prmt(0xC0800000u, 0xC0804000u, sel);
+        out[2 * h] = prmt(lo, hi, 0x5140u);      // codes 4h, 4h + 1
+        out[2 * h + 1] = prmt(lo, hi, 0x7362u);  // codes 4h + 2, 4h + 3
     }
+}
+
+// An E4M3 block scale as BF16x2 (both halves) times 2^-120: its 7 magnitude bits shifted left
+// by 4 are the exponent and mantissa of that BF16 (subnormal for E4M3's subnormals, exactly
+// as BF16 holds them), the sign moves to bit 15; NaN (S.1111.111) stays NaN. A multiply by
+// e2m1x8_to_bf16_x2p120's values is then e2m1 * e4m3, exact (at most 6 significant bits).
+__device__ __forceinline__ u32 nvfp4_scale_bf16x2(u32 c) {
+    u32 m = c & 0x7fu;
+    u32 s = (c & 0x80u) * 0x01000100u + m * 0x00100010u;
+    return m == 0x7fu ? 0x7fc07fc0u : s;
 }
 
 // The raw bytes of 8 consecutive weights (n, k..k+8) and their block scale, loaded ahead of use.
@@ -288,10 +296,9 @@ __device__ __forceinline__ void decode_weight8(const Weight8& c, u32* out) {
             out[i] = pack_exact_bf16(__fmul_rn(lo, s), __fmul_rn(hi, s));
         }
     } else {
-        u32 s = __float_as_uint(e4m3_decode(c.scale)) >> 16;  // exact in BF16
-        u32 s2 = s | (s << 16);
+        u32 s2 = nvfp4_scale_bf16x2(c.scale);
         u32 v[4];
-        e2m1x8_to_bf16(c.q.x, v);
+        e2m1x8_to_bf16_x2p120(c.q.x, v);
 #pragma unroll
         for (int i = 0; i < 4; i++) out[i] = bf16x2_mul(v[i], s2);
     }
@@ -439,29 +446,36 @@ __device__ __forceinline__ int a_piece(int r, int s) { return s ^ ((r >> 1) & 3)
 #define TILE_STAGES 3 // spans in flight
 #define TM_WIDE 64    // rows per wide tile (host: ops::gemm::GEMM_WIDE_TILE_ROWS)
 
-// One span (32 k from k0) of the TILE_TN weight columns n0.. of expert e into `dst`
-// ([column][W_BYTES], W_BYTES a column's span in FMT) as 16-byte cp.async copies spread over
-// THREADS threads; columns past N read nothing (zeros). The tiled and wgmma kernels' copy;
-// `w_row_bytes` (weight_row_bytes) is computed once by the caller.
-template <int FMT>
-__device__ __forceinline__ u64 weight_row_bytes(int K) {
-    return FMT == 1 ? (u64)K * 2 : FMT == 2 ? (u64)K : (u64)K / 2;
-}
+// One thread's share of copying spans (32 k from k0) of the TILE_TN weight columns n0.. of
+// expert e into a stage ([column][W_BYTES], W_BYTES a column's span in FMT), as 16-byte
+// cp.async copies spread over THREADS threads; columns past N read nothing (zeros). The tiled
+// and wgmma kernels' copy: the sources and places are worked out once, a span only adds k0.
 template <int FMT, int THREADS>
-__device__ __forceinline__ void copy_weight_span(u8* dst, const void* w, u64 w_row_bytes, int e, int N, int n0,
-                                                 int k0, int tid) {
-    constexpr int W_BYTES = FMT == 1 ? 64 : FMT == 2 ? 32 : 16;
-    constexpr int W_ALL = TILE_TN * W_BYTES / 16, W_CHUNKS = (W_ALL + THREADS - 1) / THREADS;
+struct WeightSpanCopy {
+    static constexpr int W_BYTES = FMT == 1 ? 64 : FMT == 2 ? 32 : 16;
+    static constexpr int W_ALL = TILE_TN * W_BYTES / 16, CHUNKS = (W_ALL + THREADS - 1) / THREADS;
+    const u8* src[CHUNKS];  // at k = 0
+    int dst[CHUNKS];        // byte offset in a stage; -1: no chunk for this thread
+    bool live[CHUNKS];
+
+    __device__ __forceinline__ WeightSpanCopy(const void* w, int e, int N, int n0, int K, int tid) {
+        u64 row_bytes = FMT == 1 ? (u64)K * 2 : FMT == 2 ? (u64)K : (u64)K / 2;
 #pragma unroll
-    for (int c = 0; c < W_CHUNKS; c++) {
-        int chunk = tid + THREADS * c, col = chunk / (W_BYTES / 16), part = chunk % (W_BYTES / 16);
-        if (W_ALL % THREADS != 0 && chunk >= W_ALL) break;
-        bool live = n0 + col < N;
-        u64 row = (u64)e * N + (live ? n0 + col : 0);
-        cp_async16(dst + col * W_BYTES + 16 * part, (const u8*)w + row * w_row_bytes + k0 * W_BYTES / 32 + 16 * part,
-                   live);
+        for (int c = 0; c < CHUNKS; c++) {
+            int chunk = tid + THREADS * c, col = chunk / (W_BYTES / 16), part = chunk % (W_BYTES / 16);
+            live[c] = n0 + col < N;
+            u64 row = (u64)e * N + (live[c] ? n0 + col : 0);
+            src[c] = (const u8*)w + row * row_bytes + 16 * part;
+            dst[c] = W_ALL % THREADS != 0 && chunk >= W_ALL ? -1 : col * W_BYTES + 16 * part;
+        }
     }
-}
+
+    __device__ __forceinline__ void issue(u8* stage, int k0) const {
+#pragma unroll
+        for (int c = 0; c < CHUNKS; c++)
+            if (W_ALL % THREADS == 0 || dst[c] >= 0) cp_async16(stage + dst[c], src[c] + k0 * W_BYTES / 32, live[c]);
+    }
+};
 
 // Grid (ceil(N / 128), tiles), 128 * WM threads: tiles of 32 * WM rows, a warp per 32 rows
 // and 32 columns (WM = 2: the routing plan's wide tiles, each expert's weights read from L2
@@ -497,7 +511,7 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     const u8* a_base = (const u8*)(xb + a_src * (K / 2) * A_PARTS) + a_chunk * 16;
     int a_dst = 4 * a_piece(a_row, a_chunk);
 
-    u64 w_row_bytes = weight_row_bytes<FMT>(K);
+    WeightSpanCopy<FMT, THREADS> w_copy(w, e, N, n0, K, tid);
 
     int k_begin, k_end;
     block_k_range(partials, K, k_begin, k_end);
@@ -507,26 +521,39 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
 #pragma unroll
         for (int p = 0; p < A_PARTS; p++)
             cp_async16(&as[stage][p][a_row][a_dst], a_base + (u64)p * K * 2 + k0 * 2, a_live);
-        copy_weight_span<FMT, THREADS>(&ws[stage][0][0], w, w_row_bytes, e, N, n0, k0, tid);
+        w_copy.issue(&ws[stage][0][0], k0);
     };
     // This lane's ldmatrix rows: row l % 8 (+ 8 for matrices 1 and 3) of each m16 fragment;
     // matrices 2 and 3 take a chunk's second piece.
     int lm_row = (lane & 7) + 8 * ((lane >> 3) & 1), lm_piece = lane >> 4;
 
-    // This lane's weight columns (g of each n8 fragment) and their block scales, a span ahead.
-    u64 scale_row[4];
+    // This lane's weight columns (g of each n8 fragment) and their block scales, read a span
+    // ahead through a pointer per column at the block's first span: a span holds one MXFP8
+    // scale and two NVFP4 ones (lane t's is the (t / 2)-th).
+    constexpr int SPAN_SCALES = FMT == 2 ? 1 : FMT == 3 ? 2 : 0;
+    const u8* col_scales[4];
 #pragma unroll
     for (int ni = 0; ni < 4; ni++) {
         int n = n0 + wn * 32 + ni * 8 + g;
-        scale_row[ni] = (u64)e * N + (n < N ? n : 0);
+        u64 row = (u64)e * N + (n < N ? n : 0);
+        col_scales[ni] = w_scales + (row * (K / MMA_TK) + k_begin / MMA_TK) * SPAN_SCALES + (FMT == 3 ? t / 2 : 0);
     }
     auto load_scales = [&](int span, u8* out_scales) {
-        int k0 = k_begin + span * MMA_TK;
 #pragma unroll
-        for (int ni = 0; ni < 4; ni++) out_scales[ni] = span < spans ? span_scale<FMT>(w_scales, scale_row[ni], K, k0, t) : 0;
+        for (int ni = 0; ni < 4; ni++) out_scales[ni] = SPAN_SCALES && span < spans ? col_scales[ni][span * SPAN_SCALES] : 0;
     };
+    // This warp's live rows: an m16 fragment with none is skipped (warp-uniform).
+    int live = r1 - r0 - wm * 32;
 
-    float acc[2][4][4], tot[2][4][4];
+    // The running total (element i at tot[i * TOT_STRIDE]): in registers, or for quantized
+    // weights on 32-row tiles in shared memory (lane l's element i at [warp][i][l]), which is
+    // touched once per segment and leaves the registers to the weights' decoding.
+    constexpr bool TOT_SHARED = FMT != 1 && WM == 1;
+    constexpr int TOT_STRIDE = TOT_SHARED ? 32 : 1;
+    __shared__ float tot_s[TOT_SHARED ? THREADS / 32 : 1][TOT_SHARED ? 32 : 1][32];
+    float tot_r[TOT_SHARED ? 1 : 32];
+    float* tot = TOT_SHARED ? &tot_s[warp][0][lane] : tot_r;
+    float acc[2][4][4];
 #pragma unroll
     for (int i = 0; i < 2; i++)
 #pragma unroll
@@ -558,6 +585,7 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
             for (int mi = 0; mi < 2; mi++)
 #pragma unroll
                 for (int c = 0; c < 2; c++) {
+                    if (mi * 16 >= live) break;
                     int r = wm * 32 + mi * 16 + lm_row, piece = 4 * a_piece(r, 2 * c + lm_piece);
                     ldmatrix_x4(&as[stage][0][r][piece], a[mi][c]);
                     if constexpr (SPLIT) ldmatrix_x4(&as[stage][A_PARTS - 1][r][piece], al[mi][c]);
@@ -570,6 +598,7 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
                 for (int mi = 0; mi < 2; mi++)
 #pragma unroll
                     for (int c = 0; c < 2; c++) {
+                        if (mi * 16 >= live) break;
                         // The K chain's order: chunk 0 then 1, each hi then (split) lo.
                         mma_bf16(acc[mi][ni], a[mi][c], &b[2 * c]);
                         if constexpr (SPLIT) mma_bf16(acc[mi][ni], al[mi][c], &b[2 * c]);
@@ -578,7 +607,7 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
 #pragma unroll
             for (int ni = 0; ni < 4; ni++) sc[ni] = sc_next[ni];
         }
-        end_segment<32>(&acc[0][0][0], &tot[0][0][0], seg0 == 0);
+        end_segment<32, TOT_STRIDE>(&acc[0][0][0], tot, seg0 == 0);
     }
     cp_async_wait<0>();
 
@@ -596,7 +625,7 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
                 for (int j = 0; j < 2; j++) {
                     int col = n0 + wn * 32 + ni * 8 + 2 * t + j;
                     if (col >= N) continue;
-                    store_sum<FMT>(tot[mi][ni][2 * half + j], partials, rows, row, col, N, row_scale, src, w_sdec, e,
+                    store_sum<FMT>(tot[TOT_STRIDE * ((mi * 4 + ni) * 4 + 2 * half + j)], partials, rows, row, col, N, row_scale, src, w_sdec, e,
                                    sdec_groups, out);
                 }
         }
@@ -845,7 +874,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
         a_dst[h] = r * 64 + 16 * a_piece(r, piece);
     }
 
-    u64 w_row_bytes = weight_row_bytes<FMT>(K);
+    WeightSpanCopy<FMT, 256> w_copy(w, e, N, n0, K, tid);
 
     int k_begin, k_end;
     block_k_range(partials, K, k_begin, k_end);
@@ -859,7 +888,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
             for (int h = 0; h < 2; h++)
                 if (h == 0 || wide_n)
                     cp_async16(xst + p * WG_X_PART + a_dst[h], a_base[h] + (u64)p * K * 2 + k0 * 2, a_live[h]);
-        copy_weight_span<FMT, 256>(ws + stage * WG_W_STAGE, w, w_row_bytes, e, N, n0, k0, tid);
+        w_copy.issue(ws + stage * WG_W_STAGE, k0);
     };
 
     // This lane's weight columns: A rows g and g + 8 of its warp's 16, and their block scales a

@@ -1091,6 +1091,82 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
     }
 }
 
+/// Every NVFP4 weight value the kernels can meet, decoded exactly by each of them: weight row
+/// n holds block scale code n (all 256 E4M3 codes: subnormals, negatives, NaN) and column k
+/// E2M1 code k % 16, and one-hot activation rows pick single weights, so output (r, n) is the
+/// decoded weight (n, r) itself (row scales and S_dec are 1), bit for bit.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn every_nvfp4_weight_code_decodes_exactly_on_every_kernel() {
+    let g = gpu();
+    let (n, k) = (256, 32);
+    let data: Vec<u8> = (0..n * k / 2)
+        .map(|i| {
+            let c = 2 * (i % (k / 2));
+            (c % 16 | (c + 1) % 16 << 4) as u8
+        })
+        .collect();
+    let scales: Vec<u8> = (0..n * k / 16).map(|i| (i / (k / 16)) as u8).collect();
+    let fmt = TensorFormat {
+        format: Format::Nvfp4,
+        activation_scale: ScaleGranularity::PerToken,
+        four_over_six: None,
+    };
+    let layer = quant::Nvfp4Tensor {
+        rows: n,
+        cols: k,
+        data,
+        scales,
+        global: quant::nvfp4::GlobalScale::PerTensor(1.0),
+    };
+    let layer = lockstep::backend::cpu::linear::Nvfp4Linear::new(layer, &fmt);
+    let m = GpuMatrix::upload(&g, &[vec![&layer as &dyn Linear]]).unwrap();
+    let rows = k;
+    let x: Vec<f32> = (0..rows * k)
+        .map(|i| if i / k == i % k { 1.0 } else { 0.0 })
+        .collect();
+    let (dx, ones) = (g.upload(&x).unwrap(), g.upload(&vec![1.0f32; rows]).unwrap());
+    let want = |r: usize, col: usize| {
+        quant::codec::e2m1_decode((r % 16) as u8) * quant::codec::e4m3_decode(col as u8)
+    };
+    for path in [
+        GemmPath::Ffma,
+        GemmPath::TensorCore,
+        GemmPath::TensorCoreWide,
+        GemmPath::Wgmma,
+        GemmPath::Skinny,
+        GemmPath::Skinny4,
+    ] {
+        let mut out = poisoned(&g, rows * n, f32::NAN);
+        ops::grouped_gemm_on(
+            path,
+            SplitK::Off,
+            &g,
+            &dx,
+            None,
+            Some(&ones),
+            &m.data,
+            GemmRows::Dense(rows),
+            rows,
+            n,
+            k,
+            &mut out,
+        )
+        .unwrap();
+        let got = g.download(&out, rows * n).unwrap();
+        for r in 0..rows {
+            for col in 0..n {
+                let (got, want) = (got[r * n + col], want(r, col));
+                assert!(
+                    got == want || got.is_nan() && want.is_nan(),
+                    "{path:?}: E2M1 code {} with scale code {col:#04x} gave {got:e}, want {want:e}",
+                    r % 16
+                );
+            }
+        }
+    }
+}
+
 fn embedded_config(layers: Option<usize>) -> ModelConfig {
     let mut raw: serde_json::Value =
         serde_json::from_str(lockstep::serve::EMBEDDED_CONFIG).unwrap();
