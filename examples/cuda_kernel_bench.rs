@@ -258,18 +258,27 @@ fn expert_gemms(
 
 /// The attention projections (BF16) alone at decode and small-prefill row counts, on each
 /// tensor-core kernel: they all give the same bits, so only speed picks among them.
+/// Rows of the dense projections' launches.
+const ROW_COUNTS: [usize; 11] = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096];
+
 fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f32>) {
     let dummy = DummyWeights { gpu, seed: 9 };
     let (h, q) = (cfg.hidden_size, cfg.num_heads * cfg.head_dim);
     let kv = cfg.num_kv_heads * cfg.head_dim;
     println!("| dense bf16 | kernel | rows | us | GB/s | of roofline |");
     println!("|---|---|---|---|---|---|");
-    for (name, n, k) in [("q_proj", q, h), ("k_proj", kv, h), ("o_proj", h, q)] {
+    // The LM head at decode batches only (its output is rows x vocab floats).
+    for (name, n, k, row_counts) in [
+        ("q_proj", q, h, &ROW_COUNTS[..]),
+        ("k_proj", kv, h, &ROW_COUNTS[..]),
+        ("o_proj", h, q, &ROW_COUNTS[..]),
+        ("lm_head", cfg.vocab_size, h, &ROW_COUNTS[..7]),
+    ] {
         let parts = vec![vec![(format!("{name}"), n)]];
         let m = dummy
             .matrix(&parts, k, &lockstep::quant::TensorFormat::BF16, false)
             .expect("weights");
-        for rows in [1usize, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096] {
+        for &rows in row_counts {
             if rows * k > x.len() {
                 continue;
             }

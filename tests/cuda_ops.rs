@@ -1125,7 +1125,10 @@ fn every_nvfp4_weight_code_decodes_exactly_on_every_kernel() {
     let x: Vec<f32> = (0..rows * k)
         .map(|i| if i / k == i % k { 1.0 } else { 0.0 })
         .collect();
-    let (dx, ones) = (g.upload(&x).unwrap(), g.upload(&vec![1.0f32; rows]).unwrap());
+    let (dx, ones) = (
+        g.upload(&x).unwrap(),
+        g.upload(&vec![1.0f32; rows]).unwrap(),
+    );
     let want = |r: usize, col: usize| {
         quant::codec::e2m1_decode((r % 16) as u8) * quant::codec::e4m3_decode(col as u8)
     };

@@ -246,6 +246,12 @@ pub const WIDE_MIN_ROWS_PER_EXPERT: usize = 64;
 /// against 350 / 405 / 706 / 1,450. Dense q_proj [4096 x 2048] at 1,024 / 4,096 rows: 102 /
 /// 376 against the wide tiles' 126 / 448.
 pub const WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT: usize = 128;
+/// Rows, and 128 x 128 tiles, from which [`GemmPath::Auto`] takes the wgmma kernel for a dense
+/// launch the wide-tile rule leaves out: a matrix wide enough that its 128-row tiles still fill
+/// the GPU several times over at decode batches (the LM head, [151,936 x 2048]: 1,187 tiles at
+/// 64 rows). The q/k/v/o projections at these rows have too few tiles and stay on 32-row ones.
+pub const WGMMA_MIN_DENSE_ROWS: usize = 64;
+pub const WGMMA_MIN_DENSE_TILES: usize = 1024;
 
 /// Whether [`GemmPath::Auto`] may take the wide tiles: `LOCKSTEP_WIDE_TILES=0` keeps it on
 /// 32-row tiles, to measure the difference in one run (scripts/gpu-check.sh
@@ -298,13 +304,22 @@ impl GemmPath {
                     w.s_dec.is_none() && max_rows >= WIDE_MIN_ROWS_PER_EXPERT * p.counts.len()
                 }
             };
-        // The wgmma kernel wherever the wide tiles would run, and over MXFP8 or NVFP4 experts
-        // from WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT rows an expert.
+        // The wgmma kernel wherever the wide tiles would run, over MXFP8 or NVFP4 experts from
+        // WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT rows an expert, and for dense launches of many
+        // tiles (the LM head) from WGMMA_MIN_DENSE_ROWS rows.
         let wgmma_wins = wgmma
             && (wide
-                || w.scales.is_some()
-                    && matches!(rows, GemmRows::Plan(p)
-                        if max_rows >= WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT * p.counts.len()));
+                || match rows {
+                    GemmRows::Plan(p) => {
+                        w.scales.is_some()
+                            && max_rows >= WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT * p.counts.len()
+                    }
+                    GemmRows::Dense(r) => {
+                        *r >= WGMMA_MIN_DENSE_ROWS
+                            && r.div_ceil(2 * GEMM_WIDE_TILE_ROWS) * n.div_ceil(MMA_TILE_COLS)
+                                >= WGMMA_MIN_DENSE_TILES
+                    }
+                });
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
             GemmPath::Auto if wgmma_wins => GemmPath::Wgmma,
