@@ -312,7 +312,8 @@ fi
 
 # NCU=1: an ncu profile (per-kernel times) of the batch-1 and batch-64 BF16 decode steps on two
 # layers (ncu_b1.csv, ncu_b64.csv; `--clock-control none`, as the device host allows);
-# NCU_BATCHES="1 64 256" picks the batches.
+# NCU_BATCHES="1 64 256" picks the batches, NCU_FORMAT (bf16, mxfp8 or nvfp4) the experts'
+# format (logs ncu_<format>_b<batch>.csv for the quantized ones).
 # NCU_KERNELS=REGEX adds, for the first NCU_COUNT (default 6) launches after the warm-up whose
 # names match, the sections that say what bounds a kernel (throughput, warp stalls, issue
 # rate, instruction mix, occupancy) for both batches (ncu_detail_b1.txt, ncu_detail_b64.txt).
@@ -321,9 +322,11 @@ if [ "${NCU:-0}" = 1 ]; then
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   for b in ${NCU_BATCHES:-1 64}; do
     echo "== ncu profile, batch $b ($(date +%T))"
-    step=(configs/qwen3-30b-a3b.json --layers 2 --formats bf16 --batches "$b" --steps 4 --prefill 1x16)
+    fmt=${NCU_FORMAT:-bf16} csv=ncu_b$b.csv
+    [ "$fmt" != bf16 ] && csv=ncu_${fmt}_b$b.csv
+    step=(configs/qwen3-30b-a3b.json --layers 2 --formats "$fmt" --batches "$b" --steps 4 --prefill 1x16)
     timeout 120 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv "$bin"/cuda_bench \
-      "${step[@]}" >"$logs/ncu_b$b.csv" 2>&1 && record "ncu profile, batch $b" "done (ncu_b$b.csv)" || record "ncu profile, batch $b" "FAIL"
+      "${step[@]}" >"$logs/$csv" 2>&1 && record "ncu profile, $fmt batch $b" "done ($csv)" || record "ncu profile, $fmt batch $b" "FAIL"
     if [ -n "${NCU_KERNELS:-}" ]; then
       timeout 200 "$ncu" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section SchedulerStats --section InstructionStats --section Occupancy \
