@@ -54,29 +54,57 @@ __device__ __forceinline__ u32 amax_bits(float x) {
 __device__ __forceinline__ float load_elem(const float* x, u64 i) { return x[i]; }
 __device__ __forceinline__ float load_elem(const bf16_t* x, u64 i) { return bf16_to_f32(x[i]); }
 
-// One thread per 1x32 block. `deq` (optional) receives the exact dequantized values.
+// Four consecutive elements (16-byte aligned for f32, 8-byte for BF16) as f32.
+__device__ __forceinline__ void load4(const float* x, u64 i, float* v) {
+    float4 a = *(const float4*)(x + i);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+}
+__device__ __forceinline__ void load4(const bf16_t* x, u64 i, float* v) {
+    uint2 a = *(const uint2*)(x + i);
+    v[0] = __uint_as_float(a.x << 16); v[1] = __uint_as_float(a.x & 0xffff0000u);
+    v[2] = __uint_as_float(a.y << 16); v[3] = __uint_as_float(a.y & 0xffff0000u);
+}
+
+// Eight lanes per 1x32 block, four consecutive elements each (one 16-byte load, one 4-byte
+// store of codes, one 16-byte store of dequantized values), so a warp reads and writes whole
+// lines; the block's amax is a max over its 8 lanes, which gives the bits of any order.
+// `deq` (optional) receives the exact dequantized values.
 template <typename T>
 __device__ void mxfp8_rowwise(const T* x, u64 blocks, u8* data, u8* scales, float* deq) {
-    for (u64 b = blockIdx.x * (u64)blockDim.x + threadIdx.x; b < blocks; b += (u64)gridDim.x * blockDim.x) {
+    u64 quads = blocks * 8, lane = threadIdx.x & 31;
+    // Warp-uniform trips: a group of 8 lanes is wholly past the end or not (quads % 8 == 0).
+    for (u64 w = blockIdx.x * (u64)blockDim.x + threadIdx.x - lane; w < quads; w += (u64)gridDim.x * blockDim.x) {
+        u64 i = w + lane;  // elements 4i..4i + 3 of block i / 8
+        bool live = i < quads;
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (live) load4(x, 4 * i, v);
         u32 mb = 0u;
-        bool any_number = false;
-        float v[32];
+        int any_number = 0;
 #pragma unroll
-        for (int i = 0; i < 32; i++) {
-            v[i] = load_elem(x, b * 32 + i);
-            mb = max(mb, amax_bits(v[i]));
-            any_number |= !isnan(v[i]);
+        for (int k = 0; k < 4; k++) {
+            mb = max(mb, amax_bits(v[k]));
+            any_number |= live && !isnan(v[k]);
         }
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) {
+            mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, o));
+            any_number |= __shfl_xor_sync(0xffffffffu, any_number, o);
+        }
+        if (!live) continue;
         float amax = any_number ? __uint_as_float(mb) : __uint_as_float(0x7fc00000u);
         u8 code = e8m0_round_up(__fmul_rn(amax, R448));
         float inv = e8m0_inverse(code), dec = e8m0_decode(code);
-        scales[b] = code;
+        if ((i & 7) == 0) scales[i / 8] = code;
+        u32 codes = 0u;
+        float d[4];
 #pragma unroll
-        for (int i = 0; i < 32; i++) {
-            u8 q = e4m3_encode(__fmul_rn(v[i], inv));
-            data[b * 32 + i] = q;
-            if (deq) deq[b * 32 + i] = __fmul_rn(e4m3_decode(q), dec);
+        for (int k = 0; k < 4; k++) {
+            u8 q = e4m3_encode(__fmul_rn(v[k], inv));
+            codes |= (u32)q << (8 * k);
+            d[k] = __fmul_rn(e4m3_decode(q), dec);
         }
+        *(u32*)(data + 4 * i) = codes;
+        if (deq) *(float4*)(deq + 4 * i) = make_float4(d[0], d[1], d[2], d[3]);
     }
 }
 
@@ -186,16 +214,26 @@ __device__ void nvfp4_rows(const T* x, int cols, int per_token, float amax, floa
         lv = level_from_amax(amax, range);
         if (row_s_dec && threadIdx.x == 0) row_s_dec[r] = lv.s_dec;
     }
+    // A thread per 16-element block: 16-byte loads, its 8 code bytes in one store, its
+    // dequantized values in four.
     for (int b = threadIdx.x; b < cols / 16; b += blockDim.x) {
         float v[16];
         u8 codes[16];
-        for (int i = 0; i < 16; i++) v[i] = load_elem(row, b * 16 + i);
+#pragma unroll
+        for (int i = 0; i < 16; i += 4) load4(row, b * 16 + i, v + i);
         u8 s8 = nvfp4_block(v, lv, fos_range, fos_squared, codes);
         scales[r * (cols / 16) + b] = s8;
-        for (int i = 0; i < 8; i++) data[r * (cols / 2) + b * 8 + i] = (u8)((codes[2 * i + 1] << 4) | codes[2 * i]);
+        u32 packed[2] = {0u, 0u};
+#pragma unroll
+        for (int i = 0; i < 8; i++) packed[i / 4] |= (u32)((codes[2 * i + 1] << 4) | codes[2 * i]) << (8 * (i % 4));
+        *(uint2*)(data + r * (cols / 2) + b * 8) = make_uint2(packed[0], packed[1]);
         if (deq) {
             float d = e4m3_decode(s8);
-            for (int i = 0; i < 16; i++) deq[r * cols + b * 16 + i] = __fmul_rn(e2m1_decode(codes[i]), d);
+#pragma unroll
+            for (int i = 0; i < 16; i += 4)
+                *(float4*)(deq + r * cols + b * 16 + i) =
+                    make_float4(__fmul_rn(e2m1_decode(codes[i]), d), __fmul_rn(e2m1_decode(codes[i + 1]), d),
+                                __fmul_rn(e2m1_decode(codes[i + 2]), d), __fmul_rn(e2m1_decode(codes[i + 3]), d));
         }
     }
 }
