@@ -202,15 +202,7 @@ fn expert_gemms(
                 + (pairs * n * 4) as f64;
             let flops = 2.0 * (pairs * n * k) as f64;
             let roofline = (bytes / bw).max(flops / TENSOR_FLOPS);
-            for path in [
-                GemmPath::Ffma,
-                GemmPath::TensorCore,
-                GemmPath::TensorCoreWide,
-                GemmPath::Wgmma,
-                GemmPath::Skinny,
-                GemmPath::Skinny4,
-                GemmPath::Auto,
-            ] {
+            for path in GemmPath::EXPLICIT.into_iter().chain([GemmPath::Auto]) {
                 // The FFMA and few-rows kernels are far behind from a few hundred tokens.
                 if tokens > 256 && matches!(path, GemmPath::Ffma | GemmPath::Skinny) {
                     continue;

@@ -991,14 +991,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             }
         }
         let slot_row = g.download(&plan.slot_row, pairs).unwrap();
-        for path in [
-            GemmPath::Ffma,
-            GemmPath::TensorCore,
-            GemmPath::TensorCoreWide,
-            GemmPath::Wgmma,
-            GemmPath::Skinny,
-            GemmPath::Skinny4,
-        ] {
+        for path in GemmPath::EXPLICIT {
             let mut out = poisoned(&g, pairs * n, f32::NAN);
             ops::grouped_gemm_on(
                 path,
@@ -1132,14 +1125,7 @@ fn every_nvfp4_weight_code_decodes_exactly_on_every_kernel() {
     let want = |r: usize, col: usize| {
         quant::codec::e2m1_decode((r % 16) as u8) * quant::codec::e4m3_decode(col as u8)
     };
-    for path in [
-        GemmPath::Ffma,
-        GemmPath::TensorCore,
-        GemmPath::TensorCoreWide,
-        GemmPath::Wgmma,
-        GemmPath::Skinny,
-        GemmPath::Skinny4,
-    ] {
+    for path in GemmPath::EXPLICIT {
         let mut out = poisoned(&g, rows * n, f32::NAN);
         ops::grouped_gemm_on(
             path,

@@ -275,6 +275,17 @@ fn wgmma_allowed(gpu: &Gpu) -> bool {
 }
 
 impl GemmPath {
+    /// Every kernel a launch can be told to take (all but [`GemmPath::Auto`]): what the tests
+    /// and benchmarks that run each kernel walk.
+    pub const EXPLICIT: [GemmPath; 6] = [
+        GemmPath::Ffma,
+        GemmPath::TensorCore,
+        GemmPath::TensorCoreWide,
+        GemmPath::Wgmma,
+        GemmPath::Skinny,
+        GemmPath::Skinny4,
+    ];
+
     fn resolve(
         self,
         wgmma: bool,
