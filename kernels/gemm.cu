@@ -313,6 +313,17 @@ __device__ __forceinline__ u8 span_scale(const u8* w_scales, u64 scale_row, int 
     return 0;
 }
 
+// The block scales a span holds per weight row: one MXFP8 32-block, two NVFP4 16-blocks.
+template <int FMT>
+constexpr int SPAN_SCALES = FMT == 2 ? 1 : FMT == 3 ? 2 : 0;
+
+// Lane t's block scales along weight row `row` from span k_begin on: span s's (span_scale's)
+// is at [s * SPAN_SCALES<FMT>], so walking the spans takes no 64-bit products.
+template <int FMT>
+__device__ __forceinline__ const u8* column_scales(const u8* w_scales, u64 row, int K, int k_begin, int t) {
+    return w_scales + (row * (K / MMA_TK) + k_begin / MMA_TK) * SPAN_SCALES<FMT> + (FMT == 3 ? t / 2 : 0);
+}
+
 // The raw bytes of a lane's 8 weights of a span from a shared-memory stage (W_BYTES / 4 of a
 // column's span), with their block scale.
 template <int FMT>
@@ -498,7 +509,7 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     int n0 = blockIdx.x * TILE_TN;
     constexpr bool SPLIT = FMT == 1;
     constexpr int A_PARTS = SPLIT ? 2 : 1;                     // hi, lo
-    constexpr int W_BYTES = FMT == 1 ? 64 : FMT == 2 ? 32 : 16;  // one column's span
+    constexpr int W_BYTES = WeightSpanCopy<FMT, THREADS>::W_BYTES;  // one column's span
     __shared__ __align__(16) u32 as[TILE_STAGES][A_PARTS][TMR][16];  // 32 BF16 per row, a_piece order
     __shared__ __align__(16) u8 ws[TILE_STAGES][TILE_TN][W_BYTES];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -528,19 +539,17 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     int lm_row = (lane & 7) + 8 * ((lane >> 3) & 1), lm_piece = lane >> 4;
 
     // This lane's weight columns (g of each n8 fragment) and their block scales, read a span
-    // ahead through a pointer per column at the block's first span: a span holds one MXFP8
-    // scale and two NVFP4 ones (lane t's is the (t / 2)-th).
-    constexpr int SPAN_SCALES = FMT == 2 ? 1 : FMT == 3 ? 2 : 0;
+    // ahead through a pointer per column (column_scales).
     const u8* col_scales[4];
 #pragma unroll
     for (int ni = 0; ni < 4; ni++) {
         int n = n0 + wn * 32 + ni * 8 + g;
-        u64 row = (u64)e * N + (n < N ? n : 0);
-        col_scales[ni] = w_scales + (row * (K / MMA_TK) + k_begin / MMA_TK) * SPAN_SCALES + (FMT == 3 ? t / 2 : 0);
+        col_scales[ni] = column_scales<FMT>(w_scales, (u64)e * N + (n < N ? n : 0), K, k_begin, t);
     }
     auto load_scales = [&](int span, u8* out_scales) {
 #pragma unroll
-        for (int ni = 0; ni < 4; ni++) out_scales[ni] = SPAN_SCALES && span < spans ? col_scales[ni][span * SPAN_SCALES] : 0;
+        for (int ni = 0; ni < 4; ni++)
+            out_scales[ni] = SPAN_SCALES<FMT> && span < spans ? col_scales[ni][span * SPAN_SCALES<FMT>] : 0;
     };
     // This warp's live rows: with quantized weights an m16 fragment with none is skipped
     // (warp-uniform). Plain BF16 tiles keep every MMA: the branches cost them more than the
@@ -853,7 +862,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     int n0 = blockIdx.x * TILE_TN;
     constexpr bool SPLIT = FMT == 1;
     constexpr int A_PARTS = SPLIT ? 2 : 1;
-    constexpr int W_BYTES = FMT == 1 ? 64 : FMT == 2 ? 32 : 16;  // one column's span
+    constexpr int W_BYTES = WeightSpanCopy<FMT, 256>::W_BYTES;  // one column's span
     extern __shared__ __align__(128) u8 wg_smem[];
     // The swizzle is of shared-memory address bits: stages start 1024-byte aligned.
     u32 smem_base = (u32)__cvta_generic_to_shared(wg_smem);
