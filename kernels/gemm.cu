@@ -304,21 +304,13 @@ __device__ __forceinline__ void decode_weight8(const Weight8& c, u32* out) {
     }
 }
 
-// The block scale of lane t's 8 weights of weight row `scale_row` in the span at k0: MXFP8's
-// 32-block, NVFP4's 16-block of k0 + 8t (none for BF16).
-template <int FMT>
-__device__ __forceinline__ u8 span_scale(const u8* w_scales, u64 scale_row, int K, int k0, int t) {
-    if (FMT == 2) return w_scales[scale_row * (K / 32) + k0 / 32];
-    if (FMT == 3) return w_scales[scale_row * (K / 16) + k0 / 16 + t / 2];
-    return 0;
-}
-
 // The block scales a span holds per weight row: one MXFP8 32-block, two NVFP4 16-blocks.
 template <int FMT>
 constexpr int SPAN_SCALES = FMT == 2 ? 1 : FMT == 3 ? 2 : 0;
 
-// Lane t's block scales along weight row `row` from span k_begin on: span s's (span_scale's)
-// is at [s * SPAN_SCALES<FMT>], so walking the spans takes no 64-bit products.
+// Lane t's block scales along weight row `row` from span k_begin on (MXFP8's 32-block, NVFP4's
+// 16-block of k0 + 8t): span s's is at [s * SPAN_SCALES<FMT>], so walking the spans takes no
+// 64-bit products.
 template <int FMT>
 __device__ __forceinline__ const u8* column_scales(const u8* w_scales, u64 row, int K, int k_begin, int t) {
     return w_scales + (row * (K / MMA_TK) + k_begin / MMA_TK) * SPAN_SCALES<FMT> + (FMT == 3 ? t / 2 : 0);
@@ -906,16 +898,16 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     // This lane's weight columns: A rows g and g + 8 of its warp's 16, and their block scales a
     // span ahead.
     int col_local[2] = {wg * 64 + wq * 16 + g, wg * 64 + wq * 16 + g + 8};
-    u64 scale_row[2];
+    const u8* col_scales[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         int n = n0 + col_local[h];
-        scale_row[h] = (u64)e * N + (n < N ? n : 0);
+        col_scales[h] = column_scales<FMT>(w_scales, (u64)e * N + (n < N ? n : 0), K, k_begin, t);
     }
     auto load_scales = [&](int span, u8* out_scales) {
-        int k0 = k_begin + span * MMA_TK;
 #pragma unroll
-        for (int h = 0; h < 2; h++) out_scales[h] = span < spans ? span_scale<FMT>(w_scales, scale_row[h], K, k0, t) : 0;
+        for (int h = 0; h < 2; h++)
+            out_scales[h] = SPAN_SCALES<FMT> && span < spans ? col_scales[h][span * SPAN_SCALES<FMT>] : 0;
     };
 
     // acc[4j + i]: column (A row) wq * 16 + g + 8 (i >> 1) of this warpgroup's 64, tile row
