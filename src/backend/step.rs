@@ -210,6 +210,22 @@ pub trait Backend {
         out: &mut Self::Act,
     ) -> Result<(), Self::Error>;
 
+    /// `outs[i] = x W_i^T` for layers that read the same `x` (the attention's q, k and v): three
+    /// [`Backend::linear`] calls, unless the backend prepares `x` once for all of them (the CUDA
+    /// backend quantizes it once when the layers share an activation format).
+    fn linear_same_input(
+        &mut self,
+        ws: [&Self::Linear; 3],
+        x: &Self::Act,
+        rows: usize,
+        outs: [&mut Self::Act; 3],
+    ) -> Result<(), Self::Error> {
+        for (w, out) in ws.into_iter().zip(outs) {
+            self.linear(w, x, rows, out)?;
+        }
+        Ok(())
+    }
+
     /// Per-head q/k norm (when given), RoPE at each row's position, and K/V stored into the
     /// cache of `layer`.
     #[allow(clippy::too_many_arguments)]

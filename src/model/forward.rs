@@ -90,9 +90,12 @@ pub fn forward<B: Backend>(
                 eps,
             )?;
             let x_in = tracing.then(|| b.host(&s.x, n * h)).transpose()?;
-            b.linear(&layer.q_proj, &s.normed, n, &mut s.q)?;
-            b.linear(&layer.k_proj, &s.normed, n, &mut s.k)?;
-            b.linear(&layer.v_proj, &s.normed, n, &mut s.v)?;
+            b.linear_same_input(
+                [&layer.q_proj, &layer.k_proj, &layer.v_proj],
+                &s.normed,
+                n,
+                [&mut s.q, &mut s.k, &mut s.v],
+            )?;
             let projections = if tracing {
                 Some((
                     b.host(&s.normed, n * h)?,

@@ -402,42 +402,35 @@ fn linear(
     out: &mut CudaSlice<f32>,
     q: &mut QuantScratch,
 ) -> Result<(), CudaError> {
-    let (n, k) = (m.n, m.k);
-    match m.act {
-        Activation::Plain => {
-            ops::grouped_gemm(gpu, x, row_index, None, &m.data, rows, out_rows, n, k, out)
-        }
-        Activation::Mxfp8 => {
-            ops::mxfp8_quantize(
-                gpu,
-                x,
-                x_rows * k,
-                &mut q.data,
-                &mut q.scales,
-                Some(&mut q.deq),
-            )?;
-            if let Some(bs) = &mut q.block_scaled {
-                return bs.run(
-                    gpu,
-                    BlockFormat::Mxfp8,
-                    &m.data,
-                    &q.data,
-                    &q.scales,
-                    None,
-                    rows,
-                    row_index,
-                    n,
-                    k,
-                    out,
-                );
-            }
-            ops::grouped_gemm(
-                gpu, &q.deq, row_index, None, &m.data, rows, out_rows, n, k, out,
-            )
-        }
+    quantize_input(gpu, m.act, m.experts, x, x_rows, m.k, q)?;
+    gemm_prepared(gpu, m, x, rows, row_index, out_rows, out, q)
+}
+
+/// The activation quantizer of layers whose input is `act`, over `x_rows` rows of width `k`:
+/// data, scales, exact dequantized values and (NVFP4) row scales into `q`. Nothing for plain
+/// layers.
+fn quantize_input(
+    gpu: &Gpu,
+    act: Activation,
+    experts: usize,
+    x: &CudaSlice<f32>,
+    x_rows: usize,
+    k: usize,
+    q: &mut QuantScratch,
+) -> Result<(), CudaError> {
+    match act {
+        Activation::Plain => Ok(()),
+        Activation::Mxfp8 => ops::mxfp8_quantize(
+            gpu,
+            x,
+            x_rows * k,
+            &mut q.data,
+            &mut q.scales,
+            Some(&mut q.deq),
+        ),
         Activation::Nvfp4 { per_token, params } => {
             if !per_token {
-                if m.experts > 1 {
+                if experts > 1 {
                     return Err(CudaError::Unsupported(
                         "per-tensor NVFP4 activations for experts (the CPU scales each expert's rows)".into(),
                     ));
@@ -458,36 +451,40 @@ fn linear(
                     row_s_dec: &mut q.row_scale,
                     deq: Some(&mut q.deq),
                 },
-            )?;
-            if let Some(bs) = &mut q.block_scaled {
-                return bs.run(
-                    gpu,
-                    BlockFormat::Nvfp4,
-                    &m.data,
-                    &q.data,
-                    &q.scales,
-                    Some(&q.row_scale),
-                    rows,
-                    row_index,
-                    n,
-                    k,
-                    out,
-                );
-            }
-            ops::grouped_gemm(
-                gpu,
-                &q.deq,
-                row_index,
-                Some(&q.row_scale),
-                &m.data,
-                rows,
-                out_rows,
-                n,
-                k,
-                out,
             )
         }
     }
+}
+
+/// `out = x W^T` on the input as [`quantize_input`] left it in `q` for `m`'s activation format
+/// (x itself for plain layers).
+#[allow(clippy::too_many_arguments)]
+fn gemm_prepared(
+    gpu: &Gpu,
+    m: &GpuMatrix,
+    x: &CudaSlice<f32>,
+    rows: GemmRows<'_>,
+    row_index: Option<&CudaSlice<i32>>,
+    out_rows: usize,
+    out: &mut CudaSlice<f32>,
+    q: &mut QuantScratch,
+) -> Result<(), CudaError> {
+    let (n, k) = (m.n, m.k);
+    let (format, row_scale) = match m.act {
+        Activation::Plain => {
+            return ops::grouped_gemm(gpu, x, row_index, None, &m.data, rows, out_rows, n, k, out)
+        }
+        Activation::Mxfp8 => (BlockFormat::Mxfp8, None),
+        Activation::Nvfp4 { .. } => (BlockFormat::Nvfp4, Some(&q.row_scale)),
+    };
+    if let Some(bs) = &mut q.block_scaled {
+        return bs.run(
+            gpu, format, &m.data, &q.data, &q.scales, row_scale, rows, row_index, n, k, out,
+        );
+    }
+    ops::grouped_gemm(
+        gpu, &q.deq, row_index, row_scale, &m.data, rows, out_rows, n, k, out,
+    )
 }
 
 /// Where one lm_head output row goes.
@@ -622,6 +619,31 @@ impl Backend for Cuda {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         self.gemm(w, x, rows, GemmRows::Dense(rows), None, rows, out)
+    }
+
+    /// Layers of one activation format (q, k and v of a quantized model) quantize `x` once:
+    /// each would write the same bytes, scales and dequantized values.
+    fn linear_same_input(
+        &mut self,
+        ws: [&GpuMatrix; 3],
+        x: &CudaSlice<f32>,
+        rows: usize,
+        outs: [&mut CudaSlice<f32>; 3],
+    ) -> Result<(), CudaError> {
+        let shared = ws
+            .iter()
+            .all(|m| m.act == ws[0].act && m.k == ws[0].k && m.experts == 1);
+        if shared {
+            quantize_input(&self.gpu, ws[0].act, 1, x, rows, ws[0].k, &mut self.quant)?;
+        }
+        for (m, out) in ws.into_iter().zip(outs) {
+            if !shared {
+                quantize_input(&self.gpu, m.act, m.experts, x, rows, m.k, &mut self.quant)?;
+            }
+            let dense = GemmRows::Dense(rows);
+            gemm_prepared(&self.gpu, m, x, dense, None, rows, out, &mut self.quant)?;
+        }
+        Ok(())
     }
 
     fn qk_norm_rope_store(
