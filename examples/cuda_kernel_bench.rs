@@ -87,6 +87,7 @@ fn main() {
     }
     if wanted("dense") {
         dense(&gpu, &cfg, bw, &x);
+        dense_qkv(&gpu, &cfg, bw, &x);
     }
     for (section, projection) in [("moe", Projection::GateUp), ("moe_down", Projection::Down)] {
         if wanted(section) {
@@ -257,6 +258,7 @@ fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f3
     let dummy = DummyWeights { gpu, seed: 9 };
     let (h, q) = (cfg.hidden_size, cfg.num_heads * cfg.head_dim);
     let kv = cfg.num_kv_heads * cfg.head_dim;
+    let experts = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
     println!("| dense bf16 | kernel | rows | us | GB/s | of roofline |");
     println!("|---|---|---|---|---|---|");
     // The LM head at decode batches only (its output is rows x vocab floats).
@@ -264,8 +266,12 @@ fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f3
         ("q_proj", q, h, &ROW_COUNTS[..]),
         ("k_proj", kv, h, &ROW_COUNTS[..]),
         ("o_proj", h, q, &ROW_COUNTS[..]),
+        ("router", experts, h, &ROW_COUNTS[..7]),
         ("lm_head", cfg.vocab_size, h, &ROW_COUNTS[..7]),
     ] {
+        if n == 0 {
+            continue;
+        }
         let parts = vec![vec![(format!("{name}"), n)]];
         let m = dummy
             .matrix(&parts, k, &lockstep::quant::TensorFormat::BF16, false)
@@ -313,6 +319,81 @@ fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f3
                     100.0 * bytes / bw / s
                 );
             }
+        }
+    }
+}
+
+/// q, k and v over one input: three launches (`Auto`, as the engine ran them before) against
+/// one joined launch on each kernel (the same bits; only speed picks).
+fn dense_qkv(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f32>) {
+    let dummy = DummyWeights { gpu, seed: 10 };
+    let (h, q) = (cfg.hidden_size, cfg.num_heads * cfg.head_dim);
+    let kv = cfg.num_kv_heads * cfg.head_dim;
+    let ns = [q, kv, kv];
+    let ms: Vec<_> = ["q_proj", "k_proj", "v_proj"]
+        .iter()
+        .zip(ns)
+        .map(|(name, n)| {
+            let parts = vec![vec![(name.to_string(), n)]];
+            dummy
+                .matrix(&parts, h, &lockstep::quant::TensorFormat::BF16, false)
+                .expect("weights")
+        })
+        .collect();
+    let data: Vec<_> = ms.iter().map(|m| &m.data).collect();
+    let n_all: usize = ns.iter().sum();
+    for rows in ROW_COUNTS {
+        if rows * h > x.len() {
+            continue;
+        }
+        let mut outs: Vec<_> = ns
+            .iter()
+            .map(|&n| gpu.alloc::<f32>(rows * n).expect("out"))
+            .collect();
+        let bytes = (n_all * h * 2 + rows * h * 4 + rows * n_all * 4) as f64;
+        let report = |how: &str, s: f64| {
+            println!(
+                "| qkv [{q}+{kv}+{kv} x {h}] | {how} | {rows} | {:.1} | {:.0} | {:.0}% |",
+                s * 1e6,
+                bytes / s / 1e9,
+                100.0 * bytes / bw / s
+            )
+        };
+        let s = time(gpu, || {
+            for ((m, &n), out) in ms.iter().zip(&ns).zip(outs.iter_mut()) {
+                ops::grouped_gemm(
+                    gpu,
+                    x,
+                    None,
+                    None,
+                    &m.data,
+                    GemmRows::Dense(rows),
+                    rows,
+                    n,
+                    h,
+                    out,
+                )
+                .expect("gemm");
+            }
+        });
+        report("three launches, Auto", s);
+        for (path, split) in [
+            (GemmPath::TensorCore, SplitK::Off),
+            (GemmPath::TensorCore, SplitK::On),
+            (GemmPath::TensorCoreWide, SplitK::Off),
+            (GemmPath::Skinny, SplitK::On),
+            (GemmPath::Skinny4, SplitK::On),
+            (GemmPath::Auto, SplitK::Auto),
+        ] {
+            if rows > 256 && matches!(path, GemmPath::Skinny | GemmPath::Skinny4) {
+                continue;
+            }
+            let s = time(gpu, || {
+                let mut refs: Vec<_> = outs.iter_mut().collect();
+                ops::dense_gemm_parts_on(path, split, gpu, x, None, &data, &ns, rows, h, &mut refs)
+                    .expect("joined gemm")
+            });
+            report(&format!("one launch, {path:?}, split {split:?}"), s);
         }
     }
 }

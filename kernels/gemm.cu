@@ -88,10 +88,10 @@ __device__ void grouped_gemm(const float* x, const int* row_index, const float* 
                              const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                              const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
                              float* /* partials: the FFMA chain is never split */, const u32* /* xb */,
-                             u32* /* counters */) {
+                             u32* /* counters */, int bx) {
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
-    int n0 = blockIdx.x * TN;
+    int n0 = bx * TN;
     __shared__ float xs[TK][TM + 1];
     __shared__ float ws[TK][TN + 1];
     int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
@@ -494,11 +494,11 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
                                                    const void* w, const u8* w_scales, const float* w_sdec,
                                                    int sdec_groups, const int* tiles, const int* num_tiles,
                                                    const int* offsets, int rows, int N, int K, float* out,
-                                                   float* partials, const u32* xb, u32* counters) {
+                                                   float* partials, const u32* xb, u32* counters, int bx) {
     int e, r0, r1;
     constexpr int TMR = 32 * WM, THREADS = 128 * WM;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TMR)) return;
-    int n0 = blockIdx.x * TILE_TN;
+    int n0 = bx * TILE_TN;
     constexpr bool SPLIT = FMT == 1;
     constexpr int A_PARTS = SPLIT ? 2 : 1;                     // hi, lo
     constexpr int W_BYTES = WeightSpanCopy<FMT, THREADS>::W_BYTES;  // one column's span
@@ -642,9 +642,9 @@ template <int FMT>
 __device__ void grouped_gemm_mma(const float* x, const int* row_index, const float* row_scale, const void* w,
                                  const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                  const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                 float* partials, const u32* xb, u32* counters) {
+                                 float* partials, const u32* xb, u32* counters, int bx) {
     grouped_gemm_tiled<FMT, 1>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets,
-                               rows, N, K, out, partials, xb, counters);
+                               rows, N, K, out, partials, xb, counters, bx);
 }
 
 // `tiles` is the routing plan's list of wide tiles (TM_WIDE rows).
@@ -652,9 +652,9 @@ template <int FMT>
 __device__ void grouped_gemm_mma_wide(const float* x, const int* row_index, const float* row_scale, const void* w,
                                       const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                       const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                      float* partials, const u32* xb, u32* counters) {
+                                      float* partials, const u32* xb, u32* counters, int bx) {
     grouped_gemm_tiled<FMT, TM_WIDE / 32>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles,
-                                          num_tiles, offsets, rows, N, K, out, partials, xb, counters);
+                                          num_tiles, offsets, rows, N, K, out, partials, xb, counters, bx);
 }
 
 // ---- Tensor cores for tiles of few rows: a warp per 8 * NF output columns ----
@@ -671,14 +671,14 @@ template <int FMT, int NF>
 __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const float* row_scale, const void* w,
                                     const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                     const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                    float* partials, u32* counters) {
+                                    float* partials, u32* counters, int bx) {
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
     constexpr bool SPLIT = FMT == 1;
     constexpr int FRAGS = TM / 16;
     constexpr int SPANS = NF == 1 ? 8 : 4;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int n0 = (blockIdx.x * SKINNY_WARPS + warp) * 8 * NF;
+    int n0 = (bx * SKINNY_WARPS + warp) * 8 * NF;
     if (n0 >= N) return;  // warp-uniform; split-K folds per warp
     // A lane past N reads column n0 (never stored: lanes store columns 2t, 2t + 1).
     u64 w_row[NF];
@@ -774,18 +774,18 @@ template <int FMT>
 __device__ void grouped_gemm_skinny1(const float* x, const int* row_index, const float* row_scale, const void* w,
                                      const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                      const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                     float* partials, const u32* /* xb: reads x itself */, u32* counters) {
+                                     float* partials, const u32* /* xb: reads x itself */, u32* counters, int bx) {
     grouped_gemm_skinny<FMT, 1>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets,
-                                rows, N, K, out, partials, counters);
+                                rows, N, K, out, partials, counters, bx);
 }
 
 template <int FMT>
 __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const float* row_scale, const void* w,
                                      const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
                                      const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                     float* partials, const u32* /* xb: reads x itself */, u32* counters) {
+                                     float* partials, const u32* /* xb: reads x itself */, u32* counters, int bx) {
     grouped_gemm_skinny<FMT, 4>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets,
-                                rows, N, K, out, partials, counters);
+                                rows, N, K, out, partials, counters, bx);
 }
 
 // ---- Hopper (sm_90a): warpgroup MMAs with the weights as the A operand ----
@@ -843,7 +843,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
                                                    const void* w, const u8* w_scales, const float* w_sdec,
                                                    int sdec_groups, const int* tiles, const int* num_tiles,
                                                    const int* offsets, int rows, int N, int K, float* out,
-                                                   float* partials, const u32* xb, u32* counters) {
+                                                   float* partials, const u32* xb, u32* counters, int bx) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TM_WIDE)) return;
@@ -851,7 +851,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     if (((r0 - (tiles ? offsets[e] : 0)) / TM_WIDE) % 2 == 1) return;
     r1 = min(r0 + WG_ROWS, tiles ? offsets[e + 1] : rows);
     bool wide_n = r1 - r0 > 64;  // block-uniform: m64n128 MMAs, else m64n64
-    int n0 = blockIdx.x * TILE_TN;
+    int n0 = bx * TILE_TN;
     constexpr bool SPLIT = FMT == 1;
     constexpr int A_PARTS = SPLIT ? 2 : 1;
     constexpr int W_BYTES = WeightSpanCopy<FMT, 256>::W_BYTES;  // one column's span
@@ -1015,49 +1015,79 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
 #endif
 }
 
-#define GEMM_KERNEL(KIND, NAME, FMT)                                                                              \
-    extern "C" __global__ void NAME(const float* x, const int* row_index, const float* row_scale, const void* w,   \
-                                    const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,    \
-                                    const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,  \
-                                    float* partials, const u32* xb, u32* counters) { pdl_entry();                                              \
-        KIND<FMT>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets, rows, N, K, \
-                  out, partials, xb, counters);                                                                              \
-    }
+// A launch's weight matrices: up to three over the same input x (the attention's q, k and v),
+// their columns side by side in one grid. Part 1 is the launch's w, w_scales, w_sdec, N and
+// out; parts 2 and 3 (n2, n3 > 0) follow with their own, the grid's column blocks taken in
+// order, COLS columns a block. Each part keeps its own output [rows x n] and split-K sums
+// (the parts' in turn in `partials`); sdec_groups and K are shared. A block works on one part,
+// as a launch of that part alone would, with its column block bx.
+struct GemmPart {
+    const void* w;
+    const u8* scales;
+    const float* sdec;
+    float* out;
+    float* partials;
+    int n, bx;
+};
 
-// The same with launch bounds: THREADS a block, at least BLOCKS blocks an SM (the registers a
-// thread may use follow).
-#define GEMM_KERNEL_BOUNDED(KIND, NAME, FMT, THREADS, BLOCKS)                                                     \
-    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS)                                                 \
-        NAME(const float* x, const int* row_index, const float* row_scale, const void* w, const u8* w_scales,     \
-             const float* w_sdec, int sdec_groups, const int* tiles, const int* num_tiles, const int* offsets,     \
-             int rows, int N, int K, float* out, float* partials, const u32* xb, u32* counters) {                                 \
+__device__ __forceinline__ GemmPart gemm_part(int cols, int rows, const void* w, const u8* w_scales,
+                                              const float* w_sdec, int N, float* out, float* partials,
+                                              const void* w2, const u8* scales2, const float* sdec2, float* out2,
+                                              int n2, const void* w3, const u8* scales3, const float* sdec3,
+                                              float* out3, int n3) {
+    GemmPart p{w, w_scales, w_sdec, out, partials, N, (int)blockIdx.x};
+    int blocks = (N + cols - 1) / cols;
+    if (n2 <= 0 || p.bx < blocks) return p;
+    float* partials2 = partials ? partials + (u64)gridDim.z * rows * N : nullptr;
+    p = GemmPart{w2, scales2, sdec2, out2, partials2, n2, p.bx - blocks};
+    blocks = (n2 + cols - 1) / cols;
+    if (n3 <= 0 || p.bx < blocks) return p;
+    float* partials3 = partials ? partials2 + (u64)gridDim.z * rows * n2 : nullptr;
+    return GemmPart{w3, scales3, sdec3, out3, partials3, n3, p.bx - blocks};
+}
+
+// The kernels' entry: KIND<FMT> over the part of the launch this block works on, COLS columns
+// a block. With THREADS and BLOCKS, launch bounds: THREADS a block, at least BLOCKS blocks an
+// SM (the registers a thread may use follow).
+#define GEMM_ENTRY(KIND, NAME, FMT, COLS, BOUNDS)                                                                \
+    extern "C" __global__ void BOUNDS NAME(                                                                       \
+        const float* x, const int* row_index, const float* row_scale, const void* w, const u8* w_scales,          \
+        const float* w_sdec, int sdec_groups, const int* tiles, const int* num_tiles, const int* offsets,          \
+        int rows, int N, int K, float* out, float* partials, const u32* xb, u32* counters, const void* w2,         \
+        const u8* scales2, const float* sdec2, float* out2, int n2, const void* w3, const u8* scales3,             \
+        const float* sdec3, float* out3, int n3) {                                                                 \
         pdl_entry();                                                                                              \
-        KIND<FMT>(x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets, rows, N, K, \
-                  out, partials, xb, counters);                                                                              \
+        GemmPart p = gemm_part(COLS, rows, w, w_scales, w_sdec, N, out, partials, w2, scales2, sdec2, out2, n2,   \
+                               w3, scales3, sdec3, out3, n3);                                                      \
+        KIND<FMT>(x, row_index, row_scale, p.w, p.scales, p.sdec, sdec_groups, tiles, num_tiles, offsets, rows,    \
+                  p.n, K, p.out, p.partials, xb, counters, p.bx);                                                  \
     }
+#define GEMM_KERNEL(KIND, NAME, FMT, COLS) GEMM_ENTRY(KIND, NAME, FMT, COLS, )
+#define GEMM_KERNEL_BOUNDED(KIND, NAME, FMT, COLS, THREADS, BLOCKS) \
+    GEMM_ENTRY(KIND, NAME, FMT, COLS, __launch_bounds__(THREADS, BLOCKS))
 
 // The wide tiles' kernels: 256 threads, two blocks an SM (at most 128 registers a thread).
-GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_bf16, 1, 4 * TM_WIDE, 2)
-GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_mxfp8, 2, 4 * TM_WIDE, 2)
-GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_nvfp4, 3, 4 * TM_WIDE, 2)
+GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_bf16, 1, TILE_TN, 4 * TM_WIDE, 2)
+GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_mxfp8, 2, TILE_TN, 4 * TM_WIDE, 2)
+GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_nvfp4, 3, TILE_TN, 4 * TM_WIDE, 2)
 // The wgmma kernels: the wide tiles' grid and 256 threads, one block an SM.
-GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_bf16, 1, 256, 1)
-GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_mxfp8, 2, 256, 1)
-GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_nvfp4, 3, 256, 1)
-GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_bf16, 1)
-GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_mxfp8, 2)
-GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_nvfp4, 3)
-GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_bf16, 1)
-GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_mxfp8, 2)
-GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_nvfp4, 3)
-GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_bf16, 1, 128, SKINNY4_BLOCKS_PER_SM)
-GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_mxfp8, 2, 128, SKINNY4_BLOCKS_PER_SM)
-GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_nvfp4, 3, 128, SKINNY4_BLOCKS_PER_SM)
+GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_bf16, 1, TILE_TN, 256, 1)
+GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_mxfp8, 2, TILE_TN, 256, 1)
+GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_nvfp4, 3, TILE_TN, 256, 1)
+GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_bf16, 1, TILE_TN)
+GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_mxfp8, 2, TILE_TN)
+GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_nvfp4, 3, TILE_TN)
+GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_bf16, 1, SKINNY_WARPS * 8)
+GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_mxfp8, 2, SKINNY_WARPS * 8)
+GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_nvfp4, 3, SKINNY_WARPS * 8)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_bf16, 1, SKINNY_WARPS * 32, 128, SKINNY4_BLOCKS_PER_SM)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_mxfp8, 2, SKINNY_WARPS * 32, 128, SKINNY4_BLOCKS_PER_SM)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_nvfp4, 3, SKINNY_WARPS * 32, 128, SKINNY4_BLOCKS_PER_SM)
 
-GEMM_KERNEL(grouped_gemm, grouped_gemm_f32, 0)
-GEMM_KERNEL(grouped_gemm, grouped_gemm_bf16, 1)
-GEMM_KERNEL(grouped_gemm, grouped_gemm_mxfp8, 2)
-GEMM_KERNEL(grouped_gemm, grouped_gemm_nvfp4, 3)
+GEMM_KERNEL(grouped_gemm, grouped_gemm_f32, 0, TN)
+GEMM_KERNEL(grouped_gemm, grouped_gemm_bf16, 1, TN)
+GEMM_KERNEL(grouped_gemm, grouped_gemm_mxfp8, 2, TN)
+GEMM_KERNEL(grouped_gemm, grouped_gemm_nvfp4, 3, TN)
 
 // Split-K's second step for launches whose regions hold many rows (the in-launch fold would
 // walk them in one block): out[row, col] = the segments' sums added in order (the same additions

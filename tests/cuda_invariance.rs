@@ -233,6 +233,96 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
     }
 }
 
+/// Layers over one input in one launch (the attention's q, k and v): each part's output has the
+/// bits of its own launch, on every kernel, split or not, in every format (each NVFP4 layer
+/// with its own S_dec).
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn joined_launches_give_each_part_the_bits_of_its_own_launch() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    // Parts of 160, 32 and 96 columns: partial column blocks on every kernel; K = 800: three
+    // K segments and a partial fourth.
+    let (ns, k) = ([160usize, 32, 96], 800);
+    let mut kinds: Vec<(String, Vec<Box<dyn Linear>>)> = formats()
+        .iter()
+        .map(|f| {
+            let layers = ns
+                .iter()
+                .map(|&n| make_linear(bf16_weights(&mut rng, n, k), n, k, f, None))
+                .collect();
+            (format!("{:?}", f.format), layers)
+        })
+        .collect();
+    let f32_layers = ns
+        .iter()
+        .map(|&n| {
+            let w = DenseWeight::F32(rng.vec(n * k, 0.08));
+            make_linear(w, n, k, &TensorFormat::BF16, None)
+        })
+        .collect();
+    kinds.push(("F32".into(), f32_layers));
+    for (name, layers) in &kinds {
+        let ms: Vec<GpuMatrix> = layers
+            .iter()
+            .map(|l| GpuMatrix::upload(&g, &[vec![&**l]]).unwrap())
+            .collect();
+        let data: Vec<_> = ms.iter().map(|m| &m.data).collect();
+        assert!(
+            ops::joinable(&data),
+            "{name}: three dense layers of one format"
+        );
+        let paths: &[GemmPath] = if name == "F32" {
+            &[GemmPath::Auto, GemmPath::Ffma]
+        } else {
+            &[
+                GemmPath::Auto,
+                GemmPath::TensorCore,
+                GemmPath::TensorCoreWide,
+                GemmPath::Wgmma,
+                GemmPath::Skinny,
+                GemmPath::Skinny4,
+            ]
+        };
+        for rows in [1, 5, 13, 77, 300] {
+            let x = rng.vec(rows * k, 2.0);
+            let input = quantized(&g, &ms[0], &x, rows, k);
+            let want: Vec<Vec<f32>> = ms
+                .iter()
+                .map(|m| gemm(&g, AUTO, &input, None, m, GemmRows::Dense(rows), rows))
+                .collect();
+            for &path in paths {
+                for split in [SplitK::Auto, SplitK::Off, SplitK::On] {
+                    let mut outs: Vec<CudaSlice<f32>> = ns
+                        .iter()
+                        .map(|&n| g.upload(&vec![f32::NAN; rows * n]).unwrap())
+                        .collect();
+                    let mut out_refs: Vec<&mut CudaSlice<f32>> = outs.iter_mut().collect();
+                    ops::dense_gemm_parts_on(
+                        path,
+                        split,
+                        &g,
+                        &input.x,
+                        input.row_scale.as_ref(),
+                        &data,
+                        &ns,
+                        rows,
+                        k,
+                        &mut out_refs,
+                    )
+                    .unwrap();
+                    for (i, (out, want)) in outs.iter().zip(&want).enumerate() {
+                        let got = g.download(out, rows * ns[i]).unwrap();
+                        let what = format!("{name}, {rows} rows, {path:?} {split:?}, part {i}");
+                        assert_bits(&got, want, &what);
+                    }
+                }
+            }
+        }
+        println!("{name}: every part of a joined launch bitwise its own launch's");
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {

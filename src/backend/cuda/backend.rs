@@ -635,6 +635,22 @@ impl Backend for Cuda {
             .all(|m| m.act == ws[0].act && m.k == ws[0].k && m.experts == 1);
         if shared {
             quantize_input(&self.gpu, ws[0].act, 1, x, rows, ws[0].k, &mut self.quant)?;
+            // One launch for all three where the kernels take them together (the block-scaled
+            // MMAs of quantized activations run one layer a launch).
+            let data = ws.map(|m| &m.data);
+            let (input, row_scale) = match ws[0].act {
+                Activation::Plain => (x, None),
+                Activation::Mxfp8 => (&self.quant.deq, None),
+                Activation::Nvfp4 { .. } => (&self.quant.deq, Some(&self.quant.row_scale)),
+            };
+            let plain = ws[0].act == Activation::Plain;
+            if ops::joinable(&data) && (plain || self.quant.block_scaled.is_none()) {
+                let ns = ws.map(|m| m.n);
+                let mut outs = outs;
+                return ops::dense_gemm_parts(
+                    &self.gpu, input, row_scale, &data, &ns, rows, ws[0].k, &mut outs,
+                );
+            }
         }
         for (m, out) in ws.into_iter().zip(outs) {
             if !shared {

@@ -144,10 +144,12 @@ macro_rules! kernels {
 
 use Param::{Ptr, F32, I32, U64};
 
-/// `GEMM_KERNEL` in gemm.cu: x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles,
-/// num_tiles, offsets, rows, N, K, out, partials, xb, counters.
+/// `GEMM_ENTRY` in gemm.cu: x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles,
+/// num_tiles, offsets, rows, N, K, out, partials, xb, counters, then parts 2 and 3 (w, scales,
+/// sdec, out, n each).
 const GROUPED_GEMM: &[Param] = &[
-    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, Ptr, Ptr, Ptr, I32, I32, I32, Ptr, Ptr, Ptr, Ptr,
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, Ptr, Ptr, Ptr, I32, I32, I32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr,
+    Ptr, Ptr, I32, Ptr, Ptr, Ptr, Ptr, I32,
 ];
 /// The prefill and decode kernels of prefill_attention.cu: q, out, k_cache, v_cache, row_pos,
 /// row_seq, table_offsets, block_tables, tiles (prefill) or rows (decode), heads, kv_heads,

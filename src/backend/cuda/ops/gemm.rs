@@ -519,6 +519,99 @@ pub fn grouped_gemm_on(
     )
 }
 
+/// Whether dense layers `ws` can share one [`dense_gemm_parts`] launch: at most
+/// [`GEMM_MAX_PARTS`] of them, of one storage format and (NVFP4) S_dec grouping.
+pub fn joinable(ws: &[&WeightData]) -> bool {
+    let groups = |w: &WeightData| match w {
+        WeightData::Nvfp4 { groups, .. } => *groups,
+        _ => 1,
+    };
+    (1..=GEMM_MAX_PARTS).contains(&ws.len())
+        && ws.iter().all(|w| {
+            std::mem::discriminant(*w) == std::mem::discriminant(ws[0])
+                && groups(w) == groups(ws[0])
+        })
+}
+
+/// `outs[i] = x W_i^T` over the same `rows` rows of `x` for dense layers that can share a
+/// launch ([`joinable`]; the attention's q, k and v), in one launch: the grid covers each
+/// layer's columns in turn, and every output has the bits of its own [`grouped_gemm`].
+/// `row_scale` is the NVFP4 s_tok of each x row (required for NVFP4).
+#[allow(clippy::too_many_arguments)]
+pub fn dense_gemm_parts(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    row_scale: Option<&CudaSlice<f32>>,
+    ws: &[&WeightData],
+    ns: &[usize],
+    rows: usize,
+    k: usize,
+    outs: &mut [&mut CudaSlice<f32>],
+) -> Result<(), CudaError> {
+    dense_gemm_parts_on(
+        GemmPath::Auto,
+        SplitK::Auto,
+        gpu,
+        x,
+        row_scale,
+        ws,
+        ns,
+        rows,
+        k,
+        outs,
+    )
+}
+
+/// [`dense_gemm_parts`] on a chosen kernel and split (the tests run each against separate
+/// launches).
+#[allow(clippy::too_many_arguments)]
+pub fn dense_gemm_parts_on(
+    path: GemmPath,
+    split: SplitK,
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    row_scale: Option<&CudaSlice<f32>>,
+    ws: &[&WeightData],
+    ns: &[usize],
+    rows: usize,
+    k: usize,
+    outs: &mut [&mut CudaSlice<f32>],
+) -> Result<(), CudaError> {
+    if !joinable(ws) || ns.len() != ws.len() || outs.len() != ws.len() {
+        return Err(CudaError::Unsupported(
+            "one launch over layers of different formats, or a part without its columns or output"
+                .into(),
+        ));
+    }
+    if matches!(ws[0], WeightData::Nvfp4 { .. }) && row_scale.is_none() {
+        return Err(CudaError::Capacity(
+            "NVFP4 GEMM needs the row scales".into(),
+        ));
+    }
+    let parts: Vec<GemmPart<'_>> = ws
+        .iter()
+        .zip(ns)
+        .zip(outs.iter())
+        .map(|((w, &n), out)| GemmPart {
+            w: Operand::of(gpu, w),
+            n,
+            out,
+        })
+        .collect();
+    launch_parts(
+        path,
+        split,
+        gpu,
+        x,
+        None,
+        row_scale,
+        &parts,
+        GemmRows::Dense(rows),
+        rows,
+        k,
+    )
+}
+
 /// `out = x T^T` for the embedding table T read as the tied lm_head (`[n, k]`), on the
 /// kernels of its format: the same products as a BF16 or F32 [`WeightData`] of the same values.
 pub fn table_gemm(
@@ -579,6 +672,16 @@ pub fn pack_gemm_operand(
     )
 }
 
+/// One weight matrix of a launch: its weights (in the launch's format), columns and output.
+struct GemmPart<'a> {
+    w: Operand<'a>,
+    n: usize,
+    out: &'a CudaSlice<f32>,
+}
+
+/// The most matrices one launch takes side by side (kernels/gemm.cu `gemm_part`).
+pub const GEMM_MAX_PARTS: usize = 3;
+
 #[allow(clippy::too_many_arguments)]
 fn launch_gemm(
     path: GemmPath,
@@ -594,8 +697,49 @@ fn launch_gemm(
     k: usize,
     out: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
-    let out = need(out, max_rows * n, "gemm out")?;
-    let path = path.resolve(wgmma_allowed(gpu), &w, &rows, max_rows, n, k);
+    let parts = [GemmPart { w, n, out }];
+    launch_parts(
+        path, split, gpu, x, row_index, row_scale, &parts, rows, max_rows, k,
+    )
+}
+
+/// One launch over `parts` (1 to [`GEMM_MAX_PARTS`] matrices of one format and S_dec grouping,
+/// over the same rows of `x`): the grid's column blocks cover each part's columns in turn, and
+/// each block computes what a launch of its part alone would, so every part's output has the
+/// bits of its own launch. The path is picked for the parts' columns together.
+#[allow(clippy::too_many_arguments)]
+fn launch_parts(
+    path: GemmPath,
+    split: SplitK,
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    row_index: Option<&CudaSlice<i32>>,
+    row_scale: Option<&CudaSlice<f32>>,
+    parts: &[GemmPart<'_>],
+    rows: GemmRows<'_>,
+    max_rows: usize,
+    k: usize,
+) -> Result<(), CudaError> {
+    let Some(w) = parts
+        .first()
+        .map(|p| &p.w)
+        .filter(|_| parts.len() <= GEMM_MAX_PARTS)
+    else {
+        return Err(CudaError::Unsupported(format!(
+            "a GEMM launch over {} matrices (1 to {GEMM_MAX_PARTS})",
+            parts.len()
+        )));
+    };
+    if parts
+        .iter()
+        .any(|p| p.w.kernels != w.kernels || p.w.groups != w.groups)
+    {
+        return Err(CudaError::Unsupported(
+            "one GEMM launch over matrices of different formats or S_dec groups".into(),
+        ));
+    }
+    let n: usize = parts.iter().map(|p| p.n).sum();
+    let path = path.resolve(wgmma_allowed(gpu), w, &rows, max_rows, n, k);
     let (kernel, cols_per_block, threads) = match path {
         GemmPath::TensorCore => (w.kernels[1], MMA_TILE_COLS, 128),
         GemmPath::TensorCoreWide => (w.kernels[4], MMA_TILE_COLS, 4 * GEMM_WIDE_TILE_ROWS as u32),
@@ -634,7 +778,11 @@ fn launch_gemm(
     if grid_y == 0 || n == 0 {
         return Ok(());
     }
-    let grid_x = n.div_ceil(cols_per_block);
+    let outs = parts
+        .iter()
+        .map(|p| need(p.out, max_rows * p.n, "gemm out"))
+        .collect::<Result<Vec<_>, _>>()?;
+    let grid_x: usize = parts.iter().map(|p| p.n.div_ceil(cols_per_block)).sum();
     let segments = split.segments(path, &rows, grid_x * grid_y, rows_arg, n, k);
     let mut guard = gpu
         .gemm_scratch
@@ -684,6 +832,13 @@ fn launch_gemm(
     } else {
         None
     };
+    // Parts 2 and 3 of the launch (absent: null weights and no columns).
+    let extra = |i: usize| match parts.get(i) {
+        Some(p) => (p.w.data, p.w.scales, p.w.s_dec, Some(outs[i]), p.n as i32),
+        None => (DevPtr(0), None, None, None, 0),
+    };
+    let (w2, scales2, sdec2, out2, n2) = extra(1);
+    let (w3, scales3, sdec3, out3, n3) = extra(2);
     // Block shapes (kernels/gemm.cu): FFMA 32x64 tiles on 256 threads, MMA 32x128 tiles on 4
     // warps (64x128 on 8, or on two warpgroups for wgmma), few-rows MMA 32 or 128 columns on
     // 4 warps; split-K adds a block per segment.
@@ -705,37 +860,53 @@ fn launch_gemm(
             num_tiles,
             offsets,
             rows_arg as i32,
-            n as i32,
+            parts[0].n as i32,
             k as i32,
-            out,
+            outs[0],
             partials.map(View::whole),
             operand,
             counters.map(View::whole),
+            w2,
+            scales2,
+            sdec2,
+            out2,
+            n2,
+            w3,
+            scales3,
+            sdec3,
+            out3,
+            n3,
         ),
     )?;
     let (Some(segments), Some(partials), None) = (segments, partials, counters) else {
         return Ok(());
     };
-    let count = rows_arg * n;
-    let nvfp4 = w.s_dec.is_some();
-    gpu.launch(
-        Kernel::GemmFoldSegments,
-        (count.div_ceil(256) as u32, 1, 1),
-        256,
-        (
-            View::whole(partials),
-            segments as i32,
-            rows_arg as i32,
-            n as i32,
-            row_index.filter(|_| nvfp4).map(View::whole),
-            row_scale.filter(|_| nvfp4).map(View::whole),
-            w.s_dec,
-            w.groups as i32,
-            offsets.filter(|_| nvfp4),
-            experts as i32,
-            out,
-        ),
-    )
+    // Each part's sums follow the previous part's ([segments][rows][n] each).
+    let mut sums = addr(gpu, partials);
+    for (p, out) in parts.iter().zip(outs) {
+        let count = rows_arg * p.n;
+        let nvfp4 = p.w.s_dec.is_some();
+        gpu.launch(
+            Kernel::GemmFoldSegments,
+            (count.div_ceil(256) as u32, 1, 1),
+            256,
+            (
+                DevPtr(sums),
+                segments as i32,
+                rows_arg as i32,
+                p.n as i32,
+                row_index.filter(|_| nvfp4).map(View::whole),
+                row_scale.filter(|_| nvfp4).map(View::whole),
+                p.w.s_dec,
+                p.w.groups as i32,
+                offsets.filter(|_| nvfp4),
+                experts as i32,
+                out,
+            ),
+        )?;
+        sums += (segments * count * std::mem::size_of::<f32>()) as u64;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
