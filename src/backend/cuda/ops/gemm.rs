@@ -25,6 +25,14 @@ const SKINNY_COLS_PER_BLOCK: usize = 32;
 /// Warps at which a few-rows launch takes the 32-columns-per-warp kernels: enough to fill the
 /// GPU, and each warp's activation packing then serves four times the weights.
 const SKINNY4_MIN_WARPS: usize = 2048;
+/// The same for a dense launch of one row, counting a warp per 32 columns and K segment (the
+/// launch splits over K). H200 (cuda_kernel_bench, 2026-12-03), us at one row, 8-column warps
+/// against 32-column ones, both split: router [128 x 2048] (32 warps) 13.7 / 14.9, k_proj
+/// [512 x 2048] (128) 14.9 / 15.9, q_proj [4096 x 2048] (1,024) 21.7 / 18.7, o_proj
+/// [2048 x 4096] (1,024) 21.7 / 18.0, q, k and v in one launch (1,280) 23.4 / 18.2. At 8 rows
+/// the 8-column warps win up to 1,280 warps too (q_proj 23.6 / 26.1, o_proj 23.3 / 26.7, q,
+/// k and v 25.4 / 24.8), and lose on the LM head (478 / 283): [`SKINNY4_MIN_WARPS`] there.
+const SKINNY4_MIN_ONE_ROW_WARPS: usize = 512;
 /// k per segment of the tensor-core K chain (kernels/gemm.cu `SEG`): each segment sums from
 /// zero, and the segments' sums are added in order, so a split-K launch (a block per segment)
 /// gives the bits of one that walks all of K.
@@ -35,9 +43,11 @@ pub const K_SEGMENT: usize = 256;
 /// blocks) 37.4 us whole against 42.8 split, o_proj at 256 rows 60.3 against 67.2, k_proj
 /// [512 x 2048] at 1,024 rows 39.5 against 43.6; at 64 blocks and fewer the split wins).
 const SPLIT_K_BELOW_BLOCKS: usize = 128;
-/// The same for a routing plan's tiles (decode-sized expert launches). Each of their warps
-/// walks all of K alone, one dependent round trip to memory per few spans, so a launch
-/// needs several warps per scheduler before the loads overlap: about eight blocks per SM.
+/// The same for a routing plan's tiles (decode-sized expert launches) and the few-rows kernels
+/// of dense launches. Each of their warps walks all of K alone, one dependent round trip to
+/// memory per few spans, so a launch needs several warps per scheduler before the loads
+/// overlap: about eight blocks per SM (H200, cuda_kernel_bench, 2026-12-03: q_proj [4096 x
+/// 2048] at 8 rows on 8-column warps, 128 blocks, 32.9 us whole against 23.6 split).
 const SPLIT_K_PLAN_BELOW_BLOCKS: usize = 1024;
 /// The largest split-K scratch (f32 per-segment sums) [`SplitK::Auto`] takes: 64 MiB.
 const SPLIT_K_MAX_PARTIALS: usize = 1 << 24;
@@ -199,9 +209,11 @@ impl SplitK {
         if path == GemmPath::Ffma || self == SplitK::Off || segments < 2 {
             return None;
         }
+        // The few-rows kernels' warps each walk their K alone, as a plan's tiles do.
+        let few_rows = matches!(path, GemmPath::Skinny | GemmPath::Skinny4);
         let below = match rows {
-            GemmRows::Dense(_) => SPLIT_K_BELOW_BLOCKS,
-            GemmRows::Plan(_) => SPLIT_K_PLAN_BELOW_BLOCKS,
+            GemmRows::Dense(_) if !few_rows => SPLIT_K_BELOW_BLOCKS,
+            _ => SPLIT_K_PLAN_BELOW_BLOCKS,
         };
         let fits = segments * out_rows * n <= SPLIT_K_MAX_PARTIALS;
         match self {
@@ -337,10 +349,20 @@ impl GemmPath {
             GemmPath::Auto if wide => GemmPath::TensorCoreWide,
             GemmPath::Wgmma if !wgmma => GemmPath::TensorCoreWide,
             GemmPath::Auto if max_rows > skinny_rows => GemmPath::TensorCore,
-            // A dense launch of few rows splits over K (SplitK::Auto), which gives the 32-column
-            // warps blocks enough (H200: 0.65-0.95x the 8-column kernel's time at 1-8 rows).
+            // A dense launch of few rows splits over K (SplitK::Auto); its 32-column warps win
+            // where they are many (SKINNY4_MIN_ONE_ROW_WARPS, SKINNY4_MIN_WARPS).
             GemmPath::Auto if matches!(rows, GemmRows::Dense(_)) && k > K_SEGMENT => {
-                GemmPath::Skinny4
+                let warps = n.div_ceil(32) * k.div_ceil(K_SEGMENT);
+                let enough = if max_rows == 1 {
+                    SKINNY4_MIN_ONE_ROW_WARPS
+                } else {
+                    SKINNY4_MIN_WARPS
+                };
+                if warps >= enough {
+                    GemmPath::Skinny4
+                } else {
+                    GemmPath::Skinny
+                }
             }
             // So does a plan's launch small enough to split (SplitK::Auto): at one token (8 rows)
             // the split 32-column warps take 0.7-0.9x the 8-column kernel's time (H200,
