@@ -253,6 +253,17 @@ fn expert_gemms(
 /// tensor-core kernel: they all give the same bits, so only speed picks among them.
 /// Rows of the dense projections' launches.
 const ROW_COUNTS: [usize; 11] = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096];
+/// The kernels and splits the dense projections are timed on.
+const DENSE_CHOICES: [(GemmPath, SplitK); 8] = [
+    (GemmPath::TensorCore, SplitK::Off),
+    (GemmPath::TensorCore, SplitK::On),
+    (GemmPath::TensorCoreWide, SplitK::Off),
+    (GemmPath::Wgmma, SplitK::Off),
+    (GemmPath::Skinny, SplitK::Off),
+    (GemmPath::Skinny, SplitK::On),
+    (GemmPath::Skinny4, SplitK::On),
+    (GemmPath::Auto, SplitK::Auto),
+];
 
 fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f32>) {
     let dummy = DummyWeights { gpu, seed: 9 };
@@ -282,16 +293,7 @@ fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f3
             }
             let mut out = gpu.alloc::<f32>(rows * n).expect("out");
             let bytes = (n * k * 2 + rows * k * 4 + rows * n * 4) as f64;
-            for (path, split) in [
-                (GemmPath::TensorCore, SplitK::Off),
-                (GemmPath::TensorCore, SplitK::On),
-                (GemmPath::TensorCoreWide, SplitK::Off),
-                (GemmPath::Wgmma, SplitK::Off),
-                (GemmPath::Skinny, SplitK::Off),
-                (GemmPath::Skinny, SplitK::On),
-                (GemmPath::Skinny4, SplitK::On),
-                (GemmPath::Auto, SplitK::Auto),
-            ] {
+            for (path, split) in DENSE_CHOICES {
                 if rows > 256 && matches!(path, GemmPath::Skinny | GemmPath::Skinny4) {
                     continue;
                 }
@@ -377,14 +379,7 @@ fn dense_qkv(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlic
             }
         });
         report("three launches, Auto", s);
-        for (path, split) in [
-            (GemmPath::TensorCore, SplitK::Off),
-            (GemmPath::TensorCore, SplitK::On),
-            (GemmPath::TensorCoreWide, SplitK::Off),
-            (GemmPath::Skinny, SplitK::On),
-            (GemmPath::Skinny4, SplitK::On),
-            (GemmPath::Auto, SplitK::Auto),
-        ] {
+        for (path, split) in DENSE_CHOICES {
             if rows > 256 && matches!(path, GemmPath::Skinny | GemmPath::Skinny4) {
                 continue;
             }

@@ -28,6 +28,15 @@ const ROW_COUNTS: [usize; 7] = [1, 2, 7, 16, 64, 200, 1024];
 const ALL: usize = 1024;
 /// The engine's choice of kernel and split.
 const AUTO: (GemmPath, SplitK) = (GemmPath::Auto, SplitK::Auto);
+/// The engine's choice and every tensor-core kernel (the ones that share the K chain's bits).
+const TENSOR_CORE_CHOICES: [GemmPath; 6] = [
+    GemmPath::Auto,
+    GemmPath::TensorCore,
+    GemmPath::TensorCoreWide,
+    GemmPath::Wgmma,
+    GemmPath::Skinny,
+    GemmPath::Skinny4,
+];
 
 /// `m` distinct rows of 0..ALL in a random order.
 fn subset(rng: &mut Rng, m: usize) -> Vec<usize> {
@@ -199,14 +208,7 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
                     &gather(&full_deq, &rows, k),
                     &what("quantized activations"),
                 );
-                for path in [
-                    GemmPath::Auto,
-                    GemmPath::TensorCore,
-                    GemmPath::TensorCoreWide,
-                    GemmPath::Wgmma,
-                    GemmPath::Skinny,
-                    GemmPath::Skinny4,
-                ] {
+                for path in TENSOR_CORE_CHOICES {
                     for split in [SplitK::Auto, SplitK::Off, SplitK::On] {
                         let choice = (path, split);
                         let got =
@@ -275,14 +277,7 @@ fn joined_launches_give_each_part_the_bits_of_its_own_launch() {
         let paths: &[GemmPath] = if name == "F32" {
             &[GemmPath::Auto, GemmPath::Ffma]
         } else {
-            &[
-                GemmPath::Auto,
-                GemmPath::TensorCore,
-                GemmPath::TensorCoreWide,
-                GemmPath::Wgmma,
-                GemmPath::Skinny,
-                GemmPath::Skinny4,
-            ]
+            &TENSOR_CORE_CHOICES
         };
         for rows in [1, 5, 13, 77, 300] {
             let x = rng.vec(rows * k, 2.0);
