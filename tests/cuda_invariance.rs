@@ -402,14 +402,7 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
             plan.build(&g, &ids, tokens, top_k, experts).unwrap();
             let part = quantized(&g, &m, &gather(&x, &rows, k), tokens, k);
             let want_rows = gather(&want, &rows, top_k * n);
-            for path in [
-                GemmPath::Auto,
-                GemmPath::TensorCore,
-                GemmPath::TensorCoreWide,
-                GemmPath::Wgmma,
-                GemmPath::Skinny,
-                GemmPath::Skinny4,
-            ] {
+            for path in TENSOR_CORE_CHOICES {
                 // K = 288 is two segments: split, the second step adds them and applies the
                 // NVFP4 epilogue of each row's expert.
                 for split in [SplitK::Auto, SplitK::Off, SplitK::On] {
