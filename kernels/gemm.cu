@@ -6,7 +6,9 @@
 //
 // Batch invariance (docs/determinism.md): every output element is reduced over K in an order
 // fixed by K alone, so a row's result has the same bits whatever the batch holds. Four kernels
-// share the arguments and the tile plan, and the host picks one per launch (ops::grouped_gemm):
+// share the arguments and the tile plan, and the host picks one per launch (ops::grouped_gemm);
+// a launch may cover up to three matrices over the same input side by side (gemm_part, the
+// attention's q, k and v), each block working on one of them as that matrix's own launch would:
 // - grouped_gemm_*: CUDA cores (FFMA), any K: each element is one fmaf chain over k = 0..K-1;
 //   the only one for F32 weights (kept exact in f32).
 // - grouped_gemm_mma_*: BF16 tensor cores (mma.sync m16n8k16, FP32 accumulation), 32x128
