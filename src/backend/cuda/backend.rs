@@ -470,21 +470,38 @@ fn gemm_prepared(
     q: &mut QuantScratch,
 ) -> Result<(), CudaError> {
     let (n, k) = (m.n, m.k);
-    let (format, row_scale) = match m.act {
-        Activation::Plain => {
-            return ops::grouped_gemm(gpu, x, row_index, None, &m.data, rows, out_rows, n, k, out)
-        }
-        Activation::Mxfp8 => (BlockFormat::Mxfp8, None),
-        Activation::Nvfp4 { .. } => (BlockFormat::Nvfp4, Some(&q.row_scale)),
+    let format = match m.act {
+        Activation::Plain => None,
+        Activation::Mxfp8 => Some(BlockFormat::Mxfp8),
+        Activation::Nvfp4 { .. } => Some(BlockFormat::Nvfp4),
     };
-    if let Some(bs) = &mut q.block_scaled {
+    if let (Some(format), Some(bs)) = (format, &mut q.block_scaled) {
+        let row_scale = (format == BlockFormat::Nvfp4).then_some(&q.row_scale);
         return bs.run(
             gpu, format, &m.data, &q.data, &q.scales, row_scale, rows, row_index, n, k, out,
         );
     }
+    let (input, row_scale) = q.gemm_input(m.act, x);
     ops::grouped_gemm(
-        gpu, &q.deq, row_index, row_scale, &m.data, rows, out_rows, n, k, out,
+        gpu, input, row_index, row_scale, &m.data, rows, out_rows, n, k, out,
     )
+}
+
+impl QuantScratch {
+    /// What the GEMM kernels read for a layer whose input is `act`, after [`quantize_input`]:
+    /// x itself for plain layers, else the exact dequantized values (and, for NVFP4, the row
+    /// scales).
+    fn gemm_input<'a>(
+        &'a self,
+        act: Activation,
+        x: &'a CudaSlice<f32>,
+    ) -> (&'a CudaSlice<f32>, Option<&'a CudaSlice<f32>>) {
+        match act {
+            Activation::Plain => (x, None),
+            Activation::Mxfp8 => (&self.deq, None),
+            Activation::Nvfp4 { .. } => (&self.deq, Some(&self.row_scale)),
+        }
+    }
 }
 
 /// Where one lm_head output row goes.
@@ -638,11 +655,7 @@ impl Backend for Cuda {
             // One launch for all three where the kernels take them together (the block-scaled
             // MMAs of quantized activations run one layer a launch).
             let data = ws.map(|m| &m.data);
-            let (input, row_scale) = match ws[0].act {
-                Activation::Plain => (x, None),
-                Activation::Mxfp8 => (&self.quant.deq, None),
-                Activation::Nvfp4 { .. } => (&self.quant.deq, Some(&self.quant.row_scale)),
-            };
+            let (input, row_scale) = self.quant.gemm_input(ws[0].act, x);
             let plain = ws[0].act == Activation::Plain;
             if ops::joinable(&data) && (plain || self.quant.block_scaled.is_none()) {
                 let ns = ws.map(|m| m.n);

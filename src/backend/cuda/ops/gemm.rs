@@ -520,11 +520,6 @@ pub fn grouped_gemm_on(
     k: usize,
     out: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
-    if matches!(w, WeightData::Nvfp4 { .. }) && row_scale.is_none() {
-        return Err(CudaError::Capacity(
-            "NVFP4 GEMM needs the row scales".into(),
-        ));
-    }
     launch_gemm(
         path,
         split,
@@ -599,15 +594,9 @@ pub fn dense_gemm_parts_on(
     k: usize,
     outs: &mut [&mut CudaSlice<f32>],
 ) -> Result<(), CudaError> {
-    if !joinable(ws) || ns.len() != ws.len() || outs.len() != ws.len() {
+    if ns.len() != ws.len() || outs.len() != ws.len() {
         return Err(CudaError::Unsupported(
-            "one launch over layers of different formats, or a part without its columns or output"
-                .into(),
-        ));
-    }
-    if matches!(ws[0], WeightData::Nvfp4 { .. }) && row_scale.is_none() {
-        return Err(CudaError::Capacity(
-            "NVFP4 GEMM needs the row scales".into(),
+            "a part of a joined GEMM launch without its columns or output".into(),
         ));
     }
     let parts: Vec<GemmPart<'_>> = ws
@@ -758,6 +747,11 @@ fn launch_parts(
     {
         return Err(CudaError::Unsupported(
             "one GEMM launch over matrices of different formats or S_dec groups".into(),
+        ));
+    }
+    if w.s_dec.is_some() && row_scale.is_none() {
+        return Err(CudaError::Capacity(
+            "NVFP4 GEMM needs the row scales".into(),
         ));
     }
     let n: usize = parts.iter().map(|p| p.n).sum();
