@@ -98,6 +98,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool li
     u32 dst = (u32)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(live ? 16 : 0));
 }
+// The same for 8 bytes (through L1: .cg copies only 16).
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem, bool live) {
+    u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(gmem), "r"(live ? 8 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

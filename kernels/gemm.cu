@@ -450,6 +450,7 @@ __device__ __forceinline__ int a_piece(int r, int s) { return s ^ ((r >> 1) & 3)
 #define TILE_TN 128   // columns per block: 4 warps of 32
 #define TILE_STAGES 3 // spans in flight
 #define TM_WIDE 64    // rows per wide tile (host: ops::gemm::GEMM_WIDE_TILE_ROWS)
+static_assert(TILE_STAGES - 1 < SEG / 32, "a segment's scales are overwritten two segments later");
 
 // One thread's share of copying spans (32 k from k0) of the TILE_TN weight columns n0.. of
 // expert e into a stage ([column][W_BYTES], W_BYTES a column's span in FMT), as 16-byte
@@ -521,12 +522,34 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     int k_begin, k_end;
     block_k_range(partials, K, k_begin, k_end);
     int spans = (k_end - k_begin) / MMA_TK;
+    // Where K is whole segments (and the scales 16-byte aligned), a segment's block scales of
+    // the block's columns are copied into shared memory with the segment's first span (one
+    // 8- or 16-byte copy a column; two segments' worth, alternating), instead of each lane
+    // reading its bytes one span at a time from scattered global rows: the same bytes.
+    constexpr int SEG_SPANS = SEG / MMA_TK, SEG_SCALES = SEG_SPANS * SPAN_SCALES<FMT>;
+    __shared__ __align__(16) u8 ss[SEG_SCALES ? 2 : 1][SEG_SCALES ? TILE_TN : 1][SEG_SCALES ? SEG_SCALES : 1];
+    bool seg_scales = SEG_SCALES && K % SEG == 0 && ((u64)w_scales & 15) == 0;
+    const u8* ss_src = nullptr;
+    bool ss_live = false;
+    if (SEG_SCALES && tid < TILE_TN) {
+        ss_live = n0 + tid < N;
+        u64 row = (u64)e * N + (ss_live ? n0 + tid : 0);
+        ss_src = w_scales + (row * (K / MMA_TK) + k_begin / MMA_TK) * SPAN_SCALES<FMT>;
+    }
+    auto issue_scales = [&](int span) {
+        if (!seg_scales || span % SEG_SPANS != 0 || tid >= TILE_TN) return;
+        u8* dst = &ss[(span / SEG_SPANS) % 2][tid][0];
+        const u8* src = ss_src + span * SPAN_SCALES<FMT>;
+        if constexpr (SEG_SCALES == 16) cp_async16(dst, src, ss_live);
+        else if constexpr (SEG_SCALES == 8) cp_async8(dst, src, ss_live);
+    };
     auto issue = [&](int span) {
         int stage = span % TILE_STAGES, k0 = k_begin + span * MMA_TK;
 #pragma unroll
         for (int p = 0; p < A_PARTS; p++)
             cp_async16(&as[stage][p][a_row][a_dst], a_base + (u64)p * K * 2 + k0 * 2, a_live);
         w_copy.issue(&ws[stage][0][0], k0);
+        issue_scales(span);
     };
     // This lane's ldmatrix rows: row l % 8 (+ 8 for matrices 1 and 3) of each m16 fragment;
     // matrices 2 and 3 take a chunk's second piece.
@@ -544,6 +567,13 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
 #pragma unroll
         for (int ni = 0; ni < 4; ni++)
             out_scales[ni] = SPAN_SCALES<FMT> && span < spans ? col_scales[ni][span * SPAN_SCALES<FMT>] : 0;
+    };
+    // A span's scales from shared memory: after the wait for its copy group.
+    auto shared_scales = [&](int span, u8* out_scales) {
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+            out_scales[ni] = ss[(span / SEG_SPANS) % 2][wn * 32 + ni * 8 + g]
+                               [(span % SEG_SPANS) * SPAN_SCALES<FMT> + (FMT == 3 ? t / 2 : 0)];
     };
     // This warp's live rows: with quantized weights an m16 fragment with none is skipped
     // (warp-uniform). Plain BF16 tiles keep every MMA: the branches cost them more than the
@@ -573,15 +603,20 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
         cp_async_commit();
     }
     u8 sc[4], sc_next[4];
-    load_scales(0, sc);
+    if (!seg_scales) load_scales(0, sc);
     // Segment by segment (SEG / MMA_TK spans each; the last may be shorter), so the running
     // total is touched once per segment.
     for (int seg0 = 0; seg0 < spans; seg0 += SEG / MMA_TK) {
         int seg_end = min(spans, seg0 + SEG / MMA_TK);
         for (int span = seg0; span < seg_end; span++) {
-            load_scales(span + 1, sc_next);
+            if (!seg_scales) load_scales(span + 1, sc_next);
             cp_async_wait<TILE_STAGES - 2>();
-            __syncthreads();  // this span's stage is in; every warp is done with the one refilled next
+            // This span's stage (and, at a segment's first span, its scales) is in; every warp
+            // is done with the stage refilled next, and with the scales of two segments back
+            // (overwritten by the issue at a segment's first span, TILE_STAGES - 1 < SEG_SPANS
+            // spans after the last of them was read).
+            __syncthreads();
+            if (seg_scales) shared_scales(span, sc);
             if (span + TILE_STAGES - 1 < spans) issue(span + TILE_STAGES - 1);
             cp_async_commit();
             int stage = span % TILE_STAGES;
@@ -610,8 +645,10 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
                         if constexpr (SPLIT) mma_bf16(acc[mi][ni], al[mi][c], &b[2 * c]);
                     }
             }
+            if (!seg_scales) {
 #pragma unroll
-            for (int ni = 0; ni < 4; ni++) sc[ni] = sc_next[ni];
+                for (int ni = 0; ni < 4; ni++) sc[ni] = sc_next[ni];
+            }
         }
         end_segment<32, TOT_STRIDE>(&acc[0][0][0], tot, seg0 == 0);
     }
