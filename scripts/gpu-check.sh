@@ -51,9 +51,9 @@ for t in ${TESTS:-cuda_ops cuda_sampling cuda_load cuda_attention cuda_invarianc
   elif [ ! -x "$bin/$t" ]; then
     record "$t" "MISSING (.bin/$t not carried)"
   elif "$bin/$t" --ignored --test-threads=1 --nocapture ${TEST_FILTER:-} 2>&1 | tee "$logs/$t.log"; then
-    record "$t (${what[$t]})" "pass"
+    record "$t (${what[$t]:-})" "pass"
   else
-    record "$t (${what[$t]})" "FAIL (see $t.log)"
+    record "$t (${what[$t]:-})" "FAIL (see $t.log)"
   fi
 done
 
