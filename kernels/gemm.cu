@@ -490,7 +490,8 @@ struct WeightSpanCopy {
 // ring of TILE_STAGES shared-memory stages (cp.async) while the tensor cores work on an
 // earlier one. The activations come out of shared memory as whole mma fragments
 // (ldmatrix over the packed order); each warp decodes its own 32 columns' weights from
-// shared memory straight into fragments (block scales read one span ahead into registers).
+// shared memory straight into fragments (block scales staged a segment at a time in shared
+// memory where K is whole segments, else read one span ahead into registers).
 // The products are the K chain's, in its order, as the few-rows kernels make them.
 template <int FMT, int WM>
 __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_index, const float* row_scale,
