@@ -100,9 +100,10 @@ else
   record "cuda_bench" "FAIL"
 fi
 # Builds of the previous code (carried as .bin/cuda_kernel_bench_before, .bin/cuda_bench_before),
-# for before/after in one run.
+# for before/after in one run, with the same arguments.
 if [ -x "$bin/cuda_kernel_bench_before" ]; then
-  "$bin"/cuda_kernel_bench_before configs/qwen3-30b-a3b.json 2>&1 | tee "$logs/kernel_bench_before.md" \
+  read -r -a kernel_bench_args <<<"${KERNEL_BENCH_ARGS:-}"
+  "$bin"/cuda_kernel_bench_before configs/qwen3-30b-a3b.json "${kernel_bench_args[@]}" 2>&1 | tee "$logs/kernel_bench_before.md" \
     && record "cuda_kernel_bench_before (previous code)" "done (kernel_bench_before.md)" || record "cuda_kernel_bench_before" "FAIL"
 fi
 if [ -x "$bin/cuda_bench_before" ]; then
