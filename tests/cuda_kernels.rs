@@ -5,30 +5,8 @@
 //! parameters change in the .cu but not in the registry, fails CI even though CI never runs it.
 
 use lockstep::backend::cuda::kernels::{
-    compile, nvrtc_available, ptx_entry_params, Kernel, Param, Source,
+    compile, nvrtc_available, ptx_entry_params, signature_mismatch, Kernel, Param, Source,
 };
-
-/// How a kernel's declared parameters differ from the PTX `.entry` signature, if they do.
-fn signature_mismatch(k: Kernel, declared: &[Param], ptx: &[&str]) -> Option<String> {
-    let same =
-        declared.len() == ptx.len() && declared.iter().zip(ptx).all(|(p, t)| p.matches_ptx(t));
-    (!same).then(|| {
-        let first = declared
-            .iter()
-            .zip(ptx)
-            .position(|(p, t)| !p.matches_ptx(t))
-            .map_or(String::new(), |i| {
-                format!(" (first difference: parameter {i})")
-            });
-        format!(
-            "{k:?} (`{}` in {}): declared {} parameters {declared:?}, the PTX takes {} {ptx:?}{first}",
-            k.symbol(),
-            k.source().file_name(),
-            declared.len(),
-            ptx.len(),
-        )
-    })
-}
 
 #[test]
 fn every_kernel_compiles_for_hopper_and_blackwell_with_its_declared_parameters() {

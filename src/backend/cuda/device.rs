@@ -79,6 +79,13 @@ impl Gpu {
         let mut functions = HashMap::new();
         for source in Source::ALL {
             let ptx = kernels::cached_ptx(source, arch, driver)?;
+            if source.replaced() {
+                kernels::check_entries(source, &ptx)?;
+                tracing::warn!(
+                    "{}: compiled from $LOCKSTEP_KERNEL_SOURCES, not the built-in source",
+                    source.file_name()
+                );
+            }
             let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
             for &k in Kernel::ALL.iter().filter(|k| k.source() == source) {
                 let f = module.load_function(k.symbol())?;

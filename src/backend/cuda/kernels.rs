@@ -4,7 +4,7 @@
 //! their NVRTC compilation for the device's architecture with an on-disk cache, so start-up
 //! compiles only when something changed.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use cudarc::nvrtc::{self, CompileOptions};
 
@@ -64,14 +64,75 @@ impl Source {
         }
     }
 
-    /// The full program text NVRTC sees.
+    /// The full program text NVRTC sees: the embedded sources, or a file of
+    /// `$LOCKSTEP_KERNEL_SOURCES` ([`sources_dir`]) in place of each one it holds.
     pub fn program(self) -> String {
+        self.program_in(sources_dir().as_deref())
+    }
+
+    /// The program text with `dir`'s common.cuh and file of this source, where it holds them,
+    /// in place of the embedded ones.
+    pub fn program_in(self, dir: Option<&Path>) -> String {
+        let read = |name: &str| dir.and_then(|d| std::fs::read_to_string(d.join(name)).ok());
+        let common = read("common.cuh");
+        let body = read(self.file_name());
         format!(
-            "{COMMON}\n#line 1 \"{}\"\n{}",
+            "{}\n#line 1 \"{}\"\n{}",
+            common.as_deref().unwrap_or(COMMON),
             self.file_name(),
-            self.body()
+            body.as_deref().unwrap_or(self.body())
         )
     }
+
+    /// Whether `$LOCKSTEP_KERNEL_SOURCES` replaces this source or common.cuh.
+    pub fn replaced(self) -> bool {
+        sources_dir().is_some_and(|dir| {
+            dir.join(self.file_name()).is_file() || dir.join("common.cuh").is_file()
+        })
+    }
+}
+
+/// `$LOCKSTEP_KERNEL_SOURCES`: a directory of kernel sources (common.cuh, gemm.cu, ...) compiled
+/// in place of the embedded ones with the same names, for kernel experiments on a GPU host
+/// without a rebuild (several variants run by one binary). Their kernels must keep the
+/// registry's names and parameters: [`check_entries`] refuses PTX that does not.
+pub fn sources_dir() -> Option<PathBuf> {
+    std::env::var_os("LOCKSTEP_KERNEL_SOURCES").map(PathBuf::from)
+}
+
+/// Checks that `ptx` (compiled from `source`) declares every kernel of the registry that lives
+/// in it with the registry's parameter kinds: what tests/cuda_kernels.rs checks for the
+/// embedded sources, checked at load for replaced ones.
+pub fn check_entries(source: Source, ptx: &str) -> Result<(), CudaError> {
+    for &k in Kernel::ALL.iter().filter(|k| k.source() == source) {
+        let params = ptx_entry_params(ptx, k.symbol()).unwrap_or_default();
+        if let Some(m) = signature_mismatch(k, k.params(), &params) {
+            return Err(CudaError::Nvrtc(format!("replaced kernel source: {m}")));
+        }
+    }
+    Ok(())
+}
+
+/// How a kernel's declared parameters differ from the PTX `.entry` signature, if they do.
+pub fn signature_mismatch(k: Kernel, declared: &[Param], ptx: &[&str]) -> Option<String> {
+    let same =
+        declared.len() == ptx.len() && declared.iter().zip(ptx).all(|(p, t)| p.matches_ptx(t));
+    (!same).then(|| {
+        let first = declared
+            .iter()
+            .zip(ptx)
+            .position(|(p, t)| !p.matches_ptx(t))
+            .map_or(String::new(), |i| {
+                format!(" (first difference: parameter {i})")
+            });
+        format!(
+            "{k:?} (`{}` in {}): declared {} parameters {declared:?}, the PTX takes {} {ptx:?}{first}",
+            k.symbol(),
+            k.source().file_name(),
+            declared.len(),
+            ptx.len(),
+        )
+    })
 }
 
 /// The kind of one kernel parameter. PTX types a pointer as `.u64`, so [`Param::Ptr`] and
@@ -401,6 +462,60 @@ mod tests {
                 k.source().file_name()
             );
         }
+    }
+
+    #[test]
+    fn a_sources_directory_replaces_the_files_it_holds() {
+        let dir = std::env::temp_dir().join(format!("lockstep-kernel-src-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("gemm.cu"), "// replaced gemm\n").unwrap();
+        let gemm = Source::Gemm.program_in(Some(&dir));
+        assert!(gemm.starts_with(COMMON) && gemm.ends_with("// replaced gemm\n"));
+        assert_eq!(
+            Source::Moe.program_in(Some(&dir)),
+            Source::Moe.program_in(None)
+        );
+        std::fs::write(dir.join("common.cuh"), "// replaced common\n").unwrap();
+        let moe = Source::Moe.program_in(Some(&dir));
+        assert!(moe.starts_with("// replaced common\n") && moe.ends_with(Source::Moe.body()));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn replaced_kernels_must_keep_the_registry_signatures() {
+        // Hash's kernels, written as PTX entries with the registry's parameters, pass; one
+        // with a parameter dropped, or missing, is named.
+        let entries = |drop_last_of: Option<Kernel>| {
+            Kernel::ALL
+                .iter()
+                .filter(|k| k.source() == Source::Hash)
+                .map(|&k| {
+                    let n = k.params().len() - usize::from(drop_last_of == Some(k));
+                    let params: Vec<String> = k.params()[..n]
+                        .iter()
+                        .enumerate()
+                        .map(|(i, p)| {
+                            let ty = match p {
+                                Param::Ptr | Param::U64 => ".u64",
+                                Param::I32 => ".u32",
+                                Param::F32 => ".f32",
+                            };
+                            format!(".param {ty} p{i}")
+                        })
+                        .collect();
+                    format!(".entry {}({})\n{{\n}}\n", k.symbol(), params.join(", "))
+                })
+                .collect::<String>()
+        };
+        assert!(check_entries(Source::Hash, &entries(None)).is_ok());
+        let first = *Kernel::ALL
+            .iter()
+            .find(|k| k.source() == Source::Hash)
+            .unwrap();
+        let err = check_entries(Source::Hash, &entries(Some(first))).unwrap_err();
+        assert!(err.to_string().contains(first.symbol()), "{err}");
+        let err = check_entries(Source::Hash, "").unwrap_err();
+        assert!(err.to_string().contains(first.symbol()), "{err}");
     }
 
     #[test]
