@@ -110,6 +110,20 @@ if [ -x "$bin/cuda_bench_before" ]; then
   "$bin"/cuda_bench_before "${bench_args[@]}" 2>&1 | tee "$logs/bench_before.md" \
     && record "cuda_bench_before (previous code)" "done (bench_before.md)" || record "cuda_bench_before" "FAIL"
 fi
+# KERNEL_VARIANTS="a b": the step benchmark (and KERNEL_VARIANT_KERNEL_BENCH=1: the kernel
+# benchmark) again for each directory .bin/kv/NAME of kernel sources compiled in place of the
+# built-in ones (LOCKSTEP_KERNEL_SOURCES, docs/gpu.md), as bench_NAME.md (kernel_bench_NAME.md):
+# kernel variants measured by one binary in one run.
+for v in ${KERNEL_VARIANTS:-}; do
+  if [ "${KERNEL_VARIANT_KERNEL_BENCH:-0}" = 1 ]; then
+    read -r -a kernel_bench_args <<<"${KERNEL_BENCH_ARGS:-}"
+    LOCKSTEP_KERNEL_SOURCES="$PWD/$bin/kv/$v" "$bin"/cuda_kernel_bench configs/qwen3-30b-a3b.json "${kernel_bench_args[@]}" 2>&1 \
+      | tee "$logs/kernel_bench_$v.md" && record "cuda_kernel_bench, kernels .bin/kv/$v" "done (kernel_bench_$v.md)" \
+      || record "cuda_kernel_bench, kernels .bin/kv/$v" "FAIL"
+  fi
+  LOCKSTEP_KERNEL_SOURCES="$PWD/$bin/kv/$v" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_$v.md" \
+    && record "cuda_bench, kernels .bin/kv/$v" "done (bench_$v.md)" || record "cuda_bench, kernels .bin/kv/$v" "FAIL"
+done
 # BENCH_ALT_ARGS="...": the step benchmark once more with these arguments (bench_alt.md).
 if [ -n "${BENCH_ALT_ARGS:-}" ]; then
   read -r -a alt_args <<<"$BENCH_ALT_ARGS"
