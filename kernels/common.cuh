@@ -43,6 +43,12 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
+// SwiGLU's product for one element: silu(g) * u, as the CPU computes it (g / (1 + e^-g), then
+// times u, each rounded). silu_mul and the quantizers that take gate/up rows share it.
+__device__ __forceinline__ float silu_mul_value(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -65,19 +65,48 @@ __device__ __forceinline__ void load4(const bf16_t* x, u64 i, float* v) {
     v[2] = __uint_as_float(a.y << 16); v[3] = __uint_as_float(a.y & 0xffff0000u);
 }
 
+// What a quantizer reads, by flat element index: a tensor of T (f32 or BF16), or SwiGLU's
+// silu(gate) * up computed from gate/up rows [rows][2 * cols] (silu_mul's arithmetic), each value
+// also stored to h [rows][cols] when it is quantized (`four`), so the down projection's input
+// is quantized in the launch that makes it. `four` takes 4 elements of one row (i % 4 == 0).
+template <typename T>
+struct TensorSrc {
+    const T* x;
+    __device__ __forceinline__ float at(u64 i) const { return load_elem(x, i); }
+    __device__ __forceinline__ void four(u64 i, float* v) const { load4(x, i, v); }
+};
+struct SiluMulSrc {
+    const float* gu;
+    float* h;
+    u64 cols;
+    __device__ __forceinline__ float at(u64 i) const {
+        u64 r = i / cols, c = i - r * cols;
+        return silu_mul_value(gu[2 * r * cols + c], gu[2 * r * cols + cols + c]);
+    }
+    __device__ __forceinline__ void four(u64 i, float* v) const {
+        u64 r = i / cols, c = i - r * cols;
+        float g[4], u[4];
+        load4(gu, 2 * r * cols + c, g);
+        load4(gu, 2 * r * cols + cols + c, u);
+#pragma unroll
+        for (int k = 0; k < 4; k++) v[k] = silu_mul_value(g[k], u[k]);
+        *(float4*)(h + i) = make_float4(v[0], v[1], v[2], v[3]);
+    }
+};
+
 // Eight lanes per 1x32 block, four consecutive elements each (one 16-byte load, one 4-byte
 // store of codes, one 16-byte store of dequantized values), so a warp reads and writes whole
 // lines; the block's amax is a max over its 8 lanes, which gives the bits of any order.
 // `deq` (optional) receives the exact dequantized values.
-template <typename T>
-__device__ void mxfp8_rowwise(const T* x, u64 blocks, u8* data, u8* scales, float* deq) {
+template <typename Src>
+__device__ void mxfp8_rowwise(Src x, u64 blocks, u8* data, u8* scales, float* deq) {
     u64 quads = blocks * 8, lane = threadIdx.x & 31;
     // Warp-uniform trips: a group of 8 lanes is wholly past the end or not (quads % 8 == 0).
     for (u64 w = blockIdx.x * (u64)blockDim.x + threadIdx.x - lane; w < quads; w += (u64)gridDim.x * blockDim.x) {
         u64 i = w + lane;  // elements 4i..4i + 3 of block i / 8
         bool live = i < quads;
         float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (live) load4(x, 4 * i, v);
+        if (live) x.four(4 * i, v);
         u32 mb = 0u;
         int any_number = 0;
 #pragma unroll
@@ -110,12 +139,21 @@ __device__ void mxfp8_rowwise(const T* x, u64 blocks, u8* data, u8* scales, floa
 
 extern "C" __global__ void mxfp8_quantize_f32(const float* x, u64 blocks, u8* data, u8* scales, float* deq) {
     pdl_entry();
-    mxfp8_rowwise(x, blocks, data, scales, deq);
+    mxfp8_rowwise(TensorSrc<float>{x}, blocks, data, scales, deq);
 }
 
 extern "C" __global__ void mxfp8_quantize_bf16(const bf16_t* x, u64 blocks, u8* data, u8* scales, float* deq) {
     pdl_entry();
-    mxfp8_rowwise(x, blocks, data, scales, deq);
+    mxfp8_rowwise(TensorSrc<bf16_t>{x}, blocks, data, scales, deq);
+}
+
+// silu_mul and then mxfp8_quantize_f32 of its output, in one launch: h [rows][cols] gets
+// silu_mul's values and data, scales and deq their quantization, the same bytes as the two
+// launches. cols % 32 == 0.
+extern "C" __global__ void mxfp8_quantize_silu_mul(const float* gu, float* h, int cols, u64 blocks, u8* data,
+                                                   u8* scales, float* deq) {
+    pdl_entry();
+    mxfp8_rowwise(SiluMulSrc{gu, h, (u64)cols}, blocks, data, scales, deq);
 }
 
 struct Level {
@@ -178,11 +216,10 @@ __device__ u8 nvfp4_block(const float* v, Level lv, float fos_range, int fos_squ
 // One block per row. Per token (`per_token`): the row's own level, and s_tok (0 for an all-zero
 // row) written to row_s_dec. Otherwise the given level (a per-tensor scale, e.g. the one gate and
 // up share). `deq` (optional): the block-scaled values e2m1 * e4m3, the GEMM's operand.
-template <typename T>
-__device__ void nvfp4_rows(const T* x, int cols, int per_token, float amax, float range, float fos_range,
+template <typename Src>
+__device__ void nvfp4_rows(Src x, int cols, int per_token, float amax, float range, float fos_range,
                            int fos_squared, u8* data, u8* scales, float* row_s_dec, float* deq) {
-    u64 r = blockIdx.x;
-    const T* row = x + r * cols;
+    u64 r = blockIdx.x, row = r * cols;  // the row's first element
     Level lv;
     if (per_token) {
         __shared__ u32 red_bits[32];
@@ -190,7 +227,7 @@ __device__ void nvfp4_rows(const T* x, int cols, int per_token, float amax, floa
         u32 mb = 0u;
         int any_number = 0;
         for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-            float v = load_elem(row, i);
+            float v = x.at(row + i);
             mb = max(mb, amax_bits(v));
             any_number |= !isnan(v);
         }
@@ -220,7 +257,7 @@ __device__ void nvfp4_rows(const T* x, int cols, int per_token, float amax, floa
         float v[16];
         u8 codes[16];
 #pragma unroll
-        for (int i = 0; i < 16; i += 4) load4(row, b * 16 + i, v + i);
+        for (int i = 0; i < 16; i += 4) x.four(row + b * 16 + i, v + i);
         u8 s8 = nvfp4_block(v, lv, fos_range, fos_squared, codes);
         scales[r * (cols / 16) + b] = s8;
         u32 packed[2] = {0u, 0u};
@@ -245,13 +282,26 @@ extern "C" __global__ void nvfp4_quantize_f32(const float* x, int cols, int per_
     pdl_entry();
     float amax = 0.0f;
     if (!per_token) amax = tensor_amax[1] ? __uint_as_float(tensor_amax[0]) : __uint_as_float(0x7fc00000u);
-    nvfp4_rows(x, cols, per_token, amax, range, fos_range, fos_squared, data, scales, row_s_dec, deq);
+    nvfp4_rows(TensorSrc<float>{x}, cols, per_token, amax, range, fos_range, fos_squared, data, scales, row_s_dec,
+               deq);
+}
+
+// silu_mul and then nvfp4_quantize_f32 per token of its output, in one launch (one block per
+// row): h [rows][cols] gets silu_mul's values, data, scales, row_s_dec and deq their
+// quantization, the same bytes as the two launches.
+extern "C" __global__ void nvfp4_quantize_silu_mul(const float* gu, float* h, int cols, float range, float fos_range,
+                                                   int fos_squared, u8* data, u8* scales, float* row_s_dec,
+                                                   float* deq) {
+    pdl_entry();
+    nvfp4_rows(SiluMulSrc{gu, h, (u64)cols}, cols, 1, 0.0f, range, fos_range, fos_squared, data, scales, row_s_dec,
+               deq);
 }
 
 extern "C" __global__ void nvfp4_quantize_bf16(const bf16_t* x, int cols, float amax, float range,
                                                float fos_range, int fos_squared, u8* data, u8* scales) {
     pdl_entry();
-    nvfp4_rows(x, cols, 0, amax, range, fos_range, fos_squared, data, scales, (float*)0, (float*)0);
+    nvfp4_rows(TensorSrc<bf16_t>{x}, cols, 0, amax, range, fos_range, fos_squared, data, scales, (float*)0,
+               (float*)0);
 }
 
 // out[0] = max |x| bits (NaN skipped), out[1] |= 1 if any element is a number. Zero `out` first.

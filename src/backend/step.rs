@@ -311,6 +311,24 @@ pub trait Backend {
         out: &mut Self::Act,
     ) -> Result<(), Self::Error>;
 
+    /// `act = silu(gate) * up` over the `pairs` routed rows of `gate_up` (`inter` columns), then
+    /// each expert's down projection over its rows of `act`: [`Backend::silu_mul`] then
+    /// [`Backend::experts_down`], which a backend may do in fewer launches.
+    #[allow(clippy::too_many_arguments)]
+    fn experts_silu_down(
+        &mut self,
+        w: &Self::Experts,
+        gate_up: &Self::Act,
+        pairs: usize,
+        inter: usize,
+        route: &Self::Route,
+        act: &mut Self::Act,
+        out: &mut Self::Act,
+    ) -> Result<(), Self::Error> {
+        self.silu_mul(gate_up, pairs, inter, act)?;
+        self.experts_down(w, act, route, out)
+    }
+
     /// `out[row] = sum over slots, in slot order, of weight * expert output`.
     fn moe_combine(
         &mut self,

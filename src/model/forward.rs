@@ -160,8 +160,15 @@ pub fn forward<B: Backend>(
                     });
                     b.moe_route(&s.router_logits, n, shape, replay.as_deref(), route)?;
                     b.experts_gate_up(&moe.experts, &s.normed, n, route, &mut s.gate_up)?;
-                    b.silu_mul(&s.gate_up, n * shape.top_k, shape.inter, &mut s.act)?;
-                    b.experts_down(&moe.experts, &s.act, route, &mut s.expert_out)?;
+                    b.experts_silu_down(
+                        &moe.experts,
+                        &s.gate_up,
+                        n * shape.top_k,
+                        shape.inter,
+                        route,
+                        &mut s.act,
+                        &mut s.expert_out,
+                    )?;
                     b.moe_combine(&s.expert_out, route, n, h, &mut s.y)?;
                     b.keep_routing(route, moe_index, n)?;
                     moe_index += 1;

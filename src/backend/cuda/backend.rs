@@ -456,6 +456,53 @@ fn quantize_input(
     }
 }
 
+/// `h = silu(gate) * up` over `rows` gate/up rows and [`quantize_input`]'s quantization of it
+/// for a layer whose input is `act`, in one launch: false (nothing done) where the activation
+/// format has no such launch (plain layers, per-tensor NVFP4, whose amax needs all of `h`).
+#[allow(clippy::too_many_arguments)]
+fn quantize_silu_mul(
+    gpu: &Gpu,
+    act: Activation,
+    gate_up: &CudaSlice<f32>,
+    rows: usize,
+    inter: usize,
+    h: &mut CudaSlice<f32>,
+    q: &mut QuantScratch,
+) -> Result<bool, CudaError> {
+    match act {
+        Activation::Mxfp8 => ops::mxfp8_quantize_silu_mul(
+            gpu,
+            gate_up,
+            h,
+            rows,
+            inter,
+            &mut q.data,
+            &mut q.scales,
+            Some(&mut q.deq),
+        )
+        .map(|()| true),
+        Activation::Nvfp4 {
+            per_token: true,
+            params,
+        } => ops::nvfp4_quantize_silu_mul(
+            gpu,
+            gate_up,
+            h,
+            rows,
+            inter,
+            params,
+            Nvfp4Out {
+                data: &mut q.data,
+                scales: &mut q.scales,
+                row_s_dec: &mut q.row_scale,
+                deq: Some(&mut q.deq),
+            },
+        )
+        .map(|()| true),
+        Activation::Plain | Activation::Nvfp4 { .. } => Ok(false),
+    }
+}
+
 /// `out = x W^T` on the input as [`quantize_input`] left it in `q` for `m`'s activation format
 /// (x itself for plain layers).
 #[allow(clippy::too_many_arguments)]
@@ -851,6 +898,27 @@ impl Backend for Cuda {
             pairs,
             out,
         )
+    }
+
+    /// For MXFP8 and NVFP4 (per token) down projections, SwiGLU and the activation quantizer
+    /// are one launch ([`quantize_silu_mul`]).
+    fn experts_silu_down(
+        &mut self,
+        w: &CudaExperts,
+        gate_up: &CudaSlice<f32>,
+        pairs: usize,
+        inter: usize,
+        route: &CudaRoute,
+        act: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let (gpu, q) = (&self.gpu, &mut self.quant);
+        if !quantize_silu_mul(gpu, w.down.act, gate_up, pairs, inter, act, q)? {
+            ops::silu_mul(gpu, gate_up, act, pairs, inter)?;
+            return self.experts_down(w, act, route, out);
+        }
+        let plan = GemmRows::Plan(&route.plan);
+        gemm_prepared(gpu, &w.down, act, plan, None, pairs, out, q)
     }
 
     fn moe_combine(
