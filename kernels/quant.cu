@@ -65,24 +65,19 @@ __device__ __forceinline__ void load4(const bf16_t* x, u64 i, float* v) {
     v[2] = __uint_as_float(a.y << 16); v[3] = __uint_as_float(a.y & 0xffff0000u);
 }
 
-// What a quantizer reads, by flat element index: a tensor of T (f32 or BF16), or SwiGLU's
-// silu(gate) * up computed from gate/up rows [rows][2 * cols] (silu_mul's arithmetic), each value
-// also stored to h [rows][cols] when it is quantized (`four`), so the down projection's input
-// is quantized in the launch that makes it. `four` takes 4 elements of one row (i % 4 == 0).
+// What the MXFP8 quantizer reads, four elements of one row at flat element index i (i % 4 == 0):
+// a tensor of T (f32 or BF16), or SwiGLU's silu(gate) * up computed from gate/up rows
+// [rows][2 * cols] (silu_mul's arithmetic), each value also stored to h [rows][cols], so the
+// down projection's input is quantized in the launch that makes it.
 template <typename T>
 struct TensorSrc {
     const T* x;
-    __device__ __forceinline__ float at(u64 i) const { return load_elem(x, i); }
     __device__ __forceinline__ void four(u64 i, float* v) const { load4(x, i, v); }
 };
 struct SiluMulSrc {
     const float* gu;
     float* h;
     u64 cols;
-    __device__ __forceinline__ float at(u64 i) const {
-        u64 r = i / cols, c = i - r * cols;
-        return silu_mul_value(gu[2 * r * cols + c], gu[2 * r * cols + cols + c]);
-    }
     __device__ __forceinline__ void four(u64 i, float* v) const {
         u64 r = i / cols, c = i - r * cols;
         float g[4], u[4];
@@ -216,10 +211,11 @@ __device__ u8 nvfp4_block(const float* v, Level lv, float fos_range, int fos_squ
 // One block per row. Per token (`per_token`): the row's own level, and s_tok (0 for an all-zero
 // row) written to row_s_dec. Otherwise the given level (a per-tensor scale, e.g. the one gate and
 // up share). `deq` (optional): the block-scaled values e2m1 * e4m3, the GEMM's operand.
-template <typename Src>
-__device__ void nvfp4_rows(Src x, int cols, int per_token, float amax, float range, float fos_range,
+template <typename T>
+__device__ void nvfp4_rows(const T* x, int cols, int per_token, float amax, float range, float fos_range,
                            int fos_squared, u8* data, u8* scales, float* row_s_dec, float* deq) {
-    u64 r = blockIdx.x, row = r * cols;  // the row's first element
+    u64 r = blockIdx.x;
+    const T* row = x + r * cols;
     Level lv;
     if (per_token) {
         __shared__ u32 red_bits[32];
@@ -227,7 +223,7 @@ __device__ void nvfp4_rows(Src x, int cols, int per_token, float amax, float ran
         u32 mb = 0u;
         int any_number = 0;
         for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-            float v = x.at(row + i);
+            float v = load_elem(row, i);
             mb = max(mb, amax_bits(v));
             any_number |= !isnan(v);
         }
@@ -257,7 +253,7 @@ __device__ void nvfp4_rows(Src x, int cols, int per_token, float amax, float ran
         float v[16];
         u8 codes[16];
 #pragma unroll
-        for (int i = 0; i < 16; i += 4) x.four(row + b * 16 + i, v + i);
+        for (int i = 0; i < 16; i += 4) load4(row, b * 16 + i, v + i);
         u8 s8 = nvfp4_block(v, lv, fos_range, fos_squared, codes);
         scales[r * (cols / 16) + b] = s8;
         u32 packed[2] = {0u, 0u};
@@ -282,26 +278,13 @@ extern "C" __global__ void nvfp4_quantize_f32(const float* x, int cols, int per_
     pdl_entry();
     float amax = 0.0f;
     if (!per_token) amax = tensor_amax[1] ? __uint_as_float(tensor_amax[0]) : __uint_as_float(0x7fc00000u);
-    nvfp4_rows(TensorSrc<float>{x}, cols, per_token, amax, range, fos_range, fos_squared, data, scales, row_s_dec,
-               deq);
-}
-
-// silu_mul and then nvfp4_quantize_f32 per token of its output, in one launch (one block per
-// row): h [rows][cols] gets silu_mul's values, data, scales, row_s_dec and deq their
-// quantization, the same bytes as the two launches.
-extern "C" __global__ void nvfp4_quantize_silu_mul(const float* gu, float* h, int cols, float range, float fos_range,
-                                                   int fos_squared, u8* data, u8* scales, float* row_s_dec,
-                                                   float* deq) {
-    pdl_entry();
-    nvfp4_rows(SiluMulSrc{gu, h, (u64)cols}, cols, 1, 0.0f, range, fos_range, fos_squared, data, scales, row_s_dec,
-               deq);
+    nvfp4_rows(x, cols, per_token, amax, range, fos_range, fos_squared, data, scales, row_s_dec, deq);
 }
 
 extern "C" __global__ void nvfp4_quantize_bf16(const bf16_t* x, int cols, float amax, float range,
                                                float fos_range, int fos_squared, u8* data, u8* scales) {
     pdl_entry();
-    nvfp4_rows(TensorSrc<bf16_t>{x}, cols, 0, amax, range, fos_range, fos_squared, data, scales, (float*)0,
-               (float*)0);
+    nvfp4_rows(x, cols, 0, amax, range, fos_range, fos_squared, data, scales, (float*)0, (float*)0);
 }
 
 // out[0] = max |x| bits (NaN skipped), out[1] |= 1 if any element is a number. Zero `out` first.

@@ -458,7 +458,9 @@ fn quantize_input(
 
 /// `h = silu(gate) * up` over `rows` gate/up rows and [`quantize_input`]'s quantization of it
 /// for a layer whose input is `act`, in one launch: false (nothing done) where the activation
-/// format has no such launch (plain layers, per-tensor NVFP4, whose amax needs all of `h`).
+/// format has no such launch. MXFP8 has one; NVFP4 has not: its per-token quantizer is a block
+/// a row, and SwiGLU inside it made the decode step slower than the two launches (H200,
+/// 2026-12-03: 5.65-5.73 against 5.58-5.59 ms at batch 1, docs/performance.md).
 #[allow(clippy::too_many_arguments)]
 fn quantize_silu_mul(
     gpu: &Gpu,
@@ -479,24 +481,6 @@ fn quantize_silu_mul(
             &mut q.data,
             &mut q.scales,
             Some(&mut q.deq),
-        )
-        .map(|()| true),
-        Activation::Nvfp4 {
-            per_token: true,
-            params,
-        } => ops::nvfp4_quantize_silu_mul(
-            gpu,
-            gate_up,
-            h,
-            rows,
-            inter,
-            params,
-            Nvfp4Out {
-                data: &mut q.data,
-                scales: &mut q.scales,
-                row_s_dec: &mut q.row_scale,
-                deq: Some(&mut q.deq),
-            },
         )
         .map(|()| true),
         Activation::Plain | Activation::Nvfp4 { .. } => Ok(false),
@@ -900,8 +884,8 @@ impl Backend for Cuda {
         )
     }
 
-    /// For MXFP8 and NVFP4 (per token) down projections, SwiGLU and the activation quantizer
-    /// are one launch ([`quantize_silu_mul`]).
+    /// For MXFP8 down projections, SwiGLU and the activation quantizer are one launch
+    /// ([`quantize_silu_mul`]).
     fn experts_silu_down(
         &mut self,
         w: &CudaExperts,

@@ -250,9 +250,6 @@ kernels! {
     Mxfp8QuantizeF32 => (Quant, "mxfp8_quantize_f32", MXFP8_QUANTIZE),
     Mxfp8QuantizeBf16 => (Quant, "mxfp8_quantize_bf16", MXFP8_QUANTIZE),
     Mxfp8QuantizeSiluMul => (Quant, "mxfp8_quantize_silu_mul", &[Ptr, Ptr, I32, U64, Ptr, Ptr, Ptr]),
-    Nvfp4QuantizeSiluMul => (Quant, "nvfp4_quantize_silu_mul", &[
-        Ptr, Ptr, I32, F32, F32, I32, Ptr, Ptr, Ptr, Ptr,
-    ]),
     Nvfp4QuantizeF32 => (Quant, "nvfp4_quantize_f32", &[
         Ptr, I32, I32, Ptr, F32, F32, I32, Ptr, Ptr, Ptr, Ptr,
     ]),

@@ -167,46 +167,6 @@ pub fn mxfp8_quantize_silu_mul(
     )
 }
 
-/// `h = silu(gate) * up` over `rows` gate/up rows (`[rows, 2 * inter]`) and its NVFP4
-/// quantization per token, in one launch: the bytes of `silu_mul` then [`nvfp4_quantize_f32`]
-/// per token of `h`.
-pub fn nvfp4_quantize_silu_mul(
-    gpu: &Gpu,
-    gu: &CudaSlice<f32>,
-    h: &mut CudaSlice<f32>,
-    rows: usize,
-    inter: usize,
-    p: Nvfp4Params,
-    out: Nvfp4Out<'_>,
-) -> Result<(), CudaError> {
-    check_block(inter, 16)?;
-    let gu = need(gu, rows * 2 * inter, "silu_mul gate_up")?;
-    let h = need(h, rows * inter, "silu_mul out")?;
-    let data = need(out.data, rows * inter / 2, "nvfp4 data")?;
-    let scales = need(out.scales, rows * inter / 16, "nvfp4 scales")?;
-    let row_s_dec = need(out.row_s_dec, rows, "nvfp4 row scales")?;
-    if rows == 0 {
-        return Ok(());
-    }
-    gpu.launch(
-        Kernel::Nvfp4QuantizeSiluMul,
-        (rows as u32, 1, 1),
-        128,
-        (
-            gu,
-            h,
-            inter as i32,
-            p.range,
-            p.fos_range,
-            p.fos_squared as i32,
-            data,
-            scales,
-            row_s_dec,
-            out.deq.map(|d| View::whole(d)),
-        ),
-    )
-}
-
 /// NVFP4 quantization of BF16 weight rows with a given (per-tensor or shared) amax.
 #[allow(clippy::too_many_arguments)]
 pub fn nvfp4_quantize_bf16(
