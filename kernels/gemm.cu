@@ -403,8 +403,17 @@ __device__ __forceinline__ void fold_if_last(const float* partials, u32* counter
     for (int i = id; i < (r1 - r0) * cols; i += width) {
         int row = r0 + i / cols, col = c0 + i % cols;
         u64 at = (u64)row * N + col;
+        // Eight segments' sums loaded at a time (one wait for the eight, not one each), then
+        // added in segment order.
         float v = __ldcg(partials + at);
-        for (int z = 1; z < (int)gridDim.z; z++) v = __fadd_rn(v, __ldcg(partials + z * count + at));
+        for (int z0 = 1; z0 < (int)gridDim.z; z0 += 8) {
+            float seg[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) seg[j] = z0 + j < (int)gridDim.z ? __ldcg(partials + (z0 + j) * count + at) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (z0 + j < (int)gridDim.z) v = __fadd_rn(v, seg[j]);
+        }
         if (FMT == 3) {
             u64 src = row_index ? (u64)row_index[row] : (u64)row;
             v = nvfp4_epilogue_scale(v, row_scale, src, w_sdec, e, sdec_groups, col, N);
