@@ -16,6 +16,8 @@ the way SGLang serializes them. From the repo root, on a CUDA host with PyTorch:
 4. Prints the copy rate (GB/s over all requests) and exits nonzero on any mismatch or error.
 5. With --scale-gb N: the same update at the size of a real model against a dummy-loaded server,
    timed end to end and checked tensor by tensor with xxh3_64 (scale_round).
+6. A colocated trainer's release and resume (release_round): torch allocates 90% of the bytes
+   `/release_memory_occupation` freed; after the resume the greedy output is as before, bitwise.
 """
 
 import argparse
@@ -238,6 +240,53 @@ def scale_round(a, tmp: Path, failures: list) -> None:
                   f"xxh3_64 in /weights_checksum equals the trainer's bytes", flush=True)
             del named
             torch.cuda.empty_cache()
+    finally:
+        stop(proc, log)
+
+
+def release_round(a, tmp: Path, model: Path, failures: list) -> None:
+    """A colocated trainer's turn (verl, slime): `/release_memory_occupation` of the weights and
+    the KV cache frees their device memory; this torch process (the trainer) then allocates at
+    least 90% of the released bytes and frees them; after `/resume_memory_occupation` the
+    server (weights restored from `--enable-weights-cpu-backup`) must compute the greedy tokens
+    and logprobs it computed before, bit for bit."""
+    log = open(tmp / "serve_release.log", "w")
+    proc = subprocess.Popen([a.bin, "serve", "--device", "cuda", "--model-path", str(model),
+                             "--port", str(a.port), "--weights-root", str(tmp),
+                             "--enable-weights-cpu-backup"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    srv = Server(f"http://127.0.0.1:{a.port}")
+    try:
+        wait_healthy(srv, proc, tmp / "serve_release.log")
+        before = srv.greedy()
+        torch.cuda.empty_cache()
+        free_before = torch.cuda.mem_get_info()[0]
+        s, v = srv.call("POST", "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+        if s != 200 or not v.get("success"):
+            failures.append(f"release answered {s}: {v}")
+            return
+        released = int(v["bytes"])
+        free_after = torch.cuda.mem_get_info()[0]
+        want = released * 9 // 10
+        try:
+            held = torch.empty(want, dtype=torch.uint8, device="cuda")
+            held.fill_(1)
+            torch.cuda.synchronize()
+            del held
+        except torch.cuda.OutOfMemoryError as e:
+            failures.append(f"release: torch could not allocate 90% of the {released} released bytes: {e}")
+        torch.cuda.empty_cache()
+        print(f"release: {released / 1e9:.2f} GB released (free {free_before / 1e9:.2f} -> "
+              f"{free_after / 1e9:.2f} GB); torch allocated {want / 1e9:.2f} GB and freed it", flush=True)
+        s, v = srv.call("POST", "/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})
+        if s != 200 or not v.get("success"):
+            failures.append(f"resume answered {s}: {v}")
+            return
+        after = srv.greedy()
+        if after != before:
+            failures.append(f"release/resume: the greedy completion differs: {before} -> {after}")
+        else:
+            print("release/resume: greedy tokens and logprobs as before, bitwise", flush=True)
     finally:
         stop(proc, log)
 
@@ -492,6 +541,7 @@ def main() -> int:
                 if "in-place commit" in line or "weights committed" in line:
                     print(f"  {label}: {line.strip()[-220:]}", flush=True)
         quantized_round(a, tmp, model, tensors, pushed, failures)
+        release_round(a, tmp, model, failures)
         if a.scale_gb > 0:
             scale_round(a, tmp, failures)
     except Exception as e:  # noqa: BLE001
