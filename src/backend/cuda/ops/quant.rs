@@ -19,21 +19,33 @@ pub fn mxfp8_quantize<T: QuantInput>(
     scales: &mut CudaSlice<u8>,
     deq: Option<&mut CudaSlice<f32>>,
 ) -> Result<(), CudaError> {
-    check_block(n, 32)?;
+    let (data, scales, blocks) = mxfp8_outputs(n, data, scales)?;
     let x = need(x, n, "mxfp8 x")?;
-    let data = need(data, n, "mxfp8 data")?;
-    let scales = need(scales, n / 32, "mxfp8 scales")?;
-    let blocks = n / 32;
     if blocks == 0 {
         return Ok(());
     }
-    // Eight threads per block of 32 (kernels/quant.cu `mxfp8_rowwise`).
     gpu.launch(
         T::MXFP8,
-        (gpu.grid_for(blocks * 8, 128), 1, 1),
-        128,
+        (gpu.grid_for(blocks * 8, MXFP8_THREADS), 1, 1),
+        MXFP8_THREADS,
         (x, blocks as u64, data, scales, deq.map(|d| View::whole(d))),
     )
+}
+
+/// Threads a block of the MXFP8 quantizers: eight per 32-element block (kernels/quant.cu
+/// `mxfp8_rowwise`), so a launch has `blocks * 8` threads.
+const MXFP8_THREADS: u32 = 128;
+
+/// The MXFP8 quantizers' outputs for `n` elements (whole 32-blocks): codes, scales and the
+/// number of 32-blocks.
+fn mxfp8_outputs<'a>(
+    n: usize,
+    data: &'a CudaSlice<u8>,
+    scales: &'a CudaSlice<u8>,
+) -> Result<(View<'a, u8>, View<'a, u8>, usize), CudaError> {
+    check_block(n, 32)?;
+    let data = need(data, n, "mxfp8 data")?;
+    Ok((data, need(scales, n / 32, "mxfp8 scales")?, n / 32))
 }
 
 fn check_block(n: usize, block: usize) -> Result<(), CudaError> {
@@ -143,18 +155,16 @@ pub fn mxfp8_quantize_silu_mul(
 ) -> Result<(), CudaError> {
     check_block(inter, 32)?;
     let n = rows * inter;
+    let (data, scales, blocks) = mxfp8_outputs(n, data, scales)?;
     let gu = need(gu, 2 * n, "silu_mul gate_up")?;
     let h = need(h, n, "silu_mul out")?;
-    let data = need(data, n, "mxfp8 data")?;
-    let scales = need(scales, n / 32, "mxfp8 scales")?;
-    let blocks = n / 32;
     if blocks == 0 {
         return Ok(());
     }
     gpu.launch(
         Kernel::Mxfp8QuantizeSiluMul,
-        (gpu.grid_for(blocks * 8, 128), 1, 1),
-        128,
+        (gpu.grid_for(blocks * 8, MXFP8_THREADS), 1, 1),
+        MXFP8_THREADS,
         (
             gu,
             h,
