@@ -76,9 +76,9 @@ fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
 # SKIP_KERNEL_BENCH=1: only the step benchmark (cuda_bench), not cuda_kernel_bench.
 # KERNEL_BENCH_ARGS="--sections moe,moe_down --tokens 64,256,4096": its flags.
+read -r -a kernel_bench_args <<<"${KERNEL_BENCH_ARGS:-}"
 if [ "${SKIP_KERNEL_BENCH:-0}" != 1 ]; then
 echo "== kernel benchmark (expert GEMMs, attention) ($(date +%T))"
-read -r -a kernel_bench_args <<<"${KERNEL_BENCH_ARGS:-}"
 if "$bin"/cuda_kernel_bench configs/qwen3-30b-a3b.json "${kernel_bench_args[@]}" 2>&1 | tee "$logs/kernel_bench.md"; then
   record "cuda_kernel_bench" "done (kernel_bench.md)"
 else
@@ -102,7 +102,6 @@ fi
 # Builds of the previous code (carried as .bin/cuda_kernel_bench_before, .bin/cuda_bench_before),
 # for before/after in one run, with the same arguments.
 if [ -x "$bin/cuda_kernel_bench_before" ]; then
-  read -r -a kernel_bench_args <<<"${KERNEL_BENCH_ARGS:-}"
   "$bin"/cuda_kernel_bench_before configs/qwen3-30b-a3b.json "${kernel_bench_args[@]}" 2>&1 | tee "$logs/kernel_bench_before.md" \
     && record "cuda_kernel_bench_before (previous code)" "done (kernel_bench_before.md)" || record "cuda_kernel_bench_before" "FAIL"
 fi
@@ -116,7 +115,6 @@ fi
 # kernel variants measured by one binary in one run.
 for v in ${KERNEL_VARIANTS:-}; do
   if [ "${KERNEL_VARIANT_KERNEL_BENCH:-0}" = 1 ]; then
-    read -r -a kernel_bench_args <<<"${KERNEL_BENCH_ARGS:-}"
     LOCKSTEP_KERNEL_SOURCES="$PWD/$bin/kv/$v" "$bin"/cuda_kernel_bench configs/qwen3-30b-a3b.json "${kernel_bench_args[@]}" 2>&1 \
       | tee "$logs/kernel_bench_$v.md" && record "cuda_kernel_bench, kernels .bin/kv/$v" "done (kernel_bench_$v.md)" \
       || record "cuda_kernel_bench, kernels .bin/kv/$v" "FAIL"
