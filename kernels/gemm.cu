@@ -45,7 +45,8 @@
 #define TK 32
 #define SEG 256  // k per segment of the K chain (host: ops::gemm::K_SEGMENT)
 // The 32-column few-rows kernels hold four 128-thread blocks an SM (at most 128 registers a
-// thread; BF16 spills 188 bytes). They wait on memory, and 16 warps an SM instead of 12 (160
+// thread: BF16's and MXFP8's two-fragment chains spill 120-200 bytes, their one-fragment chains
+// 4-28 when compiled alone). They wait on memory, and 16 warps an SM instead of 12 (160
 // registers) take BF16 expert gate/up at 64 tokens from 288 to 255 us, and 2 us more at one
 // token (H200, cuda_kernel_bench, 2026-12-03).
 #define SKINNY4_BLOCKS_PER_SM 4
@@ -710,45 +711,14 @@ __device__ void grouped_gemm_mma_wide(const float* x, const int* row_index, cons
 
 #define SKINNY_WARPS 4  // warps per 128-thread block
 
-// Grid (ceil(N / (32 * NF)), tiles), 128 threads. Requires K % 32 == 0. Each lane streams the
-// 8 values per span of its NF weight columns (g of each n8 fragment) from global memory,
-// SPANS spans ahead, and packs its rows' activations itself (L1-resident, shared by the
-// block's warps) once per span for all NF fragments; more fragments per warp spread that
-// packing over more weights, fewer give more warps. The tile's rows are at most TM = two m16
-// fragments; a fragment, or its upper 8 rows, with no live row is skipped (warp-uniform).
-template <int FMT, int NF>
-__device__ void grouped_gemm_skinny(const float* x, const int* row_index, const float* row_scale, const void* w,
-                                    const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
-                                    const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
-                                    float* partials, u32* counters, int bx) {
-    int e, r0, r1;
-    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
+// The K chain of one warp's NF fragments over k_begin..k_end for the tile's first FRAGS m16
+// fragments (rows xr), SPANS spans of weights loaded ahead at a time; each segment's sums join
+// the running total `tot` (a lane's column of shared memory, element i at tot[32 i]).
+template <int FMT, int NF, int FRAGS, int SPANS>
+__device__ __forceinline__ void skinny_chain(const void* w, const u8* w_scales, const u64* w_row,
+                                             const float* const (*xr)[2], int live, int K, int k_begin, int k_end,
+                                             int t, float* tot) {
     constexpr bool SPLIT = FMT == 1;
-    constexpr int FRAGS = TM / 16;
-    constexpr int SPANS = NF == 1 ? 8 : 4;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int n0 = (bx * SKINNY_WARPS + warp) * 8 * NF;
-    if (n0 >= N) return;  // warp-uniform; split-K folds per warp
-    // A lane past N reads column n0 (never stored: lanes store columns 2t, 2t + 1).
-    u64 w_row[NF];
-#pragma unroll
-    for (int f = 0; f < NF; f++) {
-        int n = n0 + 8 * f + g;
-        w_row[f] = (u64)e * N + (n < N ? n : n0);
-    }
-    int live = r1 - r0;
-    const float* xr[FRAGS][2];
-#pragma unroll
-    for (int mi = 0; mi < FRAGS; mi++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            int row = r0 + mi * 16 + g + 8 * h;
-            xr[mi][h] = row < r1 ? x + (row_index ? (u64)row_index[row] : (u64)row) * K + 8 * t : nullptr;
-        }
-    // The running total lives in shared memory (element i of lane l at [warp][i][l]): it is
-    // touched once per segment, and registers go to the weights in flight.
-    __shared__ float tot_s[SKINNY_WARPS][FRAGS * NF * 4][32];
-    float* tot = &tot_s[warp][0][lane];
     float acc[FRAGS][NF][4];
 #pragma unroll
     for (int mi = 0; mi < FRAGS; mi++)
@@ -756,9 +726,6 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
         for (int f = 0; f < NF; f++)
 #pragma unroll
             for (int v = 0; v < 4; v++) acc[mi][f][v] = 0.0f;
-
-    int k_begin, k_end;
-    block_k_range(partials, K, k_begin, k_end);
     for (int k0 = k_begin; k0 < k_end; k0 += 32 * SPANS) {
         int spans = min(SPANS, (k_end - k0) / 32);
         Weight8 wc[SPANS][NF];
@@ -796,6 +763,58 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
         if ((k0 + 32 * SPANS) % SEG == 0 || k0 + 32 * SPANS >= k_end)
             end_segment<FRAGS * NF * 4, 32>(&acc[0][0][0], tot, k0 < k_begin + SEG);
     }
+}
+
+// Grid (ceil(N / (32 * NF)), tiles), 128 threads. Requires K % 32 == 0. Each lane streams the
+// 8 values per span of its NF weight columns (g of each n8 fragment) from global memory,
+// SPANS spans ahead, and packs its rows' activations itself (L1-resident, shared by the
+// block's warps) once per span for all NF fragments; more fragments per warp spread that
+// packing over more weights, fewer give more warps. The tile's rows are at most TM = two m16
+// fragments; a fragment, or its upper 8 rows, with no live row is skipped (warp-uniform), and
+// a tile of at most 16 rows (every tile of a step of at most 16 tokens) may take a chain over
+// one fragment: the same products in the same order.
+template <int FMT, int NF>
+__device__ void grouped_gemm_skinny(const float* x, const int* row_index, const float* row_scale, const void* w,
+                                    const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
+                                    const int* num_tiles, const int* offsets, int rows, int N, int K, float* out,
+                                    float* partials, u32* counters, int bx) {
+    int e, r0, r1;
+    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
+    constexpr int FRAGS = TM / 16;
+    constexpr int SPANS = NF == 1 ? 8 : 4;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int n0 = (bx * SKINNY_WARPS + warp) * 8 * NF;
+    if (n0 >= N) return;  // warp-uniform; split-K folds per warp
+    // A lane past N reads column n0 (never stored: lanes store columns 2t, 2t + 1).
+    u64 w_row[NF];
+#pragma unroll
+    for (int f = 0; f < NF; f++) {
+        int n = n0 + 8 * f + g;
+        w_row[f] = (u64)e * N + (n < N ? n : n0);
+    }
+    int live = r1 - r0;
+    const float* xr[FRAGS][2];
+#pragma unroll
+    for (int mi = 0; mi < FRAGS; mi++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int row = r0 + mi * 16 + g + 8 * h;
+            xr[mi][h] = row < r1 ? x + (row_index ? (u64)row_index[row] : (u64)row) * K + 8 * t : nullptr;
+        }
+    // The running total lives in shared memory (element i of lane l at [warp][i][l]): it is
+    // touched once per segment, and registers go to the weights in flight.
+    __shared__ float tot_s[SKINNY_WARPS][FRAGS * NF * 4][32];
+    float* tot = &tot_s[warp][0][lane];
+
+    int k_begin, k_end;
+    block_k_range(partials, K, k_begin, k_end);
+    // BF16 and MXFP8 tiles of at most 16 rows take the one-fragment chain: without the second
+    // fragment's sums their weights in flight fit in registers (the two-fragment chain spills).
+    // NVFP4's fit either way, and measured no faster on one fragment (H200, 2026-12-03).
+    if (FMT != 3 && live <= 16)
+        skinny_chain<FMT, NF, 1, SPANS>(w, w_scales, w_row, xr, live, K, k_begin, k_end, t, tot);
+    else
+        skinny_chain<FMT, NF, FRAGS, SPANS>(w, w_scales, w_row, xr, live, K, k_begin, k_end, t, tot);
 
 #pragma unroll
     for (int mi = 0; mi < FRAGS; mi++)
