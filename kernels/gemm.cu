@@ -808,10 +808,11 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
 
     int k_begin, k_end;
     block_k_range(partials, K, k_begin, k_end);
-    // BF16 and MXFP8 tiles of at most 16 rows take the one-fragment chain: without the second
-    // fragment's sums their weights in flight fit in registers (the two-fragment chain spills).
-    // NVFP4's fit either way, and measured no faster on one fragment (H200, 2026-12-03).
-    if (FMT != 3 && live <= 16)
+    // BF16 tiles of at most 16 rows, and MXFP8 ones split over K (the one-token launches), take
+    // the one-fragment chain: without the second fragment's sums their weights in flight fit in
+    // registers (the two-fragment chain spills). Unsplit MXFP8 tiles (8 tokens) and NVFP4 ones
+    // (whose chain fits either way) measured slower on it (H200, 2026-12-03).
+    if (FMT != 3 && live <= 16 && (FMT == 1 || partials))
         skinny_chain<FMT, NF, 1, SPANS>(w, w_scales, w_row, xr, live, K, k_begin, k_end, t, tot);
     else
         skinny_chain<FMT, NF, FRAGS, SPANS>(w, w_scales, w_row, xr, live, K, k_begin, k_end, t, tot);
