@@ -204,8 +204,11 @@ fn expert_gemms(
             let flops = 2.0 * (pairs * n * k) as f64;
             let roofline = (bytes / bw).max(flops / TENSOR_FLOPS);
             for path in GemmPath::EXPLICIT.into_iter().chain([GemmPath::Auto]) {
-                // The FFMA and few-rows kernels are far behind from a few hundred tokens.
-                if tokens > 256 && matches!(path, GemmPath::Ffma | GemmPath::Skinny) {
+                // The FFMA and few-rows kernels are far behind from a few hundred tokens; the
+                // block-split one takes plans of up to 16 tokens (else it runs as Skinny4).
+                if tokens > 256 && matches!(path, GemmPath::Ffma | GemmPath::Skinny)
+                    || tokens > ops::BLOCK_SPLIT_MAX_TILE_ROWS && path == GemmPath::SkinnyKSplit
+                {
                     continue;
                 }
                 let row_index = (projection == Projection::GateUp).then_some(&plan.row_token);
@@ -254,7 +257,7 @@ fn expert_gemms(
 /// Rows of the dense projections' launches.
 const ROW_COUNTS: [usize; 11] = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096];
 /// The kernels and splits the dense projections are timed on.
-const DENSE_CHOICES: [(GemmPath, SplitK); 8] = [
+const DENSE_CHOICES: [(GemmPath, SplitK); 9] = [
     (GemmPath::TensorCore, SplitK::Off),
     (GemmPath::TensorCore, SplitK::On),
     (GemmPath::TensorCoreWide, SplitK::Off),
@@ -262,6 +265,7 @@ const DENSE_CHOICES: [(GemmPath, SplitK); 8] = [
     (GemmPath::Skinny, SplitK::Off),
     (GemmPath::Skinny, SplitK::On),
     (GemmPath::Skinny4, SplitK::On),
+    (GemmPath::SkinnyKSplit, SplitK::Auto),
     (GemmPath::Auto, SplitK::Auto),
 ];
 
@@ -294,7 +298,9 @@ fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f3
             let mut out = gpu.alloc::<f32>(rows * n).expect("out");
             let bytes = (n * k * 2 + rows * k * 4 + rows * n * 4) as f64;
             for (path, split) in DENSE_CHOICES {
-                if rows > 256 && matches!(path, GemmPath::Skinny | GemmPath::Skinny4) {
+                if rows > 256 && matches!(path, GemmPath::Skinny | GemmPath::Skinny4)
+                    || rows > ops::BLOCK_SPLIT_MAX_TILE_ROWS && path == GemmPath::SkinnyKSplit
+                {
                     continue;
                 }
                 let s = time(gpu, || {
@@ -380,7 +386,9 @@ fn dense_qkv(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlic
         });
         report("three launches, Auto", s);
         for (path, split) in DENSE_CHOICES {
-            if rows > 256 && matches!(path, GemmPath::Skinny | GemmPath::Skinny4) {
+            if rows > 256 && matches!(path, GemmPath::Skinny | GemmPath::Skinny4)
+                || rows > ops::BLOCK_SPLIT_MAX_TILE_ROWS && path == GemmPath::SkinnyKSplit
+            {
                 continue;
             }
             let s = time(gpu, || {

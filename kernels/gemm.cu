@@ -23,6 +23,8 @@
 // - grouped_gemm_skinny_*, grouped_gemm_skinny4_*: the same tensor-core products for tiles of
 //   few rows (decode): a warp per 8 (or 32) output columns, weights loaded straight into
 //   registers, no shared memory.
+// - grouped_gemm_skinny_ksplit_*: the 32-column few-rows warps for tiles of at most 16 rows, a
+//   32-column group's K segments spread over one block's warps and added in the block.
 // - grouped_gemm_wgmma_* (Hopper, sm_90a): the same products on warpgroup MMAs, 128x128 tiles
 //   (two of the plan's wide tiles), the weights as the A operand (section below).
 // The tensor-core kernels feed each mma exactly the same operands in the same order (the
@@ -839,6 +841,65 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
                                 N, r0, r1, n0, n0 + 8 * NF, row_index, row_scale, w_sdec, e, sdec_groups, out);
 }
 
+// ---- Few rows, K split over one block's warps ----
+//
+// The 32-column few-rows warps (grouped_gemm_skinny4's), for tiles of at most 16 rows (one m16
+// fragment): a block takes one 32-column group, and its KSPLIT_WARPS warps take the K segments
+// w, w + KSPLIT_WARPS, ... Each segment's sums go to shared memory; then the block adds every
+// element's segments in order (s0, then + s1, ...: the additions a whole-K chain makes), applies
+// the NVFP4 epilogue and stores. Split-K's blocks without its partial sums in global memory,
+// counters and last-block fold. Requires K % 32 == 0, at most KSPLIT_MAX_SEGMENTS segments and
+// tiles of at most 16 rows (the host's choice; a tile of more rows would lose them).
+
+#define KSPLIT_WARPS 8          // host: ops::gemm::BLOCK_SPLIT_THREADS / 32
+#define KSPLIT_MAX_SEGMENTS 16  // host: ops::gemm::BLOCK_SPLIT_MAX_SEGMENTS
+
+template <int FMT>
+__device__ void grouped_gemm_skinny_ksplit(const float* x, const int* row_index, const float* row_scale,
+                                           const void* w, const u8* w_scales, const float* w_sdec, int sdec_groups,
+                                           const int* tiles, const int* num_tiles, const int* offsets, int rows,
+                                           int N, int K, float* out, float* /* partials: none */,
+                                           const u32* /* xb: reads x itself */, u32* /* counters: none */, int bx) {
+    constexpr int NF = 4, ELEMS = NF * 4;
+    int e, r0, r1;
+    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
+    int n0 = bx * 8 * NF;
+    if (n0 >= N) return;  // block-uniform
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    u64 w_row[NF];
+#pragma unroll
+    for (int f = 0; f < NF; f++) {
+        int n = n0 + 8 * f + g;
+        w_row[f] = (u64)e * N + (n < N ? n : n0);
+    }
+    int live = min(r1 - r0, 16);
+    const float* xr[1][2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int row = r0 + g + 8 * h;
+        xr[0][h] = row < r0 + live ? x + (row_index ? (u64)row_index[row] : (u64)row) * K + 8 * t : nullptr;
+    }
+    // Segment z's sum of element i of lane l at [z][i][l].
+    __shared__ float seg_s[KSPLIT_MAX_SEGMENTS][ELEMS][32];
+    int segments = (K + SEG - 1) / SEG;
+    for (int z = warp; z < segments; z += KSPLIT_WARPS)
+        skinny_chain<FMT, NF, 1, 4>(w, w_scales, w_row, xr, live, K, z * SEG, min(K, (z + 1) * SEG), t,
+                                    &seg_s[z][0][lane]);
+    __syncthreads();
+    // Element i of lane l is row g + 8 * (i % 4 / 2), column 8 * (i / 4) + 2 * t + i % 2 of the
+    // fragment's (grouped_gemm_skinny's store).
+    for (int at = threadIdx.x; at < ELEMS * 32; at += blockDim.x) {
+        int i = at / 32, l = at % 32;
+        int row = r0 + (l >> 2) + 8 * (i % 4 / 2), col = n0 + 8 * (i / 4) + 2 * (l & 3) + i % 2;
+        if (row >= r0 + live || col >= N) continue;
+        float v = seg_s[0][i][l];
+        for (int z = 1; z < segments; z++) v = __fadd_rn(v, seg_s[z][i][l]);
+        u64 src = row_index ? (u64)row_index[row] : (u64)row;
+        if (FMT == 3) v = nvfp4_epilogue_scale(v, row_scale, src, w_sdec, e, sdec_groups, col, N);
+        out[(u64)row * N + col] = v;
+    }
+}
+
 template <int FMT>
 __device__ void grouped_gemm_skinny1(const float* x, const int* row_index, const float* row_scale, const void* w,
                                      const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,
@@ -1152,6 +1213,12 @@ GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_nvfp4, 3, SKINNY_WARPS * 8
 GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_bf16, 1, SKINNY_WARPS * 32, 128, SKINNY4_BLOCKS_PER_SM)
 GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_mxfp8, 2, SKINNY_WARPS * 32, 128, SKINNY4_BLOCKS_PER_SM)
 GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_nvfp4, 3, SKINNY_WARPS * 32, 128, SKINNY4_BLOCKS_PER_SM)
+// K split over a block's warps: 32 columns a block, 8 warps, two blocks an SM (16 warps, as
+// the 32-column kernel's four blocks; at 128 registers BF16 and MXFP8 spill 36-44 bytes, NVFP4
+// takes 112; ptxas 13.5).
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny_ksplit, grouped_gemm_skinny_ksplit_bf16, 1, 32, 32 * KSPLIT_WARPS, 2)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny_ksplit, grouped_gemm_skinny_ksplit_mxfp8, 2, 32, 32 * KSPLIT_WARPS, 2)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny_ksplit, grouped_gemm_skinny_ksplit_nvfp4, 3, 32, 32 * KSPLIT_WARPS, 2)
 
 GEMM_KERNEL(grouped_gemm, grouped_gemm_f32, 0, TN)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_bf16, 1, TN)

@@ -279,6 +279,9 @@ kernels! {
     GroupedGemmSkinny4Bf16 => (Gemm, "grouped_gemm_skinny4_bf16", GROUPED_GEMM),
     GroupedGemmSkinny4Mxfp8 => (Gemm, "grouped_gemm_skinny4_mxfp8", GROUPED_GEMM),
     GroupedGemmSkinny4Nvfp4 => (Gemm, "grouped_gemm_skinny4_nvfp4", GROUPED_GEMM),
+    GroupedGemmSkinnyKsplitBf16 => (Gemm, "grouped_gemm_skinny_ksplit_bf16", GROUPED_GEMM),
+    GroupedGemmSkinnyKsplitMxfp8 => (Gemm, "grouped_gemm_skinny_ksplit_mxfp8", GROUPED_GEMM),
+    GroupedGemmSkinnyKsplitNvfp4 => (Gemm, "grouped_gemm_skinny_ksplit_nvfp4", GROUPED_GEMM),
     GemmFoldSegments => (Gemm, "gemm_fold_segments", &[Ptr, I32, I32, I32, Ptr, Ptr, Ptr, I32, Ptr, I32, Ptr]),
     PackGemmOperand => (Gemm, "pack_gemm_operand", &[Ptr, I32, I32, I32, Ptr]),
     PagedAttention => (Attention, "paged_attention", &[

@@ -22,6 +22,13 @@ const MMA_TILE_COLS: usize = 128;
 /// Output columns per block of the few-rows tensor-core kernels: 4 warps of 8 (or, in the
 /// `skinny4` kernels, 32) columns.
 const SKINNY_COLS_PER_BLOCK: usize = 32;
+/// [`GemmPath::SkinnyKSplit`]'s block: 8 warps over one 32-column group (kernels/gemm.cu
+/// `KSPLIT_WARPS`).
+const BLOCK_SPLIT_THREADS: u32 = 256;
+/// The most K segments [`GemmPath::SkinnyKSplit`] adds in a block (kernels/gemm.cu
+/// `KSPLIT_MAX_SEGMENTS`), and the most rows of its tiles.
+pub const BLOCK_SPLIT_MAX_SEGMENTS: usize = 16;
+pub const BLOCK_SPLIT_MAX_TILE_ROWS: usize = 16;
 /// Warps at which a few-rows launch takes the 32-columns-per-warp kernels: enough to fill the
 /// GPU, and each warp's activation packing then serves four times the weights.
 const SKINNY4_MIN_WARPS: usize = 2048;
@@ -172,6 +179,13 @@ pub enum GemmPath {
     Skinny,
     /// As [`GemmPath::Skinny`], a warp per 32 columns: for launches with warps enough.
     Skinny4,
+    /// [`GemmPath::Skinny4`]'s warps with K split over one block: the block's 8 warps take a
+    /// 32-column group's K segments in turn and add them in order through shared memory (no
+    /// split-K sums in global memory, no fold). For tiles of at most 16 rows (dense launches of
+    /// up to 16 rows, plans of up to 16 tokens) and K of 2 to 16 segments; elsewhere it runs as
+    /// [`GemmPath::Skinny4`] (the same bits). [`GemmPath::Auto`] takes it, where it would split
+    /// a few-rows launch, only with `LOCKSTEP_BLOCK_SPLIT=1` (not measured yet).
+    SkinnyKSplit,
     /// Hopper's warpgroup MMAs (`wgmma`, sm_90a) on pairs of the wide tiles (128 rows x 128
     /// columns, one block an SM): the weights decoded into registers as the A operand, the
     /// packed activations read by the tensor cores from shared memory. The same products and
@@ -206,7 +220,11 @@ impl SplitK {
         k: usize,
     ) -> Option<usize> {
         let segments = k.div_ceil(K_SEGMENT);
-        if path == GemmPath::Ffma || self == SplitK::Off || segments < 2 {
+        // The block-split kernel adds its segments itself.
+        if matches!(path, GemmPath::Ffma | GemmPath::SkinnyKSplit)
+            || self == SplitK::Off
+            || segments < 2
+        {
             return None;
         }
         // The few-rows kernels' warps each walk their K alone, as a plan's tiles do.
@@ -273,6 +291,14 @@ fn wide_tiles_allowed() -> bool {
     switched_on(&ALLOWED, "LOCKSTEP_WIDE_TILES")
 }
 
+/// Whether [`GemmPath::Auto`] takes [`GemmPath::SkinnyKSplit`] for the few-rows launches it
+/// splits over K: only with `LOCKSTEP_BLOCK_SPLIT=1`, until it is measured (scripts/gpu-check.sh
+/// `BENCH_BLOCK_SPLIT=1`). The bits are the same either way.
+fn block_split_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("LOCKSTEP_BLOCK_SPLIT").is_ok_and(|v| v == "1"))
+}
+
 /// Whether the environment variable `var` leaves a kernel choice on (anything but `0`), read
 /// once into `cell`.
 fn switched_on(cell: &std::sync::OnceLock<bool>, var: &str) -> bool {
@@ -289,13 +315,14 @@ fn wgmma_allowed(gpu: &Gpu) -> bool {
 impl GemmPath {
     /// Every kernel a launch can be told to take (all but [`GemmPath::Auto`]): what the tests
     /// and benchmarks that run each kernel walk.
-    pub const EXPLICIT: [GemmPath; 6] = [
+    pub const EXPLICIT: [GemmPath; 7] = [
         GemmPath::Ffma,
         GemmPath::TensorCore,
         GemmPath::TensorCoreWide,
         GemmPath::Wgmma,
         GemmPath::Skinny,
         GemmPath::Skinny4,
+        GemmPath::SkinnyKSplit,
     ];
 
     fn resolve(
@@ -343,8 +370,26 @@ impl GemmPath {
                                 >= WGMMA_MIN_DENSE_TILES
                     }
                 });
+        // K split over one block's warps: tiles of at most 16 rows, 2 to 16 segments. Auto takes
+        // it for the launches it would split over K on the 32-column warps, when switched on.
+        let block_split_fits = {
+            let tile_rows = match rows {
+                GemmRows::Dense(r) => *r,
+                GemmRows::Plan(p) => p.tokens,
+            };
+            tile_rows <= BLOCK_SPLIT_MAX_TILE_ROWS
+                && (2..=BLOCK_SPLIT_MAX_SEGMENTS).contains(&k.div_ceil(K_SEGMENT))
+        };
+        let split_few_rows = |few_rows: GemmPath| {
+            if block_split_fits && block_split_allowed() {
+                GemmPath::SkinnyKSplit
+            } else {
+                few_rows
+            }
+        };
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
+            GemmPath::SkinnyKSplit if !block_split_fits => GemmPath::Skinny4,
             GemmPath::Auto if wgmma_wins => GemmPath::Wgmma,
             GemmPath::Auto if wide => GemmPath::TensorCoreWide,
             GemmPath::Wgmma if !wgmma => GemmPath::TensorCoreWide,
@@ -359,7 +404,7 @@ impl GemmPath {
                     SKINNY4_MIN_WARPS
                 };
                 if warps >= enough {
-                    GemmPath::Skinny4
+                    split_few_rows(GemmPath::Skinny4)
                 } else {
                     GemmPath::Skinny
                 }
@@ -372,7 +417,7 @@ impl GemmPath {
                     && p.tiles_launched() * n.div_ceil(4 * SKINNY_COLS_PER_BLOCK)
                         < SPLIT_K_PLAN_BELOW_BLOCKS) =>
             {
-                GemmPath::Skinny4
+                split_few_rows(GemmPath::Skinny4)
             }
             GemmPath::Auto if live_tiles * n.div_ceil(32) >= SKINNY4_MIN_WARPS => GemmPath::Skinny4,
             GemmPath::Auto => GemmPath::Skinny,
@@ -385,8 +430,9 @@ impl GemmPath {
 /// block scales, NVFP4 S_dec and its groups.
 struct Operand<'a> {
     /// The FFMA, tiled tensor-core and few-rows tensor-core kernels (8 and 32 columns per
-    /// warp), then the wide-tiled and the wgmma ones, of the format (F32 has FFMA only).
-    kernels: [Kernel; 6],
+    /// warp), then the wide-tiled, the wgmma and the block-split few-rows ones, of the format
+    /// (F32 has FFMA only).
+    kernels: [Kernel; 7],
     f32_weights: bool,
     /// Plain BF16 weights: the tiled kernel's packed activations carry hi and lo terms.
     split_activations: bool,
@@ -398,7 +444,7 @@ struct Operand<'a> {
 
 impl<'a> Operand<'a> {
     fn new(
-        kernels: [Kernel; 6],
+        kernels: [Kernel; 7],
         data: DevPtr,
         scales: Option<View<'a, u8>>,
         s_dec: Option<View<'a, f32>>,
@@ -417,7 +463,7 @@ impl<'a> Operand<'a> {
 
     fn f32(gpu: &Gpu, d: &'a CudaSlice<f32>) -> Operand<'a> {
         let k = Kernel::GroupedGemmF32;
-        Operand::new([k, k, k, k, k, k], DevPtr(addr(gpu, d)), None, None, 1)
+        Operand::new([k, k, k, k, k, k, k], DevPtr(addr(gpu, d)), None, None, 1)
     }
 
     fn bf16(gpu: &Gpu, d: &'a CudaSlice<u16>) -> Operand<'a> {
@@ -428,6 +474,7 @@ impl<'a> Operand<'a> {
             Kernel::GroupedGemmSkinny4Bf16,
             Kernel::GroupedGemmMmaWideBf16,
             Kernel::GroupedGemmWgmmaBf16,
+            Kernel::GroupedGemmSkinnyKsplitBf16,
         ];
         Operand::new(kernels, DevPtr(addr(gpu, d)), None, None, 1)
     }
@@ -444,6 +491,7 @@ impl<'a> Operand<'a> {
                     Kernel::GroupedGemmSkinny4Mxfp8,
                     Kernel::GroupedGemmMmaWideMxfp8,
                     Kernel::GroupedGemmWgmmaMxfp8,
+                    Kernel::GroupedGemmSkinnyKsplitMxfp8,
                 ],
                 DevPtr(addr(gpu, data)),
                 Some(View::whole(scales)),
@@ -463,6 +511,7 @@ impl<'a> Operand<'a> {
                     Kernel::GroupedGemmSkinny4Nvfp4,
                     Kernel::GroupedGemmMmaWideNvfp4,
                     Kernel::GroupedGemmWgmmaNvfp4,
+                    Kernel::GroupedGemmSkinnyKsplitNvfp4,
                 ],
                 DevPtr(addr(gpu, data)),
                 Some(View::whole(scales)),
@@ -763,6 +812,8 @@ fn launch_parts(
         // tiles'; a pair's second block returns at once).
         GemmPath::Wgmma => (w.kernels[5], MMA_TILE_COLS, 256),
         GemmPath::Skinny4 => (w.kernels[3], 4 * SKINNY_COLS_PER_BLOCK, 128),
+        // A 32-column group a block, its K segments over the block's 8 warps.
+        GemmPath::SkinnyKSplit => (w.kernels[6], 32, BLOCK_SPLIT_THREADS),
         GemmPath::Skinny => (w.kernels[2], SKINNY_COLS_PER_BLOCK, 128),
         _ => (w.kernels[0], GEMM_TILE_COLS, 256),
     };
