@@ -524,3 +524,17 @@ __device__ void attention_merge(const float* part, float* out, const int* row_po
 ATTENTION_KERNELS(prefill_attention_hd32, decode_attention_hd32, decode_attention_g8_hd32, attention_merge_hd32, 32)
 ATTENTION_KERNELS(prefill_attention_hd64, decode_attention_hd64, decode_attention_g8_hd64, attention_merge_hd64, 64)
 ATTENTION_KERNELS(prefill_attention_hd128, decode_attention_hd128, decode_attention_g8_hd128, attention_merge_hd128, 128)
+
+// decode_attention_g8_hd128 at three blocks an SM: 147 registers without a spill, where four
+// blocks cap it at 128 and spill 36 bytes (ptxas 13.5, sm_90a). The same code, so the same bits;
+// decode_attention takes it when its grid fits in one wave of three blocks an SM (H200,
+// 2026-12-03: the batch-64 step 24.38 -> 23.97 ms, the batch-256 one, 1,024 blocks, 36.3 ->
+// 37.5 at three).
+extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS, 3) decode_attention_g8_hd128_3(
+    const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos, const int* row_seq,
+    const int* table_offsets, const int* block_tables, const int* rows, int heads, int kv_heads, int block_size,
+    float scale, float* part, int max_chunks) {
+    pdl_entry();
+    decode_attention<128, false>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, rows, heads,
+                                 kv_heads, block_size, scale, part, max_chunks);
+}

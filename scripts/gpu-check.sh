@@ -133,11 +133,11 @@ if [ "${BENCH_WIDE_OFF:-0}" = 1 ]; then
   LOCKSTEP_WIDE_TILES=0 "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_wide_off.md" \
     && record "cuda_bench, LOCKSTEP_WIDE_TILES=0" "done (bench_wide_off.md)" || record "cuda_bench, LOCKSTEP_WIDE_TILES=0" "FAIL"
 fi
-# BENCH_BLOCK_SPLIT=1: the step benchmark again with the few-rows launches split over K inside
-# a block (LOCKSTEP_BLOCK_SPLIT=1: GemmPath::SkinnyKSplit).
-if [ "${BENCH_BLOCK_SPLIT:-0}" = 1 ]; then
-  LOCKSTEP_BLOCK_SPLIT=1 "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_block_split.md" \
-    && record "cuda_bench, LOCKSTEP_BLOCK_SPLIT=1" "done (bench_block_split.md)" || record "cuda_bench, LOCKSTEP_BLOCK_SPLIT=1" "FAIL"
+# BENCH_BLOCK_SPLIT_OFF=1: the step benchmark again without the few-rows launches split over K
+# inside a block (LOCKSTEP_BLOCK_SPLIT=0: no GemmPath::SkinnyKSplit).
+if [ "${BENCH_BLOCK_SPLIT_OFF:-0}" = 1 ]; then
+  LOCKSTEP_BLOCK_SPLIT=0 "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_block_split_off.md" \
+    && record "cuda_bench, LOCKSTEP_BLOCK_SPLIT=0" "done (bench_block_split_off.md)" || record "cuda_bench, LOCKSTEP_BLOCK_SPLIT=0" "FAIL"
 fi
 # BENCH_WGMMA_OFF=1: the step benchmark again without the wgmma GEMM kernels (LOCKSTEP_WGMMA=0).
 if [ "${BENCH_WGMMA_OFF:-0}" = 1 ]; then

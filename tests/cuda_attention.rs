@@ -462,3 +462,49 @@ fn attention_rows_have_the_same_bits_however_they_are_batched() {
         );
     }
 }
+
+/// `decode_attention` runs head_dim 128 at three blocks an SM while its grid fits in one wave of
+/// them, at four beyond: decode rows on both sides of that switch, in one step of every
+/// sequence (four blocks a row: past the switch) and alone (under it), with the bits of the
+/// same rows prefilled.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn decode_rows_have_the_same_bits_on_either_side_of_the_kernel_switch() {
+    let g = Gpu::open(0).expect("a CUDA device");
+    let mut rng = Rng(seed());
+    let shape = AttnShape {
+        heads: 32,
+        kv_heads: 4,
+        head_dim: 128,
+        block_size: BLOCK_SIZE,
+    };
+    // One step of these rows launches 4 blocks a row, more than three an SM can hold at once.
+    let count = 3 * g.sm_count as usize / shape.kv_heads + 8;
+    let contexts: Vec<usize> = (0..count).map(|_| 1 + rng.below(200)).collect();
+    let rows = Rows::new(&g, &mut rng, &contexts, shape);
+    let width = shape.heads * shape.head_dim;
+    let whole: Vec<(usize, usize, usize)> = contexts
+        .iter()
+        .enumerate()
+        .map(|(s, &c)| (s, 0, c))
+        .collect();
+    let want = rows.step(&g, &whole, None);
+    let last: Vec<(usize, usize, usize)> = contexts
+        .iter()
+        .enumerate()
+        .map(|(s, &c)| (s, c - 1, 1))
+        .collect();
+    let together = rows.step(&g, &last, None);
+    for (s, &c) in contexts.iter().enumerate() {
+        let want_row = &want[s][(c - 1) * width..c * width];
+        let what = format!("sequence {s} ({c} keys)");
+        assert_same_bits(
+            &together[s],
+            want_row,
+            &format!("{what}, in a step of {count}"),
+        );
+        let alone = rows.step(&g, &[last[s]], None).remove(0);
+        assert_same_bits(&alone, want_row, &format!("{what}, alone"));
+    }
+    println!("{count} decode rows: the same bits in one step and alone, as prefilled");
+}

@@ -298,6 +298,7 @@ kernels! {
     AttentionMergeHd64 => (PrefillAttention, "attention_merge_hd64", ATTENTION_MERGE),
     DecodeAttentionHd128 => (PrefillAttention, "decode_attention_hd128", TENSOR_CORE_ATTENTION),
     DecodeAttentionG8Hd128 => (PrefillAttention, "decode_attention_g8_hd128", TENSOR_CORE_ATTENTION),
+    DecodeAttentionG8Hd128Three => (PrefillAttention, "decode_attention_g8_hd128_3", TENSOR_CORE_ATTENTION),
     AttentionMergeHd128 => (PrefillAttention, "attention_merge_hd128", ATTENTION_MERGE),
     SampleRows => (Sampling, "sample_rows", &[Ptr, Ptr, I32, Ptr, Ptr, I32, I32, Ptr, Ptr]),
     HostExpf => (Sampling, "host_expf_kernel", MAP_N),

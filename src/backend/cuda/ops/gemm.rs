@@ -29,6 +29,8 @@ const BLOCK_SPLIT_THREADS: u32 = 256;
 /// `KSPLIT_MAX_SEGMENTS`), and the most rows of its tiles.
 pub const BLOCK_SPLIT_MAX_SEGMENTS: usize = 16;
 pub const BLOCK_SPLIT_MAX_TILE_ROWS: usize = 16;
+/// The most rows of a dense launch [`GemmPath::Auto`] gives [`GemmPath::SkinnyKSplit`].
+const BLOCK_SPLIT_AUTO_MAX_ROWS: usize = 8;
 /// Warps at which a few-rows launch takes the 32-columns-per-warp kernels: enough to fill the
 /// GPU, and each warp's activation packing then serves four times the weights.
 const SKINNY4_MIN_WARPS: usize = 2048;
@@ -183,8 +185,8 @@ pub enum GemmPath {
     /// 32-column group's K segments in turn and add them in order through shared memory (no
     /// split-K sums in global memory, no fold). For tiles of at most 16 rows (dense launches of
     /// up to 16 rows, plans of up to 16 tokens) and K of 2 to 16 segments; elsewhere it runs as
-    /// [`GemmPath::Skinny4`] (the same bits). [`GemmPath::Auto`] takes it, where it would split
-    /// a few-rows launch, only with `LOCKSTEP_BLOCK_SPLIT=1` (not measured yet).
+    /// [`GemmPath::Skinny4`] (the same bits). [`GemmPath::Auto`] takes it for dense launches of 2
+    /// to 8 rows (`LOCKSTEP_BLOCK_SPLIT=0` turns that off; the bits are the same either way).
     SkinnyKSplit,
     /// Hopper's warpgroup MMAs (`wgmma`, sm_90a) on pairs of the wide tiles (128 rows x 128
     /// columns, one block an SM): the weights decoded into registers as the A operand, the
@@ -291,12 +293,12 @@ fn wide_tiles_allowed() -> bool {
     switched_on(&ALLOWED, "LOCKSTEP_WIDE_TILES")
 }
 
-/// Whether [`GemmPath::Auto`] takes [`GemmPath::SkinnyKSplit`] for the few-rows launches it
-/// splits over K: only with `LOCKSTEP_BLOCK_SPLIT=1`, until it is measured (scripts/gpu-check.sh
-/// `BENCH_BLOCK_SPLIT=1`). The bits are the same either way.
+/// Whether [`GemmPath::Auto`] may take [`GemmPath::SkinnyKSplit`]: unless
+/// `LOCKSTEP_BLOCK_SPLIT=0` (scripts/gpu-check.sh `BENCH_BLOCK_SPLIT_OFF=1` measures the
+/// difference in one run; the bits are the same).
 fn block_split_allowed() -> bool {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ALLOWED.get_or_init(|| std::env::var("LOCKSTEP_BLOCK_SPLIT").is_ok_and(|v| v == "1"))
+    switched_on(&ALLOWED, "LOCKSTEP_BLOCK_SPLIT")
 }
 
 /// Whether the environment variable `var` leaves a kernel choice on (anything but `0`), read
@@ -370,29 +372,30 @@ impl GemmPath {
                                 >= WGMMA_MIN_DENSE_TILES
                     }
                 });
-        // K split over one block's warps: tiles of at most 16 rows, 2 to 16 segments. Auto takes
-        // it for the launches it would split over K on the 32-column warps, when switched on.
-        let block_split_fits = {
-            let tile_rows = match rows {
-                GemmRows::Dense(r) => *r,
-                GemmRows::Plan(p) => p.tokens,
-            };
-            tile_rows <= BLOCK_SPLIT_MAX_TILE_ROWS
-                && (2..=BLOCK_SPLIT_MAX_SEGMENTS).contains(&k.div_ceil(K_SEGMENT))
+        // K split over one block's warps: tiles of at most 16 rows, 2 to 16 segments.
+        let tile_rows = match rows {
+            GemmRows::Dense(r) => *r,
+            GemmRows::Plan(p) => p.tokens,
         };
-        let split_few_rows = |few_rows: GemmPath| {
-            if block_split_fits && block_split_allowed() {
-                GemmPath::SkinnyKSplit
-            } else {
-                few_rows
-            }
-        };
+        let block_split_fits = tile_rows <= BLOCK_SPLIT_MAX_TILE_ROWS
+            && (2..=BLOCK_SPLIT_MAX_SEGMENTS).contains(&k.div_ceil(K_SEGMENT));
+        // Auto takes it for dense launches of 2 to 8 rows. H200, 2026-12-03, step benchmark (ms,
+        // without -> with): NVFP4 batch 2 7.02 -> 6.63, batch 8 11.96 -> 11.57 (its experts on
+        // their own kernels; BF16 and MXFP8 alike). A routing plan's tiles lost on it: at 8 and
+        // 16 tokens the BF16 step 12.34 -> 13.04 and 15.17 -> 18.49, MXFP8 12.04 -> 14.04 (the
+        // expert gate/up alone at 16 tokens, us: BF16 138 on Skinny4 against 150, MXFP8 135 on
+        // TensorCore against 143). At one row the launches mostly gained alone, yet every
+        // format's batch-1 step lost (BF16 5.23 -> 5.27 ms, MXFP8 5.56 -> 5.81).
+        let block_split = block_split_fits
+            && block_split_allowed()
+            && matches!(rows, GemmRows::Dense(r) if (2..=BLOCK_SPLIT_AUTO_MAX_ROWS).contains(r));
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
             GemmPath::SkinnyKSplit if !block_split_fits => GemmPath::Skinny4,
             GemmPath::Auto if wgmma_wins => GemmPath::Wgmma,
             GemmPath::Auto if wide => GemmPath::TensorCoreWide,
             GemmPath::Wgmma if !wgmma => GemmPath::TensorCoreWide,
+            GemmPath::Auto if block_split => GemmPath::SkinnyKSplit,
             GemmPath::Auto if max_rows > skinny_rows => GemmPath::TensorCore,
             // A dense launch of few rows splits over K (SplitK::Auto); its 32-column warps win
             // where they are many (SKINNY4_MIN_ONE_ROW_WARPS, SKINNY4_MIN_WARPS).
@@ -404,7 +407,7 @@ impl GemmPath {
                     SKINNY4_MIN_WARPS
                 };
                 if warps >= enough {
-                    split_few_rows(GemmPath::Skinny4)
+                    GemmPath::Skinny4
                 } else {
                     GemmPath::Skinny
                 }
@@ -417,7 +420,7 @@ impl GemmPath {
                     && p.tiles_launched() * n.div_ceil(4 * SKINNY_COLS_PER_BLOCK)
                         < SPLIT_K_PLAN_BELOW_BLOCKS) =>
             {
-                split_few_rows(GemmPath::Skinny4)
+                GemmPath::Skinny4
             }
             GemmPath::Auto if live_tiles * n.div_ceil(32) >= SKINNY4_MIN_WARPS => GemmPath::Skinny4,
             GemmPath::Auto => GemmPath::Skinny,

@@ -17,6 +17,8 @@ pub const PREFILL_TILE_ROWS: usize = 64;
 
 /// Threads per block of [`decode_attention`] (kernels/prefill_attention.cu `DECODE_WARPS`).
 const DECODE_THREADS: u32 = 128;
+/// Blocks an SM of `decode_attention_g8_hd128_3` (its launch bounds).
+const THREE_BLOCKS_PER_SM: usize = 3;
 /// Keys per chunk of the attention's merge order (kernels/prefill_attention.cu `FA_CHUNK`).
 pub const ATTENTION_CHUNK_KEYS: usize = 128;
 /// Decode launches of fewer blocks than this split over their keys: about two waves of an
@@ -210,6 +212,16 @@ pub fn decode_attention(
         None => (None, 0, 1),
     };
     let grid = (count as u32, (s.kv_heads * passes) as u32, splits as u32);
+    // Head dim 128 at three blocks an SM where the grid fits in one wave of them (no register
+    // spill; a grid of more waves runs faster at four, kernels/prefill_attention.cu).
+    let blocks = grid.0 as usize * grid.1 as usize * grid.2 as usize;
+    let kernel = if kernel == Kernel::DecodeAttentionG8Hd128
+        && blocks <= THREE_BLOCKS_PER_SM * gpu.sm_count as usize
+    {
+        Kernel::DecodeAttentionG8Hd128Three
+    } else {
+        kernel
+    };
     launch(
         gpu,
         kernel,
