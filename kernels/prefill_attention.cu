@@ -530,7 +530,7 @@ ATTENTION_KERNELS(prefill_attention_hd128, decode_attention_hd128, decode_attent
 // decode_attention takes it when its grid fits in one wave of three blocks an SM (H200,
 // 2026-12-03: the batch-64 step 24.38 -> 23.97 ms, the batch-256 one, 1,024 blocks, 36.3 ->
 // 37.5 at three).
-extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS, 3) decode_attention_g8_hd128_3(
+extern "C" __global__ __launch_bounds__(32 * DECODE_WARPS, 3) void decode_attention_g8_hd128_3(
     const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos, const int* row_seq,
     const int* table_offsets, const int* block_tables, const int* rows, int heads, int kv_heads, int block_size,
     float scale, float* part, int max_chunks) {
