@@ -338,6 +338,27 @@ __device__ __forceinline__ Weight8 smem_weight8(const u8* wp, u8 scale) {
     return wc;
 }
 
+// The same from a shared-memory address (the state space's own, no generic pointer).
+template <int FMT>
+__device__ __forceinline__ Weight8 smem_weight8_at(u32 addr, u8 scale) {
+    Weight8 wc;
+    wc.q = make_uint4(0, 0, 0, 0);
+    if (FMT == 1)
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(wc.q.x), "=r"(wc.q.y), "=r"(wc.q.z), "=r"(wc.q.w)
+                     : "r"(addr));
+    if (FMT == 2) asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(wc.q.x), "=r"(wc.q.y) : "r"(addr));
+    if (FMT == 3) asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(wc.q.x) : "r"(addr));
+    wc.scale = scale;
+    return wc;
+}
+
+__device__ __forceinline__ u8 lds_u8(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(addr));
+    return (u8)v;
+}
+
 __device__ __forceinline__ float nvfp4_epilogue_scale(float v, const float* row_scale, u64 src, const float* w_sdec,
                                                       int e, int sdec_groups, int col, int N) {
     return __fmul_rn(__fmul_rn(v, row_scale[src]), w_sdec[e * sdec_groups + col / (N / sdec_groups)]);
@@ -464,6 +485,16 @@ __device__ __forceinline__ int a_piece(int r, int s) { return s ^ ((r >> 1) & 3)
 #define TM_WIDE 64    // rows per wide tile (host: ops::gemm::GEMM_WIDE_TILE_ROWS)
 static_assert(TILE_STAGES - 1 < SEG / 32, "a segment's scales are overwritten two segments later");
 
+// cp_async16 and ldmatrix_x4 at shared-memory addresses.
+__device__ __forceinline__ void cp_async16_at(u32 dst, const void* gmem, bool live) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(live ? 16 : 0));
+}
+__device__ __forceinline__ void ldmatrix_x4_at(u32 addr, u32* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
 // One thread's share of copying spans (32 k from k0) of the TILE_TN weight columns n0.. of
 // expert e into a stage ([column][W_BYTES], W_BYTES a column's span in FMT), as 16-byte
 // cp.async copies spread over THREADS threads; columns past N read nothing (zeros). The tiled
@@ -492,6 +523,11 @@ struct WeightSpanCopy {
 #pragma unroll
         for (int c = 0; c < CHUNKS; c++)
             if (W_ALL % THREADS == 0 || dst[c] >= 0) cp_async16(stage + dst[c], src[c] + k0 * W_BYTES / 32, live[c]);
+    }
+    __device__ __forceinline__ void issue_at(u32 stage, int k0) const {
+#pragma unroll
+        for (int c = 0; c < CHUNKS; c++)
+            if (W_ALL % THREADS == 0 || dst[c] >= 0) cp_async16_at(stage + dst[c], src[c] + k0 * W_BYTES / 32, live[c]);
     }
 };
 
@@ -556,17 +592,33 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
         if constexpr (SEG_SCALES == 16) cp_async16(dst, src, ss_live);
         else if constexpr (SEG_SCALES == 8) cp_async8(dst, src, ss_live);
     };
-    auto issue = [&](int span) {
-        int stage = span % TILE_STAGES, k0 = k_begin + span * MMA_TK;
+    // Shared memory by its own 32-bit addresses, worked out once: a span adds only its stage's
+    // offset (generic pointers made the loop rebuild the shared window's base every span).
+    constexpr u32 AS_PART = TMR * 64, AS_STAGE = A_PARTS * AS_PART, WS_STAGE = TILE_TN * W_BYTES;
+    const u32 as_addr = (u32)__cvta_generic_to_shared(&as[0][0][0][0]);
+    const u32 ws_addr = (u32)__cvta_generic_to_shared(&ws[0][0][0]);
+    const u32 a_copy = as_addr + a_row * 64 + 4 * a_dst;
+    auto issue = [&](int span, int stage) {
+        int k0 = k_begin + span * MMA_TK;
 #pragma unroll
         for (int p = 0; p < A_PARTS; p++)
-            cp_async16(&as[stage][p][a_row][a_dst], a_base + (u64)p * K * 2 + k0 * 2, a_live);
-        w_copy.issue(&ws[stage][0][0], k0);
+            cp_async16_at(a_copy + stage * AS_STAGE + p * AS_PART, a_base + (u64)p * K * 2 + k0 * 2, a_live);
+        w_copy.issue_at(ws_addr + stage * WS_STAGE, k0);
         issue_scales(span);
     };
     // This lane's ldmatrix rows: row l % 8 (+ 8 for matrices 1 and 3) of each m16 fragment;
-    // matrices 2 and 3 take a chunk's second piece.
+    // matrices 2 and 3 take a chunk's second piece. a_ld[c]: chunk c's fragment of the warp's
+    // first 16 rows in stage 0 (the piece order does not depend on the fragment: a_piece reads
+    // row bits 1-2).
     int lm_row = (lane & 7) + 8 * ((lane >> 3) & 1), lm_piece = lane >> 4;
+    u32 a_ld[2];
+#pragma unroll
+    for (int c = 0; c < 2; c++) {
+        int r = wm * 32 + lm_row;
+        a_ld[c] = as_addr + r * 64 + 16 * a_piece(r, 2 * c + lm_piece);
+    }
+    // This lane's weights of fragment ni in stage 0: w_ld + ni * 8 * W_BYTES.
+    const u32 w_ld = ws_addr + (wn * 32 + g) * W_BYTES + t * W_BYTES / 4;
 
     // This lane's weight columns (g of each n8 fragment) and their block scales, read a span
     // ahead through a pointer per column (column_scales).
@@ -581,13 +633,9 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
         for (int ni = 0; ni < 4; ni++)
             out_scales[ni] = SPAN_SCALES<FMT> && span < spans ? col_scales[ni][span * SPAN_SCALES<FMT>] : 0;
     };
-    // A span's scales from shared memory: after the wait for its copy group.
-    auto shared_scales = [&](int span, u8* out_scales) {
-#pragma unroll
-        for (int ni = 0; ni < 4; ni++)
-            out_scales[ni] = ss[(span / SEG_SPANS) % 2][wn * 32 + ni * 8 + g]
-                               [(span % SEG_SPANS) * SPAN_SCALES<FMT> + (FMT == 3 ? t / 2 : 0)];
-    };
+    // A span's scales from shared memory (after the wait for its copy group): fragment ni's at
+    // ss_ld + segment buffer + ni * 8 * SEG_SCALES + the span's place in its segment.
+    const u32 ss_ld = (u32)__cvta_generic_to_shared(&ss[0][0][0]) + (wn * 32 + g) * SEG_SCALES + (FMT == 3 ? t / 2 : 0);
     // This warp's live rows: with quantized weights an m16 fragment with none is skipped
     // (warp-uniform). Plain BF16 tiles keep every MMA: the branches cost them more than the
     // MMAs (H200, 2026-12-03: expert gate/up at 256 tokens 340 -> 359 us with the skip).
@@ -612,15 +660,18 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
 
 #pragma unroll
     for (int s = 0; s < TILE_STAGES - 1; s++) {
-        if (s < spans) issue(s);
+        if (s < spans) issue(s, s);
         cp_async_commit();
     }
     u8 sc[4], sc_next[4];
     if (!seg_scales) load_scales(0, sc);
+    // The stage of this span, and of the span issued at it (TILE_STAGES - 1 ahead).
+    int cur = 0, ahead = TILE_STAGES - 1;
     // Segment by segment (SEG / MMA_TK spans each; the last may be shorter), so the running
     // total is touched once per segment.
-    for (int seg0 = 0; seg0 < spans; seg0 += SEG / MMA_TK) {
-        int seg_end = min(spans, seg0 + SEG / MMA_TK);
+    for (int seg0 = 0; seg0 < spans; seg0 += SEG_SPANS) {
+        int seg_end = min(spans, seg0 + SEG_SPANS);
+        u32 ss_seg = ss_ld + ((seg0 / SEG_SPANS) & 1) * (TILE_TN * SEG_SCALES);
         for (int span = seg0; span < seg_end; span++) {
             if (!seg_scales) load_scales(span + 1, sc_next);
             cp_async_wait<TILE_STAGES - 2>();
@@ -629,10 +680,13 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
             // (overwritten by the issue at a segment's first span, TILE_STAGES - 1 < SEG_SPANS
             // spans after the last of them was read).
             __syncthreads();
-            if (seg_scales) shared_scales(span, sc);
-            if (span + TILE_STAGES - 1 < spans) issue(span + TILE_STAGES - 1);
+            if (seg_scales) {
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++)
+                    sc[ni] = lds_u8(ss_seg + ni * 8 * SEG_SCALES + (span - seg0) * SPAN_SCALES<FMT>);
+            }
+            if (span + TILE_STAGES - 1 < spans) issue(span + TILE_STAGES - 1, ahead);
             cp_async_commit();
-            int stage = span % TILE_STAGES;
             // a[mi][c]: chunk c's A fragment of rows mi * 16.. (hi; al: lo), one ldmatrix each.
             u32 a[2][2][4], al[2][2][4];
 #pragma unroll
@@ -640,14 +694,15 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
 #pragma unroll
                 for (int c = 0; c < 2; c++) {
                     if (SKIP_DEAD && mi * 16 >= live) break;
-                    int r = wm * 32 + mi * 16 + lm_row, piece = 4 * a_piece(r, 2 * c + lm_piece);
-                    ldmatrix_x4(&as[stage][0][r][piece], a[mi][c]);
-                    if constexpr (SPLIT) ldmatrix_x4(&as[stage][A_PARTS - 1][r][piece], al[mi][c]);
+                    u32 at = a_ld[c] + cur * AS_STAGE + mi * 16 * 64;
+                    ldmatrix_x4_at(at, a[mi][c]);
+                    if constexpr (SPLIT) ldmatrix_x4_at(at + AS_PART, al[mi][c]);
                 }
+            u32 w_stage = w_ld + cur * WS_STAGE;
 #pragma unroll
             for (int ni = 0; ni < 4; ni++) {
                 u32 b[4];
-                decode_weight8<FMT>(smem_weight8<FMT>(&ws[stage][wn * 32 + ni * 8 + g][t * W_BYTES / 4], sc[ni]), b);
+                decode_weight8<FMT>(smem_weight8_at<FMT>(w_stage + ni * 8 * W_BYTES, sc[ni]), b);
 #pragma unroll
                 for (int mi = 0; mi < 2; mi++)
 #pragma unroll
@@ -662,6 +717,8 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
 #pragma unroll
                 for (int ni = 0; ni < 4; ni++) sc[ni] = sc_next[ni];
             }
+            cur = cur == TILE_STAGES - 1 ? 0 : cur + 1;
+            ahead = ahead == TILE_STAGES - 1 ? 0 : ahead + 1;
         }
         end_segment<32, TOT_STRIDE>(&acc[0][0][0], tot, seg0 == 0);
     }
