@@ -330,6 +330,18 @@ impl Rows {
         }
     }
 
+    /// The reference of the bitwise tests: every sequence prefilled in one chunk, all in one
+    /// step; each sequence's output rows.
+    fn prefilled(&self, g: &Gpu) -> Vec<Vec<f32>> {
+        let whole: Vec<(usize, usize, usize)> = self
+            .contexts
+            .iter()
+            .enumerate()
+            .map(|(s, &c)| (s, 0, c))
+            .collect();
+        self.step(g, &whole, None)
+    }
+
     /// One step of `(sequence, first position, rows)` parts; returns each part's output rows.
     fn step(
         &self,
@@ -402,13 +414,7 @@ fn attention_rows_have_the_same_bits_however_they_are_batched() {
                 contexts[s]
             )
         };
-        // The reference: every sequence prefilled in one chunk, all in one step.
-        let whole: Vec<(usize, usize, usize)> = contexts
-            .iter()
-            .enumerate()
-            .map(|(s, &c)| (s, 0, c))
-            .collect();
-        let want = rows.step(&g, &whole, None);
+        let want = rows.prefilled(&g);
         for (s, &c) in contexts.iter().enumerate() {
             // Alone, in one chunk.
             assert_same_bits(
@@ -483,12 +489,7 @@ fn decode_rows_have_the_same_bits_on_either_side_of_the_kernel_switch() {
     let contexts: Vec<usize> = (0..count).map(|_| 1 + rng.below(200)).collect();
     let rows = Rows::new(&g, &mut rng, &contexts, shape);
     let width = shape.heads * shape.head_dim;
-    let whole: Vec<(usize, usize, usize)> = contexts
-        .iter()
-        .enumerate()
-        .map(|(s, &c)| (s, 0, c))
-        .collect();
-    let want = rows.step(&g, &whole, None);
+    let want = rows.prefilled(&g);
     let last: Vec<(usize, usize, usize)> = contexts
         .iter()
         .enumerate()
