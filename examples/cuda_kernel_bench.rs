@@ -254,6 +254,14 @@ fn expert_gemms(
 
 /// The attention projections (BF16) alone at decode and small-prefill row counts, on each
 /// tensor-core kernel: they all give the same bits, so only speed picks among them.
+/// Dense launches a kernel of [`DENSE_CHOICES`] is not timed at: the few-rows kernels from a
+/// few hundred rows (far behind), the block-split one past the rows it takes (it would run as
+/// Skinny4).
+fn dense_choice_skipped(path: GemmPath, rows: usize) -> bool {
+    rows > 256 && matches!(path, GemmPath::Skinny | GemmPath::Skinny4)
+        || rows > ops::BLOCK_SPLIT_MAX_TILE_ROWS && path == GemmPath::SkinnyKSplit
+}
+
 /// Rows of the dense projections' launches.
 const ROW_COUNTS: [usize; 11] = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096];
 /// The kernels and splits the dense projections are timed on.
@@ -298,9 +306,7 @@ fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f3
             let mut out = gpu.alloc::<f32>(rows * n).expect("out");
             let bytes = (n * k * 2 + rows * k * 4 + rows * n * 4) as f64;
             for (path, split) in DENSE_CHOICES {
-                if rows > 256 && matches!(path, GemmPath::Skinny | GemmPath::Skinny4)
-                    || rows > ops::BLOCK_SPLIT_MAX_TILE_ROWS && path == GemmPath::SkinnyKSplit
-                {
+                if dense_choice_skipped(path, rows) {
                     continue;
                 }
                 let s = time(gpu, || {
@@ -386,9 +392,7 @@ fn dense_qkv(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlic
         });
         report("three launches, Auto", s);
         for (path, split) in DENSE_CHOICES {
-            if rows > 256 && matches!(path, GemmPath::Skinny | GemmPath::Skinny4)
-                || rows > ops::BLOCK_SPLIT_MAX_TILE_ROWS && path == GemmPath::SkinnyKSplit
-            {
+            if dense_choice_skipped(path, rows) {
                 continue;
             }
             let s = time(gpu, || {

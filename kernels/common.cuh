@@ -100,9 +100,12 @@ __device__ __forceinline__ float e8m0_decode(u8 c) {
 
 // Asynchronous 16-byte copies global -> shared (sm_80+): `live` false writes 16 zero bytes and
 // reads nothing. A group is waited for with cp_async_wait<groups still allowed in flight>.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool live) {
-    u32 dst = (u32)__cvta_generic_to_shared(smem);
+// cp_async16_at takes the shared-memory address itself (worked out once, outside a loop).
+__device__ __forceinline__ void cp_async16_at(u32 dst, const void* gmem, bool live) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(live ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool live) {
+    cp_async16_at((u32)__cvta_generic_to_shared(smem), gmem, live);
 }
 // The same for 8 bytes (through L1: .cg copies only 16).
 __device__ __forceinline__ void cp_async8(void* smem, const void* gmem, bool live) {
@@ -115,11 +118,14 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 // Four 8x8 BF16 matrices from shared memory (16-byte rows), lane l addressing row l % 8 of
 // matrix l / 8; register i of lane (g, t) is word t of row g of matrix i (columns 2t, 2t + 1).
-__device__ __forceinline__ void ldmatrix_x4(const void* smem, u32* r) {
-    u32 a = (u32)__cvta_generic_to_shared(smem);
+// ldmatrix_x4_at takes the shared-memory address itself.
+__device__ __forceinline__ void ldmatrix_x4_at(u32 addr, u32* r) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4(const void* smem, u32* r) {
+    ldmatrix_x4_at((u32)__cvta_generic_to_shared(smem), r);
 }
 
 // The same, transposed: register i of lane (g, t) holds rows 2t (low half) and 2t + 1 of

@@ -485,16 +485,6 @@ __device__ __forceinline__ int a_piece(int r, int s) { return s ^ ((r >> 1) & 3)
 #define TM_WIDE 64    // rows per wide tile (host: ops::gemm::GEMM_WIDE_TILE_ROWS)
 static_assert(TILE_STAGES - 1 < SEG / 32, "a segment's scales are overwritten two segments later");
 
-// cp_async16 and ldmatrix_x4 at shared-memory addresses.
-__device__ __forceinline__ void cp_async16_at(u32 dst, const void* gmem, bool live) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(live ? 16 : 0));
-}
-__device__ __forceinline__ void ldmatrix_x4_at(u32 addr, u32* r) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
 // One thread's share of copying spans (32 k from k0) of the TILE_TN weight columns n0.. of
 // expert e into a stage ([column][W_BYTES], W_BYTES a column's span in FMT), as 16-byte
 // cp.async copies spread over THREADS threads; columns past N read nothing (zeros). The tiled
@@ -519,6 +509,8 @@ struct WeightSpanCopy {
         }
     }
 
+    // The wgmma kernel's copies: through generic stage pointers (as measured; issue_at is the
+    // tiled kernels').
     __device__ __forceinline__ void issue(u8* stage, int k0) const {
 #pragma unroll
         for (int c = 0; c < CHUNKS; c++)
