@@ -27,6 +27,8 @@
 #define FA_LD (FA_MAX_HD + 8)  // padded rows: fragment loads spread over the banks
 #define DECODE_WARPS 4         // host: ops::prefill_attention::DECODE_THREADS / 32
 #define FA_CHUNK 128           // keys per chunk of the merge order (host: ATTENTION_CHUNK_KEYS)
+// A warp's running total of DW output column tiles (fa_attend): 16 rows x 8 DW columns.
+#define FA_TOT_FLOATS(DW) ((DW) * 4 * 32)
 
 __device__ __forceinline__ u32 fa_pack(float lo, float hi) { return pack_bf16x2_rn(lo, hi); }
 
@@ -81,9 +83,14 @@ __device__ __forceinline__ float fa_merge(float total, float a, float part, floa
 //
 // The warp walks the chunks chunk0, chunk0 + chunk_step, ... up to last_pos. Without a split
 // (part null; then chunk0 = 0, chunk_step = 1) it merges them in order, keeping the running
-// total's max and sum in registers and its unnormalized output in `out` itself (prefill has no
-// registers to spare), and writes the normalized rows after the last. With one, it stores each
-// chunk's state (at most max_chunks) for attention_merge.
+// total's max and sum in registers and its unnormalized output in the output rows themselves,
+// or with TOT_SHARED in shared memory (`tot`, this warp's FA_TOT_FLOATS(DW) floats: a lane's
+// (d, i) element at tot[(4 d + i) * 32 + lane]), and writes the normalized rows after the last.
+// Neither has registers to spare. Prefill merges up to a chunk per 128 keys and takes shared
+// memory: from the output rows each merge waited a global load latency per element (H200,
+// 2026-12-04: a quarter of prefill attention's stall samples). Decode rows merge a few chunks
+// each (split-KV takes the long ones), and its kernels' registers grew with the shared total.
+// With a split, it stores each chunk's state (at most max_chunks) for attention_merge.
 //
 // Each row's result depends only on its own q, its position and the keys: which other rows
 // share the warp, which columns it writes, which block computes which chunk, and last_pos beyond
@@ -94,10 +101,10 @@ __device__ __forceinline__ float fa_merge(float total, float a, float part, floa
 // HI false: the warp's rows g + 8 are never rows (a decode block of at most 8 query heads), so
 // their arithmetic is left out; the rows g compute what they compute with it (an MMA's rows are
 // independent, and the absent rows' q and p terms are the zeros they would be).
-template <int HD, int THREADS, int DW, bool HI = true>
+template <int HD, int THREADS, int DW, bool HI = true, bool TOT_SHARED = false>
 __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
                           const int* table, int kvh, int kv_heads, int block_size, float scale, int d0, int chunk0,
-                          int chunk_step, int max_chunks) {
+                          int chunk_step, int max_chunks, float* tot) {
     constexpr int KSTEPS = HD / 16;  // k16 steps of q.k
     constexpr int WARPS = THREADS / 32;
     // Decode: every warp of the block holds the same rows (and writes DW of their columns).
@@ -112,17 +119,25 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
     // The block size is a power of two (the host checks): a key's block by shifts.
     int block_shift = __ffs(block_size) - 1;
     // One 64-key tile of K or V into shared memory (one cp.async group); keys past last_pos
-    // are zero.
+    // are zero. A thread copies the 16-byte piece `part` of keys key0, key0 + KEY_STEP, ...; their
+    // cache blocks are looked up first, so the lookups wait one load latency, not one each.
     auto copy_tile = [&](bf16_t (*dst)[FA_LD], const bf16_t* cache, int k0) {
-        constexpr int CHUNKS = HD / 8;
-#pragma unroll 4
-        for (int c = tid; c < FA_KEYS * CHUNKS; c += THREADS) {
-            int key = c / CHUNKS, part = (c % CHUNKS) * 8, kpos = k0 + key;
+        constexpr int CHUNKS = HD / 8, KEY_STEP = THREADS / CHUNKS, PER_THREAD = FA_KEYS / KEY_STEP;
+        static_assert(THREADS % CHUNKS == 0 && FA_KEYS % KEY_STEP == 0, "whole keys a pass");
+        int key0 = tid / CHUNKS, part = (tid % CHUNKS) * 8;
+        int blocks[PER_THREAD];
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; i++) {
+            int kpos = k0 + key0 + i * KEY_STEP;
+            blocks[i] = kpos <= last_pos ? table[kpos >> block_shift] : 0;
+        }
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; i++) {
+            int key = key0 + i * KEY_STEP, kpos = k0 + key;
             bool live = kpos <= last_pos;
             const bf16_t* src = cache;
             if (live) {
-                src += (((u64)table[kpos >> block_shift] << block_shift) + (kpos & (block_size - 1))) * kv_width +
-                       (u64)kvh * HD + part;
+                src += (((u64)blocks[i] << block_shift) + (kpos & (block_size - 1))) * kv_width + (u64)kvh * HD + part;
             }
             cp_async16(&dst[key][part], src, live);
         }
@@ -376,13 +391,20 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 #pragma unroll
                     for (int j = 0; j < 2; j++) {
                         int col = (d0 + d) * 8 + 2 * t + j;
-                        if (r.live_lo) {
-                            float v = first_chunk ? o[d][j] : fa_merge(r.out_lo[col], a_lo, o[d][j], b_lo);
-                            r.out_lo[col] = more ? v : __fmul_rn(v, inv_lo);
-                        }
-                        if (HI && r.live_hi) {
-                            float v = first_chunk ? o[d][2 + j] : fa_merge(r.out_hi[col], a_hi, o[d][2 + j], b_hi);
-                            r.out_hi[col] = more ? v : __fmul_rn(v, inv_hi);
+                        // A live row's element: the running total (at `total`) merged with the
+                        // chunk's, kept there, or normalized into the output after the last chunk.
+                        auto merge = [&](bool live, float* total, float* out_at, float part, float a, float b,
+                                         float inv) {
+                            if (!live) return;
+                            float v = first_chunk ? part : fa_merge(*total, a, part, b);
+                            if (more) *total = v;
+                            else *out_at = __fmul_rn(v, inv);
+                        };
+                        float* tot_lo = TOT_SHARED ? tot + (4 * d + j) * 32 + lane : r.out_lo + col;
+                        merge(r.live_lo, tot_lo, r.out_lo + col, o[d][j], a_lo, b_lo, inv_lo);
+                        if constexpr (HI) {
+                            float* tot_hi = TOT_SHARED ? tot + (4 * d + 2 + j) * 32 + lane : r.out_hi + col;
+                            merge(r.live_hi, tot_hi, r.out_hi + col, o[d][2 + j], a_hi, b_hi, inv_hi);
                         }
                     }
             }
@@ -424,8 +446,11 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
     r.out_lo = out + at_lo;
     r.out_hi = out + at_hi;
     r.part_lo = r.part_hi = nullptr;
-    fa_attend<HD, 128, HD / 8>(r, pos0 + count - 1, k_cache, v_cache, block_tables + table_offsets[row_seq[first]],
-                               kvh, kv_heads, block_size, scale, 0, 0, 1, 0);
+    // The running totals in dynamic shared memory (host: Kernel::dynamic_smem, 4 x FA_TOT_FLOATS(HD
+    // / 8) floats; with the K and V tiles more than a block's 48 KB of static shared memory).
+    extern __shared__ __align__(16) float fa_dynamic[];
+    fa_attend<HD, 128, HD / 8, true, true>(r, pos0 + count - 1, k_cache, v_cache, block_tables + table_offsets[row_seq[first]],
+                               kvh, kv_heads, block_size, scale, 0, 0, 1, 0, fa_dynamic + warp * FA_TOT_FLOATS(HD / 8));
 }
 
 // Decode: one query row per sequence. Grid (rows, kv_heads * passes, splits), 4 warps: the 16
@@ -467,7 +492,8 @@ __device__ void decode_attention(const float* q, float* out, const bf16_t* k_cac
     }
     constexpr int DW = HD / 8 / DECODE_WARPS;
     fa_attend<HD, 32 * DECODE_WARPS, DW, HI>(r, pos, k_cache, v_cache, block_tables + table_offsets[row_seq[row]], kvh,
-                                         kv_heads, block_size, scale, warp * DW, blockIdx.z, gridDim.z, max_chunks);
+                                         kv_heads, block_size, scale, warp * DW, blockIdx.z, gridDim.z, max_chunks,
+                                         nullptr);
 }
 
 // Split-KV's second step: grid (rows, heads), HD threads. The chunk states decode_attention

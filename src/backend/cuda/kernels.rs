@@ -311,6 +311,13 @@ kernels! {
 /// columns' span.
 pub const WGMMA_SMEM_BYTES: u32 = 1024 + 8 * (2 * 128 * 64 + 128 * 64);
 
+/// Dynamic shared memory of the prefill attention kernel for `head_dim`
+/// (kernels/prefill_attention.cu): its 4 warps' running totals of 16 rows x `head_dim` f32
+/// (`FA_TOT_FLOATS`), which with the K and V tiles pass a block's 48 KB of static shared memory.
+pub const fn prefill_attention_smem_bytes(head_dim: u32) -> u32 {
+    4 * 16 * head_dim * 4
+}
+
 impl Kernel {
     /// The dynamic shared memory a launch gives it (its limit is raised to this on load).
     pub fn dynamic_smem(self) -> u32 {
@@ -318,6 +325,9 @@ impl Kernel {
             Kernel::GroupedGemmWgmmaBf16
             | Kernel::GroupedGemmWgmmaMxfp8
             | Kernel::GroupedGemmWgmmaNvfp4 => WGMMA_SMEM_BYTES,
+            Kernel::PrefillAttentionHd32 => prefill_attention_smem_bytes(32),
+            Kernel::PrefillAttentionHd64 => prefill_attention_smem_bytes(64),
+            Kernel::PrefillAttentionHd128 => prefill_attention_smem_bytes(128),
             _ => 0,
         }
     }
