@@ -359,9 +359,27 @@ __device__ __forceinline__ u8 lds_u8(u32 addr) {
     return (u8)v;
 }
 
+// NVFP4's S_dec of weight column col of expert e (its group's: w_sdec[e * groups + group]).
+__device__ __forceinline__ float nvfp4_column_sdec(const float* w_sdec, int e, int sdec_groups, int col, int N) {
+    return w_sdec[e * sdec_groups + col / (N / sdec_groups)];
+}
+
 __device__ __forceinline__ float nvfp4_epilogue_scale(float v, const float* row_scale, u64 src, const float* w_sdec,
                                                       int e, int sdec_groups, int col, int N) {
-    return __fmul_rn(__fmul_rn(v, row_scale[src]), w_sdec[e * sdec_groups + col / (N / sdec_groups)]);
+    return __fmul_rn(__fmul_rn(v, row_scale[src]), nvfp4_column_sdec(w_sdec, e, sdec_groups, col, N));
+}
+
+// The NVFP4 epilogue's factors of a kernel's output tile, read once per row and per column
+// before its stores (in store_sum they were read, and the column's group divided out, per
+// element: the stores may alias them. H200, 2026-12-04: 15% of the wgmma NVFP4 kernel's
+// instructions at 4,096 tokens). Other formats get ones and read nothing.
+template <int FMT>
+__device__ __forceinline__ float epilogue_row_scale(const float* row_scale, const int* row_index, int row) {
+    return FMT == 3 ? row_scale[row_index ? row_index[row] : row] : 1.0f;
+}
+template <int FMT>
+__device__ __forceinline__ float epilogue_column_sdec(const float* w_sdec, int e, int sdec_groups, int col, int N) {
+    return FMT == 3 && col < N ? nvfp4_column_sdec(w_sdec, e, sdec_groups, col, N) : 1.0f;
 }
 
 // The k range of this block: all of K, or (split-K) the segment blockIdx.z.
@@ -383,16 +401,16 @@ __device__ __forceinline__ void end_segment(float* acc, float* tot, bool first) 
 }
 
 // One output element's sum: the segment's sum into `partials` (split-K, dense rows), or the
-// whole chain's through the NVFP4 epilogue into out.
+// whole chain's through the NVFP4 epilogue (times the row's scale, then the column's S_dec:
+// epilogue_row_scale, epilogue_column_sdec) into out.
 template <int FMT>
-__device__ __forceinline__ void store_sum(float v, float* partials, int rows, int row, int col, int N,
-                                          const float* row_scale, u64 src, const float* w_sdec, int e, int sdec_groups,
-                                          float* out) {
+__device__ __forceinline__ void store_sum(float v, float* partials, int rows, int row, int col, int N, float row_s,
+                                          float col_sdec, float* out) {
     if (partials) {
         partials[((u64)blockIdx.z * rows + row) * N + col] = v;
         return;
     }
-    if (FMT == 3) v = nvfp4_epilogue_scale(v, row_scale, src, w_sdec, e, sdec_groups, col, N);
+    if (FMT == 3) v = __fmul_rn(__fmul_rn(v, row_s), col_sdec);
     out[(u64)row * N + col] = v;
 }
 
@@ -717,21 +735,27 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     cp_async_wait<0>();
 
     // C fragment: (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) of each 16x8 tile.
+    float col_sdec[4][2];
+#pragma unroll
+    for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            col_sdec[ni][j] = epilogue_column_sdec<FMT>(w_sdec, e, sdec_groups, n0 + wn * 32 + ni * 8 + 2 * t + j, N);
 #pragma unroll
     for (int mi = 0; mi < 2; mi++)
 #pragma unroll
         for (int half = 0; half < 2; half++) {
             int row = r0 + wm * 32 + mi * 16 + g + 8 * half;
             if (row >= r1) continue;
-            u64 src = row_index ? (u64)row_index[row] : (u64)row;
+            float row_s = epilogue_row_scale<FMT>(row_scale, row_index, row);
 #pragma unroll
             for (int ni = 0; ni < 4; ni++)
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
                     int col = n0 + wn * 32 + ni * 8 + 2 * t + j;
                     if (col >= N) continue;
-                    store_sum<FMT>(tot[TOT_STRIDE * ((mi * 4 + ni) * 4 + 2 * half + j)], partials, rows, row, col, N, row_scale, src, w_sdec, e,
-                                   sdec_groups, out);
+                    store_sum<FMT>(tot[TOT_STRIDE * ((mi * 4 + ni) * 4 + 2 * half + j)], partials, rows, row, col, N,
+                                   row_s, col_sdec[ni][j], out);
                 }
         }
     if (partials && counters)
@@ -868,21 +892,26 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
     else
         skinny_chain<FMT, NF, FRAGS, SPANS>(w, w_scales, w_row, xr, live, K, k_begin, k_end, t, tot);
 
+    float col_sdec[NF][2];
+#pragma unroll
+    for (int f = 0; f < NF; f++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) col_sdec[f][j] = epilogue_column_sdec<FMT>(w_sdec, e, sdec_groups, n0 + 8 * f + 2 * t + j, N);
 #pragma unroll
     for (int mi = 0; mi < FRAGS; mi++)
 #pragma unroll
         for (int half = 0; half < 2; half++) {
             int row = r0 + mi * 16 + g + 8 * half;
             if (row >= r1) continue;
-            u64 src = row_index ? (u64)row_index[row] : (u64)row;
+            float row_s = epilogue_row_scale<FMT>(row_scale, row_index, row);
 #pragma unroll
             for (int f = 0; f < NF; f++)
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
                     int col = n0 + 8 * f + 2 * t + j;
                     if (col >= N) continue;
-                    store_sum<FMT>(tot[32 * ((mi * NF + f) * 4 + 2 * half + j)], partials, rows, row, col, N, row_scale,
-                                   src, w_sdec, e, sdec_groups, out);
+                    store_sum<FMT>(tot[32 * ((mi * NF + f) * 4 + 2 * half + j)], partials, rows, row, col, N, row_s,
+                                   col_sdec[f][j], out);
                 }
         }
     if (partials && counters)
@@ -1177,14 +1206,17 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     }
     cp_async_wait<0>();
 
+    float col_sdec[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) col_sdec[h] = epilogue_column_sdec<FMT>(w_sdec, e, sdec_groups, n0 + col_local[h], N);
 #pragma unroll
     for (int j = 0; j < 16; j++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             int row = r0 + 8 * j + 2 * t + (i & 1), col = n0 + col_local[i >> 1];
             if (row >= r1 || col >= N) continue;
-            u64 src = row_index ? (u64)row_index[row] : (u64)row;
-            store_sum<FMT>(tot[4 * j + i], partials, rows, row, col, N, row_scale, src, w_sdec, e, sdec_groups, out);
+            store_sum<FMT>(tot[4 * j + i], partials, rows, row, col, N, epilogue_row_scale<FMT>(row_scale, row_index, row),
+                           col_sdec[i >> 1], out);
         }
     if (partials && counters)
         fold_if_last<FMT, false>(partials, counters, blockIdx.y * gridDim.x + blockIdx.x, rows, N, r0, r1, n0,
