@@ -372,14 +372,17 @@ __device__ __forceinline__ float nvfp4_epilogue_scale(float v, const float* row_
 // The NVFP4 epilogue's factors of a kernel's output tile, read once per row and per column
 // before its stores (in store_sum they were read, and the column's group divided out, per
 // element: the stores may alias them. H200, 2026-12-04: 15% of the wgmma NVFP4 kernel's
-// instructions at 4,096 tokens). Other formats get ones and read nothing.
+// instructions at 4,096 tokens). Other formats, and split-K's segment sums (`partials`: the
+// fold applies the epilogue), get ones and read nothing.
 template <int FMT>
-__device__ __forceinline__ float epilogue_row_scale(const float* row_scale, const int* row_index, int row) {
-    return FMT == 3 ? row_scale[row_index ? row_index[row] : row] : 1.0f;
+__device__ __forceinline__ float epilogue_row_scale(const float* partials, const float* row_scale,
+                                                    const int* row_index, int row) {
+    return FMT == 3 && !partials ? row_scale[row_index ? row_index[row] : row] : 1.0f;
 }
 template <int FMT>
-__device__ __forceinline__ float epilogue_column_sdec(const float* w_sdec, int e, int sdec_groups, int col, int N) {
-    return FMT == 3 && col < N ? nvfp4_column_sdec(w_sdec, e, sdec_groups, col, N) : 1.0f;
+__device__ __forceinline__ float epilogue_column_sdec(const float* partials, const float* w_sdec, int e,
+                                                      int sdec_groups, int col, int N) {
+    return FMT == 3 && !partials && col < N ? nvfp4_column_sdec(w_sdec, e, sdec_groups, col, N) : 1.0f;
 }
 
 // The k range of this block: all of K, or (split-K) the segment blockIdx.z.
@@ -740,14 +743,15 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     for (int ni = 0; ni < 4; ni++)
 #pragma unroll
         for (int j = 0; j < 2; j++)
-            col_sdec[ni][j] = epilogue_column_sdec<FMT>(w_sdec, e, sdec_groups, n0 + wn * 32 + ni * 8 + 2 * t + j, N);
+            col_sdec[ni][j] =
+                epilogue_column_sdec<FMT>(partials, w_sdec, e, sdec_groups, n0 + wn * 32 + ni * 8 + 2 * t + j, N);
 #pragma unroll
     for (int mi = 0; mi < 2; mi++)
 #pragma unroll
         for (int half = 0; half < 2; half++) {
             int row = r0 + wm * 32 + mi * 16 + g + 8 * half;
             if (row >= r1) continue;
-            float row_s = epilogue_row_scale<FMT>(row_scale, row_index, row);
+            float row_s = epilogue_row_scale<FMT>(partials, row_scale, row_index, row);
 #pragma unroll
             for (int ni = 0; ni < 4; ni++)
 #pragma unroll
@@ -896,14 +900,15 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
 #pragma unroll
     for (int f = 0; f < NF; f++)
 #pragma unroll
-        for (int j = 0; j < 2; j++) col_sdec[f][j] = epilogue_column_sdec<FMT>(w_sdec, e, sdec_groups, n0 + 8 * f + 2 * t + j, N);
+        for (int j = 0; j < 2; j++)
+            col_sdec[f][j] = epilogue_column_sdec<FMT>(partials, w_sdec, e, sdec_groups, n0 + 8 * f + 2 * t + j, N);
 #pragma unroll
     for (int mi = 0; mi < FRAGS; mi++)
 #pragma unroll
         for (int half = 0; half < 2; half++) {
             int row = r0 + mi * 16 + g + 8 * half;
             if (row >= r1) continue;
-            float row_s = epilogue_row_scale<FMT>(row_scale, row_index, row);
+            float row_s = epilogue_row_scale<FMT>(partials, row_scale, row_index, row);
 #pragma unroll
             for (int f = 0; f < NF; f++)
 #pragma unroll
@@ -1208,14 +1213,14 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
 
     float col_sdec[2];
 #pragma unroll
-    for (int h = 0; h < 2; h++) col_sdec[h] = epilogue_column_sdec<FMT>(w_sdec, e, sdec_groups, n0 + col_local[h], N);
+    for (int h = 0; h < 2; h++) col_sdec[h] = epilogue_column_sdec<FMT>(partials, w_sdec, e, sdec_groups, n0 + col_local[h], N);
 #pragma unroll
     for (int j = 0; j < 16; j++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             int row = r0 + 8 * j + 2 * t + (i & 1), col = n0 + col_local[i >> 1];
             if (row >= r1 || col >= N) continue;
-            store_sum<FMT>(tot[4 * j + i], partials, rows, row, col, N, epilogue_row_scale<FMT>(row_scale, row_index, row),
+            store_sum<FMT>(tot[4 * j + i], partials, rows, row, col, N, epilogue_row_scale<FMT>(partials, row_scale, row_index, row),
                            col_sdec[i >> 1], out);
         }
     if (partials && counters)
