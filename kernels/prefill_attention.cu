@@ -83,14 +83,14 @@ __device__ __forceinline__ float fa_merge(float total, float a, float part, floa
 //
 // The warp walks the chunks chunk0, chunk0 + chunk_step, ... up to last_pos. Without a split
 // (part null; then chunk0 = 0, chunk_step = 1) it merges them in order, keeping the running
-// total's max and sum in registers and its unnormalized output in the output rows themselves,
-// or with TOT_SHARED in shared memory (`tot`, this warp's FA_TOT_FLOATS(DW) floats: a lane's
-// (d, i) element at tot[(4 d + i) * 32 + lane]), and writes the normalized rows after the last.
-// Neither has registers to spare. Prefill merges up to a chunk per 128 keys and takes shared
+// total's max and sum in registers and its unnormalized output (no registers to spare for it)
+// in the output rows themselves, or with TOT_SHARED in shared memory (`tot`, this warp's
+// FA_TOT_FLOATS(DW) floats: a lane's (d, i) element at tot[(4 d + i) * 32 + lane]), and writes
+// the normalized rows after the last. Prefill merges a chunk per 128 keys and takes shared
 // memory: from the output rows each merge waited a global load latency per element (H200,
 // 2026-12-04: a quarter of prefill attention's stall samples). Decode rows merge a few chunks
-// each (split-KV takes the long ones), and its kernels' registers grew with the shared total.
-// With a split, it stores each chunk's state (at most max_chunks) for attention_merge.
+// each (split-KV takes the long ones), and their kernels needed more registers with the shared
+// total. With a split, it stores each chunk's state (at most max_chunks) for attention_merge.
 //
 // Each row's result depends only on its own q, its position and the keys: which other rows
 // share the warp, which columns it writes, which block computes which chunk, and last_pos beyond
@@ -446,11 +446,12 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
     r.out_lo = out + at_lo;
     r.out_hi = out + at_hi;
     r.part_lo = r.part_hi = nullptr;
-    // The running totals in dynamic shared memory (host: Kernel::dynamic_smem, 4 x FA_TOT_FLOATS(HD
-    // / 8) floats; with the K and V tiles more than a block's 48 KB of static shared memory).
+    // The warps' running totals in dynamic shared memory (the host's Kernel::dynamic_smem gives 4 x
+    // FA_TOT_FLOATS(HD / 8) floats: with the K and V tiles, more than 48 KB of static memory).
     extern __shared__ __align__(16) float fa_dynamic[];
-    fa_attend<HD, 128, HD / 8, true, true>(r, pos0 + count - 1, k_cache, v_cache, block_tables + table_offsets[row_seq[first]],
-                               kvh, kv_heads, block_size, scale, 0, 0, 1, 0, fa_dynamic + warp * FA_TOT_FLOATS(HD / 8));
+    fa_attend<HD, 128, HD / 8, true, true>(r, pos0 + count - 1, k_cache, v_cache,
+                                           block_tables + table_offsets[row_seq[first]], kvh, kv_heads, block_size,
+                                           scale, 0, 0, 1, 0, fa_dynamic + warp * FA_TOT_FLOATS(HD / 8));
 }
 
 // Decode: one query row per sequence. Grid (rows, kv_heads * passes, splits), 4 warps: the 16

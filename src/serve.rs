@@ -26,7 +26,8 @@ const EMBEDDED_SEED: u64 = 0;
 pub enum LoadFormat {
     /// Read weights from the checkpoint.
     Auto,
-    /// Deterministic random weights for the checkpoint's (or config file's) config.
+    /// Deterministic random weights for the checkpoint's (or config file's) config, standing
+    /// for a checkpoint in the `--quantization` format (`nvfp4` and `fp8` included).
     Dummy,
 }
 
@@ -464,7 +465,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
                 serde_json::from_str(EMBEDDED_CONFIG).expect("embedded config is JSON"),
             )
             .map_err(loader::LoadError::from)?;
-            let recipe = loader::serving_recipe(args.quantization, None, recipe)?;
+            let recipe = loader::dummy_recipe(args.quantization, recipe)?;
             (
                 dummy(cfg, &recipe)?,
                 Tokenizer::embedded(),
@@ -504,7 +505,7 @@ pub fn start_engine(args: &ServeArgs) -> Result<(EngineHandle, Limits), ServeErr
                     (Loaded::Host(Box::new(m)), r)
                 }
                 LoadFormat::Dummy => {
-                    let recipe = loader::serving_recipe(args.quantization, None, recipe)?;
+                    let recipe = loader::dummy_recipe(args.quantization, recipe)?;
                     let cfg = ModelConfig::from_json(raw).map_err(loader::LoadError::from)?;
                     (dummy(cfg, &recipe)?, recipe)
                 }

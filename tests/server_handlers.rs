@@ -71,6 +71,36 @@ async fn refused(
     v
 }
 
+/// Dummy weights stand for a checkpoint in the `--quantization` format, as in SGLang: `nvfp4`
+/// over the embedded (dummy) model serves what `nvfp4_online` makes of the same drawn weights,
+/// token for token and logprob for logprob, and not what BF16 experts give; `fp8` (a block-FP8
+/// checkpoint, served in BF16) what BF16 gives.
+#[tokio::test]
+async fn dummy_weights_serve_the_requested_prequantized_format() {
+    let greedy = r#"{"input_ids": [5, 17, 200, 42], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": true}, "return_logprob": true}"#;
+    let generate = |flags: &'static [&'static str]| async move {
+        let r = router(flags);
+        let (s, v) = call(&r, "POST", "/generate", Some(greedy), &[]).await;
+        assert_eq!(s, StatusCode::OK, "{flags:?}: {v}");
+        let info = call(&r, "GET", "/server_info", None, &[]).await.1;
+        (v, info["recipe"].clone())
+    };
+    let (nvfp4, recipe) = generate(&["--quantization", "nvfp4"]).await;
+    let (online, online_recipe) = generate(&["--quantization", "nvfp4_online"]).await;
+    let (bf16, _) = generate(&[]).await;
+    let (fp8, _) = generate(&["--quantization", "fp8"]).await;
+    assert_eq!(recipe, online_recipe);
+    assert_eq!(nvfp4["output_ids"], online["output_ids"]);
+    let logprobs = |v: &Value| v["meta_info"]["output_token_logprobs"].clone();
+    assert_eq!(logprobs(&nvfp4), logprobs(&online));
+    assert_ne!(
+        logprobs(&nvfp4),
+        logprobs(&bf16),
+        "NVFP4 experts change the logprobs"
+    );
+    assert_eq!(logprobs(&fp8), logprobs(&bf16));
+}
+
 #[tokio::test]
 async fn generate_answers_in_sglang_shape() {
     let r = router(&[]);

@@ -131,6 +131,19 @@ pub fn serving_recipe(
     })
 }
 
+/// The recipe for dummy weights (`--load-format dummy`, the embedded model) under
+/// `--quantization`: they stand for a checkpoint stored in the requested format, as SGLang's
+/// dummy loader initializes a quantized model's own parameters. So `nvfp4` (an NVFP4
+/// checkpoint) serves what `nvfp4_online` makes of the same drawn weights, and `fp8` (block
+/// FP8) what a block-FP8 checkpoint serves; the other formats as over a BF16 checkpoint.
+pub fn dummy_recipe(
+    requested: Option<Quantization>,
+    recipe: Option<Recipe>,
+) -> Result<Recipe, LoadError> {
+    let stored = requested.filter(|q| matches!(q, Quantization::Nvfp4 | Quantization::Fp8));
+    serving_recipe(requested, stored, recipe)
+}
+
 impl WeightSource<'_> {
     fn contains(&self, name: &str) -> bool {
         match self {
