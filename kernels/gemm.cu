@@ -1213,15 +1213,16 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
 
     float col_sdec[2];
 #pragma unroll
-    for (int h = 0; h < 2; h++) col_sdec[h] = epilogue_column_sdec<FMT>(partials, w_sdec, e, sdec_groups, n0 + col_local[h], N);
+    for (int h = 0; h < 2; h++)
+        col_sdec[h] = epilogue_column_sdec<FMT>(partials, w_sdec, e, sdec_groups, n0 + col_local[h], N);
 #pragma unroll
     for (int j = 0; j < 16; j++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             int row = r0 + 8 * j + 2 * t + (i & 1), col = n0 + col_local[i >> 1];
             if (row >= r1 || col >= N) continue;
-            store_sum<FMT>(tot[4 * j + i], partials, rows, row, col, N, epilogue_row_scale<FMT>(partials, row_scale, row_index, row),
-                           col_sdec[i >> 1], out);
+            float row_s = epilogue_row_scale<FMT>(partials, row_scale, row_index, row);
+            store_sum<FMT>(tot[4 * j + i], partials, rows, row, col, N, row_s, col_sdec[i >> 1], out);
         }
     if (partials && counters)
         fold_if_last<FMT, false>(partials, counters, blockIdx.y * gridDim.x + blockIdx.x, rows, N, r0, r1, n0,
