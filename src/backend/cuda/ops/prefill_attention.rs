@@ -26,8 +26,10 @@ pub const ATTENTION_CHUNK_KEYS: usize = 128;
 const SPLIT_BELOW_BLOCKS: usize = 264;
 /// The most blocks one (row, KV head) splits into.
 const MAX_SPLITS: usize = 16;
-/// The largest split-KV scratch a backend takes: 64 MiB of f32 chunk states.
-const SPLIT_MAX_FLOATS: usize = 1 << 24;
+/// The largest split-KV scratch a backend takes: 1 GiB of f32 chunk states (Qwen3-30B-A3B at
+/// 40,960 keys needs 346 MB for the 65 rows that split; FlashInfer's workspace under SGLang is
+/// of the same order).
+const SPLIT_MAX_FLOATS: usize = 1 << 28;
 
 /// Split-KV's device scratch: room for the chunk states (unnormalized output, max, sum) of
 /// every (row, head) of up to `max_rows` decode rows of up to `max_chunks` chunks each. Sized
@@ -49,7 +51,7 @@ impl DecodeSplit {
     ) -> Result<Option<DecodeSplit>, CudaError> {
         let max_chunks = max_context.div_ceil(ATTENTION_CHUNK_KEYS).max(1);
         let per_row = s.heads * max_chunks * (s.head_dim + 2);
-        let max_rows = max_rows.min(SPLIT_MAX_FLOATS / per_row.max(1));
+        let max_rows = split_rows(s, max_context, max_rows);
         if max_rows == 0 {
             return Ok(None);
         }
@@ -62,7 +64,7 @@ impl DecodeSplit {
 
     /// Blocks per (row, KV head) [`decode_attention`] takes for `count` rows (1: no split).
     pub fn splits(&self, count: usize, s: AttnShape) -> usize {
-        let blocks = count * s.kv_heads * (s.heads / s.kv_heads).div_ceil(16);
+        let blocks = count * blocks_per_row(s);
         if count > self.max_rows || blocks >= SPLIT_BELOW_BLOCKS {
             return 1;
         }
@@ -70,6 +72,24 @@ impl DecodeSplit {
         // rows x 512 keys, H200, 2026-12-02).
         (SPLIT_BELOW_BLOCKS / blocks).min(MAX_SPLITS)
     }
+}
+
+/// Unsplit blocks of [`decode_attention`] per row: one per KV head and 16 of its query heads.
+fn blocks_per_row(s: AttnShape) -> usize {
+    s.kv_heads.max(1) * (s.heads / s.kv_heads.max(1)).div_ceil(16)
+}
+
+/// The rows [`DecodeSplit`] keeps chunk states for: every row count whose launch splits (fewer
+/// than [`SPLIT_BELOW_BLOCKS`] blocks), at most `max_rows`, within [`SPLIT_MAX_FLOATS`] at
+/// `max_context` keys. Sized by the row counts that split, not by the context alone: a 40,960-key
+/// server once kept room for 12 rows, so 16 long sequences ran 64 blocks on 132 SMs.
+fn split_rows(s: AttnShape, max_context: usize, max_rows: usize) -> usize {
+    let max_chunks = max_context.div_ceil(ATTENTION_CHUNK_KEYS).max(1);
+    let per_row = s.heads * max_chunks * (s.head_dim + 2);
+    let splitting = (SPLIT_BELOW_BLOCKS - 1) / blocks_per_row(s);
+    max_rows
+        .min(splitting)
+        .min(SPLIT_MAX_FLOATS / per_row.max(1))
 }
 
 /// Whether [`prefill_attention`] and [`decode_attention`] have a kernel for this shape: head_dim
@@ -318,5 +338,41 @@ fn kernel_for(s: AttnShape, kernels: [Kernel; 3]) -> Result<Kernel, CudaError> {
         hd => Err(CudaError::Unsupported(format!(
             "tensor-core attention with head_dim {hd} (32, 64 or 128)"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Qwen3-30B-A3B's attention: 32 query heads over 4 KV heads of 128.
+    const QWEN3_MOE: AttnShape = AttnShape {
+        heads: 32,
+        kv_heads: 4,
+        head_dim: 128,
+        block_size: 16,
+    };
+
+    #[test]
+    fn every_row_count_that_splits_has_room_at_a_servers_full_context() {
+        // A server of 256 sequences at the model's 40,960 keys: launches of up to 65 rows are
+        // under two waves of blocks and split, so the scratch holds 65 rows (346 MB), not the
+        // 12 that a 64 MiB cap left.
+        let rows = split_rows(QWEN3_MOE, 40_960, 256);
+        assert_eq!(rows, 65);
+        assert!(rows * blocks_per_row(QWEN3_MOE) < SPLIT_BELOW_BLOCKS);
+        assert!((rows + 1) * blocks_per_row(QWEN3_MOE) >= SPLIT_BELOW_BLOCKS);
+        // Fewer sequences than that: room for those only.
+        assert_eq!(split_rows(QWEN3_MOE, 40_960, 16), 16);
+        // Eight KV heads take 8 blocks a row, so launches of fewer rows split.
+        let wide = AttnShape {
+            heads: 64,
+            kv_heads: 8,
+            ..QWEN3_MOE
+        };
+        assert_eq!(split_rows(wide, 4096, 256), 32);
+        // A context whose chunk states for one row pass the cap gets no scratch.
+        let huge = SPLIT_MAX_FLOATS / (QWEN3_MOE.heads * (QWEN3_MOE.head_dim + 2)) + 1;
+        assert_eq!(split_rows(QWEN3_MOE, huge * ATTENTION_CHUNK_KEYS, 256), 0);
     }
 }
