@@ -508,8 +508,9 @@ static_assert(TILE_STAGES - 1 < SEG / 32, "a segment's scales are overwritten tw
 
 // One thread's share of copying spans (32 k from k0) of the TILE_TN weight columns n0.. of
 // expert e into a stage ([column][W_BYTES], W_BYTES a column's span in FMT), as 16-byte
-// cp.async copies spread over THREADS threads; columns past N read nothing (zeros). The tiled
-// and wgmma kernels' copy: the sources and places are worked out once, a span only adds k0.
+// cp.async copies spread over THREADS threads, each asking L2 for its whole line (the column's
+// next spans: cp_async16_line_at); columns past N read nothing (zeros). The tiled and wgmma
+// kernels' copy: the sources and places are worked out once, a span only adds k0.
 template <int FMT, int THREADS>
 struct WeightSpanCopy {
     static constexpr int W_BYTES = FMT == 1 ? 64 : FMT == 2 ? 32 : 16;
@@ -535,12 +536,13 @@ struct WeightSpanCopy {
     __device__ __forceinline__ void issue(u8* stage, int k0) const {
 #pragma unroll
         for (int c = 0; c < CHUNKS; c++)
-            if (W_ALL % THREADS == 0 || dst[c] >= 0) cp_async16(stage + dst[c], src[c] + k0 * W_BYTES / 32, live[c]);
+            if (W_ALL % THREADS == 0 || dst[c] >= 0)
+                cp_async16_line_at((u32)__cvta_generic_to_shared(stage + dst[c]), src[c] + k0 * W_BYTES / 32, live[c]);
     }
     __device__ __forceinline__ void issue_at(u32 stage, int k0) const {
 #pragma unroll
         for (int c = 0; c < CHUNKS; c++)
-            if (W_ALL % THREADS == 0 || dst[c] >= 0) cp_async16_at(stage + dst[c], src[c] + k0 * W_BYTES / 32, live[c]);
+            if (W_ALL % THREADS == 0 || dst[c] >= 0) cp_async16_line_at(stage + dst[c], src[c] + k0 * W_BYTES / 32, live[c]);
     }
 };
 

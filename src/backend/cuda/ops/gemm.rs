@@ -244,20 +244,21 @@ impl SplitK {
     }
 }
 
-/// Rows up to which [`GemmPath::Auto`] takes the few-rows kernels for one dense group and, on
-/// average per expert, for a routing plan. Every path gives the same bits; these only pick
-/// the faster.
+/// Rows up to which [`GemmPath::Auto`] takes the few-rows kernels for one dense group. Every
+/// path gives the same bits; these only pick the faster.
 /// Measured on the H200 (examples/cuda_kernel_bench.rs, docs/performance.md, 2026-12-01):
-/// dense projections at 1-8 rows 0.85-0.9x the tiled kernel's time, at 16+ rows 1.5-3x; expert
-/// gate/up at 8-128 tokens (up to 8 rows per expert) 0.65-0.7x, at 256 tokens 1.04x.
+/// dense projections at 1-8 rows 0.85-0.9x the tiled kernel's time, at 16+ rows 1.5-3x.
 pub const SKINNY_MAX_DENSE_ROWS: usize = 8;
-pub const SKINNY_MAX_ROWS_PER_EXPERT: usize = 8;
-/// The same for a routing plan over MXFP8 or NVFP4 experts, in routed rows: their weights are
-/// decoded in registers, which the tiled kernel does once for all of a tile's rows. H200
-/// (cuda_kernel_bench, 2026-12-02, gate/up of 128 experts, top-8): at 8 routed rows the split
-/// 32-column warps take 0.9x the tiled kernel's time; at 64 rows the tiled kernel takes
-/// 0.94x (MXFP8) and 0.91x (NVFP4) of theirs, at 512 rows 0.78x and 0.90x.
-pub const SKINNY_MAX_QUANTIZED_PLAN_ROWS: usize = 32;
+/// The same for a routing plan, in routed rows. MXFP8 and NVFP4 weights are decoded in
+/// registers, which the tiled kernel does once for all of a tile's rows; BF16 weights reach the
+/// tiled kernel as whole 128-byte lines (kernels/common.cuh `cp_async16_line_at`). H200
+/// (cuda_kernel_bench, gate/up of 128 experts, top-8): MXFP8 and NVFP4 (2026-12-02) at 8
+/// routed rows on the split 32-column warps 0.9x the tiled kernel's time, at 64 rows the tiled
+/// kernel 0.94x (MXFP8) and 0.91x (NVFP4) of theirs, at 512 rows 0.78x and 0.90x; BF16
+/// (2026-12-04, with the line copies) at 64 / 128 / 256 / 384 / 512 routed rows the tiled kernel
+/// 0.90 / 0.94 / 0.92 / 0.90 / 0.82x of `Skinny4`'s time (110 against 123 us at 64 rows), the
+/// down projection 0.81-0.90x.
+pub const SKINNY_MAX_PLAN_ROWS: usize = 32;
 /// Rows from which [`GemmPath::Auto`] takes the wide tiles for one dense group of at least
 /// [`WIDE_MIN_DENSE_COLS`] columns and, on average per expert, for a routing plan over BF16 or
 /// MXFP8 experts. H200 (cuda_kernel_bench, 2026-12-02): o_proj [2048 x 4096] at 1,024 rows
@@ -341,13 +342,7 @@ impl GemmPath {
         // row), times the 32-column groups of N: the warps of a `Skinny4` launch.
         let (skinny_rows, live_tiles) = match rows {
             GemmRows::Dense(r) => (SKINNY_MAX_DENSE_ROWS, r.div_ceil(GEMM_TILE_ROWS)),
-            GemmRows::Plan(p) if w.scales.is_some() => {
-                (SKINNY_MAX_QUANTIZED_PLAN_ROWS, p.counts.len().min(max_rows))
-            }
-            GemmRows::Plan(p) => (
-                SKINNY_MAX_ROWS_PER_EXPERT * p.counts.len(),
-                p.counts.len().min(max_rows),
-            ),
+            GemmRows::Plan(p) => (SKINNY_MAX_PLAN_ROWS, p.counts.len().min(max_rows)),
         };
         let wide = wide_tiles_allowed()
             && match rows {
