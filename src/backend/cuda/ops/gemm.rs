@@ -29,8 +29,14 @@ const BLOCK_SPLIT_THREADS: u32 = 256;
 /// `KSPLIT_MAX_SEGMENTS`), and the most rows of its tiles.
 pub const BLOCK_SPLIT_MAX_SEGMENTS: usize = 16;
 pub const BLOCK_SPLIT_MAX_TILE_ROWS: usize = 16;
-/// The most rows of a dense launch [`GemmPath::Auto`] gives [`GemmPath::SkinnyKSplit`].
+/// The most rows of a dense launch [`GemmPath::Auto`] gives [`GemmPath::SkinnyKSplit`]; above
+/// them (up to the kernel's [`BLOCK_SPLIT_MAX_TILE_ROWS`]) only launches of at most
+/// [`BLOCK_SPLIT_AUTO_MAX_GROUPS`] 32-column groups, whose blocks are too few without the
+/// split. H200, 2026-12-04 (cuda_kernel_bench, 16 rows, us, split in the block against Auto's
+/// other kernels): q, k and v in one launch 18.7 against 26.3, o_proj 21.6 against 23.7, the
+/// router 16.4 against 20.0; the LM head (4,748 groups) 213 against 191.
 const BLOCK_SPLIT_AUTO_MAX_ROWS: usize = 8;
+const BLOCK_SPLIT_AUTO_MAX_GROUPS: usize = 1024;
 /// Warps at which a few-rows launch takes the 32-columns-per-warp kernels: enough to fill the
 /// GPU, and each warp's activation packing then serves four times the weights.
 const SKINNY4_MIN_WARPS: usize = 2048;
@@ -374,7 +380,8 @@ impl GemmPath {
         };
         let block_split_fits = tile_rows <= BLOCK_SPLIT_MAX_TILE_ROWS
             && (2..=BLOCK_SPLIT_MAX_SEGMENTS).contains(&k.div_ceil(K_SEGMENT));
-        // Auto takes it for dense launches of 2 to 8 rows. H200, 2026-12-03, step benchmark (ms,
+        // Auto takes it for dense launches of 2 to 8 rows, and of 9 to 16 rows of few columns
+        // (BLOCK_SPLIT_AUTO_MAX_GROUPS). H200, 2026-12-03, step benchmark (ms,
         // without -> with): NVFP4 batch 2 7.02 -> 6.63, batch 8 11.96 -> 11.57 (its experts on
         // their own kernels; BF16 and MXFP8 alike). A routing plan's tiles lost on it: at 8 and
         // 16 tokens the BF16 step 12.34 -> 13.04 and 15.17 -> 18.49, MXFP8 12.04 -> 14.04 (the
@@ -383,7 +390,8 @@ impl GemmPath {
         // format's batch-1 step lost (BF16 5.23 -> 5.27 ms, MXFP8 5.56 -> 5.81).
         let block_split = block_split_fits
             && block_split_allowed()
-            && matches!(rows, GemmRows::Dense(r) if (2..=BLOCK_SPLIT_AUTO_MAX_ROWS).contains(r));
+            && matches!(rows, GemmRows::Dense(r) if (2..=BLOCK_SPLIT_AUTO_MAX_ROWS).contains(r)
+                || (*r > BLOCK_SPLIT_AUTO_MAX_ROWS && n.div_ceil(32) <= BLOCK_SPLIT_AUTO_MAX_GROUPS));
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
             GemmPath::SkinnyKSplit if !block_split_fits => GemmPath::Skinny4,
