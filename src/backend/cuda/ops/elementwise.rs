@@ -145,6 +145,12 @@ pub fn add_inplace(
     )
 }
 
+/// Heads a block of [`qk_norm_rope_store`] takes, a warp each (kernels/elementwise.cu
+/// `QK_ROPE_WARPS`), and the largest head_dim its shared sines and cosines hold
+/// (`2 * QK_ROPE_MAX_HALF`).
+const QK_ROPE_WARPS: usize = 8;
+const QK_ROPE_MAX_HEAD_DIM: usize = 512;
+
 /// q/k per-head norm (when given), RoPE at `pos`, and K/V stored into `slots` of the cache.
 #[allow(clippy::too_many_arguments)]
 pub fn qk_norm_rope_store(
@@ -168,13 +174,23 @@ pub fn qk_norm_rope_store(
     let inv_freq = need(inv_freq, s.head_dim / 2, "rope inv_freq")?;
     let pos = need(pos, rows, "rope positions")?;
     let slots = need(slots, rows, "rope slots")?;
+    if s.head_dim > QK_ROPE_MAX_HEAD_DIM {
+        return Err(CudaError::Unsupported(format!(
+            "RoPE with head_dim {} (at most {QK_ROPE_MAX_HEAD_DIM})",
+            s.head_dim
+        )));
+    }
     if rows == 0 {
         return Ok(());
     }
     gpu.launch(
         Kernel::QkNormRopeStore,
-        (rows as u32, (s.heads + s.kv_heads) as u32, 1),
-        32,
+        (
+            rows as u32,
+            (s.heads + s.kv_heads).div_ceil(QK_ROPE_WARPS) as u32,
+            1,
+        ),
+        (32 * QK_ROPE_WARPS) as u32,
         (
             q,
             k,
