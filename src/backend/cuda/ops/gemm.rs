@@ -391,7 +391,7 @@ impl GemmPath {
         let block_split = block_split_fits
             && block_split_allowed()
             && matches!(rows, GemmRows::Dense(r) if (2..=BLOCK_SPLIT_AUTO_MAX_ROWS).contains(r)
-                || (*r > BLOCK_SPLIT_AUTO_MAX_ROWS && n.div_ceil(32) <= BLOCK_SPLIT_AUTO_MAX_GROUPS));
+                || (*r > BLOCK_SPLIT_AUTO_MAX_ROWS && n.div_ceil(SKINNY_COLS_PER_BLOCK) <= BLOCK_SPLIT_AUTO_MAX_GROUPS));
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
             GemmPath::SkinnyKSplit if !block_split_fits => GemmPath::Skinny4,

@@ -49,8 +49,7 @@ impl DecodeSplit {
         max_context: usize,
         max_rows: usize,
     ) -> Result<Option<DecodeSplit>, CudaError> {
-        let max_chunks = max_context.div_ceil(ATTENTION_CHUNK_KEYS).max(1);
-        let per_row = s.heads * max_chunks * (s.head_dim + 2);
+        let (max_chunks, per_row) = chunk_states(s, max_context);
         let max_rows = split_rows(s, max_context, max_rows);
         if max_rows == 0 {
             return Ok(None);
@@ -79,13 +78,19 @@ fn blocks_per_row(s: AttnShape) -> usize {
     s.kv_heads.max(1) * (s.heads / s.kv_heads.max(1)).div_ceil(16)
 }
 
+/// The chunks of a row of up to `max_context` keys, and the floats of their states (unnormalized
+/// output, max, sum) over every head.
+fn chunk_states(s: AttnShape, max_context: usize) -> (usize, usize) {
+    let max_chunks = max_context.div_ceil(ATTENTION_CHUNK_KEYS).max(1);
+    (max_chunks, s.heads * max_chunks * (s.head_dim + 2))
+}
+
 /// The rows [`DecodeSplit`] keeps chunk states for: every row count whose launch splits (fewer
 /// than [`SPLIT_BELOW_BLOCKS`] blocks), at most `max_rows`, within [`SPLIT_MAX_FLOATS`] at
 /// `max_context` keys. Sized by the row counts that split, not by the context alone: a 40,960-key
 /// server once kept room for 12 rows, so 16 long sequences ran 64 blocks on 132 SMs.
 fn split_rows(s: AttnShape, max_context: usize, max_rows: usize) -> usize {
-    let max_chunks = max_context.div_ceil(ATTENTION_CHUNK_KEYS).max(1);
-    let per_row = s.heads * max_chunks * (s.head_dim + 2);
+    let (_, per_row) = chunk_states(s, max_context);
     let splitting = (SPLIT_BELOW_BLOCKS - 1) / blocks_per_row(s);
     max_rows
         .min(splitting)
