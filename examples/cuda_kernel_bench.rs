@@ -439,6 +439,10 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
         ("decode", 256, 512, 1),
         ("decode", 256, 768, 1),
         ("decode", 64, 4096, 1),
+        ("decode", 16, 512, 1),
+        ("decode", 16, 4096, 1),
+        ("decode", 32, 4096, 1),
+        ("decode", 1, 32768, 1),
     ] {
         let blocks_per_seq = ctx.div_ceil(shape.block_size);
         let kv_width = shape.kv_heads * shape.head_dim;
@@ -523,8 +527,12 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
                 }
                 .expect("attention")
             });
+            let splits = match (&split, kernel.ends_with("split-KV")) {
+                (Some(p), true) => format!(" ({} splits)", p.splits(rows, shape)),
+                _ => String::new(),
+            };
             println!(
-                "| {what}, {kernel} | {seqs} | {ctx} | {rows} | {:.1} | {:.0} | {:.0}% |",
+                "| {what}, {kernel}{splits} | {seqs} | {ctx} | {rows} | {:.1} | {:.0} | {:.0}% |",
                 s * 1e6,
                 bytes / s / 1e9,
                 100.0 * bytes / bw / s

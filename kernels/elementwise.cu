@@ -155,9 +155,23 @@ extern "C" __global__ void qk_norm_rope_store(float* q, float* k, const float* v
 }
 
 // h[r, i] = silu(gu[r, i]) * gu[r, inter + i]: gate and up come from one GEMM of width 2*inter.
+// Four columns a thread where the widths and addresses allow float4 (32-bit indices below 2^31
+// quads): a 64-bit division per element cost more than the element's arithmetic.
 extern "C" __global__ void silu_mul(const float* gu, float* h, u64 rows, int inter) {
     pdl_entry();
     u64 n = rows * inter;
+    if (inter % 4 == 0 && n / 4 < (1u << 31) && (((u64)gu | (u64)h) & 15) == 0) {
+        u32 quads = (u32)(n / 4), per_row = inter / 4;
+        for (u32 j = blockIdx.x * blockDim.x + threadIdx.x; j < quads; j += gridDim.x * blockDim.x) {
+            u32 r = j / per_row, c = 4 * (j - r * per_row);
+            const float* row = gu + (u64)r * 2 * inter + c;
+            float4 g = *(const float4*)row, u = *(const float4*)(row + inter);
+            *(float4*)(h + (u64)r * inter + c) =
+                make_float4(silu_mul_value(g.x, u.x), silu_mul_value(g.y, u.y), silu_mul_value(g.z, u.z),
+                            silu_mul_value(g.w, u.w));
+        }
+        return;
+    }
     for (u64 j = blockIdx.x * (u64)blockDim.x + threadIdx.x; j < n; j += (u64)gridDim.x * blockDim.x) {
         u64 r = j / inter, i = j % inter;
         float g = gu[r * 2 * inter + i], u = gu[r * 2 * inter + inter + i];
@@ -167,7 +181,8 @@ extern "C" __global__ void silu_mul(const float* gu, float* h, u64 rows, int int
 
 // y[t] = sum over top-k slots, in slot order, of weight * expert_out[row of (t, slot)].
 // Grid (tokens, column blocks): block (t, c) sums token t's columns c * blockDim.x.. (strided by
-// the grid), so one token's columns are spread over blocks instead of walked by one.
+// the grid; four columns a thread where hidden and the addresses allow float4), so one token's
+// columns are spread over blocks instead of walked by one.
 #define COMBINE_SLOTS 16
 extern "C" __global__ void moe_combine(const float* expert_out, const int* slot_row, const float* weights,
                                        float* y, int top_k, int hidden) {
@@ -183,6 +198,25 @@ extern "C" __global__ void moe_combine(const float* expert_out, const int* slot_
     for (int s = 0; s < COMBINE_SLOTS; s++) {
         rows[s] = held && s < top_k ? slot_row[t * top_k + s] : 0;
         wts[s] = held && s < top_k ? weights[t * top_k + s] : 0.0f;
+    }
+    if (held && hidden % 4 == 0 && (((u64)expert_out | (u64)y) & 15) == 0) {
+        for (int i = 4 * (blockIdx.y * blockDim.x + threadIdx.x); i < hidden; i += 4 * gridDim.y * blockDim.x) {
+            float4 e[COMBINE_SLOTS];
+#pragma unroll
+            for (int s = 0; s < COMBINE_SLOTS; s++)
+                e[s] = s < top_k ? *(const float4*)(expert_out + (u64)rows[s] * hidden + i) : make_float4(0, 0, 0, 0);
+            float4 acc = make_float4(0, 0, 0, 0);
+#pragma unroll
+            for (int s = 0; s < COMBINE_SLOTS; s++)
+                if (s < top_k) {
+                    acc.x = __fadd_rn(acc.x, __fmul_rn(wts[s], e[s].x));
+                    acc.y = __fadd_rn(acc.y, __fmul_rn(wts[s], e[s].y));
+                    acc.z = __fadd_rn(acc.z, __fmul_rn(wts[s], e[s].z));
+                    acc.w = __fadd_rn(acc.w, __fmul_rn(wts[s], e[s].w));
+                }
+            *(float4*)(y + (u64)t * hidden + i) = acc;
+        }
+        return;
     }
     for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < hidden; i += gridDim.y * blockDim.x) {
         float acc = 0.0f;

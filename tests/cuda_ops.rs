@@ -495,25 +495,67 @@ fn norms_rope_attention_and_swiglu_match_the_cpu() {
         rel_err(&attn_got, &attn_want)
     );
 
-    // SwiGLU on a [rows, 2 * inter] gate|up buffer.
-    let inter = 96;
-    let gu = rng.vec(rows * 2 * inter, 4.0);
-    let (mut gate, mut up) = (Vec::new(), Vec::new());
-    for row in gu.chunks(2 * inter) {
-        gate.extend_from_slice(&row[..inter]);
-        up.extend_from_slice(&row[inter..]);
+    // SwiGLU on a [rows, 2 * inter] gate|up buffer: four columns a thread (96), and element by
+    // element (30, not a multiple of 4).
+    for inter in [96, 30] {
+        let gu = rng.vec(rows * 2 * inter, 4.0);
+        let (mut gate, mut up) = (Vec::new(), Vec::new());
+        for row in gu.chunks(2 * inter) {
+            gate.extend_from_slice(&row[..inter]);
+            up.extend_from_slice(&row[inter..]);
+        }
+        let mut want = vec![0f32; rows * inter];
+        cpu::silu_mul(&gate, &up, &mut want);
+        let dgu = g.upload(&gu).unwrap();
+        let mut dh = poisoned(&g, rows * inter, f32::NAN);
+        ops::silu_mul(&g, &dgu, &mut dh, rows, inter).unwrap();
+        let got = g.download(&dh, rows * inter).unwrap();
+        assert!(
+            rel_err(&got, &want) < 1e-6,
+            "silu_mul, inter {inter}: {}",
+            rel_err(&got, &want)
+        );
     }
-    let mut want = vec![0f32; rows * inter];
-    cpu::silu_mul(&gate, &up, &mut want);
-    let dgu = g.upload(&gu).unwrap();
-    let mut dh = poisoned(&g, rows * inter, f32::NAN);
-    ops::silu_mul(&g, &dgu, &mut dh, rows, inter).unwrap();
-    let got = g.download(&dh, rows * inter).unwrap();
-    assert!(
-        rel_err(&got, &want) < 1e-6,
-        "silu_mul: {}",
-        rel_err(&got, &want)
-    );
+}
+
+/// The MoE combine is each token's slots summed in slot order, `acc + w * row` rounded at each
+/// step (the CPU's arithmetic): bitwise, four columns a thread (hidden 96, 2,048) and element by
+/// element (hidden 30).
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn the_moe_combine_sums_each_tokens_slots_in_order() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    for (tokens, top_k, experts, hidden) in [(37, 8, 16, 96), (5, 8, 128, 2048), (20, 3, 7, 30)] {
+        let pairs = tokens * top_k;
+        let ids: Vec<i32> = (0..pairs).map(|_| rng.below(experts) as i32).collect();
+        let weights = rng.vec(pairs, 1.0);
+        let expert_out = rng.vec(pairs * hidden, 3.0);
+        let mut plan = MoePlan::new(&g, pairs, experts).unwrap();
+        plan.build(&g, &g.upload(&ids).unwrap(), tokens, top_k, experts)
+            .unwrap();
+        let slot_row = g.download(&plan.slot_row, pairs).unwrap();
+        let mut want = vec![0f32; tokens * hidden];
+        for t in 0..tokens {
+            for i in 0..hidden {
+                let mut acc = 0f32;
+                for s in 0..top_k {
+                    let row = slot_row[t * top_k + s] as usize;
+                    acc += weights[t * top_k + s] * expert_out[row * hidden + i];
+                }
+                want[t * hidden + i] = acc;
+            }
+        }
+        let mut y = poisoned(&g, tokens * hidden, f32::NAN);
+        let (dw, dout) = (g.upload(&weights).unwrap(), g.upload(&expert_out).unwrap());
+        ops::moe_combine(&g, &dout, &plan, &dw, &mut y, tokens, top_k, hidden).unwrap();
+        let got = g.download(&y, tokens * hidden).unwrap();
+        let same = got
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{tokens} tokens x {top_k} slots, hidden {hidden}");
+    }
 }
 
 /// Tensor-core attention against the CPU, split between the prefill and decode kernels as the

@@ -224,9 +224,11 @@ pub fn silu_mul(
     if n == 0 {
         return Ok(());
     }
+    // Four columns a thread (kernels/elementwise.cu; where inter is not a multiple of 4 the
+    // kernel walks the elements grid-stride).
     gpu.launch(
         Kernel::SiluMul,
-        (gpu.grid_for(n, BLOCK), 1, 1),
+        (gpu.grid_for(n.div_ceil(4), BLOCK), 1, 1),
         BLOCK,
         (gu, h, rows as u64, inter as i32),
     )
@@ -247,11 +249,11 @@ pub fn moe_combine(
     if tokens == 0 {
         return Ok(());
     }
-    // A block per token and 256 columns: at one token (decode) the columns' loads are all in
-    // flight at once instead of eight rounds of one block.
+    // A block per token and 1,024 columns (256 threads of four): at one token (decode) the
+    // columns' loads are all in flight at once instead of rounds of one block.
     gpu.launch(
         Kernel::MoeCombine,
-        (tokens as u32, hidden.div_ceil(256) as u32, 1),
+        (tokens as u32, hidden.div_ceil(1024) as u32, 1),
         256,
         (
             expert_out,

@@ -26,6 +26,10 @@ pub const ATTENTION_CHUNK_KEYS: usize = 128;
 const SPLIT_BELOW_BLOCKS: usize = 264;
 /// The most blocks one (row, KV head) splits into.
 const MAX_SPLITS: usize = 16;
+/// The most blocks a split launch has: eight an SM of an H200. A block takes the chunks z, z +
+/// splits, ... of its row, so at short contexts the blocks past a row's chunks return at once,
+/// and at long ones every block has a few chunks to walk.
+const SPLIT_GRID_BLOCKS: usize = 1056;
 /// The largest split-KV scratch a backend takes: 1 GiB of f32 chunk states (Qwen3-30B-A3B at
 /// 40,960 keys needs 346 MB for the 65 rows that split; FlashInfer's workspace under SGLang is
 /// of the same order).
@@ -63,14 +67,24 @@ impl DecodeSplit {
 
     /// Blocks per (row, KV head) [`decode_attention`] takes for `count` rows (1: no split).
     pub fn splits(&self, count: usize, s: AttnShape) -> usize {
-        let blocks = count * blocks_per_row(s);
-        if count > self.max_rows || blocks >= SPLIT_BELOW_BLOCKS {
+        if count > self.max_rows {
             return 1;
         }
-        // Rounded down: a launch of 256 blocks split in two measured 9% slower than unsplit (64
-        // rows x 512 keys, H200, 2026-12-02).
-        (SPLIT_BELOW_BLOCKS / blocks).min(MAX_SPLITS)
+        split_count(count, s)
     }
+}
+
+/// Blocks per (row, KV head) for a decode launch of `count` rows. Launches that split at all
+/// (under [`SPLIT_BELOW_BLOCKS`] blocks unsplit, rounded down: a launch of 256 blocks split in
+/// two measured 9% slower than unsplit, 64 rows x 512 keys, H200, 2026-12-02) split as far as
+/// [`SPLIT_GRID_BLOCKS`] allows: the count is fixed per row count (a recorded step keeps its
+/// grid), and the contexts it meets run from a few chunks to hundreds.
+fn split_count(count: usize, s: AttnShape) -> usize {
+    let blocks = (count * blocks_per_row(s)).max(1);
+    if SPLIT_BELOW_BLOCKS / blocks < 2 {
+        return 1;
+    }
+    (SPLIT_GRID_BLOCKS / blocks).min(MAX_SPLITS)
 }
 
 /// Unsplit blocks of [`decode_attention`] per row: one per KV head and 16 of its query heads.
@@ -85,13 +99,13 @@ fn chunk_states(s: AttnShape, max_context: usize) -> (usize, usize) {
     (max_chunks, s.heads * max_chunks * (s.head_dim + 2))
 }
 
-/// The rows [`DecodeSplit`] keeps chunk states for: every row count whose launch splits (fewer
-/// than [`SPLIT_BELOW_BLOCKS`] blocks), at most `max_rows`, within [`SPLIT_MAX_FLOATS`] at
-/// `max_context` keys. Sized by the row counts that split, not by the context alone: a 40,960-key
-/// server once kept room for 12 rows, so 16 long sequences ran 64 blocks on 132 SMs.
+/// The rows [`DecodeSplit`] keeps chunk states for: every row count whose launch splits
+/// ([`split_count`]), at most `max_rows`, within [`SPLIT_MAX_FLOATS`] at `max_context` keys.
+/// Sized by the row counts that split, not by the context alone: a 40,960-key server once kept
+/// room for 12 rows, so 16 long sequences ran 64 blocks on 132 SMs.
 fn split_rows(s: AttnShape, max_context: usize, max_rows: usize) -> usize {
     let (_, per_row) = chunk_states(s, max_context);
-    let splitting = (SPLIT_BELOW_BLOCKS - 1) / blocks_per_row(s);
+    let splitting = SPLIT_BELOW_BLOCKS / 2 / blocks_per_row(s);
     max_rows
         .min(splitting)
         .min(SPLIT_MAX_FLOATS / per_row.max(1))
@@ -360,13 +374,17 @@ mod tests {
 
     #[test]
     fn every_row_count_that_splits_has_room_at_a_servers_full_context() {
-        // A server of 256 sequences at the model's 40,960 keys: launches of up to 65 rows are
-        // under two waves of blocks and split, so the scratch holds 65 rows (346 MB), not the
-        // 12 that a 64 MiB cap left.
+        // A server of 256 sequences at the model's 40,960 keys: launches of up to 33 rows split,
+        // so the scratch holds 33 rows (176 MB), not the 12 that a 64 MiB cap once left.
         let rows = split_rows(QWEN3_MOE, 40_960, 256);
-        assert_eq!(rows, 65);
-        assert!(rows * blocks_per_row(QWEN3_MOE) < SPLIT_BELOW_BLOCKS);
-        assert!((rows + 1) * blocks_per_row(QWEN3_MOE) >= SPLIT_BELOW_BLOCKS);
+        assert_eq!(rows, 33);
+        for count in 1..=256 {
+            assert_eq!(
+                split_count(count, QWEN3_MOE) > 1,
+                count <= rows,
+                "{count} rows"
+            );
+        }
         // Fewer sequences than that: room for those only.
         assert_eq!(split_rows(QWEN3_MOE, 40_960, 16), 16);
         // Eight KV heads take 8 blocks a row, so launches of fewer rows split.
@@ -375,9 +393,29 @@ mod tests {
             kv_heads: 8,
             ..QWEN3_MOE
         };
-        assert_eq!(split_rows(wide, 4096, 256), 32);
+        assert_eq!(split_rows(wide, 4096, 256), 16);
+        assert!(split_count(16, wide) > 1 && split_count(17, wide) == 1);
         // A context whose chunk states for one row pass the cap gets no scratch.
         let huge = SPLIT_MAX_FLOATS / (QWEN3_MOE.heads * (QWEN3_MOE.head_dim + 2)) + 1;
         assert_eq!(split_rows(QWEN3_MOE, huge * ATTENTION_CHUNK_KEYS, 256), 0);
+    }
+
+    #[test]
+    fn split_launches_stay_within_their_grid_and_split_at_least_as_far_as_before() {
+        for count in 1..=33 {
+            let (blocks, splits) = (
+                count * blocks_per_row(QWEN3_MOE),
+                split_count(count, QWEN3_MOE),
+            );
+            assert!(blocks * splits <= SPLIT_GRID_BLOCKS, "{count} rows");
+            assert!((2..=MAX_SPLITS).contains(&splits), "{count} rows");
+            // The rule before 2026-12-04: as many splits as kept the grid under two waves.
+            assert!(
+                splits >= (SPLIT_BELOW_BLOCKS / blocks).min(MAX_SPLITS),
+                "{count} rows"
+            );
+        }
+        // One row (four blocks) takes every split there is.
+        assert_eq!(split_count(1, QWEN3_MOE), MAX_SPLITS);
     }
 }
