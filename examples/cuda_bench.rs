@@ -155,12 +155,29 @@ fn main() {
         );
         let token = |i: usize| ((i * 7919) % 150000) as u32;
 
-        // Prefill: N prompts of LEN tokens, 8192 tokens per step.
+        // Prefill: N prompts of LEN tokens, 8192 tokens per step (a longer prompt in chunks of
+        // 8192, as the server's chunked prefill takes it).
         let (pn, plen) = a.prefill;
         let prompts: Vec<Vec<u32>> = (0..pn)
             .map(|s| (0..plen).map(|i| token(s * plen + i)).collect())
             .collect();
         let run_prefill = |model: &mut CudaModel| {
+            if plen > 8192 {
+                for (s, prompt) in prompts.iter().enumerate() {
+                    for start in (0..plen).step_by(8192) {
+                        let end = (start + 8192).min(plen);
+                        let seq = SeqInput {
+                            tokens: &prompt[start..end],
+                            start_pos: start,
+                            block_table: &tables[s],
+                            logits_from: (end == plen).then_some(end - start - 1),
+                        };
+                        let batch = ForwardBatch { seqs: vec![seq] };
+                        model.forward(&batch).expect("prefill chunk");
+                    }
+                }
+                return;
+            }
             let per_step = (8192 / plen).max(1);
             for group in (0..pn).collect::<Vec<_>>().chunks(per_step) {
                 let batch = ForwardBatch {

@@ -423,14 +423,19 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 
 // Prefill: `tiles[2i]` = first row of tile i, `tiles[2i + 1]` = its row count (<= 64); the rows
 // are consecutive positions of one sequence. Grid (tiles, heads), 128 threads: warp w owns
-// query rows 16w..16w+15 of the tile.
+// query rows 16w..16w+15 of the tile. Blocks start in launch order (x fastest), and block
+// (x, y) takes the tiles from the last back, each over every head in turn: a sequence's later
+// tiles, which walk more keys, start first, and the last wave holds short tiles (2 x 2,048
+// rows: 736 -> 651 us, H200, 2026-12-04).
 template <int HD>
 __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache,
                                   const int* row_pos, const int* row_seq, const int* table_offsets,
                                   const int* block_tables, const int* tiles, int heads, int kv_heads,
                                   int block_size, float scale) {
-    int first = tiles[2 * blockIdx.x], count = tiles[2 * blockIdx.x + 1];
-    int h = blockIdx.y, kvh = h / (heads / kv_heads);
+    int at = blockIdx.y * gridDim.x + blockIdx.x;
+    int tile = gridDim.x - 1 - at / gridDim.y;
+    int first = tiles[2 * tile], count = tiles[2 * tile + 1];
+    int h = at % gridDim.y, kvh = h / (heads / kv_heads);
     int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
     int pos0 = row_pos[first];
     int r_lo = warp * 16 + g, r_hi = r_lo + 8;

@@ -24,8 +24,9 @@ pub const ATTENTION_CHUNK_KEYS: usize = 128;
 /// Decode launches of fewer blocks than this split over their keys: about two waves of an
 /// H200's 132 SMs.
 const SPLIT_BELOW_BLOCKS: usize = 264;
-/// The most blocks one (row, KV head) splits into.
-const MAX_SPLITS: usize = 16;
+/// The most blocks one (row, KV head) splits into: one row of 32,768 keys then walks 4 chunks a
+/// block over 256 blocks.
+const MAX_SPLITS: usize = 64;
 /// The most blocks a split launch has: eight an SM of an H200. A block takes the chunks z, z +
 /// splits, ... of its row, so at short contexts the blocks past a row's chunks return at once,
 /// and at long ones every block has a few chunks to walk.
