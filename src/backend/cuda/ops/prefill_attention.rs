@@ -21,8 +21,8 @@ const DECODE_THREADS: u32 = 128;
 const THREE_BLOCKS_PER_SM: usize = 3;
 /// Keys per chunk of the attention's merge order (kernels/prefill_attention.cu `FA_CHUNK`).
 pub const ATTENTION_CHUNK_KEYS: usize = 128;
-/// Decode launches of fewer blocks than this split over their keys: about two waves of an
-/// H200's 132 SMs.
+/// Decode launches split over their keys where two splits of every (row, KV head) stay within
+/// this many blocks (at most 132 unsplit: one wave of an H200's SMs); see [`split_count`].
 const SPLIT_BELOW_BLOCKS: usize = 264;
 /// The most blocks one (row, KV head) splits into: one row of 32,768 keys then walks 4 chunks a
 /// block over 256 blocks.
@@ -32,7 +32,7 @@ const MAX_SPLITS: usize = 64;
 /// and at long ones every block has a few chunks to walk.
 const SPLIT_GRID_BLOCKS: usize = 1056;
 /// The largest split-KV scratch a backend takes: 1 GiB of f32 chunk states (Qwen3-30B-A3B at
-/// 40,960 keys needs 346 MB for the 65 rows that split; FlashInfer's workspace under SGLang is
+/// 40,960 keys needs 176 MB for the 33 rows that split; FlashInfer's workspace under SGLang is
 /// of the same order).
 const SPLIT_MAX_FLOATS: usize = 1 << 28;
 
@@ -75,9 +75,9 @@ impl DecodeSplit {
     }
 }
 
-/// Blocks per (row, KV head) for a decode launch of `count` rows. Launches that split at all
-/// (under [`SPLIT_BELOW_BLOCKS`] blocks unsplit, rounded down: a launch of 256 blocks split in
-/// two measured 9% slower than unsplit, 64 rows x 512 keys, H200, 2026-12-02) split as far as
+/// Blocks per (row, KV head) for a decode launch of `count` rows. A launch splits where two
+/// splits fit in [`SPLIT_BELOW_BLOCKS`] (a launch of 256 blocks split in two measured 9% slower
+/// than unsplit, 64 rows x 512 keys, H200, 2026-12-02), and then as far as
 /// [`SPLIT_GRID_BLOCKS`] allows: the count is fixed per row count (a recorded step keeps its
 /// grid), and the contexts it meets run from a few chunks to hundreds.
 fn split_count(count: usize, s: AttnShape) -> usize {
