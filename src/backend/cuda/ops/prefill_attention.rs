@@ -81,11 +81,16 @@ impl DecodeSplit {
 /// [`SPLIT_GRID_BLOCKS`] allows: the count is fixed per row count (a recorded step keeps its
 /// grid), and the contexts it meets run from a few chunks to hundreds.
 fn split_count(count: usize, s: AttnShape) -> usize {
-    let blocks = (count * blocks_per_row(s)).max(1);
-    if SPLIT_BELOW_BLOCKS / blocks < 2 {
+    if count > splitting_rows(s) {
         return 1;
     }
-    (SPLIT_GRID_BLOCKS / blocks).min(MAX_SPLITS)
+    (SPLIT_GRID_BLOCKS / (count * blocks_per_row(s)).max(1)).min(MAX_SPLITS)
+}
+
+/// The most rows a decode launch splits at: two splits of each of their blocks within
+/// [`SPLIT_BELOW_BLOCKS`].
+fn splitting_rows(s: AttnShape) -> usize {
+    SPLIT_BELOW_BLOCKS / 2 / blocks_per_row(s)
 }
 
 /// Unsplit blocks of [`decode_attention`] per row: one per KV head and 16 of its query heads.
@@ -106,9 +111,8 @@ fn chunk_states(s: AttnShape, max_context: usize) -> (usize, usize) {
 /// room for 12 rows, so 16 long sequences ran 64 blocks on 132 SMs.
 fn split_rows(s: AttnShape, max_context: usize, max_rows: usize) -> usize {
     let (_, per_row) = chunk_states(s, max_context);
-    let splitting = SPLIT_BELOW_BLOCKS / 2 / blocks_per_row(s);
     max_rows
-        .min(splitting)
+        .min(splitting_rows(s))
         .min(SPLIT_MAX_FLOATS / per_row.max(1))
 }
 
