@@ -497,10 +497,6 @@ extern "C" __global__ void pack_gemm_operand(const float* x, int rows, int K, in
     }
 }
 
-// The 16-byte piece s of tile row r in shared memory: pieces swizzled by (r / 2) % 4, so the
-// 8 rows one ldmatrix matrix reads fall in distinct banks.
-__device__ __forceinline__ int a_piece(int r, int s) { return s ^ ((r >> 1) & 3); }
-
 #define TILE_TN 128   // columns per block: 4 warps of 32
 #define TILE_STAGES 3 // spans in flight
 #define TM_WIDE 64    // rows per wide tile (host: ops::gemm::GEMM_WIDE_TILE_ROWS)
@@ -1028,31 +1024,6 @@ __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const
 #define WG_W_STAGE (TILE_TN * 64)    // a span of 128 BF16 columns
 // The wgmma kernels' dynamic shared memory, 1024 (the swizzle's alignment) + WG_STAGES *
 // (WG_X_STAGE + WG_W_STAGE) bytes, is given by the host (kernels::WGMMA_SMEM_BYTES).
-
-// A K-major B operand in the 64-byte swizzle: 8-row groups 512 bytes apart (LBO unused).
-__device__ __forceinline__ u64 wgmma_desc_sw64(u32 smem_addr) {
-    return (u64)((smem_addr & 0x3FFFF) >> 4) | (1ull << 16) | ((u64)(512 >> 4) << 32) | (2ull << 62);
-}
-
-// d (m64nN, f32) += a (m64k16, BF16 from registers) * b (k16nN, BF16 in shared memory).
-__device__ __forceinline__ void wgmma_m64n64k16_rs(float* d, const u32* a, u64 desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-__device__ __forceinline__ void wgmma_m64n128k16_rs(float* d, const u32* a, u64 desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-
-// Keeps the compiler from touching v (a wgmma operand or accumulator) across this point.
-__device__ __forceinline__ void wgmma_hold(float& v) { asm volatile("" : "+f"(v)::"memory"); }
-__device__ __forceinline__ void wgmma_hold(u32& v) { asm volatile("" : "+r"(v)::"memory"); }
 
 template <int FMT>
 __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_index, const float* row_scale,

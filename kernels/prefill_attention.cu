@@ -27,6 +27,10 @@
 #define FA_LD (FA_MAX_HD + 8)  // padded rows: fragment loads spread over the banks
 #define DECODE_WARPS 4         // host: ops::prefill_attention::DECODE_THREADS / 32
 #define FA_CHUNK 128           // keys per chunk of the merge order (host: ATTENTION_CHUNK_KEYS)
+// 1: prefill attention of head_dim 128 on wgmma where the GPU has it (Hopper), 0: mma.sync.
+#ifndef FA_WGMMA
+#define FA_WGMMA 1
+#endif
 // A warp's running total of DW output column tiles (fa_attend): 16 rows x 8 DW columns.
 #define FA_TOT_FLOATS(DW) ((DW) * 4 * 32)
 
@@ -72,6 +76,179 @@ __device__ __forceinline__ void fa_merge_weights(float M, float m, float& a, flo
 }
 __device__ __forceinline__ float fa_merge(float total, float a, float part, float b) {
     return __fadd_rn(__fmul_rn(total, a), __fmul_rn(part, b));
+}
+
+// The warp's query rows as A fragments of the k16 steps of q.k (row-major 16 x HD: rows g and
+// g + 8, columns 2t (+ 1) and 2t + 8 (+ 9) of each step), pre-scaled and split into hi and lo
+// BF16 terms; rows that are not rows are zeros.
+template <int HD, bool HI>
+__device__ __forceinline__ void fa_q_fragments(const FaRows& r, float scale, int t, u32 (&qa_hi)[HD / 16][4],
+                                               u32 (&qa_lo)[HD / 16][4]) {
+#pragma unroll
+    for (int s = 0; s < HD / 16; s++) {
+        int c0 = s * 16 + 2 * t, c1 = c0 + 8;
+        auto ql = [&](int c) { return r.live_lo ? __fmul_rn(r.q_lo[c], scale) : 0.0f; };
+        auto qh = [&](int c) { return HI && r.live_hi ? __fmul_rn(r.q_hi[c], scale) : 0.0f; };
+        fa_split(ql(c0), ql(c0 + 1), qa_hi[s][0], qa_lo[s][0]);
+        fa_split(qh(c0), qh(c0 + 1), qa_hi[s][1], qa_lo[s][1]);
+        fa_split(ql(c1), ql(c1 + 1), qa_hi[s][2], qa_lo[s][2]);
+        fa_split(qh(c1), qh(c1 + 1), qa_hi[s][3], qa_lo[s][3]);
+    }
+}
+
+// The causal mask and the online softmax of one 64-key tile's scores s (C fragments: key
+// k0 + 8j + 2t + (i & 1), row g for i < 2, g + 8 for i >= 2), in place: s becomes the tile's
+// probabilities against the rows' new maxima m, l their running sums, and c the factor the
+// rows' output so far is scaled by. The quad (t = 0..3) shares each row.
+template <bool HI>
+__device__ __forceinline__ void fa_softmax(float (&s)[8][4], const FaRows& r, int k0, int t, float& m_lo, float& m_hi,
+                                           float& l_lo, float& l_hi, float& c_lo, float& c_hi) {
+    float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int key = k0 + j * 8 + 2 * t + i;
+            if (!r.live_lo || key > r.p_lo) s[j][i] = -INFINITY;
+            mx_lo = fmaxf(mx_lo, s[j][i]);
+            if constexpr (HI) {
+                if (!r.live_hi || key > r.p_hi) s[j][2 + i] = -INFINITY;
+                mx_hi = fmaxf(mx_hi, s[j][2 + i]);
+            }
+        }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
+        if constexpr (HI) mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
+    }
+    float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+    // A fully masked row so far keeps m = -inf: use 0 as the reference to avoid inf - inf.
+    float ref_lo = mn_lo == -INFINITY ? 0.0f : mn_lo, ref_hi = mn_hi == -INFINITY ? 0.0f : mn_hi;
+    c_lo = expf(__fsub_rn(m_lo, ref_lo));
+    c_hi = expf(__fsub_rn(m_hi, ref_hi));
+    float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            s[j][i] = expf(__fsub_rn(s[j][i], ref_lo));
+            sum_lo = __fadd_rn(sum_lo, s[j][i]);
+            if constexpr (HI) {
+                s[j][2 + i] = expf(__fsub_rn(s[j][2 + i], ref_hi));
+                sum_hi = __fadd_rn(sum_hi, s[j][2 + i]);
+            }
+        }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        sum_lo = __fadd_rn(sum_lo, __shfl_xor_sync(0xffffffffu, sum_lo, off));
+        if constexpr (HI) sum_hi = __fadd_rn(sum_hi, __shfl_xor_sync(0xffffffffu, sum_hi, off));
+    }
+    l_lo = __fmaf_rn(l_lo, c_lo, sum_lo);
+    l_hi = __fmaf_rn(l_hi, c_hi, sum_hi);
+    m_lo = mn_lo;
+    m_hi = mn_hi;
+}
+
+// The probabilities of key tiles (2kk, 2kk + 1) as the A fragment of P V's k16 step kk, split
+// into hi and lo BF16 terms (the C fragments of two n8 tiles are one k16 A fragment); without
+// HI the rows g + 8 are zeros.
+template <bool HI>
+__device__ __forceinline__ void fa_p_fragments(const float (&s)[8][4], int kk, u32 (&p_hi)[4], u32 (&p_lo)[4]) {
+    fa_split(s[2 * kk][0], s[2 * kk][1], p_hi[0], p_lo[0]);
+    fa_split(s[2 * kk + 1][0], s[2 * kk + 1][1], p_hi[2], p_lo[2]);
+    if constexpr (HI) {
+        fa_split(s[2 * kk][2], s[2 * kk][3], p_hi[1], p_lo[1]);
+        fa_split(s[2 * kk + 1][2], s[2 * kk + 1][3], p_hi[3], p_lo[3]);
+    } else {
+        p_hi[1] = p_lo[1] = p_hi[3] = p_lo[3] = 0u;
+    }
+}
+
+// The end of a chunk of FA_CHUNK keys (or of the last keys): with a split its state (o, m, l)
+// is stored for attention_merge, else it is merged into the running total (M, L and the output
+// rows or `tot`), or after the last chunk the normalized rows are written. The chunk's state
+// is then reset.
+template <int HD, int DW, bool HI, bool TOT_SHARED>
+__device__ __forceinline__ void fa_end_chunk(float (&o)[DW][4], const FaRows& r, int k0, bool more, int d0, int t,
+                                             int lane, int max_chunks, float* tot, float& m_lo, float& m_hi,
+                                             float& l_lo, float& l_hi, float& M_lo, float& M_hi, float& L_lo,
+                                             float& L_hi, bool& first_chunk) {
+    // C fragment: (g, 2t), (g, 2t + 1) of row lo, (g + 8, ...) of row hi.
+    int c = k0 / FA_CHUNK;
+    if (r.part_lo) {
+        if (c < max_chunks) {
+            float* pl = r.part_lo + (u64)c * (HD + 2);
+            float* ph = r.part_hi + (u64)c * (HD + 2);
+#pragma unroll
+            for (int d = 0; d < DW; d++) {
+                int col = (d0 + d) * 8 + 2 * t;
+                if (r.live_lo) {
+                    pl[col] = o[d][0];
+                    pl[col + 1] = o[d][1];
+                }
+                if (HI && r.live_hi) {
+                    ph[col] = o[d][2];
+                    ph[col + 1] = o[d][3];
+                }
+            }
+            if (d0 == 0 && t == 0) {
+                if (r.live_lo) {
+                    pl[HD] = m_lo;
+                    pl[HD + 1] = l_lo;
+                }
+                if (HI && r.live_hi) {
+                    ph[HD] = m_hi;
+                    ph[HD + 1] = l_hi;
+                }
+            }
+        }
+    } else {
+        // Merge the chunk into the total (the first chunk is the total).
+        float a_lo = 0.0f, b_lo = 1.0f, a_hi = 0.0f, b_hi = 1.0f;
+        if (first_chunk) {
+            M_lo = m_lo;
+            M_hi = m_hi;
+            L_lo = l_lo;
+            L_hi = l_hi;
+        } else {
+            fa_merge_weights(M_lo, m_lo, a_lo, b_lo);
+            fa_merge_weights(M_hi, m_hi, a_hi, b_hi);
+            L_lo = fa_merge(L_lo, a_lo, l_lo, b_lo);
+            L_hi = fa_merge(L_hi, a_hi, l_hi, b_hi);
+            M_lo = fmaxf(M_lo, m_lo);
+            M_hi = fmaxf(M_hi, m_hi);
+        }
+        float inv_lo = L_lo > 0.0f ? __fdiv_rn(1.0f, L_lo) : 0.0f;
+        float inv_hi = L_hi > 0.0f ? __fdiv_rn(1.0f, L_hi) : 0.0f;
+#pragma unroll
+        for (int d = 0; d < DW; d++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                int col = (d0 + d) * 8 + 2 * t + j;
+                // A live row's element: the running total (at `total`) merged with the
+                // chunk's, kept there, or normalized into the output after the last chunk.
+                auto merge = [&](bool live, float* total, float* out_at, float part, float a, float b,
+                                 float inv) {
+                    if (!live) return;
+                    float v = first_chunk ? part : fa_merge(*total, a, part, b);
+                    if (more) *total = v;
+                    else *out_at = __fmul_rn(v, inv);
+                };
+                float* tot_lo = TOT_SHARED ? tot + (4 * d + j) * 32 + lane : r.out_lo + col;
+                merge(r.live_lo, tot_lo, r.out_lo + col, o[d][j], a_lo, b_lo, inv_lo);
+                if constexpr (HI) {
+                    float* tot_hi = TOT_SHARED ? tot + (4 * d + 2 + j) * 32 + lane : r.out_hi + col;
+                    merge(r.live_hi, tot_hi, r.out_hi + col, o[d][2 + j], a_hi, b_hi, inv_hi);
+                }
+            }
+    }
+    first_chunk = false;
+    m_lo = m_hi = -INFINITY;
+    l_lo = l_hi = 0.0f;
+#pragma unroll
+    for (int d = 0; d < DW; d++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[d][i] = 0.0f;
 }
 
 // Attention of one warp's 16 query rows over the keys 0..=last_pos of one sequence and KV head,
@@ -146,16 +323,7 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 
     // Q fragments (A operand, row-major 16 x HD), split into hi and lo BF16 terms, pre-scaled.
     u32 qa_hi[KSTEPS][4], qa_lo[KSTEPS][4];
-#pragma unroll
-    for (int s = 0; s < KSTEPS; s++) {
-        int c0 = s * 16 + 2 * t, c1 = c0 + 8;
-        auto ql = [&](int c) { return r.live_lo ? __fmul_rn(r.q_lo[c], scale) : 0.0f; };
-        auto qh = [&](int c) { return HI && r.live_hi ? __fmul_rn(r.q_hi[c], scale) : 0.0f; };
-        fa_split(ql(c0), ql(c0 + 1), qa_hi[s][0], qa_lo[s][0]);
-        fa_split(qh(c0), qh(c0 + 1), qa_hi[s][1], qa_lo[s][1]);
-        fa_split(ql(c1), ql(c1 + 1), qa_hi[s][2], qa_lo[s][2]);
-        fa_split(qh(c1), qh(c1 + 1), qa_hi[s][3], qa_lo[s][3]);
-    }
+    fa_q_fragments<HD, HI>(r, scale, t, qa_hi, qa_lo);
 
     float o[DW][4];
 #pragma unroll
@@ -229,50 +397,8 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 #pragma unroll
             for (int j = 0; j < 8; j++) score(s[j], j);
         }
-        // Causal mask and the online softmax; the quad (t = 0..3) shares each row.
-        float mx_lo = -INFINITY, mx_hi = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                int key = k0 + j * 8 + 2 * t + i;
-                if (!r.live_lo || key > r.p_lo) s[j][i] = -INFINITY;
-                mx_lo = fmaxf(mx_lo, s[j][i]);
-                if constexpr (HI) {
-                    if (!r.live_hi || key > r.p_hi) s[j][2 + i] = -INFINITY;
-                    mx_hi = fmaxf(mx_hi, s[j][2 + i]);
-                }
-            }
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1) {
-            mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
-            if constexpr (HI) mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
-        }
-        float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
-        // A fully masked row so far keeps m = -inf: use 0 as the reference to avoid inf - inf.
-        float ref_lo = mn_lo == -INFINITY ? 0.0f : mn_lo, ref_hi = mn_hi == -INFINITY ? 0.0f : mn_hi;
-        float c_lo = expf(__fsub_rn(m_lo, ref_lo)), c_hi = expf(__fsub_rn(m_hi, ref_hi));
-        float sum_lo = 0.0f, sum_hi = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                s[j][i] = expf(__fsub_rn(s[j][i], ref_lo));
-                sum_lo = __fadd_rn(sum_lo, s[j][i]);
-                if constexpr (HI) {
-                    s[j][2 + i] = expf(__fsub_rn(s[j][2 + i], ref_hi));
-                    sum_hi = __fadd_rn(sum_hi, s[j][2 + i]);
-                }
-            }
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1) {
-            sum_lo = __fadd_rn(sum_lo, __shfl_xor_sync(0xffffffffu, sum_lo, off));
-            if constexpr (HI) sum_hi = __fadd_rn(sum_hi, __shfl_xor_sync(0xffffffffu, sum_hi, off));
-        }
-        l_lo = __fmaf_rn(l_lo, c_lo, sum_lo);
-        l_hi = __fmaf_rn(l_hi, c_hi, sum_hi);
-        m_lo = mn_lo;
-        m_hi = mn_hi;
+        float c_lo, c_hi;
+        fa_softmax<HI>(s, r, k0, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
         __syncthreads();  // every warp is done with ks: the next tile's K comes in under P V
         if (more) copy_tile(ks, k_cache, k_next);
         else cp_async_commit();  // an empty group keeps the count
@@ -292,14 +418,7 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
             u32 p_hi[4], p_lo[4];
-            fa_split(s[2 * kk][0], s[2 * kk][1], p_hi[0], p_lo[0]);
-            fa_split(s[2 * kk + 1][0], s[2 * kk + 1][1], p_hi[2], p_lo[2]);
-            if constexpr (HI) {
-                fa_split(s[2 * kk][2], s[2 * kk][3], p_hi[1], p_lo[1]);
-                fa_split(s[2 * kk + 1][2], s[2 * kk + 1][3], p_hi[3], p_lo[3]);
-            } else {
-                p_hi[1] = p_lo[1] = p_hi[3] = p_lo[3] = 0u;
-            }
+            fa_p_fragments<HI>(s, kk, p_hi, p_lo);
             // acc += p_hi v, then += p_lo v. Without rows g + 8 their accumulators start from zero
             // each time and are dropped (they stay zero), so they take no registers across tiles.
             auto pv = [&](float* acc, const u32* ph, const u32* pl, u32 b0, u32 b1) {
@@ -338,89 +457,162 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
         if (more) copy_tile(vs, v_cache, k_next);
         else cp_async_commit();
 
-        if (chunk_end || !more) {
-            // C fragment: (g, 2t), (g, 2t + 1) of row lo, (g + 8, ...) of row hi.
-            int c = k0 / FA_CHUNK;
-            if (r.part_lo) {
-                if (c < max_chunks) {
-                    float* pl = r.part_lo + (u64)c * (HD + 2);
-                    float* ph = r.part_hi + (u64)c * (HD + 2);
-#pragma unroll
-                    for (int d = 0; d < DW; d++) {
-                        int col = (d0 + d) * 8 + 2 * t;
-                        if (r.live_lo) {
-                            pl[col] = o[d][0];
-                            pl[col + 1] = o[d][1];
-                        }
-                        if (HI && r.live_hi) {
-                            ph[col] = o[d][2];
-                            ph[col + 1] = o[d][3];
-                        }
-                    }
-                    if (d0 == 0 && t == 0) {
-                        if (r.live_lo) {
-                            pl[HD] = m_lo;
-                            pl[HD + 1] = l_lo;
-                        }
-                        if (HI && r.live_hi) {
-                            ph[HD] = m_hi;
-                            ph[HD + 1] = l_hi;
-                        }
-                    }
-                }
-            } else {
-                // Merge the chunk into the total (the first chunk is the total).
-                float a_lo = 0.0f, b_lo = 1.0f, a_hi = 0.0f, b_hi = 1.0f;
-                if (first_chunk) {
-                    M_lo = m_lo;
-                    M_hi = m_hi;
-                    L_lo = l_lo;
-                    L_hi = l_hi;
-                } else {
-                    fa_merge_weights(M_lo, m_lo, a_lo, b_lo);
-                    fa_merge_weights(M_hi, m_hi, a_hi, b_hi);
-                    L_lo = fa_merge(L_lo, a_lo, l_lo, b_lo);
-                    L_hi = fa_merge(L_hi, a_hi, l_hi, b_hi);
-                    M_lo = fmaxf(M_lo, m_lo);
-                    M_hi = fmaxf(M_hi, m_hi);
-                }
-                float inv_lo = L_lo > 0.0f ? __fdiv_rn(1.0f, L_lo) : 0.0f;
-                float inv_hi = L_hi > 0.0f ? __fdiv_rn(1.0f, L_hi) : 0.0f;
-#pragma unroll
-                for (int d = 0; d < DW; d++)
-#pragma unroll
-                    for (int j = 0; j < 2; j++) {
-                        int col = (d0 + d) * 8 + 2 * t + j;
-                        // A live row's element: the running total (at `total`) merged with the
-                        // chunk's, kept there, or normalized into the output after the last chunk.
-                        auto merge = [&](bool live, float* total, float* out_at, float part, float a, float b,
-                                         float inv) {
-                            if (!live) return;
-                            float v = first_chunk ? part : fa_merge(*total, a, part, b);
-                            if (more) *total = v;
-                            else *out_at = __fmul_rn(v, inv);
-                        };
-                        float* tot_lo = TOT_SHARED ? tot + (4 * d + j) * 32 + lane : r.out_lo + col;
-                        merge(r.live_lo, tot_lo, r.out_lo + col, o[d][j], a_lo, b_lo, inv_lo);
-                        if constexpr (HI) {
-                            float* tot_hi = TOT_SHARED ? tot + (4 * d + 2 + j) * 32 + lane : r.out_hi + col;
-                            merge(r.live_hi, tot_hi, r.out_hi + col, o[d][2 + j], a_hi, b_hi, inv_hi);
-                        }
-                    }
-            }
-            first_chunk = false;
-            m_lo = m_hi = -INFINITY;
-            l_lo = l_hi = 0.0f;
-#pragma unroll
-            for (int d = 0; d < DW; d++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) o[d][i] = 0.0f;
-        }
+        if (chunk_end || !more)
+            fa_end_chunk<HD, DW, HI, TOT_SHARED>(o, r, k0, more, d0, t, lane, max_chunks, tot, m_lo, m_hi, l_lo, l_hi,
+                                                 M_lo, M_hi, L_lo, L_hi, first_chunk);
         k0 = k_next;
     }
     cp_async_wait<0>();
 }
 
+// ---- Prefill attention on warpgroup MMAs (Hopper, sm_90a; head_dim 128) ----
+//
+// fa_attend's arithmetic for a block of one warpgroup (the 4 warps of a 64-row prefill tile),
+// with each tile's q.k and P V issued as wgmma: S = q k^T as 2 x 8 m64n64k16 steps (hi then lo
+// of each k16 step of q, as fa_attend's score), O += P V as 2 x 4 m64n128k16 steps (hi then lo
+// of each 16 keys). wgmma's k16 steps give mma.sync's bits (examples/cuda_wgmma_probe.rs), and a
+// warp's 16 rows of a wgmma accumulator are laid out as its mma.sync C fragments (S: 8 key
+// tiles, O: 16 column tiles), so the softmax, the merges and every bit are fa_attend's: a
+// prefill row keeps the bits of the decode rows (cuda_attention tests them).
+//
+// K and V tiles lie in shared memory as 4 groups of 32 columns (64 bytes a key) in the
+// 64-byte swizzle: K is the K-major B operand of S (its k16 step s in group s / 2, 32 (s % 2)
+// bytes into the rows), V the N-major B operand of P V (keys 16kk.. of every group, the groups
+// 4,096 bytes apart).
+#define FA_WG_GROUP_BYTES (FA_KEYS * 64)
+#define FA_WG_TILE_BYTES (4 * FA_WG_GROUP_BYTES)
+// V's descriptor: groups of 32 columns FA_WG_GROUP_BYTES apart (the leading dimension).
+#ifndef FA_WG_V_DESC
+#define FA_WG_V_DESC(addr) wgmma_desc_sw64_mn(addr, FA_WG_GROUP_BYTES)
+#endif
+
+template <int HD>
+__device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
+                                const int* table, int kvh, int kv_heads, int block_size, float scale, float* tot) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert(HD == 128, "4 groups of 32 columns");
+    constexpr int KSTEPS = HD / 16, DW = HD / 8;
+    __shared__ __align__(1024) u8 kv_tiles[2 * FA_WG_TILE_BYTES];
+    int tid = threadIdx.x, lane = tid & 31, t = lane & 3;
+    u32 ks = (u32)__cvta_generic_to_shared(kv_tiles), vs = ks + FA_WG_TILE_BYTES;
+    u64 kv_width = (u64)kv_heads * HD;
+    int block_shift = __ffs(block_size) - 1;
+    // One 64-key tile into its swizzled groups (one cp.async group); keys past last_pos are
+    // zero. Thread tid copies the 16-byte piece tid % 16 of keys tid / 16 + 8i: its group and
+    // swizzled place are the same for every i (8 keys are 512 bytes).
+    int part = tid % 16, key0 = tid / 16;
+    u32 dst0 = (part / 4) * FA_WG_GROUP_BYTES + key0 * 64 + 16 * a_piece(key0, part % 4);
+    auto copy_tile = [&](u32 dst, const bf16_t* cache, int k0) {
+        int blocks[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int kpos = k0 + key0 + 8 * i;
+            blocks[i] = kpos <= last_pos ? table[kpos >> block_shift] : 0;
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int kpos = k0 + key0 + 8 * i;
+            bool live = kpos <= last_pos;
+            const bf16_t* src = cache;
+            if (live) {
+                src += (((u64)blocks[i] << block_shift) + (kpos & (block_size - 1))) * kv_width + (u64)kvh * HD + part * 8;
+            }
+            cp_async16_at(dst + dst0 + 512 * i, src, live);
+        }
+        cp_async_commit();
+    };
+    // This thread's copies are in and seen by the tensor cores' reads (async proxy), then the
+    // block's are.
+    auto tile_in = [&]() {
+        cp_async_wait<1>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+    };
+
+    u32 qa_hi[KSTEPS][4], qa_lo[KSTEPS][4];
+    fa_q_fragments<HD, true>(r, scale, t, qa_hi, qa_lo);
+    float o[DW][4];
+#pragma unroll
+    for (int d = 0; d < DW; d++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[d][i] = 0.0f;
+    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
+    float M_lo = -INFINITY, M_hi = -INFINITY, L_lo = 0.0f, L_hi = 0.0f;
+    bool first_chunk = true;
+    copy_tile(ks, k_cache, 0);
+    copy_tile(vs, v_cache, 0);
+    for (int k0 = 0; k0 <= last_pos;) {
+        int k_next = k0 + FA_KEYS;
+        bool chunk_end = k_next % FA_CHUNK == 0, more = k_next <= last_pos;
+        tile_in();  // this tile's K (its V may still be coming)
+
+        float s[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) s[j][i] = 0.0f;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int st = 0; st < KSTEPS; st++) {
+            u64 desc = wgmma_desc_sw64(ks + (st / 2) * FA_WG_GROUP_BYTES + 32 * (st % 2));
+            wgmma_m64n64k16_rs(&s[0][0], qa_hi[st], desc);
+            wgmma_m64n64k16_rs(&s[0][0], qa_lo[st], desc);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) wgmma_hold(s[j][i]);
+
+        float c_lo, c_hi;
+        fa_softmax<true>(s, r, k0, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
+        __syncthreads();  // every warp's S is done with ks: the next tile's K comes in under P V
+        if (more) copy_tile(ks, k_cache, k_next);
+        else cp_async_commit();  // an empty group keeps the count
+        tile_in();               // this tile's V
+#pragma unroll
+        for (int d = 0; d < DW; d++) {
+            o[d][0] = __fmul_rn(o[d][0], c_lo);
+            o[d][1] = __fmul_rn(o[d][1], c_lo);
+            o[d][2] = __fmul_rn(o[d][2], c_hi);
+            o[d][3] = __fmul_rn(o[d][3], c_hi);
+        }
+        u32 p_hi[4][4], p_lo[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) fa_p_fragments<true>(s, kk, p_hi[kk], p_lo[kk]);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            u64 desc = FA_WG_V_DESC(vs + kk * 16 * 64);
+            wgmma_m64n128k16_rs<1>(&o[0][0], p_hi[kk], desc);
+            wgmma_m64n128k16_rs<1>(&o[0][0], p_lo[kk], desc);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+        for (int d = 0; d < DW; d++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) wgmma_hold(o[d][i]);
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                wgmma_hold(p_hi[kk][i]);
+                wgmma_hold(p_lo[kk][i]);
+            }
+        __syncthreads();  // every warp's P V is done with vs
+        if (more) copy_tile(vs, v_cache, k_next);
+        else cp_async_commit();
+
+        if (chunk_end || !more)
+            fa_end_chunk<HD, DW, true, true>(o, r, k0, more, 0, t, lane, 0, tot, m_lo, m_hi, l_lo, l_hi, M_lo, M_hi,
+                                             L_lo, L_hi, first_chunk);
+        k0 = k_next;
+    }
+    cp_async_wait<0>();
+#endif
+}
 // Prefill: `tiles[2i]` = first row of tile i, `tiles[2i + 1]` = its row count (<= 64); the rows
 // are consecutive positions of one sequence. Grid (tiles, heads), 128 threads: warp w owns
 // query rows 16w..16w+15 of the tile. Blocks start in launch order (x fastest), and block
@@ -454,9 +646,16 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
     // The warps' running totals in dynamic shared memory (the host's Kernel::dynamic_smem gives 4 x
     // FA_TOT_FLOATS(HD / 8) floats: with the K and V tiles, more than 48 KB of static memory).
     extern __shared__ __align__(16) float fa_dynamic[];
-    fa_attend<HD, 128, HD / 8, true, true>(r, pos0 + count - 1, k_cache, v_cache,
-                                           block_tables + table_offsets[row_seq[first]], kvh, kv_heads, block_size,
-                                           scale, 0, 0, 1, 0, fa_dynamic + warp * FA_TOT_FLOATS(HD / 8));
+    const int* table = block_tables + table_offsets[row_seq[first]];
+    float* tot = fa_dynamic + warp * FA_TOT_FLOATS(HD / 8);
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (HD == 128 && FA_WGMMA) {
+        fa_attend_wgmma<HD>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size, scale, tot);
+        return;
+    }
+#endif
+    fa_attend<HD, 128, HD / 8, true, true>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size,
+                                           scale, 0, 0, 1, 0, tot);
 }
 
 // Decode: one query row per sequence. Grid (rows, kv_heads * passes, splits), 4 warps: the 16
