@@ -27,9 +27,10 @@
 #define FA_LD (FA_MAX_HD + 8)  // padded rows: fragment loads spread over the banks
 #define DECODE_WARPS 4         // host: ops::prefill_attention::DECODE_THREADS / 32
 #define FA_CHUNK 128           // keys per chunk of the merge order (host: ATTENTION_CHUNK_KEYS)
-// 1: prefill attention of head_dim 128 on wgmma where the GPU has it (Hopper), 0: mma.sync.
+// Prefill attention of head_dim 128 where the GPU has wgmma (Hopper): 0 on mma.sync as decode,
+// 1 on wgmma, 2 on wgmma with the next tile's scores under this tile's P V.
 #ifndef FA_WGMMA
-#define FA_WGMMA 1
+#define FA_WGMMA 2
 #endif
 // A warp's running total of DW output column tiles (fa_attend): 16 rows x 8 DW columns.
 #define FA_TOT_FLOATS(DW) ((DW) * 4 * 32)
@@ -486,23 +487,26 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 #define FA_WG_V_DESC(addr) wgmma_desc_sw64_mn(addr, FA_WG_GROUP_BYTES)
 #endif
 
-template <int HD>
-__device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
-                                const int* table, int kvh, int kv_heads, int block_size, float scale, float* tot) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    static_assert(HD == 128, "4 groups of 32 columns");
-    constexpr int KSTEPS = HD / 16, DW = HD / 8;
-    __shared__ __align__(1024) u8 kv_tiles[2 * FA_WG_TILE_BYTES];
-    int tid = threadIdx.x, lane = tid & 31, t = lane & 3;
-    u32 ks = (u32)__cvta_generic_to_shared(kv_tiles), vs = ks + FA_WG_TILE_BYTES;
-    u64 kv_width = (u64)kv_heads * HD;
-    int block_shift = __ffs(block_size) - 1;
-    // One 64-key tile into its swizzled groups (one cp.async group); keys past last_pos are
-    // zero. Thread tid copies the 16-byte piece tid % 16 of keys tid / 16 + 8i: its group and
-    // swizzled place are the same for every i (8 keys are 512 bytes).
-    int part = tid % 16, key0 = tid / 16;
-    u32 dst0 = (part / 4) * FA_WG_GROUP_BYTES + key0 * 64 + 16 * a_piece(key0, part % 4);
-    auto copy_tile = [&](u32 dst, const bf16_t* cache, int k0) {
+// One thread's share of copying 64-key tiles of K or V into their swizzled groups (one
+// cp.async group a tile); keys past last_pos are zero. Thread tid of 128 copies the 16-byte
+// piece tid % 16 of keys tid / 16 + 8i: its group and swizzled place are the same for every i
+// (8 keys are 512 bytes).
+struct FaTileCopy {
+    const int* table;
+    u64 kv_width, head_at;
+    int last_pos, block_size, block_shift, key0, part;
+    u32 dst0;
+    __device__ FaTileCopy(const int* table_, int last_pos_, int kvh, int kv_heads, int hd, int block_size_)
+        : table(table_), last_pos(last_pos_), block_size(block_size_) {
+        int tid = threadIdx.x;
+        kv_width = (u64)kv_heads * hd;
+        block_shift = __ffs(block_size) - 1;
+        key0 = tid / 16;
+        part = tid % 16;
+        head_at = (u64)kvh * hd + part * 8;
+        dst0 = (part / 4) * FA_WG_GROUP_BYTES + key0 * 64 + 16 * a_piece(key0, part % 4);
+    }
+    __device__ __forceinline__ void issue(u32 dst, const bf16_t* cache, int k0) const {
         int blocks[8];
 #pragma unroll
         for (int i = 0; i < 8; i++) {
@@ -514,20 +518,62 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
             int kpos = k0 + key0 + 8 * i;
             bool live = kpos <= last_pos;
             const bf16_t* src = cache;
-            if (live) {
-                src += (((u64)blocks[i] << block_shift) + (kpos & (block_size - 1))) * kv_width + (u64)kvh * HD + part * 8;
-            }
+            if (live) src += (((u64)blocks[i] << block_shift) + (kpos & (block_size - 1))) * kv_width + head_at;
             cp_async16_at(dst + dst0 + 512 * i, src, live);
         }
         cp_async_commit();
-    };
-    // This thread's copies are in and seen by the tensor cores' reads (async proxy), then the
-    // block's are.
-    auto tile_in = [&]() {
-        cp_async_wait<1>();
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-    };
+    }
+};
+
+// This thread's copies but the last `pending` groups are in and seen by the tensor cores'
+// reads (async proxy), then the block's are.
+template <int PENDING>
+__device__ __forceinline__ void fa_tiles_in() {
+    cp_async_wait<PENDING>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+}
+
+// d (m64n64, f32) += a (m64k16) * b (k16n64), both BF16 in shared memory, K-major.
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, u64 desc_a, u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+// O += P V for one tile, issued (not waited): the k16 steps of 16 keys in order, each hi then lo.
+__device__ __forceinline__ void fa_wg_pv(float (&o)[16][4], const u32 (&p_hi)[4][4], const u32 (&p_lo)[4][4], u32 vs) {
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        u64 desc = FA_WG_V_DESC(vs + kk * 16 * 64);
+        wgmma_m64n128k16_rs<1>(&o[0][0], p_hi[kk], desc);
+        wgmma_m64n128k16_rs<1>(&o[0][0], p_lo[kk], desc);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void fa_wg_scale(float (&o)[16][4], float c_lo, float c_hi) {
+#pragma unroll
+    for (int d = 0; d < 16; d++) {
+        o[d][0] = __fmul_rn(o[d][0], c_lo);
+        o[d][1] = __fmul_rn(o[d][1], c_lo);
+        o[d][2] = __fmul_rn(o[d][2], c_hi);
+        o[d][3] = __fmul_rn(o[d][3], c_hi);
+    }
+}
+
+template <int HD>
+__device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
+                                const int* table, int kvh, int kv_heads, int block_size, float scale, float* tot,
+                                u8* tiles) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert(HD == 128, "4 groups of 32 columns");
+    constexpr int KSTEPS = HD / 16, DW = HD / 8;
+    int lane = threadIdx.x & 31, t = lane & 3;
+    u32 ks = (u32)__cvta_generic_to_shared(tiles), vs = ks + FA_WG_TILE_BYTES;
+    FaTileCopy copy(table, last_pos, kvh, kv_heads, HD, block_size);
 
     u32 qa_hi[KSTEPS][4], qa_lo[KSTEPS][4];
     fa_q_fragments<HD, true>(r, scale, t, qa_hi, qa_lo);
@@ -539,12 +585,12 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
     float M_lo = -INFINITY, M_hi = -INFINITY, L_lo = 0.0f, L_hi = 0.0f;
     bool first_chunk = true;
-    copy_tile(ks, k_cache, 0);
-    copy_tile(vs, v_cache, 0);
+    copy.issue(ks, k_cache, 0);
+    copy.issue(vs, v_cache, 0);
     for (int k0 = 0; k0 <= last_pos;) {
         int k_next = k0 + FA_KEYS;
         bool chunk_end = k_next % FA_CHUNK == 0, more = k_next <= last_pos;
-        tile_in();  // this tile's K (its V may still be coming)
+        fa_tiles_in<1>();  // this tile's K (its V may still be coming)
 
         float s[8][4];
 #pragma unroll
@@ -568,27 +614,15 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
         float c_lo, c_hi;
         fa_softmax<true>(s, r, k0, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
         __syncthreads();  // every warp's S is done with ks: the next tile's K comes in under P V
-        if (more) copy_tile(ks, k_cache, k_next);
+        if (more) copy.issue(ks, k_cache, k_next);
         else cp_async_commit();  // an empty group keeps the count
-        tile_in();               // this tile's V
-#pragma unroll
-        for (int d = 0; d < DW; d++) {
-            o[d][0] = __fmul_rn(o[d][0], c_lo);
-            o[d][1] = __fmul_rn(o[d][1], c_lo);
-            o[d][2] = __fmul_rn(o[d][2], c_hi);
-            o[d][3] = __fmul_rn(o[d][3], c_hi);
-        }
+        fa_tiles_in<1>();        // this tile's V
+        fa_wg_scale(o, c_lo, c_hi);
         u32 p_hi[4][4], p_lo[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) fa_p_fragments<true>(s, kk, p_hi[kk], p_lo[kk]);
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            u64 desc = FA_WG_V_DESC(vs + kk * 16 * 64);
-            wgmma_m64n128k16_rs<1>(&o[0][0], p_hi[kk], desc);
-            wgmma_m64n128k16_rs<1>(&o[0][0], p_lo[kk], desc);
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        fa_wg_pv(o, p_hi, p_lo, vs);
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #pragma unroll
         for (int d = 0; d < DW; d++)
@@ -602,7 +636,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
                 wgmma_hold(p_lo[kk][i]);
             }
         __syncthreads();  // every warp's P V is done with vs
-        if (more) copy_tile(vs, v_cache, k_next);
+        if (more) copy.issue(vs, v_cache, k_next);
         else cp_async_commit();
 
         if (chunk_end || !more)
@@ -613,6 +647,147 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
     cp_async_wait<0>();
 #endif
 }
+
+// The same arithmetic with the next tile's scores computed while this tile's P V runs (as
+// FlashAttention-3 overlaps them): q's hi and lo terms lie in shared memory (the A operand of
+// S, freeing 64 registers for the next tile's scores), V has two buffers, and a tile's softmax
+// runs on the CUDA cores while the tensor cores sum the tile before. Every value is computed
+// by the same operations in the same order as fa_attend: the next tile's softmax starts from
+// a fresh chunk's state where the tile before ended a chunk, and the chunk is merged (from
+// its saved max and sum) once the tile's P V is done; the output's scale by the next tile's
+// factor comes after the P V it follows, as in fa_attend. `tiles`: q hi, q lo, K, V0, V1
+// (FA_WG_TILE_BYTES each).
+template <int HD>
+__device__ void fa_attend_wgmma_overlap(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
+                                        const int* table, int kvh, int kv_heads, int block_size, float scale,
+                                        float* tot, u8* tiles) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert(HD == 128, "4 groups of 32 columns");
+    constexpr int KSTEPS = HD / 16, DW = HD / 8;
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    u32 qs = (u32)__cvta_generic_to_shared(tiles), ks = qs + 2 * FA_WG_TILE_BYTES, vs0 = ks + FA_WG_TILE_BYTES;
+    FaTileCopy copy(table, last_pos, kvh, kv_heads, HD, block_size);
+    {
+        // This lane's q fragment words at their places in the swizzled groups: word i of step
+        // st is row g + 8 (i & 1), columns 16 st + 2t + 8 (i >> 1) (+ 1).
+        u32 qa_hi[KSTEPS][4], qa_lo[KSTEPS][4];
+        fa_q_fragments<HD, true>(r, scale, t, qa_hi, qa_lo);
+#pragma unroll
+        for (int st = 0; st < KSTEPS; st++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int row = warp * 16 + g + 8 * (i & 1), col = st * 16 + 2 * t + 8 * (i >> 1);
+                u32 at = qs + (col / 32) * FA_WG_GROUP_BYTES + row * 64 + 16 * a_piece(row, (col % 32) / 8) + (col % 8) * 2;
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(qa_hi[st][i]) : "memory");
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at + FA_WG_TILE_BYTES), "r"(qa_lo[st][i]) : "memory");
+            }
+    }
+    // S = q k^T of the tile in ks into s, issued (not waited): each k16 step hi then lo.
+    auto scores = [&](float (&s)[8][4]) {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) s[j][i] = 0.0f;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int st = 0; st < KSTEPS; st++) {
+            u32 step = (st / 2) * FA_WG_GROUP_BYTES + 32 * (st % 2);
+            u64 desc_k = wgmma_desc_sw64(ks + step);
+            wgmma_m64n64k16_ss(&s[0][0], wgmma_desc_sw64(qs + step), desc_k);
+            wgmma_m64n64k16_ss(&s[0][0], wgmma_desc_sw64(qs + FA_WG_TILE_BYTES + step), desc_k);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    };
+    auto hold_s = [&](float (&s)[8][4]) {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) wgmma_hold(s[j][i]);
+    };
+
+    float o[DW][4];
+#pragma unroll
+    for (int d = 0; d < DW; d++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[d][i] = 0.0f;
+    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
+    float M_lo = -INFINITY, M_hi = -INFINITY, L_lo = 0.0f, L_hi = 0.0f;
+    bool first_chunk = true;
+    // The first tile's scores and softmax; then the next tile's K comes in.
+    copy.issue(ks, k_cache, 0);
+    copy.issue(vs0, v_cache, 0);
+    fa_tiles_in<0>();  // K and V of the first tile (and every warp's q)
+    float s[8][4], c_lo, c_hi;
+    scores(s);
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    hold_s(s);
+    fa_softmax<true>(s, r, 0, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
+    __syncthreads();  // every warp's scores are done with ks
+    if (FA_KEYS <= last_pos) copy.issue(ks, k_cache, FA_KEYS);
+    else cp_async_commit();
+    // The tiles with a tile after them: the next tile's scores are issued before this tile's
+    // P V, and its softmax runs while the P V does.
+    int k0 = 0, buf = 0;
+    u32 p_hi[4][4], p_lo[4][4];
+    auto probabilities = [&]() {
+        fa_wg_scale(o, c_lo, c_hi);
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) fa_p_fragments<true>(s, kk, p_hi[kk], p_lo[kk]);
+    };
+    auto pv_done = [&]() {
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+        for (int d = 0; d < DW; d++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) wgmma_hold(o[d][i]);
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                wgmma_hold(p_hi[kk][i]);
+                wgmma_hold(p_lo[kk][i]);
+            }
+    };
+    for (; k0 + FA_KEYS <= last_pos; k0 += FA_KEYS, buf ^= 1) {
+        // Here: s holds this tile's probabilities, c its factor; ks the next tile's K (coming).
+        int k_next = k0 + FA_KEYS;
+        bool chunk_end = k_next % FA_CHUNK == 0;
+        // The next tile's V into the other buffer (its last P V is done in every warp).
+        copy.issue(vs0 + (buf ^ 1) * FA_WG_TILE_BYTES, v_cache, k_next);
+        fa_tiles_in<1>();  // the next tile's K and this tile's V
+        probabilities();
+        scores(s);  // the next tile's, then this tile's P V: the scores are done first
+        fa_wg_pv(o, p_hi, p_lo, vs0 + buf * FA_WG_TILE_BYTES);
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        hold_s(s);
+        __syncthreads();  // every warp's scores are done with ks: the tile after's K comes in
+        if (k_next + FA_KEYS <= last_pos) copy.issue(ks, k_cache, k_next + FA_KEYS);
+        else cp_async_commit();
+        // This chunk's max and sum: the next tile's softmax starts a new chunk after its end.
+        float cm_lo = m_lo, cm_hi = m_hi, cl_lo = l_lo, cl_hi = l_hi;
+        if (chunk_end) {
+            m_lo = m_hi = -INFINITY;
+            l_lo = l_hi = 0.0f;
+        }
+        fa_softmax<true>(s, r, k_next, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
+        pv_done();
+        if (chunk_end)
+            fa_end_chunk<HD, DW, true, true>(o, r, k0, true, 0, t, lane, 0, tot, cm_lo, cm_hi, cl_lo, cl_hi, M_lo,
+                                             M_hi, L_lo, L_hi, first_chunk);
+        __syncthreads();  // every warp's P V is done with this V buffer
+    }
+    // The last tile.
+    fa_tiles_in<0>();
+    probabilities();
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    fa_wg_pv(o, p_hi, p_lo, vs0 + buf * FA_WG_TILE_BYTES);
+    pv_done();
+    fa_end_chunk<HD, DW, true, true>(o, r, k0, false, 0, t, lane, 0, tot, m_lo, m_hi, l_lo, l_hi, M_lo, M_hi, L_lo,
+                                     L_hi, first_chunk);
+    cp_async_wait<0>();
+#endif
+}
+
 // Prefill: `tiles[2i]` = first row of tile i, `tiles[2i + 1]` = its row count (<= 64); the rows
 // are consecutive positions of one sequence. Grid (tiles, heads), 128 threads: warp w owns
 // query rows 16w..16w+15 of the tile. Blocks start in launch order (x fastest), and block
@@ -650,7 +825,16 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
     float* tot = fa_dynamic + warp * FA_TOT_FLOATS(HD / 8);
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if constexpr (HD == 128 && FA_WGMMA) {
-        fa_attend_wgmma<HD>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size, scale, tot);
+        // The tiles after the 4 warps' totals, 512-byte aligned for the swizzle (the host gives
+        // the room: kernels::prefill_attention_smem_bytes).
+        u8* after = reinterpret_cast<u8*>(fa_dynamic + 4 * FA_TOT_FLOATS(HD / 8));
+        u8* tiles = after + ((512 - ((u32)__cvta_generic_to_shared(after) & 511)) & 511);
+        if (FA_WGMMA == 2)
+            fa_attend_wgmma_overlap<HD>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size,
+                                        scale, tot, tiles);
+        else
+            fa_attend_wgmma<HD>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size, scale, tot,
+                                tiles);
         return;
     }
 #endif

@@ -89,10 +89,10 @@ impl Gpu {
             let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
             for &k in Kernel::ALL.iter().filter(|k| k.source() == source) {
                 let f = module.load_function(k.symbol())?;
-                if k.dynamic_smem() > 0 {
+                if k.dynamic_smem(arch) > 0 {
                     f.set_attribute(
                         sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        k.dynamic_smem() as i32,
+                        k.dynamic_smem(arch) as i32,
                     )?;
                 }
                 functions.insert(k, f);
@@ -155,7 +155,7 @@ impl Gpu {
         let mut raw = [Raw::U64(0); MAX_PARAMS];
         args.raw(self, &mut raw);
         let f = &self.functions[&kernel];
-        let smem = kernel.dynamic_smem();
+        let smem = kernel.dynamic_smem(self.arch);
         if self.pdl {
             return self.launch_dependent(f, grid, block, smem, &mut raw[..A::KINDS.len()]);
         }

@@ -311,23 +311,32 @@ kernels! {
 /// columns' span.
 pub const WGMMA_SMEM_BYTES: u32 = 1024 + 8 * (2 * 128 * 64 + 128 * 64);
 
-/// Dynamic shared memory of the prefill attention kernel for `head_dim`
+/// Dynamic shared memory of the prefill attention kernel for `head_dim` on `arch`
 /// (kernels/prefill_attention.cu): its 4 warps' running totals of 16 rows x `head_dim` f32
 /// (`FA_TOT_FLOATS`), which with the K and V tiles pass a block's 48 KB of static shared memory.
-pub const fn prefill_attention_smem_bytes(head_dim: u32) -> u32 {
-    4 * 16 * head_dim * 4
+/// Head_dim 128 on Hopper (wgmma, `fa_attend_wgmma_overlap`) adds its tiles: 512 bytes to align
+/// them for the 64-byte swizzle, then q's hi and lo terms, K and two V buffers of 64 rows x 128
+/// BF16 (112.5 KB in all: two blocks an SM).
+pub fn prefill_attention_smem_bytes(head_dim: u32, arch: &str) -> u32 {
+    let totals = 4 * 16 * head_dim * 4;
+    if head_dim == 128 && arch == "sm_90a" {
+        totals + 512 + 5 * 64 * 128 * 2
+    } else {
+        totals
+    }
 }
 
 impl Kernel {
-    /// The dynamic shared memory a launch gives it (its limit is raised to this on load).
-    pub fn dynamic_smem(self) -> u32 {
+    /// The dynamic shared memory a launch on `arch` gives it (its limit is raised to this on
+    /// load).
+    pub fn dynamic_smem(self, arch: &str) -> u32 {
         match self {
             Kernel::GroupedGemmWgmmaBf16
             | Kernel::GroupedGemmWgmmaMxfp8
             | Kernel::GroupedGemmWgmmaNvfp4 => WGMMA_SMEM_BYTES,
-            Kernel::PrefillAttentionHd32 => prefill_attention_smem_bytes(32),
-            Kernel::PrefillAttentionHd64 => prefill_attention_smem_bytes(64),
-            Kernel::PrefillAttentionHd128 => prefill_attention_smem_bytes(128),
+            Kernel::PrefillAttentionHd32 => prefill_attention_smem_bytes(32, arch),
+            Kernel::PrefillAttentionHd64 => prefill_attention_smem_bytes(64, arch),
+            Kernel::PrefillAttentionHd128 => prefill_attention_smem_bytes(128, arch),
             _ => 0,
         }
     }
