@@ -18,6 +18,9 @@
 // the batches too small to fill the GPU) and merged by attention_merge, with the bits of a
 // block that walks them all, as prefill does.
 //
+// On Hopper, prefill of head_dim 128 runs the same arithmetic on warpgroup MMAs
+// (fa_attend_wgmma), with the same bits.
+//
 // Needs head_dim 32, 64 or 128 and a power-of-two block size (the host checks; other shapes use
 // paged_attention for every row).
 
@@ -27,10 +30,10 @@
 #define FA_LD (FA_MAX_HD + 8)  // padded rows: fragment loads spread over the banks
 #define DECODE_WARPS 4         // host: ops::prefill_attention::DECODE_THREADS / 32
 #define FA_CHUNK 128           // keys per chunk of the merge order (host: ATTENTION_CHUNK_KEYS)
-// Prefill attention of head_dim 128 where the GPU has wgmma (Hopper): 0 on mma.sync as decode,
-// 1 on wgmma, 2 on wgmma with the next tile's scores under this tile's P V.
+// 1: prefill attention of head_dim 128 on wgmma where the GPU has it (Hopper: fa_attend_wgmma);
+// 0: on mma.sync, as decode (a kernel variant to compare them).
 #ifndef FA_WGMMA
-#define FA_WGMMA 2
+#define FA_WGMMA 1
 #endif
 // A warp's running total of DW output column tiles (fa_attend): 16 rows x 8 DW columns.
 #define FA_TOT_FLOATS(DW) ((DW) * 4 * 32)
@@ -474,12 +477,16 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 // of each 16 keys). wgmma's k16 steps give mma.sync's bits (examples/cuda_wgmma_probe.rs), and a
 // warp's 16 rows of a wgmma accumulator are laid out as its mma.sync C fragments (S: 8 key
 // tiles, O: 16 column tiles), so the softmax, the merges and every bit are fa_attend's: a
-// prefill row keeps the bits of the decode rows (cuda_attention tests them).
+// prefill row keeps the bits of the decode rows (cuda_attention and cuda_generate test them).
 //
-// K and V tiles lie in shared memory as 4 groups of 32 columns (64 bytes a key) in the
-// 64-byte swizzle: K is the K-major B operand of S (its k16 step s in group s / 2, 32 (s % 2)
-// bytes into the rows), V the N-major B operand of P V (keys 16kk.. of every group, the groups
-// 4,096 bytes apart).
+// q (its hi and lo terms), K and V tiles lie in shared memory as 4 groups of 32 columns (64
+// bytes a row) in the 64-byte swizzle: q and K are the K-major A and B operands of S (k16 step
+// s in group s / 2, 32 (s % 2) bytes into the rows), V the N-major B operand of P V (keys
+// 16kk.. of every group, the groups 4,096 bytes apart).
+//
+// H200, 2026-12-04, 2 x 2,048 prefill rows of Qwen3-30B-A3B: 657 us on mma.sync, 586 us on
+// wgmma one step after the other, 470 us with the next tile's scores under this tile's P V
+// (ncu: tensor pipe 32% busy, issue slots 48%, 202 registers, two blocks an SM).
 #define FA_WG_GROUP_BYTES (FA_KEYS * 64)
 #define FA_WG_TILE_BYTES (4 * FA_WG_GROUP_BYTES)
 // V's descriptor: groups of 32 columns FA_WG_GROUP_BYTES apart (the leading dimension).
@@ -554,6 +561,7 @@ __device__ __forceinline__ void fa_wg_pv(float (&o)[16][4], const u32 (&p_hi)[4]
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
+// The output so far scaled by the rows' factors c (fa_attend's rescale before P V).
 __device__ __forceinline__ void fa_wg_scale(float (&o)[16][4], float c_lo, float c_hi) {
 #pragma unroll
     for (int d = 0; d < 16; d++) {
@@ -564,103 +572,20 @@ __device__ __forceinline__ void fa_wg_scale(float (&o)[16][4], float c_lo, float
     }
 }
 
-template <int HD>
-__device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
-                                const int* table, int kvh, int kv_heads, int block_size, float scale, float* tot,
-                                u8* tiles) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    static_assert(HD == 128, "4 groups of 32 columns");
-    constexpr int KSTEPS = HD / 16, DW = HD / 8;
-    int lane = threadIdx.x & 31, t = lane & 3;
-    u32 ks = (u32)__cvta_generic_to_shared(tiles), vs = ks + FA_WG_TILE_BYTES;
-    FaTileCopy copy(table, last_pos, kvh, kv_heads, HD, block_size);
-
-    u32 qa_hi[KSTEPS][4], qa_lo[KSTEPS][4];
-    fa_q_fragments<HD, true>(r, scale, t, qa_hi, qa_lo);
-    float o[DW][4];
-#pragma unroll
-    for (int d = 0; d < DW; d++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) o[d][i] = 0.0f;
-    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
-    float M_lo = -INFINITY, M_hi = -INFINITY, L_lo = 0.0f, L_hi = 0.0f;
-    bool first_chunk = true;
-    copy.issue(ks, k_cache, 0);
-    copy.issue(vs, v_cache, 0);
-    for (int k0 = 0; k0 <= last_pos;) {
-        int k_next = k0 + FA_KEYS;
-        bool chunk_end = k_next % FA_CHUNK == 0, more = k_next <= last_pos;
-        fa_tiles_in<1>();  // this tile's K (its V may still be coming)
-
-        float s[8][4];
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) s[j][i] = 0.0f;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int st = 0; st < KSTEPS; st++) {
-            u64 desc = wgmma_desc_sw64(ks + (st / 2) * FA_WG_GROUP_BYTES + 32 * (st % 2));
-            wgmma_m64n64k16_rs(&s[0][0], qa_hi[st], desc);
-            wgmma_m64n64k16_rs(&s[0][0], qa_lo[st], desc);
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) wgmma_hold(s[j][i]);
-
-        float c_lo, c_hi;
-        fa_softmax<true>(s, r, k0, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
-        __syncthreads();  // every warp's S is done with ks: the next tile's K comes in under P V
-        if (more) copy.issue(ks, k_cache, k_next);
-        else cp_async_commit();  // an empty group keeps the count
-        fa_tiles_in<1>();        // this tile's V
-        fa_wg_scale(o, c_lo, c_hi);
-        u32 p_hi[4][4], p_lo[4][4];
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) fa_p_fragments<true>(s, kk, p_hi[kk], p_lo[kk]);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-        fa_wg_pv(o, p_hi, p_lo, vs);
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-        for (int d = 0; d < DW; d++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) wgmma_hold(o[d][i]);
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                wgmma_hold(p_hi[kk][i]);
-                wgmma_hold(p_lo[kk][i]);
-            }
-        __syncthreads();  // every warp's P V is done with vs
-        if (more) copy.issue(vs, v_cache, k_next);
-        else cp_async_commit();
-
-        if (chunk_end || !more)
-            fa_end_chunk<HD, DW, true, true>(o, r, k0, more, 0, t, lane, 0, tot, m_lo, m_hi, l_lo, l_hi, M_lo, M_hi,
-                                             L_lo, L_hi, first_chunk);
-        k0 = k_next;
-    }
-    cp_async_wait<0>();
-#endif
-}
-
-// The same arithmetic with the next tile's scores computed while this tile's P V runs (as
-// FlashAttention-3 overlaps them): q's hi and lo terms lie in shared memory (the A operand of
-// S, freeing 64 registers for the next tile's scores), V has two buffers, and a tile's softmax
-// runs on the CUDA cores while the tensor cores sum the tile before. Every value is computed
+// The walk over the keys overlaps a tile's softmax with the tile before's P V (as
+// FlashAttention-3 does): the next tile's scores are issued before this tile's P V and waited
+// for alone, so the softmax runs on the CUDA cores while the tensor cores sum. q lies in shared
+// memory (the A operand of S, leaving registers for the next tile's scores) and V has two
+// buffers, so the next tile's V comes in while this one's is summed. Every value is computed
 // by the same operations in the same order as fa_attend: the next tile's softmax starts from
 // a fresh chunk's state where the tile before ended a chunk, and the chunk is merged (from
 // its saved max and sum) once the tile's P V is done; the output's scale by the next tile's
 // factor comes after the P V it follows, as in fa_attend. `tiles`: q hi, q lo, K, V0, V1
 // (FA_WG_TILE_BYTES each).
 template <int HD>
-__device__ void fa_attend_wgmma_overlap(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
-                                        const int* table, int kvh, int kv_heads, int block_size, float scale,
-                                        float* tot, u8* tiles) {
+__device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
+                                const int* table, int kvh, int kv_heads, int block_size, float scale, float* tot,
+                                u8* tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(HD == 128, "4 groups of 32 columns");
     constexpr int KSTEPS = HD / 16, DW = HD / 8;
@@ -829,12 +754,8 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
         // the room: kernels::prefill_attention_smem_bytes).
         u8* after = reinterpret_cast<u8*>(fa_dynamic + 4 * FA_TOT_FLOATS(HD / 8));
         u8* tiles = after + ((512 - ((u32)__cvta_generic_to_shared(after) & 511)) & 511);
-        if (FA_WGMMA == 2)
-            fa_attend_wgmma_overlap<HD>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size,
-                                        scale, tot, tiles);
-        else
-            fa_attend_wgmma<HD>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size, scale, tot,
-                                tiles);
+        fa_attend_wgmma<HD>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size, scale, tot,
+                            tiles);
         return;
     }
 #endif
