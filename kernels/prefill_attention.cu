@@ -100,6 +100,15 @@ __device__ __forceinline__ void fa_q_fragments(const FaRows& r, float scale, int
     }
 }
 
+// A warp's output column tiles (C fragments) set to zero: a chunk's sum before its first tile.
+template <int DW>
+__device__ __forceinline__ void fa_clear(float (&o)[DW][4]) {
+#pragma unroll
+    for (int d = 0; d < DW; d++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[d][i] = 0.0f;
+}
+
 // The causal mask and the online softmax of one 64-key tile's scores s (C fragments: key
 // k0 + 8j + 2t + (i & 1), row g for i < 2, g + 8 for i >= 2), in place: s becomes the tile's
 // probabilities against the rows' new maxima m, l their running sums, and c the factor the
@@ -249,10 +258,7 @@ __device__ __forceinline__ void fa_end_chunk(float (&o)[DW][4], const FaRows& r,
     first_chunk = false;
     m_lo = m_hi = -INFINITY;
     l_lo = l_hi = 0.0f;
-#pragma unroll
-    for (int d = 0; d < DW; d++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) o[d][i] = 0.0f;
+    fa_clear(o);
 }
 
 // Attention of one warp's 16 query rows over the keys 0..=last_pos of one sequence and KV head,
@@ -330,10 +336,7 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
     fa_q_fragments<HD, HI>(r, scale, t, qa_hi, qa_lo);
 
     float o[DW][4];
-#pragma unroll
-    for (int d = 0; d < DW; d++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) o[d][i] = 0.0f;
+    fa_clear(o);
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
 
     // The running total over the chunks done (no split).
@@ -631,10 +634,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
     };
 
     float o[DW][4];
-#pragma unroll
-    for (int d = 0; d < DW; d++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) o[d][i] = 0.0f;
+    fa_clear(o);
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
     float M_lo = -INFINITY, M_hi = -INFINITY, L_lo = 0.0f, L_hi = 0.0f;
     bool first_chunk = true;
