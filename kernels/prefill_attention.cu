@@ -109,6 +109,21 @@ __device__ __forceinline__ void fa_clear(float (&o)[DW][4]) {
         for (int i = 0; i < 4; i++) o[d][i] = 0.0f;
 }
 
+// The output so far scaled by its rows' factors c, before a tile's P V (without HI the rows
+// g + 8 are not rows).
+template <bool HI, int DW>
+__device__ __forceinline__ void fa_scale(float (&o)[DW][4], float c_lo, float c_hi) {
+#pragma unroll
+    for (int d = 0; d < DW; d++) {
+        o[d][0] = __fmul_rn(o[d][0], c_lo);
+        o[d][1] = __fmul_rn(o[d][1], c_lo);
+        if constexpr (HI) {
+            o[d][2] = __fmul_rn(o[d][2], c_hi);
+            o[d][3] = __fmul_rn(o[d][3], c_hi);
+        }
+    }
+}
+
 // The causal mask and the online softmax of one 64-key tile's scores s (C fragments: key
 // k0 + 8j + 2t + (i & 1), row g for i < 2, g + 8 for i >= 2), in place: s becomes the tile's
 // probabilities against the rows' new maxima m, l their running sums, and c the factor the
@@ -411,15 +426,7 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
         else cp_async_commit();  // an empty group keeps the count
         cp_async_wait<1>();      // this tile's V is in
         __syncthreads();
-#pragma unroll
-        for (int d = 0; d < DW; d++) {
-            o[d][0] = __fmul_rn(o[d][0], c_lo);
-            o[d][1] = __fmul_rn(o[d][1], c_lo);
-            if constexpr (HI) {
-                o[d][2] = __fmul_rn(o[d][2], c_hi);
-                o[d][3] = __fmul_rn(o[d][3], c_hi);
-            }
-        }
+        fa_scale<HI>(o, c_lo, c_hi);
         // O += P V: the S accumulators of key tiles (2kk, 2kk + 1) are the A fragment of the
         // k16 step kk; V's B fragment pairs keys (2t, 2t + 1) and (2t + 8, 2t + 9) at column g.
 #pragma unroll
@@ -564,17 +571,6 @@ __device__ __forceinline__ void fa_wg_pv(float (&o)[16][4], const u32 (&p_hi)[4]
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
-// The output so far scaled by the rows' factors c (fa_attend's rescale before P V).
-__device__ __forceinline__ void fa_wg_scale(float (&o)[16][4], float c_lo, float c_hi) {
-#pragma unroll
-    for (int d = 0; d < 16; d++) {
-        o[d][0] = __fmul_rn(o[d][0], c_lo);
-        o[d][1] = __fmul_rn(o[d][1], c_lo);
-        o[d][2] = __fmul_rn(o[d][2], c_hi);
-        o[d][3] = __fmul_rn(o[d][3], c_hi);
-    }
-}
-
 // The walk over the keys overlaps a tile's softmax with the tile before's P V (as
 // FlashAttention-3 does): the next tile's scores are issued before this tile's P V and waited
 // for alone, so the softmax runs on the CUDA cores while the tensor cores sum. q lies in shared
@@ -655,7 +651,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
     int k0 = 0, buf = 0;
     u32 p_hi[4][4], p_lo[4][4];
     auto probabilities = [&]() {
-        fa_wg_scale(o, c_lo, c_hi);
+        fa_scale<true>(o, c_lo, c_hi);
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) fa_p_fragments<true>(s, kk, p_hi[kk], p_lo[kk]);
     };
