@@ -69,14 +69,25 @@ struct FaRows {
     bool live_lo, live_hi;
 };
 
+// e^x for the softmax and the chunk merges (x <= 0, or -inf): 2^(x log2 e) on the special
+// function unit (`ex2.approx.ftz`, relative error about 2^-22; results under 2^-126 are 0). Its
+// error is far below that of splitting p into hi and lo BF16 terms (2^-16), and it takes two
+// instructions where the accurate `expf` took eight (the wgmma walk issued 34 a thread a tile).
+// Every attention kernel calls it, so prefill and decode rows keep equal bits.
+__device__ __forceinline__ float fa_exp(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(__fmul_rn(x, 1.44269504088896341f)));
+    return y;
+}
+
 // The weights a (of the running total, max M) and b (of the next chunk, max m) of a merge: the
 // merged max is max(M, m), and L' = L a + l b, O' = O a + o b, products and sums rounded one by
 // one (never fused), the same in fa_attend and attention_merge. A chunk with no key at or before
 // the row (m = -inf, l = 0, o = 0) leaves the total exactly as it was (a = 1, b = 0).
 __device__ __forceinline__ void fa_merge_weights(float M, float m, float& a, float& b) {
     float mx = fmaxf(M, m), ref = mx == -INFINITY ? 0.0f : mx;
-    a = expf(__fsub_rn(M, ref));
-    b = expf(__fsub_rn(m, ref));
+    a = fa_exp(__fsub_rn(M, ref));
+    b = fa_exp(__fsub_rn(m, ref));
 }
 __device__ __forceinline__ float fa_merge(float total, float a, float part, float b) {
     return __fadd_rn(__fmul_rn(total, a), __fmul_rn(part, b));
@@ -131,18 +142,28 @@ __device__ __forceinline__ void fa_scale(float (&o)[DW][4], float c_lo, float c_
 template <bool HI>
 __device__ __forceinline__ void fa_softmax(float (&s)[8][4], const FaRows& r, int k0, int t, float& m_lo, float& m_hi,
                                            float& l_lo, float& l_hi, float& c_lo, float& c_hi) {
+    // Only a tile with a key past one of the lane's rows (the diagonal, or a row that is not a
+    // row) has anything to mask: the tiles below the diagonal skip the compares.
+    bool mask_lo = !r.live_lo || k0 + FA_KEYS - 1 > r.p_lo;
+    bool mask_hi = HI && (!r.live_hi || k0 + FA_KEYS - 1 > r.p_hi);
+    if (mask_lo || mask_hi) {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                int key = k0 + j * 8 + 2 * t + i;
+                if (!r.live_lo || key > r.p_lo) s[j][i] = -INFINITY;
+                if constexpr (HI)
+                    if (!r.live_hi || key > r.p_hi) s[j][2 + i] = -INFINITY;
+            }
+    }
     float mx_lo = -INFINITY, mx_hi = -INFINITY;
 #pragma unroll
     for (int j = 0; j < 8; j++)
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            int key = k0 + j * 8 + 2 * t + i;
-            if (!r.live_lo || key > r.p_lo) s[j][i] = -INFINITY;
             mx_lo = fmaxf(mx_lo, s[j][i]);
-            if constexpr (HI) {
-                if (!r.live_hi || key > r.p_hi) s[j][2 + i] = -INFINITY;
-                mx_hi = fmaxf(mx_hi, s[j][2 + i]);
-            }
+            if constexpr (HI) mx_hi = fmaxf(mx_hi, s[j][2 + i]);
         }
 #pragma unroll
     for (int off = 1; off < 4; off <<= 1) {
@@ -152,17 +173,17 @@ __device__ __forceinline__ void fa_softmax(float (&s)[8][4], const FaRows& r, in
     float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
     // A fully masked row so far keeps m = -inf: use 0 as the reference to avoid inf - inf.
     float ref_lo = mn_lo == -INFINITY ? 0.0f : mn_lo, ref_hi = mn_hi == -INFINITY ? 0.0f : mn_hi;
-    c_lo = expf(__fsub_rn(m_lo, ref_lo));
-    c_hi = expf(__fsub_rn(m_hi, ref_hi));
+    c_lo = fa_exp(__fsub_rn(m_lo, ref_lo));
+    c_hi = fa_exp(__fsub_rn(m_hi, ref_hi));
     float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; j++)
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            s[j][i] = expf(__fsub_rn(s[j][i], ref_lo));
+            s[j][i] = fa_exp(__fsub_rn(s[j][i], ref_lo));
             sum_lo = __fadd_rn(sum_lo, s[j][i]);
             if constexpr (HI) {
-                s[j][2 + i] = expf(__fsub_rn(s[j][2 + i], ref_hi));
+                s[j][2 + i] = fa_exp(__fsub_rn(s[j][2 + i], ref_hi));
                 sum_hi = __fadd_rn(sum_hi, s[j][2 + i]);
             }
         }
@@ -190,6 +211,52 @@ __device__ __forceinline__ void fa_p_fragments(const float (&s)[8][4], int kk, u
     } else {
         p_hi[1] = p_lo[1] = p_hi[3] = p_lo[3] = 0u;
     }
+}
+
+// A chunk's state (max m, sum l) merged into the running total's (M, L): the weights of the
+// total (a) and of the chunk (b) in the merge of their outputs, and the merged total's
+// normalizer 1 / L. The first chunk is the total.
+struct FaChunkWeights {
+    float a_lo, b_lo, a_hi, b_hi, inv_lo, inv_hi;
+};
+__device__ __forceinline__ FaChunkWeights fa_chunk_weights(float m_lo, float m_hi, float l_lo, float l_hi, float& M_lo,
+                                                           float& M_hi, float& L_lo, float& L_hi, bool first_chunk) {
+    FaChunkWeights w{0.0f, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f};
+    if (first_chunk) {
+        M_lo = m_lo;
+        M_hi = m_hi;
+        L_lo = l_lo;
+        L_hi = l_hi;
+    } else {
+        fa_merge_weights(M_lo, m_lo, w.a_lo, w.b_lo);
+        fa_merge_weights(M_hi, m_hi, w.a_hi, w.b_hi);
+        L_lo = fa_merge(L_lo, w.a_lo, l_lo, w.b_lo);
+        L_hi = fa_merge(L_hi, w.a_hi, l_hi, w.b_hi);
+        M_lo = fmaxf(M_lo, m_lo);
+        M_hi = fmaxf(M_hi, m_hi);
+    }
+    w.inv_lo = L_lo > 0.0f ? __fdiv_rn(1.0f, L_lo) : 0.0f;
+    w.inv_hi = L_hi > 0.0f ? __fdiv_rn(1.0f, L_hi) : 0.0f;
+    return w;
+}
+
+// One output element of a live row at a chunk's end: the running total merged with the chunk's
+// part, kept in `total` while more chunks follow, else normalized into `out`.
+__device__ __forceinline__ void fa_merge_element(float& total, float& out, float part, float a, float b, float inv,
+                                                 bool first_chunk, bool more) {
+    float v = first_chunk ? part : fa_merge(total, a, part, b);
+    if (more) total = v;
+    else out = __fmul_rn(v, inv);
+}
+
+// A new chunk's state after a chunk's end: no max, no sum, no output.
+template <int DW>
+__device__ __forceinline__ void fa_next_chunk(float (&o)[DW][4], float& m_lo, float& m_hi, float& l_lo, float& l_hi,
+                                              bool& first_chunk) {
+    first_chunk = false;
+    m_lo = m_hi = -INFINITY;
+    l_lo = l_hi = 0.0f;
+    fa_clear(o);
 }
 
 // The end of a chunk of FA_CHUNK keys (or of the last keys): with a split its state (o, m, l)
@@ -231,49 +298,45 @@ __device__ __forceinline__ void fa_end_chunk(float (&o)[DW][4], const FaRows& r,
             }
         }
     } else {
-        // Merge the chunk into the total (the first chunk is the total).
-        float a_lo = 0.0f, b_lo = 1.0f, a_hi = 0.0f, b_hi = 1.0f;
-        if (first_chunk) {
-            M_lo = m_lo;
-            M_hi = m_hi;
-            L_lo = l_lo;
-            L_hi = l_hi;
-        } else {
-            fa_merge_weights(M_lo, m_lo, a_lo, b_lo);
-            fa_merge_weights(M_hi, m_hi, a_hi, b_hi);
-            L_lo = fa_merge(L_lo, a_lo, l_lo, b_lo);
-            L_hi = fa_merge(L_hi, a_hi, l_hi, b_hi);
-            M_lo = fmaxf(M_lo, m_lo);
-            M_hi = fmaxf(M_hi, m_hi);
-        }
-        float inv_lo = L_lo > 0.0f ? __fdiv_rn(1.0f, L_lo) : 0.0f;
-        float inv_hi = L_hi > 0.0f ? __fdiv_rn(1.0f, L_hi) : 0.0f;
+        FaChunkWeights w = fa_chunk_weights(m_lo, m_hi, l_lo, l_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
 #pragma unroll
         for (int d = 0; d < DW; d++)
 #pragma unroll
             for (int j = 0; j < 2; j++) {
                 int col = (d0 + d) * 8 + 2 * t + j;
-                // A live row's element: the running total (at `total`) merged with the
-                // chunk's, kept there, or normalized into the output after the last chunk.
-                auto merge = [&](bool live, float* total, float* out_at, float part, float a, float b,
-                                 float inv) {
-                    if (!live) return;
-                    float v = first_chunk ? part : fa_merge(*total, a, part, b);
-                    if (more) *total = v;
-                    else *out_at = __fmul_rn(v, inv);
-                };
                 float* tot_lo = TOT_SHARED ? tot + (4 * d + j) * 32 + lane : r.out_lo + col;
-                merge(r.live_lo, tot_lo, r.out_lo + col, o[d][j], a_lo, b_lo, inv_lo);
+                if (r.live_lo) fa_merge_element(*tot_lo, r.out_lo[col], o[d][j], w.a_lo, w.b_lo, w.inv_lo, first_chunk, more);
                 if constexpr (HI) {
                     float* tot_hi = TOT_SHARED ? tot + (4 * d + 2 + j) * 32 + lane : r.out_hi + col;
-                    merge(r.live_hi, tot_hi, r.out_hi + col, o[d][2 + j], a_hi, b_hi, inv_hi);
+                    if (r.live_hi)
+                        fa_merge_element(*tot_hi, r.out_hi[col], o[d][2 + j], w.a_hi, w.b_hi, w.inv_hi, first_chunk,
+                                         more);
                 }
             }
     }
-    first_chunk = false;
-    m_lo = m_hi = -INFINITY;
-    l_lo = l_hi = 0.0f;
-    fa_clear(o);
+    fa_next_chunk(o, m_lo, m_hi, l_lo, l_hi, first_chunk);
+}
+
+// fa_end_chunk for the wgmma walk, which never splits: the running total in registers (`tot`,
+// in o's layout). Two blocks an SM leave a thread 255 registers, and the total in shared memory
+// cost a load and a store an element at each chunk's end.
+template <int DW>
+__device__ __forceinline__ void fa_end_chunk_regs(float (&o)[DW][4], float (&tot)[DW][4], const FaRows& r, bool more,
+                                                  int t, float& m_lo, float& m_hi, float& l_lo, float& l_hi,
+                                                  float& M_lo, float& M_hi, float& L_lo, float& L_hi,
+                                                  bool& first_chunk) {
+    FaChunkWeights w = fa_chunk_weights(m_lo, m_hi, l_lo, l_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
+#pragma unroll
+    for (int d = 0; d < DW; d++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            int col = d * 8 + 2 * t + j;
+            if (r.live_lo) fa_merge_element(tot[d][j], r.out_lo[col], o[d][j], w.a_lo, w.b_lo, w.inv_lo, first_chunk, more);
+            if (r.live_hi)
+                fa_merge_element(tot[d][2 + j], r.out_hi[col], o[d][2 + j], w.a_hi, w.b_hi, w.inv_hi, first_chunk,
+                                 more);
+        }
+    fa_next_chunk(o, m_lo, m_hi, l_lo, l_hi, first_chunk);
 }
 
 // Attention of one warp's 16 query rows over the keys 0..=last_pos of one sequence and KV head,
@@ -496,7 +559,10 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 //
 // H200, 2026-12-04, 2 x 2,048 prefill rows of Qwen3-30B-A3B: 657 us on mma.sync, 586 us on
 // wgmma one step after the other, 470 us with the next tile's scores under this tile's P V
-// (ncu: tensor pipe 32% busy, issue slots 48%, 202 registers, two blocks an SM).
+// (ncu: tensor pipe 32% busy, issue slots 48%, 202 registers, two blocks an SM), 367 us with
+// the exponentials on ex2, the totals in registers, K two tiles ahead and the block table
+// looked up once a tile (ncu: 124 M instructions where there were 213 M; 255 registers, 52
+// bytes spilled; bound by the latency of each warp's chains, eight warps an SM).
 #define FA_WG_GROUP_BYTES (FA_KEYS * 64)
 #define FA_WG_TILE_BYTES (4 * FA_WG_GROUP_BYTES)
 // V's descriptor: groups of 32 columns FA_WG_GROUP_BYTES apart (the leading dimension).
@@ -504,39 +570,55 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 #define FA_WG_V_DESC(addr) wgmma_desc_sw64_mn(addr, FA_WG_GROUP_BYTES)
 #endif
 
-// One thread's share of copying 64-key tiles of K or V into their swizzled groups (one
-// cp.async group a tile); keys past last_pos are zero. Thread tid of 128 copies the 16-byte
-// piece tid % 16 of keys tid / 16 + 8i: its group and swizzled place are the same for every i
-// (8 keys are 512 bytes).
+// Copies of 64-key tiles of K or V into their swizzled groups (one cp.async group a tile),
+// through lists of the tiles' cache rows in shared memory: the block table is looked up once
+// a tile, by the first 64 threads (a key each), for K and V alike, four tiles ahead of its
+// copies (the entry is loaded at the top of a tile's step and stored before its barrier). A
+// list holds key k's row at (k % 8) * 8 + k / 8 (-1 past last_pos: copied as zeros): thread
+// tid of 128 copies the 16-byte piece tid % 16 of keys tid / 16 + 8i, whose rows it reads as
+// two 16-byte words, and whose group and swizzled place are the same for every i (8 keys are
+// 512 bytes). Each key had cost a thread about 30 instructions of 64-bit address arithmetic
+// and a dependent table load; now about ten (2 x 2,048 rows: 432 -> 367 us, H200, 2026-12-04).
+#define FA_WG_ROWS_BYTES (FA_KEYS * 4)  // one tile's list of cache rows
 struct FaTileCopy {
     const int* table;
-    u64 kv_width, head_at;
-    int last_pos, block_size, block_shift, key0, part;
-    u32 dst0;
-    __device__ FaTileCopy(const int* table_, int last_pos_, int kvh, int kv_heads, int hd, int block_size_)
-        : table(table_), last_pos(last_pos_), block_size(block_size_) {
-        int tid = threadIdx.x;
-        kv_width = (u64)kv_heads * hd;
+    int last_pos, block_shift, block_mask;
+    u32 row_bytes, head_at, dst0, list_at;
+    __device__ FaTileCopy(const int* table_, int last_pos_, int kvh, int kv_heads, int hd, int block_size)
+        : table(table_), last_pos(last_pos_) {
+        int tid = threadIdx.x, key0 = tid / 16, part = tid % 16;
         block_shift = __ffs(block_size) - 1;
-        key0 = tid / 16;
-        part = tid % 16;
-        head_at = (u64)kvh * hd + part * 8;
+        block_mask = block_size - 1;
+        row_bytes = kv_heads * hd * 2;
+        head_at = (kvh * hd + part * 8) * 2;
         dst0 = (part / 4) * FA_WG_GROUP_BYTES + key0 * 64 + 16 * a_piece(key0, part % 4);
+        list_at = key0 * 32;
     }
-    __device__ __forceinline__ void issue(u32 dst, const bf16_t* cache, int k0) const {
-        int blocks[8];
+    // The block-table entry of this thread's key of the tile at k0 (threads 0..63; -1 past
+    // last_pos), and its cache row stored into the tile's list.
+    __device__ __forceinline__ int entry(int k0) const {
+        int kpos = k0 + (int)threadIdx.x;
+        return threadIdx.x < FA_KEYS && kpos <= last_pos ? table[kpos >> block_shift] : -1;
+    }
+    __device__ __forceinline__ void store(u32 list, int k0, int block) const {
+        int key = threadIdx.x;
+        if (key >= FA_KEYS) return;
+        int row = block < 0 ? -1 : (block << block_shift) + ((k0 + key) & block_mask);
+        asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(list + 4 * ((key % 8) * 8 + key / 8)), "r"(row) : "memory");
+    }
+    __device__ __forceinline__ void issue(u32 dst, const bf16_t* cache, u32 list) const {
+        int rows[8];
+        asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(rows[0]), "=r"(rows[1]), "=r"(rows[2]), "=r"(rows[3])
+                     : "r"(list + list_at));
+        asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(rows[4]), "=r"(rows[5]), "=r"(rows[6]), "=r"(rows[7])
+                     : "r"(list + list_at + 16));
+        const u8* base = reinterpret_cast<const u8*>(cache) + head_at;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            int kpos = k0 + key0 + 8 * i;
-            blocks[i] = kpos <= last_pos ? table[kpos >> block_shift] : 0;
-        }
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            int kpos = k0 + key0 + 8 * i;
-            bool live = kpos <= last_pos;
-            const bf16_t* src = cache;
-            if (live) src += (((u64)blocks[i] << block_shift) + (kpos & (block_size - 1))) * kv_width + head_at;
-            cp_async16_at(dst + dst0 + 512 * i, src, live);
+            bool live = rows[i] >= 0;
+            cp_async16_at(dst + dst0 + 512 * i, base + (u64)(u32)(live ? rows[i] : 0) * row_bytes, live);
         }
         cp_async_commit();
     }
@@ -574,22 +656,26 @@ __device__ __forceinline__ void fa_wg_pv(float (&o)[16][4], const u32 (&p_hi)[4]
 // The walk over the keys overlaps a tile's softmax with the tile before's P V (as
 // FlashAttention-3 does): the next tile's scores are issued before this tile's P V and waited
 // for alone, so the softmax runs on the CUDA cores while the tensor cores sum. q lies in shared
-// memory (the A operand of S, leaving registers for the next tile's scores) and V has two
-// buffers, so the next tile's V comes in while this one's is summed. Every value is computed
+// memory (the A operand of S, leaving registers for the next tile's scores), and K and V have
+// two buffers each: a tile's K is copied two tiles ahead, as soon as the scores of the tile
+// before it in its buffer are done, and the next tile's V while this one's is summed (with one
+// K buffer the copy of the next tile's K had only a softmax's time to arrive). Every value is computed
 // by the same operations in the same order as fa_attend: the next tile's softmax starts from
 // a fresh chunk's state where the tile before ended a chunk, and the chunk is merged (from
 // its saved max and sum) once the tile's P V is done; the output's scale by the next tile's
-// factor comes after the P V it follows, as in fa_attend. `tiles`: q hi, q lo, K, V0, V1
-// (FA_WG_TILE_BYTES each).
+// factor comes after the P V it follows, as in fa_attend. `tiles`: q hi, q lo, K0, K1, V0, V1
+// (FA_WG_TILE_BYTES each; tile n's K and V in buffer n % 2), then four tiles' lists of cache
+// rows (FaTileCopy; tile n's in list n % 4).
 template <int HD>
 __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
-                                const int* table, int kvh, int kv_heads, int block_size, float scale, float* tot,
-                                u8* tiles) {
+                                const int* table, int kvh, int kv_heads, int block_size, float scale, u8* tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(HD == 128, "4 groups of 32 columns");
     constexpr int KSTEPS = HD / 16, DW = HD / 8;
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    u32 qs = (u32)__cvta_generic_to_shared(tiles), ks = qs + 2 * FA_WG_TILE_BYTES, vs0 = ks + FA_WG_TILE_BYTES;
+    u32 qs = (u32)__cvta_generic_to_shared(tiles), ks0 = qs + 2 * FA_WG_TILE_BYTES, vs0 = ks0 + 2 * FA_WG_TILE_BYTES;
+    u32 lists = vs0 + 2 * FA_WG_TILE_BYTES;
+    auto list = [&](int k0) { return lists + (k0 / FA_KEYS) % 4 * FA_WG_ROWS_BYTES; };
     FaTileCopy copy(table, last_pos, kvh, kv_heads, HD, block_size);
     {
         // This lane's q fragment words at their places in the swizzled groups: word i of step
@@ -606,8 +692,8 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
                 asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at + FA_WG_TILE_BYTES), "r"(qa_lo[st][i]) : "memory");
             }
     }
-    // S = q k^T of the tile in ks into s, issued (not waited): each k16 step hi then lo.
-    auto scores = [&](float (&s)[8][4]) {
+    // S = q k^T of the tile whose K is in ks into s, issued (not waited): each k16 step hi then lo.
+    auto scores = [&](float (&s)[8][4], u32 ks) {
 #pragma unroll
         for (int j = 0; j < 8; j++)
 #pragma unroll
@@ -629,26 +715,31 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
             for (int i = 0; i < 4; i++) wgmma_hold(s[j][i]);
     };
 
-    float o[DW][4];
+    float o[DW][4], tot[DW][4];  // this chunk's output, and the total of the chunks before
     fa_clear(o);
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
     float M_lo = -INFINITY, M_hi = -INFINITY, L_lo = 0.0f, L_hi = 0.0f;
     bool first_chunk = true;
-    // The first tile's scores and softmax; then the next tile's K comes in.
-    copy.issue(ks, k_cache, 0);
-    copy.issue(vs0, v_cache, 0);
-    fa_tiles_in<0>();  // K and V of the first tile (and every warp's q)
+    // The first tile's scores and softmax; K of the two tiles after it comes in.
+#pragma unroll
+    for (int k = 0; k < 4 * FA_KEYS; k += FA_KEYS) copy.store(list(k), k, copy.entry(k));
+    __syncthreads();  // the first four tiles' lists
+    copy.issue(ks0, k_cache, list(0));
+    copy.issue(vs0, v_cache, list(0));
+    if (FA_KEYS <= last_pos) copy.issue(ks0 + FA_WG_TILE_BYTES, k_cache, list(FA_KEYS));
+    else cp_async_commit();
+    fa_tiles_in<1>();  // K and V of the first tile (and every warp's q)
     float s[8][4], c_lo, c_hi;
-    scores(s);
+    scores(s, ks0);
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     hold_s(s);
     fa_softmax<true>(s, r, 0, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
-    __syncthreads();  // every warp's scores are done with ks
-    if (FA_KEYS <= last_pos) copy.issue(ks, k_cache, FA_KEYS);
+    __syncthreads();  // every warp's scores are done with the first K buffer
+    if (2 * FA_KEYS <= last_pos) copy.issue(ks0, k_cache, list(2 * FA_KEYS));
     else cp_async_commit();
     // The tiles with a tile after them: the next tile's scores are issued before this tile's
     // P V, and its softmax runs while the P V does.
-    int k0 = 0, buf = 0;
+    int k0 = 0, buf = 0;  // buf: this tile's K and V buffer
     u32 p_hi[4][4], p_lo[4][4];
     auto probabilities = [&]() {
         fa_scale<true>(o, c_lo, c_hi);
@@ -670,19 +761,23 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
             }
     };
     for (; k0 + FA_KEYS <= last_pos; k0 += FA_KEYS, buf ^= 1) {
-        // Here: s holds this tile's probabilities, c its factor; ks the next tile's K (coming).
+        // Here: s holds this tile's probabilities, c its factor; the next two tiles' K are
+        // coming (the next one's issued two tiles back).
         int k_next = k0 + FA_KEYS;
         bool chunk_end = k_next % FA_CHUNK == 0;
+        u32 ks_next = ks0 + (buf ^ 1) * FA_WG_TILE_BYTES;
+        int entry = copy.entry(k0 + 4 * FA_KEYS);  // stored in the list this tile is done with
         // The next tile's V into the other buffer (its last P V is done in every warp).
-        copy.issue(vs0 + (buf ^ 1) * FA_WG_TILE_BYTES, v_cache, k_next);
-        fa_tiles_in<1>();  // the next tile's K and this tile's V
+        copy.issue(vs0 + (buf ^ 1) * FA_WG_TILE_BYTES, v_cache, list(k_next));
+        fa_tiles_in<2>();  // the next tile's K and this tile's V (not the K after, nor that V)
         probabilities();
-        scores(s);  // the next tile's, then this tile's P V: the scores are done first
+        scores(s, ks_next);  // the next tile's, then this tile's P V: the scores are done first
         fa_wg_pv(o, p_hi, p_lo, vs0 + buf * FA_WG_TILE_BYTES);
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         hold_s(s);
-        __syncthreads();  // every warp's scores are done with ks: the tile after's K comes in
-        if (k_next + FA_KEYS <= last_pos) copy.issue(ks, k_cache, k_next + FA_KEYS);
+        copy.store(list(k0), k0 + 4 * FA_KEYS, entry);
+        __syncthreads();  // every warp's scores are done with ks_next: the K two tiles on comes in
+        if (k_next + 2 * FA_KEYS <= last_pos) copy.issue(ks_next, k_cache, list(k_next + 2 * FA_KEYS));
         else cp_async_commit();
         // This chunk's max and sum: the next tile's softmax starts a new chunk after its end.
         float cm_lo = m_lo, cm_hi = m_hi, cl_lo = l_lo, cl_hi = l_hi;
@@ -693,8 +788,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
         fa_softmax<true>(s, r, k_next, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
         pv_done();
         if (chunk_end)
-            fa_end_chunk<HD, DW, true, true>(o, r, k0, true, 0, t, lane, 0, tot, cm_lo, cm_hi, cl_lo, cl_hi, M_lo,
-                                             M_hi, L_lo, L_hi, first_chunk);
+            fa_end_chunk_regs(o, tot, r, true, t, cm_lo, cm_hi, cl_lo, cl_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
         __syncthreads();  // every warp's P V is done with this V buffer
     }
     // The last tile.
@@ -703,8 +797,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
     fa_wg_pv(o, p_hi, p_lo, vs0 + buf * FA_WG_TILE_BYTES);
     pv_done();
-    fa_end_chunk<HD, DW, true, true>(o, r, k0, false, 0, t, lane, 0, tot, m_lo, m_hi, l_lo, l_hi, M_lo, M_hi, L_lo,
-                                     L_hi, first_chunk);
+    fa_end_chunk_regs(o, tot, r, false, t, m_lo, m_hi, l_lo, l_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
     cp_async_wait<0>();
 #endif
 }
@@ -739,22 +832,21 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
     r.out_lo = out + at_lo;
     r.out_hi = out + at_hi;
     r.part_lo = r.part_hi = nullptr;
-    // The warps' running totals in dynamic shared memory (the host's Kernel::dynamic_smem gives 4 x
-    // FA_TOT_FLOATS(HD / 8) floats: with the K and V tiles, more than 48 KB of static memory).
+    // Dynamic shared memory (kernels::prefill_attention_smem_bytes): the warps' running totals
+    // (4 x FA_TOT_FLOATS(HD / 8) floats: with the K and V tiles, more than 48 KB of static
+    // memory), or on Hopper at head_dim 128 the wgmma walk's tiles, 512-byte aligned for the
+    // swizzle (its totals are in registers).
     extern __shared__ __align__(16) float fa_dynamic[];
     const int* table = block_tables + table_offsets[row_seq[first]];
-    float* tot = fa_dynamic + warp * FA_TOT_FLOATS(HD / 8);
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if constexpr (HD == 128 && FA_WGMMA) {
-        // The tiles after the 4 warps' totals, 512-byte aligned for the swizzle (the host gives
-        // the room: kernels::prefill_attention_smem_bytes).
-        u8* after = reinterpret_cast<u8*>(fa_dynamic + 4 * FA_TOT_FLOATS(HD / 8));
-        u8* tiles = after + ((512 - ((u32)__cvta_generic_to_shared(after) & 511)) & 511);
-        fa_attend_wgmma<HD>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size, scale, tot,
-                            tiles);
+        u8* base = reinterpret_cast<u8*>(fa_dynamic);
+        u8* tiles = base + ((512 - ((u32)__cvta_generic_to_shared(base) & 511)) & 511);
+        fa_attend_wgmma<HD>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size, scale, tiles);
         return;
     }
 #endif
+    float* tot = fa_dynamic + warp * FA_TOT_FLOATS(HD / 8);
     fa_attend<HD, 128, HD / 8, true, true>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size,
                                            scale, 0, 0, 1, 0, tot);
 }
