@@ -339,6 +339,51 @@ __device__ __forceinline__ void fa_end_chunk_regs(float (&o)[DW][4], float (&tot
     fa_next_chunk(o, m_lo, m_hi, l_lo, l_hi, first_chunk);
 }
 
+// Block-table lookups a 64-key tile at a time, shared by the tile's K and V copies: the first
+// 64 threads of a block look up a key each and store its cache row (-1 past last_pos: copied
+// as zeros) into the tile's list in shared memory. A thread that copies the keys key0, key0 +
+// KEY_STEP, ... finds their rows side by side (key k at (k % KEY_STEP) * (FA_KEYS / KEY_STEP) +
+// k / KEY_STEP) and reads them in one or two loads. The table entry is loaded well before it is
+// stored, so its latency hides. Per key a copy had cost a thread a dependent table load and
+// about 30 instructions of 64-bit address arithmetic (prefill on wgmma, H200, 2026-12-04: 2 x
+// 2,048 rows 432 -> 367 us).
+template <int KEY_STEP>
+struct FaRowList {
+    static constexpr int PER_THREAD = FA_KEYS / KEY_STEP;
+    const int* table;
+    int last_pos, block_shift, block_mask;
+    __device__ FaRowList(const int* table_, int last_pos_, int block_size)
+        : table(table_), last_pos(last_pos_), block_shift(__ffs(block_size) - 1), block_mask(block_size - 1) {}
+    // This thread's table entry of the tile at k0 (threads 0..63; -1 past last_pos).
+    __device__ __forceinline__ int entry(int k0) const {
+        int kpos = k0 + (int)threadIdx.x;
+        return threadIdx.x < FA_KEYS && kpos <= last_pos ? table[kpos >> block_shift] : -1;
+    }
+    // Its key's cache row, stored into the tile's list (at shared address `list`).
+    __device__ __forceinline__ void store(u32 list, int k0, int block) const {
+        int key = threadIdx.x;
+        if (key >= FA_KEYS) return;
+        int row = block < 0 ? -1 : (block << block_shift) + ((k0 + key) & block_mask);
+        asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(list + 4 * ((key % KEY_STEP) * PER_THREAD + key / KEY_STEP)),
+                     "r"(row)
+                     : "memory");
+    }
+    // The rows of keys key0 + KEY_STEP i of the tile whose list is at `list`.
+    __device__ __forceinline__ void rows(u32 list, int key0, int (&out)[PER_THREAD]) const {
+        static_assert(PER_THREAD == 2 || PER_THREAD % 4 == 0, "whole loads");
+        u32 at = list + key0 * PER_THREAD * 4;
+        if constexpr (PER_THREAD == 2) {
+            asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(out[0]), "=r"(out[1]) : "r"(at));
+        } else {
+#pragma unroll
+            for (int i = 0; i < PER_THREAD; i += 4)
+                asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(out[i]), "=r"(out[i + 1]), "=r"(out[i + 2]), "=r"(out[i + 3])
+                             : "r"(at + 4 * i));
+        }
+    }
+};
+
 // Attention of one warp's 16 query rows over the keys 0..=last_pos of one sequence and KV head,
 // in tiles of 64 keys copied in by the block's THREADS threads (every warp of the block shares
 // the sequence, the KV head and last_pos). The copies run ahead of the arithmetic: a tile's V
@@ -380,31 +425,26 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
     // The scores of the 8 key tiles as C fragments, [tile][lane] (shared rows only).
     __shared__ __align__(16) float shared_s[SHARED_ROWS ? 8 * 32 * 4 : 1];
     int tid = threadIdx.x, lane = tid & 31, t = lane & 3, warp = tid >> 5;
-    u64 kv_width = (u64)kv_heads * HD;
-    // The block size is a power of two (the host checks): a key's block by shifts.
-    int block_shift = __ffs(block_size) - 1;
     // One 64-key tile of K or V into shared memory (one cp.async group); keys past last_pos
-    // are zero. A thread copies the 16-byte piece `part` of keys key0, key0 + KEY_STEP, ...; their
-    // cache blocks are looked up first, so the lookups wait one load latency, not one each.
-    auto copy_tile = [&](bf16_t (*dst)[FA_LD], const bf16_t* cache, int k0) {
-        constexpr int CHUNKS = HD / 8, KEY_STEP = THREADS / CHUNKS, PER_THREAD = FA_KEYS / KEY_STEP;
-        static_assert(THREADS % CHUNKS == 0 && FA_KEYS % KEY_STEP == 0, "whole keys a pass");
-        int key0 = tid / CHUNKS, part = (tid % CHUNKS) * 8;
-        int blocks[PER_THREAD];
+    // are zero. A thread copies the 16-byte piece `part` of keys key0, key0 + KEY_STEP, ..., at
+    // the cache rows of the tile's list (FaRowList; the block size is a power of two, the host
+    // checks).
+    constexpr int CHUNKS = HD / 8, KEY_STEP = THREADS / CHUNKS;
+    static_assert(THREADS % CHUNKS == 0 && FA_KEYS % KEY_STEP == 0 && THREADS >= FA_KEYS, "whole keys a pass");
+    // The lists of the tile being summed and of the next (by the parity of the tile's number).
+    __shared__ __align__(16) int lists[2][FA_KEYS];
+    FaRowList<KEY_STEP> row_list(table, last_pos, block_size);
+    const u32 lists_at = (u32)__cvta_generic_to_shared(&lists[0][0]);
+    const int key0 = tid / CHUNKS, part = (tid % CHUNKS) * 8;
+    const u32 row_bytes = kv_heads * HD * 2, head_at = (kvh * HD + part) * 2;
+    auto copy_tile = [&](bf16_t (*dst)[FA_LD], const bf16_t* cache, u32 list) {
+        int rows[FaRowList<KEY_STEP>::PER_THREAD];
+        row_list.rows(list, key0, rows);
+        const u8* base = reinterpret_cast<const u8*>(cache) + head_at;
 #pragma unroll
-        for (int i = 0; i < PER_THREAD; i++) {
-            int kpos = k0 + key0 + i * KEY_STEP;
-            blocks[i] = kpos <= last_pos ? table[kpos >> block_shift] : 0;
-        }
-#pragma unroll
-        for (int i = 0; i < PER_THREAD; i++) {
-            int key = key0 + i * KEY_STEP, kpos = k0 + key;
-            bool live = kpos <= last_pos;
-            const bf16_t* src = cache;
-            if (live) {
-                src += (((u64)blocks[i] << block_shift) + (kpos & (block_size - 1))) * kv_width + (u64)kvh * HD + part;
-            }
-            cp_async16(&dst[key][part], src, live);
+        for (int i = 0; i < FaRowList<KEY_STEP>::PER_THREAD; i++) {
+            bool live = rows[i] >= 0;
+            cp_async16(&dst[key0 + i * KEY_STEP][part], base + (u64)(u32)(live ? rows[i] : 0) * row_bytes, live);
         }
         cp_async_commit();
     };
@@ -421,14 +461,18 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
     float M_lo = -INFINITY, M_hi = -INFINITY, L_lo = 0.0f, L_hi = 0.0f;
     bool first_chunk = true;
     int k_first = chunk0 * FA_CHUNK;
-    copy_tile(ks, k_cache, k_first);
-    copy_tile(vs, v_cache, k_first);
+    row_list.store(lists_at, k_first, row_list.entry(k_first));
+    __syncthreads();  // the first tile's list
+    copy_tile(ks, k_cache, lists_at);
+    copy_tile(vs, v_cache, lists_at);
+    u32 list_next = lists_at + FA_KEYS * 4;  // the next tile's list (then this one's, in turn)
     for (int k0 = k_first; k0 <= last_pos;) {
         // The next tile: the next 64 keys, or past the chunks of other blocks.
         int k_next = k0 + FA_KEYS;
         bool chunk_end = k_next % FA_CHUNK == 0;
         if (chunk_end) k_next += (chunk_step - 1) * FA_CHUNK;
         bool more = k_next <= last_pos;
+        int entry = row_list.entry(k_next);  // stored after the scores
         cp_async_wait<1>();  // this tile's K is in (its V may still be coming)
         __syncthreads();
 
@@ -484,8 +528,10 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
         }
         float c_lo, c_hi;
         fa_softmax<HI>(s, r, k0, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
+        // The next tile's list, where the tile before this one's was (its copies are issued).
+        row_list.store(list_next, k_next, entry);
         __syncthreads();  // every warp is done with ks: the next tile's K comes in under P V
-        if (more) copy_tile(ks, k_cache, k_next);
+        if (more) copy_tile(ks, k_cache, list_next);
         else cp_async_commit();  // an empty group keeps the count
         cp_async_wait<1>();      // this tile's V is in
         __syncthreads();
@@ -531,8 +577,9 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
             }
         }
         __syncthreads();  // every warp is done with vs
-        if (more) copy_tile(vs, v_cache, k_next);
+        if (more) copy_tile(vs, v_cache, list_next);
         else cp_async_commit();
+        list_next = list_next == lists_at ? lists_at + FA_KEYS * 4 : lists_at;
 
         if (chunk_end || !more)
             fa_end_chunk<HD, DW, HI, TOT_SHARED>(o, r, k0, more, d0, t, lane, max_chunks, tot, m_lo, m_hi, l_lo, l_hi,
@@ -571,54 +618,32 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 #endif
 
 // Copies of 64-key tiles of K or V into their swizzled groups (one cp.async group a tile),
-// through lists of the tiles' cache rows in shared memory: the block table is looked up once
-// a tile, by the first 64 threads (a key each), for K and V alike, four tiles ahead of its
-// copies (the entry is loaded at the top of a tile's step and stored before its barrier). A
-// list holds key k's row at (k % 8) * 8 + k / 8 (-1 past last_pos: copied as zeros): thread
-// tid of 128 copies the 16-byte piece tid % 16 of keys tid / 16 + 8i, whose rows it reads as
-// two 16-byte words, and whose group and swizzled place are the same for every i (8 keys are
-// 512 bytes). Each key had cost a thread about 30 instructions of 64-bit address arithmetic
-// and a dependent table load; now about ten (2 x 2,048 rows: 432 -> 367 us, H200, 2026-12-04).
+// through the tiles' lists of cache rows (FaRowList, looked up four tiles ahead): thread tid
+// of 128 copies the 16-byte piece tid % 16 of keys tid / 16 + 8i, whose group and swizzled place
+// are the same for every i (8 keys are 512 bytes).
 #define FA_WG_ROWS_BYTES (FA_KEYS * 4)  // one tile's list of cache rows
 struct FaTileCopy {
-    const int* table;
-    int last_pos, block_shift, block_mask;
-    u32 row_bytes, head_at, dst0, list_at;
-    __device__ FaTileCopy(const int* table_, int last_pos_, int kvh, int kv_heads, int hd, int block_size)
-        : table(table_), last_pos(last_pos_) {
-        int tid = threadIdx.x, key0 = tid / 16, part = tid % 16;
-        block_shift = __ffs(block_size) - 1;
-        block_mask = block_size - 1;
+    FaRowList<8> rows;
+    u32 row_bytes, head_at, dst0;
+    int key0;
+    __device__ FaTileCopy(const int* table, int last_pos, int kvh, int kv_heads, int hd, int block_size)
+        : rows(table, last_pos, block_size) {
+        int tid = threadIdx.x, part = tid % 16;
+        key0 = tid / 16;
         row_bytes = kv_heads * hd * 2;
         head_at = (kvh * hd + part * 8) * 2;
         dst0 = (part / 4) * FA_WG_GROUP_BYTES + key0 * 64 + 16 * a_piece(key0, part % 4);
-        list_at = key0 * 32;
     }
-    // The block-table entry of this thread's key of the tile at k0 (threads 0..63; -1 past
-    // last_pos), and its cache row stored into the tile's list.
-    __device__ __forceinline__ int entry(int k0) const {
-        int kpos = k0 + (int)threadIdx.x;
-        return threadIdx.x < FA_KEYS && kpos <= last_pos ? table[kpos >> block_shift] : -1;
-    }
-    __device__ __forceinline__ void store(u32 list, int k0, int block) const {
-        int key = threadIdx.x;
-        if (key >= FA_KEYS) return;
-        int row = block < 0 ? -1 : (block << block_shift) + ((k0 + key) & block_mask);
-        asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(list + 4 * ((key % 8) * 8 + key / 8)), "r"(row) : "memory");
-    }
+    __device__ __forceinline__ int entry(int k0) const { return rows.entry(k0); }
+    __device__ __forceinline__ void store(u32 list, int k0, int block) const { rows.store(list, k0, block); }
     __device__ __forceinline__ void issue(u32 dst, const bf16_t* cache, u32 list) const {
-        int rows[8];
-        asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(rows[0]), "=r"(rows[1]), "=r"(rows[2]), "=r"(rows[3])
-                     : "r"(list + list_at));
-        asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(rows[4]), "=r"(rows[5]), "=r"(rows[6]), "=r"(rows[7])
-                     : "r"(list + list_at + 16));
+        int r[8];
+        rows.rows(list, key0, r);
         const u8* base = reinterpret_cast<const u8*>(cache) + head_at;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            bool live = rows[i] >= 0;
-            cp_async16_at(dst + dst0 + 512 * i, base + (u64)(u32)(live ? rows[i] : 0) * row_bytes, live);
+            bool live = r[i] >= 0;
+            cp_async16_at(dst + dst0 + 512 * i, base + (u64)(u32)(live ? r[i] : 0) * row_bytes, live);
         }
         cp_async_commit();
     }
