@@ -347,6 +347,7 @@ __device__ __forceinline__ void fa_end_chunk_regs(float (&o)[DW][4], float (&tot
 // stored, so its latency hides. Per key a copy had cost a thread a dependent table load and
 // about 30 instructions of 64-bit address arithmetic (prefill on wgmma, H200, 2026-12-04: 2 x
 // 2,048 rows 432 -> 367 us).
+#define FA_ROWS_BYTES (FA_KEYS * 4)  // one tile's list of cache rows
 template <int KEY_STEP>
 struct FaRowList {
     static constexpr int PER_THREAD = FA_KEYS / KEY_STEP;
@@ -368,19 +369,29 @@ struct FaRowList {
                      "r"(row)
                      : "memory");
     }
-    // The rows of keys key0 + KEY_STEP i of the tile whose list is at `list`.
-    __device__ __forceinline__ void rows(u32 list, int key0, int (&out)[PER_THREAD]) const {
+    // Copies the 16-byte pieces at `src` of the rows of keys key0 + KEY_STEP i of the tile
+    // whose list is at `list` (rows row_bytes apart) to shared addresses dst + i dst_step, as
+    // one cp.async group.
+    __device__ __forceinline__ void copy(u32 list, int key0, u32 dst, u32 dst_step, const u8* src,
+                                         u32 row_bytes) const {
         static_assert(PER_THREAD == 2 || PER_THREAD % 4 == 0, "whole loads");
+        int rows[PER_THREAD];
         u32 at = list + key0 * PER_THREAD * 4;
         if constexpr (PER_THREAD == 2) {
-            asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(out[0]), "=r"(out[1]) : "r"(at));
+            asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(rows[0]), "=r"(rows[1]) : "r"(at));
         } else {
 #pragma unroll
             for (int i = 0; i < PER_THREAD; i += 4)
                 asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=r"(out[i]), "=r"(out[i + 1]), "=r"(out[i + 2]), "=r"(out[i + 3])
+                             : "=r"(rows[i]), "=r"(rows[i + 1]), "=r"(rows[i + 2]), "=r"(rows[i + 3])
                              : "r"(at + 4 * i));
         }
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; i++) {
+            bool live = rows[i] >= 0;
+            cp_async16_at(dst + dst_step * i, src + (u64)(u32)(live ? rows[i] : 0) * row_bytes, live);
+        }
+        cp_async_commit();
     }
 };
 
@@ -438,15 +449,8 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
     const int key0 = tid / CHUNKS, part = (tid % CHUNKS) * 8;
     const u32 row_bytes = kv_heads * HD * 2, head_at = (kvh * HD + part) * 2;
     auto copy_tile = [&](bf16_t (*dst)[FA_LD], const bf16_t* cache, u32 list) {
-        int rows[FaRowList<KEY_STEP>::PER_THREAD];
-        row_list.rows(list, key0, rows);
-        const u8* base = reinterpret_cast<const u8*>(cache) + head_at;
-#pragma unroll
-        for (int i = 0; i < FaRowList<KEY_STEP>::PER_THREAD; i++) {
-            bool live = rows[i] >= 0;
-            cp_async16(&dst[key0 + i * KEY_STEP][part], base + (u64)(u32)(live ? rows[i] : 0) * row_bytes, live);
-        }
-        cp_async_commit();
+        row_list.copy(list, key0, (u32)__cvta_generic_to_shared(&dst[key0][part]), KEY_STEP * FA_LD * 2,
+                      reinterpret_cast<const u8*>(cache) + head_at, row_bytes);
     };
 
     // Q fragments (A operand, row-major 16 x HD), split into hi and lo BF16 terms, pre-scaled.
@@ -465,7 +469,7 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
     __syncthreads();  // the first tile's list
     copy_tile(ks, k_cache, lists_at);
     copy_tile(vs, v_cache, lists_at);
-    u32 list_next = lists_at + FA_KEYS * 4;  // the next tile's list (then this one's, in turn)
+    u32 list_next = lists_at + FA_ROWS_BYTES;  // the next tile's list (then this one's, in turn)
     for (int k0 = k_first; k0 <= last_pos;) {
         // The next tile: the next 64 keys, or past the chunks of other blocks.
         int k_next = k0 + FA_KEYS;
@@ -579,7 +583,7 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
         __syncthreads();  // every warp is done with vs
         if (more) copy_tile(vs, v_cache, list_next);
         else cp_async_commit();
-        list_next = list_next == lists_at ? lists_at + FA_KEYS * 4 : lists_at;
+        list_next = list_next == lists_at ? lists_at + FA_ROWS_BYTES : lists_at;
 
         if (chunk_end || !more)
             fa_end_chunk<HD, DW, HI, TOT_SHARED>(o, r, k0, more, d0, t, lane, max_chunks, tot, m_lo, m_hi, l_lo, l_hi,
@@ -621,31 +625,20 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 // through the tiles' lists of cache rows (FaRowList, looked up four tiles ahead): thread tid
 // of 128 copies the 16-byte piece tid % 16 of keys tid / 16 + 8i, whose group and swizzled place
 // are the same for every i (8 keys are 512 bytes).
-#define FA_WG_ROWS_BYTES (FA_KEYS * 4)  // one tile's list of cache rows
 struct FaTileCopy {
-    FaRowList<8> rows;
+    FaRowList<8> lookups;
     u32 row_bytes, head_at, dst0;
     int key0;
     __device__ FaTileCopy(const int* table, int last_pos, int kvh, int kv_heads, int hd, int block_size)
-        : rows(table, last_pos, block_size) {
+        : lookups(table, last_pos, block_size) {
         int tid = threadIdx.x, part = tid % 16;
         key0 = tid / 16;
         row_bytes = kv_heads * hd * 2;
         head_at = (kvh * hd + part * 8) * 2;
         dst0 = (part / 4) * FA_WG_GROUP_BYTES + key0 * 64 + 16 * a_piece(key0, part % 4);
     }
-    __device__ __forceinline__ int entry(int k0) const { return rows.entry(k0); }
-    __device__ __forceinline__ void store(u32 list, int k0, int block) const { rows.store(list, k0, block); }
     __device__ __forceinline__ void issue(u32 dst, const bf16_t* cache, u32 list) const {
-        int r[8];
-        rows.rows(list, key0, r);
-        const u8* base = reinterpret_cast<const u8*>(cache) + head_at;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            bool live = r[i] >= 0;
-            cp_async16_at(dst + dst0 + 512 * i, base + (u64)(u32)(live ? r[i] : 0) * row_bytes, live);
-        }
-        cp_async_commit();
+        lookups.copy(list, key0, dst + dst0, 512, reinterpret_cast<const u8*>(cache) + head_at, row_bytes);
     }
 };
 
@@ -700,7 +693,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     u32 qs = (u32)__cvta_generic_to_shared(tiles), ks0 = qs + 2 * FA_WG_TILE_BYTES, vs0 = ks0 + 2 * FA_WG_TILE_BYTES;
     u32 lists = vs0 + 2 * FA_WG_TILE_BYTES;
-    auto list = [&](int k0) { return lists + (k0 / FA_KEYS) % 4 * FA_WG_ROWS_BYTES; };
+    auto list = [&](int k0) { return lists + (k0 / FA_KEYS) % 4 * FA_ROWS_BYTES; };
     FaTileCopy copy(table, last_pos, kvh, kv_heads, HD, block_size);
     {
         // This lane's q fragment words at their places in the swizzled groups: word i of step
@@ -747,7 +740,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
     bool first_chunk = true;
     // The first tile's scores and softmax; K of the two tiles after it comes in.
 #pragma unroll
-    for (int k = 0; k < 4 * FA_KEYS; k += FA_KEYS) copy.store(list(k), k, copy.entry(k));
+    for (int k = 0; k < 4 * FA_KEYS; k += FA_KEYS) copy.lookups.store(list(k), k, copy.lookups.entry(k));
     __syncthreads();  // the first four tiles' lists
     copy.issue(ks0, k_cache, list(0));
     copy.issue(vs0, v_cache, list(0));
@@ -791,7 +784,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
         int k_next = k0 + FA_KEYS;
         bool chunk_end = k_next % FA_CHUNK == 0;
         u32 ks_next = ks0 + (buf ^ 1) * FA_WG_TILE_BYTES;
-        int entry = copy.entry(k0 + 4 * FA_KEYS);  // stored in the list this tile is done with
+        int entry = copy.lookups.entry(k0 + 4 * FA_KEYS);  // stored in the list this tile is done with
         // The next tile's V into the other buffer (its last P V is done in every warp).
         copy.issue(vs0 + (buf ^ 1) * FA_WG_TILE_BYTES, v_cache, list(k_next));
         fa_tiles_in<2>();  // the next tile's K and this tile's V (not the K after, nor that V)
@@ -800,7 +793,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
         fa_wg_pv(o, p_hi, p_lo, vs0 + buf * FA_WG_TILE_BYTES);
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         hold_s(s);
-        copy.store(list(k0), k0 + 4 * FA_KEYS, entry);
+        copy.lookups.store(list(k0), k0 + 4 * FA_KEYS, entry);
         __syncthreads();  // every warp's scores are done with ks_next: the K two tiles on comes in
         if (k_next + 2 * FA_KEYS <= last_pos) copy.issue(ks_next, k_cache, list(k_next + 2 * FA_KEYS));
         else cp_async_commit();
