@@ -11,12 +11,13 @@
 // attention's q, k and v), each block working on one of them as that matrix's own launch would:
 // - grouped_gemm_*: CUDA cores (FFMA), any K: each element is one fmaf chain over k = 0..K-1;
 //   the only one for F32 weights (kept exact in f32).
-// - grouped_gemm_mma_*: BF16 tensor cores (mma.sync m16n8k16, FP32 accumulation), 32x128
-//   tiles (grouped_gemm_mma_wide_*: 64x128, over the routing plan's wide tiles). Activations
-//   are packed to BF16 once (pack_gemm_operand) and streamed with the raw weight bytes
-//   through shared memory; weights are decoded to BF16 in registers: exact for
-//   MXFP8 (E4M3 x E8M0) and NVFP4 (E2M1 x E4M3) weights and for quantized activations (the
-//   quantizers' dequantized values).
+// - grouped_gemm_mma_*: tensor cores (mma.sync m16n8k16, FP32 accumulation), 32x128 tiles
+//   (grouped_gemm_mma_wide_*: 64x128, over the routing plan's wide tiles). Activations are
+//   packed once (pack_gemm_operand) and streamed with the raw weight bytes through shared
+//   memory; weights are decoded in registers. The operands are BF16, and FP16 for NVFP4
+//   weights (F16_OPERANDS: its E2M1 x E4M3 values and activations are exact in FP16 too, and
+//   decode to it in fewer instructions): exact for MXFP8 (E4M3 x E8M0) and NVFP4 weights and for
+//   quantized activations (the quantizers' dequantized values).
 //   Plain BF16 layers take f32 activations: each is split into two BF16 terms (hi + lo, 16
 //   significant bits) multiplied separately, so the result stays within ~1e-5 of the CPU's f32
 //   products instead of the ~2e-3 of rounding activations to BF16 (which flips MoE routing).
@@ -148,7 +149,7 @@ __device__ void grouped_gemm(const float* x, const int* row_index, const float* 
     }
 }
 
-// ---- BF16 tensor cores: the K chain's operands and products ----
+// ---- Tensor cores: the K chain's operands and products ----
 
 #define MMA_TK 32  // one span of the K chain
 
@@ -167,17 +168,49 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Eight consecutive activations (one lane's share of a span) as BF16x2 words. SPLIT (plain
-// BF16 layers): hi = bf16(v), lo = bf16(v - hi); otherwise the values are exact in BF16.
-template <bool SPLIT>
+__device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Operands in FP16 for NVFP4 weights, BF16 otherwise. NVFP4's weights (E2M1 x E4M3: at most 6
+// significant bits, 2^-10 .. 2688) and activations (the same, its quantizer's values) are exact
+// in both; FP16's E2M1 decoding takes one byte table where BF16's took two, and its E4M3 scale
+// one conversion (e2m1x8_to_f16).
+template <int FMT>
+constexpr bool F16_OPERANDS = FMT == 3;
+
+// One k16 step of the K chain in FMT's operand type.
+template <int FMT>
+__device__ __forceinline__ void mma_k16(float* c, const u32* a, const u32* b) {
+    if constexpr (F16_OPERANDS<FMT>) mma_f16(c, a, b);
+    else mma_bf16(c, a, b);
+}
+
+// Two f32 values that are exactly FP16 (NVFP4's decoded codes times block scales) as FP16x2.
+__device__ __forceinline__ u32 pack_exact_f16(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// Eight consecutive activations (one lane's share of a span) as the K chain's words for FMT's
+// weights. Plain BF16 layers: hi = bf16(v), lo = bf16(v - hi); otherwise the values are exact
+// in the operand type (the quantizers' dequantized values): BF16, or FP16 for NVFP4.
+template <int FMT>
 __device__ __forceinline__ void pack_act8(float4 a, float4 b, u32* hi, u32* lo) {
     float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        if constexpr (SPLIT) {
+        if constexpr (FMT == 1) {
             hi[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
             lo[i] = pack_bf16(__fsub_rn(v[2 * i], __uint_as_float(hi[i] << 16)),
                               __fsub_rn(v[2 * i + 1], __uint_as_float(hi[i] & 0xffff0000u)));
+        } else if constexpr (F16_OPERANDS<FMT>) {
+            hi[i] = pack_exact_f16(v[2 * i], v[2 * i + 1]);
         } else {
             hi[i] = pack_exact_bf16(v[2 * i], v[2 * i + 1]);
         }
@@ -186,24 +219,24 @@ __device__ __forceinline__ void pack_act8(float4 a, float4 b, u32* hi, u32* lo) 
 
 // One span of the K chain for an m16n8 accumulator: `lo_row` / `hi_row` are the 4 words of the
 // lane's rows g and g + 8 (pack_act8), `w` the 4 words of its weight column g.
-template <bool SPLIT>
+template <int FMT>
 __device__ __forceinline__ void mma_span(float* c, const u32* a_lo_row, const u32* a_hi_row, const u32* a_lo_row_lo,
                                          const u32* a_hi_row_lo, const u32* w) {
 #pragma unroll
     for (int ch = 0; ch < 2; ch++) {
         u32 b[2] = {w[2 * ch], w[2 * ch + 1]};
         u32 a[4] = {a_lo_row[2 * ch], a_hi_row[2 * ch], a_lo_row[2 * ch + 1], a_hi_row[2 * ch + 1]};
-        mma_bf16(c, a, b);
-        if constexpr (SPLIT) {
+        mma_k16<FMT>(c, a, b);
+        if constexpr (FMT == 1) {
             u32 l[4] = {a_lo_row_lo[2 * ch], a_hi_row_lo[2 * ch], a_lo_row_lo[2 * ch + 1], a_hi_row_lo[2 * ch + 1]};
-            mma_bf16(c, l, b);
+            mma_k16<FMT>(c, l, b);
         }
     }
 }
 
 // Fast exact decoders for the inner loops. Two E4M3 codes (low byte first) to f32: one
 // hardware conversion to f16x2 on sm_89+ (every E4M3 value, NaN included, is an f16), else
-// the table-free decoder. E2M1 codes become BF16 through byte permutes (no memory lookups).
+// the table-free decoder. E2M1 codes become FP16 through byte permutes (no memory lookups).
 __device__ __forceinline__ void e4m3x2_to_f32(u32 pair, float& lo, float& hi) {
 #if __CUDA_ARCH__ >= 890
     u32 h2;
@@ -223,40 +256,46 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     return d;
 }
 
-// a * b + (-0) on BF16x2: the exact product of two BF16 pairs whose products fit in BF16.
-__device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
-    u32 d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-    return d;
-}
-
-// Eight E2M1 codes (code i in bits 4i..4i+3) as four BF16x2 words (codes 2p, 2p + 1 in word p),
-// each value times 2^120 (nvfp4_scale_bf16x2 takes the factor back). The magnitude code (3 bits)
-// picks the high and the low byte of its BF16 value from two 8-byte tables: 2^120 x {0, 0.5, 1,
-// 1.5, 2, 3, 4, 6} = 0x0000, 0x7B00, 0x7B80, 0x7BC0, 0x7C00, 0x7C40, 0x7C80, 0x7CC0. The signs
-// join the high bytes four codes at a time: code 2j's is bit 7 of byte j of q << 4, code
-// 2j + 1's bit 7 of byte j of q, so one byte permute lines them up with the looked-up bytes.
-__device__ __forceinline__ void e2m1x8_to_bf16_x2p120(u32 q, u32* out) {
+// Eight E2M1 codes (code i in bits 4i..4i+3) as four FP16x2 words (codes 2p, 2p + 1 in word p),
+// exact. FP16's values of the magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} have a zero low byte, so
+// one byte permute looks up four codes' high bytes from an 8-byte table (0x00, 0x38, 0x3C,
+// 0x3E, 0x40, 0x42, 0x44, 0x46) by their magnitude codes (3 bits). The signs join them four
+// codes at a time: code 2j's is bit 7 of byte j of q << 4, code 2j + 1's bit 7 of byte j of q,
+// so one byte permute lines them up. Two permutes with zero bytes then make the words.
+__device__ __forceinline__ void e2m1x8_to_f16(u32 q, u32* out) {
     u32 mag = q & 0x77777777u, even_sign = q << 4;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         u32 sel = mag >> (16 * h);  // codes 4h..4h + 3
         u32 sign = prmt(even_sign, q, h == 0 ? 0x5140u : 0x7362u);  // theirs at bit 7 of bytes 0..3
-        u32 hi = prmt(0x7B7B7B00u, 0x7C7C7C7Cu, sel) | (sign & 0x80808080u);
-        u32 lo = prmt(0xC0800000u, 0xC0804000u, sel);
-        out[2 * h] = prmt(lo, hi, 0x5140u);      // codes 4h, 4h + 1
-        out[2 * h + 1] = prmt(lo, hi, 0x7362u);  // codes 4h + 2, 4h + 3
+        u32 hi = prmt(0x3E3C3800u, 0x46444240u, sel) | (sign & 0x80808080u);
+        out[2 * h] = prmt(hi, 0u, 0x1404u);      // codes 4h, 4h + 1
+        out[2 * h + 1] = prmt(hi, 0u, 0x3424u);  // codes 4h + 2, 4h + 3
     }
 }
 
-// An E4M3 block scale as BF16x2 (both halves) times 2^-120: its 7 magnitude bits shifted left
-// by 4 are the exponent and mantissa of that BF16 (subnormal for E4M3's subnormals, exactly
-// as BF16 holds them), the sign moves to bit 15; NaN (S.1111.111) stays NaN. A multiply by
-// e2m1x8_to_bf16_x2p120's values is then e2m1 * e4m3, exact (at most 6 significant bits).
-__device__ __forceinline__ u32 nvfp4_scale_bf16x2(u32 c) {
-    u32 m = c & 0x7fu;
-    u32 s = (c & 0x80u) * 0x01000100u + m * 0x00100010u;
-    return m == 0x7fu ? 0x7fc07fc0u : s;
+// An E4M3 block scale as FP16 (the low half; the high half is zero): every E4M3 value, NaN
+// included, is an FP16, so its product with an E2M1 value (at most 6 significant bits, 2^-10 ..
+// 2688) is exact in FP16.
+__device__ __forceinline__ u32 nvfp4_scale_f16(u32 c) {
+#if __CUDA_ARCH__ >= 890
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)c));
+    return h2;
+#else
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(e4m3_decode((u8)c)));
+    return h;
+#endif
+}
+
+// Both halves of an FP16x2 word times the low half of s.
+__device__ __forceinline__ u32 f16x2_mul_low(u32 a, u32 s) {
+    u32 d;
+    asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n .reg .b32 b;\n mov.b32 b, {l, l};\n mul.rn.f16x2 %0, %1, b;}"
+        : "=r"(d)
+        : "r"(a), "r"(s));
+    return d;
 }
 
 // The raw bytes of 8 consecutive weights (n, k..k+8) and their block scale, loaded ahead of use.
@@ -285,8 +324,9 @@ __device__ __forceinline__ Weight8 load_weight8(const void* w, const u8* scales,
     return c;
 }
 
-// The 8 weights as 4 BF16x2 words. Exact: an E4M3 or E2M1 value times its power-of-two or
-// E4M3 block scale has at most 8 significant bits (and stays in BF16's range).
+// The 8 weights as 4 words of FMT's operand type: BF16x2, FP16x2 for NVFP4. Exact: an E4M3
+// value times its power-of-two block scale has at most 4 significant bits (and stays in BF16's
+// range), an E2M1 value times its E4M3 block scale at most 6 (within FP16's normal range).
 template <int FMT>
 __device__ __forceinline__ void decode_weight8(const Weight8& c, u32* out) {
     if (FMT == 1) {
@@ -301,11 +341,11 @@ __device__ __forceinline__ void decode_weight8(const Weight8& c, u32* out) {
             out[i] = pack_exact_bf16(__fmul_rn(lo, s), __fmul_rn(hi, s));
         }
     } else {
-        u32 s2 = nvfp4_scale_bf16x2(c.scale);
+        u32 s = nvfp4_scale_f16(c.scale);
         u32 v[4];
-        e2m1x8_to_bf16_x2p120(c.q.x, v);
+        e2m1x8_to_f16(c.q.x, v);
 #pragma unroll
-        for (int i = 0; i < 4; i++) out[i] = bf16x2_mul(v[i], s2);
+        for (int i = 0; i < 4; i++) out[i] = f16x2_mul_low(v[i], s);
     }
 }
 
@@ -468,7 +508,7 @@ __device__ __forceinline__ void fold_if_last(const float* partials, u32* counter
     if (id == 0) counters[counter] = 0;
 }
 
-// ---- Tiles: activations packed to BF16 once, operands streamed into shared memory ----
+// ---- Tiles: activations packed once, operands streamed into shared memory ----
 
 // Where word j (k = 2j, 2j + 1) of a 16-word span of a packed row is stored: the span's 4x4
 // words transposed, so its 16-byte piece s holds words s, s + 4, s + 8, s + 12. An ldmatrix
@@ -476,23 +516,24 @@ __device__ __forceinline__ void fold_if_last(const float* partials, u32* counter
 // fragment slots {2t, 2t + 1} ({2t + 8, 2t + 9}) of chunk c (host: ops::gemm::packed_word).
 __device__ __forceinline__ int packed_word(int j) { return (j & ~15) | (j & 3) << 2 | (j & 15) >> 2; }
 
-// The tiled kernel's A operand: every x row as BF16, [hi (K) | lo (K)] per row for plain BF16
-// layers (pack_act8's split) and [values (K)] otherwise, each span's words in packed_word's
-// order. Grid-stride over word pairs.
-extern "C" __global__ void pack_gemm_operand(const float* x, int rows, int K, int split, u32* out) {
+// The tiled and wgmma kernels' activation operand, each span's words in packed_word's order:
+// `packing` 1 (plain BF16 layers) every x row as BF16 [hi (K) | lo (K)] (pack_act8's split), 0
+// as exact BF16 [values (K)], 2 (NVFP4) as exact FP16 [values (K)] (host: ops::gemm::Packing).
+// Grid-stride over word pairs.
+extern "C" __global__ void pack_gemm_operand(const float* x, int rows, int K, int packing, u32* out) {
     pdl_entry();
     u64 words = (u64)rows * (K / 2);
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
         u64 row = i / (K / 2);
         int w = packed_word((int)(i % (K / 2)));
         float2 v = *(const float2*)(x + 2 * i);
-        if (split) {
+        if (packing == 1) {
             u32 hi = pack_bf16(v.x, v.y);
             u32 lo = pack_bf16(__fsub_rn(v.x, __uint_as_float(hi << 16)), __fsub_rn(v.y, __uint_as_float(hi & 0xffff0000u)));
             out[row * K + w] = hi;
             out[row * K + K / 2 + w] = lo;
         } else {
-            out[row * (K / 2) + w] = pack_exact_bf16(v.x, v.y);
+            out[row * (K / 2) + w] = packing == 2 ? pack_exact_f16(v.x, v.y) : pack_exact_bf16(v.x, v.y);
         }
     }
 }
@@ -506,42 +547,130 @@ static_assert(TILE_STAGES - 1 < SEG / 32, "a segment's scales are overwritten tw
 // expert e into a stage ([column][W_BYTES], W_BYTES a column's span in FMT), as 16-byte
 // cp.async copies spread over THREADS threads, each asking L2 for its whole line (the column's
 // next spans: cp_async16_line_at); columns past N read nothing (zeros). The tiled and wgmma
-// kernels' copy: the sources and places are worked out once, a span only adds k0.
+// kernels' copy: the sources (at k0) and places are worked out once; a span adds its k, or
+// (issue_next) moves the sources on a span.
 template <int FMT, int THREADS>
 struct WeightSpanCopy {
     static constexpr int W_BYTES = FMT == 1 ? 64 : FMT == 2 ? 32 : 16;
     static constexpr int W_ALL = TILE_TN * W_BYTES / 16, CHUNKS = (W_ALL + THREADS - 1) / THREADS;
-    const u8* src[CHUNKS];  // at k = 0
+    const u8* src[CHUNKS];  // at k = k0
     int dst[CHUNKS];        // byte offset in a stage; -1: no chunk for this thread
     bool live[CHUNKS];
 
-    __device__ __forceinline__ WeightSpanCopy(const void* w, int e, int N, int n0, int K, int tid) {
+    __device__ __forceinline__ WeightSpanCopy(const void* w, int e, int N, int n0, int K, int tid, int k0 = 0) {
         u64 row_bytes = FMT == 1 ? (u64)K * 2 : FMT == 2 ? (u64)K : (u64)K / 2;
 #pragma unroll
         for (int c = 0; c < CHUNKS; c++) {
             int chunk = tid + THREADS * c, col = chunk / (W_BYTES / 16), part = chunk % (W_BYTES / 16);
             live[c] = n0 + col < N;
             u64 row = (u64)e * N + (live[c] ? n0 + col : 0);
-            src[c] = (const u8*)w + row * row_bytes + 16 * part;
+            src[c] = (const u8*)w + row * row_bytes + k0 * W_BYTES / 32 + 16 * part;
             dst[c] = W_ALL % THREADS != 0 && chunk >= W_ALL ? -1 : col * W_BYTES + 16 * part;
         }
     }
 
-    // The wgmma kernel's copies, into a stage given by pointer, each address converted on its
-    // own: converting the stage once and calling issue_at compiles the MXFP8 wgmma kernel to
-    // 40 more instructions (ptxas 13.5); issue_at is the tiled kernels'.
+    // The wgmma kernel's copies (k0 = 0 made), into a stage given by pointer, each address
+    // converted on its own: converting the stage once compiled the MXFP8 wgmma kernel to 40
+    // more instructions (ptxas 13.5).
     __device__ __forceinline__ void issue(u8* stage, int k0) const {
 #pragma unroll
         for (int c = 0; c < CHUNKS; c++)
             if (W_ALL % THREADS == 0 || dst[c] >= 0)
                 cp_async16_line_at((u32)__cvta_generic_to_shared(stage + dst[c]), src[c] + k0 * W_BYTES / 32, live[c]);
     }
-    __device__ __forceinline__ void issue_at(u32 stage, int k0) const {
+    // The tiled kernels' copies of the spans in order from k0, into a stage given by address.
+    __device__ __forceinline__ void issue_next(u32 stage) {
 #pragma unroll
-        for (int c = 0; c < CHUNKS; c++)
-            if (W_ALL % THREADS == 0 || dst[c] >= 0) cp_async16_line_at(stage + dst[c], src[c] + k0 * W_BYTES / 32, live[c]);
+        for (int c = 0; c < CHUNKS; c++) {
+            if (W_ALL % THREADS == 0 || dst[c] >= 0) cp_async16_line_at(stage + dst[c], src[c], live[c]);
+            src[c] += W_BYTES;
+        }
     }
 };
+
+// A tiled block's walk over its spans for one warp whose rows hold FRAGS live m16 fragments
+// (0 to 2; plain BF16 keeps both) and with the block scales staged in shared memory a segment
+// at a time (SEG_STAGED: ss_ld, lane's scale of fragment 0 in segment buffer 0) or read a span
+// ahead (load_scales): the K chain's products, each segment's sums joining the running total
+// (element i at tot[i * TOT_STRIDE]). `issue(span, stage)` copies a span into a stage, the
+// spans in order; spans 0 .. TILE_STAGES - 2 are issued and committed. One instantiation per
+// live-fragment count: a warp-uniform skip inside the loop cost every MMA a WARPSYNC.
+template <int FMT, int WM, int FRAGS, bool SEG_STAGED, int TOT_STRIDE, class Issue, class LoadScales>
+__device__ __forceinline__ void tiled_walk(int spans, Issue& issue, const LoadScales& load_scales, u32 ss_ld,
+                                           const u32 (&a_ld)[2], u32 w_ld, float* tot) {
+    constexpr bool SPLIT = FMT == 1;
+    constexpr int A_PARTS = SPLIT ? 2 : 1, TMR = 32 * WM;
+    constexpr int W_BYTES = WeightSpanCopy<FMT, 128 * WM>::W_BYTES;
+    constexpr int SEG_SPANS = SEG / MMA_TK, SEG_SCALES = SEG_SPANS * SPAN_SCALES<FMT>;
+    constexpr u32 AS_PART = TMR * 64, AS_STAGE = A_PARTS * AS_PART, WS_STAGE = TILE_TN * W_BYTES;
+    float acc[FRAGS > 0 ? FRAGS : 1][4][4];
+#pragma unroll
+    for (int i = 0; i < (FRAGS > 0 ? FRAGS : 1); i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int v = 0; v < 4; v++) acc[i][j][v] = 0.0f;
+    u8 sc[4], sc_next[4];
+    if (!SEG_STAGED) load_scales(0, sc);
+    // The stage of this span, and of the span issued at it (TILE_STAGES - 1 ahead).
+    int cur = 0, ahead = TILE_STAGES - 1;
+    // Segment by segment (SEG / MMA_TK spans each; the last may be shorter), so the running
+    // total is touched once per segment.
+    for (int seg0 = 0; seg0 < spans; seg0 += SEG_SPANS) {
+        int seg_end = min(spans, seg0 + SEG_SPANS);
+        u32 ss_span = ss_ld + ((seg0 / SEG_SPANS) & 1) * (TILE_TN * SEG_SCALES);
+        for (int span = seg0; span < seg_end; span++) {
+            if (!SEG_STAGED && FRAGS > 0) load_scales(span + 1, sc_next);
+            cp_async_wait<TILE_STAGES - 2>();
+            // This span's stage (and, at a segment's first span, its scales) is in; every warp
+            // is done with the stage refilled next, and with the scales of two segments back
+            // (overwritten by the issue at a segment's first span, TILE_STAGES - 1 < SEG_SPANS
+            // spans after the last of them was read).
+            __syncthreads();
+            if (SEG_STAGED && FRAGS > 0) {
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) sc[ni] = lds_u8(ss_span + ni * 8 * SEG_SCALES);
+                ss_span += SPAN_SCALES<FMT>;
+            }
+            if (span + TILE_STAGES - 1 < spans) issue(span + TILE_STAGES - 1, ahead);
+            cp_async_commit();
+            if constexpr (FRAGS > 0) {
+                // a[mi][c]: chunk c's A fragment of rows mi * 16.. (hi; al: lo), one ldmatrix each.
+                u32 a[FRAGS][2][4], al[FRAGS][2][4];
+#pragma unroll
+                for (int mi = 0; mi < FRAGS; mi++)
+#pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        u32 at = a_ld[c] + cur * AS_STAGE + mi * 16 * 64;
+                        ldmatrix_x4_at(at, a[mi][c]);
+                        if constexpr (SPLIT) ldmatrix_x4_at(at + AS_PART, al[mi][c]);
+                    }
+                u32 w_stage = w_ld + cur * WS_STAGE;
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) {
+                    u32 b[4];
+                    decode_weight8<FMT>(smem_weight8_at<FMT>(w_stage + ni * 8 * W_BYTES, sc[ni]), b);
+#pragma unroll
+                    for (int mi = 0; mi < FRAGS; mi++)
+#pragma unroll
+                        for (int c = 0; c < 2; c++) {
+                            // The K chain's order: chunk 0 then 1, each hi then (split) lo.
+                            mma_k16<FMT>(acc[mi][ni], a[mi][c], &b[2 * c]);
+                            if constexpr (SPLIT) mma_k16<FMT>(acc[mi][ni], al[mi][c], &b[2 * c]);
+                        }
+                }
+                if (!SEG_STAGED) {
+#pragma unroll
+                    for (int ni = 0; ni < 4; ni++) sc[ni] = sc_next[ni];
+                }
+            }
+            cur = cur == TILE_STAGES - 1 ? 0 : cur + 1;
+            ahead = ahead == TILE_STAGES - 1 ? 0 : ahead + 1;
+        }
+        if constexpr (FRAGS > 0) end_segment<FRAGS * 16, TOT_STRIDE>(&acc[0][0][0], tot, seg0 == 0);
+    }
+    cp_async_wait<0>();
+}
 
 // Grid (ceil(N / 128), tiles), 128 * WM threads: tiles of 32 * WM rows, a warp per 32 rows
 // and 32 columns (WM = 2: the routing plan's wide tiles, each expert's weights read from L2
@@ -566,7 +695,7 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     constexpr bool SPLIT = FMT == 1;
     constexpr int A_PARTS = SPLIT ? 2 : 1;                     // hi, lo
     constexpr int W_BYTES = WeightSpanCopy<FMT, THREADS>::W_BYTES;  // one column's span
-    __shared__ __align__(16) u32 as[TILE_STAGES][A_PARTS][TMR][16];  // 32 BF16 per row, a_piece order
+    __shared__ __align__(16) u32 as[TILE_STAGES][A_PARTS][TMR][16];  // 32 values per row, a_piece order
     __shared__ __align__(16) u8 ws[TILE_STAGES][TILE_TN][W_BYTES];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     int wm = warp >> 2, wn = warp & 3;  // this warp's rows wm * 32.., columns wn * 32..
@@ -575,14 +704,15 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     int a_row = tid >> 2, a_chunk = tid & 3;
     bool a_live = r0 + a_row < r1;
     u64 a_src = a_live ? (row_index ? (u64)row_index[r0 + a_row] : (u64)(r0 + a_row)) : 0;
-    const u8* a_base = (const u8*)(xb + a_src * (K / 2) * A_PARTS) + a_chunk * 16;
     int a_dst = 4 * a_piece(a_row, a_chunk);
-
-    WeightSpanCopy<FMT, THREADS> w_copy(w, e, N, n0, K, tid);
 
     int k_begin, k_end;
     block_k_range(partials, K, k_begin, k_end);
     int spans = (k_end - k_begin) / MMA_TK;
+    WeightSpanCopy<FMT, THREADS> w_copy(w, e, N, n0, K, tid, k_begin);
+    // This thread's source of the next span to issue (spans are issued in order): its A piece
+    // (each part K / 2 words on); the weights' are w_copy's.
+    const u8* a_next = (const u8*)(xb + a_src * (K / 2) * A_PARTS) + a_chunk * 16 + k_begin * 2;
     // Where K is whole segments (and the scales 16-byte aligned), a segment's block scales of
     // the block's columns are copied into shared memory with the segment's first span (one
     // 8- or 16-byte copy a column; two segments' worth, alternating), instead of each lane
@@ -597,26 +727,25 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
         u64 row = (u64)e * N + (ss_live ? n0 + tid : 0);
         ss_src = w_scales + (row * (K / MMA_TK) + k_begin / MMA_TK) * SPAN_SCALES<FMT>;
     }
-    auto issue_scales = [&](int span) {
-        if (!seg_scales || span % SEG_SPANS != 0 || tid >= TILE_TN) return;
-        u8* dst = &ss[(span / SEG_SPANS) % 2][tid][0];
-        const u8* src = ss_src + span * SPAN_SCALES<FMT>;
-        if constexpr (SEG_SCALES == 16) cp_async16(dst, src, ss_live);
-        else if constexpr (SEG_SCALES == 8) cp_async8(dst, src, ss_live);
-    };
     // Shared memory by its own 32-bit addresses, worked out once: a span adds only its stage's
     // offset (generic pointers made the loop rebuild the shared window's base every span).
     constexpr u32 AS_PART = TMR * 64, AS_STAGE = A_PARTS * AS_PART, WS_STAGE = TILE_TN * W_BYTES;
     const u32 as_addr = (u32)__cvta_generic_to_shared(&as[0][0][0][0]);
     const u32 ws_addr = (u32)__cvta_generic_to_shared(&ws[0][0][0]);
     const u32 a_copy = as_addr + a_row * 64 + 4 * a_dst;
+    const u32 ss_copy = (u32)__cvta_generic_to_shared(&ss[0][0][0]) + (tid % TILE_TN) * SEG_SCALES;
     auto issue = [&](int span, int stage) {
-        int k0 = k_begin + span * MMA_TK;
 #pragma unroll
         for (int p = 0; p < A_PARTS; p++)
-            cp_async16_at(a_copy + stage * AS_STAGE + p * AS_PART, a_base + (u64)p * K * 2 + k0 * 2, a_live);
-        w_copy.issue_at(ws_addr + stage * WS_STAGE, k0);
-        issue_scales(span);
+            cp_async16_at(a_copy + stage * AS_STAGE + p * AS_PART, a_next + (u64)p * K * 2, a_live);
+        a_next += MMA_TK * 2;
+        w_copy.issue_next(ws_addr + stage * WS_STAGE);
+        if (SEG_SCALES && seg_scales && span % SEG_SPANS == 0 && tid < TILE_TN) {
+            u32 dst = ss_copy + ((span / SEG_SPANS) & 1) * (TILE_TN * SEG_SCALES);
+            const u8* src = ss_src + span * SPAN_SCALES<FMT>;
+            if constexpr (SEG_SCALES == 16) cp_async16_at(dst, src, ss_live);
+            else if constexpr (SEG_SCALES == 8) cp_async8_at(dst, src, ss_live);
+        }
     };
     // This lane's ldmatrix rows: row l % 8 (+ 8 for matrices 1 and 3) of each m16 fragment;
     // matrices 2 and 3 take a chunk's second piece. a_ld[c]: chunk c's fragment of the warp's
@@ -648,11 +777,6 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     // A span's scales from shared memory (after the wait for its copy group): fragment ni's at
     // ss_ld + segment buffer + ni * 8 * SEG_SCALES + the span's place in its segment.
     const u32 ss_ld = (u32)__cvta_generic_to_shared(&ss[0][0][0]) + (wn * 32 + g) * SEG_SCALES + (FMT == 3 ? t / 2 : 0);
-    // This warp's live rows: with quantized weights an m16 fragment with none is skipped
-    // (warp-uniform). Plain BF16 tiles keep every MMA: the branches cost them more than the
-    // MMAs (H200, 2026-12-03: expert gate/up at 256 tokens 340 -> 359 us with the skip).
-    constexpr bool SKIP_DEAD = FMT != 1;
-    int live = r1 - r0 - wm * 32;
 
     // The running total (element i at tot[i * TOT_STRIDE]): in registers, or for quantized
     // weights on 32-row tiles in shared memory (lane l's element i at [warp][i][l]), which is
@@ -662,80 +786,36 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     __shared__ float tot_s[TOT_SHARED ? THREADS / 32 : 1][TOT_SHARED ? 32 : 1][32];
     float tot_r[TOT_SHARED ? 1 : 32];
     float* tot = TOT_SHARED ? &tot_s[warp][0][lane] : tot_r;
-    float acc[2][4][4];
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int v = 0; v < 4; v++) acc[i][j][v] = 0.0f;
 
 #pragma unroll
     for (int s = 0; s < TILE_STAGES - 1; s++) {
         if (s < spans) issue(s, s);
         cp_async_commit();
     }
-    u8 sc[4], sc_next[4];
-    if (!seg_scales) load_scales(0, sc);
-    // The stage of this span, and of the span issued at it (TILE_STAGES - 1 ahead).
-    int cur = 0, ahead = TILE_STAGES - 1;
-    // Segment by segment (SEG / MMA_TK spans each; the last may be shorter), so the running
-    // total is touched once per segment.
-    for (int seg0 = 0; seg0 < spans; seg0 += SEG_SPANS) {
-        int seg_end = min(spans, seg0 + SEG_SPANS);
-        u32 ss_seg = ss_ld + ((seg0 / SEG_SPANS) & 1) * (TILE_TN * SEG_SCALES);
-        for (int span = seg0; span < seg_end; span++) {
-            if (!seg_scales) load_scales(span + 1, sc_next);
-            cp_async_wait<TILE_STAGES - 2>();
-            // This span's stage (and, at a segment's first span, its scales) is in; every warp
-            // is done with the stage refilled next, and with the scales of two segments back
-            // (overwritten by the issue at a segment's first span, TILE_STAGES - 1 < SEG_SPANS
-            // spans after the last of them was read).
-            __syncthreads();
-            if (seg_scales) {
-#pragma unroll
-                for (int ni = 0; ni < 4; ni++)
-                    sc[ni] = lds_u8(ss_seg + ni * 8 * SEG_SCALES + (span - seg0) * SPAN_SCALES<FMT>);
-            }
-            if (span + TILE_STAGES - 1 < spans) issue(span + TILE_STAGES - 1, ahead);
-            cp_async_commit();
-            // a[mi][c]: chunk c's A fragment of rows mi * 16.. (hi; al: lo), one ldmatrix each.
-            u32 a[2][2][4], al[2][2][4];
-#pragma unroll
-            for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-                for (int c = 0; c < 2; c++) {
-                    if (SKIP_DEAD && mi * 16 >= live) break;
-                    u32 at = a_ld[c] + cur * AS_STAGE + mi * 16 * 64;
-                    ldmatrix_x4_at(at, a[mi][c]);
-                    if constexpr (SPLIT) ldmatrix_x4_at(at + AS_PART, al[mi][c]);
-                }
-            u32 w_stage = w_ld + cur * WS_STAGE;
-#pragma unroll
-            for (int ni = 0; ni < 4; ni++) {
-                u32 b[4];
-                decode_weight8<FMT>(smem_weight8_at<FMT>(w_stage + ni * 8 * W_BYTES, sc[ni]), b);
-#pragma unroll
-                for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-                    for (int c = 0; c < 2; c++) {
-                        if (SKIP_DEAD && mi * 16 >= live) break;
-                        // The K chain's order: chunk 0 then 1, each hi then (split) lo.
-                        mma_bf16(acc[mi][ni], a[mi][c], &b[2 * c]);
-                        if constexpr (SPLIT) mma_bf16(acc[mi][ni], al[mi][c], &b[2 * c]);
-                    }
-            }
-            if (!seg_scales) {
-#pragma unroll
-                for (int ni = 0; ni < 4; ni++) sc[ni] = sc_next[ni];
-            }
-            cur = cur == TILE_STAGES - 1 ? 0 : cur + 1;
-            ahead = ahead == TILE_STAGES - 1 ? 0 : ahead + 1;
+    // This warp's live m16 fragments: with quantized weights one with no live row is skipped
+    // (the walk's instantiation for the count). Plain BF16 tiles keep every MMA: the branches
+    // cost them more than the MMAs (H200, 2026-12-03: expert gate/up at 256 tokens 340 -> 359
+    // us with the skip).
+    int live = r1 - r0 - wm * 32;
+#define TILED_WALK(FRAGS, STAGED) \
+    tiled_walk<FMT, WM, FRAGS, STAGED, TOT_STRIDE>(spans, issue, load_scales, ss_ld, a_ld, w_ld, tot)
+    if constexpr (FMT == 1) {
+        TILED_WALK(2, false);  // no block scales
+    } else if (live > 16) {
+        if (seg_scales) TILED_WALK(2, true);
+        else TILED_WALK(2, false);
+    } else if (WM == 1 || live > 0) {
+        if (seg_scales) TILED_WALK(1, true);
+        else TILED_WALK(1, false);
+    } else {
+        if constexpr (WM > 1) {
+            if (seg_scales) TILED_WALK(0, true);
+            else TILED_WALK(0, false);
         }
-        end_segment<32, TOT_STRIDE>(&acc[0][0][0], tot, seg0 == 0);
     }
-    cp_async_wait<0>();
+#undef TILED_WALK
 
+    // A skipped fragment's rows are past r1: its sums are never stored.
     // C fragment: (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) of each 16x8 tile.
     float col_sdec[4][2];
 #pragma unroll
@@ -796,7 +876,6 @@ template <int FMT, int NF, int FRAGS, int SPANS>
 __device__ __forceinline__ void skinny_chain(const void* w, const u8* w_scales, const u64* w_row,
                                              const float* const (*xr)[2], int live, int K, int k_begin, int k_end,
                                              int t, float* tot) {
-    constexpr bool SPLIT = FMT == 1;
     float acc[FRAGS][NF][4];
 #pragma unroll
     for (int mi = 0; mi < FRAGS; mi++)
@@ -831,10 +910,10 @@ __device__ __forceinline__ void skinny_chain(const void* w, const u8* w_scales, 
                         va = p[0];
                         vb = p[1];
                     }
-                    pack_act8<SPLIT>(va, vb, hi[h], lo[h]);
+                    pack_act8<FMT>(va, vb, hi[h], lo[h]);
                 }
 #pragma unroll
-                for (int f = 0; f < NF; f++) mma_span<SPLIT>(acc[mi][f], hi[0], hi[1], lo[0], lo[1], b[f]);
+                for (int f = 0; f < NF; f++) mma_span<FMT>(acc[mi][f], hi[0], hi[1], lo[0], lo[1], b[f]);
             }
         }
         // 32 * SPANS divides SEG: a segment ends only at the end of an iteration.
@@ -1151,8 +1230,8 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
 #pragma unroll
             for (int p = 0; p < A_PARTS; p++) {
                 u64 desc = wgmma_desc_sw64(x_stage + p * WG_X_PART + 32 * c);
-                if (wide_n) wgmma_m64n128k16_rs(acc, cur[c], desc);
-                else wgmma_m64n64k16_rs(acc, cur[c], desc);
+                if (wide_n) wgmma_m64n128k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
+                else wgmma_m64n64k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
             }
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");

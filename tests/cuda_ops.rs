@@ -779,7 +779,7 @@ fn the_gemm_operand_is_rounded_to_nearest_even_like_the_cpu() {
     // Split (plain BF16 weights): each row is [hi (k / 2 words) | lo], lo the rounding of x - hi,
     // each half's words in the kernel's packed order.
     let mut out = poisoned(&g, rows * k, 0xdead_beefu32);
-    ops::pack_gemm_operand(&g, &dx, rows, k, true, &mut out).unwrap();
+    ops::pack_gemm_operand(&g, &dx, rows, k, ops::Packing::SplitBf16, &mut out).unwrap();
     let got = g.download(&out, rows * k).unwrap();
     let half_of = |w: u32, c: usize| bf16::from_bits((w >> (16 * (c % 2))) as u16);
     for r in 0..rows {
@@ -799,6 +799,45 @@ fn the_gemm_operand_is_rounded_to_nearest_even_like_the_cpu() {
             assert!(
                 got_lo.to_bits() == lo.to_bits() || (got_lo.is_nan() && lo.is_nan()),
                 "lo of x[{r}, {c}] = {v:e}: {got_lo:?} against {lo:?}"
+            );
+        }
+    }
+}
+
+/// NVFP4's activation operand (`Packing::F16`): its quantizer's values (an E2M1 value times an
+/// E4M3 block scale, every pair of codes drawn, negative and subnormal scales among them) packed
+/// to FP16 in the kernel's word order, each exactly the CPU's value.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn nvfp4_activations_pack_to_fp16_exactly() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let (rows, k) = (16, 256);
+    let x: Vec<f32> = (0..rows * k)
+        .map(|_| {
+            let code = (rng.next() % 16) as u8;
+            let scale = (rng.next() % 256) as u8;
+            let v = quant::codec::e2m1_decode(code) * quant::codec::e4m3_decode(scale);
+            if v.is_nan() {
+                1.0
+            } else {
+                v
+            }
+        })
+        .collect();
+    let dx = g.upload(&x).unwrap();
+    let mut out = poisoned(&g, rows * k / 2, 0xdead_beefu32);
+    ops::pack_gemm_operand(&g, &dx, rows, k, ops::Packing::F16, &mut out).unwrap();
+    let got = g.download(&out, rows * k / 2).unwrap();
+    for r in 0..rows {
+        for c in 0..k {
+            let v = x[r * k + c];
+            let word = got[r * k / 2 + ops::packed_word(c / 2)];
+            let half = half::f16::from_bits((word >> (16 * (c % 2))) as u16);
+            assert_eq!(
+                half.to_f32().to_bits(),
+                v.to_bits(),
+                "x[{r}, {c}] = {v:e} packed as {half:?}"
             );
         }
     }

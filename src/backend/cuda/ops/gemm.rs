@@ -440,8 +440,8 @@ struct Operand<'a> {
     /// (F32 has FFMA only).
     kernels: [Kernel; 7],
     f32_weights: bool,
-    /// Plain BF16 weights: the tiled kernel's packed activations carry hi and lo terms.
-    split_activations: bool,
+    /// How the tiled and wgmma kernels' packed activations are made.
+    packing: Packing,
     data: DevPtr,
     scales: Option<View<'a, u8>>,
     s_dec: Option<View<'a, f32>>,
@@ -459,7 +459,11 @@ impl<'a> Operand<'a> {
         Operand {
             kernels,
             f32_weights: kernels[0] == Kernel::GroupedGemmF32,
-            split_activations: kernels[0] == Kernel::GroupedGemmBf16,
+            packing: match kernels[0] {
+                Kernel::GroupedGemmBf16 => Packing::SplitBf16,
+                Kernel::GroupedGemmNvfp4 => Packing::F16,
+                _ => Packing::Bf16,
+            },
             data,
             scales,
             s_dec,
@@ -716,25 +720,47 @@ pub fn packed_word(j: usize) -> usize {
     (j & !15) | (j & 3) << 2 | (j & 15) >> 2
 }
 
-/// The tiled kernel's A operand: `rows` rows of `x` (`k` wide, a multiple of 32) as BF16x2
-/// words, rounded to nearest even, in [`packed_word`]'s order; `split` (plain BF16 weights)
-/// gives each row as `[hi (k / 2 words) | lo]`, lo the rounding of `x - hi`, else `[values]`.
+/// How the tiled and wgmma kernels take a launch's activations (kernels/gemm.cu
+/// `pack_gemm_operand`, `F16_OPERANDS`): the tensor cores' operand type follows the weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Packing {
+    /// Values exact in BF16 (MXFP8's quantized activations): one BF16 term.
+    Bf16 = 0,
+    /// Plain BF16 weights: each f32 value as two BF16 terms, hi and lo (the rounding of x - hi).
+    SplitBf16 = 1,
+    /// NVFP4 weights: values exact in FP16 (its quantizer's), one FP16 term.
+    F16 = 2,
+}
+
+impl Packing {
+    /// u32 words a row of `k` values packs to.
+    pub fn words(self, k: usize) -> usize {
+        match self {
+            Packing::SplitBf16 => k,
+            Packing::Bf16 | Packing::F16 => k / 2,
+        }
+    }
+}
+
+/// The tiled kernel's A operand: `rows` rows of `x` (`k` wide, a multiple of 32) as 16-bit pairs
+/// in [`packed_word`]'s order, per [`Packing`]: BF16 rounded to nearest even (`SplitBf16`
+/// gives each row as `[hi (k / 2 words) | lo]`), or the values as they are (`Bf16`, `F16`).
 pub fn pack_gemm_operand(
     gpu: &Gpu,
     x: &CudaSlice<f32>,
     rows: usize,
     k: usize,
-    split: bool,
+    packing: Packing,
     out: &mut CudaSlice<u32>,
 ) -> Result<(), CudaError> {
     let words = rows * k / 2;
     let x = need(x, rows * k, "gemm operand x")?;
-    let out = need(out, words * if split { 2 } else { 1 }, "gemm operand")?;
+    let out = need(out, rows * packing.words(k), "gemm operand")?;
     gpu.launch(
         Kernel::PackGemmOperand,
         (gpu.grid_for(words, 256), 1, 1),
         256,
-        (x, rows as i32, k as i32, split as i32, out),
+        (x, rows as i32, k as i32, packing as i32, out),
     )
 }
 
@@ -897,10 +923,9 @@ fn launch_parts(
             (GemmRows::Plan(p), None) => p.pairs,
             (GemmRows::Dense(_), Some(_)) => x.len() / k,
         };
-        let split_act = w.split_activations;
-        let words = x_rows * k / 2 * if split_act { 2 } else { 1 };
+        let words = x_rows * w.packing.words(k);
         let packed = grown(gpu, &mut scratch.operand, &mut scratch.generation, words)?;
-        pack_gemm_operand(gpu, x, x_rows, k, split_act, packed)?;
+        pack_gemm_operand(gpu, x, x_rows, k, w.packing, packed)?;
         Some(View::whole(packed))
     } else {
         None
