@@ -539,9 +539,15 @@ extern "C" __global__ void pack_gemm_operand(const float* x, int rows, int K, in
 }
 
 #define TILE_TN 128   // columns per block: 4 warps of 32
-#define TILE_STAGES 3 // spans in flight
+#define TILE_STAGES 3 // spans in flight (quantized 32-row tiles: TiledStages)
 #define TM_WIDE 64    // rows per wide tile (host: ops::gemm::GEMM_WIDE_TILE_ROWS)
-static_assert(TILE_STAGES - 1 < SEG / 32, "a segment's scales are overwritten two segments later");
+// Spans in flight in the tiled kernels: four for quantized 32-row tiles, whose stages are small
+// (4-6 KB), so that the ring divides a segment and a whole segment's walk is unrolled with its
+// stages known (tiled_walk).
+template <int FMT, int WM>
+constexpr int TiledStages = FMT != 1 && WM == 1 ? 4 : TILE_STAGES;
+static_assert(TiledStages<3, 1> - 1 < SEG / 32 && TILE_STAGES - 1 < SEG / 32,
+              "a segment's scales are overwritten two segments later");
 
 // One thread's share of copying spans (32 k from k0) of the TILE_TN weight columns n0.. of
 // expert e into a stage ([column][W_BYTES], W_BYTES a column's span in FMT), as 16-byte
@@ -593,11 +599,12 @@ struct WeightSpanCopy {
 // at a time (SEG_STAGED: ss_ld, lane's scale of fragment 0 in segment buffer 0) or read a span
 // ahead (load_scales): the K chain's products, each segment's sums joining the running total
 // (element i at tot[i * TOT_STRIDE]). `issue(span, stage)` copies a span into a stage, the
-// spans in order; spans 0 .. TILE_STAGES - 2 are issued and committed. One instantiation per
+// spans in order; spans 0 .. TiledStages - 2 are issued and committed. One instantiation per
 // live-fragment count: a warp-uniform skip inside the loop cost every MMA a WARPSYNC.
 template <int FMT, int WM, int FRAGS, bool SEG_STAGED, int TOT_STRIDE, class Issue, class LoadScales>
 __device__ __forceinline__ void tiled_walk(int spans, Issue& issue, const LoadScales& load_scales, u32 ss_ld,
                                            const u32 (&a_ld)[2], u32 w_ld, float* tot) {
+    constexpr int STAGES = TiledStages<FMT, WM>;
     constexpr bool SPLIT = FMT == 1;
     constexpr int A_PARTS = SPLIT ? 2 : 1, TMR = 32 * WM;
     constexpr int W_BYTES = WeightSpanCopy<FMT, 128 * WM>::W_BYTES;
@@ -612,60 +619,74 @@ __device__ __forceinline__ void tiled_walk(int spans, Issue& issue, const LoadSc
             for (int v = 0; v < 4; v++) acc[i][j][v] = 0.0f;
     u8 sc[4], sc_next[4];
     if (!SEG_STAGED) load_scales(0, sc);
-    // The stage of this span, and of the span issued at it (TILE_STAGES - 1 ahead).
-    int cur = 0, ahead = TILE_STAGES - 1;
+    // One span in stage `cur`, issuing the span STAGES - 1 ahead into stage `ahead`; its scales
+    // (SEG_STAGED) at ss_at.
+    auto step = [&](int span, int cur, int ahead, u32 ss_at) {
+        if (!SEG_STAGED && FRAGS > 0) load_scales(span + 1, sc_next);
+        cp_async_wait<STAGES - 2>();
+        // This span's stage (and, at a segment's first span, its scales) is in; every warp is
+        // done with the stage refilled next, and with the scales of two segments back
+        // (overwritten by the issue at a segment's first span, STAGES - 1 < SEG_SPANS spans
+        // after the last of them was read).
+        __syncthreads();
+        if (SEG_STAGED && FRAGS > 0) {
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) sc[ni] = lds_u8(ss_at + ni * 8 * SEG_SCALES);
+        }
+        if (span + STAGES - 1 < spans) issue(span + STAGES - 1, ahead);
+        cp_async_commit();
+        if constexpr (FRAGS > 0) {
+            // a[mi][c]: chunk c's A fragment of rows mi * 16.. (hi; al: lo), one ldmatrix each.
+            u32 a[FRAGS][2][4], al[FRAGS][2][4];
+#pragma unroll
+            for (int mi = 0; mi < FRAGS; mi++)
+#pragma unroll
+                for (int c = 0; c < 2; c++) {
+                    u32 at = a_ld[c] + cur * AS_STAGE + mi * 16 * 64;
+                    ldmatrix_x4_at(at, a[mi][c]);
+                    if constexpr (SPLIT) ldmatrix_x4_at(at + AS_PART, al[mi][c]);
+                }
+            u32 w_stage = w_ld + cur * WS_STAGE;
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) {
+                u32 b[4];
+                decode_weight8<FMT>(smem_weight8_at<FMT>(w_stage + ni * 8 * W_BYTES, sc[ni]), b);
+#pragma unroll
+                for (int mi = 0; mi < FRAGS; mi++)
+#pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        // The K chain's order: chunk 0 then 1, each hi then (split) lo.
+                        mma_k16<FMT>(acc[mi][ni], a[mi][c], &b[2 * c]);
+                        if constexpr (SPLIT) mma_k16<FMT>(acc[mi][ni], al[mi][c], &b[2 * c]);
+                    }
+            }
+            if (!SEG_STAGED) {
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) sc[ni] = sc_next[ni];
+            }
+        }
+    };
+    // Whole segments with staged scales unrolled when the ring's stages divide a segment: each
+    // span's stages are then constants (a segment starts in stage 0).
+    constexpr bool UNROLL = SEG_STAGED && FRAGS > 0 && SEG_SPANS % STAGES == 0;
+    // The stage of the next span, and of the span issued at it (STAGES - 1 ahead).
+    int cur = 0, ahead = STAGES - 1;
     // Segment by segment (SEG / MMA_TK spans each; the last may be shorter), so the running
     // total is touched once per segment.
     for (int seg0 = 0; seg0 < spans; seg0 += SEG_SPANS) {
         int seg_end = min(spans, seg0 + SEG_SPANS);
         u32 ss_span = ss_ld + ((seg0 / SEG_SPANS) & 1) * (TILE_TN * SEG_SCALES);
-        for (int span = seg0; span < seg_end; span++) {
-            if (!SEG_STAGED && FRAGS > 0) load_scales(span + 1, sc_next);
-            cp_async_wait<TILE_STAGES - 2>();
-            // This span's stage (and, at a segment's first span, its scales) is in; every warp
-            // is done with the stage refilled next, and with the scales of two segments back
-            // (overwritten by the issue at a segment's first span, TILE_STAGES - 1 < SEG_SPANS
-            // spans after the last of them was read).
-            __syncthreads();
-            if (SEG_STAGED && FRAGS > 0) {
+        if (UNROLL && seg_end - seg0 == SEG_SPANS) {
 #pragma unroll
-                for (int ni = 0; ni < 4; ni++) sc[ni] = lds_u8(ss_span + ni * 8 * SEG_SCALES);
+            for (int j = 0; j < SEG_SPANS; j++)
+                step(seg0 + j, j % STAGES, (j + STAGES - 1) % STAGES, ss_span + j * SPAN_SCALES<FMT>);
+        } else {
+            for (int span = seg0; span < seg_end; span++) {
+                step(span, cur, ahead, ss_span);
                 ss_span += SPAN_SCALES<FMT>;
+                cur = cur == STAGES - 1 ? 0 : cur + 1;
+                ahead = ahead == STAGES - 1 ? 0 : ahead + 1;
             }
-            if (span + TILE_STAGES - 1 < spans) issue(span + TILE_STAGES - 1, ahead);
-            cp_async_commit();
-            if constexpr (FRAGS > 0) {
-                // a[mi][c]: chunk c's A fragment of rows mi * 16.. (hi; al: lo), one ldmatrix each.
-                u32 a[FRAGS][2][4], al[FRAGS][2][4];
-#pragma unroll
-                for (int mi = 0; mi < FRAGS; mi++)
-#pragma unroll
-                    for (int c = 0; c < 2; c++) {
-                        u32 at = a_ld[c] + cur * AS_STAGE + mi * 16 * 64;
-                        ldmatrix_x4_at(at, a[mi][c]);
-                        if constexpr (SPLIT) ldmatrix_x4_at(at + AS_PART, al[mi][c]);
-                    }
-                u32 w_stage = w_ld + cur * WS_STAGE;
-#pragma unroll
-                for (int ni = 0; ni < 4; ni++) {
-                    u32 b[4];
-                    decode_weight8<FMT>(smem_weight8_at<FMT>(w_stage + ni * 8 * W_BYTES, sc[ni]), b);
-#pragma unroll
-                    for (int mi = 0; mi < FRAGS; mi++)
-#pragma unroll
-                        for (int c = 0; c < 2; c++) {
-                            // The K chain's order: chunk 0 then 1, each hi then (split) lo.
-                            mma_k16<FMT>(acc[mi][ni], a[mi][c], &b[2 * c]);
-                            if constexpr (SPLIT) mma_k16<FMT>(acc[mi][ni], al[mi][c], &b[2 * c]);
-                        }
-                }
-                if (!SEG_STAGED) {
-#pragma unroll
-                    for (int ni = 0; ni < 4; ni++) sc[ni] = sc_next[ni];
-                }
-            }
-            cur = cur == TILE_STAGES - 1 ? 0 : cur + 1;
-            ahead = ahead == TILE_STAGES - 1 ? 0 : ahead + 1;
         }
         if constexpr (FRAGS > 0) end_segment<FRAGS * 16, TOT_STRIDE>(&acc[0][0][0], tot, seg0 == 0);
     }
@@ -676,7 +697,7 @@ __device__ __forceinline__ void tiled_walk(int spans, Issue& issue, const LoadSc
 // and 32 columns (WM = 2: the routing plan's wide tiles, each expert's weights read from L2
 // once per 64 rows instead of 32). xb is x packed by pack_gemm_operand. Requires K % 32 == 0
 // (the host checks). Each span's packed activations and raw weight bytes are copied into a
-// ring of TILE_STAGES shared-memory stages (cp.async) while the tensor cores work on an
+// ring of TiledStages shared-memory stages (cp.async) while the tensor cores work on an
 // earlier one. The activations come out of shared memory as whole mma fragments
 // (ldmatrix over the packed order); each warp decodes its own 32 columns' weights from
 // shared memory straight into fragments (block scales staged a segment at a time in shared
@@ -689,14 +710,14 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
                                                    const int* offsets, int rows, int N, int K, float* out,
                                                    float* partials, const u32* xb, u32* counters, int bx) {
     int e, r0, r1;
-    constexpr int TMR = 32 * WM, THREADS = 128 * WM;
+    constexpr int TMR = 32 * WM, THREADS = 128 * WM, STAGES = TiledStages<FMT, WM>;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TMR)) return;
     int n0 = bx * TILE_TN;
     constexpr bool SPLIT = FMT == 1;
     constexpr int A_PARTS = SPLIT ? 2 : 1;                     // hi, lo
     constexpr int W_BYTES = WeightSpanCopy<FMT, THREADS>::W_BYTES;  // one column's span
-    __shared__ __align__(16) u32 as[TILE_STAGES][A_PARTS][TMR][16];  // 32 values per row, a_piece order
-    __shared__ __align__(16) u8 ws[TILE_STAGES][TILE_TN][W_BYTES];
+    __shared__ __align__(16) u32 as[STAGES][A_PARTS][TMR][16];  // 32 values per row, a_piece order
+    __shared__ __align__(16) u8 ws[STAGES][TILE_TN][W_BYTES];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     int wm = warp >> 2, wn = warp & 3;  // this warp's rows wm * 32.., columns wn * 32..
 
@@ -788,7 +809,7 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     float* tot = TOT_SHARED ? &tot_s[warp][0][lane] : tot_r;
 
 #pragma unroll
-    for (int s = 0; s < TILE_STAGES - 1; s++) {
+    for (int s = 0; s < STAGES - 1; s++) {
         if (s < spans) issue(s, s);
         cp_async_commit();
     }
