@@ -160,22 +160,6 @@ __device__ __forceinline__ u32 pack_exact_bf16(float lo, float hi) {
     return __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632);
 }
 
-__device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-__device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 // Operands in FP16 for NVFP4 weights, BF16 otherwise. NVFP4's weights (E2M1 x E4M3: at most 6
 // significant bits, 2^-10 .. 2688) and activations (the same, its quantizer's values) are exact
 // in both; FP16's E2M1 decoding takes one byte table where BF16's took two, and its E4M3 scale
@@ -183,11 +167,17 @@ __device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) {
 template <int FMT>
 constexpr bool F16_OPERANDS = FMT == 3;
 
-// One k16 step of the K chain in FMT's operand type.
+// One k16 step of the K chain (mma.sync m16n8k16, FP32 accumulation) in FMT's operand type.
 template <int FMT>
 __device__ __forceinline__ void mma_k16(float* c, const u32* a, const u32* b) {
-    if constexpr (F16_OPERANDS<FMT>) mma_f16(c, a, b);
-    else mma_bf16(c, a, b);
+#define MMA_K16_ASM(TYPE)                                                                                     \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, " \
+                 "{%8,%9}, {%0,%1,%2,%3};\n"                                                                  \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                             \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
+    if constexpr (F16_OPERANDS<FMT>) MMA_K16_ASM("f16");
+    else MMA_K16_ASM("bf16");
+#undef MMA_K16_ASM
 }
 
 // Two f32 values that are exactly FP16 (NVFP4's decoded codes times block scales) as FP16x2.
