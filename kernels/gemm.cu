@@ -224,16 +224,26 @@ __device__ __forceinline__ void mma_span(float* c, const u32* a_lo_row, const u3
     }
 }
 
-// Fast exact decoders for the inner loops. Two E4M3 codes (low byte first) to f32: one
-// hardware conversion to f16x2 on sm_89+ (every E4M3 value, NaN included, is an f16), else
-// the table-free decoder. E2M1 codes become FP16 through byte permutes (no memory lookups).
+// Fast exact decoders for the inner loops. Two E4M3 codes (low byte first) as FP16x2: one
+// hardware conversion on sm_89+ (every E4M3 value, NaN included, is an FP16), else the
+// table-free decoder's values converted. E2M1 codes become FP16 through byte permutes (no
+// memory lookups).
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 pair) {
+    u32 h2;
+#if __CUDA_ARCH__ >= 890
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)pair));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h2) : "f"(e4m3_decode((u8)(pair >> 8))), "f"(e4m3_decode((u8)pair)));
+#endif
+    return h2;
+}
+
+// Two E4M3 codes (low byte first) to f32.
 __device__ __forceinline__ void e4m3x2_to_f32(u32 pair, float& lo, float& hi) {
 #if __CUDA_ARCH__ >= 890
-    u32 h2;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)pair));
     asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}"
         : "=f"(lo), "=f"(hi)
-        : "r"(h2));
+        : "r"(e4m3x2_to_f16x2(pair)));
 #else
     lo = e4m3_decode((u8)pair);
     hi = e4m3_decode((u8)(pair >> 8));
@@ -262,21 +272,6 @@ __device__ __forceinline__ void e2m1x8_to_f16(u32 q, u32* out) {
         out[2 * h] = prmt(hi, 0u, 0x1404u);      // codes 4h, 4h + 1
         out[2 * h + 1] = prmt(hi, 0u, 0x3424u);  // codes 4h + 2, 4h + 3
     }
-}
-
-// An E4M3 block scale as FP16 (the low half; the high half is zero): every E4M3 value, NaN
-// included, is an FP16, so its product with an E2M1 value (at most 6 significant bits, 2^-10 ..
-// 2688) is exact in FP16.
-__device__ __forceinline__ u32 nvfp4_scale_f16(u32 c) {
-#if __CUDA_ARCH__ >= 890
-    u32 h2;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)c));
-    return h2;
-#else
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(e4m3_decode((u8)c)));
-    return h;
-#endif
 }
 
 // Both halves of an FP16x2 word times the low half of s.
@@ -331,7 +326,9 @@ __device__ __forceinline__ void decode_weight8(const Weight8& c, u32* out) {
             out[i] = pack_exact_bf16(__fmul_rn(lo, s), __fmul_rn(hi, s));
         }
     } else {
-        u32 s = nvfp4_scale_f16(c.scale);
+        // The E4M3 block scale as FP16 (the low half): its product with an E2M1 value (at most
+        // 6 significant bits, 2^-10 .. 2688) is exact in FP16.
+        u32 s = e4m3x2_to_f16x2(c.scale);
         u32 v[4];
         e2m1x8_to_f16(c.q.x, v);
 #pragma unroll
@@ -529,14 +526,13 @@ extern "C" __global__ void pack_gemm_operand(const float* x, int rows, int K, in
 }
 
 #define TILE_TN 128   // columns per block: 4 warps of 32
-#define TILE_STAGES 3 // spans in flight (quantized 32-row tiles: TiledStages)
 #define TM_WIDE 64    // rows per wide tile (host: ops::gemm::GEMM_WIDE_TILE_ROWS)
-// Spans in flight in the tiled kernels: four for quantized 32-row tiles, whose stages are small
-// (4-6 KB), so that the ring divides a segment and a whole segment's walk is unrolled with its
-// stages known (tiled_walk).
+// Spans in flight in the tiled kernels: three, and four for quantized 32-row tiles, whose
+// stages are small (4-6 KB), so that the ring divides a segment and a whole segment's walk is
+// unrolled with its stages known (tiled_walk).
 template <int FMT, int WM>
-constexpr int TiledStages = FMT != 1 && WM == 1 ? 4 : TILE_STAGES;
-static_assert(TiledStages<3, 1> - 1 < SEG / 32 && TILE_STAGES - 1 < SEG / 32,
+constexpr int TiledStages = FMT != 1 && WM == 1 ? 4 : 3;
+static_assert(TiledStages<3, 1> - 1 < SEG / 32 && TiledStages<1, 1> - 1 < SEG / 32,
               "a segment's scales are overwritten two segments later");
 
 // One thread's share of copying spans (32 k from k0) of the TILE_TN weight columns n0.. of
