@@ -85,9 +85,13 @@ __device__ __forceinline__ float e4m3_decode(u8 c) {
     return (c & 0x80u) ? -mag : mag;
 }
 
+// E2M1's magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} built as f32 bits: code m >= 2 is
+// 2^((m >> 1) - 1) * (1 + (m & 1) / 2). (A table of them was local memory, stored again before
+// every lookup.)
 __device__ __forceinline__ float e2m1_decode(u8 c) {
-    const float v[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-    float mag = v[c & 7];
+    u32 m = c & 7u;
+    u32 bits = m >= 2u ? ((m >> 1) + 126u) << 23 | (m & 1u) << 22 : m == 1u ? 0x3f000000u : 0u;
+    float mag = __uint_as_float(bits);
     return (c & 8) ? -mag : mag;
 }
 
