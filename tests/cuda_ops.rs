@@ -748,6 +748,20 @@ fn block_scaled_operand_preparation_matches_its_definition() {
     }
 }
 
+/// `x` (`rows` x `k`) as `pack_gemm_operand` packs it: `packing.words(k)` words a row.
+fn packed_operand(
+    g: &lockstep::backend::cuda::Gpu,
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    packing: ops::Packing,
+) -> Vec<u32> {
+    let words = rows * packing.words(k);
+    let mut out = poisoned(g, words, 0xdead_beefu32);
+    ops::pack_gemm_operand(g, &g.upload(x).unwrap(), rows, k, packing, &mut out).unwrap();
+    g.download(&out, words).unwrap()
+}
+
 /// The tiled GEMM's split activation operand (`pack_gemm_operand`, whose BF16 rounding the
 /// few-rows kernels and the attention share): every hi and lo term against the CPU's round to
 /// nearest even, on random bit patterns (subnormals, infinities, the largest finite values)
@@ -775,12 +789,9 @@ fn the_gemm_operand_is_rounded_to_nearest_even_like_the_cpu() {
             }
         })
         .collect();
-    let dx = g.upload(&x).unwrap();
     // Split (plain BF16 weights): each row is [hi (k / 2 words) | lo], lo the rounding of x - hi,
     // each half's words in the kernel's packed order.
-    let mut out = poisoned(&g, rows * k, 0xdead_beefu32);
-    ops::pack_gemm_operand(&g, &dx, rows, k, ops::Packing::SplitBf16, &mut out).unwrap();
-    let got = g.download(&out, rows * k).unwrap();
+    let got = packed_operand(&g, &x, rows, k, ops::Packing::SplitBf16);
     let half_of = |w: u32, c: usize| bf16::from_bits((w >> (16 * (c % 2))) as u16);
     for r in 0..rows {
         for c in 0..k {
@@ -825,10 +836,7 @@ fn nvfp4_activations_pack_to_fp16_exactly() {
             }
         })
         .collect();
-    let dx = g.upload(&x).unwrap();
-    let mut out = poisoned(&g, rows * k / 2, 0xdead_beefu32);
-    ops::pack_gemm_operand(&g, &dx, rows, k, ops::Packing::F16, &mut out).unwrap();
-    let got = g.download(&out, rows * k / 2).unwrap();
+    let got = packed_operand(&g, &x, rows, k, ops::Packing::F16);
     for r in 0..rows {
         for c in 0..k {
             let v = x[r * k + c];
