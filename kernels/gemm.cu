@@ -18,9 +18,9 @@
 //   weights (F16_OPERANDS: its E2M1 x E4M3 values and activations are exact in FP16 too, and
 //   decode to it in fewer instructions): exact for MXFP8 (E4M3 x E8M0) and NVFP4 weights and for
 //   quantized activations (the quantizers' dequantized values).
-//   Plain BF16 layers take f32 activations: each is split into two BF16 terms (hi + lo, 16
-//   significant bits) multiplied separately, so the result stays within ~1e-5 of the CPU's f32
-//   products instead of the ~2e-3 of rounding activations to BF16 (which flips MoE routing).
+//   Plain BF16 layers take f32 activations rounded to BF16 (nearest even), as SGLang, vLLM and
+//   Megatron compute them: ~2e-3 from the CPU's f32 products (MoE routing may then differ from
+//   the CPU's).
 // - grouped_gemm_skinny_*, grouped_gemm_skinny4_*: the same tensor-core products for tiles of
 //   few rows (decode): a warp per 8 (or 32) output columns, weights loaded straight into
 //   registers, no shared memory.
@@ -33,8 +33,8 @@
 //
 // The K chain: K is walked in spans of 32 in order; within a span, lane (g, t) of an m16n8k16
 // holds k = 8t..8t+7, chunk c (0, 1) taking k = 8t+4c+{0,1} in fragment slots {2t, 2t+1} and
-// k = 8t+4c+{2,3} in slots {2t+8, 2t+9}; chunk 0 then chunk 1, each as hi then (plain BF16
-// layers) lo. Each lane's 8 values of a span are then one 16-byte load. The spans are grouped
+// k = 8t+4c+{2,3} in slots {2t+8, 2t+9}; chunk 0 then chunk 1. Each lane's 8 values of a span
+// are then one 16-byte load. The spans are grouped
 // in segments of SEG k (the last may be shorter): each segment accumulates from zero, and the
 // segments' sums are added in order (total = s0, then total + s1, ...). A block either walks
 // every segment and keeps that running total, or (split-K, `partials` not null, launches of few
@@ -188,39 +188,27 @@ __device__ __forceinline__ u32 pack_exact_f16(float lo, float hi) {
 }
 
 // Eight consecutive activations (one lane's share of a span) as the K chain's words for FMT's
-// weights. Plain BF16 layers: hi = bf16(v), lo = bf16(v - hi); otherwise the values are exact
-// in the operand type (the quantizers' dequantized values): BF16, or FP16 for NVFP4.
+// weights, rounded to nearest even: BF16 (plain BF16 layers' f32 activations; MXFP8's
+// dequantized values, which are exact in it), or FP16 for NVFP4 (its exact values).
 template <int FMT>
-__device__ __forceinline__ void pack_act8(float4 a, float4 b, u32* hi, u32* lo) {
+__device__ __forceinline__ void pack_act8(float4 a, float4 b, u32* words) {
     float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        if constexpr (FMT == 1) {
-            hi[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
-            lo[i] = pack_bf16(__fsub_rn(v[2 * i], __uint_as_float(hi[i] << 16)),
-                              __fsub_rn(v[2 * i + 1], __uint_as_float(hi[i] & 0xffff0000u)));
-        } else if constexpr (F16_OPERANDS<FMT>) {
-            hi[i] = pack_exact_f16(v[2 * i], v[2 * i + 1]);
-        } else {
-            hi[i] = pack_exact_bf16(v[2 * i], v[2 * i + 1]);
-        }
+        if constexpr (F16_OPERANDS<FMT>) words[i] = pack_exact_f16(v[2 * i], v[2 * i + 1]);
+        else words[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
     }
 }
 
-// One span of the K chain for an m16n8 accumulator: `lo_row` / `hi_row` are the 4 words of the
+// One span of the K chain for an m16n8 accumulator: `row_g` / `row_g8` are the 4 words of the
 // lane's rows g and g + 8 (pack_act8), `w` the 4 words of its weight column g.
 template <int FMT>
-__device__ __forceinline__ void mma_span(float* c, const u32* a_lo_row, const u32* a_hi_row, const u32* a_lo_row_lo,
-                                         const u32* a_hi_row_lo, const u32* w) {
+__device__ __forceinline__ void mma_span(float* c, const u32* row_g, const u32* row_g8, const u32* w) {
 #pragma unroll
     for (int ch = 0; ch < 2; ch++) {
         u32 b[2] = {w[2 * ch], w[2 * ch + 1]};
-        u32 a[4] = {a_lo_row[2 * ch], a_hi_row[2 * ch], a_lo_row[2 * ch + 1], a_hi_row[2 * ch + 1]};
+        u32 a[4] = {row_g[2 * ch], row_g8[2 * ch], row_g[2 * ch + 1], row_g8[2 * ch + 1]};
         mma_k16<FMT>(c, a, b);
-        if constexpr (FMT == 1) {
-            u32 l[4] = {a_lo_row_lo[2 * ch], a_hi_row_lo[2 * ch], a_lo_row_lo[2 * ch + 1], a_hi_row_lo[2 * ch + 1]};
-            mma_k16<FMT>(c, l, b);
-        }
     }
 }
 
@@ -504,9 +492,8 @@ __device__ __forceinline__ void fold_if_last(const float* partials, u32* counter
 __device__ __forceinline__ int packed_word(int j) { return (j & ~15) | (j & 3) << 2 | (j & 15) >> 2; }
 
 // The tiled and wgmma kernels' activation operand, each span's words in packed_word's order:
-// `packing` 1 (plain BF16 layers) every x row as BF16 [hi (K) | lo (K)] (pack_act8's split), 0
-// as exact BF16 [values (K)], 2 (NVFP4) as exact FP16 [values (K)] (host: ops::gemm::Packing).
-// Grid-stride over word pairs.
+// every x row as pack_act8's words, `packing` 0 BF16, 1 FP16 (NVFP4), rounded to nearest even
+// (host: ops::gemm::Packing). Grid-stride over word pairs.
 extern "C" __global__ void pack_gemm_operand(const float* x, int rows, int K, int packing, u32* out) {
     pdl_entry();
     u64 words = (u64)rows * (K / 2);
@@ -514,14 +501,7 @@ extern "C" __global__ void pack_gemm_operand(const float* x, int rows, int K, in
         u64 row = i / (K / 2);
         int w = packed_word((int)(i % (K / 2)));
         float2 v = *(const float2*)(x + 2 * i);
-        if (packing == 1) {
-            u32 hi = pack_bf16(v.x, v.y);
-            u32 lo = pack_bf16(__fsub_rn(v.x, __uint_as_float(hi << 16)), __fsub_rn(v.y, __uint_as_float(hi & 0xffff0000u)));
-            out[row * K + w] = hi;
-            out[row * K + K / 2 + w] = lo;
-        } else {
-            out[row * (K / 2) + w] = packing == 2 ? pack_exact_f16(v.x, v.y) : pack_exact_bf16(v.x, v.y);
-        }
+        out[row * (K / 2) + w] = packing == 1 ? pack_exact_f16(v.x, v.y) : pack_bf16(v.x, v.y);
     }
 }
 
@@ -591,11 +571,10 @@ template <int FMT, int WM, int FRAGS, bool SEG_STAGED, int TOT_STRIDE, class Iss
 __device__ __forceinline__ void tiled_walk(int spans, Issue& issue, const LoadScales& load_scales, u32 ss_ld,
                                            const u32 (&a_ld)[2], u32 w_ld, float* tot) {
     constexpr int STAGES = TiledStages<FMT, WM>;
-    constexpr bool SPLIT = FMT == 1;
-    constexpr int A_PARTS = SPLIT ? 2 : 1, TMR = 32 * WM;
+    constexpr int TMR = 32 * WM;
     constexpr int W_BYTES = WeightSpanCopy<FMT, 128 * WM>::W_BYTES;
     constexpr int SEG_SPANS = SEG / MMA_TK, SEG_SCALES = SEG_SPANS * SPAN_SCALES<FMT>;
-    constexpr u32 AS_PART = TMR * 64, AS_STAGE = A_PARTS * AS_PART, WS_STAGE = TILE_TN * W_BYTES;
+    constexpr u32 AS_STAGE = TMR * 64, WS_STAGE = TILE_TN * W_BYTES;
     float acc[FRAGS > 0 ? FRAGS : 1][4][4];
 #pragma unroll
     for (int i = 0; i < (FRAGS > 0 ? FRAGS : 1); i++)
@@ -622,16 +601,12 @@ __device__ __forceinline__ void tiled_walk(int spans, Issue& issue, const LoadSc
         if (span + STAGES - 1 < spans) issue(span + STAGES - 1, ahead);
         cp_async_commit();
         if constexpr (FRAGS > 0) {
-            // a[mi][c]: chunk c's A fragment of rows mi * 16.. (hi; al: lo), one ldmatrix each.
-            u32 a[FRAGS][2][4], al[FRAGS][2][4];
+            // a[mi][c]: chunk c's A fragment of rows mi * 16.., one ldmatrix each.
+            u32 a[FRAGS][2][4];
 #pragma unroll
             for (int mi = 0; mi < FRAGS; mi++)
 #pragma unroll
-                for (int c = 0; c < 2; c++) {
-                    u32 at = a_ld[c] + cur * AS_STAGE + mi * 16 * 64;
-                    ldmatrix_x4_at(at, a[mi][c]);
-                    if constexpr (SPLIT) ldmatrix_x4_at(at + AS_PART, al[mi][c]);
-                }
+                for (int c = 0; c < 2; c++) ldmatrix_x4_at(a_ld[c] + cur * AS_STAGE + mi * 16 * 64, a[mi][c]);
             u32 w_stage = w_ld + cur * WS_STAGE;
 #pragma unroll
             for (int ni = 0; ni < 4; ni++) {
@@ -640,11 +615,7 @@ __device__ __forceinline__ void tiled_walk(int spans, Issue& issue, const LoadSc
 #pragma unroll
                 for (int mi = 0; mi < FRAGS; mi++)
 #pragma unroll
-                    for (int c = 0; c < 2; c++) {
-                        // The K chain's order: chunk 0 then 1, each hi then (split) lo.
-                        mma_k16<FMT>(acc[mi][ni], a[mi][c], &b[2 * c]);
-                        if constexpr (SPLIT) mma_k16<FMT>(acc[mi][ni], al[mi][c], &b[2 * c]);
-                    }
+                    for (int c = 0; c < 2; c++) mma_k16<FMT>(acc[mi][ni], a[mi][c], &b[2 * c]);  // chunk 0, then 1
             }
             if (!SEG_STAGED) {
 #pragma unroll
@@ -699,15 +670,13 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     constexpr int TMR = 32 * WM, THREADS = 128 * WM, STAGES = TiledStages<FMT, WM>;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TMR)) return;
     int n0 = bx * TILE_TN;
-    constexpr bool SPLIT = FMT == 1;
-    constexpr int A_PARTS = SPLIT ? 2 : 1;                     // hi, lo
     constexpr int W_BYTES = WeightSpanCopy<FMT, THREADS>::W_BYTES;  // one column's span
-    __shared__ __align__(16) u32 as[STAGES][A_PARTS][TMR][16];  // 32 values per row, a_piece order
+    __shared__ __align__(16) u32 as[STAGES][TMR][16];  // 32 values per row, a_piece order
     __shared__ __align__(16) u8 ws[STAGES][TILE_TN][W_BYTES];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     int wm = warp >> 2, wn = warp & 3;  // this warp's rows wm * 32.., columns wn * 32..
 
-    // Copy roles: A row tid / 4, 16-byte piece tid % 4 (of each part); W chunks tid + THREADS c.
+    // Copy roles: A row tid / 4, 16-byte piece tid % 4; W chunks tid + THREADS c.
     int a_row = tid >> 2, a_chunk = tid & 3;
     bool a_live = r0 + a_row < r1;
     u64 a_src = a_live ? (row_index ? (u64)row_index[r0 + a_row] : (u64)(r0 + a_row)) : 0;
@@ -717,9 +686,9 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     block_k_range(partials, K, k_begin, k_end);
     int spans = (k_end - k_begin) / MMA_TK;
     WeightSpanCopy<FMT, THREADS> w_copy(w, e, N, n0, K, tid, k_begin);
-    // This thread's source of the next span to issue (spans are issued in order): its A piece
-    // (each part K / 2 words on); the weights' are w_copy's.
-    const u8* a_next = (const u8*)(xb + a_src * (K / 2) * A_PARTS) + a_chunk * 16 + k_begin * 2;
+    // This thread's source of the next span to issue (spans are issued in order): its A piece;
+    // the weights' are w_copy's.
+    const u8* a_next = (const u8*)(xb + a_src * (K / 2)) + a_chunk * 16 + k_begin * 2;
     // Where K is whole segments (and the scales 16-byte aligned), a segment's block scales of
     // the block's columns are copied into shared memory with the segment's first span (one
     // 8- or 16-byte copy a column; two segments' worth, alternating), instead of each lane
@@ -736,15 +705,13 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     }
     // Shared memory by its own 32-bit addresses, worked out once: a span adds only its stage's
     // offset (generic pointers made the loop rebuild the shared window's base every span).
-    constexpr u32 AS_PART = TMR * 64, AS_STAGE = A_PARTS * AS_PART, WS_STAGE = TILE_TN * W_BYTES;
-    const u32 as_addr = (u32)__cvta_generic_to_shared(&as[0][0][0][0]);
+    constexpr u32 AS_STAGE = TMR * 64, WS_STAGE = TILE_TN * W_BYTES;
+    const u32 as_addr = (u32)__cvta_generic_to_shared(&as[0][0][0]);
     const u32 ws_addr = (u32)__cvta_generic_to_shared(&ws[0][0][0]);
     const u32 a_copy = as_addr + a_row * 64 + 4 * a_dst;
     const u32 ss_copy = (u32)__cvta_generic_to_shared(&ss[0][0][0]) + (tid % TILE_TN) * SEG_SCALES;
     auto issue = [&](int span, int stage) {
-#pragma unroll
-        for (int p = 0; p < A_PARTS; p++)
-            cp_async16_at(a_copy + stage * AS_STAGE + p * AS_PART, a_next + (u64)p * K * 2, a_live);
+        cp_async16_at(a_copy + stage * AS_STAGE, a_next, a_live);
         a_next += MMA_TK * 2;
         w_copy.issue_next(ws_addr + stage * WS_STAGE);
         if (SEG_SCALES && seg_scales && span % SEG_SPANS == 0 && tid < TILE_TN) {
@@ -907,7 +874,7 @@ __device__ __forceinline__ void skinny_chain(const void* w, const u8* w_scales, 
 #pragma unroll
             for (int mi = 0; mi < FRAGS; mi++) {
                 if (mi * 16 >= live) break;
-                u32 hi[2][4] = {}, lo[2][4] = {};
+                u32 words[2][4] = {};
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     if (h == 1 && mi * 16 + 8 >= live) break;  // no live row in the upper half
@@ -917,10 +884,10 @@ __device__ __forceinline__ void skinny_chain(const void* w, const u8* w_scales, 
                         va = p[0];
                         vb = p[1];
                     }
-                    pack_act8<FMT>(va, vb, hi[h], lo[h]);
+                    pack_act8<FMT>(va, vb, words[h]);
                 }
 #pragma unroll
-                for (int f = 0; f < NF; f++) mma_span<FMT>(acc[mi][f], hi[0], hi[1], lo[0], lo[1], b[f]);
+                for (int f = 0; f < NF; f++) mma_span<FMT>(acc[mi][f], words[0], words[1], b[f]);
             }
         }
         // 32 * SPANS divides SEG: a segment ends only at the end of an iteration.
@@ -1105,9 +1072,8 @@ __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const
 
 #define WG_ROWS 128  // rows per wgmma tile: two wide tiles
 #define WG_STAGES 8
-#define WG_X_PART (WG_ROWS * 64)     // one activation term of a span: 64 bytes a row
-#define WG_X_STAGE (2 * WG_X_PART)   // hi and lo terms
-#define WG_W_STAGE (TILE_TN * 64)    // a span of 128 BF16 columns
+#define WG_X_STAGE (WG_ROWS * 64)  // a span of the activations: 64 bytes a row
+#define WG_W_STAGE (TILE_TN * 64)  // a span of 128 BF16 columns
 // The wgmma kernels' dynamic shared memory, 1024 (the swizzle's alignment) + WG_STAGES *
 // (WG_X_STAGE + WG_W_STAGE) bytes, is given by the host (kernels::WGMMA_SMEM_BYTES).
 
@@ -1125,8 +1091,6 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     r1 = min(r0 + WG_ROWS, tiles ? offsets[e + 1] : rows);
     bool wide_n = r1 - r0 > 64;  // block-uniform: m64n128 MMAs, else m64n64
     int n0 = bx * TILE_TN;
-    constexpr bool SPLIT = FMT == 1;
-    constexpr int A_PARTS = SPLIT ? 2 : 1;
     constexpr int W_BYTES = WeightSpanCopy<FMT, 256>::W_BYTES;  // one column's span
     extern __shared__ __align__(128) u8 wg_smem[];
     // The swizzle is of shared-memory address bits: stages start 1024-byte aligned.
@@ -1136,7 +1100,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     int wg = warp >> 2, wq = warp & 3;  // warpgroup (64 columns), warp in it (16 of them)
 
-    // Copy roles: x piece tid & 3 of rows tid / 4 and tid / 4 + 64 (of each part); W chunks
+    // Copy roles: x piece tid & 3 of rows tid / 4 and tid / 4 + 64; W chunks
     // tid + 256 c.
     int piece = tid & 3;
     const u8* a_base[2];
@@ -1147,7 +1111,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
         int r = (tid >> 2) + 64 * h;
         a_live[h] = r0 + r < r1;
         u64 src = a_live[h] ? (row_index ? (u64)row_index[r0 + r] : (u64)(r0 + r)) : 0;
-        a_base[h] = (const u8*)(xb + src * (K / 2) * A_PARTS) + piece * 16;
+        a_base[h] = (const u8*)(xb + src * (K / 2)) + piece * 16;
         a_dst[h] = r * 64 + 16 * a_piece(r, piece);
     }
 
@@ -1160,11 +1124,8 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
         int stage = span % WG_STAGES, k0 = k_begin + span * MMA_TK;
         u8* xst = xs + stage * WG_X_STAGE;
 #pragma unroll
-        for (int p = 0; p < A_PARTS; p++)
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-                if (h == 0 || wide_n)
-                    cp_async16(xst + p * WG_X_PART + a_dst[h], a_base[h] + (u64)p * K * 2 + k0 * 2, a_live[h]);
+        for (int h = 0; h < 2; h++)
+            if (h == 0 || wide_n) cp_async16(xst + a_dst[h], a_base[h] + k0 * 2, a_live[h]);
         w_copy.issue(ws + stage * WG_W_STAGE, k0);
     };
 
@@ -1232,14 +1193,10 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
         u32 x_stage = xs_addr + stage * WG_X_STAGE;
 #pragma unroll
-        for (int c = 0; c < 2; c++) {
-            // The K chain's order: chunk 0 then 1, each hi then (split) lo.
-#pragma unroll
-            for (int p = 0; p < A_PARTS; p++) {
-                u64 desc = wgmma_desc_sw64(x_stage + p * WG_X_PART + 32 * c);
-                if (wide_n) wgmma_m64n128k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
-                else wgmma_m64n64k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
-            }
+        for (int c = 0; c < 2; c++) {  // the K chain's order: chunk 0, then 1
+            u64 desc = wgmma_desc_sw64(x_stage + 32 * c);
+            if (wide_n) wgmma_m64n128k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
+            else wgmma_m64n64k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");

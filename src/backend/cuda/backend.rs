@@ -233,15 +233,15 @@ impl Cuda {
             (sizes.max_context_len + 1024).max(1 << 16),
         )?;
         let logits = gpu.alloc(t.min(LOGIT_CHUNK_ROWS) * d.vocab)?;
-        // The GEMMs' packed activations are as wide as the quantizer's input (split BF16
-        // activations take a word per value); split-K's sums are for launches of up to a
-        // step's routed rows, as wide as the widest output (lm_head or gate/up).
+        // The GEMMs' packed activations take a word per two of the quantizer's input values;
+        // split-K's sums are for launches of up to a step's routed rows, as wide as the widest
+        // output (lm_head or gate/up).
         let widest_out = d
             .vocab
             .max(2 * shape.widest_inter())
             .max(d.q_size() + 2 * d.kv_size())
             .max(d.hidden);
-        ops::reserve_gemm_scratch(&gpu, quant_elems, pairs.max(t), widest_out, in_width)?;
+        ops::reserve_gemm_scratch(&gpu, quant_elems / 2, pairs.max(t), widest_out, in_width)?;
         let attn = attn_shape(d, sizes.block_size);
         let decode_split = if ops::prefill_attention_supports(attn) {
             ops::DecodeSplit::new(&gpu, attn, sizes.max_context_len, seqs)?

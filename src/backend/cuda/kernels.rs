@@ -307,9 +307,8 @@ kernels! {
 
 /// Dynamic shared memory of the wgmma GEMM kernels (kernels/gemm.cu): 1,024 bytes to align the
 /// stages for the 64-byte swizzle, then `WG_STAGES` (eight) stages of `WG_X_STAGE + WG_W_STAGE`
-/// bytes: a 128-row activation span (hi and lo terms, 64 bytes a row) and 128 BF16 weight
-/// columns' span.
-pub const WGMMA_SMEM_BYTES: u32 = 1024 + 8 * (2 * 128 * 64 + 128 * 64);
+/// bytes: a 128-row activation span (64 bytes a row) and 128 BF16 weight columns' span.
+pub const WGMMA_SMEM_BYTES: u32 = 1024 + 8 * (128 * 64 + 128 * 64);
 
 /// Dynamic shared memory of the prefill attention kernel for `head_dim` on `arch`
 /// (kernels/prefill_attention.cu): its 4 warps' running totals of 16 rows x `head_dim` f32

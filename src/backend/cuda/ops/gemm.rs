@@ -109,8 +109,8 @@ pub struct GemmScratch {
 
 /// Sizes the GEMM scratch for the largest step up front, so that no later launch grows it (a
 /// grown buffer moves, and the recorded decode steps that hold its address are dropped):
-/// `operand_words` packed activation words (every row a launch packs: `rows * k` for split
-/// BF16 weights, half that otherwise) and the split-K sums of launches up to `rows` output rows
+/// `operand_words` packed activation words (every row a launch packs: `rows * k / 2`) and the
+/// split-K sums of launches up to `rows` output rows
 /// of up to `n` columns over up to `k` inputs, at most [`SPLIT_K_MAX_PARTIALS`].
 pub fn reserve_gemm_scratch(
     gpu: &Gpu,
@@ -460,7 +460,6 @@ impl<'a> Operand<'a> {
             kernels,
             f32_weights: kernels[0] == Kernel::GroupedGemmF32,
             packing: match kernels[0] {
-                Kernel::GroupedGemmBf16 => Packing::SplitBf16,
                 Kernel::GroupedGemmNvfp4 => Packing::F16,
                 _ => Packing::Bf16,
             },
@@ -724,27 +723,22 @@ pub fn packed_word(j: usize) -> usize {
 /// `pack_gemm_operand`, `F16_OPERANDS`): the tensor cores' operand type follows the weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Packing {
-    /// Values exact in BF16 (MXFP8's quantized activations): one BF16 term.
+    /// BF16 and MXFP8 weights: each value rounded to BF16 (nearest even; MXFP8's quantized
+    /// activations are exact in it).
     Bf16 = 0,
-    /// Plain BF16 weights: each f32 value as two BF16 terms, hi and lo (the rounding of x - hi).
-    SplitBf16 = 1,
-    /// NVFP4 weights: values exact in FP16 (its quantizer's), one FP16 term.
-    F16 = 2,
+    /// NVFP4 weights: each value as FP16 (its quantizer's values are exact in it).
+    F16 = 1,
 }
 
 impl Packing {
     /// u32 words a row of `k` values packs to.
     pub fn words(self, k: usize) -> usize {
-        match self {
-            Packing::SplitBf16 => k,
-            Packing::Bf16 | Packing::F16 => k / 2,
-        }
+        k / 2
     }
 }
 
 /// The tiled kernel's A operand: `rows` rows of `x` (`k` wide, a multiple of 32) as 16-bit pairs
-/// in [`packed_word`]'s order, per [`Packing`]: BF16 rounded to nearest even (`SplitBf16`
-/// gives each row as `[hi (k / 2 words) | lo]`), or the values as they are (`Bf16`, `F16`).
+/// in [`packed_word`]'s order, per [`Packing`], rounded to nearest even.
 pub fn pack_gemm_operand(
     gpu: &Gpu,
     x: &CudaSlice<f32>,
