@@ -1371,19 +1371,21 @@ fn median_and_worst(mut errors: Vec<f64>) -> (f64, f64) {
 /// Quantized formats requantize activations that differ from the CPU's by summation order; a
 /// value crossing an E2M1/E4M3 rounding boundary moves by up to a sixth of its block's amax,
 /// and that difference carries on through the later layers and positions of its sequence. How
-/// far it goes is chaotic (H200, 2026-12-03, NVFP4: a check's median row up to 3.1e-2, its
-/// worst up to 0.18; MXFP8 3e-6), so quantized models are held to bounds that an unrelated
-/// model's logits (error ~1) or a wrong scale would break, with room over what was seen.
-/// The per-op comparison on the same inputs is traced_forward_on_the_gpu_matches_the_cpu_trace;
-/// the quantizers and GEMMs are checked byte for byte and to 1e-5 above. f32 models see the
-/// CPU's inputs up to summation order, BF16 models up to BF16 rounding of each GEMM's
-/// activations: every row within 3e-2 (seen with two BF16 terms a value: <= 2e-3; with one:
-/// not yet run).
+/// far it goes is chaotic, and grows with how far the inputs are from the CPU's: with each
+/// BF16 layer's activations rounded to BF16 (H200, 2026-12-04, the embedded model: NVFP4 a
+/// check's median row up to 0.12, its worst up to 0.21; MXFP8 up to 0.044 and 0.059; with two
+/// BF16 terms a value they were 3.1e-2 and 0.18). So quantized models are held to bounds that
+/// an unrelated model's logits (error ~1) would break, with room over what was seen; a wrong
+/// scale or code is caught where it happens: the per-op comparison on the same inputs is
+/// traced_forward_on_the_gpu_matches_the_cpu_trace, and the quantizers and GEMMs are checked
+/// byte for byte and to 1e-5 above. f32 models see the CPU's inputs up to summation order,
+/// BF16 models up to BF16 rounding of each GEMM's activations (seen: <= 1e-2): every row
+/// within 3e-2.
 fn assert_logits_close(what: &str, quantized: bool, median: f64, worst: f64) {
     if quantized {
         assert!(
-            median < 0.1 && worst < 0.5,
-            "{what}: logits relative error median {median}, worst {worst} (bounds 0.1, 0.5)"
+            median < 0.25 && worst < 0.6,
+            "{what}: logits relative error median {median}, worst {worst} (bounds 0.25, 0.6)"
         );
     } else {
         assert!(
@@ -1554,9 +1556,10 @@ fn routing_replay_uses_the_given_experts_like_the_cpu() {
             }
         }
         println!("routing replay, embedded {name}: logits rel err {worst:.2e} over every row");
-        // As models_match_the_cpu_in_every_format: summation order alone for BF16; a
-        // requantized activation may cross a rounding boundary for NVFP4.
-        let tol = if name == "bf16" { 3e-2 } else { 0.15 };
+        // As models_match_the_cpu_in_every_format: BF16 rounding of the activations (seen:
+        // 1.3e-2) for BF16; a requantized activation may also cross a rounding boundary for
+        // NVFP4 (seen: 0.2, H200, 2026-12-04).
+        let tol = if name == "bf16" { 3e-2 } else { 0.4 };
         assert!(
             worst < tol,
             "{name}: replayed logits relative error {worst}"
