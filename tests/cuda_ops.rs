@@ -752,7 +752,7 @@ fn block_scaled_operand_preparation_matches_its_definition() {
     }
 }
 
-/// `x` (`rows` x `k`) as `pack_gemm_operand` packs it: `packing.words(k)` words a row.
+/// `x` (`rows` x `k`) as `pack_gemm_operand` packs it: `k / 2` words a row.
 fn packed_operand(
     g: &lockstep::backend::cuda::Gpu,
     x: &[f32],
@@ -760,7 +760,7 @@ fn packed_operand(
     k: usize,
     packing: ops::Packing,
 ) -> Vec<u32> {
-    let words = rows * packing.words(k);
+    let words = rows * k / 2;
     let mut out = poisoned(g, words, 0xdead_beefu32);
     ops::pack_gemm_operand(g, &g.upload(x).unwrap(), rows, k, packing, &mut out).unwrap();
     g.download(&out, words).unwrap()

@@ -730,15 +730,8 @@ pub enum Packing {
     F16 = 1,
 }
 
-impl Packing {
-    /// u32 words a row of `k` values packs to.
-    pub fn words(self, k: usize) -> usize {
-        k / 2
-    }
-}
-
 /// The tiled kernel's A operand: `rows` rows of `x` (`k` wide, a multiple of 32) as 16-bit pairs
-/// in [`packed_word`]'s order, per [`Packing`], rounded to nearest even.
+/// (`k / 2` words a row) in [`packed_word`]'s order, per [`Packing`], rounded to nearest even.
 pub fn pack_gemm_operand(
     gpu: &Gpu,
     x: &CudaSlice<f32>,
@@ -749,7 +742,7 @@ pub fn pack_gemm_operand(
 ) -> Result<(), CudaError> {
     let words = rows * k / 2;
     let x = need(x, rows * k, "gemm operand x")?;
-    let out = need(out, rows * packing.words(k), "gemm operand")?;
+    let out = need(out, words, "gemm operand")?;
     gpu.launch(
         Kernel::PackGemmOperand,
         (gpu.grid_for(words, 256), 1, 1),
@@ -917,7 +910,7 @@ fn launch_parts(
             (GemmRows::Plan(p), None) => p.pairs,
             (GemmRows::Dense(_), Some(_)) => x.len() / k,
         };
-        let words = x_rows * w.packing.words(k);
+        let words = x_rows * k / 2;
         let packed = grown(gpu, &mut scratch.operand, &mut scratch.generation, words)?;
         pack_gemm_operand(gpu, x, x_rows, k, w.packing, packed)?;
         Some(View::whole(packed))
