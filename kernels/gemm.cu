@@ -187,17 +187,21 @@ __device__ __forceinline__ u32 pack_exact_f16(float lo, float hi) {
     return d;
 }
 
+// Two activations as one word of the K chain's operand type, rounded to nearest even: BF16
+// (plain BF16 layers' f32 activations; MXFP8's dequantized values, which are exact in it), or
+// FP16 for NVFP4 weights (`f16`: its exact values). The few-rows kernels' packing (pack_act8)
+// and the tiled and wgmma kernels' (pack_gemm_operand) both round through it.
+__device__ __forceinline__ u32 pack_operand(bool f16, float lo, float hi) {
+    return f16 ? pack_exact_f16(lo, hi) : pack_bf16(lo, hi);
+}
+
 // Eight consecutive activations (one lane's share of a span) as the K chain's words for FMT's
-// weights, rounded to nearest even: BF16 (plain BF16 layers' f32 activations; MXFP8's
-// dequantized values, which are exact in it), or FP16 for NVFP4 (its exact values).
+// weights (pack_operand).
 template <int FMT>
 __device__ __forceinline__ void pack_act8(float4 a, float4 b, u32* words) {
     float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        if constexpr (F16_OPERANDS<FMT>) words[i] = pack_exact_f16(v[2 * i], v[2 * i + 1]);
-        else words[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
-    }
+    for (int i = 0; i < 4; i++) words[i] = pack_operand(F16_OPERANDS<FMT>, v[2 * i], v[2 * i + 1]);
 }
 
 // One span of the K chain for an m16n8 accumulator: `row_g` / `row_g8` are the 4 words of the
@@ -501,7 +505,7 @@ extern "C" __global__ void pack_gemm_operand(const float* x, int rows, int K, in
         u64 row = i / (K / 2);
         int w = packed_word((int)(i % (K / 2)));
         float2 v = *(const float2*)(x + 2 * i);
-        out[row * (K / 2) + w] = packing == 1 ? pack_exact_f16(v.x, v.y) : pack_bf16(v.x, v.y);
+        out[row * (K / 2) + w] = pack_operand(packing == 1, v.x, v.y);
     }
 }
 
