@@ -6,9 +6,14 @@
 //! cargo run --release --example cuda_wgmma_probe [-- TRIALS]
 //!
 //! Each trial (one warpgroup) sums C0[r][n] + sum_k X[r][k] W[n][k] for 64 x 64 outputs over
-//! K = 256 in k16 steps, in the same order, five ways (examples/wgmma_probe.cu): mma.sync with
+//! K = 256 in k16 steps, in the same order, eight ways (examples/wgmma_probe.cu): mma.sync with
 //! X as A (the reference), wgmma with X from registers or shared memory, and the transposed
-//! products (W as A) on wgmma and mma.sync. It prints, per data kind, how many outputs differ
+//! products (W as A) on wgmma and mma.sync; then mma.sync with each step's 16 k values moved to
+//! other slots of the step (the same products): whether a step's bits depend on which slot
+//! holds which product, or only on which products a step holds, decides whether the K chain's
+//! order within a step (kernels/gemm.cu) could follow a plain row-major layout in shared memory
+//! (weights copied by the TMA unit as they lie, for an all-shared-memory wgmma). It prints, per
+//! data kind, how many outputs differ
 //! from the reference in any bit and the largest difference in units of the reference's last
 //! place. Data: fresh random BF16 (seeded from the clock, printed), drawn to stress the
 //! tensor cores' alignment and rounding: wide exponent ranges, cancellation, and activations
@@ -21,12 +26,15 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
 const SOURCE: &str = include_str!("wgmma_probe.cu");
 const K: usize = 256;
-const VARIANTS: [&str; 5] = [
+const VARIANTS: [&str; 8] = [
     "mma.sync, A = X (reference)",
     "wgmma, A = X in registers",
     "wgmma, A = X in shared memory",
     "wgmma, A = W in registers (transposed)",
     "mma.sync, A = W (transposed)",
+    "mma.sync, each half's 8 slots reversed",
+    "mma.sync, the two halves of 8 slots swapped",
+    "mma.sync, slot s takes k (5s + 3) mod 16",
 ];
 
 /// xorshift64*: enough for test data.
@@ -178,7 +186,9 @@ fn main() {
             let x = stream.clone_htod(&xs).expect("upload");
             let w = stream.clone_htod(&ws).expect("upload");
             let c0 = stream.clone_htod(&cs).expect("upload");
-            let mut out = stream.alloc_zeros::<f32>(trials * 5 * 4096).expect("alloc");
+            let mut out = stream
+                .alloc_zeros::<f32>(trials * VARIANTS.len() * 4096)
+                .expect("alloc");
             let cfg = LaunchConfig {
                 grid_dim: (trials as u32, 1, 1),
                 block_dim: (128, 1, 1),
@@ -200,7 +210,7 @@ fn main() {
             for (v, name) in VARIANTS.iter().enumerate().skip(1) {
                 let (mut differ, mut worst) = (0usize, 0f64);
                 for trial in 0..trials {
-                    let base = trial * 5 * 4096;
+                    let base = trial * VARIANTS.len() * 4096;
                     for i in 0..4096 {
                         let (r, a) = (host[base + i], host[base + v * 4096 + i]);
                         if r.to_bits() != a.to_bits() {

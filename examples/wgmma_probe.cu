@@ -1,11 +1,15 @@
 // Does Hopper's wgmma accumulate BF16 products with the same bits as the mma.sync K chain?
 // One block (a warpgroup) per trial: X [64][K], W [64][K] as BF16 bits, C0 [64][64] f32;
-// out [5][64][64]: each variant's sum C0[r][n] + sum_k X[r][k] W[n][k] in k16 steps, in order.
+// out [8][64][64]: each variant's sum C0[r][n] + sum_k X[r][k] W[n][k] in k16 steps, in order.
 //   0 mma.sync m16n8k16, A = X, B = W (the engine's K chain)
 //   1 wgmma, A = X from registers, B = W from shared memory
 //   2 wgmma, A = X and B = W from shared memory
 //   3 wgmma, A = W from registers, B = X from shared memory (the transposed product)
 //   4 mma.sync m16n8k16, A = W, B = X (transposed)
+//   5-7 mma.sync as 0 with each k16 step's 16 k values in other slots (the same permutation
+//     for A and B, so the same products): reversed within each half of 8 slots (5), the halves
+//     swapped (6), and slot s taking k (5s + 3) mod 16 (7). Equal bits to 0 mean a step adds
+//     its products whatever slots they occupy (8 or 16 at a time).
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
@@ -36,22 +40,28 @@ __device__ __forceinline__ void wgmma_ss_n64(float* d, u64 desc_a, u64 desc_b) {
         : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
-__device__ __forceinline__ u32 pair(const u16* m, int K, int row, int k) {
-    return (u32)m[row * K + k] | ((u32)m[row * K + k + 1] << 16);
+// The k (from the step's first) that slot s of a k16 step holds in variant v.
+__device__ __forceinline__ int slot_k(int v, int s) {
+    return v == 5 ? (s & 8) | (7 - (s & 7)) : v == 6 ? s ^ 8 : v == 7 ? (5 * s + 3) & 15 : s;
+}
+
+// Slots s and s + 1 of the step at k0 of row `row` as a BF16x2 word.
+__device__ __forceinline__ u32 pair(const u16* m, int K, int row, int k0, int s, int v) {
+    return (u32)m[row * K + k0 + slot_k(v, s)] | ((u32)m[row * K + k0 + slot_k(v, s + 1)] << 16);
 }
 
 // The m16n8k16 A fragment of rows r0.. at k0: (g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8).
-__device__ __forceinline__ void a_frag(const u16* m, int K, int r0, int k0, int g, int t, u32* a) {
-    a[0] = pair(m, K, r0 + g, k0 + 2 * t);
-    a[1] = pair(m, K, r0 + g + 8, k0 + 2 * t);
-    a[2] = pair(m, K, r0 + g, k0 + 2 * t + 8);
-    a[3] = pair(m, K, r0 + g + 8, k0 + 2 * t + 8);
+__device__ __forceinline__ void a_frag(const u16* m, int K, int r0, int k0, int g, int t, u32* a, int v = 0) {
+    a[0] = pair(m, K, r0 + g, k0, 2 * t, v);
+    a[1] = pair(m, K, r0 + g + 8, k0, 2 * t, v);
+    a[2] = pair(m, K, r0 + g, k0, 2 * t + 8, v);
+    a[3] = pair(m, K, r0 + g + 8, k0, 2 * t + 8, v);
 }
 
 // The B fragment of column n: (k 2t, 2t + 1), (2t + 8, 2t + 9).
-__device__ __forceinline__ void b_frag(const u16* m, int K, int n, int k0, int t, u32* b) {
-    b[0] = pair(m, K, n, k0 + 2 * t);
-    b[1] = pair(m, K, n, k0 + 2 * t + 8);
+__device__ __forceinline__ void b_frag(const u16* m, int K, int n, int k0, int t, u32* b, int v = 0) {
+    b[0] = pair(m, K, n, k0, 2 * t, v);
+    b[1] = pair(m, K, n, k0, 2 * t + 8, v);
 }
 
 // 64 rows x 16 k of m into shared memory, K-major. lbo > 0: no swizzle, 8x8 core matrices of
@@ -96,27 +106,27 @@ extern "C" __global__ void __launch_bounds__(128) probe(const u16* X, const u16*
     const u16* x = X + (u64)blockIdx.x * 64 * K;
     const u16* w = W + (u64)blockIdx.x * 64 * K;
     const float* c0 = C0 + (u64)blockIdx.x * 64 * 64;
-    float* o = out + (u64)blockIdx.x * 5 * 64 * 64;
+    float* o = out + (u64)blockIdx.x * 8 * 64 * 64;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, r0 = warp * 16;
-    for (int v = 0; v < 5; v++) {
+    for (int v = 0; v < 8; v++) {
         // d[4j + i]: rows r0 + g (+ 8 for i >= 2), columns 8j + 2t (+ 1 for odd i), of D
         // (D[r][n] for variants 0-2, D[n][r] for 3-4).
         float d[32];
-        bool tr = v >= 3;
+        bool tr = v == 3 || v == 4;
         for (int j = 0; j < 8; j++)
             for (int i = 0; i < 4; i++) {
                 int a = r0 + g + 8 * (i >> 1), b = 8 * j + 2 * t + (i & 1);
                 d[4 * j + i] = tr ? c0[b * 64 + a] : c0[a * 64 + b];
             }
         for (int k0 = 0; k0 < K; k0 += 16) {
-            if (v == 0 || v == 4) {
-                const u16* am = v == 0 ? x : w;
-                const u16* bm = v == 0 ? w : x;
+            if (v == 0 || v >= 4) {
+                const u16* am = v == 4 ? w : x;
+                const u16* bm = v == 4 ? x : w;
                 u32 a[4];
-                a_frag(am, K, r0, k0, g, t, a);
+                a_frag(am, K, r0, k0, g, t, a, v);
                 for (int j = 0; j < 8; j++) {
                     u32 b[2];
-                    b_frag(bm, K, 8 * j + g, k0, t, b);
+                    b_frag(bm, K, 8 * j + g, k0, t, b, v);
                     mma_bf16(&d[4 * j], a, b);
                 }
             } else {
