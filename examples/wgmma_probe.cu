@@ -10,6 +10,7 @@
 //     for A and B, so the same products): reversed within each half of 8 slots (5), the halves
 //     swapped (6), and slot s taking k (5s + 3) mod 16 (7). Equal bits to 0 mean a step adds
 //     its products whatever slots they occupy (8 or 16 at a time).
+#define PROBE_VARIANTS 8  // host: VARIANTS
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
@@ -106,11 +107,11 @@ extern "C" __global__ void __launch_bounds__(128) probe(const u16* X, const u16*
     const u16* x = X + (u64)blockIdx.x * 64 * K;
     const u16* w = W + (u64)blockIdx.x * 64 * K;
     const float* c0 = C0 + (u64)blockIdx.x * 64 * 64;
-    float* o = out + (u64)blockIdx.x * 8 * 64 * 64;
+    float* o = out + (u64)blockIdx.x * PROBE_VARIANTS * 64 * 64;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, r0 = warp * 16;
-    for (int v = 0; v < 8; v++) {
+    for (int v = 0; v < PROBE_VARIANTS; v++) {
         // d[4j + i]: rows r0 + g (+ 8 for i >= 2), columns 8j + 2t (+ 1 for odd i), of D
-        // (D[r][n] for variants 0-2, D[n][r] for 3-4).
+        // (D[r][n] for variants 0-2 and 5-7, D[n][r] for 3-4).
         float d[32];
         bool tr = v == 3 || v == 4;
         for (int j = 0; j < 8; j++)
