@@ -7,10 +7,11 @@
 // bits whichever kernel, tile or batch it is computed in (docs/determinism.md).
 //
 // Precision: the CPU reference computes q.k and p.v in f32 over the BF16 cache. Here q and the
-// probabilities p are f32 values split into two BF16 terms (hi + lo, 16 significant bits) and
-// multiplied separately, with FP32 accumulation, so the result stays within ~1e-5 of the CPU's
-// instead of the ~1e-3 of rounding them to BF16. K and V are BF16 already (exact): both kernels
-// read them from the cache, where the step's new keys were stored first (qk_norm_rope_store).
+// probabilities p are rounded to BF16 (to nearest even) and multiplied with FP32 accumulation,
+// as FlashAttention does: ~1e-3 from the CPU's (splitting each into hi + lo BF16 terms, two
+// MMAs, stayed within ~1e-5 and made 2 x 2,048 prefill rows 4% slower end to end; H200,
+// 2026-12-04). K and V are BF16 already (exact): both kernels read them from the cache, where
+// the step's new keys were stored first (qk_norm_rope_store).
 //
 // Keys are summed in chunks of FA_CHUNK (fixed boundaries, a multiple of the 64-key tiles): each
 // chunk's online softmax starts afresh, and the chunks' states are merged in chunk order
@@ -48,12 +49,6 @@ __device__ __forceinline__ void fa_mma(float* c, const u32* a, u32 b0, u32 b1) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Splits f32 pairs into BF16 hi and lo words: hi = bf16(v), lo = bf16(v - hi).
-__device__ __forceinline__ void fa_split(float a, float b, u32& hi, u32& lo) {
-    hi = fa_pack(a, b);
-    lo = fa_pack(__fsub_rn(a, __uint_as_float(hi << 16)), __fsub_rn(b, __uint_as_float(hi & 0xffff0000u)));
-}
-
 // The query rows one lane serves (rows g and g + 8 of its warp's m16 tile): pointers to their
 // q and out rows (one head each), their positions, and whether each is a row at all. With a
 // split, part_lo/part_hi are where the rows' chunk states go ([chunk][HD + 2]: the unnormalized
@@ -71,7 +66,7 @@ struct FaRows {
 
 // e^x for the softmax and the chunk merges (x <= 0, or -inf): 2^(x log2 e) on the special
 // function unit (`ex2.approx.ftz`, relative error about 2^-22; results under 2^-126 are 0). Its
-// error is far below that of splitting p into hi and lo BF16 terms (2^-16), and it takes two
+// error is far below that of rounding p to BF16 (2^-9), and it takes two
 // instructions where the accurate `expf` took eight (the wgmma walk issued 34 a thread a tile).
 // Every attention kernel calls it, so prefill and decode rows keep equal bits.
 __device__ __forceinline__ float fa_exp(float x) {
@@ -94,20 +89,19 @@ __device__ __forceinline__ float fa_merge(float total, float a, float part, floa
 }
 
 // The warp's query rows as A fragments of the k16 steps of q.k (row-major 16 x HD: rows g and
-// g + 8, columns 2t (+ 1) and 2t + 8 (+ 9) of each step), pre-scaled and split into hi and lo
-// BF16 terms; rows that are not rows are zeros.
+// g + 8, columns 2t (+ 1) and 2t + 8 (+ 9) of each step), pre-scaled and rounded to BF16;
+// rows that are not rows are zeros.
 template <int HD, bool HI>
-__device__ __forceinline__ void fa_q_fragments(const FaRows& r, float scale, int t, u32 (&qa_hi)[HD / 16][4],
-                                               u32 (&qa_lo)[HD / 16][4]) {
+__device__ __forceinline__ void fa_q_fragments(const FaRows& r, float scale, int t, u32 (&qa)[HD / 16][4]) {
 #pragma unroll
     for (int s = 0; s < HD / 16; s++) {
         int c0 = s * 16 + 2 * t, c1 = c0 + 8;
         auto ql = [&](int c) { return r.live_lo ? __fmul_rn(r.q_lo[c], scale) : 0.0f; };
         auto qh = [&](int c) { return HI && r.live_hi ? __fmul_rn(r.q_hi[c], scale) : 0.0f; };
-        fa_split(ql(c0), ql(c0 + 1), qa_hi[s][0], qa_lo[s][0]);
-        fa_split(qh(c0), qh(c0 + 1), qa_hi[s][1], qa_lo[s][1]);
-        fa_split(ql(c1), ql(c1 + 1), qa_hi[s][2], qa_lo[s][2]);
-        fa_split(qh(c1), qh(c1 + 1), qa_hi[s][3], qa_lo[s][3]);
+        qa[s][0] = fa_pack(ql(c0), ql(c0 + 1));
+        qa[s][1] = fa_pack(qh(c0), qh(c0 + 1));
+        qa[s][2] = fa_pack(ql(c1), ql(c1 + 1));
+        qa[s][3] = fa_pack(qh(c1), qh(c1 + 1));
     }
 }
 
@@ -198,18 +192,18 @@ __device__ __forceinline__ void fa_softmax(float (&s)[8][4], const FaRows& r, in
     m_hi = mn_hi;
 }
 
-// The probabilities of key tiles (2kk, 2kk + 1) as the A fragment of P V's k16 step kk, split
-// into hi and lo BF16 terms (the C fragments of two n8 tiles are one k16 A fragment); without
-// HI the rows g + 8 are zeros.
+// The probabilities of key tiles (2kk, 2kk + 1) as the A fragment of P V's k16 step kk, rounded
+// to BF16 (the C fragments of two n8 tiles are one k16 A fragment); without HI the rows g + 8
+// are zeros.
 template <bool HI>
-__device__ __forceinline__ void fa_p_fragments(const float (&s)[8][4], int kk, u32 (&p_hi)[4], u32 (&p_lo)[4]) {
-    fa_split(s[2 * kk][0], s[2 * kk][1], p_hi[0], p_lo[0]);
-    fa_split(s[2 * kk + 1][0], s[2 * kk + 1][1], p_hi[2], p_lo[2]);
+__device__ __forceinline__ void fa_p_fragments(const float (&s)[8][4], int kk, u32 (&p)[4]) {
+    p[0] = fa_pack(s[2 * kk][0], s[2 * kk][1]);
+    p[2] = fa_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
     if constexpr (HI) {
-        fa_split(s[2 * kk][2], s[2 * kk][3], p_hi[1], p_lo[1]);
-        fa_split(s[2 * kk + 1][2], s[2 * kk + 1][3], p_hi[3], p_lo[3]);
+        p[1] = fa_pack(s[2 * kk][2], s[2 * kk][3]);
+        p[3] = fa_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     } else {
-        p_hi[1] = p_lo[1] = p_hi[3] = p_lo[3] = 0u;
+        p[1] = p[3] = 0u;
     }
 }
 
@@ -453,9 +447,9 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
                       reinterpret_cast<const u8*>(cache) + head_at, row_bytes);
     };
 
-    // Q fragments (A operand, row-major 16 x HD), split into hi and lo BF16 terms, pre-scaled.
-    u32 qa_hi[KSTEPS][4], qa_lo[KSTEPS][4];
-    fa_q_fragments<HD, HI>(r, scale, t, qa_hi, qa_lo);
+    // Q fragments (A operand, row-major 16 x HD), rounded to BF16, pre-scaled.
+    u32 qa[KSTEPS][4];
+    fa_q_fragments<HD, HI>(r, scale, t, qa);
 
     float o[DW][4];
     fa_clear(o);
@@ -490,10 +484,8 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
             for (int st = 0; st < KSTEPS; st += 2) {
                 u32 b[4];
                 ldmatrix_x4(&ks[j * 8 + (lane & 7)][(st + (lane >> 4)) * 16 + (lane & 8)], b);
-                fa_mma(acc, qa_hi[st], b[0], b[1]);
-                fa_mma(acc, qa_lo[st], b[0], b[1]);
-                fa_mma(acc, qa_hi[st + 1], b[2], b[3]);
-                fa_mma(acc, qa_lo[st + 1], b[2], b[3]);
+                fa_mma(acc, qa[st], b[0], b[1]);
+                fa_mma(acc, qa[st + 1], b[2], b[3]);
             }
         };
         float s[8][4];
@@ -544,18 +536,16 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
         // k16 step kk; V's B fragment pairs keys (2t, 2t + 1) and (2t + 8, 2t + 9) at column g.
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            u32 p_hi[4], p_lo[4];
-            fa_p_fragments<HI>(s, kk, p_hi, p_lo);
-            // acc += p_hi v, then += p_lo v. Without rows g + 8 their accumulators start from zero
-            // each time and are dropped (they stay zero), so they take no registers across tiles.
-            auto pv = [&](float* acc, const u32* ph, const u32* pl, u32 b0, u32 b1) {
+            u32 p[4];
+            fa_p_fragments<HI>(s, kk, p);
+            // acc += p v. Without rows g + 8 their accumulators start from zero each time and
+            // are dropped (they stay zero), so they take no registers across tiles.
+            auto pv = [&](float* acc, u32 b0, u32 b1) {
                 if constexpr (HI) {
-                    fa_mma(acc, ph, b0, b1);
-                    fa_mma(acc, pl, b0, b1);
+                    fa_mma(acc, p, b0, b1);
                 } else {
                     float c[4] = {acc[0], acc[1], 0.0f, 0.0f};
-                    fa_mma(c, ph, b0, b1);
-                    fa_mma(c, pl, b0, b1);
+                    fa_mma(c, p, b0, b1);
                     acc[0] = c[0];
                     acc[1] = c[1];
                 }
@@ -568,15 +558,15 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
                 for (int d = 0; d < DW; d += 2) {
                     u32 b[4];
                     ldmatrix_x4_trans(&vs[v_key][(d0 + d + (lane >> 4)) * 8], b);
-                    pv(o[d], p_hi, p_lo, b[0], b[1]);
-                    pv(o[d + 1], p_hi, p_lo, b[2], b[3]);
+                    pv(o[d], b[0], b[1]);
+                    pv(o[d + 1], b[2], b[3]);
                 }
             } else {
 #pragma unroll
                 for (int d = 0; d < DW; d++) {
                     u32 b[2];
                     ldmatrix_x2_trans(&vs[v_key][(d0 + d) * 8], b);
-                    pv(o[d], p_hi, p_lo, b[0], b[1]);
+                    pv(o[d], b[0], b[1]);
                 }
             }
         }
@@ -596,14 +586,13 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 // ---- Prefill attention on warpgroup MMAs (Hopper, sm_90a; head_dim 128) ----
 //
 // fa_attend's arithmetic for a block of one warpgroup (the 4 warps of a 64-row prefill tile),
-// with each tile's q.k and P V issued as wgmma: S = q k^T as 2 x 8 m64n64k16 steps (hi then lo
-// of each k16 step of q, as fa_attend's score), O += P V as 2 x 4 m64n128k16 steps (hi then lo
-// of each 16 keys). wgmma's k16 steps give mma.sync's bits (examples/cuda_wgmma_probe.rs), and a
+// with each tile's q.k and P V issued as wgmma: S = q k^T as 8 m64n64k16 steps (the k16 steps
+// of q, as fa_attend's score), O += P V as 4 m64n128k16 steps (16 keys each). wgmma's k16 steps give mma.sync's bits (examples/cuda_wgmma_probe.rs), and a
 // warp's 16 rows of a wgmma accumulator are laid out as its mma.sync C fragments (S: 8 key
 // tiles, O: 16 column tiles), so the softmax, the merges and every bit are fa_attend's: a
 // prefill row keeps the bits of the decode rows (cuda_attention and cuda_generate test them).
 //
-// q (its hi and lo terms), K and V tiles lie in shared memory as 4 groups of 32 columns (64
+// q, K and V tiles lie in shared memory as 4 groups of 32 columns (64
 // bytes a row) in the 64-byte swizzle: q and K are the K-major A and B operands of S (k16 step
 // s in group s / 2, 32 (s % 2) bytes into the rows), V the N-major B operand of P V (keys
 // 16kk.. of every group, the groups 4,096 bytes apart).
@@ -660,13 +649,12 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, u64 desc_a, u64 des
         : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
-// O += P V for one tile, issued (not waited): the k16 steps of 16 keys in order, each hi then lo.
-__device__ __forceinline__ void fa_wg_pv(float (&o)[16][4], const u32 (&p_hi)[4][4], const u32 (&p_lo)[4][4], u32 vs) {
+// O += P V for one tile, issued (not waited): the k16 steps of 16 keys in order.
+__device__ __forceinline__ void fa_wg_pv(float (&o)[16][4], const u32 (&p)[4][4], u32 vs) {
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
         u64 desc = FA_WG_V_DESC(vs + kk * 16 * 64);
-        wgmma_m64n128k16_rs<1>(&o[0][0], p_hi[kk], desc);
-        wgmma_m64n128k16_rs<1>(&o[0][0], p_lo[kk], desc);
+        wgmma_m64n128k16_rs<1>(&o[0][0], p[kk], desc);
     }
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
@@ -681,7 +669,7 @@ __device__ __forceinline__ void fa_wg_pv(float (&o)[16][4], const u32 (&p_hi)[4]
 // by the same operations in the same order as fa_attend: the next tile's softmax starts from
 // a fresh chunk's state where the tile before ended a chunk, and the chunk is merged (from
 // its saved max and sum) once the tile's P V is done; the output's scale by the next tile's
-// factor comes after the P V it follows, as in fa_attend. `tiles`: q hi, q lo, K0, K1, V0, V1
+// factor comes after the P V it follows, as in fa_attend. `tiles`: q, K0, K1, V0, V1
 // (FA_WG_TILE_BYTES each; tile n's K and V in buffer n % 2), then four tiles' lists of cache
 // rows (FaTileCopy; tile n's in list n % 4).
 template <int HD>
@@ -691,26 +679,25 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
     static_assert(HD == 128, "4 groups of 32 columns");
     constexpr int KSTEPS = HD / 16, DW = HD / 8;
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    u32 qs = (u32)__cvta_generic_to_shared(tiles), ks0 = qs + 2 * FA_WG_TILE_BYTES, vs0 = ks0 + 2 * FA_WG_TILE_BYTES;
+    u32 qs = (u32)__cvta_generic_to_shared(tiles), ks0 = qs + FA_WG_TILE_BYTES, vs0 = ks0 + 2 * FA_WG_TILE_BYTES;
     u32 lists = vs0 + 2 * FA_WG_TILE_BYTES;
     auto list = [&](int k0) { return lists + (k0 / FA_KEYS) % 4 * FA_ROWS_BYTES; };
     FaTileCopy copy(table, last_pos, kvh, kv_heads, HD, block_size);
     {
         // This lane's q fragment words at their places in the swizzled groups: word i of step
         // st is row g + 8 (i & 1), columns 16 st + 2t + 8 (i >> 1) (+ 1).
-        u32 qa_hi[KSTEPS][4], qa_lo[KSTEPS][4];
-        fa_q_fragments<HD, true>(r, scale, t, qa_hi, qa_lo);
+        u32 qa[KSTEPS][4];
+        fa_q_fragments<HD, true>(r, scale, t, qa);
 #pragma unroll
         for (int st = 0; st < KSTEPS; st++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 int row = warp * 16 + g + 8 * (i & 1), col = st * 16 + 2 * t + 8 * (i >> 1);
                 u32 at = qs + (col / 32) * FA_WG_GROUP_BYTES + row * 64 + 16 * a_piece(row, (col % 32) / 8) + (col % 8) * 2;
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(qa_hi[st][i]) : "memory");
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at + FA_WG_TILE_BYTES), "r"(qa_lo[st][i]) : "memory");
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(qa[st][i]) : "memory");
             }
     }
-    // S = q k^T of the tile whose K is in ks into s, issued (not waited): each k16 step hi then lo.
+    // S = q k^T of the tile whose K is in ks into s, issued (not waited).
     auto scores = [&](float (&s)[8][4], u32 ks) {
 #pragma unroll
         for (int j = 0; j < 8; j++)
@@ -720,9 +707,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
 #pragma unroll
         for (int st = 0; st < KSTEPS; st++) {
             u32 step = (st / 2) * FA_WG_GROUP_BYTES + 32 * (st % 2);
-            u64 desc_k = wgmma_desc_sw64(ks + step);
-            wgmma_m64n64k16_ss(&s[0][0], wgmma_desc_sw64(qs + step), desc_k);
-            wgmma_m64n64k16_ss(&s[0][0], wgmma_desc_sw64(qs + FA_WG_TILE_BYTES + step), desc_k);
+            wgmma_m64n64k16_ss(&s[0][0], wgmma_desc_sw64(qs + step), wgmma_desc_sw64(ks + step));
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     };
@@ -758,11 +743,11 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
     // The tiles with a tile after them: the next tile's scores are issued before this tile's
     // P V, and its softmax runs while the P V does.
     int k0 = 0, buf = 0;  // buf: this tile's K and V buffer
-    u32 p_hi[4][4], p_lo[4][4];
+    u32 p[4][4];
     auto probabilities = [&]() {
         fa_scale<true>(o, c_lo, c_hi);
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) fa_p_fragments<true>(s, kk, p_hi[kk], p_lo[kk]);
+        for (int kk = 0; kk < 4; kk++) fa_p_fragments<true>(s, kk, p[kk]);
     };
     auto pv_done = [&]() {
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -773,10 +758,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
 #pragma unroll
         for (int kk = 0; kk < 4; kk++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                wgmma_hold(p_hi[kk][i]);
-                wgmma_hold(p_lo[kk][i]);
-            }
+            for (int i = 0; i < 4; i++) wgmma_hold(p[kk][i]);
     };
     for (; k0 + FA_KEYS <= last_pos; k0 += FA_KEYS, buf ^= 1) {
         // Here: s holds this tile's probabilities, c its factor; the next two tiles' K are
@@ -790,7 +772,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
         fa_tiles_in<2>();  // the next tile's K and this tile's V (not the K after, nor that V)
         probabilities();
         scores(s, ks_next);  // the next tile's, then this tile's P V: the scores are done first
-        fa_wg_pv(o, p_hi, p_lo, vs0 + buf * FA_WG_TILE_BYTES);
+        fa_wg_pv(o, p, vs0 + buf * FA_WG_TILE_BYTES);
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         hold_s(s);
         copy.lookups.store(list(k0), k0 + 4 * FA_KEYS, entry);
@@ -813,7 +795,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
     fa_tiles_in<0>();
     probabilities();
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    fa_wg_pv(o, p_hi, p_lo, vs0 + buf * FA_WG_TILE_BYTES);
+    fa_wg_pv(o, p, vs0 + buf * FA_WG_TILE_BYTES);
     pv_done();
     fa_end_chunk_regs(o, tot, r, false, t, m_lo, m_hi, l_lo, l_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
     cp_async_wait<0>();

@@ -2,8 +2,9 @@
 //! boundaries and several thousand keys, GQA ratios 1/3/4/8/16 and head_dim 64 and 128:
 //! - against the CPU `paged_attention`: the one-block-per-(row, head) CUDA-core kernel (f32
 //!   math like the CPU's, only the summation order differs: within 1e-5 relative over a case,
-//!   1e-4 per row) and the tensor-core kernels split as the engine splits a step (q and p in two
-//!   BF16 terms: within 1e-4 over a case, 1e-3 per row);
+//!   1e-4 per row) and the tensor-core kernels split as the engine splits a step (q and p
+//!   rounded to BF16, ~1e-3 from the CPU's f32 products: within 1e-2 over a case, 3e-2 per
+//!   row; a wrong key, mask or scale is off by ~1);
 //! - batch invariance, bitwise: every query row of the tensor-core kernels has the same bits
 //!   whether its sequence is prefilled in one chunk, in chunks of 1, 7, 64 or 100 rows on top
 //!   of its cached prefix, decoded row by row alone (its keys split over blocks or not), or
@@ -276,8 +277,8 @@ fn attention_matches_the_cpu_for_every_gqa_ratio_and_head_dim() {
                         &got,
                         &format!("tensor cores {what}{how}"),
                         shape,
-                        1e-4,
-                        1e-3,
+                        1e-2,
+                        3e-2,
                     );
                     tensor = tensor.max(err);
                 }

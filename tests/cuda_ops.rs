@@ -680,12 +680,12 @@ fn prefill_attention_matches_the_cpu() {
         )
         .unwrap();
         let got = g.download(&out, q.len()).unwrap();
-        // q and the probabilities are split into two BF16 terms (16 significant bits) on the
-        // tensor cores; K/V are BF16 on both sides.
+        // q and the probabilities are rounded to BF16 on the tensor cores (~1e-3 from the CPU's
+        // f32 products); K/V are BF16 on both sides. A wrong key, mask or scale is off by ~1.
         let err = rel_err(&got, &want);
         println!("prefill attention heads {heads}/{kv_heads} hd {hd} block {bs}: relative error {err:.2e}");
         assert!(
-            err < 1e-4,
+            err < 1e-2,
             "heads {heads}/{kv_heads} hd {hd}: relative error {err}"
         );
         for r in 0..rows {
@@ -694,7 +694,7 @@ fn prefill_attention_matches_the_cpu() {
                 &want[r * heads * hd..][..heads * hd],
             );
             assert!(
-                e < 1e-3,
+                e < 3e-2,
                 "row {r} (position {}): relative error {e}",
                 pos[r]
             );
@@ -1378,9 +1378,9 @@ fn median_and_worst(mut errors: Vec<f64>) -> (f64, f64) {
 /// an unrelated model's logits (error ~1) would break, with room over what was seen; a wrong
 /// scale or code is caught where it happens: the per-op comparison on the same inputs is
 /// traced_forward_on_the_gpu_matches_the_cpu_trace, and the quantizers and GEMMs are checked
-/// byte for byte and to 1e-5 above. f32 models see the CPU's inputs up to summation order,
-/// BF16 models up to BF16 rounding of each GEMM's activations (seen: <= 1e-2): every row
-/// within 3e-2.
+/// byte for byte and to 1e-5 above. f32 models see the CPU's inputs up to summation order and
+/// attention's BF16 rounding of q and p, BF16 models also up to BF16 rounding of each GEMM's
+/// activations (seen: <= 1e-2): every row within 3e-2.
 fn assert_logits_close(what: &str, quantized: bool, median: f64, worst: f64) {
     if quantized {
         assert!(

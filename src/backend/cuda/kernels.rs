@@ -314,13 +314,13 @@ pub const WGMMA_SMEM_BYTES: u32 = 1024 + 8 * (128 * 64 + 128 * 64);
 /// (kernels/prefill_attention.cu): its 4 warps' running totals of 16 rows x `head_dim` f32
 /// (`FA_TOT_FLOATS`), which with the K and V tiles pass a block's 48 KB of static shared memory.
 /// Head_dim 128 on Hopper (wgmma, `fa_attend_wgmma`, whose totals are in registers) takes its
-/// tiles instead: 512 bytes to align them for the 64-byte swizzle, then q's hi and lo terms and
-/// two buffers each of K and V, 64 rows x 128 BF16 each, then four tiles' lists of cache rows,
-/// 64 i32 each (97.5 KB in all: two blocks an SM, as its registers allow). That is more than
+/// tiles instead: 512 bytes to align them for the 64-byte swizzle, then q and two buffers each
+/// of K and V, 64 rows x 128 BF16 each, then four tiles' lists of cache rows, 64 i32 each
+/// (81.5 KB in all: two blocks an SM, as its registers allow). That is more than
 /// the totals, so the `mma.sync` walk (kernel variant `FA_WGMMA 0`) runs in it too.
 pub fn prefill_attention_smem_bytes(head_dim: u32, arch: &str) -> u32 {
     if head_dim == 128 && arch == "sm_90a" {
-        512 + 6 * 64 * 128 * 2 + 4 * 64 * 4
+        512 + 5 * 64 * 128 * 2 + 4 * 64 * 4
     } else {
         4 * 16 * head_dim * 4
     }
