@@ -426,14 +426,17 @@ __device__ __forceinline__ void end_segment(float* acc, float* tot, bool first) 
 // whole chain's through the NVFP4 epilogue (times the row's scale, then the column's S_dec:
 // epilogue_row_scale, epilogue_column_sdec) into out.
 template <int FMT>
+__device__ __forceinline__ float epilogue_value(float v, float row_s, float col_sdec) {
+    return FMT == 3 ? __fmul_rn(__fmul_rn(v, row_s), col_sdec) : v;
+}
+template <int FMT>
 __device__ __forceinline__ void store_sum(float v, float* partials, int rows, int row, int col, int N, float row_s,
                                           float col_sdec, float* out) {
     if (partials) {
         partials[((u64)blockIdx.z * rows + row) * N + col] = v;
         return;
     }
-    if (FMT == 3) v = __fmul_rn(__fmul_rn(v, row_s), col_sdec);
-    out[(u64)row * N + col] = v;
+    out[(u64)row * N + col] = epilogue_value<FMT>(v, row_s, col_sdec);
 }
 
 // Split-K's last step, inside the launch: the group (a block, or with WARP one warp) whose
@@ -519,6 +522,16 @@ constexpr int TiledStages = FMT != 1 && WM == 1 ? 4 : 3;
 static_assert(TiledStages<3, 1> - 1 < SEG / 32 && TiledStages<1, 1> - 1 < SEG / 32,
               "a segment's scales are overwritten two segments later");
 
+// A SwiGLU tile (the gate/up GEMM with silu(gate) * up in its epilogue: grouped_gemm_wgmma
+// with OUT != 0) covers the 64 h columns h0.. of an expert's N = 2 * inter weight rows (gate
+// rows 0..inter, up rows inter..N): a warp's 16 columns are the gate rows of 8 h columns, then
+// the up rows of the same 8, so a lane's A rows g and g + 8 (col_local) are one h column's gate
+// and up. The weight row of tile column `col` (0..TILE_TN), or -1 past inter.
+__device__ __forceinline__ int swiglu_weight_row(int col, int h0, int N) {
+    int inter = N / 2, hc = h0 + 8 * (col / 16) + col % 8;
+    return hc >= inter ? -1 : col % 16 >= 8 ? inter + hc : hc;
+}
+
 // One thread's share of copying spans (32 k from k0) of the TILE_TN weight columns n0.. of
 // expert e into a stage ([column][W_BYTES], W_BYTES a column's span in FMT), as 16-byte
 // cp.async copies spread over THREADS threads, each asking L2 for its whole line (the column's
@@ -533,13 +546,17 @@ struct WeightSpanCopy {
     int dst[CHUNKS];        // byte offset in a stage; -1: no chunk for this thread
     bool live[CHUNKS];
 
-    __device__ __forceinline__ WeightSpanCopy(const void* w, int e, int N, int n0, int K, int tid, int k0 = 0) {
+    // With `swiglu`, the stage's columns are a SwiGLU tile's (swiglu_weight_row, n0 the tile's
+    // first h column).
+    __device__ __forceinline__ WeightSpanCopy(const void* w, int e, int N, int n0, int K, int tid, int k0 = 0,
+                                              bool swiglu = false) {
         u64 row_bytes = FMT == 1 ? (u64)K * 2 : FMT == 2 ? (u64)K : (u64)K / 2;
 #pragma unroll
         for (int c = 0; c < CHUNKS; c++) {
             int chunk = tid + THREADS * c, col = chunk / (W_BYTES / 16), part = chunk % (W_BYTES / 16);
-            live[c] = n0 + col < N;
-            u64 row = (u64)e * N + (live[c] ? n0 + col : 0);
+            int n = swiglu ? swiglu_weight_row(col, n0, N) : n0 + col;
+            live[c] = swiglu ? n >= 0 : n < N;
+            u64 row = (u64)e * N + (live[c] ? n : 0);
             src[c] = (const u8*)w + row * row_bytes + k0 * W_BYTES / 32 + 16 * part;
             dst[c] = W_ALL % THREADS != 0 && chunk >= W_ALL ? -1 : col * W_BYTES + 16 * part;
         }
@@ -1081,7 +1098,17 @@ __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const
 // The wgmma kernels' dynamic shared memory, 1024 (the swizzle's alignment) + WG_STAGES *
 // (WG_X_STAGE + WG_W_STAGE) bytes, is given by the host (kernels::WGMMA_SMEM_BYTES).
 
-template <int FMT>
+// OUT: what the epilogue writes. 0 (WG_OUT_SUMS): the sums, out [rows][N] (or split-K's
+// segment sums). A SwiGLU tile (swiglu_weight_row; whole K, no split) writes h = silu(gate) *
+// up, silu_mul's value of the two sums as they would be stored, for its 64 h columns of
+// inter = N / 2: WG_OUT_SWIGLU_F32 as f32, out [rows][inter]; WG_OUT_SWIGLU_BF16 as the tiled
+// and wgmma kernels' BF16 operand (pack_gemm_operand's words, packing 0), out [rows][inter / 2]
+// words (inter a multiple of 32).
+#define WG_OUT_SUMS 0
+#define WG_OUT_SWIGLU_F32 1
+#define WG_OUT_SWIGLU_BF16 2
+
+template <int FMT, int OUT = WG_OUT_SUMS>
 __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_index, const float* row_scale,
                                                    const void* w, const u8* w_scales, const float* w_sdec,
                                                    int sdec_groups, const int* tiles, const int* num_tiles,
@@ -1094,7 +1121,8 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     if (((r0 - (tiles ? offsets[e] : 0)) / TM_WIDE) % 2 == 1) return;
     r1 = min(r0 + WG_ROWS, tiles ? offsets[e + 1] : rows);
     bool wide_n = r1 - r0 > 64;  // block-uniform: m64n128 MMAs, else m64n64
-    int n0 = bx * TILE_TN;
+    constexpr bool swiglu = OUT != WG_OUT_SUMS;
+    int n0 = bx * (swiglu ? TILE_TN / 2 : TILE_TN);  // a SwiGLU tile's first h column
     constexpr int W_BYTES = WeightSpanCopy<FMT, 256>::W_BYTES;  // one column's span
     extern __shared__ __align__(128) u8 wg_smem[];
     // The swizzle is of shared-memory address bits: stages start 1024-byte aligned.
@@ -1119,7 +1147,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
         a_dst[h] = r * 64 + 16 * a_piece(r, piece);
     }
 
-    WeightSpanCopy<FMT, 256> w_copy(w, e, N, n0, K, tid);
+    WeightSpanCopy<FMT, 256> w_copy(w, e, N, n0, K, tid, 0, swiglu);
 
     int k_begin, k_end;
     block_k_range(partials, K, k_begin, k_end);
@@ -1135,12 +1163,14 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
 
     // This lane's weight columns: A rows g and g + 8 of its warp's 16, and their block scales a
     // span ahead.
+    // (A SwiGLU tile's: h column n0 + 8 * (4 * wg + wq) + g's gate and up rows.)
     int col_local[2] = {wg * 64 + wq * 16 + g, wg * 64 + wq * 16 + g + 8};
+    int col_row[2];  // their weight rows (a SwiGLU tile's: -1 past inter)
     const u8* col_scales[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        int n = n0 + col_local[h];
-        col_scales[h] = column_scales<FMT>(w_scales, (u64)e * N + (n < N ? n : 0), K, k_begin, t);
+        int n = col_row[h] = swiglu ? swiglu_weight_row(col_local[h], n0, N) : n0 + col_local[h];
+        col_scales[h] = column_scales<FMT>(w_scales, (u64)e * N + ((swiglu ? n >= 0 : n < N) ? n : 0), K, k_begin, t);
     }
     auto load_scales = [&](int span, u8* out_scales) {
 #pragma unroll
@@ -1235,19 +1265,44 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     float col_sdec[2];
 #pragma unroll
     for (int h = 0; h < 2; h++)
-        col_sdec[h] = epilogue_column_sdec<FMT>(partials, w_sdec, e, sdec_groups, n0 + col_local[h], N);
+        col_sdec[h] = epilogue_column_sdec<FMT>(partials, w_sdec, e, sdec_groups,
+                                                swiglu && col_row[h] < 0 ? N : col_row[h], N);
+    if constexpr (swiglu) {
+        // Lane (g, t) holds h column hc of rows 8j + 2t + i: gate in tot[4j + i], up in
+        // tot[4j + 2 + i].
+        int inter = N / 2, hc = n0 + 8 * (4 * wg + wq) + g;
+        u32* words = (u32*)out;
 #pragma unroll
-    for (int j = 0; j < 16; j++)
+        for (int j = 0; j < 16; j++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int row = r0 + 8 * j + 2 * t + (i & 1), col = n0 + col_local[i >> 1];
-            if (row >= r1 || col >= N) continue;
-            float row_s = epilogue_row_scale<FMT>(partials, row_scale, row_index, row);
-            store_sum<FMT>(tot[4 * j + i], partials, rows, row, col, N, row_s, col_sdec[i >> 1], out);
-        }
-    if (partials && counters)
-        fold_if_last<FMT, false>(partials, counters, blockIdx.y * gridDim.x + blockIdx.x, rows, N, r0, r1, n0,
-                                 n0 + TILE_TN, row_index, row_scale, w_sdec, e, sdec_groups, out);
+            for (int i = 0; i < 2; i++) {
+                int row = r0 + 8 * j + 2 * t + i;
+                bool live = row < r1 && col_row[0] >= 0;
+                float row_s = row < r1 ? epilogue_row_scale<FMT>(partials, row_scale, row_index, row) : 1.0f;
+                float h = silu_mul_value(epilogue_value<FMT>(tot[4 * j + i], row_s, col_sdec[0]),
+                                         epilogue_value<FMT>(tot[4 * j + 2 + i], row_s, col_sdec[1]));
+                if (OUT == WG_OUT_SWIGLU_F32) {
+                    if (live) out[(u64)row * inter + hc] = h;
+                } else {
+                    // Word hc / 2 holds columns hc (low half) and hc + 1: lane g + 1's.
+                    float next = __shfl_down_sync(0xffffffffu, h, 4);
+                    if (live && g % 2 == 0) words[(u64)row * (inter / 2) + packed_word(hc / 2)] = pack_bf16(h, next);
+                }
+            }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 16; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int row = r0 + 8 * j + 2 * t + (i & 1), col = n0 + col_local[i >> 1];
+                if (row >= r1 || col >= N) continue;
+                float row_s = epilogue_row_scale<FMT>(partials, row_scale, row_index, row);
+                store_sum<FMT>(tot[4 * j + i], partials, rows, row, col, N, row_s, col_sdec[i >> 1], out);
+            }
+        if (partials && counters)
+            fold_if_last<FMT, false>(partials, counters, blockIdx.y * gridDim.x + blockIdx.x, rows, N, r0, r1, n0,
+                                     n0 + TILE_TN, row_index, row_scale, w_sdec, e, sdec_groups, out);
+    }
 #else
     __trap();  // sm_90a only: the host never picks this kernel elsewhere
 #endif
@@ -1284,6 +1339,14 @@ __device__ __forceinline__ GemmPart gemm_part(int cols, int rows, const void* w,
     return GemmPart{w3, scales3, sdec3, out3, partials3, n3, p.bx - blocks};
 }
 
+// A GEMM kind's parameters (the launch's part already picked), for kinds that forward them.
+#define GEMM_KIND_PARAMS                                                                                   \
+    const float *x, const int *row_index, const float *row_scale, const void *w, const u8 *w_scales,       \
+        const float *w_sdec, int sdec_groups, const int *tiles, const int *num_tiles, const int *offsets,  \
+        int rows, int N, int K, float *out, float *partials, const u32 *xb, u32 *counters, int bx
+#define GEMM_KIND_ARGS \
+    x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets, rows, N, K, out, partials, xb, counters, bx
+
 // The kernels' entry: KIND<FMT> over the part of the launch this block works on, COLS columns
 // a block. With THREADS and BLOCKS, launch bounds: THREADS a block, at least BLOCKS blocks an
 // SM (the registers a thread may use follow).
@@ -1312,6 +1375,20 @@ GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_nvfp4, 3, TILE_
 GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_bf16, 1, TILE_TN, 256, 1)
 GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_mxfp8, 2, TILE_TN, 256, 1)
 GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_nvfp4, 3, TILE_TN, 256, 1)
+// The same over a gate/up matrix with SwiGLU in the epilogue (the wgmma kernels' OUT): h as f32,
+// or (BF16 weights) as the BF16 operand words of the down projection's tiled or wgmma launch.
+template <int FMT>
+__device__ __forceinline__ void grouped_gemm_wgmma_swiglu(GEMM_KIND_PARAMS) {
+    grouped_gemm_wgmma<FMT, WG_OUT_SWIGLU_F32>(GEMM_KIND_ARGS);
+}
+template <int FMT>
+__device__ __forceinline__ void grouped_gemm_wgmma_swiglu_words(GEMM_KIND_PARAMS) {
+    grouped_gemm_wgmma<FMT, WG_OUT_SWIGLU_BF16>(GEMM_KIND_ARGS);
+}
+GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma_swiglu, grouped_gemm_wgmma_swiglu_bf16, 1, TILE_TN, 256, 1)
+GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma_swiglu, grouped_gemm_wgmma_swiglu_mxfp8, 2, TILE_TN, 256, 1)
+GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma_swiglu, grouped_gemm_wgmma_swiglu_nvfp4, 3, TILE_TN, 256, 1)
+GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma_swiglu_words, grouped_gemm_wgmma_swiglu_words_bf16, 1, TILE_TN, 256, 1)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_bf16, 1, TILE_TN)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_mxfp8, 2, TILE_TN)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_nvfp4, 3, TILE_TN)

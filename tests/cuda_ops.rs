@@ -1033,6 +1033,248 @@ fn one_launch_routing_gives_the_routes_and_plan_of_the_separate_launches() {
     }
 }
 
+/// A layer's input as the GEMM kernels read it for weights of `format`: x itself (BF16), or
+/// x quantized per token first, as the model does (the exact dequantized values, and for NVFP4
+/// the row scales).
+struct LayerInput {
+    deq: Option<cudarc::driver::CudaSlice<f32>>,
+    row_scale: Option<cudarc::driver::CudaSlice<f32>>,
+}
+
+impl LayerInput {
+    fn new(
+        g: &lockstep::backend::cuda::Gpu,
+        format: Format,
+        x: &cudarc::driver::CudaSlice<f32>,
+        rows: usize,
+        k: usize,
+    ) -> LayerInput {
+        let mut deq = g.alloc::<f32>(rows * k).unwrap();
+        let mut row_scale = g.alloc::<f32>(rows).unwrap();
+        let (mut data, mut scales) = (
+            g.alloc::<u8>(rows * k).unwrap(),
+            g.alloc::<u8>(rows * k / 16).unwrap(),
+        );
+        match format {
+            Format::Mxfp8 => {
+                ops::mxfp8_quantize(g, x, rows * k, &mut data, &mut scales, Some(&mut deq))
+                    .unwrap();
+                LayerInput {
+                    deq: Some(deq),
+                    row_scale: None,
+                }
+            }
+            Format::Nvfp4 => {
+                ops::nvfp4_quantize_f32(
+                    g,
+                    x,
+                    rows,
+                    k,
+                    true,
+                    None,
+                    Nvfp4Params::from_four_over_six(None),
+                    Nvfp4Out {
+                        data: &mut data,
+                        scales: &mut scales,
+                        row_s_dec: &mut row_scale,
+                        deq: Some(&mut deq),
+                    },
+                )
+                .unwrap();
+                LayerInput {
+                    deq: Some(deq),
+                    row_scale: Some(row_scale),
+                }
+            }
+            _ => LayerInput {
+                deq: None,
+                row_scale: None,
+            },
+        }
+    }
+
+    /// What the kernels multiply: the dequantized values, or `x`.
+    fn x<'a>(
+        &'a self,
+        x: &'a cudarc::driver::CudaSlice<f32>,
+    ) -> &'a cudarc::driver::CudaSlice<f32> {
+        self.deq.as_ref().unwrap_or(x)
+    }
+}
+
+/// A routing plan of `tokens` rows over `experts` experts, `top_k` a row, from random logits.
+fn random_plan(
+    g: &lockstep::backend::cuda::Gpu,
+    rng: &mut Rng,
+    tokens: usize,
+    experts: usize,
+    top_k: usize,
+) -> MoePlan {
+    let logits = g.upload(&rng.vec(tokens * experts, 3.0)).unwrap();
+    let (mut ids, mut wts) = (
+        g.alloc::<i32>(tokens * top_k).unwrap(),
+        g.alloc::<f32>(tokens * top_k).unwrap(),
+    );
+    ops::moe_route(
+        g, &logits, tokens, experts, top_k, true, None, &mut ids, &mut wts,
+    )
+    .unwrap();
+    let mut plan = MoePlan::new(g, tokens * top_k, experts).unwrap();
+    plan.build(g, &ids, tokens, top_k, experts).unwrap();
+    plan
+}
+
+/// The experts' gate/up GEMM with SwiGLU in the wgmma kernel's epilogue (the prefill path on
+/// Hopper) against the launches it replaces, bit for bit: the gate/up GEMM, `silu_mul`, and for
+/// BF16 operand words `pack_gemm_operand`; then the down projection reading those words against
+/// it reading h. About 300 rows an expert (pairs of 128-row tiles, then a partial tile of at
+/// most 64 rows on m64n64 MMAs), K = 288 (a partial segment), and inter 96 (the second block's
+/// 64 h columns half past the matrix) and 128, in every format.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn gate_up_with_swiglu_in_its_epilogue_gives_the_bits_of_the_separate_launches() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let (tokens, experts, top_k, k, hidden) = (600, 4, 2, 288, 160);
+    let pairs = tokens * top_k;
+    let plan = random_plan(&g, &mut rng, tokens, experts, top_k);
+    let rows = || GemmRows::Plan(&plan);
+    let x = activations(&mut rng, tokens, k);
+    let dx = g.upload(&x).unwrap();
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    let nvfp4 = TensorFormat {
+        format: Format::Nvfp4,
+        activation_scale: ScaleGranularity::PerToken,
+        four_over_six: None,
+    };
+    let mxfp8 = TensorFormat {
+        format: Format::Mxfp8,
+        ..TensorFormat::BF16
+    };
+    for inter in [96, 128] {
+        let n = 2 * inter;
+        for fmt in [TensorFormat::BF16, mxfp8, nvfp4] {
+            let what = format!("{:?} gate/up, inter {inter}", fmt.format);
+            let cpu_w = cpu_experts(&mut rng, experts, n, k, &fmt);
+            let parts: Vec<Vec<&dyn Linear>> = cpu_w.iter().map(|l| vec![&**l]).collect();
+            let m = GpuMatrix::upload(&g, &parts).unwrap();
+            let input = LayerInput::new(&g, fmt.format, &dx, tokens, k);
+            let (xin, rs) = (input.x(&dx), input.row_scale.as_ref());
+            let runs =
+                ops::swiglu_epilogue_runs(&g, &m.data, &rows(), pairs, n, k, ops::SwigluOut::F32);
+            assert_eq!(
+                runs,
+                g.arch == "sm_90a",
+                "{what}: the epilogue runs on Hopper"
+            );
+            if !runs {
+                println!("{what}: no wgmma kernel on {}; nothing to compare", g.arch);
+                continue;
+            }
+            // The separate launches.
+            let mut gu = poisoned(&g, pairs * n, f32::NAN);
+            let row_token = Some(&plan.row_token);
+            ops::grouped_gemm(
+                &g,
+                xin,
+                row_token,
+                rs,
+                &m.data,
+                rows(),
+                pairs,
+                n,
+                k,
+                &mut gu,
+            )
+            .unwrap();
+            let mut h = poisoned(&g, pairs * inter, f32::NAN);
+            ops::silu_mul(&g, &gu, &mut h, pairs, inter).unwrap();
+            let h_want = bits(g.download(&h, pairs * inter).unwrap());
+            // SwiGLU in the epilogue, into a buffer of gate/up's size as the model's.
+            let mut got = poisoned(&g, pairs * n, f32::NAN);
+            let out = ops::SwigluOut::F32;
+            ops::grouped_gemm_swiglu(
+                &g,
+                xin,
+                row_token,
+                rs,
+                &m.data,
+                rows(),
+                pairs,
+                n,
+                k,
+                out,
+                &mut got,
+            )
+            .unwrap();
+            assert_eq!(
+                bits(g.download(&got, pairs * inter).unwrap()),
+                h_want,
+                "{what}: h"
+            );
+            if fmt.format != Format::Bf16 {
+                continue;
+            }
+            // BF16 operand words for a BF16 down projection, which reads them unpacked again.
+            let mut words = poisoned(&g, pairs * inter / 2, 0xAAAA_AAAAu32);
+            ops::pack_gemm_operand(&g, &h, pairs, inter, ops::Packing::Bf16, &mut words).unwrap();
+            let words_want = g.download(&words, pairs * inter / 2).unwrap();
+            let mut got = poisoned(&g, pairs * n, f32::NAN);
+            let out = ops::SwigluOut::Bf16Words;
+            assert!(
+                ops::swiglu_epilogue_runs(&g, &m.data, &rows(), pairs, n, k, out),
+                "{what}: words"
+            );
+            ops::grouped_gemm_swiglu(
+                &g,
+                xin,
+                row_token,
+                rs,
+                &m.data,
+                rows(),
+                pairs,
+                n,
+                k,
+                out,
+                &mut got,
+            )
+            .unwrap();
+            let words_got = bits(g.download(&got, pairs * inter / 2).unwrap());
+            assert_eq!(words_got, words_want, "{what}: BF16 operand words");
+            let cpu_down = cpu_experts(&mut rng, experts, hidden, inter, &fmt);
+            let parts: Vec<Vec<&dyn Linear>> = cpu_down.iter().map(|l| vec![&**l]).collect();
+            let down = GpuMatrix::upload(&g, &parts).unwrap();
+            assert!(
+                ops::takes_bf16_words(&g, &down.data, &rows(), pairs, hidden, inter),
+                "{what}: down"
+            );
+            let mut y_want = poisoned(&g, pairs * hidden, f32::NAN);
+            ops::grouped_gemm(
+                &g,
+                &h,
+                None,
+                None,
+                &down.data,
+                rows(),
+                pairs,
+                hidden,
+                inter,
+                &mut y_want,
+            )
+            .unwrap();
+            let mut y = poisoned(&g, pairs * hidden, f32::NAN);
+            ops::grouped_gemm_packed(&g, &got, &down.data, rows(), pairs, hidden, inter, &mut y)
+                .unwrap();
+            assert_eq!(
+                bits(g.download(&y, pairs * hidden).unwrap()),
+                bits(g.download(&y_want, pairs * hidden).unwrap()),
+                "{what}: the down projection from the words"
+            );
+            println!("{what}: h, its BF16 words and the down projection from them bitwise equal");
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
@@ -1086,40 +1328,8 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
         let cpu_w = cpu_experts(&mut rng, experts, n, k, &fmt);
         let parts: Vec<Vec<&dyn Linear>> = cpu_w.iter().map(|l| vec![&**l]).collect();
         let m = GpuMatrix::upload(&g, &parts).unwrap();
-        // Activations quantized per token first, as the model does.
-        let mut deq = g.alloc::<f32>(tokens * k).unwrap();
-        let mut row_scale = g.alloc::<f32>(tokens).unwrap();
-        let (mut data, mut scales) = (
-            g.alloc::<u8>(tokens * k).unwrap(),
-            g.alloc::<u8>(tokens * k / 16).unwrap(),
-        );
-        let (xin, rs) = match fmt.format {
-            Format::Bf16 => (&dx, None),
-            Format::Mxfp8 => {
-                ops::mxfp8_quantize(&g, &dx, tokens * k, &mut data, &mut scales, Some(&mut deq))
-                    .unwrap();
-                (&deq, None)
-            }
-            Format::Nvfp4 => {
-                ops::nvfp4_quantize_f32(
-                    &g,
-                    &dx,
-                    tokens,
-                    k,
-                    true,
-                    None,
-                    Nvfp4Params::from_four_over_six(None),
-                    Nvfp4Out {
-                        data: &mut data,
-                        scales: &mut scales,
-                        row_s_dec: &mut row_scale,
-                        deq: Some(&mut deq),
-                    },
-                )
-                .unwrap();
-                (&deq, Some(&row_scale))
-            }
-        };
+        let input = LayerInput::new(&g, fmt.format, &dx, tokens, k);
+        let (xin, rs) = (input.x(&dx), input.row_scale.as_ref());
         let mut want = Vec::with_capacity(pairs * n);
         for t in 0..tokens {
             for s in 0..top_k {
@@ -1563,6 +1773,58 @@ fn routing_replay_uses_the_given_experts_like_the_cpu() {
         assert!(
             worst < tol,
             "{name}: replayed logits relative error {worst}"
+        );
+    }
+}
+
+/// A prefill long enough for the experts' wgmma kernel (600 tokens, 1,200 routed rows over 8
+/// experts) takes SwiGLU into the gate/up GEMM's epilogue, where the traced forward (the
+/// trainer's, which reads gate/up and h) keeps the separate launches: the same logits and
+/// experts bit for bit, in every format (the quantized recipes keep the last layer BF16).
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn the_forward_with_swiglu_in_the_epilogue_gives_the_traced_forwards_bits() {
+    use lockstep::model::ForwardTrace;
+    let mut rng = Rng(seed());
+    let cfg = embedded_config(Some(2));
+    let len: usize = 600;
+    let tokens: Vec<u32> = (0..len)
+        .map(|_| rng.below(cfg.vocab_size.min(250)) as u32)
+        .collect();
+    let sizes = CudaSizes {
+        max_batch_tokens: 640,
+        max_running_requests: 1,
+        block_size: 16,
+        max_context_len: 640,
+        max_total_tokens: Some(640),
+        ..sizes()
+    };
+    let table: Vec<u32> = (0..len.div_ceil(16) as u32).collect();
+    let batch = ForwardBatch {
+        seqs: vec![SeqInput {
+            tokens: &tokens,
+            start_pos: 0,
+            block_table: &table,
+            logits_from: Some(len - 8),
+        }],
+    };
+    for name in ["bf16", "mxfp8", "nvfp4"] {
+        let recipe = Recipe::builtin(name).unwrap();
+        let model = dummy_model(cfg.clone(), &recipe, 9).unwrap();
+        let g = gpu();
+        let w = CudaWeights::upload(&g, &model).unwrap();
+        let mut cuda = CudaModel::new(g, cfg.clone(), w, sizes).unwrap();
+        let fused = cuda.forward(&batch).unwrap();
+        let mut trace = ForwardTrace::default();
+        let traced = cuda.forward_traced(&batch, None, Some(&mut trace)).unwrap();
+        assert_eq!(
+            fused.routed_experts, traced.routed_experts,
+            "{name}: experts"
+        );
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&fused.logits), bits(&traced.logits), "{name}: logits");
+        println!(
+            "{name}: {len}-token prefill, logits and experts bitwise equal to the traced forward's"
         );
     }
 }

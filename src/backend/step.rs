@@ -329,6 +329,31 @@ pub trait Backend {
         self.experts_down(w, act, route, out)
     }
 
+    /// An MoE layer's experts over the routed rows of `x` (`shape.top_k` a row, `shape.inter`
+    /// wide): [`Backend::experts_gate_up`] into
+    /// `gate_up`, then [`Backend::experts_silu_down`] through `act` into `out`. With `keep`
+    /// false nothing reads `gate_up` or `act` afterwards, so a backend may skip writing them
+    /// (SwiGLU inside the gate/up GEMM's epilogue); with `keep` (a traced forward) both hold
+    /// their values. `out` is the same either way.
+    #[allow(clippy::too_many_arguments)]
+    fn experts_mlp(
+        &mut self,
+        w: &Self::Experts,
+        x: &Self::Act,
+        rows: usize,
+        shape: MoeShape,
+        route: &Self::Route,
+        keep: bool,
+        gate_up: &mut Self::Act,
+        act: &mut Self::Act,
+        out: &mut Self::Act,
+    ) -> Result<(), Self::Error> {
+        let _ = keep;
+        self.experts_gate_up(w, x, rows, route, gate_up)?;
+        let pairs = rows * shape.top_k;
+        self.experts_silu_down(w, gate_up, pairs, shape.inter, route, act, out)
+    }
+
     /// `out[row] = sum over slots, in slot order, of weight * expert output`.
     fn moe_combine(
         &mut self,

@@ -159,13 +159,14 @@ pub fn forward<B: Backend>(
                             .collect()
                     });
                     b.moe_route(&s.router_logits, n, shape, replay.as_deref(), route)?;
-                    b.experts_gate_up(&moe.experts, &s.normed, n, route, &mut s.gate_up)?;
-                    b.experts_silu_down(
+                    b.experts_mlp(
                         &moe.experts,
-                        &s.gate_up,
-                        n * shape.top_k,
-                        shape.inter,
+                        &s.normed,
+                        n,
+                        shape,
                         route,
+                        tracing,
+                        &mut s.gate_up,
                         &mut s.act,
                         &mut s.expert_out,
                     )?;

@@ -12,7 +12,7 @@ use cudarc::driver::CudaSlice;
 
 use super::block_scaled::{BlockFormat, BlockScaledGemm};
 use super::graphs::StepGraphs;
-use super::ops::{self, AttnRows, AttnShape, GemmRows, MoePlan, Nvfp4Out, Table};
+use super::ops::{self, AttnRows, AttnShape, GemmRows, MoePlan, Nvfp4Out, SwigluOut, Table};
 use super::sampling::{DeviceSampler, MAX_DEVICE_TOP_LOGPROBS};
 use super::weights::{Activation, GpuMatrix};
 use super::{CudaError, Gpu};
@@ -361,6 +361,75 @@ impl Cuda {
 
     fn attn_shape(&self, d: &Dims) -> AttnShape {
         attn_shape(d, self.sizes.block_size)
+    }
+
+    /// The experts' gate/up GEMM with SwiGLU in its epilogue ([`ops::grouped_gemm_swiglu`]),
+    /// then the down projection into `out`: h lands in `h` (the gate/up buffer's memory) as the
+    /// down projection's BF16 operand words where it reads those (plain BF16 activations on a
+    /// tiled or wgmma launch: nothing is packed again), else as f32 rows, which the down
+    /// projection quantizes or packs as from `silu_mul`. The bits of the separate launches;
+    /// neither gate/up's sums nor `silu_mul`'s output buffer are written. False, with nothing
+    /// done, where the gate/up launch has no such epilogue (not on the wgmma kernel, or
+    /// Blackwell's block-scaled MMAs).
+    #[allow(clippy::too_many_arguments)]
+    fn experts_swiglu_down(
+        &mut self,
+        w: &CudaExperts,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        route: &CudaRoute,
+        h: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<bool, CudaError> {
+        let (gu, down) = (&w.gate_up, &w.down);
+        let (pairs, plan) = (rows * route.top_k, &route.plan);
+        {
+            let (gpu, q) = (&self.gpu, &mut self.quant);
+            let rows_of = || GemmRows::Plan(plan);
+            let words = down.act == Activation::Plain
+                && ops::takes_bf16_words(gpu, &down.data, &rows_of(), pairs, down.n, down.k);
+            let form = if words {
+                SwigluOut::Bf16Words
+            } else {
+                SwigluOut::F32
+            };
+            let runs =
+                ops::swiglu_epilogue_runs(gpu, &gu.data, &rows_of(), pairs, gu.n, gu.k, form);
+            if q.block_scaled.is_some() || !runs {
+                return Ok(false);
+            }
+            quantize_input(gpu, gu.act, gu.experts, x, rows, gu.k, q)?;
+            let (input, row_scale) = q.gemm_input(gu.act, x);
+            let row_token = Some(&plan.row_token);
+            ops::grouped_gemm_swiglu(
+                gpu,
+                input,
+                row_token,
+                row_scale,
+                &gu.data,
+                rows_of(),
+                pairs,
+                gu.n,
+                gu.k,
+                form,
+                h,
+            )?;
+            if words {
+                ops::grouped_gemm_packed(
+                    gpu,
+                    h,
+                    &down.data,
+                    rows_of(),
+                    pairs,
+                    down.n,
+                    down.k,
+                    out,
+                )?;
+                return Ok(true);
+            }
+        }
+        self.experts_down(w, h, route, out)?;
+        Ok(true)
     }
 
     fn gemm(
@@ -903,6 +972,28 @@ impl Backend for Cuda {
         }
         let plan = GemmRows::Plan(&route.plan);
         gemm_prepared(gpu, &w.down, act, plan, None, pairs, out, q)
+    }
+
+    /// Without `keep`, where the gate/up GEMM runs on the wgmma kernel, SwiGLU is its epilogue
+    /// ([`Cuda::experts_swiglu_down`]); otherwise the separate launches.
+    fn experts_mlp(
+        &mut self,
+        w: &CudaExperts,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        shape: MoeShape,
+        route: &CudaRoute,
+        keep: bool,
+        gate_up: &mut CudaSlice<f32>,
+        act: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        if !keep && self.experts_swiglu_down(w, x, rows, route, gate_up, out)? {
+            return Ok(());
+        }
+        self.experts_gate_up(w, x, rows, route, gate_up)?;
+        let pairs = rows * shape.top_k;
+        self.experts_silu_down(w, gate_up, pairs, shape.inter, route, act, out)
     }
 
     fn moe_combine(

@@ -273,6 +273,10 @@ kernels! {
     GroupedGemmWgmmaBf16 => (Gemm, "grouped_gemm_wgmma_bf16", GROUPED_GEMM),
     GroupedGemmWgmmaMxfp8 => (Gemm, "grouped_gemm_wgmma_mxfp8", GROUPED_GEMM),
     GroupedGemmWgmmaNvfp4 => (Gemm, "grouped_gemm_wgmma_nvfp4", GROUPED_GEMM),
+    GroupedGemmWgmmaSwigluBf16 => (Gemm, "grouped_gemm_wgmma_swiglu_bf16", GROUPED_GEMM),
+    GroupedGemmWgmmaSwigluMxfp8 => (Gemm, "grouped_gemm_wgmma_swiglu_mxfp8", GROUPED_GEMM),
+    GroupedGemmWgmmaSwigluNvfp4 => (Gemm, "grouped_gemm_wgmma_swiglu_nvfp4", GROUPED_GEMM),
+    GroupedGemmWgmmaSwigluWordsBf16 => (Gemm, "grouped_gemm_wgmma_swiglu_words_bf16", GROUPED_GEMM),
     GroupedGemmSkinnyBf16 => (Gemm, "grouped_gemm_skinny_bf16", GROUPED_GEMM),
     GroupedGemmSkinnyMxfp8 => (Gemm, "grouped_gemm_skinny_mxfp8", GROUPED_GEMM),
     GroupedGemmSkinnyNvfp4 => (Gemm, "grouped_gemm_skinny_nvfp4", GROUPED_GEMM),
@@ -333,7 +337,11 @@ impl Kernel {
         match self {
             Kernel::GroupedGemmWgmmaBf16
             | Kernel::GroupedGemmWgmmaMxfp8
-            | Kernel::GroupedGemmWgmmaNvfp4 => WGMMA_SMEM_BYTES,
+            | Kernel::GroupedGemmWgmmaNvfp4
+            | Kernel::GroupedGemmWgmmaSwigluBf16
+            | Kernel::GroupedGemmWgmmaSwigluMxfp8
+            | Kernel::GroupedGemmWgmmaSwigluNvfp4
+            | Kernel::GroupedGemmWgmmaSwigluWordsBf16 => WGMMA_SMEM_BYTES,
             Kernel::PrefillAttentionHd32 => prefill_attention_smem_bytes(32, arch),
             Kernel::PrefillAttentionHd64 => prefill_attention_smem_bytes(64, arch),
             Kernel::PrefillAttentionHd128 => prefill_attention_smem_bytes(128, arch),

@@ -470,6 +470,25 @@ impl<'a> Operand<'a> {
         }
     }
 
+    /// The wgmma kernel with SwiGLU in its epilogue writing `out`, where the format has one.
+    fn swiglu_kernel(&self, out: SwigluOut) -> Option<Kernel> {
+        match (self.kernels[5], out) {
+            (Kernel::GroupedGemmWgmmaBf16, SwigluOut::F32) => {
+                Some(Kernel::GroupedGemmWgmmaSwigluBf16)
+            }
+            (Kernel::GroupedGemmWgmmaBf16, SwigluOut::Bf16Words) => {
+                Some(Kernel::GroupedGemmWgmmaSwigluWordsBf16)
+            }
+            (Kernel::GroupedGemmWgmmaMxfp8, SwigluOut::F32) => {
+                Some(Kernel::GroupedGemmWgmmaSwigluMxfp8)
+            }
+            (Kernel::GroupedGemmWgmmaNvfp4, SwigluOut::F32) => {
+                Some(Kernel::GroupedGemmWgmmaSwigluNvfp4)
+            }
+            _ => None,
+        }
+    }
+
     fn f32(gpu: &Gpu, d: &'a CudaSlice<f32>) -> Operand<'a> {
         let k = Kernel::GroupedGemmF32;
         Operand::new([k, k, k, k, k, k, k], DevPtr(addr(gpu, d)), None, None, 1)
@@ -559,6 +578,148 @@ pub fn grouped_gemm(
         n,
         k,
         out,
+    )
+}
+
+/// What a gate/up GEMM with SwiGLU in its epilogue ([`grouped_gemm_swiglu`]) writes: h =
+/// silu(gate) * up, `[rows, n / 2]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SwigluOut {
+    /// f32 values (what the activation quantizers, or the packing of a launch, read next).
+    F32,
+    /// The tiled and wgmma kernels' BF16 operand ([`Packing::Bf16`], [`packed_word`]'s order,
+    /// `n / 4` words a row): what a down projection on BF16 weights reads
+    /// ([`grouped_gemm_packed`]) without packing it again.
+    Bf16Words,
+}
+
+/// Whether [`grouped_gemm_swiglu`] runs for `w` over these rows: [`GemmPath::Auto`] takes the
+/// wgmma kernel there and it has a SwiGLU epilogue for the format and `out` (BF16 words from
+/// BF16 weights only). `LOCKSTEP_SWIGLU_EPILOGUE=0` says no (the bits are the same either way).
+pub fn swiglu_epilogue_runs(
+    gpu: &Gpu,
+    w: &WeightData,
+    rows: &GemmRows<'_>,
+    max_rows: usize,
+    n: usize,
+    k: usize,
+    out: SwigluOut,
+) -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let w = Operand::of(gpu, w);
+    switched_on(&ALLOWED, "LOCKSTEP_SWIGLU_EPILOGUE")
+        && n.is_multiple_of(2)
+        && (out == SwigluOut::F32 || (n / 2).is_multiple_of(32))
+        && w.swiglu_kernel(out).is_some()
+        && GemmPath::Auto.resolve(wgmma_allowed(gpu), &w, rows, max_rows, n, k) == GemmPath::Wgmma
+}
+
+/// Whether a [`grouped_gemm`] of `w` over these rows reads its activations as BF16 operand
+/// words ([`grouped_gemm_packed`] can take them already packed).
+pub fn takes_bf16_words(
+    gpu: &Gpu,
+    w: &WeightData,
+    rows: &GemmRows<'_>,
+    max_rows: usize,
+    n: usize,
+    k: usize,
+) -> bool {
+    let w = Operand::of(gpu, w);
+    w.packing == Packing::Bf16
+        && matches!(
+            GemmPath::Auto.resolve(wgmma_allowed(gpu), &w, rows, max_rows, n, k),
+            GemmPath::TensorCore | GemmPath::TensorCoreWide | GemmPath::Wgmma
+        )
+}
+
+/// The gate/up GEMM `[gate; up] = x W_e^T` (`n` = 2 * inter weight rows: gate, then up) with
+/// SwiGLU in the wgmma kernel's epilogue: `h[r, i] = silu(gate[r, i]) * up[r, i]` into `h`
+/// as `out` says, the bits of [`grouped_gemm`] then `silu_mul` (then, for
+/// [`SwigluOut::Bf16Words`], [`pack_gemm_operand`]). Neither gate nor up is stored. Refused
+/// where [`swiglu_epilogue_runs`] says no.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemm_swiglu(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    row_index: Option<&CudaSlice<i32>>,
+    row_scale: Option<&CudaSlice<f32>>,
+    w: &WeightData,
+    rows: GemmRows<'_>,
+    max_rows: usize,
+    n: usize,
+    k: usize,
+    out: SwigluOut,
+    h: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    if !swiglu_epilogue_runs(gpu, w, &rows, max_rows, n, k, out) {
+        return Err(CudaError::Unsupported(format!(
+            "SwiGLU in the GEMM epilogue ({out:?}) for these weights and rows (the wgmma kernel only)"
+        )));
+    }
+    let parts = [GemmPart {
+        w: Operand::of(gpu, w),
+        n,
+        out: h,
+    }];
+    let mode = LaunchMode {
+        swiglu: Some(out),
+        packed: None,
+    };
+    launch_parts(
+        GemmPath::Wgmma,
+        SplitK::Off,
+        gpu,
+        x,
+        row_index,
+        row_scale,
+        &parts,
+        rows,
+        max_rows,
+        k,
+        mode,
+    )
+}
+
+/// [`grouped_gemm`] of plain BF16 activations given as operand words already (`words`, rows
+/// of `k / 2` words: a [`SwigluOut::Bf16Words`] output), not packed again. Refused where the
+/// launch would not read words ([`takes_bf16_words`]).
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemm_packed(
+    gpu: &Gpu,
+    words: &CudaSlice<f32>,
+    w: &WeightData,
+    rows: GemmRows<'_>,
+    max_rows: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    if !takes_bf16_words(gpu, w, &rows, max_rows, n, k) {
+        return Err(CudaError::Unsupported(
+            "a GEMM over packed BF16 activations where its kernel reads them unpacked".into(),
+        ));
+    }
+    let parts = [GemmPart {
+        w: Operand::of(gpu, w),
+        n,
+        out,
+    }];
+    let mode = LaunchMode {
+        swiglu: None,
+        packed: Some(words),
+    };
+    launch_parts(
+        GemmPath::Auto,
+        SplitK::Auto,
+        gpu,
+        words,
+        None,
+        None,
+        &parts,
+        rows,
+        max_rows,
+        k,
+        mode,
     )
 }
 
@@ -678,6 +839,7 @@ pub fn dense_gemm_parts_on(
         GemmRows::Dense(rows),
         rows,
         k,
+        LaunchMode::default(),
     )
 }
 
@@ -761,6 +923,16 @@ struct GemmPart<'a> {
 /// The most matrices one launch takes side by side (kernels/gemm.cu `gemm_part`).
 pub const GEMM_MAX_PARTS: usize = 3;
 
+/// What a launch writes and where its activations come from: the sums from x (the default),
+/// SwiGLU's h from a gate/up matrix (the wgmma kernel's epilogue), or the sums from
+/// activations packed already.
+#[derive(Clone, Copy, Default)]
+struct LaunchMode<'a> {
+    swiglu: Option<SwigluOut>,
+    /// BF16 operand words (rows of k / 2) to read instead of packing x.
+    packed: Option<&'a CudaSlice<f32>>,
+}
+
 #[allow(clippy::too_many_arguments)]
 fn launch_gemm(
     path: GemmPath,
@@ -778,14 +950,25 @@ fn launch_gemm(
 ) -> Result<(), CudaError> {
     let parts = [GemmPart { w, n, out }];
     launch_parts(
-        path, split, gpu, x, row_index, row_scale, &parts, rows, max_rows, k,
+        path,
+        split,
+        gpu,
+        x,
+        row_index,
+        row_scale,
+        &parts,
+        rows,
+        max_rows,
+        k,
+        LaunchMode::default(),
     )
 }
 
 /// One launch over `parts` (1 to [`GEMM_MAX_PARTS`] matrices of one format and S_dec grouping,
 /// over the same rows of `x`): the grid's column blocks cover each part's columns in turn, and
 /// each block computes what a launch of its part alone would, so every part's output has the
-/// bits of its own launch. The path is picked for the parts' columns together.
+/// bits of its own launch. The path is picked for the parts' columns together. `mode`: see
+/// [`LaunchMode`] (its callers check that the path takes it).
 #[allow(clippy::too_many_arguments)]
 fn launch_parts(
     path: GemmPath,
@@ -798,6 +981,7 @@ fn launch_parts(
     rows: GemmRows<'_>,
     max_rows: usize,
     k: usize,
+    mode: LaunchMode<'_>,
 ) -> Result<(), CudaError> {
     let Some(w) = parts
         .first()
@@ -829,7 +1013,18 @@ fn launch_parts(
         GemmPath::TensorCoreWide => (w.kernels[4], MMA_TILE_COLS, 4 * GEMM_WIDE_TILE_ROWS as u32),
         // Two warpgroups of 64 columns over two wide tiles' 128 rows (the grid is the wide
         // tiles'; a pair's second block returns at once).
-        GemmPath::Wgmma => (w.kernels[5], MMA_TILE_COLS, 256),
+        GemmPath::Wgmma => match mode.swiglu {
+            None => (w.kernels[5], MMA_TILE_COLS, 256),
+            // (The same grid: 64 h columns a block of 2 x 64 weight rows.)
+            Some(out) => match w.swiglu_kernel(out) {
+                Some(kernel) => (kernel, MMA_TILE_COLS, 256),
+                None => {
+                    return Err(CudaError::Unsupported(format!(
+                        "no SwiGLU epilogue writing {out:?} for these weights"
+                    )))
+                }
+            },
+        },
         GemmPath::Skinny4 => (w.kernels[3], 4 * SKINNY_COLS_PER_BLOCK, 128),
         // A 32-column group a block, its K segments over the block's 8 warps.
         GemmPath::SkinnyKSplit => (w.kernels[6], 32, BLOCK_SPLIT_THREADS),
@@ -869,6 +1064,18 @@ fn launch_parts(
         .map(|p| need(p.out, max_rows * p.n, "gemm out"))
         .collect::<Result<Vec<_>, _>>()?;
     let grid_x: usize = parts.iter().map(|p| p.n.div_ceil(cols_per_block)).sum();
+    if mode.swiglu.is_some() && (path != GemmPath::Wgmma || parts.len() != 1) {
+        return Err(CudaError::Unsupported(format!(
+            "SwiGLU in the epilogue of a {path:?} launch of {} matrices (wgmma, one matrix)",
+            parts.len()
+        )));
+    }
+    // A SwiGLU epilogue needs whole sums: no split.
+    let split = if mode.swiglu.is_some() {
+        SplitK::Off
+    } else {
+        split
+    };
     let segments = split.segments(path, &rows, grid_x * grid_y, rows_arg, n, k);
     let mut guard = gpu
         .gemm_scratch
@@ -900,22 +1107,32 @@ fn launch_parts(
         _ => None,
     };
     // The tiled kernel reads x packed to BF16: every row the rows (through row_index) name.
-    let operand = if matches!(
+    let reads_words = matches!(
         path,
         GemmPath::TensorCore | GemmPath::TensorCoreWide | GemmPath::Wgmma
-    ) {
-        let x_rows = match (&rows, row_index) {
-            (GemmRows::Dense(r), None) => *r,
-            (GemmRows::Plan(p), Some(_)) => p.tokens,
-            (GemmRows::Plan(p), None) => p.pairs,
-            (GemmRows::Dense(_), Some(_)) => x.len() / k,
-        };
-        let words = x_rows * k / 2;
+    );
+    let x_rows = match (&rows, row_index) {
+        (GemmRows::Dense(r), None) => *r,
+        (GemmRows::Plan(p), Some(_)) => p.tokens,
+        (GemmRows::Plan(p), None) => p.pairs,
+        (GemmRows::Dense(_), Some(_)) => x.len() / k,
+    };
+    let words = x_rows * k / 2;
+    let operand = if let Some(given) = mode.packed {
+        if !reads_words || w.packing != Packing::Bf16 {
+            return Err(CudaError::Unsupported(format!(
+                "packed BF16 activations for a {path:?} launch"
+            )));
+        }
+        // Two BF16 values a word, in an f32 buffer's memory.
+        need(given, words, "packed gemm operand")?;
+        DevPtr(addr(gpu, given))
+    } else if reads_words {
         let packed = grown(gpu, &mut scratch.operand, &mut scratch.generation, words)?;
         pack_gemm_operand(gpu, x, x_rows, k, w.packing, packed)?;
-        Some(View::whole(packed))
+        DevPtr(addr(gpu, packed))
     } else {
-        None
+        DevPtr(0)
     };
     // Parts 2 and 3 of the launch (absent: null weights and no columns).
     let extra = |i: usize| match parts.get(i) {
