@@ -27,7 +27,9 @@
 // - grouped_gemm_skinny_ksplit_*: the 32-column few-rows warps for tiles of at most 16 rows, a
 //   32-column group's K segments spread over one block's warps and added in the block.
 // - grouped_gemm_wgmma_* (Hopper, sm_90a): the same products on warpgroup MMAs, 128x128 tiles
-//   (two of the plan's wide tiles), the weights as the A operand (section below).
+//   (two of the plan's wide tiles), the weights as the A operand (section below);
+//   grouped_gemm_wgmma_swiglu_*: over a gate/up matrix, with SwiGLU in the epilogue (h written
+//   instead of gate and up: swiglu_weight_row).
 // The tensor-core kernels feed each mma exactly the same operands in the same order (the
 // "K chain" below), so they give the same bits and the choice between them is speed alone.
 //
