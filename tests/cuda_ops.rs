@@ -1808,10 +1808,39 @@ fn the_forward_with_swiglu_in_the_epilogue_gives_the_traced_forwards_bits() {
             logits_from: Some(len - 8),
         }],
     };
-    for name in ["bf16", "mxfp8", "nvfp4"] {
+    let moe = cfg.moe.clone().expect("the embedded model is MoE");
+    let mxfp8 = TensorFormat {
+        format: Format::Mxfp8,
+        ..TensorFormat::BF16
+    };
+    let nvfp4 = TensorFormat {
+        format: Format::Nvfp4,
+        activation_scale: ScaleGranularity::PerToken,
+        four_over_six: None,
+    };
+    for (name, fmt) in [
+        ("bf16", TensorFormat::BF16),
+        ("mxfp8", mxfp8),
+        ("nvfp4", nvfp4),
+    ] {
         let recipe = Recipe::builtin(name).unwrap();
         let model = dummy_model(cfg.clone(), &recipe, 9).unwrap();
         let g = gpu();
+        // The fused launch runs for the model's expert gate/up at this prefill (its choice
+        // depends on the format, the shapes, the routed rows and the experts, not on which
+        // experts the tokens pick): else this test would compare the separate launches with
+        // themselves.
+        let (n, k, pairs) = (2 * moe.intermediate_size, cfg.hidden_size, len * moe.top_k);
+        let plan = random_plan(&g, &mut rng, len, moe.num_experts, moe.top_k);
+        let experts = cpu_experts(&mut rng, moe.num_experts, n, k, &fmt);
+        let parts: Vec<Vec<&dyn Linear>> = experts.iter().map(|l| vec![&**l]).collect();
+        let m = GpuMatrix::upload(&g, &parts).unwrap();
+        let rows = GemmRows::Plan(&plan);
+        assert_eq!(
+            ops::swiglu_epilogue_runs(&g, &m.data, &rows, pairs, n, k, ops::SwigluOut::F32),
+            g.arch == "sm_90a",
+            "{name}: SwiGLU in the gate/up epilogue for the model's experts"
+        );
         let w = CudaWeights::upload(&g, &model).unwrap();
         let mut cuda = CudaModel::new(g, cfg.clone(), w, sizes).unwrap();
         let fused = cuda.forward(&batch).unwrap();

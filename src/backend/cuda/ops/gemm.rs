@@ -1061,7 +1061,15 @@ fn launch_parts(
     }
     let outs = parts
         .iter()
-        .map(|p| need(p.out, max_rows * p.n, "gemm out"))
+        .map(|p| {
+            // SwiGLU's h: a value (F32) or half a word (BF16 words) per h column, n / 2 of them.
+            let len = match mode.swiglu {
+                None => max_rows * p.n,
+                Some(SwigluOut::F32) => max_rows * p.n / 2,
+                Some(SwigluOut::Bf16Words) => max_rows * p.n / 4,
+            };
+            need(p.out, len, "gemm out")
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let grid_x: usize = parts.iter().map(|p| p.n.div_ceil(cols_per_block)).sum();
     if mode.swiglu.is_some() && (path != GemmPath::Wgmma || parts.len() != 1) {
