@@ -43,6 +43,43 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
+// Element i of a GEMM output its launch left as split-K's segment sums (`segments` sums of
+// `stride` elements each, ops::gemm `Unfolded`): the sums added in segment order (s0, then + s1,
+// ...), the additions the GEMM's own fold makes, so a reader gets the bits the output would
+// have held. Eight segments' loads are issued at a time, then added in order.
+__device__ __forceinline__ float folded(const float* sums, int segments, u64 stride, u64 i) {
+    float v = sums[i];
+    for (int z0 = 1; z0 < segments; z0 += 8) {
+        float seg[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) seg[j] = z0 + j < segments ? sums[(u64)(z0 + j) * stride + i] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (z0 + j < segments) v = __fadd_rn(v, seg[j]);
+    }
+    return v;
+}
+
+// Four consecutive elements (i a multiple of 4, 16-byte aligned sums and stride) the same way.
+__device__ __forceinline__ float4 folded4(const float* sums, int segments, u64 stride, u64 i) {
+    float4 v = *(const float4*)(sums + i);
+    for (int z0 = 1; z0 < segments; z0 += 4) {
+        float4 seg[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            seg[j] = z0 + j < segments ? *(const float4*)(sums + (u64)(z0 + j) * stride + i) : make_float4(0, 0, 0, 0);
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            if (z0 + j < segments) {
+                v.x = __fadd_rn(v.x, seg[j].x);
+                v.y = __fadd_rn(v.y, seg[j].y);
+                v.z = __fadd_rn(v.z, seg[j].z);
+                v.w = __fadd_rn(v.w, seg[j].w);
+            }
+    }
+    return v;
+}
+
 // SwiGLU's product for one element: silu(g) * u, as the CPU computes it (g / (1 + e^-g), then
 // times u, each rounded). silu_mul and the quantizers that take gate/up rows share it.
 __device__ __forceinline__ float silu_mul_value(float g, float u) {

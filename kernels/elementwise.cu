@@ -41,10 +41,12 @@ extern "C" __global__ void embedding(const u32* tokens, const void* table, int i
 // elements i, i + blockDim, ... in that order (the sum of squares' order, fixed by d alone).
 // A row of up to NORM_REGS elements a thread is loaded into registers first, all its loads in
 // flight at once (a decode row is otherwise a chain of dependent round trips); longer rows
-// stream. Both make the same operations in the same order.
+// stream. Both make the same operations in the same order. With `segments` > 0 the residual
+// is a GEMM output left as its segment sums (`residual` the sums, `stride` elements each:
+// folded), read as the values it would have held.
 #define NORM_REGS 16
 extern "C" __global__ void rms_norm(float* x, const float* residual, const float* w, float* out,
-                                    const int* rows, int d, float eps) {
+                                    const int* rows, int d, float eps, int segments, u64 stride) {
     pdl_entry();
     u64 r = rows ? (u64)rows[blockIdx.x] : (u64)blockIdx.x;
     float* xr = x + r * d;
@@ -56,7 +58,8 @@ extern "C" __global__ void rms_norm(float* x, const float* residual, const float
         for (int j = 0; j < NORM_REGS; j++) {
             int i = threadIdx.x + j * blockDim.x;
             v[j] = i < d ? xr[i] : 0.0f;
-            a[j] = residual && i < d ? residual[r * d + i] : 0.0f;
+            a[j] = residual && i < d ? (segments ? folded(residual, segments, stride, r * d + i) : residual[r * d + i])
+                                     : 0.0f;
         }
 #pragma unroll
         for (int j = 0; j < NORM_REGS; j++) {
@@ -81,7 +84,7 @@ extern "C" __global__ void rms_norm(float* x, const float* residual, const float
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         float v = xr[i];
         if (residual) {
-            v = __fadd_rn(v, residual[r * d + i]);
+            v = __fadd_rn(v, segments ? folded(residual, segments, stride, r * d + i) : residual[r * d + i]);
             xr[i] = v;
         }
         ss += v * v;
@@ -104,13 +107,17 @@ extern "C" __global__ void add_inplace(float* x, const float* y, u64 n) {
 // so no element has two writers. The block works out its token's sines and cosines once into
 // shared memory (the same sincosf of the same product for every head; 36 blocks of one warp
 // each computing them took 357 us for 8,192 tokens of Qwen3-30B-A3B, H200, 2026-12-04).
-// Requires head_dim <= 2 * QK_ROPE_MAX_HALF (the host checks).
+// Requires head_dim <= 2 * QK_ROPE_MAX_HALF (the host checks). With `segments` > 0, q, k and v
+// whose `*_sums` are given are GEMM outputs left as their segment sums (folded: of q's width
+// rows x heads x hd, k's and v's rows x kv_heads x hd): a warp first writes its head's folded
+// values into q or k, and v's are folded as they are stored.
 #define QK_ROPE_MAX_HALF 256
 #define QK_ROPE_WARPS 8
 extern "C" __global__ void qk_norm_rope_store(float* q, float* k, const float* v, const float* q_norm,
                                               const float* k_norm, const float* inv_freq, const int* pos,
                                               const int* slots, bf16_t* k_cache, bf16_t* v_cache, int heads,
-                                              int kv_heads, int hd, float eps) {
+                                              int kv_heads, int hd, float eps, const float* q_sums,
+                                              const float* k_sums, const float* v_sums, int segments) {
     pdl_entry();
     __shared__ float sin_s[QK_ROPE_MAX_HALF], cos_s[QK_ROPE_MAX_HALF];
     int t = blockIdx.x, lane = threadIdx.x & 31;
@@ -122,7 +129,15 @@ extern "C" __global__ void qk_norm_rope_store(float* q, float* k, const float* v
     if (h >= heads + kv_heads) return;
     bool is_q = h < heads;
     int kh = h - heads;
-    float* x = is_q ? q + ((u64)t * heads + h) * hd : k + ((u64)t * kv_heads + kh) * hd;
+    u64 at = is_q ? ((u64)t * heads + h) * hd : ((u64)t * kv_heads + kh) * hd;
+    float* x = (is_q ? q : k) + at;
+    const float* sums = is_q ? q_sums : k_sums;
+    u64 kv_stride = (u64)gridDim.x * kv_heads * hd;
+    if (segments && sums) {
+        u64 stride = is_q ? (u64)gridDim.x * heads * hd : kv_stride;
+        for (int i = lane; i < hd; i += 32) x[i] = folded(sums, segments, stride, at + i);
+        __syncwarp();
+    }
     const float* nw = is_q ? q_norm : k_norm;
     float inv = 1.0f;
     if (nw) {
@@ -149,23 +164,26 @@ extern "C" __global__ void qk_norm_rope_store(float* q, float* k, const float* v
         }
     }
     if (!is_q) {
-        const float* vr = v + ((u64)t * kv_heads + kh) * hd;
-        for (int i = lane; i < hd; i += 32) v_cache[kv_base + i] = f32_to_bf16(vr[i]);
+        bool vf = segments && v_sums;
+        for (int i = lane; i < hd; i += 32)
+            v_cache[kv_base + i] = f32_to_bf16(vf ? folded(v_sums, segments, kv_stride, at + i) : v[at + i]);
     }
 }
 
 // h[r, i] = silu(gu[r, i]) * gu[r, inter + i]: gate and up come from one GEMM of width 2*inter.
 // Four columns a thread where the widths and addresses allow float4 (32-bit indices below 2^31
-// quads): a 64-bit division per element cost more than the element's arithmetic.
-extern "C" __global__ void silu_mul(const float* gu, float* h, u64 rows, int inter) {
+// quads): a 64-bit division per element cost more than the element's arithmetic. With
+// `segments` > 0, gu is the gate/up GEMM's segment sums (folded, rows x 2 inter each).
+extern "C" __global__ void silu_mul(const float* gu, float* h, u64 rows, int inter, int segments) {
     pdl_entry();
-    u64 n = rows * inter;
+    u64 n = rows * inter, stride = rows * 2 * inter;
     if (inter % 4 == 0 && n / 4 < (1u << 31) && (((u64)gu | (u64)h) & 15) == 0) {
         u32 quads = (u32)(n / 4), per_row = inter / 4;
         for (u32 j = blockIdx.x * blockDim.x + threadIdx.x; j < quads; j += gridDim.x * blockDim.x) {
             u32 r = j / per_row, c = 4 * (j - r * per_row);
-            const float* row = gu + (u64)r * 2 * inter + c;
-            float4 g = *(const float4*)row, u = *(const float4*)(row + inter);
+            u64 at = (u64)r * 2 * inter + c;
+            float4 g = segments ? folded4(gu, segments, stride, at) : *(const float4*)(gu + at);
+            float4 u = segments ? folded4(gu, segments, stride, at + inter) : *(const float4*)(gu + at + inter);
             *(float4*)(h + (u64)r * inter + c) =
                 make_float4(silu_mul_value(g.x, u.x), silu_mul_value(g.y, u.y), silu_mul_value(g.z, u.z),
                             silu_mul_value(g.w, u.w));
@@ -173,8 +191,9 @@ extern "C" __global__ void silu_mul(const float* gu, float* h, u64 rows, int int
         return;
     }
     for (u64 j = blockIdx.x * (u64)blockDim.x + threadIdx.x; j < n; j += (u64)gridDim.x * blockDim.x) {
-        u64 r = j / inter, i = j % inter;
-        float g = gu[r * 2 * inter + i], u = gu[r * 2 * inter + inter + i];
+        u64 r = j / inter, i = j % inter, at = r * 2 * inter + i;
+        float g = segments ? folded(gu, segments, stride, at) : gu[at];
+        float u = segments ? folded(gu, segments, stride, at + inter) : gu[at + inter];
         h[j] = silu_mul_value(g, u);
     }
 }
@@ -182,12 +201,14 @@ extern "C" __global__ void silu_mul(const float* gu, float* h, u64 rows, int int
 // y[t] = sum over top-k slots, in slot order, of weight * expert_out[row of (t, slot)].
 // Grid (tokens, column blocks): block (t, c) sums token t's columns c * blockDim.x.. (strided by
 // the grid; four columns a thread where hidden and the addresses allow float4), so one token's
-// columns are spread over blocks instead of walked by one.
+// columns are spread over blocks instead of walked by one. With `segments` > 0, expert_out is
+// the down projection's segment sums (folded, tokens x top_k x hidden each).
 #define COMBINE_SLOTS 16
 extern "C" __global__ void moe_combine(const float* expert_out, const int* slot_row, const float* weights,
-                                       float* y, int top_k, int hidden) {
+                                       float* y, int top_k, int hidden, int segments) {
     pdl_entry();
     int t = blockIdx.x;
+    u64 stride = (u64)gridDim.x * top_k * hidden;
     // The token's rows and weights once, into registers (top_k <= COMBINE_SLOTS; more stream):
     // each element's top_k loads are then independent, all in flight at once. The sum is the
     // same either way: slot 0, then + slot 1, ...
@@ -204,7 +225,9 @@ extern "C" __global__ void moe_combine(const float* expert_out, const int* slot_
             float4 e[COMBINE_SLOTS];
 #pragma unroll
             for (int s = 0; s < COMBINE_SLOTS; s++)
-                e[s] = s < top_k ? *(const float4*)(expert_out + (u64)rows[s] * hidden + i) : make_float4(0, 0, 0, 0);
+                e[s] = s >= top_k ? make_float4(0, 0, 0, 0)
+                       : segments  ? folded4(expert_out, segments, stride, (u64)rows[s] * hidden + i)
+                                   : *(const float4*)(expert_out + (u64)rows[s] * hidden + i);
             float4 acc = make_float4(0, 0, 0, 0);
 #pragma unroll
             for (int s = 0; s < COMBINE_SLOTS; s++)
@@ -223,14 +246,18 @@ extern "C" __global__ void moe_combine(const float* expert_out, const int* slot_
         if (held) {
             float e[COMBINE_SLOTS];
 #pragma unroll
-            for (int s = 0; s < COMBINE_SLOTS; s++) e[s] = s < top_k ? expert_out[(u64)rows[s] * hidden + i] : 0.0f;
+            for (int s = 0; s < COMBINE_SLOTS; s++) {
+                u64 at = (u64)rows[s] * hidden + i;
+                e[s] = s >= top_k ? 0.0f : segments ? folded(expert_out, segments, stride, at) : expert_out[at];
+            }
 #pragma unroll
             for (int s = 0; s < COMBINE_SLOTS; s++)
                 if (s < top_k) acc = __fadd_rn(acc, __fmul_rn(wts[s], e[s]));
         } else {
             for (int s = 0; s < top_k; s++) {
-                int r = slot_row[t * top_k + s];
-                acc = __fadd_rn(acc, __fmul_rn(weights[t * top_k + s], expert_out[(u64)r * hidden + i]));
+                u64 at = (u64)slot_row[t * top_k + s] * hidden + i;
+                float e = segments ? folded(expert_out, segments, stride, at) : expert_out[at];
+                acc = __fadd_rn(acc, __fmul_rn(weights[t * top_k + s], e));
             }
         }
         y[(u64)t * hidden + i] = acc;

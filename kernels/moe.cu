@@ -69,11 +69,24 @@ __device__ void route_token(const float* logits, int t, int lane, int experts, i
     if (renormalize && lane < top_k) topk_w[t * top_k + lane] = topk_w[t * top_k + lane] / picked_sum;
 }
 
-extern "C" __global__ void moe_route(const float* logits, int tokens, int experts, int top_k, int renormalize,
-                                     const int* given, int* topk_ids, float* topk_w) {
+// With `segments` > 0, the router's logits are its GEMM's segment sums (`sums`, tokens x experts
+// each): a warp first writes its token's folded logits into `logits`, a block every token's.
+__device__ __forceinline__ void fold_logits(float* logits, const float* sums, int segments, int tokens, int experts,
+                                            int first, int count, int id, int width) {
+    u64 stride = (u64)tokens * experts;
+    for (int i = id; i < count; i += width) logits[first + i] = folded(sums, segments, stride, (u64)first + i);
+}
+
+extern "C" __global__ void moe_route(float* logits, int tokens, int experts, int top_k, int renormalize,
+                                     const int* given, int* topk_ids, float* topk_w, const float* sums,
+                                     int segments) {
     pdl_entry();
     int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (t >= tokens) return;
+    if (segments) {
+        fold_logits(logits, sums, segments, tokens, experts, t * experts, experts, lane, 32);
+        __syncwarp();
+    }
     route_token(logits, t, lane, experts, top_k, renormalize, given, topk_ids, topk_w);
 }
 
@@ -162,13 +175,17 @@ extern "C" __global__ void moe_scatter(const int* topk_ids, int pairs, int top_k
 // are integers; rows within an expert's group are handed out in any order, as moe_scatter's
 // are. Requires experts <= ROUTE_PLAN_MAX_EXPERTS (host: ops::moe::ROUTE_PLAN_MAX_EXPERTS).
 #define ROUTE_PLAN_MAX_EXPERTS 1024
-extern "C" __global__ void moe_route_plan(const float* logits, int tokens, int experts, int top_k, int renormalize, const int* given,
+extern "C" __global__ void moe_route_plan(float* logits, int tokens, int experts, int top_k, int renormalize, const int* given,
                    int* topk_ids, float* topk_w, int* counts, int tile_rows, int wide_rows, int* offsets,
                    int* cursor, int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles, int* slot_row,
-                   int* row_token) {
+                   int* row_token, const float* sums, int segments) {
     pdl_entry();
     __shared__ int counts_s[ROUTE_PLAN_MAX_EXPERTS];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, pairs = tokens * top_k;
+    if (segments) {
+        fold_logits(logits, sums, segments, tokens, experts, 0, tokens * experts, tid, PLAN_THREADS);
+        __syncthreads();
+    }
     for (int e = tid; e < experts; e += PLAN_THREADS) counts_s[e] = 0;
     for (int t = warp; t < tokens; t += PLAN_THREADS / 32)
         route_token(logits, t, lane, experts, top_k, renormalize, given, topk_ids, topk_w);

@@ -335,7 +335,7 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
         );
         let dl = g.upload(l).unwrap();
         ops::moe_route(
-            &g, &dl, tokens, experts, top_k, true, None, &mut ids, &mut w,
+            &g, &dl, None, tokens, experts, top_k, true, None, &mut ids, &mut w,
         )
         .unwrap();
         (ids, w)
@@ -358,7 +358,7 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
     let combine = |out: &[f32], plan: &MoePlan, w: &CudaSlice<f32>, tokens: usize| {
         let dout = g.upload(out).unwrap();
         let mut y = g.upload(&vec![f32::NAN; tokens * n]).unwrap();
-        ops::moe_combine(&g, &dout, plan, w, &mut y, tokens, top_k, n).unwrap();
+        ops::moe_combine(&g, &dout, None, plan, w, &mut y, tokens, top_k, n).unwrap();
         g.download(&y, tokens * n).unwrap()
     };
     for fmt in formats() {
@@ -452,7 +452,19 @@ fn rms_norm_rows_have_the_same_bits_for_every_row_count() {
     let norm = |x: &[f32], res: &[f32], rows: usize| {
         let (mut dx, dr) = (g.upload(x).unwrap(), g.upload(res).unwrap());
         let mut out = g.upload(&vec![f32::NAN; rows * d]).unwrap();
-        ops::rms_norm(&g, &mut dx, Some(&dr), &dw, &mut out, None, rows, d, 1e-6).unwrap();
+        ops::rms_norm(
+            &g,
+            &mut dx,
+            Some(&dr),
+            None,
+            &dw,
+            &mut out,
+            None,
+            rows,
+            d,
+            1e-6,
+        )
+        .unwrap();
         (
             g.download(&dx, rows * d).unwrap(),
             g.download(&out, rows * d).unwrap(),
@@ -477,7 +489,19 @@ fn rms_norm_rows_have_the_same_bits_for_every_row_count() {
         let index: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
         let di = g.upload(&index).unwrap();
         let mut o = g.upload(&vec![f32::NAN; m * d]).unwrap();
-        ops::rms_norm(&g, &mut dsum, None, &dw, &mut o, Some(&di), m, d, 1e-6).unwrap();
+        ops::rms_norm(
+            &g,
+            &mut dsum,
+            None,
+            None,
+            &dw,
+            &mut o,
+            Some(&di),
+            m,
+            d,
+            1e-6,
+        )
+        .unwrap();
         assert_bits(
             &g.download(&o, m * d).unwrap(),
             &gather(&out_full, &rows, d),
@@ -485,4 +509,225 @@ fn rms_norm_rows_have_the_same_bits_for_every_row_count() {
         );
     }
     println!("rms_norm: every row bitwise equal for every row count");
+}
+
+/// A GEMM split over K may leave its segment sums to its reader (`ops::Unfolded`: decode-sized
+/// launches of a step that keeps no buffers). Each reader that takes them (the norm's
+/// residual, q/k norm + RoPE + KV store, routing with its plan, SwiGLU, the MoE combine) gives
+/// the bits it gives from the output the launch's own fold writes, and `fold_unfolded` writes
+/// those bits. K = 2,048: eight segments.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn readers_of_split_k_sums_give_the_bits_of_the_folded_output() {
+    use lockstep::backend::cuda::args::{addr, DevPtr};
+    use lockstep::backend::cuda::ops::{AttnShape, Unfolded};
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let k = 2048;
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    let nan = |n: usize| g.upload(&vec![f32::NAN; n]).unwrap();
+    let mut matrix = |experts: usize, n: usize| {
+        let layers: Vec<Box<dyn Linear>> = (0..experts)
+            .map(|_| {
+                make_linear(
+                    bf16_weights(&mut rng, n, k),
+                    n,
+                    k,
+                    &TensorFormat::BF16,
+                    None,
+                )
+            })
+            .collect();
+        let parts: Vec<Vec<&dyn Linear>> = layers.iter().map(|l| vec![&**l]).collect();
+        GpuMatrix::upload(&g, &parts).unwrap()
+    };
+    let (m_o, m_gu, m_router) = (matrix(1, 256), matrix(1, 2 * 96), matrix(1, 64));
+    let (m_q, m_k, m_v) = (matrix(1, 4 * 128), matrix(1, 2 * 128), matrix(1, 2 * 128));
+    let m_down = matrix(8, 160);
+    // The folded output and the sums of the same launch over `rows` (the sums stay valid
+    // until the next GEMM launch); `fold_unfolded` of them gives the folded output's bits.
+    let launch = |m: &GpuMatrix, x: &CudaSlice<f32>, rows: GemmRows<'_>, max_rows: usize| {
+        let n = m.n;
+        let mut want = nan(max_rows * n);
+
+        ops::grouped_gemm(&g, x, None, None, &m.data, rows, max_rows, n, k, &mut want).unwrap();
+        let mut left = nan(max_rows * n);
+        let sums =
+            ops::grouped_gemm_unfolded(&g, x, None, None, &m.data, rows, max_rows, n, k, &mut left)
+                .unwrap()
+                .expect("a launch this small splits over K and leaves its sums");
+        ops::fold_unfolded(&g, sums, max_rows, n, DevPtr(addr(&g, &left))).unwrap();
+        let want_bits = bits(g.download(&want, max_rows * n).unwrap());
+        assert_eq!(
+            bits(g.download(&left, max_rows * n).unwrap()),
+            want_bits,
+            "fold_unfolded"
+        );
+        (sums, want)
+    };
+    for rows in [1, 3, 12] {
+        let x = g.upload(&rng.vec(rows * k, 2.0)).unwrap();
+        let what = |reader: &str| format!("{reader}, {rows} rows");
+
+        // The norm's residual.
+        let (h, eps) = (m_o.n, 1e-6);
+        let (res, dw) = (rng.vec(rows * h, 1.0), g.upload(&rng.vec(h, 1.0)).unwrap());
+        let (sums, o) = launch(&m_o, &x, GemmRows::Dense(rows), rows);
+        let norm = |residual: &CudaSlice<f32>, sums: Option<Unfolded>| {
+            let (mut dx, mut out) = (g.upload(&res).unwrap(), nan(rows * h));
+            ops::rms_norm(
+                &g,
+                &mut dx,
+                Some(residual),
+                sums,
+                &dw,
+                &mut out,
+                None,
+                rows,
+                h,
+                eps,
+            )
+            .unwrap();
+            (
+                bits(g.download(&dx, rows * h).unwrap()),
+                bits(g.download(&out, rows * h).unwrap()),
+            )
+        };
+        assert_eq!(norm(&o, Some(sums)), norm(&o, None), "{}", what("rms_norm"));
+
+        // SwiGLU over gate/up.
+        let inter = m_gu.n / 2;
+        let (sums, gu) = launch(&m_gu, &x, GemmRows::Dense(rows), rows);
+        let swiglu = |sums: Option<Unfolded>| {
+            let mut h = nan(rows * inter);
+            ops::silu_mul(&g, &gu, sums, &mut h, rows, inter).unwrap();
+            bits(g.download(&h, rows * inter).unwrap())
+        };
+        assert_eq!(swiglu(Some(sums)), swiglu(None), "{}", what("silu_mul"));
+
+        // Routing and its plan (one launch up to 8 tokens, else routing then the plan); the
+        // folded logits are written into the router's output.
+        let (experts, top_k) = (m_router.n, 4);
+        let (sums, logits) = launch(&m_router, &x, GemmRows::Dense(rows), rows);
+        let logits_want = bits(g.download(&logits, rows * experts).unwrap());
+        let route = |logits: &CudaSlice<f32>, sums: Option<Unfolded>| {
+            let (mut ids, mut w) = (g.alloc::<i32>(rows * top_k).unwrap(), nan(rows * top_k));
+            let mut plan = MoePlan::new(&g, rows * top_k, experts).unwrap();
+            ops::route_and_plan(
+                &g, logits, sums, rows, experts, top_k, true, None, &mut ids, &mut w, &mut plan,
+            )
+            .unwrap();
+            (
+                g.download(&ids, rows * top_k).unwrap(),
+                bits(g.download(&w, rows * top_k).unwrap()),
+                g.download(&plan.offsets, experts + 1).unwrap(),
+            )
+        };
+        let router_out = nan(rows * experts);
+        let from_sums = route(&router_out, Some(sums));
+        assert_eq!(from_sums, route(&logits, None), "{}", what("routing"));
+        assert_eq!(
+            bits(g.download(&router_out, rows * experts).unwrap()),
+            logits_want,
+            "{}",
+            what("routing's folded logits")
+        );
+
+        // The MoE combine over a routing plan's down projection.
+        let (ids, weights) = {
+            let (mut ids, mut w) = (g.alloc::<i32>(rows * top_k).unwrap(), nan(rows * top_k));
+            let dl = g.upload(&rng.vec(rows * 8, 3.0)).unwrap();
+            ops::moe_route(&g, &dl, None, rows, 8, top_k, true, None, &mut ids, &mut w).unwrap();
+            (ids, w)
+        };
+        let mut plan = MoePlan::new(&g, rows * top_k, 8).unwrap();
+        plan.build(&g, &ids, rows, top_k, 8).unwrap();
+        let pairs = rows * top_k;
+        let xp = g.upload(&rng.vec(pairs * k, 2.0)).unwrap();
+        let (sums, down) = launch(&m_down, &xp, GemmRows::Plan(&plan), pairs);
+        let hidden = m_down.n;
+        let combine = |sums: Option<Unfolded>| {
+            let mut y = nan(rows * hidden);
+            ops::moe_combine(
+                &g, &down, sums, &plan, &weights, &mut y, rows, top_k, hidden,
+            )
+            .unwrap();
+            bits(g.download(&y, rows * hidden).unwrap())
+        };
+        assert_eq!(
+            combine(Some(sums)),
+            combine(None),
+            "{}",
+            what("moe_combine")
+        );
+
+        // q/k norm + RoPE + KV store over one launch of q, k and v.
+        let shape = AttnShape {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 128,
+            block_size: 16,
+        };
+        let ns = [m_q.n, m_k.n, m_v.n];
+        let data = [&m_q.data, &m_k.data, &m_v.data];
+        let mut want: Vec<CudaSlice<f32>> = ns.iter().map(|&n| nan(rows * n)).collect();
+        let mut refs: Vec<&mut CudaSlice<f32>> = want.iter_mut().collect();
+        ops::dense_gemm_parts(&g, &x, None, &data, &ns, rows, k, &mut refs).unwrap();
+        let mut left: Vec<CudaSlice<f32>> = ns.iter().map(|&n| nan(rows * n)).collect();
+        let mut refs: Vec<&mut CudaSlice<f32>> = left.iter_mut().collect();
+        let sums =
+            ops::dense_gemm_parts_unfolded(&g, &x, None, &data, &ns, rows, k, &mut refs).unwrap();
+        assert_eq!(sums.len(), 3, "{}", what("q, k and v left as sums"));
+        let (qn, kn) = (
+            g.upload(&rng.vec(128, 1.0)).unwrap(),
+            g.upload(&rng.vec(128, 1.0)).unwrap(),
+        );
+        let inv_freq: Vec<f32> = (0..64).map(|i| 1e4f32.powf(-(i as f32) / 64.0)).collect();
+        let inv_freq = g.upload(&inv_freq).unwrap();
+        let pos: Vec<i32> = (0..rows as i32).map(|r| 7 * r + 3).collect();
+        let (pos, slots) = (
+            g.upload(&pos).unwrap(),
+            g.upload(&(0..rows as i32).collect::<Vec<_>>()).unwrap(),
+        );
+        let cache = rows * ns[1];
+        let rope = |qkv: &mut [CudaSlice<f32>], sums: [Option<Unfolded>; 3]| {
+            let (mut kc, mut vc) = (
+                g.upload(&vec![0xFFFFu16; cache]).unwrap(),
+                g.upload(&vec![0xFFFFu16; cache]).unwrap(),
+            );
+            let (q, rest) = qkv.split_at_mut(1);
+            let (kk, v) = rest.split_at_mut(1);
+            ops::qk_norm_rope_store(
+                &g,
+                &mut q[0],
+                &mut kk[0],
+                &v[0],
+                sums,
+                Some((&qn, &kn)),
+                &inv_freq,
+                &pos,
+                &slots,
+                &mut kc,
+                &mut vc,
+                rows,
+                shape,
+                1e-6,
+            )
+            .unwrap();
+            (
+                bits(g.download(&q[0], rows * ns[0]).unwrap()),
+                bits(g.download(&kk[0], rows * ns[1]).unwrap()),
+                g.download(&kc, cache).unwrap(),
+                g.download(&vc, cache).unwrap(),
+            )
+        };
+        let sums = [Some(sums[0]), Some(sums[1]), Some(sums[2])];
+        assert_eq!(
+            rope(&mut left, sums),
+            rope(&mut want, [None; 3]),
+            "{}",
+            what("q/k norm + RoPE + KV store")
+        );
+    }
+    println!("every reader of split-K sums gave the folded output's bits at 1, 3 and 12 rows");
 }

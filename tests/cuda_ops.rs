@@ -191,7 +191,7 @@ fn swiglu_and_the_mxfp8_quantizer_in_one_launch_give_the_bytes_of_the_two_launch
         let n = rows * inter;
         let gu = g.upload(&activations(&mut rng, rows, 2 * inter)).unwrap();
         let mut h_two = poisoned(&g, n, f32::NAN);
-        ops::silu_mul(&g, &gu, &mut h_two, rows, inter).unwrap();
+        ops::silu_mul(&g, &gu, None, &mut h_two, rows, inter).unwrap();
         let h_want = g.download(&h_two, n).unwrap();
         let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
 
@@ -329,7 +329,19 @@ fn norms_rope_attention_and_swiglu_match_the_cpu() {
         g.upload(&w).unwrap(),
     );
     let mut out = poisoned(&g, rows * h, f32::NAN);
-    ops::rms_norm(&g, &mut dx, Some(&dres), &dw, &mut out, None, rows, h, eps).unwrap();
+    ops::rms_norm(
+        &g,
+        &mut dx,
+        Some(&dres),
+        None,
+        &dw,
+        &mut out,
+        None,
+        rows,
+        h,
+        eps,
+    )
+    .unwrap();
     let got = g.download(&out, rows * h).unwrap();
     assert!(
         rel_err(&got, &want) < 1e-6,
@@ -344,7 +356,19 @@ fn norms_rope_attention_and_swiglu_match_the_cpu() {
     let pick = [3i32, 0, 6];
     let dpick = g.upload(&pick).unwrap();
     let mut out2 = poisoned(&g, 3 * h, f32::NAN);
-    ops::rms_norm(&g, &mut dx, None, &dw, &mut out2, Some(&dpick), 3, h, eps).unwrap();
+    ops::rms_norm(
+        &g,
+        &mut dx,
+        None,
+        None,
+        &dw,
+        &mut out2,
+        Some(&dpick),
+        3,
+        h,
+        eps,
+    )
+    .unwrap();
     let got2 = g.download(&out2, 3 * h).unwrap();
     for (i, &r) in pick.iter().enumerate() {
         assert!(
@@ -444,6 +468,7 @@ fn norms_rope_attention_and_swiglu_match_the_cpu() {
         &mut dq,
         &mut dk,
         &dv,
+        [None; 3],
         Some((&dqn, &dkn)),
         &dinv,
         &dpos,
@@ -512,7 +537,7 @@ fn norms_rope_attention_and_swiglu_match_the_cpu() {
         cpu::silu_mul(&gate, &up, &mut want);
         let dgu = g.upload(&gu).unwrap();
         let mut dh = poisoned(&g, rows * inter, f32::NAN);
-        ops::silu_mul(&g, &dgu, &mut dh, rows, inter).unwrap();
+        ops::silu_mul(&g, &dgu, None, &mut dh, rows, inter).unwrap();
         let got = g.download(&dh, rows * inter).unwrap();
         assert!(
             rel_err(&got, &want) < 1e-6,
@@ -552,7 +577,7 @@ fn the_moe_combine_sums_each_tokens_slots_in_order() {
         }
         let mut y = poisoned(&g, tokens * hidden, f32::NAN);
         let (dw, dout) = (g.upload(&weights).unwrap(), g.upload(&expert_out).unwrap());
-        ops::moe_combine(&g, &dout, &plan, &dw, &mut y, tokens, top_k, hidden).unwrap();
+        ops::moe_combine(&g, &dout, None, &plan, &dw, &mut y, tokens, top_k, hidden).unwrap();
         let got = g.download(&y, tokens * hidden).unwrap();
         let same = got
             .iter()
@@ -992,13 +1017,13 @@ fn one_launch_routing_gives_the_routes_and_plan_of_the_separate_launches() {
                 let mut plan = MoePlan::new(&g, pairs, experts).unwrap();
                 if fused {
                     ops::route_and_plan(
-                        &g, &logits, tokens, experts, top_k, true, replay, &mut ids, &mut w,
+                        &g, &logits, None, tokens, experts, top_k, true, replay, &mut ids, &mut w,
                         &mut plan,
                     )
                     .unwrap();
                 } else {
                     ops::moe_route(
-                        &g, &logits, tokens, experts, top_k, true, replay, &mut ids, &mut w,
+                        &g, &logits, None, tokens, experts, top_k, true, replay, &mut ids, &mut w,
                     )
                     .unwrap();
                     plan.build(&g, &ids, tokens, top_k, experts).unwrap();
@@ -1116,7 +1141,7 @@ fn random_plan(
         g.alloc::<f32>(tokens * top_k).unwrap(),
     );
     ops::moe_route(
-        g, &logits, tokens, experts, top_k, true, None, &mut ids, &mut wts,
+        g, &logits, None, tokens, experts, top_k, true, None, &mut ids, &mut wts,
     )
     .unwrap();
     let mut plan = MoePlan::new(g, tokens * top_k, experts).unwrap();
@@ -1188,7 +1213,7 @@ fn gate_up_with_swiglu_in_its_epilogue_gives_the_bits_of_the_separate_launches()
             )
             .unwrap();
             let mut h = poisoned(&g, pairs * inter, f32::NAN);
-            ops::silu_mul(&g, &gu, &mut h, pairs, inter).unwrap();
+            ops::silu_mul(&g, &gu, None, &mut h, pairs, inter).unwrap();
             let h_want = bits(g.download(&h, pairs * inter).unwrap());
             // SwiGLU in the epilogue, into a buffer of gate/up's size as the model's.
             let mut got = poisoned(&g, pairs * n, f32::NAN);
@@ -1290,7 +1315,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
     );
     let dlogits = g.upload(&logits).unwrap();
     ops::moe_route(
-        &g, &dlogits, tokens, experts, top_k, true, None, &mut ids, &mut wts,
+        &g, &dlogits, None, tokens, experts, top_k, true, None, &mut ids, &mut wts,
     )
     .unwrap();
     let (ids_h, wts_h) = (

@@ -162,8 +162,12 @@ pub trait Backend {
     /// One MoE layer's routing: chosen experts, combine weights and the row grouping.
     type Route;
 
-    /// Readies the backend for a step (capacity checks, metadata to the device).
-    fn begin(&mut self, plan: &StepPlan<'_>, dims: &Dims) -> Result<(), Self::Error>;
+    /// Readies the backend for a step (capacity checks, metadata to the device). With `keep`
+    /// (a traced forward, which copies activations out as it goes), every op's output buffer
+    /// holds its values once the op is done; without it a backend may hand an op's result to
+    /// its reader in another form (a GEMM's split-K sums left for the reader to add, SwiGLU
+    /// inside the gate/up GEMM), the values the reader computes with being the same.
+    fn begin(&mut self, plan: &StepPlan<'_>, dims: &Dims, keep: bool) -> Result<(), Self::Error>;
 
     /// Runs `layers`: the step's work from the embedding to the last layer's output. With
     /// `record`, the step's shape recurs (a decode step padded to a fixed row count): a backend
@@ -330,11 +334,10 @@ pub trait Backend {
     }
 
     /// An MoE layer's experts over the routed rows of `x` (`shape.top_k` a row, `shape.inter`
-    /// wide): [`Backend::experts_gate_up`] into
-    /// `gate_up`, then [`Backend::experts_silu_down`] through `act` into `out`. With `keep`
-    /// false nothing reads `gate_up` or `act` afterwards, so a backend may skip writing them
-    /// (SwiGLU inside the gate/up GEMM's epilogue); with `keep` (a traced forward) both hold
-    /// their values. `out` is the same either way.
+    /// wide): [`Backend::experts_gate_up`] into `gate_up`, then [`Backend::experts_silu_down`]
+    /// through `act` into `out`. Unless the step keeps its buffers ([`Backend::begin`]), a
+    /// backend may skip writing `gate_up` and `act` (SwiGLU inside the gate/up GEMM's
+    /// epilogue); `out` is the same either way.
     #[allow(clippy::too_many_arguments)]
     fn experts_mlp(
         &mut self,
@@ -343,12 +346,10 @@ pub trait Backend {
         rows: usize,
         shape: MoeShape,
         route: &Self::Route,
-        keep: bool,
         gate_up: &mut Self::Act,
         act: &mut Self::Act,
         out: &mut Self::Act,
     ) -> Result<(), Self::Error> {
-        let _ = keep;
         self.experts_gate_up(w, x, rows, route, gate_up)?;
         let pairs = rows * shape.top_k;
         self.experts_silu_down(w, gate_up, pairs, shape.inter, route, act, out)

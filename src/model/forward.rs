@@ -71,7 +71,7 @@ pub fn forward<B: Backend>(
     if let Some(t) = trace.as_deref_mut() {
         t.layers.clear();
     }
-    b.begin(&plan, &dims)?;
+    b.begin(&plan, &dims, tracing)?;
     let record = opts.record && !tracing && opts.routing.is_none();
     let (s, route) = (&mut st.bufs, &mut st.route);
     b.layers(record, &mut |b| {
@@ -165,7 +165,6 @@ pub fn forward<B: Backend>(
                         n,
                         shape,
                         route,
-                        tracing,
                         &mut s.gate_up,
                         &mut s.act,
                         &mut s.expert_out,

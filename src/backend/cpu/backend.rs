@@ -67,7 +67,12 @@ impl Backend for Cpu {
     type Kv = KvMemory;
     type Route = CpuRoute;
 
-    fn begin(&mut self, _plan: &StepPlan<'_>, _dims: &Dims) -> Result<(), Self::Error> {
+    fn begin(
+        &mut self,
+        _plan: &StepPlan<'_>,
+        _dims: &Dims,
+        _keep: bool,
+    ) -> Result<(), Self::Error> {
         Ok(())
     }
 

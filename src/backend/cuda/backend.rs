@@ -10,9 +10,12 @@
 
 use cudarc::driver::CudaSlice;
 
+use super::args::DevPtr;
 use super::block_scaled::{BlockFormat, BlockScaledGemm};
 use super::graphs::StepGraphs;
-use super::ops::{self, AttnRows, AttnShape, GemmRows, MoePlan, Nvfp4Out, SwigluOut, Table};
+use super::ops::{
+    self, AttnRows, AttnShape, GemmRows, MoePlan, Nvfp4Out, SwigluOut, Table, Unfolded,
+};
 use super::sampling::{DeviceSampler, MAX_DEVICE_TOP_LOGPROBS};
 use super::weights::{Activation, GpuMatrix};
 use super::{CudaError, Gpu};
@@ -180,6 +183,27 @@ pub struct Cuda {
     /// Split-KV scratch of the tensor-core decode attention (None: the shape has no such
     /// kernel, or not one row's chunks fit).
     decode_split: Option<ops::DecodeSplit>,
+    /// The step keeps every op's output in its buffer (`Backend::begin`'s `keep`).
+    keep: bool,
+    /// GEMM outputs left as split-K segment sums for their readers ([`Unfolded`]), by the
+    /// output buffer's address.
+    unfolded: Vec<LeftSums>,
+}
+
+/// A GEMM output left as its segment sums: where it would have gone, and its shape.
+#[derive(Clone, Copy, Debug)]
+struct LeftSums {
+    out: u64,
+    sums: Unfolded,
+    rows: usize,
+    n: usize,
+}
+
+/// Whether the GEMMs of a step that does not keep its buffers leave their split-K sums to their
+/// readers (unless `LOCKSTEP_FOLD_IN_READERS=0`; the bits are the same either way).
+fn folds_in_readers() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("LOCKSTEP_FOLD_IN_READERS").map_or(true, |v| v != "0"))
 }
 
 impl Cuda {
@@ -262,6 +286,8 @@ impl Cuda {
             decode_rows: None,
             graphs: StepGraphs::default(),
             decode_split,
+            keep: true,
+            unfolded: Vec::new(),
         })
     }
 
@@ -381,20 +407,20 @@ impl Cuda {
         h: &mut CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<bool, CudaError> {
+        self.settle()?;
         let (gu, down) = (&w.gate_up, &w.down);
         let (pairs, plan) = (rows * route.top_k, &route.plan);
         {
             let (gpu, q) = (&self.gpu, &mut self.quant);
-            let rows_of = || GemmRows::Plan(plan);
+            let routed = GemmRows::Plan(plan);
             let words = down.act == Activation::Plain
-                && ops::takes_bf16_words(gpu, &down.data, &rows_of(), pairs, down.n, down.k);
+                && ops::takes_bf16_words(gpu, &down.data, &routed, pairs, down.n, down.k);
             let form = if words {
                 SwigluOut::Bf16Words
             } else {
                 SwigluOut::F32
             };
-            let runs =
-                ops::swiglu_epilogue_runs(gpu, &gu.data, &rows_of(), pairs, gu.n, gu.k, form);
+            let runs = ops::swiglu_epilogue_runs(gpu, &gu.data, &routed, pairs, gu.n, gu.k, form);
             if q.block_scaled.is_some() || !runs {
                 return Ok(false);
             }
@@ -402,29 +428,10 @@ impl Cuda {
             let (input, row_scale) = q.gemm_input(gu.act, x);
             let row_token = Some(&plan.row_token);
             ops::grouped_gemm_swiglu(
-                gpu,
-                input,
-                row_token,
-                row_scale,
-                &gu.data,
-                rows_of(),
-                pairs,
-                gu.n,
-                gu.k,
-                form,
-                h,
+                gpu, input, row_token, row_scale, &gu.data, routed, pairs, gu.n, gu.k, form, h,
             )?;
             if words {
-                ops::grouped_gemm_packed(
-                    gpu,
-                    h,
-                    &down.data,
-                    rows_of(),
-                    pairs,
-                    down.n,
-                    down.k,
-                    out,
-                )?;
+                ops::grouped_gemm_packed(gpu, h, &down.data, routed, pairs, down.n, down.k, out)?;
                 return Ok(true);
             }
         }
@@ -432,6 +439,10 @@ impl Cuda {
         Ok(true)
     }
 
+    /// `out = x W^T` ([`linear`]); unless the step keeps its buffers, a launch split over K
+    /// leaves its sums for `out`'s reader ([`Cuda::take_sums`]) where `reader_takes_sums` (a
+    /// reader that takes none would have them folded by a launch of their own).
+    #[allow(clippy::too_many_arguments)]
     fn gemm(
         &mut self,
         m: &GpuMatrix,
@@ -441,8 +452,11 @@ impl Cuda {
         row_index: Option<&CudaSlice<i32>>,
         out_rows: usize,
         out: &mut CudaSlice<f32>,
+        reader_takes_sums: bool,
     ) -> Result<(), CudaError> {
-        linear(
+        self.settle()?;
+        let leave = reader_takes_sums && self.leaves_sums();
+        let left = linear(
             &self.gpu,
             m,
             x,
@@ -452,7 +466,39 @@ impl Cuda {
             out_rows,
             out,
             &mut self.quant,
-        )
+            leave,
+        )?;
+        self.remember(out, left, out_rows, m.n);
+        Ok(())
+    }
+
+    /// Whether this step's GEMMs leave their split-K sums to their readers.
+    fn leaves_sums(&self) -> bool {
+        !self.keep && folds_in_readers()
+    }
+
+    /// Records that `out` was left as `sums` (`rows` x `n`), if it was.
+    fn remember(&mut self, out: &CudaSlice<f32>, sums: Option<Unfolded>, rows: usize, n: usize) {
+        if let Some(sums) = sums {
+            let out = super::args::addr(&self.gpu, out);
+            self.unfolded.push(LeftSums { out, sums, rows, n });
+        }
+    }
+
+    /// The sums `buf` was left as, if it was: its reader takes them (and the record).
+    fn take_sums(&mut self, buf: &CudaSlice<f32>) -> Option<Unfolded> {
+        let at = super::args::addr(&self.gpu, buf);
+        let i = self.unfolded.iter().position(|l| l.out == at)?;
+        Some(self.unfolded.swap_remove(i).sums)
+    }
+
+    /// Writes every output still left as sums into its buffer: before the next GEMM reuses the
+    /// sums' scratch, and before a reader that takes no sums.
+    fn settle(&mut self) -> Result<(), CudaError> {
+        for l in std::mem::take(&mut self.unfolded) {
+            ops::fold_unfolded(&self.gpu, l.sums, l.rows, l.n, DevPtr(l.out))?;
+        }
+        Ok(())
     }
 }
 
@@ -470,9 +516,10 @@ fn linear(
     out_rows: usize,
     out: &mut CudaSlice<f32>,
     q: &mut QuantScratch,
-) -> Result<(), CudaError> {
+    leave: bool,
+) -> Result<Option<Unfolded>, CudaError> {
     quantize_input(gpu, m.act, m.experts, x, x_rows, m.k, q)?;
-    gemm_prepared(gpu, m, x, rows, row_index, out_rows, out, q)
+    gemm_prepared(gpu, m, x, rows, row_index, out_rows, out, q, leave)
 }
 
 /// The activation quantizer of layers whose input is `act`, over `x_rows` rows of width `k`:
@@ -557,7 +604,8 @@ fn quantize_silu_mul(
 }
 
 /// `out = x W^T` on the input as [`quantize_input`] left it in `q` for `m`'s activation format
-/// (x itself for plain layers).
+/// (x itself for plain layers). With `leave`, a launch split over K may leave its segment sums
+/// instead ([`ops::grouped_gemm_unfolded`]), returned.
 #[allow(clippy::too_many_arguments)]
 fn gemm_prepared(
     gpu: &Gpu,
@@ -568,7 +616,8 @@ fn gemm_prepared(
     out_rows: usize,
     out: &mut CudaSlice<f32>,
     q: &mut QuantScratch,
-) -> Result<(), CudaError> {
+    leave: bool,
+) -> Result<Option<Unfolded>, CudaError> {
     let (n, k) = (m.n, m.k);
     let format = match m.act {
         Activation::Plain => None,
@@ -577,14 +626,22 @@ fn gemm_prepared(
     };
     if let (Some(format), Some(bs)) = (format, &mut q.block_scaled) {
         let row_scale = (format == BlockFormat::Nvfp4).then_some(&q.row_scale);
-        return bs.run(
-            gpu, format, &m.data, &q.data, &q.scales, row_scale, rows, row_index, n, k, out,
-        );
+        return bs
+            .run(
+                gpu, format, &m.data, &q.data, &q.scales, row_scale, rows, row_index, n, k, out,
+            )
+            .map(|()| None);
     }
     let (input, row_scale) = q.gemm_input(m.act, x);
+    if leave {
+        return ops::grouped_gemm_unfolded(
+            gpu, input, row_index, row_scale, &m.data, rows, out_rows, n, k, out,
+        );
+    }
     ops::grouped_gemm(
         gpu, input, row_index, row_scale, &m.data, rows, out_rows, n, k, out,
     )
+    .map(|()| None)
 }
 
 impl QuantScratch {
@@ -626,7 +683,9 @@ impl Backend for Cuda {
     type Kv = CudaKv;
     type Route = CudaRoute;
 
-    fn begin(&mut self, plan: &StepPlan<'_>, dims: &Dims) -> Result<(), CudaError> {
+    fn begin(&mut self, plan: &StepPlan<'_>, dims: &Dims, keep: bool) -> Result<(), CudaError> {
+        self.settle()?;
+        self.keep = keep;
         let bs = self.sizes.block_size;
         let n = plan.rows();
         let mut tables = Vec::new();
@@ -725,7 +784,8 @@ impl Backend for Cuda {
         width: usize,
         eps: f32,
     ) -> Result<(), CudaError> {
-        ops::rms_norm(&self.gpu, x, residual, w, out, None, rows, width, eps)
+        let sums = residual.and_then(|r| self.take_sums(r));
+        ops::rms_norm(&self.gpu, x, residual, sums, w, out, None, rows, width, eps)
     }
 
     fn linear(
@@ -735,11 +795,15 @@ impl Backend for Cuda {
         rows: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        self.gemm(w, x, rows, GemmRows::Dense(rows), None, rows, out)
+        // The readers of the forward's dense layers (the norm's residual, routing, SwiGLU)
+        // take sums.
+        self.gemm(w, x, rows, GemmRows::Dense(rows), None, rows, out, true)
     }
 
     /// Layers of one activation format (q, k and v of a quantized model) quantize `x` once:
-    /// each would write the same bytes, scales and dequantized values.
+    /// each would write the same bytes, scales and dequantized values. Their one launch may
+    /// leave its sums to the readers, as [`Cuda::gemm`]; separate launches fold (each would
+    /// reuse the sums' scratch).
     fn linear_same_input(
         &mut self,
         ws: [&GpuMatrix; 3],
@@ -747,6 +811,7 @@ impl Backend for Cuda {
         rows: usize,
         outs: [&mut CudaSlice<f32>; 3],
     ) -> Result<(), CudaError> {
+        self.settle()?;
         let shared = ws
             .iter()
             .all(|m| m.act == ws[0].act && m.k == ws[0].k && m.experts == 1);
@@ -760,9 +825,19 @@ impl Backend for Cuda {
             if ops::joinable(&data) && (plain || self.quant.block_scaled.is_none()) {
                 let ns = ws.map(|m| m.n);
                 let mut outs = outs;
-                return ops::dense_gemm_parts(
-                    &self.gpu, input, row_scale, &data, &ns, rows, ws[0].k, &mut outs,
-                );
+                let (gpu, k) = (&self.gpu, ws[0].k);
+                if !self.leaves_sums() {
+                    return ops::dense_gemm_parts(
+                        gpu, input, row_scale, &data, &ns, rows, k, &mut outs,
+                    );
+                }
+                let left = ops::dense_gemm_parts_unfolded(
+                    gpu, input, row_scale, &data, &ns, rows, k, &mut outs,
+                )?;
+                for ((out, sums), n) in outs.iter().zip(left).zip(ns) {
+                    self.remember(out, Some(sums), rows, n);
+                }
+                return Ok(());
             }
         }
         for (m, out) in ws.into_iter().zip(outs) {
@@ -770,7 +845,17 @@ impl Backend for Cuda {
                 quantize_input(&self.gpu, m.act, m.experts, x, rows, m.k, &mut self.quant)?;
             }
             let dense = GemmRows::Dense(rows);
-            gemm_prepared(&self.gpu, m, x, dense, None, rows, out, &mut self.quant)?;
+            gemm_prepared(
+                &self.gpu,
+                m,
+                x,
+                dense,
+                None,
+                rows,
+                out,
+                &mut self.quant,
+                false,
+            )?;
         }
         Ok(())
     }
@@ -788,11 +873,13 @@ impl Backend for Cuda {
         dims: &Dims,
     ) -> Result<(), CudaError> {
         let shape = self.attn_shape(dims);
+        let sums = [self.take_sums(q), self.take_sums(k), self.take_sums(v)];
         ops::qk_norm_rope_store(
             &self.gpu,
             q,
             k,
             v,
+            sums,
             norms,
             inv_freq,
             &self.meta.pos,
@@ -814,6 +901,7 @@ impl Backend for Cuda {
         dims: &Dims,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        self.settle()?;
         let (n, shape) = (plan.rows(), self.attn_shape(dims));
         let m = &self.meta;
         let meta = AttnRows {
@@ -881,7 +969,8 @@ impl Backend for Cuda {
         inter: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        ops::silu_mul(&self.gpu, gate_up, out, rows, inter)
+        let sums = self.take_sums(gate_up);
+        ops::silu_mul(&self.gpu, gate_up, sums, out, rows, inter)
     }
 
     fn moe_route(
@@ -892,6 +981,7 @@ impl Backend for Cuda {
         replay: Option<&[i32]>,
         route: &mut CudaRoute,
     ) -> Result<(), CudaError> {
+        let sums = self.take_sums(logits);
         let gpu = &self.gpu;
         if let Some(ids) = replay {
             gpu.write(ids, &mut route.replay)?;
@@ -899,6 +989,7 @@ impl Backend for Cuda {
         ops::route_and_plan(
             gpu,
             logits,
+            sums,
             rows,
             shape.experts,
             shape.top_k,
@@ -923,6 +1014,8 @@ impl Backend for Cuda {
     ) -> Result<(), CudaError> {
         let pairs = rows * route.top_k;
         let plan = &route.plan;
+        // SwiGLU takes sums; MXFP8's SwiGLU inside the quantizer does not.
+        let takes = !matches!(w.down.act, Activation::Mxfp8);
         self.gemm(
             &w.gate_up,
             x,
@@ -931,6 +1024,7 @@ impl Backend for Cuda {
             Some(&plan.row_token),
             pairs,
             out,
+            takes,
         )
     }
 
@@ -950,11 +1044,13 @@ impl Backend for Cuda {
             None,
             pairs,
             out,
+            true,
         )
     }
 
     /// For MXFP8 down projections, SwiGLU and the activation quantizer are one launch
-    /// ([`quantize_silu_mul`]).
+    /// ([`quantize_silu_mul`], which takes gate/up as values: sums left by the gate/up GEMM are
+    /// folded into it first).
     fn experts_silu_down(
         &mut self,
         w: &CudaExperts,
@@ -965,17 +1061,22 @@ impl Backend for Cuda {
         act: &mut CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        let (gpu, q) = (&self.gpu, &mut self.quant);
-        if !quantize_silu_mul(gpu, w.down.act, gate_up, pairs, inter, act, q)? {
-            ops::silu_mul(gpu, gate_up, act, pairs, inter)?;
+        if !matches!(w.down.act, Activation::Mxfp8) {
+            self.silu_mul(gate_up, pairs, inter, act)?;
             return self.experts_down(w, act, route, out);
         }
+        self.settle()?;
+        let leave = self.leaves_sums();
+        let (gpu, q) = (&self.gpu, &mut self.quant);
+        quantize_silu_mul(gpu, w.down.act, gate_up, pairs, inter, act, q)?;
         let plan = GemmRows::Plan(&route.plan);
-        gemm_prepared(gpu, &w.down, act, plan, None, pairs, out, q)
+        let left = gemm_prepared(gpu, &w.down, act, plan, None, pairs, out, q, leave)?;
+        self.remember(out, left, pairs, w.down.n);
+        Ok(())
     }
 
-    /// Without `keep`, where the gate/up GEMM runs on the wgmma kernel, SwiGLU is its epilogue
-    /// ([`Cuda::experts_swiglu_down`]); otherwise the separate launches.
+    /// Unless the step keeps its buffers, where the gate/up GEMM runs on the wgmma kernel,
+    /// SwiGLU is its epilogue ([`Cuda::experts_swiglu_down`]); otherwise the separate launches.
     fn experts_mlp(
         &mut self,
         w: &CudaExperts,
@@ -983,12 +1084,11 @@ impl Backend for Cuda {
         rows: usize,
         shape: MoeShape,
         route: &CudaRoute,
-        keep: bool,
         gate_up: &mut CudaSlice<f32>,
         act: &mut CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        if !keep && self.experts_swiglu_down(w, x, rows, route, gate_up, out)? {
+        if !self.keep && self.experts_swiglu_down(w, x, rows, route, gate_up, out)? {
             return Ok(());
         }
         self.experts_gate_up(w, x, rows, route, gate_up)?;
@@ -1004,9 +1104,11 @@ impl Backend for Cuda {
         hidden: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        let sums = self.take_sums(expert_out);
         ops::moe_combine(
             &self.gpu,
             expert_out,
+            sums,
             &route.plan,
             &route.weights,
             out,
@@ -1064,6 +1166,7 @@ impl Backend for Cuda {
         samples: &[Option<SampleInput<'_>>],
         trace: bool,
     ) -> Result<Logits, CudaError> {
+        self.settle()?;
         let (h, v) = (dims.hidden, dims.vocab);
         // Rows asking for more alternatives than the device reports are sampled on the host.
         let on_device = |i: usize| {
@@ -1108,6 +1211,7 @@ impl Backend for Cuda {
             gpu,
             &mut bufs.x,
             add_in_norm.then_some(&bufs.y),
+            None,
             norm,
             &mut bufs.normed,
             Some(&self.meta.logit_rows),
@@ -1138,7 +1242,9 @@ impl Backend for Cuda {
                     m,
                     out,
                     &mut self.quant,
-                )?,
+                    false,
+                )
+                .map(drop)?,
                 (None, table) => ops::table_gemm(gpu, &bufs.o, table, m, v, h, out)?,
             }
             // Host rows in runs of consecutive rows, one copy each; the sampled rows are
@@ -1196,6 +1302,7 @@ impl Backend for Cuda {
     }
 
     fn host(&mut self, a: &CudaSlice<f32>, len: usize) -> Result<Vec<f32>, CudaError> {
+        self.settle()?;
         let out = self.gpu.download(a, len)?;
         self.gpu.synchronize()?;
         Ok(out)
@@ -1240,6 +1347,7 @@ impl Backend for Cuda {
         rows: usize,
         shape: MoeShape,
     ) -> Result<MoeTrace, CudaError> {
+        self.settle()?;
         let (e, k, inter, h) = (shape.experts, shape.top_k, shape.inter, self.dims.hidden);
         let pairs = rows * k;
         let gpu = &self.gpu;

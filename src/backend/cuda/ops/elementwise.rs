@@ -3,7 +3,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{need, AttnShape, MoePlan, BLOCK};
+use super::{need, sums_ptr, sums_segments, AttnShape, MoePlan, Unfolded, BLOCK};
 use crate::backend::cuda::args::{addr, DevPtr, View};
 use crate::backend::cuda::kernels::Kernel;
 use crate::backend::cuda::{CudaError, Gpu};
@@ -96,6 +96,7 @@ pub fn rms_norm(
     gpu: &Gpu,
     x: &mut CudaSlice<f32>,
     residual: Option<&CudaSlice<f32>>,
+    residual_sums: Option<Unfolded>,
     w: &CudaSlice<f32>,
     out: &mut CudaSlice<f32>,
     rows: Option<&CudaSlice<i32>>,
@@ -119,12 +120,17 @@ pub fn rms_norm(
         256,
         (
             x,
-            residual.map(View::whole),
+            match residual_sums {
+                Some(u) => DevPtr(u.sums),
+                None => DevPtr(residual.map_or(0, |r| addr(gpu, r))),
+            },
             w,
             out,
             rows.map(View::whole),
             d as i32,
             eps,
+            sums_segments(residual_sums),
+            residual_sums.map_or(0, |u| u.stride as u64),
         ),
     )
 }
@@ -158,6 +164,7 @@ pub fn qk_norm_rope_store(
     q: &mut CudaSlice<f32>,
     k: &mut CudaSlice<f32>,
     v: &CudaSlice<f32>,
+    sums: [Option<Unfolded>; 3],
     norms: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
     inv_freq: &CudaSlice<f32>,
     pos: &CudaSlice<i32>,
@@ -174,6 +181,21 @@ pub fn qk_norm_rope_store(
     let inv_freq = need(inv_freq, s.head_dim / 2, "rope inv_freq")?;
     let pos = need(pos, rows, "rope positions")?;
     let slots = need(slots, rows, "rope slots")?;
+    // The kernel takes one segment count: q, k and v's sums come from one launch.
+    let segments = match sums
+        .iter()
+        .flatten()
+        .map(|u| u.segments)
+        .collect::<Vec<_>>()[..]
+    {
+        [] => 0,
+        [first, ref rest @ ..] if rest.iter().all(|&s| s == first) => first as i32,
+        _ => {
+            return Err(CudaError::Unsupported(
+                "q, k and v as segment sums of different segment counts".into(),
+            ))
+        }
+    };
     if s.head_dim > QK_ROPE_MAX_HEAD_DIM {
         return Err(CudaError::Unsupported(format!(
             "RoPE with head_dim {} (at most {QK_ROPE_MAX_HEAD_DIM})",
@@ -207,18 +229,28 @@ pub fn qk_norm_rope_store(
             s.kv_heads as i32,
             s.head_dim as i32,
             eps,
+            sums_ptr(sums[0], rows * s.heads * s.head_dim)?,
+            sums_ptr(sums[1], rows * s.kv_heads * s.head_dim)?,
+            sums_ptr(sums[2], rows * s.kv_heads * s.head_dim)?,
+            segments,
         ),
     )
 }
 
+/// `h = silu(gate) * up` over `rows` rows of `gu` (`[rows, 2 * inter]`: gate, then up), or with
+/// `sums` of the gate/up GEMM's segment sums ([`Unfolded`]).
 pub fn silu_mul(
     gpu: &Gpu,
     gu: &CudaSlice<f32>,
+    sums: Option<Unfolded>,
     h: &mut CudaSlice<f32>,
     rows: usize,
     inter: usize,
 ) -> Result<(), CudaError> {
-    let gu = need(gu, rows * 2 * inter, "silu_mul gate_up")?;
+    let gu = match sums {
+        Some(u) => DevPtr(sums_ptr(Some(u), rows * 2 * inter)?.0),
+        None => DevPtr(need(gu, rows * 2 * inter, "silu_mul gate_up")?.addr(gpu)),
+    };
     let h = need(h, rows * inter, "silu_mul out")?;
     let n = rows * inter;
     if n == 0 {
@@ -230,13 +262,17 @@ pub fn silu_mul(
         Kernel::SiluMul,
         (gpu.grid_for(n.div_ceil(4), BLOCK), 1, 1),
         BLOCK,
-        (gu, h, rows as u64, inter as i32),
+        (gu, h, rows as u64, inter as i32, sums_segments(sums)),
     )
 }
 
+/// `y[t] = sum over slots, in slot order, of weight * expert_out[row of (t, slot)]`, or with
+/// `sums` of the down projection's segment sums ([`Unfolded`]).
+#[allow(clippy::too_many_arguments)]
 pub fn moe_combine(
     gpu: &Gpu,
     expert_out: &CudaSlice<f32>,
+    sums: Option<Unfolded>,
     plan: &MoePlan,
     weights: &CudaSlice<f32>,
     y: &mut CudaSlice<f32>,
@@ -244,7 +280,10 @@ pub fn moe_combine(
     top_k: usize,
     hidden: usize,
 ) -> Result<(), CudaError> {
-    let expert_out = need(expert_out, tokens * top_k * hidden, "combine expert_out")?;
+    let expert_out = match sums {
+        Some(u) => sums_ptr(Some(u), tokens * top_k * hidden)?,
+        None => DevPtr(need(expert_out, tokens * top_k * hidden, "combine expert_out")?.addr(gpu)),
+    };
     let y = need(y, tokens * hidden, "combine out")?;
     if tokens == 0 {
         return Ok(());
@@ -262,6 +301,7 @@ pub fn moe_combine(
             y,
             top_k as i32,
             hidden as i32,
+            sums_segments(sums),
         ),
     )
 }

@@ -6,7 +6,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{need, MoePlan, Table};
+use super::{need, MoePlan, Table, Unfolded};
 use crate::backend::cuda::args::{addr, DevPtr, View};
 use crate::backend::cuda::kernels::Kernel;
 use crate::backend::cuda::{CudaError, Gpu};
@@ -161,6 +161,7 @@ fn grown<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
 }
 
 /// Which rows a grouped GEMM runs over.
+#[derive(Clone, Copy)]
 pub enum GemmRows<'a> {
     /// One group of `rows` rows (a dense layer).
     Dense(usize),
@@ -663,7 +664,7 @@ pub fn grouped_gemm_swiglu(
     }];
     let mode = LaunchMode {
         swiglu: Some(out),
-        packed: None,
+        ..LaunchMode::default()
     };
     launch_parts(
         GemmPath::Wgmma,
@@ -678,6 +679,7 @@ pub fn grouped_gemm_swiglu(
         k,
         mode,
     )
+    .map(drop)
 }
 
 /// [`grouped_gemm`] of plain BF16 activations given as operand words already (`words`, rows
@@ -705,8 +707,8 @@ pub fn grouped_gemm_packed(
         out,
     }];
     let mode = LaunchMode {
-        swiglu: None,
         packed: Some(words),
+        ..LaunchMode::default()
     };
     launch_parts(
         GemmPath::Auto,
@@ -721,6 +723,7 @@ pub fn grouped_gemm_packed(
         k,
         mode,
     )
+    .map(drop)
 }
 
 /// [`grouped_gemm`] on a chosen kernel and split (the tests run each against the CPU).
@@ -813,6 +816,79 @@ pub fn dense_gemm_parts_on(
     k: usize,
     outs: &mut [&mut CudaSlice<f32>],
 ) -> Result<(), CudaError> {
+    let mode = LaunchMode::default();
+    dense_parts(path, split, mode, gpu, x, row_scale, ws, ns, rows, k, outs).map(drop)
+}
+
+/// [`dense_gemm_parts`], except that a launch split over K with no NVFP4 epilogue leaves each
+/// part's segment sums unfolded and returns them, in part order (as [`grouped_gemm_unfolded`]);
+/// none: every output holds its values.
+#[allow(clippy::too_many_arguments)]
+pub fn dense_gemm_parts_unfolded(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    row_scale: Option<&CudaSlice<f32>>,
+    ws: &[&WeightData],
+    ns: &[usize],
+    rows: usize,
+    k: usize,
+    outs: &mut [&mut CudaSlice<f32>],
+) -> Result<Vec<Unfolded>, CudaError> {
+    let mode = LaunchMode {
+        unfolded: true,
+        ..LaunchMode::default()
+    };
+    let (path, split) = (GemmPath::Auto, SplitK::Auto);
+    dense_parts(path, split, mode, gpu, x, row_scale, ws, ns, rows, k, outs)
+}
+
+/// [`grouped_gemm`], except that a launch split over K with no NVFP4 epilogue leaves its
+/// segment sums unfolded and returns them ([`Unfolded`]): `out` is then not written; its
+/// readers take the sums, or [`fold_unfolded`] writes them. None: `out` holds the values.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemm_unfolded(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    row_index: Option<&CudaSlice<i32>>,
+    row_scale: Option<&CudaSlice<f32>>,
+    w: &WeightData,
+    rows: GemmRows<'_>,
+    max_rows: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<Option<Unfolded>, CudaError> {
+    let parts = [GemmPart {
+        w: Operand::of(gpu, w),
+        n,
+        out,
+    }];
+    let mode = LaunchMode {
+        unfolded: true,
+        ..LaunchMode::default()
+    };
+    let (path, split) = (GemmPath::Auto, SplitK::Auto);
+    let x_side = (x, row_index, row_scale);
+    let left = launch_parts(
+        path, split, gpu, x_side.0, x_side.1, x_side.2, &parts, rows, max_rows, k, mode,
+    )?;
+    Ok(left.into_iter().next())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dense_parts(
+    path: GemmPath,
+    split: SplitK,
+    mode: LaunchMode<'_>,
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    row_scale: Option<&CudaSlice<f32>>,
+    ws: &[&WeightData],
+    ns: &[usize],
+    rows: usize,
+    k: usize,
+    outs: &mut [&mut CudaSlice<f32>],
+) -> Result<Vec<Unfolded>, CudaError> {
     if ns.len() != ws.len() || outs.len() != ws.len() {
         return Err(CudaError::Unsupported(
             "a part of a joined GEMM launch without its columns or output".into(),
@@ -839,7 +915,7 @@ pub fn dense_gemm_parts_on(
         GemmRows::Dense(rows),
         rows,
         k,
-        LaunchMode::default(),
+        mode,
     )
 }
 
@@ -931,6 +1007,9 @@ struct LaunchMode<'a> {
     swiglu: Option<SwigluOut>,
     /// BF16 operand words (rows of k / 2) to read instead of packing x.
     packed: Option<&'a CudaSlice<f32>>,
+    /// A launch split over K leaves its segment sums unfolded ([`Unfolded`]) where no part
+    /// has an NVFP4 epilogue.
+    unfolded: bool,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -962,6 +1041,7 @@ fn launch_gemm(
         k,
         LaunchMode::default(),
     )
+    .map(drop)
 }
 
 /// One launch over `parts` (1 to [`GEMM_MAX_PARTS`] matrices of one format and S_dec grouping,
@@ -982,7 +1062,7 @@ fn launch_parts(
     max_rows: usize,
     k: usize,
     mode: LaunchMode<'_>,
-) -> Result<(), CudaError> {
+) -> Result<Vec<Unfolded>, CudaError> {
     let Some(w) = parts
         .first()
         .map(|p| &p.w)
@@ -1057,7 +1137,7 @@ fn launch_parts(
         }
     };
     if grid_y == 0 || n == 0 {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let outs = parts
         .iter()
@@ -1105,8 +1185,10 @@ fn launch_parts(
         GemmRows::Dense(r) => *r <= FOLD_IN_LAUNCH_MAX_ROWS,
         GemmRows::Plan(p) => p.tokens <= FOLD_IN_LAUNCH_MAX_ROWS,
     };
+    // Sums left for the readers: no fold in the launch or after it.
+    let unfolded = mode.unfolded && segments.is_some() && parts.iter().all(|p| p.w.s_dec.is_none());
     let counters = match segments {
-        Some(_) if fold_in_launch => Some(&*grown(
+        Some(_) if fold_in_launch && !unfolded => Some(&*grown(
             gpu,
             &mut scratch.counters,
             &mut scratch.generation,
@@ -1189,10 +1271,23 @@ fn launch_parts(
         ),
     )?;
     let (Some(segments), Some(partials), None) = (segments, partials, counters) else {
-        return Ok(());
+        return Ok(Vec::new());
     };
     // Each part's sums follow the previous part's ([segments][rows][n] each).
     let mut sums = addr(gpu, partials);
+    if unfolded {
+        let mut left = Vec::with_capacity(parts.len());
+        for p in parts {
+            let stride = rows_arg * p.n;
+            left.push(Unfolded {
+                sums,
+                segments,
+                stride,
+            });
+            sums += (segments * stride * std::mem::size_of::<f32>()) as u64;
+        }
+        return Ok(left);
+    }
     for (p, out) in parts.iter().zip(outs) {
         let count = rows_arg * p.n;
         let nvfp4 = p.w.s_dec.is_some();
@@ -1216,7 +1311,43 @@ fn launch_parts(
         )?;
         sums += (segments * count * std::mem::size_of::<f32>()) as u64;
     }
-    Ok(())
+    Ok(Vec::new())
+}
+
+/// Writes the values of a launch's segment sums ([`Unfolded`], `rows` x `n`) into its output:
+/// what the launch's own fold would have written (no NVFP4 epilogue: such launches fold).
+pub fn fold_unfolded(
+    gpu: &Gpu,
+    sums: Unfolded,
+    rows: usize,
+    n: usize,
+    out: DevPtr,
+) -> Result<(), CudaError> {
+    let count = rows * n;
+    if sums.stride != count {
+        return Err(CudaError::Capacity(format!(
+            "segment sums of {} elements folded as {rows} x {n}",
+            sums.stride
+        )));
+    }
+    gpu.launch(
+        Kernel::GemmFoldSegments,
+        (count.div_ceil(256) as u32, 1, 1),
+        256,
+        (
+            DevPtr(sums.sums),
+            sums.segments as i32,
+            rows as i32,
+            n as i32,
+            None::<View<'_, i32>>,
+            None::<View<'_, f32>>,
+            None::<View<'_, f32>>,
+            1i32,
+            None::<View<'_, i32>>,
+            0i32,
+            out,
+        ),
+    )
 }
 
 #[cfg(test)]

@@ -22,8 +22,40 @@ pub use quant::*;
 
 use cudarc::driver::CudaSlice;
 
-use super::args::View;
+use super::args::{DevPtr, View};
 use super::CudaError;
+
+/// A GEMM output its launch left as split-K's segment sums ([`grouped_gemm_unfolded`]):
+/// `segments` sums of `stride` elements each from device address `sums`, in the scratch of
+/// the GEMMs (valid until the next GEMM launch). Element i is their sum in segment order
+/// (kernels/common.cuh `folded`), the additions the GEMM's own fold makes: the readers that
+/// take one (the norm's residual, q/k norm + RoPE, routing, SwiGLU, the MoE combine) read the
+/// bits the output would have held, without the fold's fences, counters and launch;
+/// [`fold_unfolded`] writes them into the output for any other reader.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Unfolded {
+    pub sums: u64,
+    pub segments: usize,
+    pub stride: usize,
+}
+
+/// A reader's sums argument: null without sums, else their address once their stride is the
+/// `len` elements the reader takes them as.
+fn sums_ptr(sums: Option<Unfolded>, len: usize) -> Result<DevPtr, CudaError> {
+    match sums {
+        None => Ok(DevPtr(0)),
+        Some(u) if u.stride == len && u.segments > 0 => Ok(DevPtr(u.sums)),
+        Some(u) => Err(CudaError::Capacity(format!(
+            "segment sums of {} x {} elements read as {len}",
+            u.segments, u.stride
+        ))),
+    }
+}
+
+/// A reader's segment count: 0 without sums.
+fn sums_segments(sums: Option<Unfolded>) -> i32 {
+    sums.map_or(0, |u| u.segments as i32)
+}
 
 /// `buf` as a kernel argument, once it is checked to hold the `n` elements the kernel touches.
 fn need<'a, T>(buf: &'a CudaSlice<T>, n: usize, what: &str) -> Result<View<'a, T>, CudaError> {

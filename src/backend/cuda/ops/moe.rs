@@ -3,7 +3,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{need, BLOCK, GEMM_TILE_ROWS, GEMM_WIDE_TILE_ROWS};
+use super::{need, sums_ptr, sums_segments, Unfolded, BLOCK, GEMM_TILE_ROWS, GEMM_WIDE_TILE_ROWS};
 use crate::backend::cuda::args::View;
 use crate::backend::cuda::kernels::Kernel;
 use crate::backend::cuda::{CudaError, Gpu};
@@ -47,10 +47,13 @@ fn route_buffers<'a>(
 
 /// Router softmax, top-k (ties to the lower id) and optional renormalisation; with `given`
 /// (`[tokens, top_k]`), each row whose given ids are all valid takes them instead (replay).
+/// With `sums`, the logits are the router GEMM's segment sums ([`Unfolded`]): folded first,
+/// and written into `logits` (which then holds what the GEMM's own fold would have written).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_route(
     gpu: &Gpu,
     logits: &CudaSlice<f32>,
+    sums: Option<Unfolded>,
     tokens: usize,
     experts: usize,
     top_k: usize,
@@ -78,6 +81,8 @@ pub fn moe_route(
             given,
             ids,
             weights,
+            sums_ptr(sums, tokens * experts)?,
+            sums_segments(sums),
         ),
     )
 }
@@ -91,11 +96,13 @@ pub const ROUTE_PLAN_MAX_TOKENS: usize = 8;
 pub const ROUTE_PLAN_MAX_EXPERTS: usize = 1024;
 
 /// [`moe_route`] and then [`MoePlan::build`] over its ids: as one launch for up to
-/// [`ROUTE_PLAN_MAX_TOKENS`] tokens (the same ids, weights and plan), else as the two.
+/// [`ROUTE_PLAN_MAX_TOKENS`] tokens (the same ids, weights and plan), else as the two. `sums`
+/// as for [`moe_route`].
 #[allow(clippy::too_many_arguments)]
 pub fn route_and_plan(
     gpu: &Gpu,
     logits: &CudaSlice<f32>,
+    sums: Option<Unfolded>,
     tokens: usize,
     experts: usize,
     top_k: usize,
@@ -109,6 +116,7 @@ pub fn route_and_plan(
         moe_route(
             gpu,
             logits,
+            sums,
             tokens,
             experts,
             top_k,
@@ -151,6 +159,8 @@ pub fn route_and_plan(
             View::whole(&plan.num_wide_tiles),
             slot_row,
             View::whole(&plan.row_token),
+            sums_ptr(sums, tokens * experts)?,
+            sums_segments(sums),
         ),
     )
 }
