@@ -144,6 +144,13 @@ if [ "${BENCH_WGMMA_OFF:-0}" = 1 ]; then
   LOCKSTEP_WGMMA=0 "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_wgmma_off.md" \
     && record "cuda_bench, LOCKSTEP_WGMMA=0" "done (bench_wgmma_off.md)" || record "cuda_bench, LOCKSTEP_WGMMA=0" "FAIL"
 fi
+# BENCH_SWITCHES_OFF="VAR VAR2": the step benchmark again with each kernel-choice switch VAR
+# set to 0 (e.g. LOCKSTEP_SWIGLU_EPILOGUE, LOCKSTEP_FOLD_IN_READERS), as bench_off_VAR.md:
+# each choice against the default in one run (the bits are the same either way).
+for var in ${BENCH_SWITCHES_OFF:-}; do
+  env "$var=0" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_off_$var.md" \
+    && record "cuda_bench, $var=0" "done (bench_off_$var.md)" || record "cuda_bench, $var=0" "FAIL"
+done
 # BENCH_PDL_OFF=1: the step benchmark again with programmatic dependent launch off
 # (LOCKSTEP_PDL=0), for its share of the step time in the same run.
 if [ "${BENCH_PDL_OFF:-0}" = 1 ]; then
