@@ -60,24 +60,56 @@ __device__ __forceinline__ float folded(const float* sums, int segments, u64 str
     return v;
 }
 
-// Four consecutive elements (i a multiple of 4, 16-byte aligned sums and stride) the same way.
-__device__ __forceinline__ float4 folded4(const float* sums, int segments, u64 stride, u64 i) {
-    float4 v = *(const float4*)(sums + i);
-    for (int z0 = 1; z0 < segments; z0 += 4) {
-        float4 seg[4];
+// The same for E elements at once (element j at at[j], where live[j]), every element's loads of
+// a round of FOLD_ROUND segments issued before any of their additions: a reader holding several
+// elements waits about once a round, not once an element.
+#define FOLD_ROUND 4
+template <int E>
+__device__ __forceinline__ void folded_many(const float* sums, int segments, u64 stride, const u64* at,
+                                            const bool* live, float* v) {
 #pragma unroll
-        for (int j = 0; j < 4; j++)
-            seg[j] = z0 + j < segments ? *(const float4*)(sums + (u64)(z0 + j) * stride + i) : make_float4(0, 0, 0, 0);
+    for (int j = 0; j < E; j++) v[j] = live[j] ? sums[at[j]] : 0.0f;
+    for (int z0 = 1; z0 < segments; z0 += FOLD_ROUND) {
+        float seg[FOLD_ROUND][E];
 #pragma unroll
-        for (int j = 0; j < 4; j++)
-            if (z0 + j < segments) {
-                v.x = __fadd_rn(v.x, seg[j].x);
-                v.y = __fadd_rn(v.y, seg[j].y);
-                v.z = __fadd_rn(v.z, seg[j].z);
-                v.w = __fadd_rn(v.w, seg[j].w);
-            }
+        for (int q = 0; q < FOLD_ROUND; q++)
+#pragma unroll
+            for (int j = 0; j < E; j++)
+                seg[q][j] = z0 + q < segments && live[j] ? sums[(u64)(z0 + q) * stride + at[j]] : 0.0f;
+#pragma unroll
+        for (int q = 0; q < FOLD_ROUND; q++)
+#pragma unroll
+            for (int j = 0; j < E; j++)
+                if (z0 + q < segments) v[j] = __fadd_rn(v[j], seg[q][j]);
     }
-    return v;
+}
+
+// Four consecutive elements (i a multiple of 4, 16-byte aligned sums and stride) the same way,
+// for E such quads at once (quad j at at[j]), ROUND segments a round.
+template <int E, int ROUND>
+__device__ __forceinline__ void folded4_many(const float* sums, int segments, u64 stride, const u64* at,
+                                             const bool* live, float4* v) {
+#pragma unroll
+    for (int j = 0; j < E; j++) v[j] = live[j] ? *(const float4*)(sums + at[j]) : make_float4(0, 0, 0, 0);
+    for (int z0 = 1; z0 < segments; z0 += ROUND) {
+        float4 seg[ROUND][E];
+#pragma unroll
+        for (int q = 0; q < ROUND; q++)
+#pragma unroll
+            for (int j = 0; j < E; j++)
+                seg[q][j] = z0 + q < segments && live[j] ? *(const float4*)(sums + (u64)(z0 + q) * stride + at[j])
+                                                         : make_float4(0, 0, 0, 0);
+#pragma unroll
+        for (int q = 0; q < ROUND; q++)
+#pragma unroll
+            for (int j = 0; j < E; j++)
+                if (z0 + q < segments) {
+                    v[j].x = __fadd_rn(v[j].x, seg[q][j].x);
+                    v[j].y = __fadd_rn(v[j].y, seg[q][j].y);
+                    v[j].z = __fadd_rn(v[j].z, seg[q][j].z);
+                    v[j].w = __fadd_rn(v[j].w, seg[q][j].w);
+                }
+    }
 }
 
 // SwiGLU's product for one element: silu(g) * u, as the CPU computes it (g / (1 + e^-g), then

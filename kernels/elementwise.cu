@@ -41,13 +41,11 @@ extern "C" __global__ void embedding(const u32* tokens, const void* table, int i
 // elements i, i + blockDim, ... in that order (the sum of squares' order, fixed by d alone).
 // A row of up to NORM_REGS elements a thread is loaded into registers first, all its loads in
 // flight at once (a decode row is otherwise a chain of dependent round trips); longer rows
-// stream. Both make the same operations in the same order. With `segments` > 0 the residual
-// is a GEMM output left as its segment sums (`residual` the sums, `stride` elements each:
-// folded), read as the values it would have held.
+// stream. Both make the same operations in the same order.
 #define NORM_REGS 16
-extern "C" __global__ void rms_norm(float* x, const float* residual, const float* w, float* out,
-                                    const int* rows, int d, float eps, int segments, u64 stride) {
-    pdl_entry();
+template <bool SUMS>
+__device__ __forceinline__ void rms_norm_row(float* x, const float* residual, const float* w, float* out,
+                                             const int* rows, int d, float eps, int segments, u64 stride) {
     u64 r = rows ? (u64)rows[blockIdx.x] : (u64)blockIdx.x;
     float* xr = x + r * d;
     float* o = out + (u64)blockIdx.x * d;
@@ -58,8 +56,19 @@ extern "C" __global__ void rms_norm(float* x, const float* residual, const float
         for (int j = 0; j < NORM_REGS; j++) {
             int i = threadIdx.x + j * blockDim.x;
             v[j] = i < d ? xr[i] : 0.0f;
-            a[j] = residual && i < d ? (segments ? folded(residual, segments, stride, r * d + i) : residual[r * d + i])
-                                     : 0.0f;
+            if (!SUMS) a[j] = residual && i < d ? residual[r * d + i] : 0.0f;
+        }
+        if constexpr (SUMS) {
+            // The residual's elements folded together (each round's loads all in flight).
+            u64 at[NORM_REGS];
+            bool live[NORM_REGS];
+#pragma unroll
+            for (int j = 0; j < NORM_REGS; j++) {
+                int i = threadIdx.x + j * blockDim.x;
+                at[j] = r * d + i;
+                live[j] = i < d;
+            }
+            folded_many<NORM_REGS>(residual, segments, stride, at, live, a);
         }
 #pragma unroll
         for (int j = 0; j < NORM_REGS; j++) {
@@ -84,7 +93,7 @@ extern "C" __global__ void rms_norm(float* x, const float* residual, const float
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         float v = xr[i];
         if (residual) {
-            v = __fadd_rn(v, segments ? folded(residual, segments, stride, r * d + i) : residual[r * d + i]);
+            v = __fadd_rn(v, SUMS ? folded(residual, segments, stride, r * d + i) : residual[r * d + i]);
             xr[i] = v;
         }
         ss += v * v;
@@ -92,6 +101,20 @@ extern "C" __global__ void rms_norm(float* x, const float* residual, const float
     ss = block_sum(ss);
     float inv = 1.0f / sqrtf(ss / (float)d + eps);
     for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+}
+
+extern "C" __global__ void rms_norm(float* x, const float* residual, const float* w, float* out,
+                                    const int* rows, int d, float eps) {
+    pdl_entry();
+    rms_norm_row<false>(x, residual, w, out, rows, d, eps, 0, 0);
+}
+
+// The same with the residual a GEMM output left as its segment sums (`sums`, `segments` of
+// `stride` elements each: folded), read as the values it would have held.
+extern "C" __global__ void rms_norm_sums(float* x, const float* sums, const float* w, float* out, const int* rows,
+                                         int d, float eps, int segments, u64 stride) {
+    pdl_entry();
+    rms_norm_row<true>(x, sums, w, out, rows, d, eps, segments, stride);
 }
 
 // x += y (the residual add when no norm follows).
@@ -107,18 +130,17 @@ extern "C" __global__ void add_inplace(float* x, const float* y, u64 n) {
 // so no element has two writers. The block works out its token's sines and cosines once into
 // shared memory (the same sincosf of the same product for every head; 36 blocks of one warp
 // each computing them took 357 us for 8,192 tokens of Qwen3-30B-A3B, H200, 2026-12-04).
-// Requires head_dim <= 2 * QK_ROPE_MAX_HALF (the host checks). With `segments` > 0, q, k and v
-// whose `*_sums` are given are GEMM outputs left as their segment sums (folded: of q's width
-// rows x heads x hd, k's and v's rows x kv_heads x hd): a warp first writes its head's folded
-// values into q or k, and v's are folded as they are stored.
+// Requires head_dim <= 2 * QK_ROPE_MAX_HALF (the host checks).
 #define QK_ROPE_MAX_HALF 256
 #define QK_ROPE_WARPS 8
-extern "C" __global__ void qk_norm_rope_store(float* q, float* k, const float* v, const float* q_norm,
-                                              const float* k_norm, const float* inv_freq, const int* pos,
-                                              const int* slots, bf16_t* k_cache, bf16_t* v_cache, int heads,
-                                              int kv_heads, int hd, float eps, const float* q_sums,
-                                              const float* k_sums, const float* v_sums, int segments) {
-    pdl_entry();
+#define QK_FOLD_MAX (2 * QK_ROPE_MAX_HALF / 32)  // a lane's elements of a head
+template <bool SUMS>
+__device__ __forceinline__ void qk_norm_rope_store_head(float* q, float* k, const float* v, const float* q_norm,
+                                                        const float* k_norm, const float* inv_freq, const int* pos,
+                                                        const int* slots, bf16_t* k_cache, bf16_t* v_cache,
+                                                        int heads, int kv_heads, int hd, float eps,
+                                                        const float* q_sums, const float* k_sums,
+                                                        const float* v_sums, int segments) {
     __shared__ float sin_s[QK_ROPE_MAX_HALF], cos_s[QK_ROPE_MAX_HALF];
     int t = blockIdx.x, lane = threadIdx.x & 31;
     int h = blockIdx.y * QK_ROPE_WARPS + (threadIdx.x >> 5);
@@ -129,13 +151,23 @@ extern "C" __global__ void qk_norm_rope_store(float* q, float* k, const float* v
     if (h >= heads + kv_heads) return;
     bool is_q = h < heads;
     int kh = h - heads;
-    u64 at = is_q ? ((u64)t * heads + h) * hd : ((u64)t * kv_heads + kh) * hd;
-    float* x = (is_q ? q : k) + at;
+    float* x = is_q ? q + ((u64)t * heads + h) * hd : k + ((u64)t * kv_heads + kh) * hd;
     const float* sums = is_q ? q_sums : k_sums;
-    u64 kv_stride = (u64)gridDim.x * kv_heads * hd;
-    if (segments && sums) {
-        u64 stride = is_q ? (u64)gridDim.x * heads * hd : kv_stride;
-        for (int i = lane; i < hd; i += 32) x[i] = folded(sums, segments, stride, at + i);
+    if constexpr (SUMS) if (sums) {
+        u64 at = is_q ? ((u64)t * heads + h) * hd : ((u64)t * kv_heads + kh) * hd;
+        u64 stride = (u64)gridDim.x * (is_q ? heads : kv_heads) * hd;
+        u64 el[QK_FOLD_MAX];
+        bool live[QK_FOLD_MAX];
+        float f[QK_FOLD_MAX];
+#pragma unroll
+        for (int j = 0; j < QK_FOLD_MAX; j++) {
+            live[j] = lane + 32 * j < hd;
+            el[j] = at + lane + 32 * j;
+        }
+        folded_many<QK_FOLD_MAX>(sums, segments, stride, el, live, f);
+#pragma unroll
+        for (int j = 0; j < QK_FOLD_MAX; j++)
+            if (live[j]) x[lane + 32 * j] = f[j];
         __syncwarp();
     }
     const float* nw = is_q ? q_norm : k_norm;
@@ -164,10 +196,47 @@ extern "C" __global__ void qk_norm_rope_store(float* q, float* k, const float* v
         }
     }
     if (!is_q) {
-        bool vf = segments && v_sums;
-        for (int i = lane; i < hd; i += 32)
-            v_cache[kv_base + i] = f32_to_bf16(vf ? folded(v_sums, segments, kv_stride, at + i) : v[at + i]);
+        u64 at = ((u64)t * kv_heads + kh) * hd;
+        if (SUMS && v_sums) {
+            u64 el[QK_FOLD_MAX];
+            bool live[QK_FOLD_MAX];
+            float f[QK_FOLD_MAX];
+#pragma unroll
+            for (int j = 0; j < QK_FOLD_MAX; j++) {
+                live[j] = lane + 32 * j < hd;
+                el[j] = at + lane + 32 * j;
+            }
+            folded_many<QK_FOLD_MAX>(v_sums, segments, (u64)gridDim.x * kv_heads * hd, el, live, f);
+#pragma unroll
+            for (int j = 0; j < QK_FOLD_MAX; j++)
+                if (live[j]) v_cache[kv_base + lane + 32 * j] = f32_to_bf16(f[j]);
+        } else {
+            const float* vr = v + at;
+            for (int i = lane; i < hd; i += 32) v_cache[kv_base + i] = f32_to_bf16(vr[i]);
+        }
     }
+}
+
+extern "C" __global__ void qk_norm_rope_store(float* q, float* k, const float* v, const float* q_norm,
+                                              const float* k_norm, const float* inv_freq, const int* pos,
+                                              const int* slots, bf16_t* k_cache, bf16_t* v_cache, int heads,
+                                              int kv_heads, int hd, float eps) {
+    pdl_entry();
+    qk_norm_rope_store_head<false>(q, k, v, q_norm, k_norm, inv_freq, pos, slots, k_cache, v_cache, heads, kv_heads,
+                                   hd, eps, nullptr, nullptr, nullptr, 0);
+}
+
+// The same where q, k and v whose `*_sums` are given are GEMM outputs left as their segment
+// sums (folded: q's rows x heads x hd each, k's and v's rows x kv_heads x hd): a warp first
+// writes its head's folded values into q or k; v's are folded as they are stored.
+extern "C" __global__ void qk_norm_rope_store_sums(float* q, float* k, const float* v, const float* q_norm,
+                                                   const float* k_norm, const float* inv_freq, const int* pos,
+                                                   const int* slots, bf16_t* k_cache, bf16_t* v_cache, int heads,
+                                                   int kv_heads, int hd, float eps, const float* q_sums,
+                                                   const float* k_sums, const float* v_sums, int segments) {
+    pdl_entry();
+    qk_norm_rope_store_head<true>(q, k, v, q_norm, k_norm, inv_freq, pos, slots, k_cache, v_cache, heads, kv_heads,
+                                  hd, eps, q_sums, k_sums, v_sums, segments);
 }
 
 // h[r, i] = silu(gu[r, i]) * gu[r, inter + i]: gate and up come from one GEMM of width 2*inter.
@@ -181,9 +250,15 @@ extern "C" __global__ void silu_mul(const float* gu, float* h, u64 rows, int int
         u32 quads = (u32)(n / 4), per_row = inter / 4;
         for (u32 j = blockIdx.x * blockDim.x + threadIdx.x; j < quads; j += gridDim.x * blockDim.x) {
             u32 r = j / per_row, c = 4 * (j - r * per_row);
-            u64 at = (u64)r * 2 * inter + c;
-            float4 g = segments ? folded4(gu, segments, stride, at) : *(const float4*)(gu + at);
-            float4 u = segments ? folded4(gu, segments, stride, at + inter) : *(const float4*)(gu + at + inter);
+            u64 at[2] = {(u64)r * 2 * inter + c, (u64)r * 2 * inter + c + inter};  // gate, up
+            bool live[2] = {true, true};
+            float4 gu4[2];
+            if (segments) folded4_many<2, 2>(gu, segments, stride, at, live, gu4);
+            else {
+                gu4[0] = *(const float4*)(gu + at[0]);
+                gu4[1] = *(const float4*)(gu + at[1]);
+            }
+            float4 g = gu4[0], u = gu4[1];
             *(float4*)(h + (u64)r * inter + c) =
                 make_float4(silu_mul_value(g.x, u.x), silu_mul_value(g.y, u.y), silu_mul_value(g.z, u.z),
                             silu_mul_value(g.w, u.w));
@@ -191,22 +266,28 @@ extern "C" __global__ void silu_mul(const float* gu, float* h, u64 rows, int int
         return;
     }
     for (u64 j = blockIdx.x * (u64)blockDim.x + threadIdx.x; j < n; j += (u64)gridDim.x * blockDim.x) {
-        u64 r = j / inter, i = j % inter, at = r * 2 * inter + i;
-        float g = segments ? folded(gu, segments, stride, at) : gu[at];
-        float u = segments ? folded(gu, segments, stride, at + inter) : gu[at + inter];
-        h[j] = silu_mul_value(g, u);
+        u64 r = j / inter, i = j % inter;
+        u64 at[2] = {r * 2 * inter + i, r * 2 * inter + inter + i};  // gate, up
+        bool live[2] = {true, true};
+        float v[2];
+        if (segments) folded_many<2>(gu, segments, stride, at, live, v);
+        else {
+            v[0] = gu[at[0]];
+            v[1] = gu[at[1]];
+        }
+        h[j] = silu_mul_value(v[0], v[1]);
     }
 }
 
 // y[t] = sum over top-k slots, in slot order, of weight * expert_out[row of (t, slot)].
 // Grid (tokens, column blocks): block (t, c) sums token t's columns c * blockDim.x.. (strided by
 // the grid; four columns a thread where hidden and the addresses allow float4), so one token's
-// columns are spread over blocks instead of walked by one. With `segments` > 0, expert_out is
-// the down projection's segment sums (folded, tokens x top_k x hidden each).
+// columns are spread over blocks instead of walked by one.
 #define COMBINE_SLOTS 16
-extern "C" __global__ void moe_combine(const float* expert_out, const int* slot_row, const float* weights,
-                                       float* y, int top_k, int hidden, int segments) {
-    pdl_entry();
+template <bool SUMS>
+__device__ __forceinline__ void moe_combine_token(const float* expert_out, const int* slot_row,
+                                                  const float* weights, float* y, int top_k, int hidden,
+                                                  int segments) {
     int t = blockIdx.x;
     u64 stride = (u64)gridDim.x * top_k * hidden;
     // The token's rows and weights once, into registers (top_k <= COMBINE_SLOTS; more stream):
@@ -223,11 +304,20 @@ extern "C" __global__ void moe_combine(const float* expert_out, const int* slot_
     if (held && hidden % 4 == 0 && (((u64)expert_out | (u64)y) & 15) == 0) {
         for (int i = 4 * (blockIdx.y * blockDim.x + threadIdx.x); i < hidden; i += 4 * gridDim.y * blockDim.x) {
             float4 e[COMBINE_SLOTS];
+            if constexpr (SUMS) {
+                u64 at[COMBINE_SLOTS];
+                bool live[COMBINE_SLOTS];
 #pragma unroll
-            for (int s = 0; s < COMBINE_SLOTS; s++)
-                e[s] = s >= top_k ? make_float4(0, 0, 0, 0)
-                       : segments  ? folded4(expert_out, segments, stride, (u64)rows[s] * hidden + i)
-                                   : *(const float4*)(expert_out + (u64)rows[s] * hidden + i);
+                for (int s = 0; s < COMBINE_SLOTS; s++) {
+                    at[s] = (u64)rows[s] * hidden + i;
+                    live[s] = s < top_k;
+                }
+                folded4_many<COMBINE_SLOTS, 1>(expert_out, segments, stride, at, live, e);
+            } else {
+#pragma unroll
+                for (int s = 0; s < COMBINE_SLOTS; s++)
+                    e[s] = s < top_k ? *(const float4*)(expert_out + (u64)rows[s] * hidden + i) : make_float4(0, 0, 0, 0);
+            }
             float4 acc = make_float4(0, 0, 0, 0);
 #pragma unroll
             for (int s = 0; s < COMBINE_SLOTS; s++)
@@ -245,23 +335,45 @@ extern "C" __global__ void moe_combine(const float* expert_out, const int* slot_
         float acc = 0.0f;
         if (held) {
             float e[COMBINE_SLOTS];
+            if constexpr (SUMS) {
+                u64 at[COMBINE_SLOTS];
+                bool live[COMBINE_SLOTS];
 #pragma unroll
-            for (int s = 0; s < COMBINE_SLOTS; s++) {
-                u64 at = (u64)rows[s] * hidden + i;
-                e[s] = s >= top_k ? 0.0f : segments ? folded(expert_out, segments, stride, at) : expert_out[at];
+                for (int s = 0; s < COMBINE_SLOTS; s++) {
+                    at[s] = (u64)rows[s] * hidden + i;
+                    live[s] = s < top_k;
+                }
+                folded_many<COMBINE_SLOTS>(expert_out, segments, stride, at, live, e);
+            } else {
+#pragma unroll
+                for (int s = 0; s < COMBINE_SLOTS; s++) e[s] = s < top_k ? expert_out[(u64)rows[s] * hidden + i] : 0.0f;
             }
 #pragma unroll
             for (int s = 0; s < COMBINE_SLOTS; s++)
                 if (s < top_k) acc = __fadd_rn(acc, __fmul_rn(wts[s], e[s]));
         } else {
             for (int s = 0; s < top_k; s++) {
-                u64 at = (u64)slot_row[t * top_k + s] * hidden + i;
-                float e = segments ? folded(expert_out, segments, stride, at) : expert_out[at];
+                int r = slot_row[t * top_k + s];
+                float e = SUMS ? folded(expert_out, segments, stride, (u64)r * hidden + i) : expert_out[(u64)r * hidden + i];
                 acc = __fadd_rn(acc, __fmul_rn(weights[t * top_k + s], e));
             }
         }
         y[(u64)t * hidden + i] = acc;
     }
+}
+
+extern "C" __global__ void moe_combine(const float* expert_out, const int* slot_row, const float* weights,
+                                       float* y, int top_k, int hidden) {
+    pdl_entry();
+    moe_combine_token<false>(expert_out, slot_row, weights, y, top_k, hidden, 0);
+}
+
+// The same with expert_out the down projection's segment sums (folded, tokens x top_k x hidden
+// each).
+extern "C" __global__ void moe_combine_sums(const float* sums, const int* slot_row, const float* weights, float* y,
+                                            int top_k, int hidden, int segments) {
+    pdl_entry();
+    moe_combine_token<true>(sums, slot_row, weights, y, top_k, hidden, segments);
 }
 
 // Device-to-device copies of `n` byte ranges in one launch: ranges[3i..3i+3] = (dst, src,

@@ -114,25 +114,33 @@ pub fn rms_norm(
     if out_rows == 0 {
         return Ok(());
     }
-    gpu.launch(
-        Kernel::RmsNorm,
-        (out_rows as u32, 1, 1),
-        256,
-        (
-            x,
-            match residual_sums {
-                Some(u) => DevPtr(u.sums),
-                None => DevPtr(residual.map_or(0, |r| addr(gpu, r))),
-            },
-            w,
-            out,
-            rows.map(View::whole),
-            d as i32,
-            eps,
-            sums_segments(residual_sums),
-            residual_sums.map_or(0, |u| u.stride as u64),
+    let grid = (out_rows as u32, 1, 1);
+    let rows = rows.map(View::whole);
+    // (The residual's sums: `rms_norm_sums`, kernels/elementwise.cu.)
+    match residual_sums {
+        None => gpu.launch(
+            Kernel::RmsNorm,
+            grid,
+            256,
+            (x, residual.map(View::whole), w, out, rows, d as i32, eps),
         ),
-    )
+        Some(u) => gpu.launch(
+            Kernel::RmsNormSums,
+            grid,
+            256,
+            (
+                x,
+                DevPtr(u.sums),
+                w,
+                out,
+                rows,
+                d as i32,
+                eps,
+                sums_segments(Some(u)),
+                u.stride as u64,
+            ),
+        ),
+    }
 }
 
 pub fn add_inplace(
@@ -205,34 +213,39 @@ pub fn qk_norm_rope_store(
     if rows == 0 {
         return Ok(());
     }
+    let grid = (
+        rows as u32,
+        (s.heads + s.kv_heads).div_ceil(QK_ROPE_WARPS) as u32,
+        1,
+    );
+    let threads = (32 * QK_ROPE_WARPS) as u32;
+    let (qn, kn) = (
+        norms.map(|n| View::whole(n.0)),
+        norms.map(|n| View::whole(n.1)),
+    );
+    // The slots index the caches: the KV allocator keeps them in bounds.
+    let (kc, vc) = (View::whole(k_cache), View::whole(v_cache));
+    let (heads, kv_heads, hd) = (s.heads as i32, s.kv_heads as i32, s.head_dim as i32);
+    if segments == 0 {
+        return gpu.launch(
+            Kernel::QkNormRopeStore,
+            grid,
+            threads,
+            (
+                q, k, v, qn, kn, inv_freq, pos, slots, kc, vc, heads, kv_heads, hd, eps,
+            ),
+        );
+    }
+    let q_sums = sums_ptr(sums[0], rows * s.heads * s.head_dim)?;
+    let k_sums = sums_ptr(sums[1], rows * s.kv_heads * s.head_dim)?;
+    let v_sums = sums_ptr(sums[2], rows * s.kv_heads * s.head_dim)?;
     gpu.launch(
-        Kernel::QkNormRopeStore,
+        Kernel::QkNormRopeStoreSums,
+        grid,
+        threads,
         (
-            rows as u32,
-            (s.heads + s.kv_heads).div_ceil(QK_ROPE_WARPS) as u32,
-            1,
-        ),
-        (32 * QK_ROPE_WARPS) as u32,
-        (
-            q,
-            k,
-            v,
-            norms.map(|n| View::whole(n.0)),
-            norms.map(|n| View::whole(n.1)),
-            inv_freq,
-            pos,
-            slots,
-            // The slots index the caches: the KV allocator keeps them in bounds.
-            View::whole(k_cache),
-            View::whole(v_cache),
-            s.heads as i32,
-            s.kv_heads as i32,
-            s.head_dim as i32,
-            eps,
-            sums_ptr(sums[0], rows * s.heads * s.head_dim)?,
-            sums_ptr(sums[1], rows * s.kv_heads * s.head_dim)?,
-            sums_ptr(sums[2], rows * s.kv_heads * s.head_dim)?,
-            segments,
+            q, k, v, qn, kn, inv_freq, pos, slots, kc, vc, heads, kv_heads, hd, eps, q_sums,
+            k_sums, v_sums, segments,
         ),
     )
 }
@@ -290,20 +303,31 @@ pub fn moe_combine(
     }
     // A block per token and 1,024 columns (256 threads of four): at one token (decode) the
     // columns' loads are all in flight at once instead of rounds of one block.
-    gpu.launch(
-        Kernel::MoeCombine,
-        (tokens as u32, hidden.div_ceil(1024) as u32, 1),
-        256,
-        (
-            expert_out,
-            View::whole(&plan.slot_row),
-            View::whole(weights),
-            y,
-            top_k as i32,
-            hidden as i32,
-            sums_segments(sums),
+    let grid = (tokens as u32, hidden.div_ceil(1024) as u32, 1);
+    let (slot_row, weights) = (View::whole(&plan.slot_row), View::whole(weights));
+    let (top_k, hidden) = (top_k as i32, hidden as i32);
+    match sums {
+        None => gpu.launch(
+            Kernel::MoeCombine,
+            grid,
+            256,
+            (expert_out, slot_row, weights, y, top_k, hidden),
         ),
-    )
+        Some(u) => gpu.launch(
+            Kernel::MoeCombineSums,
+            grid,
+            256,
+            (
+                expert_out,
+                slot_row,
+                weights,
+                y,
+                top_k,
+                hidden,
+                sums_segments(Some(u)),
+            ),
+        ),
+    }
 }
 
 /// A device-to-device copy of `bytes` bytes from `src` to `dst` (raw addresses of this
