@@ -241,24 +241,28 @@ extern "C" __global__ void qk_norm_rope_store_sums(float* q, float* k, const flo
 
 // h[r, i] = silu(gu[r, i]) * gu[r, inter + i]: gate and up come from one GEMM of width 2*inter.
 // Four columns a thread where the widths and addresses allow float4 (32-bit indices below 2^31
-// quads): a 64-bit division per element cost more than the element's arithmetic. With
-// `segments` > 0, gu is the gate/up GEMM's segment sums (folded, rows x 2 inter each).
-extern "C" __global__ void silu_mul(const float* gu, float* h, u64 rows, int inter, int segments) {
-    pdl_entry();
+// quads): a 64-bit division per element cost more than the element's arithmetic.
+template <bool SUMS>
+__device__ __forceinline__ void silu_mul_rows(const float* gu, float* h, u64 rows, int inter, int segments) {
     u64 n = rows * inter, stride = rows * 2 * inter;
     if (inter % 4 == 0 && n / 4 < (1u << 31) && (((u64)gu | (u64)h) & 15) == 0) {
         u32 quads = (u32)(n / 4), per_row = inter / 4;
         for (u32 j = blockIdx.x * blockDim.x + threadIdx.x; j < quads; j += gridDim.x * blockDim.x) {
             u32 r = j / per_row, c = 4 * (j - r * per_row);
-            u64 at[2] = {(u64)r * 2 * inter + c, (u64)r * 2 * inter + c + inter};  // gate, up
-            bool live[2] = {true, true};
-            float4 gu4[2];
-            if (segments) folded4_many<2, 2>(gu, segments, stride, at, live, gu4);
-            else {
-                gu4[0] = *(const float4*)(gu + at[0]);
-                gu4[1] = *(const float4*)(gu + at[1]);
+            float4 g, u;
+            if constexpr (SUMS) {
+                // Gate and up folded together.
+                u64 at[2] = {(u64)r * 2 * inter + c, (u64)r * 2 * inter + c + inter};
+                bool live[2] = {true, true};
+                float4 gu4[2];
+                folded4_many<2, 4>(gu, segments, stride, at, live, gu4);
+                g = gu4[0];
+                u = gu4[1];
+            } else {
+                const float* row = gu + (u64)r * 2 * inter + c;
+                g = *(const float4*)row;
+                u = *(const float4*)(row + inter);
             }
-            float4 g = gu4[0], u = gu4[1];
             *(float4*)(h + (u64)r * inter + c) =
                 make_float4(silu_mul_value(g.x, u.x), silu_mul_value(g.y, u.y), silu_mul_value(g.z, u.z),
                             silu_mul_value(g.w, u.w));
@@ -267,16 +271,31 @@ extern "C" __global__ void silu_mul(const float* gu, float* h, u64 rows, int int
     }
     for (u64 j = blockIdx.x * (u64)blockDim.x + threadIdx.x; j < n; j += (u64)gridDim.x * blockDim.x) {
         u64 r = j / inter, i = j % inter;
-        u64 at[2] = {r * 2 * inter + i, r * 2 * inter + inter + i};  // gate, up
-        bool live[2] = {true, true};
-        float v[2];
-        if (segments) folded_many<2>(gu, segments, stride, at, live, v);
-        else {
-            v[0] = gu[at[0]];
-            v[1] = gu[at[1]];
+        float g, u;
+        if constexpr (SUMS) {
+            u64 at[2] = {r * 2 * inter + i, r * 2 * inter + inter + i};
+            bool live[2] = {true, true};
+            float v[2];
+            folded_many<2>(gu, segments, stride, at, live, v);
+            g = v[0];
+            u = v[1];
+        } else {
+            g = gu[r * 2 * inter + i];
+            u = gu[r * 2 * inter + inter + i];
         }
-        h[j] = silu_mul_value(v[0], v[1]);
+        h[j] = silu_mul_value(g, u);
     }
+}
+
+extern "C" __global__ void silu_mul(const float* gu, float* h, u64 rows, int inter) {
+    pdl_entry();
+    silu_mul_rows<false>(gu, h, rows, inter, 0);
+}
+
+// The same with gu the gate/up GEMM's segment sums (folded, rows x 2 inter each).
+extern "C" __global__ void silu_mul_sums(const float* sums, float* h, u64 rows, int inter, int segments) {
+    pdl_entry();
+    silu_mul_rows<true>(sums, h, rows, inter, segments);
 }
 
 // y[t] = sum over top-k slots, in slot order, of weight * expert_out[row of (t, slot)].

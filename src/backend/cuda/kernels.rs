@@ -241,7 +241,8 @@ kernels! {
     QkNormRopeStoreSums => (Elementwise, "qk_norm_rope_store_sums", &[
         Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, F32, Ptr, Ptr, Ptr, I32,
     ]),
-    SiluMul => (Elementwise, "silu_mul", &[Ptr, Ptr, U64, I32, I32]),
+    SiluMul => (Elementwise, "silu_mul", &[Ptr, Ptr, U64, I32]),
+    SiluMulSums => (Elementwise, "silu_mul_sums", &[Ptr, Ptr, U64, I32, I32]),
     MoeCombine => (Elementwise, "moe_combine", &[Ptr, Ptr, Ptr, Ptr, I32, I32]),
     MoeCombineSums => (Elementwise, "moe_combine_sums", &[Ptr, Ptr, Ptr, Ptr, I32, I32, I32]),
     CopyRanges => (Elementwise, "copy_ranges", &[Ptr, I32]),

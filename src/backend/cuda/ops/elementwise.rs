@@ -271,12 +271,17 @@ pub fn silu_mul(
     }
     // Four columns a thread (kernels/elementwise.cu; where inter is not a multiple of 4 the
     // kernel walks the elements grid-stride).
-    gpu.launch(
-        Kernel::SiluMul,
-        (gpu.grid_for(n.div_ceil(4), BLOCK), 1, 1),
-        BLOCK,
-        (gu, h, rows as u64, inter as i32, sums_segments(sums)),
-    )
+    let grid = (gpu.grid_for(n.div_ceil(4), BLOCK), 1, 1);
+    let (rows, inter) = (rows as u64, inter as i32);
+    match sums {
+        None => gpu.launch(Kernel::SiluMul, grid, BLOCK, (gu, h, rows, inter)),
+        Some(u) => gpu.launch(
+            Kernel::SiluMulSums,
+            grid,
+            BLOCK,
+            (gu, h, rows, inter, sums_segments(Some(u))),
+        ),
+    }
 }
 
 /// `y[t] = sum over slots, in slot order, of weight * expert_out[row of (t, slot)]`, or with
