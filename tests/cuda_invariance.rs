@@ -14,15 +14,15 @@
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use lockstep::backend::cpu::linear::{make_linear, DenseWeight};
-use lockstep::backend::cuda::ops::{self, GemmPath, GemmRows, MoePlan, Nvfp4Out, SplitK};
-use lockstep::backend::cuda::weights::{Activation, GpuMatrix};
+use lockstep::backend::cuda::ops::{self, GemmPath, GemmRows, MoePlan, SplitK};
+use lockstep::backend::cuda::weights::GpuMatrix;
 use lockstep::backend::cuda::Gpu;
 use lockstep::backend::Linear;
 use lockstep::quant::nvfp4::ScaleGranularity;
 use lockstep::quant::{Format, TensorFormat};
 
 mod common;
-use common::cuda::{gpu, seed, Rng};
+use common::cuda::{gpu, layer_input, seed, LayerInput, Rng};
 
 const ROW_COUNTS: [usize; 7] = [1, 2, 7, 16, 64, 200, 1024];
 const ALL: usize = 1024;
@@ -81,64 +81,11 @@ fn formats() -> [TensorFormat; 3] {
     ]
 }
 
-/// The GEMM input of a layer in format `fmt` for `rows` rows of x: x itself (BF16 layers), or
-/// its per-token quantization's dequantized values (and, for NVFP4, the row scales).
-struct Input {
-    x: CudaSlice<f32>,
-    row_scale: Option<CudaSlice<f32>>,
-}
-
-fn quantized(g: &Gpu, m: &GpuMatrix, x: &[f32], rows: usize, k: usize) -> Input {
-    let dx = g.upload(x).unwrap();
-    let (mut data, mut scales) = (
-        g.alloc::<u8>(rows * k).unwrap(),
-        g.alloc::<u8>(rows * k / 16).unwrap(),
-    );
-    let mut deq = g.alloc::<f32>(rows * k).unwrap();
-    match m.act {
-        Activation::Plain => Input {
-            x: dx,
-            row_scale: None,
-        },
-        Activation::Mxfp8 => {
-            ops::mxfp8_quantize(g, &dx, rows * k, &mut data, &mut scales, Some(&mut deq)).unwrap();
-            Input {
-                x: deq,
-                row_scale: None,
-            }
-        }
-        Activation::Nvfp4 { per_token, params } => {
-            assert!(per_token, "the recipes' default");
-            let mut row_scale = g.alloc::<f32>(rows).unwrap();
-            ops::nvfp4_quantize_f32(
-                g,
-                &dx,
-                rows,
-                k,
-                true,
-                None,
-                params,
-                Nvfp4Out {
-                    data: &mut data,
-                    scales: &mut scales,
-                    row_s_dec: &mut row_scale,
-                    deq: Some(&mut deq),
-                },
-            )
-            .unwrap();
-            Input {
-                x: deq,
-                row_scale: Some(row_scale),
-            }
-        }
-    }
-}
-
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     g: &Gpu,
     (path, split): (GemmPath, SplitK),
-    input: &Input,
+    input: &LayerInput,
     row_index: Option<&CudaSlice<i32>>,
     m: &GpuMatrix,
     rows: GemmRows<'_>,
@@ -195,7 +142,7 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
         ));
         for (name, layer) in &layers {
             let m = GpuMatrix::upload(&g, &[vec![&**layer]]).unwrap();
-            let full = quantized(&g, &m, &x, ALL, k);
+            let full = layer_input(&g, m.act, &x, ALL, k);
             let want = gemm(&g, AUTO, &full, None, &m, GemmRows::Dense(ALL), ALL);
             let full_deq = g.download(&full.x, ALL * k).unwrap();
             for rows_m in ROW_COUNTS {
@@ -203,7 +150,7 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
                 let what = |how: &str| format!("{name} [{n} x {k}], {rows_m} rows, {how}");
                 let want_rows = gather(&want, &rows, n);
                 // The rows copied out and quantized on their own.
-                let part = quantized(&g, &m, &gather(&x, &rows, k), rows_m, k);
+                let part = layer_input(&g, m.act, &gather(&x, &rows, k), rows_m, k);
                 assert_bits(
                     &g.download(&part.x, rows_m * k).unwrap(),
                     &gather(&full_deq, &rows, k),
@@ -282,7 +229,7 @@ fn joined_launches_give_each_part_the_bits_of_its_own_launch() {
         };
         for rows in [1, 5, 13, 77, 300] {
             let x = rng.vec(rows * k, 2.0);
-            let input = quantized(&g, &ms[0], &x, rows, k);
+            let input = layer_input(&g, ms[0].act, &x, rows, k);
             let want: Vec<Vec<f32>> = ms
                 .iter()
                 .map(|m| gemm(&g, AUTO, &input, None, m, GemmRows::Dense(rows), rows))
@@ -367,7 +314,7 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
             .collect();
         let parts: Vec<Vec<&dyn Linear>> = cpu.iter().map(|l| vec![&**l]).collect();
         let m = GpuMatrix::upload(&g, &parts).unwrap();
-        let full = quantized(&g, &m, &x, ALL, k);
+        let full = layer_input(&g, m.act, &x, ALL, k);
         let pairs = ALL * top_k;
         let out_full = gemm(
             &g,
@@ -401,7 +348,7 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
             );
             let mut plan = MoePlan::new(&g, tokens * top_k, experts).unwrap();
             plan.build(&g, &ids, tokens, top_k, experts).unwrap();
-            let part = quantized(&g, &m, &gather(&x, &rows, k), tokens, k);
+            let part = layer_input(&g, m.act, &gather(&x, &rows, k), tokens, k);
             let want_rows = gather(&want, &rows, top_k * n);
             for path in TENSOR_CORE_CHOICES {
                 // K = 288 is two segments: split, the second step adds them and applies the

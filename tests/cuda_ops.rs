@@ -22,7 +22,7 @@ use lockstep::quant::nvfp4::{ErrorMetric, ScaleGranularity};
 use lockstep::quant::{self, Format, FourOverSix, Nvfp4Options, Recipe, TensorFormat};
 
 mod common;
-use common::cuda::{gpu, poisoned, rel_err, seed, Rng};
+use common::cuda::{gpu, layer_input, poisoned, rel_err, seed, Rng};
 
 /// A plain BF16 layer's relative error on the tensor cores against the CPU's f32 products: its
 /// activations rounded to BF16 (a relative error up to 2^-9 each) on random data.
@@ -1058,75 +1058,6 @@ fn one_launch_routing_gives_the_routes_and_plan_of_the_separate_launches() {
     }
 }
 
-/// A layer's input as the GEMM kernels read it for weights of `format`: x itself (BF16), or
-/// x quantized per token first, as the model does (the exact dequantized values, and for NVFP4
-/// the row scales).
-struct LayerInput {
-    deq: Option<cudarc::driver::CudaSlice<f32>>,
-    row_scale: Option<cudarc::driver::CudaSlice<f32>>,
-}
-
-impl LayerInput {
-    fn new(
-        g: &lockstep::backend::cuda::Gpu,
-        format: Format,
-        x: &cudarc::driver::CudaSlice<f32>,
-        rows: usize,
-        k: usize,
-    ) -> LayerInput {
-        let mut deq = g.alloc::<f32>(rows * k).unwrap();
-        let mut row_scale = g.alloc::<f32>(rows).unwrap();
-        let (mut data, mut scales) = (
-            g.alloc::<u8>(rows * k).unwrap(),
-            g.alloc::<u8>(rows * k / 16).unwrap(),
-        );
-        match format {
-            Format::Mxfp8 => {
-                ops::mxfp8_quantize(g, x, rows * k, &mut data, &mut scales, Some(&mut deq))
-                    .unwrap();
-                LayerInput {
-                    deq: Some(deq),
-                    row_scale: None,
-                }
-            }
-            Format::Nvfp4 => {
-                ops::nvfp4_quantize_f32(
-                    g,
-                    x,
-                    rows,
-                    k,
-                    true,
-                    None,
-                    Nvfp4Params::from_four_over_six(None),
-                    Nvfp4Out {
-                        data: &mut data,
-                        scales: &mut scales,
-                        row_s_dec: &mut row_scale,
-                        deq: Some(&mut deq),
-                    },
-                )
-                .unwrap();
-                LayerInput {
-                    deq: Some(deq),
-                    row_scale: Some(row_scale),
-                }
-            }
-            _ => LayerInput {
-                deq: None,
-                row_scale: None,
-            },
-        }
-    }
-
-    /// What the kernels multiply: the dequantized values, or `x`.
-    fn x<'a>(
-        &'a self,
-        x: &'a cudarc::driver::CudaSlice<f32>,
-    ) -> &'a cudarc::driver::CudaSlice<f32> {
-        self.deq.as_ref().unwrap_or(x)
-    }
-}
-
 /// A routing plan of `tokens` rows over `experts` experts, `top_k` a row, from random logits.
 fn random_plan(
     g: &lockstep::backend::cuda::Gpu,
@@ -1163,9 +1094,8 @@ fn gate_up_with_swiglu_in_its_epilogue_gives_the_bits_of_the_separate_launches()
     let (tokens, experts, top_k, k, hidden) = (600, 4, 2, 288, 160);
     let pairs = tokens * top_k;
     let plan = random_plan(&g, &mut rng, tokens, experts, top_k);
-    let rows = || GemmRows::Plan(&plan);
+    let rows = GemmRows::Plan(&plan);
     let x = activations(&mut rng, tokens, k);
-    let dx = g.upload(&x).unwrap();
     let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
     let nvfp4 = TensorFormat {
         format: Format::Nvfp4,
@@ -1183,10 +1113,10 @@ fn gate_up_with_swiglu_in_its_epilogue_gives_the_bits_of_the_separate_launches()
             let cpu_w = cpu_experts(&mut rng, experts, n, k, &fmt);
             let parts: Vec<Vec<&dyn Linear>> = cpu_w.iter().map(|l| vec![&**l]).collect();
             let m = GpuMatrix::upload(&g, &parts).unwrap();
-            let input = LayerInput::new(&g, fmt.format, &dx, tokens, k);
-            let (xin, rs) = (input.x(&dx), input.row_scale.as_ref());
+            let input = layer_input(&g, m.act, &x, tokens, k);
+            let (xin, rs) = (&input.x, input.row_scale.as_ref());
             let runs =
-                ops::swiglu_epilogue_runs(&g, &m.data, &rows(), pairs, n, k, ops::SwigluOut::F32);
+                ops::swiglu_epilogue_runs(&g, &m.data, &rows, pairs, n, k, ops::SwigluOut::F32);
             assert_eq!(
                 runs,
                 g.arch == "sm_90a",
@@ -1199,19 +1129,7 @@ fn gate_up_with_swiglu_in_its_epilogue_gives_the_bits_of_the_separate_launches()
             // The separate launches.
             let mut gu = poisoned(&g, pairs * n, f32::NAN);
             let row_token = Some(&plan.row_token);
-            ops::grouped_gemm(
-                &g,
-                xin,
-                row_token,
-                rs,
-                &m.data,
-                rows(),
-                pairs,
-                n,
-                k,
-                &mut gu,
-            )
-            .unwrap();
+            ops::grouped_gemm(&g, xin, row_token, rs, &m.data, rows, pairs, n, k, &mut gu).unwrap();
             let mut h = poisoned(&g, pairs * inter, f32::NAN);
             ops::silu_mul(&g, &gu, None, &mut h, pairs, inter).unwrap();
             let h_want = bits(g.download(&h, pairs * inter).unwrap());
@@ -1219,17 +1137,7 @@ fn gate_up_with_swiglu_in_its_epilogue_gives_the_bits_of_the_separate_launches()
             let mut got = poisoned(&g, pairs * n, f32::NAN);
             let out = ops::SwigluOut::F32;
             ops::grouped_gemm_swiglu(
-                &g,
-                xin,
-                row_token,
-                rs,
-                &m.data,
-                rows(),
-                pairs,
-                n,
-                k,
-                out,
-                &mut got,
+                &g, xin, row_token, rs, &m.data, rows, pairs, n, k, out, &mut got,
             )
             .unwrap();
             assert_eq!(
@@ -1247,21 +1155,11 @@ fn gate_up_with_swiglu_in_its_epilogue_gives_the_bits_of_the_separate_launches()
             let mut got = poisoned(&g, pairs * n, f32::NAN);
             let out = ops::SwigluOut::Bf16Words;
             assert!(
-                ops::swiglu_epilogue_runs(&g, &m.data, &rows(), pairs, n, k, out),
+                ops::swiglu_epilogue_runs(&g, &m.data, &rows, pairs, n, k, out),
                 "{what}: words"
             );
             ops::grouped_gemm_swiglu(
-                &g,
-                xin,
-                row_token,
-                rs,
-                &m.data,
-                rows(),
-                pairs,
-                n,
-                k,
-                out,
-                &mut got,
+                &g, xin, row_token, rs, &m.data, rows, pairs, n, k, out, &mut got,
             )
             .unwrap();
             let words_got = bits(g.download(&got, pairs * inter / 2).unwrap());
@@ -1270,7 +1168,7 @@ fn gate_up_with_swiglu_in_its_epilogue_gives_the_bits_of_the_separate_launches()
             let parts: Vec<Vec<&dyn Linear>> = cpu_down.iter().map(|l| vec![&**l]).collect();
             let down = GpuMatrix::upload(&g, &parts).unwrap();
             assert!(
-                ops::takes_bf16_words(&g, &down.data, &rows(), pairs, hidden, inter),
+                ops::takes_bf16_words(&g, &down.data, &rows, pairs, hidden, inter),
                 "{what}: down"
             );
             let mut y_want = poisoned(&g, pairs * hidden, f32::NAN);
@@ -1280,7 +1178,7 @@ fn gate_up_with_swiglu_in_its_epilogue_gives_the_bits_of_the_separate_launches()
                 None,
                 None,
                 &down.data,
-                rows(),
+                rows,
                 pairs,
                 hidden,
                 inter,
@@ -1288,7 +1186,7 @@ fn gate_up_with_swiglu_in_its_epilogue_gives_the_bits_of_the_separate_launches()
             )
             .unwrap();
             let mut y = poisoned(&g, pairs * hidden, f32::NAN);
-            ops::grouped_gemm_packed(&g, &got, &down.data, rows(), pairs, hidden, inter, &mut y)
+            ops::grouped_gemm_packed(&g, &got, &down.data, rows, pairs, hidden, inter, &mut y)
                 .unwrap();
             assert_eq!(
                 bits(g.download(&y, pairs * hidden).unwrap()),
@@ -1338,7 +1236,6 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
     let mut plan = MoePlan::new(&g, tokens * top_k, experts).unwrap();
     plan.build(&g, &ids, tokens, top_k, experts).unwrap();
     let x = activations(&mut rng, tokens, k);
-    let dx = g.upload(&x).unwrap();
     let pairs = tokens * top_k;
     let nvfp4 = TensorFormat {
         format: Format::Nvfp4,
@@ -1353,8 +1250,8 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
         let cpu_w = cpu_experts(&mut rng, experts, n, k, &fmt);
         let parts: Vec<Vec<&dyn Linear>> = cpu_w.iter().map(|l| vec![&**l]).collect();
         let m = GpuMatrix::upload(&g, &parts).unwrap();
-        let input = LayerInput::new(&g, fmt.format, &dx, tokens, k);
-        let (xin, rs) = (input.x(&dx), input.row_scale.as_ref());
+        let input = layer_input(&g, m.act, &x, tokens, k);
+        let (xin, rs) = (&input.x, input.row_scale.as_ref());
         let mut want = Vec::with_capacity(pairs * n);
         for t in 0..tokens {
             for s in 0..top_k {

@@ -1,6 +1,9 @@
 //! Helpers of the GPU test binaries (tests/cuda_*.rs): fresh random data, the device, and the
 //! error measure every CPU-reference comparison uses.
 
+use cudarc::driver::CudaSlice;
+use lockstep::backend::cuda::ops::{self, Nvfp4Out};
+use lockstep::backend::cuda::weights::Activation;
 use lockstep::backend::cuda::Gpu;
 
 /// xorshift64*: fresh but reproducible data; the seed changes per run and is printed.
@@ -71,4 +74,58 @@ where
     T: cudarc::driver::DeviceRepr + Clone,
 {
     g.upload(&vec![v; n]).unwrap()
+}
+
+/// The GEMM input of a layer whose activations are `act`, for `rows` rows of x (`k` wide): x
+/// itself (plain layers), or, as the model does, its per-token quantization's exact dequantized
+/// values (and, for NVFP4, the row scales).
+pub struct LayerInput {
+    pub x: CudaSlice<f32>,
+    pub row_scale: Option<CudaSlice<f32>>,
+}
+
+pub fn layer_input(g: &Gpu, act: Activation, x: &[f32], rows: usize, k: usize) -> LayerInput {
+    let dx = g.upload(x).unwrap();
+    let (mut data, mut scales) = (
+        g.alloc::<u8>(rows * k).unwrap(),
+        g.alloc::<u8>(rows * k / 16).unwrap(),
+    );
+    let mut deq = g.alloc::<f32>(rows * k).unwrap();
+    match act {
+        Activation::Plain => LayerInput {
+            x: dx,
+            row_scale: None,
+        },
+        Activation::Mxfp8 => {
+            ops::mxfp8_quantize(g, &dx, rows * k, &mut data, &mut scales, Some(&mut deq)).unwrap();
+            LayerInput {
+                x: deq,
+                row_scale: None,
+            }
+        }
+        Activation::Nvfp4 { per_token, params } => {
+            assert!(per_token, "the recipes' default");
+            let mut row_scale = g.alloc::<f32>(rows).unwrap();
+            ops::nvfp4_quantize_f32(
+                g,
+                &dx,
+                rows,
+                k,
+                true,
+                None,
+                params,
+                Nvfp4Out {
+                    data: &mut data,
+                    scales: &mut scales,
+                    row_s_dec: &mut row_scale,
+                    deq: Some(&mut deq),
+                },
+            )
+            .unwrap();
+            LayerInput {
+                x: deq,
+                row_scale: Some(row_scale),
+            }
+        }
+    }
 }

@@ -657,27 +657,14 @@ pub fn grouped_gemm_swiglu(
             "SwiGLU in the GEMM epilogue ({out:?}) for these weights and rows (the wgmma kernel only)"
         )));
     }
-    let parts = [GemmPart {
-        w: Operand::of(gpu, w),
-        n,
-        out: h,
-    }];
     let mode = LaunchMode {
         swiglu: Some(out),
         ..LaunchMode::default()
     };
-    launch_parts(
-        GemmPath::Wgmma,
-        SplitK::Off,
-        gpu,
-        x,
-        row_index,
-        row_scale,
-        &parts,
-        rows,
-        max_rows,
-        k,
-        mode,
+    let w = Operand::of(gpu, w);
+    let (path, split) = (GemmPath::Wgmma, SplitK::Off);
+    launch_gemm(
+        path, split, mode, gpu, x, row_index, row_scale, w, rows, max_rows, n, k, h,
     )
     .map(drop)
 }
@@ -701,27 +688,14 @@ pub fn grouped_gemm_packed(
             "a GEMM over packed BF16 activations where its kernel reads them unpacked".into(),
         ));
     }
-    let parts = [GemmPart {
-        w: Operand::of(gpu, w),
-        n,
-        out,
-    }];
     let mode = LaunchMode {
         packed: Some(words),
         ..LaunchMode::default()
     };
-    launch_parts(
-        GemmPath::Auto,
-        SplitK::Auto,
-        gpu,
-        words,
-        None,
-        None,
-        &parts,
-        rows,
-        max_rows,
-        k,
-        mode,
+    let w = Operand::of(gpu, w);
+    let (path, split) = (GemmPath::Auto, SplitK::Auto);
+    launch_gemm(
+        path, split, mode, gpu, words, None, None, w, rows, max_rows, n, k, out,
     )
     .map(drop)
 }
@@ -742,20 +716,11 @@ pub fn grouped_gemm_on(
     k: usize,
     out: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
+    let (mode, w) = (LaunchMode::default(), Operand::of(gpu, w));
     launch_gemm(
-        path,
-        split,
-        gpu,
-        x,
-        row_index,
-        row_scale,
-        Operand::of(gpu, w),
-        rows,
-        max_rows,
-        n,
-        k,
-        out,
+        path, split, mode, gpu, x, row_index, row_scale, w, rows, max_rows, n, k, out,
     )
+    .map(drop)
 }
 
 /// Whether dense layers `ws` can share one [`dense_gemm_parts`] launch: at most
@@ -858,21 +823,15 @@ pub fn grouped_gemm_unfolded(
     k: usize,
     out: &mut CudaSlice<f32>,
 ) -> Result<Option<Unfolded>, CudaError> {
-    let parts = [GemmPart {
-        w: Operand::of(gpu, w),
-        n,
-        out,
-    }];
     let mode = LaunchMode {
         unfolded: true,
         ..LaunchMode::default()
     };
+    let w = Operand::of(gpu, w);
     let (path, split) = (GemmPath::Auto, SplitK::Auto);
-    let x_side = (x, row_index, row_scale);
-    let left = launch_parts(
-        path, split, gpu, x_side.0, x_side.1, x_side.2, &parts, rows, max_rows, k, mode,
-    )?;
-    Ok(left.into_iter().next())
+    launch_gemm(
+        path, split, mode, gpu, x, row_index, row_scale, w, rows, max_rows, n, k, out,
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -934,9 +893,11 @@ pub fn table_gemm(
         Table::Bf16(t) => Operand::bf16(gpu, t),
         Table::F32(t) => Operand::f32(gpu, t),
     };
+    let (path, split, mode) = (GemmPath::Auto, SplitK::Auto, LaunchMode::default());
     launch_gemm(
-        GemmPath::Auto,
-        SplitK::Auto,
+        path,
+        split,
+        mode,
         gpu,
         x,
         None,
@@ -948,6 +909,7 @@ pub fn table_gemm(
         k,
         out,
     )
+    .map(drop)
 }
 
 /// Where word `j` (k = 2j, 2j + 1) of a row of the tiled kernel's packed operand is stored
@@ -1012,10 +974,12 @@ struct LaunchMode<'a> {
     unfolded: bool,
 }
 
+/// [`launch_parts`] of one matrix: its segment sums where `mode` leaves them.
 #[allow(clippy::too_many_arguments)]
 fn launch_gemm(
     path: GemmPath,
     split: SplitK,
+    mode: LaunchMode<'_>,
     gpu: &Gpu,
     x: &CudaSlice<f32>,
     row_index: Option<&CudaSlice<i32>>,
@@ -1026,22 +990,12 @@ fn launch_gemm(
     n: usize,
     k: usize,
     out: &mut CudaSlice<f32>,
-) -> Result<(), CudaError> {
+) -> Result<Option<Unfolded>, CudaError> {
     let parts = [GemmPart { w, n, out }];
-    launch_parts(
-        path,
-        split,
-        gpu,
-        x,
-        row_index,
-        row_scale,
-        &parts,
-        rows,
-        max_rows,
-        k,
-        LaunchMode::default(),
-    )
-    .map(drop)
+    let left = launch_parts(
+        path, split, gpu, x, row_index, row_scale, &parts, rows, max_rows, k, mode,
+    )?;
+    Ok(left.into_iter().next())
 }
 
 /// One launch over `parts` (1 to [`GEMM_MAX_PARTS`] matrices of one format and S_dec grouping,
