@@ -134,6 +134,20 @@ extern "C" __global__ void add_inplace(float* x, const float* y, u64 n) {
 #define QK_ROPE_MAX_HALF 256
 #define QK_ROPE_WARPS 8
 #define QK_FOLD_MAX (2 * QK_ROPE_MAX_HALF / 32)  // a lane's elements of a head
+
+// A lane's elements (lane, lane + 32, ...) of the head at `at` of a q, k or v left as segment
+// sums, folded together.
+__device__ __forceinline__ void qk_fold_head(const float* sums, int segments, u64 stride, u64 at, int lane, int hd,
+                                             float (&f)[QK_FOLD_MAX]) {
+    u64 el[QK_FOLD_MAX];
+    bool live[QK_FOLD_MAX];
+#pragma unroll
+    for (int j = 0; j < QK_FOLD_MAX; j++) {
+        live[j] = lane + 32 * j < hd;
+        el[j] = at + lane + 32 * j;
+    }
+    folded_many<QK_FOLD_MAX>(sums, segments, stride, el, live, f);
+}
 template <bool SUMS>
 __device__ __forceinline__ void qk_norm_rope_store_head(float* q, float* k, const float* v, const float* q_norm,
                                                         const float* k_norm, const float* inv_freq, const int* pos,
@@ -155,19 +169,11 @@ __device__ __forceinline__ void qk_norm_rope_store_head(float* q, float* k, cons
     const float* sums = is_q ? q_sums : k_sums;
     if constexpr (SUMS) if (sums) {
         u64 at = is_q ? ((u64)t * heads + h) * hd : ((u64)t * kv_heads + kh) * hd;
-        u64 stride = (u64)gridDim.x * (is_q ? heads : kv_heads) * hd;
-        u64 el[QK_FOLD_MAX];
-        bool live[QK_FOLD_MAX];
         float f[QK_FOLD_MAX];
-#pragma unroll
-        for (int j = 0; j < QK_FOLD_MAX; j++) {
-            live[j] = lane + 32 * j < hd;
-            el[j] = at + lane + 32 * j;
-        }
-        folded_many<QK_FOLD_MAX>(sums, segments, stride, el, live, f);
+        qk_fold_head(sums, segments, (u64)gridDim.x * (is_q ? heads : kv_heads) * hd, at, lane, hd, f);
 #pragma unroll
         for (int j = 0; j < QK_FOLD_MAX; j++)
-            if (live[j]) x[lane + 32 * j] = f[j];
+            if (lane + 32 * j < hd) x[lane + 32 * j] = f[j];
         __syncwarp();
     }
     const float* nw = is_q ? q_norm : k_norm;
@@ -198,18 +204,11 @@ __device__ __forceinline__ void qk_norm_rope_store_head(float* q, float* k, cons
     if (!is_q) {
         u64 at = ((u64)t * kv_heads + kh) * hd;
         if (SUMS && v_sums) {
-            u64 el[QK_FOLD_MAX];
-            bool live[QK_FOLD_MAX];
             float f[QK_FOLD_MAX];
-#pragma unroll
-            for (int j = 0; j < QK_FOLD_MAX; j++) {
-                live[j] = lane + 32 * j < hd;
-                el[j] = at + lane + 32 * j;
-            }
-            folded_many<QK_FOLD_MAX>(v_sums, segments, (u64)gridDim.x * kv_heads * hd, el, live, f);
+            qk_fold_head(v_sums, segments, (u64)gridDim.x * kv_heads * hd, at, lane, hd, f);
 #pragma unroll
             for (int j = 0; j < QK_FOLD_MAX; j++)
-                if (live[j]) v_cache[kv_base + lane + 32 * j] = f32_to_bf16(f[j]);
+                if (lane + 32 * j < hd) v_cache[kv_base + lane + 32 * j] = f32_to_bf16(f[j]);
         } else {
             const float* vr = v + at;
             for (int i = lane; i < hd; i += 32) v_cache[kv_base + i] = f32_to_bf16(vr[i]);

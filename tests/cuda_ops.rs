@@ -1058,6 +1058,22 @@ fn one_launch_routing_gives_the_routes_and_plan_of_the_separate_launches() {
     }
 }
 
+/// BF16, MXFP8 and NVFP4 (per-token activations): the recipes' expert formats.
+fn expert_formats() -> [TensorFormat; 3] {
+    [
+        TensorFormat::BF16,
+        TensorFormat {
+            format: Format::Mxfp8,
+            ..TensorFormat::BF16
+        },
+        TensorFormat {
+            format: Format::Nvfp4,
+            activation_scale: ScaleGranularity::PerToken,
+            four_over_six: None,
+        },
+    ]
+}
+
 /// A routing plan of `tokens` rows over `experts` experts, `top_k` a row, from random logits.
 fn random_plan(
     g: &lockstep::backend::cuda::Gpu,
@@ -1097,18 +1113,9 @@ fn gate_up_with_swiglu_in_its_epilogue_gives_the_bits_of_the_separate_launches()
     let rows = GemmRows::Plan(&plan);
     let x = activations(&mut rng, tokens, k);
     let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
-    let nvfp4 = TensorFormat {
-        format: Format::Nvfp4,
-        activation_scale: ScaleGranularity::PerToken,
-        four_over_six: None,
-    };
-    let mxfp8 = TensorFormat {
-        format: Format::Mxfp8,
-        ..TensorFormat::BF16
-    };
     for inter in [96, 128] {
         let n = 2 * inter;
-        for fmt in [TensorFormat::BF16, mxfp8, nvfp4] {
+        for fmt in expert_formats() {
             let what = format!("{:?} gate/up, inter {inter}", fmt.format);
             let cpu_w = cpu_experts(&mut rng, experts, n, k, &fmt);
             let parts: Vec<Vec<&dyn Linear>> = cpu_w.iter().map(|l| vec![&**l]).collect();
@@ -1237,16 +1244,8 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
     plan.build(&g, &ids, tokens, top_k, experts).unwrap();
     let x = activations(&mut rng, tokens, k);
     let pairs = tokens * top_k;
-    let nvfp4 = TensorFormat {
-        format: Format::Nvfp4,
-        activation_scale: ScaleGranularity::PerToken,
-        four_over_six: None,
-    };
-    let mxfp8 = TensorFormat {
-        format: Format::Mxfp8,
-        ..TensorFormat::BF16
-    };
-    for (fmt, tol) in [(TensorFormat::BF16, 1e-5), (mxfp8, 1e-5), (nvfp4, 1e-5)] {
+    for fmt in expert_formats() {
+        let tol = 1e-5;
         let cpu_w = cpu_experts(&mut rng, experts, n, k, &fmt);
         let parts: Vec<Vec<&dyn Linear>> = cpu_w.iter().map(|l| vec![&**l]).collect();
         let m = GpuMatrix::upload(&g, &parts).unwrap();
