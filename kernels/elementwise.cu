@@ -302,6 +302,15 @@ extern "C" __global__ void silu_mul_sums(const float* sums, float* h, u64 rows, 
 // the grid; four columns a thread where hidden and the addresses allow float4), so one token's
 // columns are spread over blocks instead of walked by one.
 #define COMBINE_SLOTS 16
+
+// Where column i of each slot's expert row is (its row of expert_out: rows[s]), for the folds.
+__device__ __forceinline__ void combine_slots(const int* rows, int top_k, int hidden, int i, u64* at, bool* live) {
+#pragma unroll
+    for (int s = 0; s < COMBINE_SLOTS; s++) {
+        at[s] = (u64)rows[s] * hidden + i;
+        live[s] = s < top_k;
+    }
+}
 template <bool SUMS>
 __device__ __forceinline__ void moe_combine_token(const float* expert_out, const int* slot_row,
                                                   const float* weights, float* y, int top_k, int hidden,
@@ -325,11 +334,7 @@ __device__ __forceinline__ void moe_combine_token(const float* expert_out, const
             if constexpr (SUMS) {
                 u64 at[COMBINE_SLOTS];
                 bool live[COMBINE_SLOTS];
-#pragma unroll
-                for (int s = 0; s < COMBINE_SLOTS; s++) {
-                    at[s] = (u64)rows[s] * hidden + i;
-                    live[s] = s < top_k;
-                }
+                combine_slots(rows, top_k, hidden, i, at, live);
                 folded4_many<COMBINE_SLOTS, 1>(expert_out, segments, stride, at, live, e);
             } else {
 #pragma unroll
@@ -356,11 +361,7 @@ __device__ __forceinline__ void moe_combine_token(const float* expert_out, const
             if constexpr (SUMS) {
                 u64 at[COMBINE_SLOTS];
                 bool live[COMBINE_SLOTS];
-#pragma unroll
-                for (int s = 0; s < COMBINE_SLOTS; s++) {
-                    at[s] = (u64)rows[s] * hidden + i;
-                    live[s] = s < top_k;
-                }
+                combine_slots(rows, top_k, hidden, i, at, live);
                 folded_many<COMBINE_SLOTS>(expert_out, segments, stride, at, live, e);
             } else {
 #pragma unroll

@@ -18,11 +18,10 @@ use lockstep::backend::cuda::ops::{self, GemmPath, GemmRows, MoePlan, SplitK};
 use lockstep::backend::cuda::weights::GpuMatrix;
 use lockstep::backend::cuda::Gpu;
 use lockstep::backend::Linear;
-use lockstep::quant::nvfp4::ScaleGranularity;
-use lockstep::quant::{Format, TensorFormat};
+use lockstep::quant::TensorFormat;
 
 mod common;
-use common::cuda::{gpu, layer_input, seed, LayerInput, Rng};
+use common::cuda::{expert_formats, gpu, layer_input, seed, LayerInput, Rng};
 
 const ROW_COUNTS: [usize; 7] = [1, 2, 7, 16, 64, 200, 1024];
 const ALL: usize = 1024;
@@ -64,21 +63,6 @@ fn assert_bits(got: &[f32], want: &[f32], what: &str) {
             got[i], want[i]
         );
     }
-}
-
-fn formats() -> [TensorFormat; 3] {
-    [
-        TensorFormat::BF16,
-        TensorFormat {
-            format: Format::Mxfp8,
-            ..TensorFormat::BF16
-        },
-        TensorFormat {
-            format: Format::Nvfp4,
-            activation_scale: ScaleGranularity::PerToken,
-            four_over_six: None,
-        },
-    ]
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -128,7 +112,7 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
     // tiles; K = 800: three K segments and a partial fourth; K = 2048: eight segments.
     for (n, k) in [(100, 96), (136, 800), (576, 2048)] {
         let x = rng.vec(ALL * k, 2.0);
-        let mut layers: Vec<(String, Box<dyn Linear>)> = formats()
+        let mut layers: Vec<(String, Box<dyn Linear>)> = expert_formats()
             .iter()
             .map(|f| {
                 let l = make_linear(bf16_weights(&mut rng, n, k), n, k, f, None);
@@ -194,7 +178,7 @@ fn joined_launches_give_each_part_the_bits_of_its_own_launch() {
     // Parts of 160, 32 and 96 columns: partial column blocks on every kernel; K = 800: three
     // K segments and a partial fourth.
     let (ns, k) = ([160usize, 32, 96], 800);
-    let mut kinds: Vec<(String, Vec<Box<dyn Linear>>)> = formats()
+    let mut kinds: Vec<(String, Vec<Box<dyn Linear>>)> = expert_formats()
         .iter()
         .map(|f| {
             let layers = ns
@@ -308,7 +292,7 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
         ops::moe_combine(&g, &dout, None, plan, w, &mut y, tokens, top_k, n).unwrap();
         g.download(&y, tokens * n).unwrap()
     };
-    for fmt in formats() {
+    for fmt in expert_formats() {
         let cpu: Vec<Box<dyn Linear>> = (0..experts)
             .map(|_| make_linear(bf16_weights(&mut rng, n, k), n, k, &fmt, None))
             .collect();

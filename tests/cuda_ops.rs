@@ -22,7 +22,7 @@ use lockstep::quant::nvfp4::{ErrorMetric, ScaleGranularity};
 use lockstep::quant::{self, Format, FourOverSix, Nvfp4Options, Recipe, TensorFormat};
 
 mod common;
-use common::cuda::{gpu, layer_input, poisoned, rel_err, seed, Rng};
+use common::cuda::{expert_formats, gpu, layer_input, poisoned, rel_err, seed, Rng};
 
 /// A plain BF16 layer's relative error on the tensor cores against the CPU's f32 products: its
 /// activations rounded to BF16 (a relative error up to 2^-9 each) on random data.
@@ -1056,22 +1056,6 @@ fn one_launch_routing_gives_the_routes_and_plan_of_the_separate_launches() {
             assert_rows_of_groups(&g, &plan_a, &ids, &want.1, top_k, &shape);
         }
     }
-}
-
-/// BF16, MXFP8 and NVFP4 (per-token activations): the recipes' expert formats.
-fn expert_formats() -> [TensorFormat; 3] {
-    [
-        TensorFormat::BF16,
-        TensorFormat {
-            format: Format::Mxfp8,
-            ..TensorFormat::BF16
-        },
-        TensorFormat {
-            format: Format::Nvfp4,
-            activation_scale: ScaleGranularity::PerToken,
-            four_over_six: None,
-        },
-    ]
 }
 
 /// A routing plan of `tokens` rows over `experts` experts, `top_k` a row, from random logits.

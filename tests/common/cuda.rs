@@ -5,6 +5,8 @@ use cudarc::driver::CudaSlice;
 use lockstep::backend::cuda::ops::{self, Nvfp4Out};
 use lockstep::backend::cuda::weights::Activation;
 use lockstep::backend::cuda::Gpu;
+use lockstep::quant::nvfp4::ScaleGranularity;
+use lockstep::quant::{Format, TensorFormat};
 
 /// xorshift64*: fresh but reproducible data; the seed changes per run and is printed.
 pub struct Rng(pub u64);
@@ -128,4 +130,20 @@ pub fn layer_input(g: &Gpu, act: Activation, x: &[f32], rows: usize, k: usize) -
             }
         }
     }
+}
+
+/// BF16, MXFP8 and NVFP4 (per-token activations): the recipes' expert formats.
+pub fn expert_formats() -> [TensorFormat; 3] {
+    [
+        TensorFormat::BF16,
+        TensorFormat {
+            format: Format::Mxfp8,
+            ..TensorFormat::BF16
+        },
+        TensorFormat {
+            format: Format::Nvfp4,
+            activation_scale: ScaleGranularity::PerToken,
+            four_over_six: None,
+        },
+    ]
 }
