@@ -748,10 +748,16 @@ impl Backend for Cuda {
         record: bool,
         layers: &mut dyn FnMut(&mut Self) -> Result<(), CudaError>,
     ) -> Result<(), CudaError> {
+        // Split-K sums the layers leave with no reader inside them (a dense last layer's
+        // output) are folded inside them too: a replayed graph runs no host code after them.
+        let mut layers = |cuda: &mut Self| {
+            cuda.unfolded.clear();
+            layers(cuda).and_then(|()| cuda.settle())
+        };
         match self.decode_rows.filter(|_| record) {
             Some(rows) => {
                 let mut graphs = std::mem::take(&mut self.graphs);
-                let ran = graphs.run(self, rows, layers);
+                let ran = graphs.run(self, rows, &mut layers);
                 self.graphs = graphs;
                 ran
             }

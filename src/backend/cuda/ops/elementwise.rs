@@ -124,6 +124,10 @@ pub fn rms_norm(
             256,
             (x, residual.map(View::whole), w, out, rows, d as i32, eps),
         ),
+        Some(u) if u.stride < out_rows * d => Err(CudaError::Capacity(format!(
+            "rms_norm: residual segment sums of {} elements for {out_rows} rows of {d}",
+            u.stride
+        ))),
         Some(u) => gpu.launch(
             Kernel::RmsNormSums,
             grid,
