@@ -397,6 +397,18 @@ __device__ u64 member_max_key(const RowView& r, SampleShared& sh) {
     return sh.max_key;
 }
 
+// A thread's next SAMPLE_BATCH elements of its walk over a row (t0, t0 + SAMPLE_THREADS, ...),
+// all loads issued before any is used: one block walks a whole row (151,936 logits of Qwen3),
+// and at one load in flight a warp each walk waited out ~300 load latencies.
+#define SAMPLE_BATCH 8
+__device__ __forceinline__ void sample_batch(const float* row, int vocab, int t0, float (&lb)[SAMPLE_BATCH]) {
+#pragma unroll
+    for (int u = 0; u < SAMPLE_BATCH; u++) {
+        int t = t0 + u * SAMPLE_THREADS;
+        lb[u] = t < vocab ? row[t] : 0.0f;
+    }
+}
+
 // One block per sampled row. `logits` holds the lm_head chunk (row stride `vocab`); the row is
 // processed in place. `probs` has one row per block. Results go to slot first_slot + blockIdx.x.
 extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* logits, float* probs, int vocab, const RowParams* params, const PenaltyEntry* penalties,
@@ -429,18 +441,26 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* 
     }
     __syncthreads();
 
-    // Temperature, the max and the first non-finite logit.
+    // Temperature, the max and the first non-finite logit. A thread walks its logits t = tid,
+    // tid + SAMPLE_THREADS, ... in that order, SAMPLE_BATCH of them loaded before any is used.
     const bool scale = !pr.greedy && pr.temperature != 1.0f;
     float m = -INFINITY;
     int bad = 0x7fffffff;
-    for (int t = tid; t < vocab; t += SAMPLE_THREADS) {
-        float l = row[t];
-        if (scale) {
-            l = __fdiv_rn(l, pr.temperature);
-            row[t] = l;
+    for (int t0 = tid; t0 < vocab; t0 += SAMPLE_THREADS * SAMPLE_BATCH) {
+        float lb[SAMPLE_BATCH];
+        sample_batch(row, vocab, t0, lb);
+#pragma unroll
+        for (int u = 0; u < SAMPLE_BATCH; u++) {
+            int t = t0 + u * SAMPLE_THREADS;
+            if (t >= vocab) break;
+            float l = lb[u];
+            if (scale) {
+                l = __fdiv_rn(l, pr.temperature);
+                row[t] = l;
+            }
+            if (l != l || l == INFINITY) bad = min(bad, t);
+            m = fmaxf(m, l);
         }
-        if (l != l || l == INFINITY) bad = min(bad, t);
-        m = fmaxf(m, l);
     }
     bad = block_min_i32(bad, sh);
     m = block_max_f32(m, sh);
@@ -456,15 +476,23 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* 
         return;
     }
 
-    // Probabilities and the normalizer; the greedy token (first maximum) on the way.
+    // Probabilities and the normalizer (each thread's terms added in its walk's order); the
+    // greedy token (first maximum) on the way.
     double acc = 0.0;
     int first_max = 0x7fffffff;
-    for (int t = tid; t < vocab; t += SAMPLE_THREADS) {
-        float l = row[t];
-        float p = host_expf(__fsub_rn(l, m), sh.exp_table);
-        if (!pr.greedy) prow[t] = p;
-        acc = __dadd_rn(acc, (double)p);
-        if (l == m) first_max = min(first_max, t);
+    for (int t0 = tid; t0 < vocab; t0 += SAMPLE_THREADS * SAMPLE_BATCH) {
+        float lb[SAMPLE_BATCH];
+        sample_batch(row, vocab, t0, lb);
+#pragma unroll
+        for (int u = 0; u < SAMPLE_BATCH; u++) {
+            int t = t0 + u * SAMPLE_THREADS;
+            if (t >= vocab) break;
+            float l = lb[u];
+            float p = host_expf(__fsub_rn(l, m), sh.exp_table);
+            if (!pr.greedy) prow[t] = p;
+            acc = __dadd_rn(acc, (double)p);
+            if (l == m) first_max = min(first_max, t);
+        }
     }
     double total = block_sum_f64(acc, sh);
     first_max = block_min_i32(first_max, sh);
