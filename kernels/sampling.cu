@@ -214,18 +214,36 @@ __device__ int block_min_i32(int v, SampleShared& sh) {
     return m;
 }
 
-// Whether token t is a member of `kind`, and its key and weight.
-__device__ __forceinline__ bool member(const RowView& r, int kind, int by_mass, int t, u64& key, double& w) {
+// Whether token t, whose probability (KIND_PROB) or logit (KIND_LOGPROB) is v, is a member of
+// `kind`, and its key and weight.
+__device__ __forceinline__ bool member_of(const RowView& r, int kind, int by_mass, int t, float v, u64& key,
+                                          double& w) {
     if (kind == KIND_PROB) {
-        float p = r.p[t];
-        if (!(p > 0.0f && p >= r.min_p)) return false;
-        key = ((u64)descending_f32(p) << 32) | (u32)t;
-        w = by_mass ? (double)p : 1.0;
+        if (!(v > 0.0f && v >= r.min_p)) return false;
+        key = ((u64)descending_f32(v) << 32) | (u32)t;
+        w = by_mass ? (double)v : 1.0;
     } else {
-        key = ((u64)descending_f32(logprob_of(r.l[t], r.lse)) << 32) | (u32)t;
+        key = ((u64)descending_f32(logprob_of(v, r.lse)) << 32) | (u32)t;
         w = 1.0;
     }
     return key <= r.limit;
+}
+
+// Whether token t is a member of `kind`, and its key and weight.
+__device__ __forceinline__ bool member(const RowView& r, int kind, int by_mass, int t, u64& key, double& w) {
+    return member_of(r, kind, by_mass, t, kind == KIND_PROB ? r.p[t] : r.l[t], key, w);
+}
+
+// A thread's next SAMPLE_BATCH elements of its walk over a row (t0, t0 + SAMPLE_THREADS, ...),
+// all loads issued before any is used: one block walks a whole row (151,936 logits of Qwen3),
+// and at one load in flight a warp each walk waited out ~300 load latencies.
+#define SAMPLE_BATCH 8
+__device__ __forceinline__ void sample_batch(const float* row, int vocab, int t0, float (&lb)[SAMPLE_BATCH]) {
+#pragma unroll
+    for (int u = 0; u < SAMPLE_BATCH; u++) {
+        int t = t0 + u * SAMPLE_THREADS;
+        lb[u] = t < vocab ? row[t] : 0.0f;
+    }
 }
 
 __device__ __forceinline__ bool in_prefix(u64 key, u64 prefix, int fixed) {
@@ -372,13 +390,20 @@ __device__ u64 select_key(const RowView& r, int kind, int by_mass, double target
     return sh.sel_key;
 }
 
-// The kept mass: members' p summed (f64).
+// The kept mass: members' p summed (f64), a thread's in its walk's order.
 __device__ double member_mass(const RowView& r, SampleShared& sh) {
     double acc = 0.0;
-    for (int t = threadIdx.x; t < r.vocab; t += SAMPLE_THREADS) {
-        u64 key;
-        double w;
-        if (member(r, KIND_PROB, 1, t, key, w)) acc += w;
+    for (int t0 = threadIdx.x; t0 < r.vocab; t0 += SAMPLE_THREADS * SAMPLE_BATCH) {
+        float pb[SAMPLE_BATCH];
+        sample_batch(r.p, r.vocab, t0, pb);
+#pragma unroll
+        for (int u = 0; u < SAMPLE_BATCH; u++) {
+            int t = t0 + u * SAMPLE_THREADS;
+            if (t >= r.vocab) break;
+            u64 key;
+            double w;
+            if (member_of(r, KIND_PROB, 1, t, pb[u], key, w)) acc += w;
+        }
     }
     return block_sum_f64(acc, sh);
 }
@@ -395,18 +420,6 @@ __device__ u64 member_max_key(const RowView& r, SampleShared& sh) {
     }
     __syncthreads();
     return sh.max_key;
-}
-
-// A thread's next SAMPLE_BATCH elements of its walk over a row (t0, t0 + SAMPLE_THREADS, ...),
-// all loads issued before any is used: one block walks a whole row (151,936 logits of Qwen3),
-// and at one load in flight a warp each walk waited out ~300 load latencies.
-#define SAMPLE_BATCH 8
-__device__ __forceinline__ void sample_batch(const float* row, int vocab, int t0, float (&lb)[SAMPLE_BATCH]) {
-#pragma unroll
-    for (int u = 0; u < SAMPLE_BATCH; u++) {
-        int t = t0 + u * SAMPLE_THREADS;
-        lb[u] = t < vocab ? row[t] : 0.0f;
-    }
 }
 
 // One block per sampled row. `logits` holds the lm_head chunk (row stride `vocab`); the row is
