@@ -5,15 +5,27 @@
 // `given` (optional, [tokens, top_k]): routing replay. A row whose given ids are all valid takes
 // them, weighted by this router's probabilities (renormalized over them, summed in slot order as
 // the CPU does); any other row is routed normally.
+// A lane's first ROUTE_HELD experts (lane, lane + 32, ...: 256 experts in all) keep their
+// probabilities in registers, computed once; the top-k walk recomputes the others' (the same
+// expression, so the same values).
+#define ROUTE_HELD 8
 __device__ void route_token(const float* logits, int t, int lane, int experts, int top_k, int renormalize,
                             const int* given, int* topk_ids, float* topk_w) {
     const float* row = logits + (u64)t * experts;
     float m = -INFINITY;
     for (int e = lane; e < experts; e += 32) m = fmaxf(m, row[e]);
     m = warp_max(m);
-    float sum = 0.0f;
-    for (int e = lane; e < experts; e += 32) sum += expf(row[e] - m);
+    float sum = 0.0f, held[ROUTE_HELD];
+#pragma unroll
+    for (int j = 0; j < ROUTE_HELD; j++) {
+        int e = lane + 32 * j;
+        held[j] = e < experts ? expf(row[e] - m) : 0.0f;
+        if (e < experts) sum += held[j];
+    }
+    for (int e = lane + 32 * ROUTE_HELD; e < experts; e += 32) sum += expf(row[e] - m);
     sum = warp_sum(sum);
+#pragma unroll
+    for (int j = 0; j < ROUTE_HELD; j++) held[j] = held[j] / sum;
     if (given) {
         const int* g = given + (u64)t * top_k;
         bool valid = true;
@@ -40,15 +52,18 @@ __device__ void route_token(const float* logits, int t, int lane, int experts, i
         // The next best after (prev_p, prev_id) in the order (probability desc, id asc).
         float best = -1.0f;
         int best_id = 0x7fffffff;
-        for (int e = lane; e < experts; e += 32) {
-            float p = expf(row[e] - m) / sum;
+        auto consider = [&](int e, float p) {
             bool after_prev = p < prev_p || (p == prev_p && e > prev_id);
             bool better = p > best || (p == best && e < best_id);
             if (after_prev && better) {
                 best = p;
                 best_id = e;
             }
-        }
+        };
+#pragma unroll
+        for (int j = 0; j < ROUTE_HELD; j++)
+            if (lane + 32 * j < experts) consider(lane + 32 * j, held[j]);
+        for (int e = lane + 32 * ROUTE_HELD; e < experts; e += 32) consider(e, expf(row[e] - m) / sum);
         for (int o = 16; o > 0; o >>= 1) {
             float ob = __shfl_xor_sync(0xffffffffu, best, o);
             int oi = __shfl_xor_sync(0xffffffffu, best_id, o);
