@@ -1350,7 +1350,7 @@ __device__ __forceinline__ GemmPart gemm_part(int cols, int rows, const void* w,
     x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets, rows, N, K, out, partials, xb, counters, bx
 
 // Before a block waits on the kernel ahead of it (pdl_entry), a dense launch of few rows (a
-// decode step's projections and LM head) asks L2 for the block's weights: its `cols` columns
+// decode step's projections and router) asks L2 for the block's weights: its `cols` columns
 // from n0 over its K range (a split launch's segment). The weights do not come from the kernel
 // ahead, so they can be fetched while it runs; and L2 is where every write lands, so a weight
 // update still in flight is what the block's loads after the wait see (only L2 is warmed;
@@ -1403,8 +1403,8 @@ __device__ __noinline__ void prefetch_weights(const void* w, int N, int K, int n
 #define GEMM_KERNEL(KIND, NAME, FMT, COLS) GEMM_ENTRY(KIND, NAME, FMT, COLS, , 0)
 #define GEMM_KERNEL_BOUNDED(KIND, NAME, FMT, COLS, THREADS, BLOCKS) \
     GEMM_ENTRY(KIND, NAME, FMT, COLS, __launch_bounds__(THREADS, BLOCKS), 0)
-// The few-rows kernels (dense launches of up to 8 rows, split or not, the LM head of a decode
-// step of few rows) prefetch their weights into L2 before the wait (prefetch_weights).
+// The few-rows kernels (dense launches of up to 8 rows, split or not; not the LM head, past
+// GEMM_PREFETCH_MAX_BYTES) prefetch their weights into L2 before the wait (prefetch_weights).
 #define GEMM_KERNEL_PREFETCH(KIND, NAME, FMT, COLS) GEMM_ENTRY(KIND, NAME, FMT, COLS, , 1)
 #define GEMM_KERNEL_BOUNDED_PREFETCH(KIND, NAME, FMT, COLS, THREADS, BLOCKS) \
     GEMM_ENTRY(KIND, NAME, FMT, COLS, __launch_bounds__(THREADS, BLOCKS), 1)
