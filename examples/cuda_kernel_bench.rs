@@ -203,7 +203,9 @@ fn expert_gemms(
                 + (pairs * n * 4) as f64;
             let flops = 2.0 * (pairs * n * k) as f64;
             let roofline = (bytes / bw).max(flops / TENSOR_FLOPS);
-            for path in GemmPath::EXPLICIT.into_iter().chain([GemmPath::Auto]) {
+            // The TMA kernel is not in EXPLICIT until measured (it runs as Wgmma where split).
+            let paths = GemmPath::EXPLICIT.into_iter();
+            for path in paths.chain([GemmPath::WgmmaTma, GemmPath::Auto]) {
                 // The FFMA and few-rows kernels are far behind from a few hundred tokens; the
                 // block-split one takes plans of up to 16 tokens (else it runs as Skinny4).
                 if tokens > 256 && matches!(path, GemmPath::Ffma | GemmPath::Skinny)
@@ -265,12 +267,13 @@ fn dense_choice_skipped(path: GemmPath, rows: usize) -> bool {
 /// Rows of the dense projections' launches.
 const ROW_COUNTS: [usize; 11] = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096];
 /// The kernels and splits the dense projections are timed on.
-const DENSE_CHOICES: [(GemmPath, SplitK); 10] = [
+const DENSE_CHOICES: [(GemmPath, SplitK); 11] = [
     (GemmPath::TensorCore, SplitK::Off),
     (GemmPath::TensorCore, SplitK::On),
     (GemmPath::TensorCoreWide, SplitK::Off),
     (GemmPath::Wgmma, SplitK::Off),
     (GemmPath::Wgmma, SplitK::On),
+    (GemmPath::WgmmaTma, SplitK::Off),
     (GemmPath::Skinny, SplitK::Off),
     (GemmPath::Skinny, SplitK::On),
     (GemmPath::Skinny4, SplitK::On),

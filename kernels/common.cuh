@@ -276,3 +276,48 @@ WGMMA_RS(wgmma_m64n128k16_rs, "m64n128k16", "%0, %1, %2, %3, %4, %5, %6, %7, %8,
 // Keeps the compiler from touching v (a wgmma operand or accumulator) across this point.
 __device__ __forceinline__ void wgmma_hold(float& v) { asm volatile("" : "+f"(v)::"memory"); }
 __device__ __forceinline__ void wgmma_hold(u32& v) { asm volatile("" : "+r"(v)::"memory"); }
+
+// ---- Hopper (sm_90a) shared-memory barriers and tensor-map copies (the TMA GEMM's) ----
+//
+// A tensor map (CUtensorMap: the host encodes it with cuTensorMapEncodeTiled) passed by value
+// as a `const __grid_constant__` kernel parameter; the copies take its address.
+struct __align__(64) TensorMap {
+    u64 opaque[16];
+};
+
+// Polls of a barrier wait after which the kernel traps (a launch error) instead of hanging the
+// GPU: far beyond any wait for copies in flight (each poll may suspend for a while).
+#define MBAR_MAX_POLLS (1u << 26)
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// One arrival that also expects `bytes` more of copies to complete on the barrier.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the barrier's phase of this parity has completed (its copies' bytes are then
+// visible to the waiting thread).
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    for (u32 polls = 0;; polls++) {
+        u32 done;
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+        if (done) return;
+        if (polls == MBAR_MAX_POLLS) __trap();
+    }
+}
+// The box of `map` at (c0, c1) (innermost coordinate first) into shared memory at dst, its
+// bytes counted on `bar`.
+__device__ __forceinline__ void tma_copy_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+        "l"((u64)map), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}

@@ -502,14 +502,17 @@ __device__ __forceinline__ int packed_word(int j) { return (j & ~15) | (j & 3) <
 
 // The tiled and wgmma kernels' activation operand, each span's words in packed_word's order:
 // every x row as pack_act8's words, `packing` 0 BF16, 1 FP16 (NVFP4), rounded to nearest even
-// (host: ops::gemm::Packing). Grid-stride over word pairs.
-extern "C" __global__ void pack_gemm_operand(const float* x, int rows, int K, int packing, u32* out) {
+// (host: ops::gemm::Packing). Row r is x row row_index[r] (null: r): the TMA kernels read a
+// routing plan's rows in its order. Grid-stride over word pairs.
+extern "C" __global__ void pack_gemm_operand(const float* x, const int* row_index, int rows, int K, int packing,
+                                             u32* out) {
     pdl_entry();
     u64 words = (u64)rows * (K / 2);
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
         u64 row = i / (K / 2);
         int w = packed_word((int)(i % (K / 2)));
-        float2 v = *(const float2*)(x + 2 * i);
+        u64 src = row_index ? (u64)row_index[row] * (K / 2) + i % (K / 2) : i;
+        float2 v = *(const float2*)(x + 2 * src);
         out[row * (K / 2) + w] = pack_operand(packing == 1, v.x, v.y);
     }
 }
@@ -1110,6 +1113,68 @@ __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const
 #define WG_OUT_SWIGLU_F32 1
 #define WG_OUT_SWIGLU_BF16 2
 
+// A wgmma block's lane: its warpgroup, warp in it, (g, t), and its two weight columns (A rows g
+// and g + 8 of its warp's 16) as tile columns and as weight rows (a SwiGLU tile's: -1 past inter).
+struct WgLanes {
+    int wg, wq, g, t;
+    int col_local[2], col_row[2];
+};
+
+// The wgmma kernels' epilogue: a block's totals (tot[4j + i]: tile row 8j + 2t + (i & 1), A row
+// col_local[i >> 1]) through the NVFP4 epilogue into `out` as OUT says, or split-K's segment
+// sums into `partials` (then folded here by the region's last block where `counters` is given).
+template <int FMT, int OUT>
+__device__ __forceinline__ void wgmma_store(const float (&tot)[64], const WgLanes& l, int e, int r0, int r1, int n0,
+                                            int N, int rows, const int* row_index, const float* row_scale,
+                                            const float* w_sdec, int sdec_groups, float* out, float* partials,
+                                            u32* counters) {
+    constexpr bool swiglu = OUT != WG_OUT_SUMS;
+    const int wg = l.wg, wq = l.wq, g = l.g, t = l.t;
+    const int* col_local = l.col_local;
+    const int* col_row = l.col_row;
+    float col_sdec[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+        col_sdec[h] = epilogue_column_sdec<FMT>(partials, w_sdec, e, sdec_groups,
+                                                swiglu && col_row[h] < 0 ? N : col_row[h], N);
+    if constexpr (swiglu) {
+        // Lane (g, t) holds h column hc of rows 8j + 2t + i: gate in tot[4j + i], up in
+        // tot[4j + 2 + i].
+        int inter = N / 2, hc = n0 + 8 * (4 * wg + wq) + g;
+        u32* words = (u32*)out;
+#pragma unroll
+        for (int j = 0; j < 16; j++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                int row = r0 + 8 * j + 2 * t + i;
+                bool live = row < r1 && col_row[0] >= 0;
+                float row_s = row < r1 ? epilogue_row_scale<FMT>(partials, row_scale, row_index, row) : 1.0f;
+                float h = silu_mul_value(epilogue_value<FMT>(tot[4 * j + i], row_s, col_sdec[0]),
+                                         epilogue_value<FMT>(tot[4 * j + 2 + i], row_s, col_sdec[1]));
+                if (OUT == WG_OUT_SWIGLU_F32) {
+                    if (live) out[(u64)row * inter + hc] = h;
+                } else {
+                    // Word hc / 2 holds columns hc (low half) and hc + 1: lane g + 1's.
+                    float next = __shfl_down_sync(0xffffffffu, h, 4);
+                    if (live && g % 2 == 0) words[(u64)row * (inter / 2) + packed_word(hc / 2)] = pack_bf16(h, next);
+                }
+            }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 16; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int row = r0 + 8 * j + 2 * t + (i & 1), col = n0 + col_local[i >> 1];
+                if (row >= r1 || col >= N) continue;
+                float row_s = epilogue_row_scale<FMT>(partials, row_scale, row_index, row);
+                store_sum<FMT>(tot[4 * j + i], partials, rows, row, col, N, row_s, col_sdec[i >> 1], out);
+            }
+        if (partials && counters)
+            fold_if_last<FMT, false>(partials, counters, blockIdx.y * gridDim.x + blockIdx.x, rows, N, r0, r1, n0,
+                                     n0 + TILE_TN, row_index, row_scale, w_sdec, e, sdec_groups, out);
+    }
+}
+
 template <int FMT, int OUT = WG_OUT_SUMS>
 __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_index, const float* row_scale,
                                                    const void* w, const u8* w_scales, const float* w_sdec,
@@ -1264,47 +1329,171 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     }
     cp_async_wait<0>();
 
-    float col_sdec[2];
+    wgmma_store<FMT, OUT>(tot, WgLanes{wg, wq, g, t, {col_local[0], col_local[1]}, {col_row[0], col_row[1]}}, e, r0, r1,
+                          n0, N, rows, row_index, row_scale, w_sdec, sdec_groups, out, partials, counters);
+#else
+    __trap();  // sm_90a only: the host never picks this kernel elsewhere
+#endif
+}
+
+// ---- Hopper (sm_90a): the wgmma kernel fed by the tensor memory accelerator ----
+//
+// grouped_gemm_tma_*: grouped_gemm_wgmma's tiles, products and epilogue (so its bits), with
+// its copies made by the TMA unit instead of every thread: a ninth warp's first lane issues a
+// span's tile copies (x: 64 rows of the packed operand a copy into the 64-byte swizzle, the
+// layout the wgmma descriptors read; W: 64 weight rows a copy into the stage's unswizzled
+// [column][W_BYTES]), and shared-memory barriers stand in for the block barrier: a stage's
+// `full` barrier completes when its bytes have landed, its `empty` barrier when the products
+// of the 8 MMA warps that read it are done. The MMA warps issue no copies and never wait for
+// each other. No split-K (the host takes the wgmma kernel there).
+//
+// x is the packed operand with the tile's rows in the plan's order (tile row r is operand row
+// r0 + r: the host packs a routing plan's rows through row_index first), as a tensor map over
+// [rows][2K bytes]; W a tensor map over [experts * N][row bytes], 64 rows a copy (a SwiGLU
+// tile's gate rows, then its up rows).
+#define TMA_STAGES 8
+#define TMA_W_STAGE (TILE_TN * 64)  // the largest span of 128 weight rows (BF16)
+// The TMA kernels' dynamic shared memory: 1024 (the swizzle's alignment) + TMA_STAGES *
+// (WG_X_STAGE + TMA_W_STAGE) + 2 * 8 * TMA_STAGES (the barriers), given by the host
+// (kernels::TMA_SMEM_BYTES); 288 threads (kernels::TMA_THREADS).
+#define TMA_MMA_WARPS 8
+
+template <int FMT, int OUT>
+__device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const TensorMap* w_map, const int* row_index,
+                                                 const float* row_scale, const u8* w_scales, const float* w_sdec,
+                                                 int sdec_groups, const int* tiles, const int* num_tiles,
+                                                 const int* offsets, int rows, int N, int K, float* out, int bx) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    int e, r0, r1;
+    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TM_WIDE)) return;
+    if (((r0 - (tiles ? offsets[e] : 0)) / TM_WIDE) % 2 == 1) return;
+    r1 = min(r0 + WG_ROWS, tiles ? offsets[e + 1] : rows);
+    bool wide_n = r1 - r0 > 64;
+    constexpr bool swiglu = OUT != WG_OUT_SUMS;
+    int n0 = bx * (swiglu ? TILE_TN / 2 : TILE_TN);
+    constexpr int W_BYTES = WeightSpanCopy<FMT, 256>::W_BYTES;
+    extern __shared__ __align__(128) u8 wg_smem[];
+    u32 smem_base = (u32)__cvta_generic_to_shared(wg_smem);
+    u32 align = (1024 - (smem_base & 1023)) & 1023;
+    u32 xs = smem_base + align, ws = xs + TMA_STAGES * WG_X_STAGE;
+    const u8* ws_ptr = wg_smem + align + TMA_STAGES * WG_X_STAGE;
+    u32 full = ws + TMA_STAGES * TMA_W_STAGE, empty = full + 8 * TMA_STAGES;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    int spans = K / MMA_TK;
+    if (tid == 0) {
+        for (int s = 0; s < TMA_STAGES; s++) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, TMA_MMA_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == TMA_MMA_WARPS) {
+        // The copy warp: span s into stage s % TMA_STAGES once the products of the span before
+        // it there are done.
+        if (lane != 0) return;
+        u32 bytes = (wide_n ? 2 : 1) * 64 * 64 + TILE_TN * W_BYTES;
+        int w_row0 = e * N + n0, w_row1 = swiglu ? e * N + N / 2 + n0 : w_row0 + 64;
+        for (int span = 0; span < spans; span++) {
+            int stage = span % TMA_STAGES, use = span / TMA_STAGES;
+            if (use > 0) mbar_wait(empty + 8 * stage, (use - 1) & 1);
+            u32 bar = full + 8 * stage, xd = xs + stage * WG_X_STAGE, wd = ws + stage * TMA_W_STAGE;
+            mbar_arrive_expect_tx(bar, bytes);
+            tma_copy_2d(xd, x_map, span * 64, r0, bar);
+            if (wide_n) tma_copy_2d(xd + 64 * 64, x_map, span * 64, r0 + 64, bar);
+            tma_copy_2d(wd, w_map, span * W_BYTES, w_row0, bar);
+            tma_copy_2d(wd + 64 * W_BYTES, w_map, span * W_BYTES, w_row1, bar);
+        }
+        return;
+    }
+
+    int wg = warp >> 2, wq = warp & 3;
+    WgLanes l{wg, wq, g, t, {wg * 64 + wq * 16 + g, wg * 64 + wq * 16 + g + 8}, {0, 0}};
+    int col_smem[2];  // the stage row of each column (a SwiGLU tile's gate rows, then up rows)
+    const u8* col_scales[2];
 #pragma unroll
-    for (int h = 0; h < 2; h++)
-        col_sdec[h] = epilogue_column_sdec<FMT>(partials, w_sdec, e, sdec_groups,
-                                                swiglu && col_row[h] < 0 ? N : col_row[h], N);
-    if constexpr (swiglu) {
-        // Lane (g, t) holds h column hc of rows 8j + 2t + i: gate in tot[4j + i], up in
-        // tot[4j + 2 + i].
-        int inter = N / 2, hc = n0 + 8 * (4 * wg + wq) + g;
-        u32* words = (u32*)out;
+    for (int h = 0; h < 2; h++) {
+        int c = l.col_local[h];
+        int n = l.col_row[h] = swiglu ? swiglu_weight_row(c, n0, N) : n0 + c;
+        col_scales[h] = column_scales<FMT>(w_scales, (u64)e * N + ((swiglu ? n >= 0 : n < N) ? n : 0), K, 0, t);
+        col_smem[h] = swiglu ? (c % 16 >= 8 ? 64 : 0) + 8 * (c / 16) + c % 8 : c;
+    }
+    auto load_scales = [&](int span, u8* out_scales) {
 #pragma unroll
-        for (int j = 0; j < 16; j++)
+        for (int h = 0; h < 2; h++)
+            out_scales[h] = SPAN_SCALES<FMT> && span < spans ? col_scales[h][span * SPAN_SCALES<FMT>] : 0;
+    };
+    float acc[64], tot[64];
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                int row = r0 + 8 * j + 2 * t + i;
-                bool live = row < r1 && col_row[0] >= 0;
-                float row_s = row < r1 ? epilogue_row_scale<FMT>(partials, row_scale, row_index, row) : 1.0f;
-                float h = silu_mul_value(epilogue_value<FMT>(tot[4 * j + i], row_s, col_sdec[0]),
-                                         epilogue_value<FMT>(tot[4 * j + 2 + i], row_s, col_sdec[1]));
-                if (OUT == WG_OUT_SWIGLU_F32) {
-                    if (live) out[(u64)row * inter + hc] = h;
-                } else {
-                    // Word hc / 2 holds columns hc (low half) and hc + 1: lane g + 1's.
-                    float next = __shfl_down_sync(0xffffffffu, h, 4);
-                    if (live && g % 2 == 0) words[(u64)row * (inter / 2) + packed_word(hc / 2)] = pack_bf16(h, next);
-                }
-            }
-    } else {
+    for (int i = 0; i < 64; i++) acc[i] = 0.0f;
+    u8 sc[2], sc_next[2];
+    load_scales(0, sc);
+    // The stage of the span whose products were issued last and are not yet known done.
+    int pending = -1;
+    auto release = [&](int stage) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + 8 * stage);
+    };
+    auto step = [&](int span, u32 (&cur)[2][4], u32 (&prev)[2][4]) {
+        load_scales(span + 1, sc_next);
+        int stage = span % TMA_STAGES;
+        mbar_wait(full + 8 * stage, (span / TMA_STAGES) & 1);
+        u32 wd[2][4];
 #pragma unroll
-        for (int j = 0; j < 16; j++)
+        for (int h = 0; h < 2; h++)
+            decode_weight8<FMT>(
+                smem_weight8<FMT>(ws_ptr + stage * TMA_W_STAGE + col_smem[h] * W_BYTES + t * W_BYTES / 4, sc[h]), wd[h]);
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            cur[c][0] = wd[0][2 * c];
+            cur[c][1] = wd[1][2 * c];
+            cur[c][2] = wd[0][2 * c + 1];
+            cur[c][3] = wd[1][2 * c + 1];
+        }
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        u32 x_stage = xs + stage * WG_X_STAGE;
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            u64 desc = wgmma_desc_sw64(x_stage + 32 * c);
+            if (wide_n) wgmma_m64n128k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
+            else wgmma_m64n64k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+#pragma unroll
+        for (int c = 0; c < 2; c++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) wgmma_hold(prev[c][i]);
+        // The span before's products are done: its stage may be copied into again.
+        if (pending >= 0) release(pending);
+        pending = stage;
+        sc[0] = sc_next[0];
+        sc[1] = sc_next[1];
+    };
+    u32 a0[2][4], a1[2][4];
+    for (int seg0 = 0; seg0 < spans; seg0 += SEG / MMA_TK) {
+        int seg_end = min(spans, seg0 + SEG / MMA_TK);
+        for (int span = seg0; span < seg_end; span += 2) {
+            step(span, a0, a1);
+            if (span + 1 < seg_end) step(span + 1, a1, a0);
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+        for (int i = 0; i < 64; i++) wgmma_hold(acc[i]);
+#pragma unroll
+        for (int c = 0; c < 2; c++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                int row = r0 + 8 * j + 2 * t + (i & 1), col = n0 + col_local[i >> 1];
-                if (row >= r1 || col >= N) continue;
-                float row_s = epilogue_row_scale<FMT>(partials, row_scale, row_index, row);
-                store_sum<FMT>(tot[4 * j + i], partials, rows, row, col, N, row_s, col_sdec[i >> 1], out);
+                wgmma_hold(a0[c][i]);
+                wgmma_hold(a1[c][i]);
             }
-        if (partials && counters)
-            fold_if_last<FMT, false>(partials, counters, blockIdx.y * gridDim.x + blockIdx.x, rows, N, r0, r1, n0,
-                                     n0 + TILE_TN, row_index, row_scale, w_sdec, e, sdec_groups, out);
+        release(pending);
+        pending = -1;
+        end_segment<64>(acc, tot, seg0 == 0);
     }
+    wgmma_store<FMT, OUT>(tot, l, e, r0, r1, n0, N, rows, row_index, row_scale, w_sdec, sdec_groups, out, nullptr,
+                          nullptr);
 #else
     __trap();  // sm_90a only: the host never picks this kernel elsewhere
 #endif
@@ -1431,6 +1620,29 @@ GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma_swiglu, grouped_gemm_wgmma_swiglu_bf16, 1
 GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma_swiglu, grouped_gemm_wgmma_swiglu_mxfp8, 2, TILE_TN, 256, 1)
 GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma_swiglu, grouped_gemm_wgmma_swiglu_nvfp4, 3, TILE_TN, 256, 1)
 GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma_swiglu_words, grouped_gemm_wgmma_swiglu_words_bf16, 1, TILE_TN, 256, 1)
+// The TMA kernels (grouped_gemm_tma): the tensor maps of x and of the launch's up to three
+// weight matrices, then the other GEMM parameters they use (parts 2 and 3 as GEMM_ENTRY's).
+#define GEMM_TMA_KERNEL(NAME, FMT, OUT)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * (TMA_MMA_WARPS + 1), 1) NAME(                             \
+        const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map,                        \
+        const __grid_constant__ TensorMap w2_map, const __grid_constant__ TensorMap w3_map, const int* row_index, \
+        const float* row_scale, const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,      \
+        const int* num_tiles, const int* offsets, int rows, int N, int K, float* out, const u8* scales2,         \
+        const float* sdec2, float* out2, int n2, const u8* scales3, const float* sdec3, float* out3, int n3) {   \
+        pdl_entry();                                                                                              \
+        /* a part's weights are its tensor map */                                                                \
+        GemmPart p = gemm_part(TILE_TN, rows, &w_map, w_scales, w_sdec, N, out, nullptr, &w2_map, scales2,       \
+                               sdec2, out2, n2, &w3_map, scales3, sdec3, out3, n3);                               \
+        grouped_gemm_tma<FMT, OUT>(&x_map, (const TensorMap*)p.w, row_index, row_scale, p.scales, p.sdec,        \
+                                   sdec_groups, tiles, num_tiles, offsets, rows, p.n, K, p.out, p.bx);            \
+    }
+GEMM_TMA_KERNEL(grouped_gemm_tma_bf16, 1, WG_OUT_SUMS)
+GEMM_TMA_KERNEL(grouped_gemm_tma_mxfp8, 2, WG_OUT_SUMS)
+GEMM_TMA_KERNEL(grouped_gemm_tma_nvfp4, 3, WG_OUT_SUMS)
+GEMM_TMA_KERNEL(grouped_gemm_tma_swiglu_bf16, 1, WG_OUT_SWIGLU_F32)
+GEMM_TMA_KERNEL(grouped_gemm_tma_swiglu_mxfp8, 2, WG_OUT_SWIGLU_F32)
+GEMM_TMA_KERNEL(grouped_gemm_tma_swiglu_nvfp4, 3, WG_OUT_SWIGLU_F32)
+GEMM_TMA_KERNEL(grouped_gemm_tma_swiglu_words_bf16, 1, WG_OUT_SWIGLU_BF16)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_bf16, 1, TILE_TN)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_mxfp8, 2, TILE_TN)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_nvfp4, 3, TILE_TN)

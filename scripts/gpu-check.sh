@@ -151,6 +151,12 @@ for var in ${BENCH_SWITCHES_OFF:-}; do
   env "$var=0" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_off_$var.md" \
     && record "cuda_bench, $var=0" "done (bench_off_$var.md)" || record "cuda_bench, $var=0" "FAIL"
 done
+# BENCH_SWITCHES_ON="VAR ...": the same with each opt-in switch VAR set to 1 (e.g.
+# LOCKSTEP_TMA_GEMM, the TMA GEMM while it is measured), as bench_on_VAR.md.
+for var in ${BENCH_SWITCHES_ON:-}; do
+  env "$var=1" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_on_$var.md" \
+    && record "cuda_bench, $var=1" "done (bench_on_$var.md)" || record "cuda_bench, $var=1" "FAIL"
+done
 # BENCH_PDL_OFF=1: the step benchmark again with programmatic dependent launch off
 # (LOCKSTEP_PDL=0), for its share of the step time in the same run.
 if [ "${BENCH_PDL_OFF:-0}" = 1 ]; then

@@ -1189,6 +1189,205 @@ fn gate_up_with_swiglu_in_its_epilogue_gives_the_bits_of_the_separate_launches()
     }
 }
 
+/// The TMA kernel (`GemmPath::WgmmaTma`: the wgmma kernel's tiles and products, its copies made
+/// by the TMA unit under shared-memory barriers) gives the wgmma kernel's bits in every format:
+/// dense launches of 1 to 1,000 rows (partial column blocks and 64-row halves; K of one, three
+/// and a partial, and eight segments, so the 8-stage ring is reused), three matrices in one
+/// launch, routing plans of about 300 and 12 rows an expert (the rows packed in the plan's
+/// order first), and gate/up with SwiGLU in the epilogue (h as f32, and BF16 operand words that
+/// the down projection reads). Run on its own (`cuda_ops tma_`): a kernel fault would end the
+/// other tests of its process.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn tma_gemm_gives_the_bits_of_the_wgmma_kernel() {
+    let g = gpu();
+    if g.arch != "sm_90a" {
+        println!("no wgmma on {}; nothing to compare", g.arch);
+        return;
+    }
+    let mut rng = Rng(seed());
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    let kernels = [GemmPath::Wgmma, GemmPath::WgmmaTma];
+    for fmt in expert_formats() {
+        let name = format!("{:?}", fmt.format);
+        for (n, k) in [(100, 96), (136, 800), (576, 2048)] {
+            let cpu_w = cpu_experts(&mut rng, 1, n, k, &fmt);
+            let m = GpuMatrix::upload(&g, &[vec![&*cpu_w[0]]]).unwrap();
+            for rows in [1, 7, 64, 65, 200, 1000] {
+                let input = layer_input(&g, m.act, &activations(&mut rng, rows, k), rows, k);
+                let [want, got] = kernels.map(|path| {
+                    let mut out = poisoned(&g, rows * n, f32::NAN);
+                    let dense = GemmRows::Dense(rows);
+                    let rs = input.row_scale.as_ref();
+                    ops::grouped_gemm_on(
+                        path,
+                        SplitK::Off,
+                        &g,
+                        &input.x,
+                        None,
+                        rs,
+                        &m.data,
+                        dense,
+                        rows,
+                        n,
+                        k,
+                        &mut out,
+                    )
+                    .unwrap();
+                    bits(g.download(&out, rows * n).unwrap())
+                });
+                assert_eq!(got, want, "{name} [{n} x {k}], {rows} rows");
+            }
+        }
+        // Three matrices over one input in one launch (the attention's q, k and v).
+        let (ns, k) = ([160usize, 32, 96], 800);
+        let cpu_w: Vec<_> = ns
+            .iter()
+            .map(|&n| cpu_experts(&mut rng, 1, n, k, &fmt))
+            .collect();
+        let ms: Vec<GpuMatrix> = cpu_w
+            .iter()
+            .map(|w| GpuMatrix::upload(&g, &[vec![&*w[0]]]).unwrap())
+            .collect();
+        let data: Vec<_> = ms.iter().map(|m| &m.data).collect();
+        for rows in [13, 300] {
+            let input = layer_input(&g, ms[0].act, &activations(&mut rng, rows, k), rows, k);
+            let [want, got] = kernels.map(|path| {
+                let mut outs: Vec<_> = ns
+                    .iter()
+                    .map(|&n| poisoned(&g, rows * n, f32::NAN))
+                    .collect();
+                let mut refs: Vec<_> = outs.iter_mut().collect();
+                let rs = input.row_scale.as_ref();
+                ops::dense_gemm_parts_on(
+                    path,
+                    SplitK::Off,
+                    &g,
+                    &input.x,
+                    rs,
+                    &data,
+                    &ns,
+                    rows,
+                    k,
+                    &mut refs,
+                )
+                .unwrap();
+                let outs: Vec<_> = outs
+                    .iter()
+                    .zip(ns)
+                    .map(|(o, n)| bits(g.download(o, rows * n).unwrap()))
+                    .collect();
+                outs
+            });
+            assert_eq!(
+                got, want,
+                "{name}, three matrices in one launch, {rows} rows"
+            );
+        }
+        // Routing plans: about 300 rows an expert (pairs of 128-row tiles, then a partial one),
+        // and about 12 (tiles of at most 64 rows).
+        for (tokens, experts, top_k) in [(600, 4, 2), (48, 8, 2)] {
+            let pairs = tokens * top_k;
+            let plan = random_plan(&g, &mut rng, tokens, experts, top_k);
+            let rows = GemmRows::Plan(&plan);
+            let (n, k) = (96, 288);
+            let cpu_w = cpu_experts(&mut rng, experts, n, k, &fmt);
+            let parts: Vec<Vec<&dyn Linear>> = cpu_w.iter().map(|l| vec![&**l]).collect();
+            let m = GpuMatrix::upload(&g, &parts).unwrap();
+            let input = layer_input(&g, m.act, &activations(&mut rng, tokens, k), tokens, k);
+            let [want, got] = kernels.map(|path| {
+                let mut out = poisoned(&g, pairs * n, f32::NAN);
+                let (ri, rs) = (Some(&plan.row_token), input.row_scale.as_ref());
+                ops::grouped_gemm_on(
+                    path,
+                    SplitK::Off,
+                    &g,
+                    &input.x,
+                    ri,
+                    rs,
+                    &m.data,
+                    rows,
+                    pairs,
+                    n,
+                    k,
+                    &mut out,
+                )
+                .unwrap();
+                bits(g.download(&out, pairs * n).unwrap())
+            });
+            assert_eq!(got, want, "{name} experts, {tokens} tokens over {experts}");
+        }
+        // Gate/up with SwiGLU in the epilogue.
+        let (tokens, experts, top_k, k, inter, hidden) = (600, 4, 2, 288, 96, 160);
+        let (pairs, n) = (tokens * top_k, 2 * inter);
+        let plan = random_plan(&g, &mut rng, tokens, experts, top_k);
+        let rows = GemmRows::Plan(&plan);
+        let cpu_w = cpu_experts(&mut rng, experts, n, k, &fmt);
+        let parts: Vec<Vec<&dyn Linear>> = cpu_w.iter().map(|l| vec![&**l]).collect();
+        let m = GpuMatrix::upload(&g, &parts).unwrap();
+        let input = layer_input(&g, m.act, &activations(&mut rng, tokens, k), tokens, k);
+        let mut outs = vec![ops::SwigluOut::F32];
+        if fmt.format == Format::Bf16 {
+            outs.push(ops::SwigluOut::Bf16Words);
+        }
+        for out in outs {
+            let len = match out {
+                ops::SwigluOut::F32 => pairs * inter,
+                ops::SwigluOut::Bf16Words => pairs * inter / 2,
+            };
+            let [want, got] = kernels.map(|path| {
+                let mut h = poisoned(&g, pairs * n, f32::NAN);
+                let (ri, rs) = (Some(&plan.row_token), input.row_scale.as_ref());
+                ops::grouped_gemm_swiglu_on(
+                    path, &g, &input.x, ri, rs, &m.data, rows, pairs, n, k, out, &mut h,
+                )
+                .unwrap();
+                h
+            });
+            assert_eq!(
+                bits(g.download(&got, len).unwrap()),
+                bits(g.download(&want, len).unwrap()),
+                "{name} gate/up with SwiGLU, {out:?}"
+            );
+            if out == ops::SwigluOut::Bf16Words {
+                // The down projection reading the words, as the model's (the TMA kernel where
+                // the engine takes it).
+                let cpu_down = cpu_experts(&mut rng, experts, hidden, inter, &fmt);
+                let parts: Vec<Vec<&dyn Linear>> = cpu_down.iter().map(|l| vec![&**l]).collect();
+                let down = GpuMatrix::upload(&g, &parts).unwrap();
+                let mut y_want = poisoned(&g, pairs * hidden, f32::NAN);
+                let h = g.download(&want, len).unwrap();
+                let mut y = poisoned(&g, pairs * hidden, f32::NAN);
+                let words = g.upload(&h).unwrap();
+                ops::grouped_gemm_packed(
+                    &g,
+                    &words,
+                    &down.data,
+                    rows,
+                    pairs,
+                    hidden,
+                    inter,
+                    &mut y_want,
+                )
+                .unwrap();
+                let tma = (GemmPath::WgmmaTma, SplitK::Off);
+                ops::grouped_gemm_packed_on(
+                    tma.0, tma.1, &g, &words, &down.data, rows, pairs, hidden, inter, &mut y,
+                )
+                .unwrap();
+                assert_eq!(
+                    bits(g.download(&y, pairs * hidden).unwrap()),
+                    bits(g.download(&y_want, pairs * hidden).unwrap()),
+                    "{name}: the down projection from the words on the TMA kernel"
+                );
+            }
+        }
+        println!(
+            "{name}: the TMA kernel bitwise the wgmma kernel's (dense, joined, plans, SwiGLU)"
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {

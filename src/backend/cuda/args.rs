@@ -6,6 +6,7 @@
 //! the ops' size check, or [`View::whole`] where the extent depends on data the caller checks),
 //! an `Option<View>` (null when absent) or, for offsets into a buffer, a raw [`DevPtr`].
 //! Scalars are `i32`, `u64` and `f32`, so `n as u64` for an `int` parameter is caught at launch.
+//! A [`TensorMap`] goes by value (the TMA GEMM's).
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 
@@ -21,7 +22,14 @@ pub enum Raw {
     U64(u64),
     I32(i32),
     F32(f32),
+    /// A tensor map's 128 bytes.
+    Map([u64; 16]),
 }
+
+/// A tensor map (`CUtensorMap`) for the TMA unit, encoded on the host
+/// (`ops::gemm`'s `tensor_map`) and passed by value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorMap(pub [u64; 16]);
 
 /// A device buffer as a kernel argument: `len` elements of `buf`, the extent the launch may
 /// touch (checked by the op that made it).
@@ -103,6 +111,13 @@ impl KernelArg for f32 {
     const KIND: Param = Param::F32;
     fn raw(&self, _: &Gpu) -> Raw {
         Raw::F32(*self)
+    }
+}
+
+impl KernelArg for TensorMap {
+    const KIND: Param = Param::TensorMap;
+    fn raw(&self, _: &Gpu) -> Raw {
+        Raw::Map(self.0)
     }
 }
 

@@ -165,6 +165,7 @@ impl Gpu {
                 Raw::U64(v) => b.arg(v),
                 Raw::I32(v) => b.arg(v),
                 Raw::F32(v) => b.arg(v),
+                Raw::Map(v) => b.arg(v),
             };
         }
         let cfg = LaunchConfig {
@@ -199,6 +200,7 @@ impl Gpu {
                 Raw::U64(v) => v as *mut u64 as *mut std::ffi::c_void,
                 Raw::I32(v) => v as *mut i32 as *mut std::ffi::c_void,
                 Raw::F32(v) => v as *mut f32 as *mut std::ffi::c_void,
+                Raw::Map(v) => v.as_mut_ptr() as *mut std::ffi::c_void,
             };
         }
         // SAFETY: a zeroed attribute is a valid plain-data value; the two fields set are the

@@ -148,6 +148,9 @@ pub enum Param {
     U64,
     /// `float`.
     F32,
+    /// A tensor map (`CUtensorMap`, 128 bytes) by value: the TMA GEMM's `const __grid_constant__
+    /// TensorMap` (kernels/common.cuh).
+    TensorMap,
 }
 
 impl Param {
@@ -157,6 +160,8 @@ impl Param {
             Param::Ptr | Param::U64 => matches!(ty, ".u64" | ".b64" | ".s64"),
             Param::I32 => matches!(ty, ".s32" | ".u32" | ".b32"),
             Param::F32 => ty == ".f32",
+            // `.param .align 64 .b8 name[128]`: `ptx_entry_params` keeps the second word.
+            Param::TensorMap => ty == ".align",
         }
     }
 }
@@ -203,7 +208,7 @@ macro_rules! kernels {
     };
 }
 
-use Param::{Ptr, F32, I32, U64};
+use Param::{Ptr, TensorMap, F32, I32, U64};
 
 /// `GEMM_ENTRY` in gemm.cu: x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles,
 /// num_tiles, offsets, rows, N, K, out, partials, xb, counters, then parts 2 and 3 (w, scales,
@@ -211,6 +216,13 @@ use Param::{Ptr, F32, I32, U64};
 const GROUPED_GEMM: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, Ptr, Ptr, Ptr, I32, I32, I32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr,
     Ptr, Ptr, I32, Ptr, Ptr, Ptr, Ptr, I32,
+];
+/// `GEMM_TMA_KERNEL` in gemm.cu: the tensor maps of x and of parts 1-3's weights, row_index,
+/// row_scale, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets, rows, N, K, out, then
+/// parts 2 and 3 (scales, sdec, out, n each).
+const TMA_GEMM: &[Param] = &[
+    TensorMap, TensorMap, TensorMap, TensorMap, Ptr, Ptr, Ptr, Ptr, I32, Ptr, Ptr, Ptr, I32, I32,
+    I32, Ptr, Ptr, Ptr, Ptr, I32, Ptr, Ptr, Ptr, I32,
 ];
 /// The prefill and decode kernels of prefill_attention.cu: q, out, k_cache, v_cache, row_pos,
 /// row_seq, table_offsets, block_tables, tiles (prefill) or rows (decode), heads, kv_heads,
@@ -284,6 +296,13 @@ kernels! {
     GroupedGemmWgmmaSwigluMxfp8 => (Gemm, "grouped_gemm_wgmma_swiglu_mxfp8", GROUPED_GEMM),
     GroupedGemmWgmmaSwigluNvfp4 => (Gemm, "grouped_gemm_wgmma_swiglu_nvfp4", GROUPED_GEMM),
     GroupedGemmWgmmaSwigluWordsBf16 => (Gemm, "grouped_gemm_wgmma_swiglu_words_bf16", GROUPED_GEMM),
+    GroupedGemmTmaBf16 => (Gemm, "grouped_gemm_tma_bf16", TMA_GEMM),
+    GroupedGemmTmaMxfp8 => (Gemm, "grouped_gemm_tma_mxfp8", TMA_GEMM),
+    GroupedGemmTmaNvfp4 => (Gemm, "grouped_gemm_tma_nvfp4", TMA_GEMM),
+    GroupedGemmTmaSwigluBf16 => (Gemm, "grouped_gemm_tma_swiglu_bf16", TMA_GEMM),
+    GroupedGemmTmaSwigluMxfp8 => (Gemm, "grouped_gemm_tma_swiglu_mxfp8", TMA_GEMM),
+    GroupedGemmTmaSwigluNvfp4 => (Gemm, "grouped_gemm_tma_swiglu_nvfp4", TMA_GEMM),
+    GroupedGemmTmaSwigluWordsBf16 => (Gemm, "grouped_gemm_tma_swiglu_words_bf16", TMA_GEMM),
     GroupedGemmSkinnyBf16 => (Gemm, "grouped_gemm_skinny_bf16", GROUPED_GEMM),
     GroupedGemmSkinnyMxfp8 => (Gemm, "grouped_gemm_skinny_mxfp8", GROUPED_GEMM),
     GroupedGemmSkinnyNvfp4 => (Gemm, "grouped_gemm_skinny_nvfp4", GROUPED_GEMM),
@@ -294,7 +313,7 @@ kernels! {
     GroupedGemmSkinnyKsplitMxfp8 => (Gemm, "grouped_gemm_skinny_ksplit_mxfp8", GROUPED_GEMM),
     GroupedGemmSkinnyKsplitNvfp4 => (Gemm, "grouped_gemm_skinny_ksplit_nvfp4", GROUPED_GEMM),
     GemmFoldSegments => (Gemm, "gemm_fold_segments", &[Ptr, I32, I32, I32, Ptr, Ptr, Ptr, I32, Ptr, I32, Ptr]),
-    PackGemmOperand => (Gemm, "pack_gemm_operand", &[Ptr, I32, I32, I32, Ptr]),
+    PackGemmOperand => (Gemm, "pack_gemm_operand", &[Ptr, Ptr, I32, I32, I32, Ptr]),
     PagedAttention => (Attention, "paged_attention", &[
         Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, F32,
     ]),
@@ -320,6 +339,14 @@ kernels! {
 /// stages for the 64-byte swizzle, then `WG_STAGES` (eight) stages of `WG_X_STAGE + WG_W_STAGE`
 /// bytes: a 128-row activation span (64 bytes a row) and 128 BF16 weight columns' span.
 pub const WGMMA_SMEM_BYTES: u32 = 1024 + 8 * (128 * 64 + 128 * 64);
+
+/// Dynamic shared memory of the TMA GEMM kernels (kernels/gemm.cu `grouped_gemm_tma`): the
+/// wgmma kernels' (`TMA_STAGES`, eight, stages of a 128-row activation span and the span of 128
+/// BF16 weight rows, the largest format's), then a `full` and an `empty` barrier (8 bytes) a
+/// stage.
+pub const TMA_SMEM_BYTES: u32 = WGMMA_SMEM_BYTES + 2 * 8 * 8;
+/// Threads of a TMA GEMM block: two MMA warpgroups and the copy warp.
+pub const TMA_THREADS: u32 = 288;
 
 /// Dynamic shared memory of the prefill attention kernel for `head_dim` on `arch`
 /// (kernels/prefill_attention.cu): its 4 warps' running totals of 16 rows x `head_dim` f32
@@ -349,6 +376,13 @@ impl Kernel {
             | Kernel::GroupedGemmWgmmaSwigluMxfp8
             | Kernel::GroupedGemmWgmmaSwigluNvfp4
             | Kernel::GroupedGemmWgmmaSwigluWordsBf16 => WGMMA_SMEM_BYTES,
+            Kernel::GroupedGemmTmaBf16
+            | Kernel::GroupedGemmTmaMxfp8
+            | Kernel::GroupedGemmTmaNvfp4
+            | Kernel::GroupedGemmTmaSwigluBf16
+            | Kernel::GroupedGemmTmaSwigluMxfp8
+            | Kernel::GroupedGemmTmaSwigluNvfp4
+            | Kernel::GroupedGemmTmaSwigluWordsBf16 => TMA_SMEM_BYTES,
             Kernel::PrefillAttentionHd32 => prefill_attention_smem_bytes(32, arch),
             Kernel::PrefillAttentionHd64 => prefill_attention_smem_bytes(64, arch),
             Kernel::PrefillAttentionHd128 => prefill_attention_smem_bytes(128, arch),
@@ -538,6 +572,7 @@ mod tests {
                                 Param::Ptr | Param::U64 => ".u64",
                                 Param::I32 => ".u32",
                                 Param::F32 => ".f32",
+                                Param::TensorMap => ".align 64 .b8",
                             };
                             format!(".param {ty} p{i}")
                         })

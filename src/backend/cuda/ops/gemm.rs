@@ -7,8 +7,8 @@
 use cudarc::driver::CudaSlice;
 
 use super::{need, MoePlan, Table, Unfolded};
-use crate::backend::cuda::args::{addr, DevPtr, View};
-use crate::backend::cuda::kernels::Kernel;
+use crate::backend::cuda::args::{addr, DevPtr, TensorMap, View};
+use crate::backend::cuda::kernels::{Kernel, TMA_THREADS};
 use crate::backend::cuda::{CudaError, Gpu};
 
 /// Rows per tile of the grouped GEMM (kernels/gemm.cu `TM`).
@@ -202,6 +202,15 @@ pub enum GemmPath {
     /// Elsewhere, or with `LOCKSTEP_WGMMA=0`, it runs as [`GemmPath::TensorCoreWide`] (the
     /// same bits).
     Wgmma,
+    /// [`GemmPath::Wgmma`]'s tiles, products and epilogue (so its bits) with the copies made by
+    /// the TMA unit (Hopper's tensor memory accelerator): one lane of a ninth warp issues each
+    /// span's tile copies, and shared-memory barriers stand in for the block barrier
+    /// (kernels/gemm.cu `grouped_gemm_tma`). The activations are packed with a routing plan's
+    /// rows in its order first. Where the launch splits over K, or reads a dense group's rows
+    /// through a row index, it runs as [`GemmPath::Wgmma`] (the same bits). [`GemmPath::Auto`]
+    /// takes it where it takes the wgmma kernel only with `LOCKSTEP_TMA_GEMM=1` (not yet
+    /// measured on a GPU; not in [`GemmPath::EXPLICIT`] until it is).
+    WgmmaTma,
 }
 
 /// Whether a tensor-core launch runs a block per K segment (then the region's sums are added in
@@ -315,6 +324,13 @@ fn switched_on(cell: &std::sync::OnceLock<bool>, var: &str) -> bool {
     *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v != "0"))
 }
 
+/// Whether [`GemmPath::Auto`] takes [`GemmPath::WgmmaTma`] where it takes the wgmma kernel:
+/// `LOCKSTEP_TMA_GEMM=1` (off otherwise, until measured; the bits are the same either way).
+fn tma_chosen() -> bool {
+    static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CHOSEN.get_or_init(|| std::env::var("LOCKSTEP_TMA_GEMM").is_ok_and(|v| v == "1"))
+}
+
 /// Whether the wgmma kernels may run: on sm_90a (Hopper; Blackwell has no wgmma), unless
 /// `LOCKSTEP_WGMMA=0` (to measure the difference in one run; the bits are the same).
 fn wgmma_allowed(gpu: &Gpu) -> bool {
@@ -396,9 +412,10 @@ impl GemmPath {
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
             GemmPath::SkinnyKSplit if !block_split_fits => GemmPath::Skinny4,
+            GemmPath::Auto if wgmma_wins && tma_chosen() => GemmPath::WgmmaTma,
             GemmPath::Auto if wgmma_wins => GemmPath::Wgmma,
             GemmPath::Auto if wide => GemmPath::TensorCoreWide,
-            GemmPath::Wgmma if !wgmma => GemmPath::TensorCoreWide,
+            GemmPath::Wgmma | GemmPath::WgmmaTma if !wgmma => GemmPath::TensorCoreWide,
             GemmPath::Auto if block_split => GemmPath::SkinnyKSplit,
             GemmPath::Auto if max_rows > skinny_rows => GemmPath::TensorCore,
             // A dense launch of few rows splits over K (SplitK::Auto); its 32-column warps win
@@ -488,6 +505,32 @@ impl<'a> Operand<'a> {
             }
             _ => None,
         }
+    }
+
+    /// The TMA kernel ([`GemmPath::WgmmaTma`]) writing what `swiglu` says (the sums: none).
+    fn tma_kernel(&self, swiglu: Option<SwigluOut>) -> Option<Kernel> {
+        use Kernel::*;
+        Some(match (self.kernels[5], swiglu) {
+            (GroupedGemmWgmmaBf16, None) => GroupedGemmTmaBf16,
+            (GroupedGemmWgmmaMxfp8, None) => GroupedGemmTmaMxfp8,
+            (GroupedGemmWgmmaNvfp4, None) => GroupedGemmTmaNvfp4,
+            (GroupedGemmWgmmaBf16, Some(SwigluOut::F32)) => GroupedGemmTmaSwigluBf16,
+            (GroupedGemmWgmmaMxfp8, Some(SwigluOut::F32)) => GroupedGemmTmaSwigluMxfp8,
+            (GroupedGemmWgmmaNvfp4, Some(SwigluOut::F32)) => GroupedGemmTmaSwigluNvfp4,
+            (GroupedGemmWgmmaBf16, Some(SwigluOut::Bf16Words)) => GroupedGemmTmaSwigluWordsBf16,
+            _ => return None,
+        })
+    }
+
+    /// Bytes of a weight row of `k` values in the format, and of its 32-value span (what the
+    /// TMA kernel copies of each row a span).
+    fn row_bytes(&self, k: usize) -> (usize, usize) {
+        let span = match self.kernels[0] {
+            Kernel::GroupedGemmMxfp8 => 32,
+            Kernel::GroupedGemmNvfp4 => 16,
+            _ => 64,
+        };
+        (k / 32 * span, span)
     }
 
     fn f32(gpu: &Gpu, d: &'a CudaSlice<f32>) -> Operand<'a> {
@@ -612,7 +655,10 @@ pub fn swiglu_epilogue_runs(
         && n.is_multiple_of(2)
         && (out == SwigluOut::F32 || (n / 2).is_multiple_of(32))
         && w.swiglu_kernel(out).is_some()
-        && GemmPath::Auto.resolve(wgmma_allowed(gpu), &w, rows, max_rows, n, k) == GemmPath::Wgmma
+        && matches!(
+            GemmPath::Auto.resolve(wgmma_allowed(gpu), &w, rows, max_rows, n, k),
+            GemmPath::Wgmma | GemmPath::WgmmaTma
+        )
 }
 
 /// Whether a [`grouped_gemm`] of `w` over these rows reads its activations as BF16 operand
@@ -629,7 +675,7 @@ pub fn takes_bf16_words(
     w.packing == Packing::Bf16
         && matches!(
             GemmPath::Auto.resolve(wgmma_allowed(gpu), &w, rows, max_rows, n, k),
-            GemmPath::TensorCore | GemmPath::TensorCoreWide | GemmPath::Wgmma
+            GemmPath::TensorCore | GemmPath::TensorCoreWide | GemmPath::Wgmma | GemmPath::WgmmaTma
         )
 }
 
@@ -652,9 +698,37 @@ pub fn grouped_gemm_swiglu(
     out: SwigluOut,
     h: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
+    let path = GemmPath::Auto;
+    grouped_gemm_swiglu_on(
+        path, gpu, x, row_index, row_scale, w, rows, max_rows, n, k, out, h,
+    )
+}
+
+/// [`grouped_gemm_swiglu`] on a chosen wgmma kernel: [`GemmPath::Wgmma`] or
+/// [`GemmPath::WgmmaTma`] ([`GemmPath::Auto`]: the engine's choice of the two).
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemm_swiglu_on(
+    path: GemmPath,
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    row_index: Option<&CudaSlice<i32>>,
+    row_scale: Option<&CudaSlice<f32>>,
+    w: &WeightData,
+    rows: GemmRows<'_>,
+    max_rows: usize,
+    n: usize,
+    k: usize,
+    out: SwigluOut,
+    h: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
     if !swiglu_epilogue_runs(gpu, w, &rows, max_rows, n, k, out) {
         return Err(CudaError::Unsupported(format!(
             "SwiGLU in the GEMM epilogue ({out:?}) for these weights and rows (the wgmma kernel only)"
+        )));
+    }
+    if !matches!(path, GemmPath::Auto | GemmPath::Wgmma | GemmPath::WgmmaTma) {
+        return Err(CudaError::Unsupported(format!(
+            "SwiGLU in the epilogue of a {path:?} launch (the wgmma kernels only)"
         )));
     }
     let mode = LaunchMode {
@@ -662,7 +736,7 @@ pub fn grouped_gemm_swiglu(
         ..LaunchMode::default()
     };
     let w = Operand::of(gpu, w);
-    let (path, split) = (GemmPath::Wgmma, SplitK::Off);
+    let split = SplitK::Off;
     launch_gemm(
         path, split, mode, gpu, x, row_index, row_scale, w, rows, max_rows, n, k, h,
     )
@@ -688,12 +762,30 @@ pub fn grouped_gemm_packed(
             "a GEMM over packed BF16 activations where its kernel reads them unpacked".into(),
         ));
     }
+    let (path, split) = (GemmPath::Auto, SplitK::Auto);
+    grouped_gemm_packed_on(path, split, gpu, words, w, rows, max_rows, n, k, out)
+}
+
+/// [`grouped_gemm_packed`] on a chosen kernel that reads packed activations (the tiled, wide
+/// and wgmma ones) and split.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemm_packed_on(
+    path: GemmPath,
+    split: SplitK,
+    gpu: &Gpu,
+    words: &CudaSlice<f32>,
+    w: &WeightData,
+    rows: GemmRows<'_>,
+    max_rows: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
     let mode = LaunchMode {
         packed: Some(words),
         ..LaunchMode::default()
     };
     let w = Operand::of(gpu, w);
-    let (path, split) = (GemmPath::Auto, SplitK::Auto);
     launch_gemm(
         path, split, mode, gpu, words, None, None, w, rows, max_rows, n, k, out,
     )
@@ -940,14 +1032,39 @@ pub fn pack_gemm_operand(
     packing: Packing,
     out: &mut CudaSlice<u32>,
 ) -> Result<(), CudaError> {
+    pack_gemm_operand_rows(gpu, x, None, rows, k, packing, out)
+}
+
+/// [`pack_gemm_operand`] of rows `row_index[r]` of `x` for r in 0..`rows` (every row in order
+/// without an index): the TMA kernel's operand, a routing plan's rows in its order. The index
+/// is the plan's (its bounds kept by the plan's owner).
+pub fn pack_gemm_operand_rows(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    row_index: Option<&CudaSlice<i32>>,
+    rows: usize,
+    k: usize,
+    packing: Packing,
+    out: &mut CudaSlice<u32>,
+) -> Result<(), CudaError> {
     let words = rows * k / 2;
-    let x = need(x, rows * k, "gemm operand x")?;
+    let x = match row_index {
+        Some(_) => View::whole(x),
+        None => need(x, rows * k, "gemm operand x")?,
+    };
     let out = need(out, words, "gemm operand")?;
     gpu.launch(
         Kernel::PackGemmOperand,
         (gpu.grid_for(words, 256), 1, 1),
         256,
-        (x, rows as i32, k as i32, packing as i32, out),
+        (
+            x,
+            row_index.map(View::whole),
+            rows as i32,
+            k as i32,
+            packing as i32,
+            out,
+        ),
     )
 }
 
@@ -1042,6 +1159,10 @@ fn launch_parts(
     }
     let n: usize = parts.iter().map(|p| p.n).sum();
     let path = path.resolve(wgmma_allowed(gpu), w, &rows, max_rows, n, k);
+    // The TMA kernel has the wgmma kernel's grid and tiles; it is taken below once the split is
+    // known.
+    let tma = path == GemmPath::WgmmaTma;
+    let path = if tma { GemmPath::Wgmma } else { path };
     let (kernel, cols_per_block, threads) = match path {
         GemmPath::TensorCore => (w.kernels[1], MMA_TILE_COLS, 128),
         GemmPath::TensorCoreWide => (w.kernels[4], MMA_TILE_COLS, 4 * GEMM_WIDE_TILE_ROWS as u32),
@@ -1119,6 +1240,13 @@ fn launch_parts(
         split
     };
     let segments = split.segments(path, &rows, grid_x * grid_y, rows_arg, n, k);
+    if tma && segments.is_none() && !matches!((&rows, row_index), (GemmRows::Dense(_), Some(_))) {
+        let grid = (grid_x as u32, grid_y as u32, 1);
+        return launch_tma(
+            gpu, x, row_index, row_scale, parts, &outs, &rows, rows_arg, k, grid, mode,
+        )
+        .map(|()| Vec::new());
+    }
     let mut guard = gpu
         .gemm_scratch
         .lock()
@@ -1266,6 +1394,150 @@ fn launch_parts(
         sums += (segments * count * std::mem::size_of::<f32>()) as u64;
     }
     Ok(Vec::new())
+}
+
+/// The TMA kernel's launch ([`GemmPath::WgmmaTma`], no split) over `parts`, on the wgmma
+/// kernel's grid: the activations packed with a plan's rows in its order (or given packed, in
+/// that order), then tensor maps of them (64-row boxes of a span's 64 bytes, in the 64-byte
+/// swizzle) and of each part's weights (64-row boxes of a span, unswizzled).
+#[allow(clippy::too_many_arguments)]
+fn launch_tma(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    row_index: Option<&CudaSlice<i32>>,
+    row_scale: Option<&CudaSlice<f32>>,
+    parts: &[GemmPart<'_>],
+    outs: &[View<'_, f32>],
+    rows: &GemmRows<'_>,
+    rows_arg: usize,
+    k: usize,
+    grid: (u32, u32, u32),
+    mode: LaunchMode<'_>,
+) -> Result<(), CudaError> {
+    let w = &parts[0].w;
+    let kernel = w.tma_kernel(mode.swiglu).ok_or_else(|| {
+        CudaError::Unsupported(format!(
+            "no TMA kernel writing {:?} for these weights",
+            mode.swiglu
+        ))
+    })?;
+    let (tiles, num_tiles, offsets, x_rows, experts) = match rows {
+        GemmRows::Dense(r) => (None, None, None, *r, 1),
+        GemmRows::Plan(p) => (
+            Some(View::whole(&p.wide_tiles)),
+            Some(View::whole(&p.num_wide_tiles)),
+            Some(View::whole(&p.offsets)),
+            p.pairs,
+            p.counts.len(),
+        ),
+    };
+    let mut guard = gpu
+        .gemm_scratch
+        .lock()
+        .map_err(|_| CudaError::Capacity("the GEMM scratch lock is poisoned".into()))?;
+    let words = x_rows * k / 2;
+    let operand = match mode.packed {
+        Some(given) => {
+            if w.packing != Packing::Bf16 {
+                return Err(CudaError::Unsupported(
+                    "packed BF16 activations for weights that take another operand type".into(),
+                ));
+            }
+            need(given, words, "packed gemm operand")?.addr(gpu)
+        }
+        None => {
+            let scratch = &mut *guard;
+            let packed = grown(gpu, &mut scratch.operand, &mut scratch.generation, words)?;
+            pack_gemm_operand_rows(gpu, x, row_index, x_rows, k, w.packing, packed)?;
+            addr(gpu, packed)
+        }
+    };
+    let x_map = tensor_map(operand, 2 * k, x_rows, 64, true)?;
+    let (row_bytes, span_bytes) = w.row_bytes(k);
+    let span_bytes = span_bytes as u32;
+    let mut w_maps = [x_map; GEMM_MAX_PARTS];
+    for (map, p) in w_maps.iter_mut().zip(parts) {
+        *map = tensor_map(p.w.data.0, row_bytes, experts * p.n, span_bytes, false)?;
+    }
+    let extra = |i: usize| match parts.get(i) {
+        Some(p) => (p.w.scales, p.w.s_dec, Some(outs[i]), p.n as i32),
+        None => (None, None, None, 0),
+    };
+    let (scales2, sdec2, out2, n2) = extra(1);
+    let (scales3, sdec3, out3, n3) = extra(2);
+    gpu.launch(
+        kernel,
+        grid,
+        TMA_THREADS,
+        (
+            x_map,
+            w_maps[0],
+            w_maps[1],
+            w_maps[2],
+            row_index.map(View::whole),
+            row_scale.map(View::whole),
+            w.scales,
+            w.s_dec,
+            w.groups as i32,
+            tiles,
+            num_tiles,
+            offsets,
+            rows_arg as i32,
+            parts[0].n as i32,
+            k as i32,
+            outs[0],
+            scales2,
+            sdec2,
+            out2,
+            n2,
+            scales3,
+            sdec3,
+            out3,
+            n3,
+        ),
+    )
+}
+
+/// A tensor map of `rows` rows of `row_bytes` bytes from device address `base`, read in boxes
+/// of 64 rows x `box_bytes` (zeros past its last row), in the 64-byte swizzle if `swizzle`
+/// (the wgmma descriptors' layout, kernels/common.cuh `a_piece`).
+fn tensor_map(
+    base: u64,
+    row_bytes: usize,
+    rows: usize,
+    box_bytes: u32,
+    swizzle: bool,
+) -> Result<TensorMap, CudaError> {
+    use cudarc::driver::sys;
+    let dims = [row_bytes as u64, rows as u64];
+    let strides = [row_bytes as u64];
+    let boxes = [box_bytes, 64];
+    let steps = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: the arrays hold the rank's (2) entries the call reads; `map` is written by it.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            2,
+            base as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            if swizzle {
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B
+            } else {
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE
+            },
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()?;
+    }
+    // SAFETY: initialized by the successful call above.
+    Ok(TensorMap(unsafe { map.assume_init() }.opaque))
 }
 
 /// Writes the values of a launch's segment sums ([`Unfolded`], `rows` x `n`) into its output:
