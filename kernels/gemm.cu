@@ -29,7 +29,8 @@
 // - grouped_gemm_wgmma_* (Hopper, sm_90a): the same products on warpgroup MMAs, 128x128 tiles
 //   (two of the plan's wide tiles), the weights as the A operand (section below);
 //   grouped_gemm_wgmma_swiglu_*: over a gate/up matrix, with SwiGLU in the epilogue (h written
-//   instead of gate and up: swiglu_weight_row).
+//   instead of gate and up: swiglu_weight_row); grouped_gemm_tma_*: the same with the copies
+//   made by the TMA unit (section below).
 // The tensor-core kernels feed each mma exactly the same operands in the same order (the
 // "K chain" below), so they give the same bits and the choice between them is speed alone.
 //

@@ -265,7 +265,13 @@ impl Cuda {
             .max(2 * shape.widest_inter())
             .max(d.q_size() + 2 * d.kv_size())
             .max(d.hidden);
-        ops::reserve_gemm_scratch(&gpu, quant_elems / 2, pairs.max(t), widest_out, in_width)?;
+        // The TMA GEMM packs the experts' input once per routed row, in the plan's order.
+        let operand_elems = if ops::tma_chosen() {
+            quant_elems.max(pairs * in_width)
+        } else {
+            quant_elems
+        };
+        ops::reserve_gemm_scratch(&gpu, operand_elems / 2, pairs.max(t), widest_out, in_width)?;
         let attn = attn_shape(d, sizes.block_size);
         let decode_split = if ops::prefill_attention_supports(attn) {
             ops::DecodeSplit::new(&gpu, attn, sizes.max_context_len, seqs)?

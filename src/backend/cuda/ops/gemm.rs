@@ -326,7 +326,9 @@ fn switched_on(cell: &std::sync::OnceLock<bool>, var: &str) -> bool {
 
 /// Whether [`GemmPath::Auto`] takes [`GemmPath::WgmmaTma`] where it takes the wgmma kernel:
 /// `LOCKSTEP_TMA_GEMM=1` (off otherwise, until measured; the bits are the same either way).
-fn tma_chosen() -> bool {
+/// Its launches pack a routing plan's rows (top-k per token), not the tokens: the GEMM scratch
+/// is reserved for that where it is chosen.
+pub fn tma_chosen() -> bool {
     static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *CHOSEN.get_or_init(|| std::env::var("LOCKSTEP_TMA_GEMM").is_ok_and(|v| v == "1"))
 }
