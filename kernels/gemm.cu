@@ -1394,6 +1394,8 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
         // The copy warp: span s into stage s % TMA_STAGES once the products of the span before
         // it there are done.
         if (lane != 0) return;
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)x_map) : "memory");
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)w_map) : "memory");
         u32 bytes = (wide_n ? 2 : 1) * 64 * 64 + TILE_TN * W_BYTES;
         int w_row0 = e * N + n0, w_row1 = swiglu ? e * N + N / 2 + n0 : w_row0 + 64;
         for (int span = 0; span < spans; span++) {
@@ -1440,6 +1442,7 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
         load_scales(span + 1, sc_next);
         int stage = span % TMA_STAGES;
         mbar_wait(full + 8 * stage, (span / TMA_STAGES) & 1);
+        __syncwarp();  // the warp converged again after its polls, for the .aligned wgmma below
         u32 wd[2][4];
 #pragma unroll
         for (int h = 0; h < 2; h++)
