@@ -1352,11 +1352,13 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
 // r0 + r: the host packs a routing plan's rows through row_index first), as a tensor map over
 // [rows][2K bytes]; W a tensor map over [experts * N][row bytes], 64 rows a copy (a SwiGLU
 // tile's gate rows, then its up rows).
-#define TMA_STAGES 8
+#ifndef TMA_STAGES
+#define TMA_STAGES 8  // at most 12: the host gives the shared memory of 12
+#endif
 #define TMA_W_STAGE (TILE_TN * 64)  // the largest span of 128 weight rows (BF16)
 // The TMA kernels' dynamic shared memory: 1024 (the swizzle's alignment) + TMA_STAGES *
-// (WG_X_STAGE + TMA_W_STAGE) + 2 * 8 * TMA_STAGES (the barriers), given by the host
-// (kernels::TMA_SMEM_BYTES); 288 threads (kernels::TMA_THREADS).
+// (WG_X_STAGE + TMA_W_STAGE) + 2 * 8 * TMA_STAGES (the barriers), within what the host gives
+// (kernels::TMA_SMEM_BYTES, for 12 stages); 288 threads (kernels::TMA_THREADS).
 #define TMA_MMA_WARPS 8
 
 template <int FMT, int OUT>

@@ -340,11 +340,12 @@ kernels! {
 /// bytes: a 128-row activation span (64 bytes a row) and 128 BF16 weight columns' span.
 pub const WGMMA_SMEM_BYTES: u32 = 1024 + 8 * (128 * 64 + 128 * 64);
 
-/// Dynamic shared memory of the TMA GEMM kernels (kernels/gemm.cu `grouped_gemm_tma`): the
-/// wgmma kernels' (`TMA_STAGES`, eight, stages of a 128-row activation span and the span of 128
-/// BF16 weight rows, the largest format's), then a `full` and an `empty` barrier (8 bytes) a
-/// stage.
-pub const TMA_SMEM_BYTES: u32 = WGMMA_SMEM_BYTES + 2 * 8 * 8;
+/// Dynamic shared memory of the TMA GEMM kernels (kernels/gemm.cu `grouped_gemm_tma`): 1,024
+/// bytes to align the stages, then up to twelve stages (`TMA_STAGES`: eight, and a kernel
+/// variant may take up to twelve; a block an SM either way, its registers allow no second) of a
+/// 128-row activation span and the span of 128 BF16 weight rows (the largest format's), then a
+/// `full` and an `empty` barrier (8 bytes) a stage.
+pub const TMA_SMEM_BYTES: u32 = 1024 + 12 * (128 * 64 + 128 * 64) + 2 * 8 * 12;
 /// Threads of a TMA GEMM block: two MMA warpgroups and the copy warp.
 pub const TMA_THREADS: u32 = 288;
 
