@@ -1176,6 +1176,53 @@ __device__ __forceinline__ void wgmma_store(const float (&tot)[64], const WgLane
     }
 }
 
+// One span's products on the wgmma kernels: the lane's decoded weight words of its columns g
+// and g + 8 (`wd`) as the A fragments of the span's two k16 steps (`cur`), issued against the
+// activations' stage at x_stage in the K chain's order; then a wait for the span before's
+// products, whose fragments (`prev`) are free after it.
+template <int FMT>
+__device__ __forceinline__ void wgmma_span(float (&acc)[64], const u32 (&wd)[2][4], u32 (&cur)[2][4],
+                                           u32 (&prev)[2][4], u32 x_stage, bool wide_n) {
+    // Chunk c's A fragment: (row g, slots 2t..), (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..).
+#pragma unroll
+    for (int c = 0; c < 2; c++) {
+        cur[c][0] = wd[0][2 * c];
+        cur[c][1] = wd[1][2 * c];
+        cur[c][2] = wd[0][2 * c + 1];
+        cur[c][3] = wd[1][2 * c + 1];
+    }
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int c = 0; c < 2; c++) {  // the K chain's order: chunk 0, then 1
+        u64 desc = wgmma_desc_sw64(x_stage + 32 * c);
+        if (wide_n) wgmma_m64n128k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
+        else wgmma_m64n64k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+#pragma unroll
+    for (int c = 0; c < 2; c++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) wgmma_hold(prev[c][i]);
+}
+
+// A segment's end on the wgmma kernels: every product issued is done (and its fragments, a0 and
+// a1, free), then the segment's sums join the running total.
+__device__ __forceinline__ void wgmma_segment_end(float (&acc)[64], float (&tot)[64], u32 (&a0)[2][4],
+                                                  u32 (&a1)[2][4], bool first) {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < 64; i++) wgmma_hold(acc[i]);
+#pragma unroll
+    for (int c = 0; c < 2; c++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            wgmma_hold(a0[c][i]);
+            wgmma_hold(a1[c][i]);
+        }
+    end_segment<64>(acc, tot, first);
+}
+
 template <int FMT, int OUT = WG_OUT_SUMS>
 __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_index, const float* row_scale,
                                                    const void* w, const u8* w_scales, const float* w_sdec,
@@ -1284,28 +1331,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
             decode_weight8<FMT>(smem_weight8<FMT>(ws + stage * WG_W_STAGE + col_local[h] * W_BYTES + t * W_BYTES / 4, sc[h]),
                                 wd[h]);
         }
-        // Chunk c's A fragment: (row g, slots 2t..), (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..).
-#pragma unroll
-        for (int c = 0; c < 2; c++) {
-            cur[c][0] = wd[0][2 * c];
-            cur[c][1] = wd[1][2 * c];
-            cur[c][2] = wd[0][2 * c + 1];
-            cur[c][3] = wd[1][2 * c + 1];
-        }
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-        u32 x_stage = xs_addr + stage * WG_X_STAGE;
-#pragma unroll
-        for (int c = 0; c < 2; c++) {  // the K chain's order: chunk 0, then 1
-            u64 desc = wgmma_desc_sw64(x_stage + 32 * c);
-            if (wide_n) wgmma_m64n128k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
-            else wgmma_m64n64k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-#pragma unroll
-        for (int c = 0; c < 2; c++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) wgmma_hold(prev[c][i]);
+        wgmma_span<FMT>(acc, wd, cur, prev, xs_addr + stage * WG_X_STAGE, wide_n);
         sc[0] = sc_next[0];
         sc[1] = sc_next[1];
     };
@@ -1316,17 +1342,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
             step(span, a0, a1);
             if (span + 1 < seg_end) step(span + 1, a1, a0);
         }
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-        for (int i = 0; i < 64; i++) wgmma_hold(acc[i]);
-#pragma unroll
-        for (int c = 0; c < 2; c++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                wgmma_hold(a0[c][i]);
-                wgmma_hold(a1[c][i]);
-            }
-        end_segment<64>(acc, tot, seg0 == 0);
+        wgmma_segment_end(acc, tot, a0, a1, seg0 == 0);
     }
     cp_async_wait<0>();
 
@@ -1450,27 +1466,7 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
         for (int h = 0; h < 2; h++)
             decode_weight8<FMT>(
                 smem_weight8<FMT>(ws_ptr + stage * TMA_W_STAGE + col_smem[h] * W_BYTES + t * W_BYTES / 4, sc[h]), wd[h]);
-#pragma unroll
-        for (int c = 0; c < 2; c++) {
-            cur[c][0] = wd[0][2 * c];
-            cur[c][1] = wd[1][2 * c];
-            cur[c][2] = wd[0][2 * c + 1];
-            cur[c][3] = wd[1][2 * c + 1];
-        }
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-        u32 x_stage = xs + stage * WG_X_STAGE;
-#pragma unroll
-        for (int c = 0; c < 2; c++) {
-            u64 desc = wgmma_desc_sw64(x_stage + 32 * c);
-            if (wide_n) wgmma_m64n128k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
-            else wgmma_m64n64k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-#pragma unroll
-        for (int c = 0; c < 2; c++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) wgmma_hold(prev[c][i]);
+        wgmma_span<FMT>(acc, wd, cur, prev, xs + stage * WG_X_STAGE, wide_n);
         // The span before's products are done: its stage may be copied into again.
         if (pending >= 0) release(pending);
         pending = stage;
@@ -1484,19 +1480,9 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
             step(span, a0, a1);
             if (span + 1 < seg_end) step(span + 1, a1, a0);
         }
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-        for (int i = 0; i < 64; i++) wgmma_hold(acc[i]);
-#pragma unroll
-        for (int c = 0; c < 2; c++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                wgmma_hold(a0[c][i]);
-                wgmma_hold(a1[c][i]);
-            }
+        wgmma_segment_end(acc, tot, a0, a1, seg0 == 0);
         release(pending);
         pending = -1;
-        end_segment<64>(acc, tot, seg0 == 0);
     }
     wgmma_store<FMT, OUT>(tot, l, e, r0, r1, n0, N, rows, row_index, row_scale, w_sdec, sdec_groups, out, nullptr,
                           nullptr);
