@@ -1189,6 +1189,37 @@ fn gate_up_with_swiglu_in_its_epilogue_gives_the_bits_of_the_separate_launches()
     }
 }
 
+/// The bits of `grouped_gemm_on(path, SplitK::Off, ..)` over `m`: `out_rows` rows.
+fn gemm_bits(
+    g: &lockstep::backend::cuda::Gpu,
+    path: GemmPath,
+    input: &common::cuda::LayerInput,
+    row_index: Option<&cudarc::driver::CudaSlice<i32>>,
+    m: &GpuMatrix,
+    rows: GemmRows<'_>,
+    out_rows: usize,
+) -> Vec<u32> {
+    let mut out = poisoned(g, out_rows * m.n, f32::NAN);
+    let rs = input.row_scale.as_ref();
+    ops::grouped_gemm_on(
+        path,
+        SplitK::Off,
+        g,
+        &input.x,
+        row_index,
+        rs,
+        &m.data,
+        rows,
+        out_rows,
+        m.n,
+        m.k,
+        &mut out,
+    )
+    .unwrap();
+    let v = g.download(&out, out_rows * m.n).unwrap();
+    v.into_iter().map(f32::to_bits).collect()
+}
+
 /// The TMA kernel (`GemmPath::WgmmaTma`: the wgmma kernel's tiles and products, its copies made
 /// by the TMA unit under shared-memory barriers) gives the wgmma kernel's bits in every format:
 /// dense launches of 1 to 1,000 rows (partial column blocks and 64-row halves; K of one, three
@@ -1215,27 +1246,8 @@ fn tma_gemm_gives_the_bits_of_the_wgmma_kernel() {
             let m = GpuMatrix::upload(&g, &[vec![&*cpu_w[0]]]).unwrap();
             for rows in [1, 7, 64, 65, 200, 1000] {
                 let input = layer_input(&g, m.act, &activations(&mut rng, rows, k), rows, k);
-                let [want, got] = kernels.map(|path| {
-                    let mut out = poisoned(&g, rows * n, f32::NAN);
-                    let dense = GemmRows::Dense(rows);
-                    let rs = input.row_scale.as_ref();
-                    ops::grouped_gemm_on(
-                        path,
-                        SplitK::Off,
-                        &g,
-                        &input.x,
-                        None,
-                        rs,
-                        &m.data,
-                        dense,
-                        rows,
-                        n,
-                        k,
-                        &mut out,
-                    )
-                    .unwrap();
-                    bits(g.download(&out, rows * n).unwrap())
-                });
+                let [want, got] = kernels
+                    .map(|path| gemm_bits(&g, path, &input, None, &m, GemmRows::Dense(rows), rows));
                 assert_eq!(got, want, "{name} [{n} x {k}], {rows} rows");
             }
         }
@@ -1295,26 +1307,8 @@ fn tma_gemm_gives_the_bits_of_the_wgmma_kernel() {
             let parts: Vec<Vec<&dyn Linear>> = cpu_w.iter().map(|l| vec![&**l]).collect();
             let m = GpuMatrix::upload(&g, &parts).unwrap();
             let input = layer_input(&g, m.act, &activations(&mut rng, tokens, k), tokens, k);
-            let [want, got] = kernels.map(|path| {
-                let mut out = poisoned(&g, pairs * n, f32::NAN);
-                let (ri, rs) = (Some(&plan.row_token), input.row_scale.as_ref());
-                ops::grouped_gemm_on(
-                    path,
-                    SplitK::Off,
-                    &g,
-                    &input.x,
-                    ri,
-                    rs,
-                    &m.data,
-                    rows,
-                    pairs,
-                    n,
-                    k,
-                    &mut out,
-                )
-                .unwrap();
-                bits(g.download(&out, pairs * n).unwrap())
-            });
+            let ri = Some(&plan.row_token);
+            let [want, got] = kernels.map(|path| gemm_bits(&g, path, &input, ri, &m, rows, pairs));
             assert_eq!(got, want, "{name} experts, {tokens} tokens over {experts}");
         }
         // Gate/up with SwiGLU in the epilogue.
