@@ -1530,65 +1530,25 @@ __device__ __forceinline__ GemmPart gemm_part(int cols, int rows, const void* w,
 #define GEMM_KIND_ARGS \
     x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets, rows, N, K, out, partials, xb, counters, bx
 
-// Before a block waits on the kernel ahead of it (pdl_entry), a dense launch of few rows (a
-// decode step's projections and router) asks L2 for the block's weights: its `cols` columns
-// from n0 over its K range (a split launch's segment). The weights do not come from the kernel
-// ahead, so they can be fetched while it runs; and L2 is where every write lands, so a weight
-// update still in flight is what the block's loads after the wait see (only L2 is warmed;
-// nothing is read into the block before the wait). A routing plan's experts are known only
-// after the kernel ahead (routing) is done: plans do not prefetch. Reads only the parameters
-// before the wait (gemm_part too). Matrices of more than GEMM_PREFETCH_MAX_BYTES (the LM head,
-// 622 MB) are not prefetched: L2 (50 MB) would drop lines before their blocks read them.
-// GEMM_PREFETCH_MAX_ROWS 0 turns it off (a kernel variant).
-#define GEMM_PREFETCH_MAX_ROWS 64
-#define GEMM_PREFETCH_MAX_BYTES (32ull << 20)
-template <int FMT>
-__device__ __noinline__ void prefetch_weights(const void* w, int N, int K, int n0, int cols, const float* partials,
-                                                 const int* tiles, int rows) {
-    // Bytes a weight: 4, 2, 1, 1/2 (F32, BF16, MXFP8, NVFP4): a row's bytes b0..b1 of K's.
-    constexpr int num = FMT == 0 ? 4 : FMT == 1 ? 2 : 1, den = FMT == 3 ? 2 : 1;
-    if (tiles || rows > GEMM_PREFETCH_MAX_ROWS || n0 >= N || (u64)N * K * num / den > GEMM_PREFETCH_MAX_BYTES)
-        return;
-    int k_begin, k_end;
-    block_k_range(partials, K, k_begin, k_end);
-    int b0 = k_begin * num / den, b1 = k_end * num / den, first = b0 / 128;
-    int lines = (b1 + 127) / 128 - first, total = min(cols, N - n0) * lines;
-    const u8* base = (const u8*)w + (u64)n0 * ((u64)K * num / den);
-    for (int i = threadIdx.x; i < total; i += blockDim.x) {
-        int c = i / lines, l = first + (i - c * lines);
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(base + (u64)c * ((u64)K * num / den) + 128 * l));
-    }
-}
-
 // The kernels' entry: KIND<FMT> over the part of the launch this block works on, COLS columns
 // a block. With THREADS and BLOCKS, launch bounds: THREADS a block, at least BLOCKS blocks an
 // SM (the registers a thread may use follow).
-#define GEMM_ENTRY(KIND, NAME, FMT, COLS, BOUNDS, PREFETCH)                                                      \
+#define GEMM_ENTRY(KIND, NAME, FMT, COLS, BOUNDS)                                                                \
     extern "C" __global__ void BOUNDS NAME(                                                                       \
         const float* x, const int* row_index, const float* row_scale, const void* w, const u8* w_scales,          \
         const float* w_sdec, int sdec_groups, const int* tiles, const int* num_tiles, const int* offsets,          \
         int rows, int N, int K, float* out, float* partials, const u32* xb, u32* counters, const void* w2,         \
         const u8* scales2, const float* sdec2, float* out2, int n2, const void* w3, const u8* scales3,             \
         const float* sdec3, float* out3, int n3) {                                                                 \
-        if (PREFETCH) {                                                                                           \
-            GemmPart q = gemm_part(COLS, rows, w, w_scales, w_sdec, N, out, partials, w2, scales2, sdec2, out2,   \
-                                   n2, w3, scales3, sdec3, out3, n3);                                              \
-            prefetch_weights<FMT>(q.w, q.n, K, q.bx * (COLS), COLS, partials, tiles, rows);                       \
-        }                                                                                                         \
         pdl_entry();                                                                                              \
         GemmPart p = gemm_part(COLS, rows, w, w_scales, w_sdec, N, out, partials, w2, scales2, sdec2, out2, n2,   \
                                w3, scales3, sdec3, out3, n3);                                                      \
         KIND<FMT>(x, row_index, row_scale, p.w, p.scales, p.sdec, sdec_groups, tiles, num_tiles, offsets, rows,    \
                   p.n, K, p.out, p.partials, xb, counters, p.bx);                                                  \
     }
-#define GEMM_KERNEL(KIND, NAME, FMT, COLS) GEMM_ENTRY(KIND, NAME, FMT, COLS, , 0)
+#define GEMM_KERNEL(KIND, NAME, FMT, COLS) GEMM_ENTRY(KIND, NAME, FMT, COLS, )
 #define GEMM_KERNEL_BOUNDED(KIND, NAME, FMT, COLS, THREADS, BLOCKS) \
-    GEMM_ENTRY(KIND, NAME, FMT, COLS, __launch_bounds__(THREADS, BLOCKS), 0)
-// The few-rows kernels (dense launches of up to 8 rows, split or not; not the LM head, past
-// GEMM_PREFETCH_MAX_BYTES) prefetch their weights into L2 before the wait (prefetch_weights).
-#define GEMM_KERNEL_PREFETCH(KIND, NAME, FMT, COLS) GEMM_ENTRY(KIND, NAME, FMT, COLS, , 1)
-#define GEMM_KERNEL_BOUNDED_PREFETCH(KIND, NAME, FMT, COLS, THREADS, BLOCKS) \
-    GEMM_ENTRY(KIND, NAME, FMT, COLS, __launch_bounds__(THREADS, BLOCKS), 1)
+    GEMM_ENTRY(KIND, NAME, FMT, COLS, __launch_bounds__(THREADS, BLOCKS))
 
 // The wide tiles' kernels: 256 threads, two blocks an SM (at most 128 registers a thread).
 GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_bf16, 1, TILE_TN, 4 * TM_WIDE, 2)
@@ -1638,18 +1598,18 @@ GEMM_TMA_KERNEL(grouped_gemm_tma_swiglu_words_bf16, 1, WG_OUT_SWIGLU_BF16)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_bf16, 1, TILE_TN)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_mxfp8, 2, TILE_TN)
 GEMM_KERNEL(grouped_gemm_mma, grouped_gemm_mma_nvfp4, 3, TILE_TN)
-GEMM_KERNEL_PREFETCH(grouped_gemm_skinny1, grouped_gemm_skinny_bf16, 1, SKINNY_WARPS * 8)
-GEMM_KERNEL_PREFETCH(grouped_gemm_skinny1, grouped_gemm_skinny_mxfp8, 2, SKINNY_WARPS * 8)
-GEMM_KERNEL_PREFETCH(grouped_gemm_skinny1, grouped_gemm_skinny_nvfp4, 3, SKINNY_WARPS * 8)
-GEMM_KERNEL_BOUNDED_PREFETCH(grouped_gemm_skinny4, grouped_gemm_skinny4_bf16, 1, SKINNY_WARPS * 32, 128, SKINNY4_BLOCKS_PER_SM)
-GEMM_KERNEL_BOUNDED_PREFETCH(grouped_gemm_skinny4, grouped_gemm_skinny4_mxfp8, 2, SKINNY_WARPS * 32, 128, SKINNY4_BLOCKS_PER_SM)
-GEMM_KERNEL_BOUNDED_PREFETCH(grouped_gemm_skinny4, grouped_gemm_skinny4_nvfp4, 3, SKINNY_WARPS * 32, 128, SKINNY4_BLOCKS_PER_SM)
+GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_bf16, 1, SKINNY_WARPS * 8)
+GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_mxfp8, 2, SKINNY_WARPS * 8)
+GEMM_KERNEL(grouped_gemm_skinny1, grouped_gemm_skinny_nvfp4, 3, SKINNY_WARPS * 8)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_bf16, 1, SKINNY_WARPS * 32, 128, SKINNY4_BLOCKS_PER_SM)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_mxfp8, 2, SKINNY_WARPS * 32, 128, SKINNY4_BLOCKS_PER_SM)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_nvfp4, 3, SKINNY_WARPS * 32, 128, SKINNY4_BLOCKS_PER_SM)
 // K split over a block's warps: 32 columns a block, 8 warps, two blocks an SM (16 warps, as
 // the 32-column kernel's four blocks; at 128 registers BF16 and MXFP8 spill 36-44 bytes, NVFP4
 // takes 112; ptxas 13.5).
-GEMM_KERNEL_BOUNDED_PREFETCH(grouped_gemm_skinny_ksplit, grouped_gemm_skinny_ksplit_bf16, 1, 32, 32 * KSPLIT_WARPS, 2)
-GEMM_KERNEL_BOUNDED_PREFETCH(grouped_gemm_skinny_ksplit, grouped_gemm_skinny_ksplit_mxfp8, 2, 32, 32 * KSPLIT_WARPS, 2)
-GEMM_KERNEL_BOUNDED_PREFETCH(grouped_gemm_skinny_ksplit, grouped_gemm_skinny_ksplit_nvfp4, 3, 32, 32 * KSPLIT_WARPS, 2)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny_ksplit, grouped_gemm_skinny_ksplit_bf16, 1, 32, 32 * KSPLIT_WARPS, 2)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny_ksplit, grouped_gemm_skinny_ksplit_mxfp8, 2, 32, 32 * KSPLIT_WARPS, 2)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny_ksplit, grouped_gemm_skinny_ksplit_nvfp4, 3, 32, 32 * KSPLIT_WARPS, 2)
 
 GEMM_KERNEL(grouped_gemm, grouped_gemm_f32, 0, TN)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_bf16, 1, TN)
