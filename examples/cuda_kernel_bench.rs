@@ -203,9 +203,7 @@ fn expert_gemms(
                 + (pairs * n * 4) as f64;
             let flops = 2.0 * (pairs * n * k) as f64;
             let roofline = (bytes / bw).max(flops / TENSOR_FLOPS);
-            // The TMA kernel is not in EXPLICIT until measured (it runs as Wgmma where split).
-            let paths = GemmPath::EXPLICIT.into_iter();
-            for path in paths.chain([GemmPath::WgmmaTma, GemmPath::Auto]) {
+            for path in GemmPath::EXPLICIT.into_iter().chain([GemmPath::Auto]) {
                 // The FFMA and few-rows kernels are far behind from a few hundred tokens; the
                 // block-split one takes plans of up to 16 tokens (else it runs as Skinny4).
                 if tokens > 256 && matches!(path, GemmPath::Ffma | GemmPath::Skinny)

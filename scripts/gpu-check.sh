@@ -145,14 +145,14 @@ if [ "${BENCH_WGMMA_OFF:-0}" = 1 ]; then
     && record "cuda_bench, LOCKSTEP_WGMMA=0" "done (bench_wgmma_off.md)" || record "cuda_bench, LOCKSTEP_WGMMA=0" "FAIL"
 fi
 # BENCH_SWITCHES_OFF="VAR VAR2": the step benchmark again with each kernel-choice switch VAR
-# set to 0 (e.g. LOCKSTEP_SWIGLU_EPILOGUE, LOCKSTEP_FOLD_IN_READERS), as bench_off_VAR.md:
+# set to 0 (e.g. LOCKSTEP_SWIGLU_EPILOGUE, LOCKSTEP_TMA_GEMM), as bench_off_VAR.md:
 # each choice against the default in one run (the bits are the same either way).
 for var in ${BENCH_SWITCHES_OFF:-}; do
   env "$var=0" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_off_$var.md" \
     && record "cuda_bench, $var=0" "done (bench_off_$var.md)" || record "cuda_bench, $var=0" "FAIL"
 done
 # BENCH_SWITCHES_ON="VAR ...": the same with each opt-in switch VAR set to 1 (e.g.
-# LOCKSTEP_TMA_GEMM, the TMA GEMM while it is measured), as bench_on_VAR.md.
+# LOCKSTEP_FOLD_IN_READERS), as bench_on_VAR.md.
 for var in ${BENCH_SWITCHES_ON:-}; do
   env "$var=1" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_on_$var.md" \
     && record "cuda_bench, $var=1" "done (bench_on_$var.md)" || record "cuda_bench, $var=1" "FAIL"

@@ -200,10 +200,13 @@ struct LeftSums {
 }
 
 /// Whether the GEMMs of a step that does not keep its buffers leave their split-K sums to their
-/// readers (unless `LOCKSTEP_FOLD_IN_READERS=0`; the bits are the same either way).
+/// readers: only with `LOCKSTEP_FOLD_IN_READERS=1` (the bits are the same either way). Measured
+/// on an H200 (2026-12-05, docs/performance.md) it took the BF16 batch-8 step from 10.62 to
+/// 10.32 ms but batch 1 from 4.96 to 5.13 and batch 64 from 20.72 to 20.99, so the launches
+/// fold their own sums unless it is asked for.
 fn folds_in_readers() -> bool {
-    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ALLOWED.get_or_init(|| std::env::var("LOCKSTEP_FOLD_IN_READERS").map_or(true, |v| v != "0"))
+    static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CHOSEN.get_or_init(|| std::env::var("LOCKSTEP_FOLD_IN_READERS").is_ok_and(|v| v == "1"))
 }
 
 impl Cuda {
@@ -266,7 +269,7 @@ impl Cuda {
             .max(d.q_size() + 2 * d.kv_size())
             .max(d.hidden);
         // The TMA GEMM packs the experts' input once per routed row, in the plan's order.
-        let operand_elems = if ops::tma_chosen() {
+        let operand_elems = if ops::tma_chosen(&gpu) {
             quant_elems.max(pairs * in_width)
         } else {
             quant_elems
