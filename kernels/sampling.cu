@@ -234,15 +234,26 @@ __device__ __forceinline__ bool member(const RowView& r, int kind, int by_mass, 
     return member_of(r, kind, by_mass, t, kind == KIND_PROB ? r.p[t] : r.l[t], key, w);
 }
 
-// A thread's next SAMPLE_BATCH elements of its walk over a row (t0, t0 + SAMPLE_THREADS, ...),
-// all loads issued before any is used: one block walks a whole row (151,936 logits of Qwen3),
-// and at one load in flight a warp each walk waited out ~300 load latencies.
+// A thread's walk over a row: f(t, row[t]) for t = threadIdx.x, + SAMPLE_THREADS, ... < vocab,
+// in that order, each SAMPLE_BATCH elements' loads issued before any is used: one block walks a
+// whole row (151,936 logits of Qwen3), and at one load in flight a warp each walk waited out
+// ~300 load latencies. (f may write row[t]: its batch was loaded first.)
 #define SAMPLE_BATCH 8
-__device__ __forceinline__ void sample_batch(const float* row, int vocab, int t0, float (&lb)[SAMPLE_BATCH]) {
+template <class F>
+__device__ __forceinline__ void walk_row(const float* row, int vocab, F f) {
+    for (int t0 = threadIdx.x; t0 < vocab; t0 += SAMPLE_THREADS * SAMPLE_BATCH) {
+        float lb[SAMPLE_BATCH];
 #pragma unroll
-    for (int u = 0; u < SAMPLE_BATCH; u++) {
-        int t = t0 + u * SAMPLE_THREADS;
-        lb[u] = t < vocab ? row[t] : 0.0f;
+        for (int u = 0; u < SAMPLE_BATCH; u++) {
+            int t = t0 + u * SAMPLE_THREADS;
+            lb[u] = t < vocab ? row[t] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < SAMPLE_BATCH; u++) {
+            int t = t0 + u * SAMPLE_THREADS;
+            if (t >= vocab) break;
+            f(t, lb[u]);
+        }
     }
 }
 
@@ -393,18 +404,11 @@ __device__ u64 select_key(const RowView& r, int kind, int by_mass, double target
 // The kept mass: members' p summed (f64), a thread's in its walk's order.
 __device__ double member_mass(const RowView& r, SampleShared& sh) {
     double acc = 0.0;
-    for (int t0 = threadIdx.x; t0 < r.vocab; t0 += SAMPLE_THREADS * SAMPLE_BATCH) {
-        float pb[SAMPLE_BATCH];
-        sample_batch(r.p, r.vocab, t0, pb);
-#pragma unroll
-        for (int u = 0; u < SAMPLE_BATCH; u++) {
-            int t = t0 + u * SAMPLE_THREADS;
-            if (t >= r.vocab) break;
-            u64 key;
-            double w;
-            if (member_of(r, KIND_PROB, 1, t, pb[u], key, w)) acc += w;
-        }
-    }
+    walk_row(r.p, r.vocab, [&](int t, float p) {
+        u64 key;
+        double w;
+        if (member_of(r, KIND_PROB, 1, t, p, key, w)) acc += w;
+    });
     return block_sum_f64(acc, sh);
 }
 
@@ -459,22 +463,14 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* 
     const bool scale = !pr.greedy && pr.temperature != 1.0f;
     float m = -INFINITY;
     int bad = 0x7fffffff;
-    for (int t0 = tid; t0 < vocab; t0 += SAMPLE_THREADS * SAMPLE_BATCH) {
-        float lb[SAMPLE_BATCH];
-        sample_batch(row, vocab, t0, lb);
-#pragma unroll
-        for (int u = 0; u < SAMPLE_BATCH; u++) {
-            int t = t0 + u * SAMPLE_THREADS;
-            if (t >= vocab) break;
-            float l = lb[u];
-            if (scale) {
-                l = __fdiv_rn(l, pr.temperature);
-                row[t] = l;
-            }
-            if (l != l || l == INFINITY) bad = min(bad, t);
-            m = fmaxf(m, l);
+    walk_row(row, vocab, [&](int t, float l) {
+        if (scale) {
+            l = __fdiv_rn(l, pr.temperature);
+            row[t] = l;
         }
-    }
+        if (l != l || l == INFINITY) bad = min(bad, t);
+        m = fmaxf(m, l);
+    });
     bad = block_min_i32(bad, sh);
     m = block_max_f32(m, sh);
     if (bad != 0x7fffffff || m == -INFINITY) {
@@ -493,20 +489,12 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* 
     // greedy token (first maximum) on the way.
     double acc = 0.0;
     int first_max = 0x7fffffff;
-    for (int t0 = tid; t0 < vocab; t0 += SAMPLE_THREADS * SAMPLE_BATCH) {
-        float lb[SAMPLE_BATCH];
-        sample_batch(row, vocab, t0, lb);
-#pragma unroll
-        for (int u = 0; u < SAMPLE_BATCH; u++) {
-            int t = t0 + u * SAMPLE_THREADS;
-            if (t >= vocab) break;
-            float l = lb[u];
-            float p = host_expf(__fsub_rn(l, m), sh.exp_table);
-            if (!pr.greedy) prow[t] = p;
-            acc = __dadd_rn(acc, (double)p);
-            if (l == m) first_max = min(first_max, t);
-        }
-    }
+    walk_row(row, vocab, [&](int t, float l) {
+        float p = host_expf(__fsub_rn(l, m), sh.exp_table);
+        if (!pr.greedy) prow[t] = p;
+        acc = __dadd_rn(acc, (double)p);
+        if (l == m) first_max = min(first_max, t);
+    });
     double total = block_sum_f64(acc, sh);
     first_max = block_min_i32(first_max, sh);
     RowView view;
