@@ -421,6 +421,9 @@ impl Cuda {
         let (pairs, plan) = (rows * route.top_k, &route.plan);
         {
             let (gpu, q) = (&self.gpu, &mut self.quant);
+            if q.block_scaled.is_some() {
+                return Ok(false);
+            }
             let routed = GemmRows::Plan(plan);
             let words = down.act == Activation::Plain
                 && ops::takes_bf16_words(gpu, &down.data, &routed, pairs, down.n, down.k);
@@ -430,7 +433,7 @@ impl Cuda {
                 SwigluOut::F32
             };
             let runs = ops::swiglu_epilogue_runs(gpu, &gu.data, &routed, pairs, gu.n, gu.k, form);
-            if q.block_scaled.is_some() || !runs {
+            if !runs {
                 return Ok(false);
             }
             quantize_input(gpu, gu.act, gu.experts, x, rows, gu.k, q)?;
@@ -578,37 +581,6 @@ fn quantize_input(
                 },
             )
         }
-    }
-}
-
-/// `h = silu(gate) * up` over `rows` gate/up rows and [`quantize_input`]'s quantization of it
-/// for a layer whose input is `act`, in one launch: false (nothing done) where the activation
-/// format has no such launch. MXFP8 has one; NVFP4 has not: its per-token quantizer is a block
-/// a row, and SwiGLU inside it made the decode step slower than the two launches (H200,
-/// 2026-12-03: 5.65-5.73 against 5.58-5.59 ms at batch 1, docs/performance.md).
-#[allow(clippy::too_many_arguments)]
-fn quantize_silu_mul(
-    gpu: &Gpu,
-    act: Activation,
-    gate_up: &CudaSlice<f32>,
-    rows: usize,
-    inter: usize,
-    h: &mut CudaSlice<f32>,
-    q: &mut QuantScratch,
-) -> Result<bool, CudaError> {
-    match act {
-        Activation::Mxfp8 => ops::mxfp8_quantize_silu_mul(
-            gpu,
-            gate_up,
-            h,
-            rows,
-            inter,
-            &mut q.data,
-            &mut q.scales,
-            Some(&mut q.deq),
-        )
-        .map(|()| true),
-        Activation::Plain | Activation::Nvfp4 { .. } => Ok(false),
     }
 }
 
@@ -1066,8 +1038,10 @@ impl Backend for Cuda {
     }
 
     /// For MXFP8 down projections, SwiGLU and the activation quantizer are one launch
-    /// ([`quantize_silu_mul`], which takes gate/up as values: sums left by the gate/up GEMM are
-    /// folded into it first).
+    /// (`mxfp8_quantize_silu_mul`, which takes gate/up as values: sums left by the gate/up GEMM
+    /// are folded into it first). NVFP4 has no such launch: its per-token quantizer is a block a
+    /// row, and SwiGLU inside it made the decode step slower than the two launches (H200,
+    /// 2026-12-03: 5.65-5.73 against 5.58-5.59 ms at batch 1, docs/performance.md).
     fn experts_silu_down(
         &mut self,
         w: &CudaExperts,
@@ -1085,7 +1059,16 @@ impl Backend for Cuda {
         self.settle()?;
         let leave = self.leaves_sums();
         let (gpu, q) = (&self.gpu, &mut self.quant);
-        quantize_silu_mul(gpu, w.down.act, gate_up, pairs, inter, act, q)?;
+        ops::mxfp8_quantize_silu_mul(
+            gpu,
+            gate_up,
+            act,
+            pairs,
+            inter,
+            &mut q.data,
+            &mut q.scales,
+            Some(&mut q.deq),
+        )?;
         let plan = GemmRows::Plan(&route.plan);
         let left = gemm_prepared(gpu, &w.down, act, plan, None, pairs, out, q, leave)?;
         self.remember(out, left, pairs, w.down.n);

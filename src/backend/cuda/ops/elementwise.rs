@@ -3,7 +3,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{need, sums_ptr, sums_segments, AttnShape, MoePlan, Unfolded, BLOCK};
+use super::{need, sums_ptr, AttnShape, MoePlan, Unfolded, BLOCK};
 use crate::backend::cuda::args::{addr, DevPtr, View};
 use crate::backend::cuda::kernels::Kernel;
 use crate::backend::cuda::{CudaError, Gpu};
@@ -140,7 +140,7 @@ pub fn rms_norm(
                 rows,
                 d as i32,
                 eps,
-                sums_segments(Some(u)),
+                u.segments as i32,
                 u.stride as u64,
             ),
         ),
@@ -194,15 +194,11 @@ pub fn qk_norm_rope_store(
     let pos = need(pos, rows, "rope positions")?;
     let slots = need(slots, rows, "rope slots")?;
     // The kernel takes one segment count: q, k and v's sums come from one launch.
-    let segments = match sums
-        .iter()
-        .flatten()
-        .map(|u| u.segments)
-        .collect::<Vec<_>>()[..]
-    {
-        [] => 0,
-        [first, ref rest @ ..] if rest.iter().all(|&s| s == first) => first as i32,
-        _ => {
+    let mut counts = sums.iter().flatten().map(|u| u.segments);
+    let segments = match counts.next() {
+        None => 0,
+        Some(first) if counts.all(|c| c == first) => first as i32,
+        Some(_) => {
             return Err(CudaError::Unsupported(
                 "q, k and v as segment sums of different segment counts".into(),
             ))
@@ -265,7 +261,7 @@ pub fn silu_mul(
     inter: usize,
 ) -> Result<(), CudaError> {
     let gu = match sums {
-        Some(u) => DevPtr(sums_ptr(Some(u), rows * 2 * inter)?.0),
+        Some(u) => sums_ptr(Some(u), rows * 2 * inter)?,
         None => DevPtr(need(gu, rows * 2 * inter, "silu_mul gate_up")?.addr(gpu)),
     };
     let h = need(h, rows * inter, "silu_mul out")?;
@@ -283,7 +279,7 @@ pub fn silu_mul(
             Kernel::SiluMulSums,
             grid,
             BLOCK,
-            (gu, h, rows, inter, sums_segments(Some(u))),
+            (gu, h, rows, inter, u.segments as i32),
         ),
     }
 }
@@ -333,7 +329,7 @@ pub fn moe_combine(
                 y,
                 top_k,
                 hidden,
-                sums_segments(Some(u)),
+                u.segments as i32,
             ),
         ),
     }
