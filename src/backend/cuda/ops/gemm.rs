@@ -1298,20 +1298,15 @@ fn launch_parts(
         (GemmRows::Plan(p), None) => p.pairs,
         (GemmRows::Dense(_), Some(_)) => x.len() / k,
     };
-    let words = x_rows * k / 2;
-    let operand = if let Some(given) = mode.packed {
-        if !reads_words || w.packing != Packing::Bf16 {
-            return Err(CudaError::Unsupported(format!(
-                "packed BF16 activations for a {path:?} launch"
-            )));
-        }
-        // Two BF16 values a word, in an f32 buffer's memory.
-        need(given, words, "packed gemm operand")?;
-        DevPtr(addr(gpu, given))
-    } else if reads_words {
-        let packed = grown(gpu, &mut scratch.operand, &mut scratch.generation, words)?;
-        pack_gemm_operand(gpu, x, x_rows, k, w.packing, packed)?;
-        DevPtr(addr(gpu, packed))
+    if mode.packed.is_some() && !reads_words {
+        return Err(CudaError::Unsupported(format!(
+            "packed BF16 activations for a {path:?} launch"
+        )));
+    }
+    let operand = if reads_words {
+        let packing = w.packing;
+        let operand = (&mut scratch.operand, &mut scratch.generation);
+        operand_words(gpu, operand, mode.packed, x, None, x_rows, k, packing)?
     } else {
         DevPtr(0)
     };
@@ -1405,6 +1400,36 @@ fn launch_parts(
     Ok(Vec::new())
 }
 
+/// The BF16 operand words a launch reads (`x_rows` rows of `k / 2`): `given` (packed already;
+/// BF16 weights only), or else rows of `x` (row `row_index[r]` for r where an index is given)
+/// packed for `packing` into the scratch's operand buffer (`scratch`: it and the scratch's
+/// generation).
+#[allow(clippy::too_many_arguments)]
+fn operand_words(
+    gpu: &Gpu,
+    scratch: (&mut Option<CudaSlice<u32>>, &mut u64),
+    given: Option<&CudaSlice<f32>>,
+    x: &CudaSlice<f32>,
+    row_index: Option<&CudaSlice<i32>>,
+    x_rows: usize,
+    k: usize,
+    packing: Packing,
+) -> Result<DevPtr, CudaError> {
+    let words = x_rows * k / 2;
+    if let Some(given) = given {
+        if packing != Packing::Bf16 {
+            return Err(CudaError::Unsupported(
+                "packed BF16 activations for weights that take another operand type".into(),
+            ));
+        }
+        // Two BF16 values a word, in an f32 buffer's memory.
+        return Ok(DevPtr(need(given, words, "packed gemm operand")?.addr(gpu)));
+    }
+    let packed = grown(gpu, scratch.0, scratch.1, words)?;
+    pack_gemm_operand_rows(gpu, x, row_index, x_rows, k, packing, packed)?;
+    Ok(DevPtr(addr(gpu, packed)))
+}
+
 /// The TMA kernel's launch ([`GemmPath::WgmmaTma`], no split) over `parts`, on the wgmma
 /// kernel's grid: the activations packed with a plan's rows in its order (or given packed, in
 /// that order), then tensor maps of them (64-row boxes of a span's 64 bytes, in the 64-byte
@@ -1444,24 +1469,11 @@ fn launch_tma(
         .gemm_scratch
         .lock()
         .map_err(|_| CudaError::Capacity("the GEMM scratch lock is poisoned".into()))?;
-    let words = x_rows * k / 2;
-    let operand = match mode.packed {
-        Some(given) => {
-            if w.packing != Packing::Bf16 {
-                return Err(CudaError::Unsupported(
-                    "packed BF16 activations for weights that take another operand type".into(),
-                ));
-            }
-            need(given, words, "packed gemm operand")?.addr(gpu)
-        }
-        None => {
-            let scratch = &mut *guard;
-            let packed = grown(gpu, &mut scratch.operand, &mut scratch.generation, words)?;
-            pack_gemm_operand_rows(gpu, x, row_index, x_rows, k, w.packing, packed)?;
-            addr(gpu, packed)
-        }
-    };
-    let x_map = tensor_map(operand, 2 * k, x_rows, 64, true)?;
+    let scratch = &mut *guard;
+    let (given, packing) = (mode.packed, w.packing);
+    let operand = (&mut scratch.operand, &mut scratch.generation);
+    let operand = operand_words(gpu, operand, given, x, row_index, x_rows, k, packing)?;
+    let x_map = tensor_map(operand.0, 2 * k, x_rows, 64, true)?;
     let (row_bytes, span_bytes) = w.row_bytes(k);
     let span_bytes = span_bytes as u32;
     let mut w_maps = [x_map; GEMM_MAX_PARTS];
