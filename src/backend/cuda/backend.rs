@@ -206,7 +206,7 @@ struct LeftSums {
 /// fold their own sums unless it is asked for.
 fn folds_in_readers() -> bool {
     static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *CHOSEN.get_or_init(|| std::env::var("LOCKSTEP_FOLD_IN_READERS").is_ok_and(|v| v == "1"))
+    ops::opted_in(&CHOSEN, "LOCKSTEP_FOLD_IN_READERS")
 }
 
 impl Cuda {

@@ -324,6 +324,12 @@ fn switched_on(cell: &std::sync::OnceLock<bool>, var: &str) -> bool {
     *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v != "0"))
 }
 
+/// Whether the environment variable `var` turns an opt-in choice on (`1`), read once into
+/// `cell`.
+pub(crate) fn opted_in(cell: &std::sync::OnceLock<bool>, var: &str) -> bool {
+    *cell.get_or_init(|| std::env::var(var).is_ok_and(|v| v == "1"))
+}
+
 /// Whether [`GemmPath::Auto`] takes [`GemmPath::WgmmaTma`] where it takes the wgmma kernel on
 /// `gpu`: wherever the wgmma kernels run, unless `LOCKSTEP_TMA_GEMM=0` (the bits are the same
 /// either way).
