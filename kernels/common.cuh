@@ -313,13 +313,26 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
         if (polls == MBAR_MAX_POLLS) __trap();
     }
 }
-// One arrival on the barrier at this block's offset `bar` in block `cta` of the cluster, with
-// the default (CTA-scope) release: a cluster-scope release costs a memory barrier an arrival,
-// which stalled the paired TMA GEMM's MMA warps 6 cycles an instruction (ncu, H200, 2026-12-05).
+// mbar_wait with the cluster's acquire: for a barrier that the other blocks of a cluster arrive
+// on (mbar_arrive_in).
+__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
+    for (u32 polls = 0;; polls++) {
+        u32 done;
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+        if (done) return;
+        if (polls == MBAR_MAX_POLLS) __trap();
+    }
+}
+// One arrival on the barrier at this block's offset `bar` in block `cta` of the cluster.
 __device__ __forceinline__ void mbar_arrive_in(u32 bar, u32 cta) {
     asm volatile(
         "{\n.reg .b32 r;\nmapa.shared::cluster.u32 r, %0, %1;\n"
-        "mbarrier.arrive.shared::cluster.b64 _, [r];\n}\n" ::"r"(bar),
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r];\n}\n" ::"r"(bar),
         "r"(cta)
         : "memory");
 }

@@ -1442,7 +1442,10 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
             int w_row0 = e * N + n0, w_row1 = swiglu ? e * N + N / 2 + n0 : w_row0 + 64;
             for (int span = 0; span < spans; span++) {
                 int stage = span % TMA_STAGES, use = span / TMA_STAGES;
-                if (use > 0) mbar_wait(empty + 8 * stage, (use - 1) & 1);
+                if (use > 0) {
+                    if (pair) mbar_wait_cluster(empty + 8 * stage, (use - 1) & 1);
+                    else mbar_wait(empty + 8 * stage, (use - 1) & 1);
+                }
                 u32 bar = full + 8 * stage, xd = xs + stage * WG_X_STAGE, wd = ws + stage * TMA_W_STAGE;
                 mbar_arrive_expect_tx(bar, bytes);
                 if (!pair) {
