@@ -313,60 +313,11 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
         if (polls == MBAR_MAX_POLLS) __trap();
     }
 }
-// mbar_wait with the cluster's acquire: for a barrier that the other blocks of a cluster arrive
-// on (mbar_arrive_in).
-__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
-    for (u32 polls = 0;; polls++) {
-        u32 done;
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-        if (done) return;
-        if (polls == MBAR_MAX_POLLS) __trap();
-    }
-}
-// One arrival on the barrier at this block's offset `bar` in block `cta` of the cluster.
-__device__ __forceinline__ void mbar_arrive_in(u32 bar, u32 cta) {
-    asm volatile(
-        "{\n.reg .b32 r;\nmapa.shared::cluster.u32 r, %0, %1;\n"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r];\n}\n" ::"r"(bar),
-        "r"(cta)
-        : "memory");
-}
-// The blocks in this block's cluster (1: launched without clusters) and this block's rank there.
-__device__ __forceinline__ u32 cluster_blocks() {
-    u32 n;
-    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-    return n;
-}
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-// Every thread of every block in the cluster arrives; the shared memory each wrote before is
-// then visible to all.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
 // The box of `map` at (c0, c1) (innermost coordinate first) into shared memory at dst, its
 // bytes counted on `bar`.
 __device__ __forceinline__ void tma_copy_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
         "l"((u64)map), "r"(c0), "r"(c1), "r"(bar)
-        : "memory");
-}
-// tma_copy_2d into the shared memory of every block of the cluster in `blocks` (a bit a rank),
-// at the same offset dst, its bytes counted on each one's barrier at offset `bar`.
-__device__ __forceinline__ void tma_copy_2d_multicast(u32 dst, const TensorMap* map, int c0, int c1, u32 bar,
-                                                      unsigned short blocks) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-        " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
-        "l"((u64)map), "r"(c0), "r"(c1), "r"(bar), "h"(blocks)
         : "memory");
 }

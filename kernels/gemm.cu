@@ -1380,13 +1380,6 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
 // r0 + r: the host packs a routing plan's rows through row_index first), as a tensor map over
 // [rows][2K bytes]; W a tensor map over [experts * N][row bytes], 64 rows a copy (a SwiGLU
 // tile's gate rows, then its up rows).
-//
-// Launched in clusters of two blocks side by side (kernels::TMA_CLUSTER; the host's choice, the
-// bits are the same), the pair shares its tile's x: each block's copy warp brings one of the
-// tile's two 64-row boxes of a span into both blocks (a multicast copy; the first block the
-// only box of a tile of at most 64 rows), and a stage is copied into again once the MMA warps
-// of both blocks are done with it. That halves what x takes from L2, which the single blocks
-// kept 72% busy (ncu, BF16 gate/up at 4,096 tokens, 2026-12-05).
 #ifndef TMA_STAGES
 #define TMA_STAGES 8  // at most 12: the host gives the shared memory of 12
 #endif
@@ -1418,48 +1411,33 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
     u32 full = ws + TMA_STAGES * TMA_W_STAGE, empty = full + 8 * TMA_STAGES;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     int spans = K / MMA_TK;
-    // A pair (a cluster of two): the blocks share x; `peer` is the other one's rank.
-    bool pair = cluster_blocks() == 2;
-    u32 rank = pair ? cluster_rank() : 0, peer = rank ^ 1;
     if (tid == 0) {
         for (int s = 0; s < TMA_STAGES; s++) {
             mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, TMA_MMA_WARPS * (pair ? 2 : 1));
+            mbar_init(empty + 8 * s, TMA_MMA_WARPS);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    // A pair's barriers are ready before either block copies into the other or arrives there.
-    if (pair) cluster_sync();
-    else __syncthreads();
+    __syncthreads();
 
     if (warp == TMA_MMA_WARPS) {
         // The copy warp: span s into stage s % TMA_STAGES once the products of the span before
-        // it there are done (in both blocks of a pair).
-        if (lane == 0) {
-            asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)x_map) : "memory");
-            asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)w_map) : "memory");
-            u32 bytes = (wide_n ? 2 : 1) * 64 * 64 + TILE_TN * W_BYTES;
-            int w_row0 = e * N + n0, w_row1 = swiglu ? e * N + N / 2 + n0 : w_row0 + 64;
-            for (int span = 0; span < spans; span++) {
-                int stage = span % TMA_STAGES, use = span / TMA_STAGES;
-                if (use > 0) {
-                    if (pair) mbar_wait_cluster(empty + 8 * stage, (use - 1) & 1);
-                    else mbar_wait(empty + 8 * stage, (use - 1) & 1);
-                }
-                u32 bar = full + 8 * stage, xd = xs + stage * WG_X_STAGE, wd = ws + stage * TMA_W_STAGE;
-                mbar_arrive_expect_tx(bar, bytes);
-                if (!pair) {
-                    tma_copy_2d(xd, x_map, span * 64, r0, bar);
-                    if (wide_n) tma_copy_2d(xd + 64 * 64, x_map, span * 64, r0 + 64, bar);
-                } else if (rank == 0 || wide_n) {
-                    tma_copy_2d_multicast(xd + rank * 64 * 64, x_map, span * 64, r0 + 64 * rank, bar, 0x3);
-                }
-                tma_copy_2d(wd, w_map, span * W_BYTES, w_row0, bar);
-                tma_copy_2d(wd + 64 * W_BYTES, w_map, span * W_BYTES, w_row1, bar);
-            }
+        // it there are done.
+        if (lane != 0) return;
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)x_map) : "memory");
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)w_map) : "memory");
+        u32 bytes = (wide_n ? 2 : 1) * 64 * 64 + TILE_TN * W_BYTES;
+        int w_row0 = e * N + n0, w_row1 = swiglu ? e * N + N / 2 + n0 : w_row0 + 64;
+        for (int span = 0; span < spans; span++) {
+            int stage = span % TMA_STAGES, use = span / TMA_STAGES;
+            if (use > 0) mbar_wait(empty + 8 * stage, (use - 1) & 1);
+            u32 bar = full + 8 * stage, xd = xs + stage * WG_X_STAGE, wd = ws + stage * TMA_W_STAGE;
+            mbar_arrive_expect_tx(bar, bytes);
+            tma_copy_2d(xd, x_map, span * 64, r0, bar);
+            if (wide_n) tma_copy_2d(xd + 64 * 64, x_map, span * 64, r0 + 64, bar);
+            tma_copy_2d(wd, w_map, span * W_BYTES, w_row0, bar);
+            tma_copy_2d(wd + 64 * W_BYTES, w_map, span * W_BYTES, w_row1, bar);
         }
-        // The other block's MMA warps arrive on this one's barriers to the end.
-        if (pair) cluster_sync();
         return;
     }
 
@@ -1488,10 +1466,7 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
     int pending = -1;
     auto release = [&](int stage) {
         __syncwarp();
-        if (lane == 0) {
-            mbar_arrive(empty + 8 * stage);
-            if (pair) mbar_arrive_in(empty + 8 * stage, peer);
-        }
+        if (lane == 0) mbar_arrive(empty + 8 * stage);
     };
     auto step = [&](int span, u32 (&cur)[2][4], u32 (&prev)[2][4]) {
         load_scales(span + 1, sc_next);
@@ -1523,7 +1498,6 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
     }
     wgmma_store<FMT, OUT>(tot, l, e, r0, r1, n0, N, rows, row_index, row_scale, w_sdec, sdec_groups, out, nullptr,
                           nullptr);
-    if (pair) cluster_sync();
 #else
     __trap();  // sm_90a only: the host never picks this kernel elsewhere
 #endif

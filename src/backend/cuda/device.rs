@@ -144,20 +144,6 @@ impl Gpu {
         block: u32,
         args: A,
     ) -> Result<(), CudaError> {
-        self.launch_in_clusters(kernel, grid, block, 1, args)
-    }
-
-    /// [`Gpu::launch`] with the grid's blocks in clusters of `cluster` consecutive blocks along x
-    /// (`grid.0` a multiple of it; 1: no clusters), which may then share their shared memory
-    /// (kernels/common.cuh `cluster_sync`, `tma_copy_2d_multicast`).
-    pub fn launch_in_clusters<A: KernelArgs>(
-        &self,
-        kernel: Kernel,
-        grid: (u32, u32, u32),
-        block: u32,
-        cluster: u32,
-        args: A,
-    ) -> Result<(), CudaError> {
         if A::KINDS != kernel.params() {
             return Err(CudaError::KernelArgs(format!(
                 "{kernel:?} (`{}`) takes {:?}, given {:?}",
@@ -166,19 +152,12 @@ impl Gpu {
                 A::KINDS
             )));
         }
-        if cluster == 0 || grid.0 % cluster != 0 {
-            return Err(CudaError::KernelArgs(format!(
-                "{kernel:?}: a grid of {} blocks along x in clusters of {cluster}",
-                grid.0
-            )));
-        }
         let mut raw = [Raw::U64(0); MAX_PARAMS];
         args.raw(self, &mut raw);
         let f = &self.functions[&kernel];
         let smem = kernel.dynamic_smem(self.arch);
-        if self.pdl || cluster > 1 {
-            let raw = &mut raw[..A::KINDS.len()];
-            return self.launch_ex(f, grid, block, smem, cluster, raw);
+        if self.pdl {
+            return self.launch_dependent(f, grid, block, smem, &mut raw[..A::KINDS.len()]);
         }
         let mut b = self.stream.launch_builder(f);
         for a in &raw[..A::KINDS.len()] {
@@ -201,21 +180,18 @@ impl Gpu {
         Ok(())
     }
 
-    /// A launch through launch attributes: programmatic stream serialization where the device
-    /// allows it (`self.pdl`), and clusters of `cluster` blocks along x where more than one.
-    /// With the first, the kernel's blocks may be scheduled while the kernel before it on the
-    /// stream finishes, instead of after. Every kernel opens with `pdl_entry`
-    /// (kernels/common.cuh): it waits there, before touching memory, until the kernel before
-    /// has completed and its writes are visible, then lets the next one start. So the order of
-    /// every read and write is the stream's, and only the launch latency between dependent
-    /// kernels overlaps (on a CUDA graph too: capture keeps the edge).
-    fn launch_ex(
+    /// A launch with programmatic stream serialization: the kernel's blocks may be scheduled
+    /// while the kernel before it on the stream finishes, instead of after. Every kernel opens
+    /// with `pdl_entry` (kernels/common.cuh): it waits there, before touching memory, until the
+    /// kernel before has completed and its writes are visible, then lets the next one start.
+    /// So the order of every read and write is the stream's, and only the launch latency
+    /// between dependent kernels overlaps (on a CUDA graph too: capture keeps the edge).
+    fn launch_dependent(
         &self,
         f: &CudaFunction,
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,
-        cluster: u32,
         raw: &mut [Raw],
     ) -> Result<(), CudaError> {
         let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_PARAMS];
@@ -227,24 +203,11 @@ impl Gpu {
                 Raw::Map(v) => v.as_mut_ptr() as *mut std::ffi::c_void,
             };
         }
-        // SAFETY: a zeroed attribute is a valid plain-data value; the fields set are each
+        // SAFETY: a zeroed attribute is a valid plain-data value; the two fields set are the
         // attribute's id and its value.
-        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
-        let mut count = 0;
-        if self.pdl {
-            let a = &mut attrs[count];
-            a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            a.value.programmaticStreamSerializationAllowed = 1;
-            count += 1;
-        }
-        if cluster > 1 {
-            let a = &mut attrs[count];
-            a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            a.value.clusterDim.x = cluster;
-            a.value.clusterDim.y = 1;
-            a.value.clusterDim.z = 1;
-            count += 1;
-        }
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
         let cfg = sys::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -254,8 +217,8 @@ impl Gpu {
             blockDimZ: 1,
             sharedMemBytes: smem,
             hStream: self.stream.cu_stream(),
-            attrs: attrs.as_mut_ptr(),
-            numAttrs: count as u32,
+            attrs: &mut attr,
+            numAttrs: 1,
         };
         self.ctx.bind_to_thread()?;
         // SAFETY: as in `launch`: the arguments match the kernel's signature (checked by the

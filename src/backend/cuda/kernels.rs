@@ -348,9 +348,6 @@ pub const WGMMA_SMEM_BYTES: u32 = 1024 + 8 * (128 * 64 + 128 * 64);
 pub const TMA_SMEM_BYTES: u32 = 1024 + 12 * (128 * 64 + 128 * 64) + 2 * 8 * 12;
 /// Threads of a TMA GEMM block: two MMA warpgroups and the copy warp.
 pub const TMA_THREADS: u32 = 288;
-/// Blocks of a TMA GEMM cluster where the host pairs them (`ops::gemm`): two blocks side by side
-/// along x, which share their tile's activations (kernels/gemm.cu `grouped_gemm_tma`).
-pub const TMA_CLUSTER: u32 = 2;
 
 /// Dynamic shared memory of the prefill attention kernel for `head_dim` on `arch`
 /// (kernels/prefill_attention.cu): its 4 warps' running totals of 16 rows x `head_dim` f32

@@ -8,7 +8,7 @@ use cudarc::driver::CudaSlice;
 
 use super::{need, MoePlan, Table, Unfolded};
 use crate::backend::cuda::args::{addr, DevPtr, TensorMap, View};
-use crate::backend::cuda::kernels::{Kernel, TMA_CLUSTER, TMA_THREADS};
+use crate::backend::cuda::kernels::{Kernel, TMA_THREADS};
 use crate::backend::cuda::{CudaError, Gpu};
 
 /// Rows per tile of the grouped GEMM (kernels/gemm.cu `TM`).
@@ -343,14 +343,6 @@ pub fn tma_chosen(gpu: &Gpu) -> bool {
 fn tma_switched_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     switched_on(&ON, "LOCKSTEP_TMA_GEMM")
-}
-
-/// Whether the TMA kernel's launches pair their blocks, two side by side sharing the tile's
-/// activations (`LOCKSTEP_TMA_PAIRS=1`; opt-in until measured on the H200; the bits are the
-/// same). Only grids of an even number of column blocks are paired.
-fn tma_pairs_opted_in() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    opted_in(&ON, "LOCKSTEP_TMA_PAIRS")
 }
 
 /// Whether the wgmma kernels may run: on sm_90a (Hopper; Blackwell has no wgmma), unless
@@ -1502,12 +1494,10 @@ fn launch_tma(
     };
     let (scales2, sdec2, out2, n2) = extra(1);
     let (scales3, sdec3, out3, n3) = extra(2);
-    let paired = tma_pairs_opted_in() && grid.0 % TMA_CLUSTER == 0;
-    gpu.launch_in_clusters(
+    gpu.launch(
         kernel,
         grid,
         TMA_THREADS,
-        if paired { TMA_CLUSTER } else { 1 },
         (
             x_map,
             w_maps[0],
