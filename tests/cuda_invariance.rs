@@ -16,12 +16,11 @@ use half::bf16;
 use lockstep::backend::cpu::linear::{make_linear, DenseWeight};
 use lockstep::backend::cuda::ops::{self, GemmPath, GemmRows, MoePlan, SplitK};
 use lockstep::backend::cuda::weights::GpuMatrix;
-use lockstep::backend::cuda::Gpu;
 use lockstep::backend::Linear;
 use lockstep::quant::TensorFormat;
 
 mod common;
-use common::cuda::{expert_formats, gpu, layer_input, seed, LayerInput, Rng};
+use common::cuda::{expert_formats, gemm_on, gpu, layer_input, seed, Rng};
 
 const ROW_COUNTS: [usize; 7] = [1, 2, 7, 16, 64, 200, 1024];
 const ALL: usize = 1024;
@@ -65,35 +64,6 @@ fn assert_bits(got: &[f32], want: &[f32], what: &str) {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn gemm(
-    g: &Gpu,
-    (path, split): (GemmPath, SplitK),
-    input: &LayerInput,
-    row_index: Option<&CudaSlice<i32>>,
-    m: &GpuMatrix,
-    rows: GemmRows<'_>,
-    out_rows: usize,
-) -> Vec<f32> {
-    let mut out = g.upload(&vec![f32::NAN; out_rows * m.n]).unwrap();
-    ops::grouped_gemm_on(
-        path,
-        split,
-        g,
-        &input.x,
-        row_index,
-        input.row_scale.as_ref(),
-        &m.data,
-        rows,
-        out_rows,
-        m.n,
-        m.k,
-        &mut out,
-    )
-    .unwrap();
-    g.download(&out, out_rows * m.n).unwrap()
-}
-
 fn bf16_weights(rng: &mut Rng, n: usize, k: usize) -> DenseWeight {
     DenseWeight::Bf16(
         rng.vec(n * k, 0.08)
@@ -127,7 +97,7 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
         for (name, layer) in &layers {
             let m = GpuMatrix::upload(&g, &[vec![&**layer]]).unwrap();
             let full = layer_input(&g, m.act, &x, ALL, k);
-            let want = gemm(&g, AUTO, &full, None, &m, GemmRows::Dense(ALL), ALL);
+            let want = gemm_on(&g, AUTO, &full, None, &m, GemmRows::Dense(ALL), ALL);
             let full_deq = g.download(&full.x, ALL * k).unwrap();
             for rows_m in ROW_COUNTS {
                 let rows = subset(&mut rng, rows_m);
@@ -144,14 +114,14 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
                     for split in [SplitK::Auto, SplitK::Off, SplitK::On] {
                         let choice = (path, split);
                         let got =
-                            gemm(&g, choice, &part, None, &m, GemmRows::Dense(rows_m), rows_m);
+                            gemm_on(&g, choice, &part, None, &m, GemmRows::Dense(rows_m), rows_m);
                         assert_bits(&got, &want_rows, &what(&format!("{choice:?}")));
                     }
                 }
                 // Read in place from the full input through a row index.
                 let index: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
                 let di = g.upload(&index).unwrap();
-                let got = gemm(
+                let got = gemm_on(
                     &g,
                     (GemmPath::Auto, SplitK::On),
                     &full,
@@ -216,7 +186,7 @@ fn joined_launches_give_each_part_the_bits_of_its_own_launch() {
             let input = layer_input(&g, ms[0].act, &x, rows, k);
             let want: Vec<Vec<f32>> = ms
                 .iter()
-                .map(|m| gemm(&g, AUTO, &input, None, m, GemmRows::Dense(rows), rows))
+                .map(|m| gemm_on(&g, AUTO, &input, None, m, GemmRows::Dense(rows), rows))
                 .collect();
             for &path in paths {
                 for split in [SplitK::Auto, SplitK::Off, SplitK::On] {
@@ -300,7 +270,7 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
         let m = GpuMatrix::upload(&g, &parts).unwrap();
         let full = layer_input(&g, m.act, &x, ALL, k);
         let pairs = ALL * top_k;
-        let out_full = gemm(
+        let out_full = gemm_on(
             &g,
             AUTO,
             &full,
@@ -339,7 +309,7 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
                 // NVFP4 epilogue of each row's expert.
                 for split in [SplitK::Auto, SplitK::Off, SplitK::On] {
                     let choice = (path, split);
-                    let out = gemm(
+                    let out = gemm_on(
                         &g,
                         choice,
                         &part,

@@ -22,7 +22,7 @@ use lockstep::quant::nvfp4::{ErrorMetric, ScaleGranularity};
 use lockstep::quant::{self, Format, FourOverSix, Nvfp4Options, Recipe, TensorFormat};
 
 mod common;
-use common::cuda::{expert_formats, gpu, layer_input, poisoned, rel_err, seed, Rng};
+use common::cuda::{expert_formats, gemm_on, gpu, layer_input, poisoned, rel_err, seed, Rng};
 
 /// A plain BF16 layer's relative error on the tensor cores against the CPU's f32 products: its
 /// activations rounded to BF16 (a relative error up to 2^-9 each) on random data.
@@ -1199,25 +1199,8 @@ fn gemm_bits(
     rows: GemmRows<'_>,
     out_rows: usize,
 ) -> Vec<u32> {
-    let mut out = poisoned(g, out_rows * m.n, f32::NAN);
-    let rs = input.row_scale.as_ref();
-    ops::grouped_gemm_on(
-        path,
-        SplitK::Off,
-        g,
-        &input.x,
-        row_index,
-        rs,
-        &m.data,
-        rows,
-        out_rows,
-        m.n,
-        m.k,
-        &mut out,
-    )
-    .unwrap();
-    let v = g.download(&out, out_rows * m.n).unwrap();
-    v.into_iter().map(f32::to_bits).collect()
+    let out = gemm_on(g, (path, SplitK::Off), input, row_index, m, rows, out_rows);
+    out.into_iter().map(f32::to_bits).collect()
 }
 
 /// The TMA kernel (`GemmPath::WgmmaTma`: the wgmma kernel's tiles and products, its copies made

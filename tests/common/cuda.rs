@@ -2,8 +2,8 @@
 //! error measure every CPU-reference comparison uses.
 
 use cudarc::driver::CudaSlice;
-use lockstep::backend::cuda::ops::{self, Nvfp4Out};
-use lockstep::backend::cuda::weights::Activation;
+use lockstep::backend::cuda::ops::{self, GemmPath, GemmRows, Nvfp4Out, SplitK};
+use lockstep::backend::cuda::weights::{Activation, GpuMatrix};
 use lockstep::backend::cuda::Gpu;
 use lockstep::quant::nvfp4::ScaleGranularity;
 use lockstep::quant::{Format, TensorFormat};
@@ -130,6 +130,37 @@ pub fn layer_input(g: &Gpu, act: Activation, x: &[f32], rows: usize, k: usize) -
             }
         }
     }
+}
+
+/// `grouped_gemm_on(path, split, ..)` of `input` (its row scales with it) over `m`: the
+/// `out_rows` x `m.n` output, into a buffer first filled with NaN.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_on(
+    g: &Gpu,
+    (path, split): (GemmPath, SplitK),
+    input: &LayerInput,
+    row_index: Option<&CudaSlice<i32>>,
+    m: &GpuMatrix,
+    rows: GemmRows<'_>,
+    out_rows: usize,
+) -> Vec<f32> {
+    let mut out = poisoned(g, out_rows * m.n, f32::NAN);
+    ops::grouped_gemm_on(
+        path,
+        split,
+        g,
+        &input.x,
+        row_index,
+        input.row_scale.as_ref(),
+        &m.data,
+        rows,
+        out_rows,
+        m.n,
+        m.k,
+        &mut out,
+    )
+    .unwrap();
+    g.download(&out, out_rows * m.n).unwrap()
 }
 
 /// BF16, MXFP8 and NVFP4 (per-token activations): the recipes' expert formats.
