@@ -1068,11 +1068,12 @@ pub fn pack_gemm_operand_rows(
         None => need(x, rows * k, "gemm operand x")?,
     };
     let out = need(out, words, "gemm operand")?;
-    // A block a row at a time, a thread a 16-byte piece (8 values) of it at a time.
+    // A block a row (rows past grid_for's cap taken in turn), a thread a 16-byte piece (8
+    // values) of it at a time.
     let block = (k / 8).clamp(32, 256) as u32;
     gpu.launch(
         Kernel::PackGemmOperand,
-        (gpu.grid_for(rows * block as usize, block), 1, 1),
+        (gpu.grid_for(rows, 1), 1, 1),
         block,
         (
             x,
