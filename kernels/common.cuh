@@ -240,6 +240,11 @@ __device__ __forceinline__ int a_piece(int r, int s) { return s ^ ((r >> 1) & 3)
 __device__ __forceinline__ u64 wgmma_desc_sw64(u32 smem_addr) {
     return (u64)((smem_addr & 0x3FFFF) >> 4) | (1ull << 16) | ((u64)(512 >> 4) << 32) | (2ull << 62);
 }
+// A K-major B operand in the 128-byte swizzle (rows of 128 bytes from a 1024-byte aligned base,
+// the k16 step's 32 bytes at the address's offset into them): 8-row groups 1024 bytes apart.
+__device__ __forceinline__ u64 wgmma_desc_sw128(u32 smem_addr) {
+    return (u64)((smem_addr & 0x3FFFF) >> 4) | (1ull << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
 // An N-major B operand in the 64-byte swizzle: each 32 columns' 8-row (k) groups 512 bytes apart
 // (the stride dimension), the next 32 columns `group_bytes` on (the leading dimension).
 __device__ __forceinline__ u64 wgmma_desc_sw64_mn(u32 smem_addr, u32 group_bytes) {

@@ -1192,7 +1192,9 @@ __device__ __forceinline__ void wgmma_store(const float (&tot)[64], const WgLane
 // and g + 8 (`wd`) as the A fragments of the span's two k16 steps (`cur`), issued against the
 // activations' stage at x_stage in the K chain's order; then a wait for the span before's
 // products, whose fragments (`prev`) are free after it.
-template <int FMT>
+// X_ROW: the bytes of a row of the activations' stage (64: the 64-byte swizzle; 128: a TMA
+// stage of two spans in the 128-byte swizzle, the span's 64 bytes at x_stage's offset).
+template <int FMT, int X_ROW = 64>
 __device__ __forceinline__ void wgmma_span(float (&acc)[64], const u32 (&wd)[2][4], u32 (&cur)[2][4],
                                            u32 (&prev)[2][4], u32 x_stage, bool wide_n) {
     // Chunk c's A fragment: (row g, slots 2t..), (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..).
@@ -1206,7 +1208,7 @@ __device__ __forceinline__ void wgmma_span(float (&acc)[64], const u32 (&wd)[2][
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
     for (int c = 0; c < 2; c++) {  // the K chain's order: chunk 0, then 1
-        u64 desc = wgmma_desc_sw64(x_stage + 32 * c);
+        u64 desc = X_ROW == 128 ? wgmma_desc_sw128(x_stage + 32 * c) : wgmma_desc_sw64(x_stage + 32 * c);
         if (wide_n) wgmma_m64n128k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
         else wgmma_m64n64k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
     }
@@ -1380,14 +1382,33 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
 // r0 + r: the host packs a routing plan's rows through row_index first), as a tensor map over
 // [rows][2K bytes]; W a tensor map over [experts * N][row bytes], 64 rows a copy (a SwiGLU
 // tile's gate rows, then its up rows).
-#ifndef TMA_STAGES
-#define TMA_STAGES 8  // at most 12: the host gives the shared memory of 12
+//
+// A stage holds TMA_SPANS spans (host: ops::gemm::TMA_SPANS): x's copies are 64 * TMA_SPANS
+// bytes a row (the 64- or 128-byte swizzle, as wgmma_span's X_ROW), W's W_BYTES * TMA_SPANS
+// in the swizzle of that width (tma_w_offset), so a copy's rows are whole 64- or 128-byte
+// pieces and the lanes' reads of 8 columns fall in distinct banks.
+#ifndef TMA_SPANS
+#define TMA_SPANS 2
 #endif
-#define TMA_W_STAGE (TILE_TN * 64)  // the largest span of 128 weight rows (BF16)
+#ifndef TMA_STAGES
+#define TMA_STAGES 4  // at most 12 / TMA_SPANS: the host gives the shared memory of 12 spans
+#endif
+#define TMA_X_STAGE (WG_X_STAGE * TMA_SPANS)
+#define TMA_W_STAGE (TILE_TN * 64 * TMA_SPANS)  // the largest stage of 128 weight rows (BF16)
 // The TMA kernels' dynamic shared memory: 1024 (the swizzle's alignment) + TMA_STAGES *
-// (WG_X_STAGE + TMA_W_STAGE) + 2 * 8 * TMA_STAGES (the barriers), within what the host gives
-// (kernels::TMA_SMEM_BYTES, for 12 stages); 288 threads (kernels::TMA_THREADS).
+// (TMA_X_STAGE + TMA_W_STAGE) + 2 * 8 * TMA_STAGES (the barriers), within what the host gives
+// (kernels::TMA_SMEM_BYTES, for 12 spans); 288 threads (kernels::TMA_THREADS).
 #define TMA_MMA_WARPS 8
+static_assert((SEG / MMA_TK) % TMA_SPANS == 0, "segments end on a stage's end");
+static_assert(TMA_SPANS == 1 || TMA_SPANS == 2, "x's rows: the 64- or 128-byte swizzle");
+
+// The byte of a TMA stage's weight row `row` at offset o into its ROW bytes: the 16-byte pieces
+// swizzled as the copy wrote them (the swizzle of the row's width: piece ^ address bits 7..;
+// none for 16-byte rows).
+template <int ROW>
+__device__ __forceinline__ int tma_w_offset(int row, int o) {
+    return row * ROW + ((((o >> 4) ^ ((row * ROW >> 7) & (ROW / 16 - 1)))) << 4) + (o & 15);
+}
 
 template <int FMT, int OUT>
 __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const TensorMap* w_map, const int* row_index,
@@ -1403,11 +1424,12 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
     constexpr bool swiglu = OUT != WG_OUT_SUMS;
     int n0 = bx * (swiglu ? TILE_TN / 2 : TILE_TN);
     constexpr int W_BYTES = WeightSpanCopy<FMT, 256>::W_BYTES;
+    constexpr int W_ROW = W_BYTES * TMA_SPANS, X_ROW = 64 * TMA_SPANS;  // a stage's row bytes
     extern __shared__ __align__(128) u8 wg_smem[];
     u32 smem_base = (u32)__cvta_generic_to_shared(wg_smem);
     u32 align = (1024 - (smem_base & 1023)) & 1023;
-    u32 xs = smem_base + align, ws = xs + TMA_STAGES * WG_X_STAGE;
-    const u8* ws_ptr = wg_smem + align + TMA_STAGES * WG_X_STAGE;
+    u32 xs = smem_base + align, ws = xs + TMA_STAGES * TMA_X_STAGE;
+    const u8* ws_ptr = wg_smem + align + TMA_STAGES * TMA_X_STAGE;
     u32 full = ws + TMA_STAGES * TMA_W_STAGE, empty = full + 8 * TMA_STAGES;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     int spans = K / MMA_TK;
@@ -1421,36 +1443,40 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
     __syncthreads();
 
     if (warp == TMA_MMA_WARPS) {
-        // The copy warp: span s into stage s % TMA_STAGES once the products of the span before
-        // it there are done.
+        // The copy warp: stage use q (spans q * TMA_SPANS ..) into stage q % TMA_STAGES once the
+        // products of the use before it there are done. A last stage past K is zeros (the
+        // maps' bounds) and counts its whole boxes.
         if (lane != 0) return;
         asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)x_map) : "memory");
         asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)w_map) : "memory");
-        u32 bytes = (wide_n ? 2 : 1) * 64 * 64 + TILE_TN * W_BYTES;
+        u32 bytes = (wide_n ? 2 : 1) * 64 * X_ROW + TILE_TN * W_ROW;
         int w_row0 = e * N + n0, w_row1 = swiglu ? e * N + N / 2 + n0 : w_row0 + 64;
-        for (int span = 0; span < spans; span++) {
-            int stage = span % TMA_STAGES, use = span / TMA_STAGES;
+        for (int q = 0; q * TMA_SPANS < spans; q++) {
+            int stage = q % TMA_STAGES, use = q / TMA_STAGES;
             if (use > 0) mbar_wait(empty + 8 * stage, (use - 1) & 1);
-            u32 bar = full + 8 * stage, xd = xs + stage * WG_X_STAGE, wd = ws + stage * TMA_W_STAGE;
+            u32 bar = full + 8 * stage, xd = xs + stage * TMA_X_STAGE, wd = ws + stage * TMA_W_STAGE;
             mbar_arrive_expect_tx(bar, bytes);
-            tma_copy_2d(xd, x_map, span * 64, r0, bar);
-            if (wide_n) tma_copy_2d(xd + 64 * 64, x_map, span * 64, r0 + 64, bar);
-            tma_copy_2d(wd, w_map, span * W_BYTES, w_row0, bar);
-            tma_copy_2d(wd + 64 * W_BYTES, w_map, span * W_BYTES, w_row1, bar);
+            tma_copy_2d(xd, x_map, q * X_ROW, r0, bar);
+            if (wide_n) tma_copy_2d(xd + 64 * X_ROW, x_map, q * X_ROW, r0 + 64, bar);
+            tma_copy_2d(wd, w_map, q * W_ROW, w_row0, bar);
+            tma_copy_2d(wd + 64 * W_ROW, w_map, q * W_ROW, w_row1, bar);
         }
         return;
     }
 
     int wg = warp >> 2, wq = warp & 3;
     WgLanes l{wg, wq, g, t, {wg * 64 + wq * 16 + g, wg * 64 + wq * 16 + g + 8}, {0, 0}};
-    int col_smem[2];  // the stage row of each column (a SwiGLU tile's gate rows, then up rows)
+    // Where this lane's 8 weights of each column lie in a stage's first span: the column's stage
+    // row (a SwiGLU tile's gate rows, then up rows), swizzled. The second span's are at
+    // w_at ^ W_BYTES (the swizzle is an XOR of the pieces, and W_BYTES a piece bit of the row).
+    int w_at[2];
     const u8* col_scales[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         int c = l.col_local[h];
         int n = l.col_row[h] = swiglu ? swiglu_weight_row(c, n0, N) : n0 + c;
         col_scales[h] = column_scales<FMT>(w_scales, (u64)e * N + ((swiglu ? n >= 0 : n < N) ? n : 0), K, 0, t);
-        col_smem[h] = swiglu ? (c % 16 >= 8 ? 64 : 0) + 8 * (c / 16) + c % 8 : c;
+        w_at[h] = tma_w_offset<W_ROW>(swiglu ? (c % 16 >= 8 ? 64 : 0) + 8 * (c / 16) + c % 8 : c, t * W_BYTES / 4);
     }
     auto load_scales = [&](int span, u8* out_scales) {
 #pragma unroll
@@ -1468,19 +1494,24 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + 8 * stage);
     };
-    auto step = [&](int span, u32 (&cur)[2][4], u32 (&prev)[2][4]) {
+    // Span `span`, the j-th of its stage (j known where step is called: spans go in pairs from
+    // a segment's start, a multiple of TMA_SPANS).
+    auto step = [&](int span, int j, u32 (&cur)[2][4], u32 (&prev)[2][4]) {
         load_scales(span + 1, sc_next);
-        int stage = span % TMA_STAGES;
-        mbar_wait(full + 8 * stage, (span / TMA_STAGES) & 1);
-        __syncwarp();  // the warp converged again after its polls, for the .aligned wgmma below
+        int q = span / TMA_SPANS, stage = q % TMA_STAGES;
+        if (j == 0) {
+            mbar_wait(full + 8 * stage, (q / TMA_STAGES) & 1);
+            __syncwarp();  // the warp converged again after its polls, for the .aligned wgmma below
+        }
         u32 wd[2][4];
 #pragma unroll
         for (int h = 0; h < 2; h++)
-            decode_weight8<FMT>(
-                smem_weight8<FMT>(ws_ptr + stage * TMA_W_STAGE + col_smem[h] * W_BYTES + t * W_BYTES / 4, sc[h]), wd[h]);
-        wgmma_span<FMT>(acc, wd, cur, prev, xs + stage * WG_X_STAGE, wide_n);
-        // The span before's products are done: its stage may be copied into again.
-        if (pending >= 0) release(pending);
+            decode_weight8<FMT>(smem_weight8<FMT>(ws_ptr + stage * TMA_W_STAGE + (w_at[h] ^ (j * W_BYTES)), sc[h]),
+                                wd[h]);
+        wgmma_span<FMT, X_ROW>(acc, wd, cur, prev, xs + stage * TMA_X_STAGE + 64 * j, wide_n);
+        // The span before's products are done: its stage may be copied into again once this
+        // span is of another.
+        if (pending >= 0 && pending != stage) release(pending);
         pending = stage;
         sc[0] = sc_next[0];
         sc[1] = sc_next[1];
@@ -1489,8 +1520,8 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
     for (int seg0 = 0; seg0 < spans; seg0 += SEG / MMA_TK) {
         int seg_end = min(spans, seg0 + SEG / MMA_TK);
         for (int span = seg0; span < seg_end; span += 2) {
-            step(span, a0, a1);
-            if (span + 1 < seg_end) step(span + 1, a1, a0);
+            step(span, 0, a0, a1);
+            if (span + 1 < seg_end) step(span + 1, TMA_SPANS - 1, a1, a0);
         }
         wgmma_segment_end(acc, tot, a0, a1, seg0 == 0);
         release(pending);

@@ -341,10 +341,11 @@ kernels! {
 pub const WGMMA_SMEM_BYTES: u32 = 1024 + 8 * (128 * 64 + 128 * 64);
 
 /// Dynamic shared memory of the TMA GEMM kernels (kernels/gemm.cu `grouped_gemm_tma`): 1,024
-/// bytes to align the stages, then up to twelve stages (`TMA_STAGES`: eight, and a kernel
-/// variant may take up to twelve; a block an SM either way, its registers allow no second) of a
-/// 128-row activation span and the span of 128 BF16 weight rows (the largest format's), then a
-/// `full` and an `empty` barrier (8 bytes) a stage.
+/// bytes to align the stages, then the room of twelve spans (`TMA_STAGES` stages of
+/// `TMA_SPANS` spans: four of two, and a kernel variant may take up to six; a block an SM
+/// either way, its registers allow no second), a span being a 128-row activation span and the
+/// span of 128 BF16 weight rows (the largest format's), then a `full` and an `empty` barrier
+/// (8 bytes) a stage.
 pub const TMA_SMEM_BYTES: u32 = 1024 + 12 * (128 * 64 + 128 * 64) + 2 * 8 * 12;
 /// Threads of a TMA GEMM block: two MMA warpgroups and the copy warp.
 pub const TMA_THREADS: u32 = 288;

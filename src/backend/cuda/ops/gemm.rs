@@ -52,6 +52,9 @@ const SKINNY4_MIN_ONE_ROW_WARPS: usize = 512;
 /// zero, and the segments' sums are added in order, so a split-K launch (a block per segment)
 /// gives the bits of one that walks all of K.
 pub const K_SEGMENT: usize = 256;
+/// Spans (32 of K) a stage of the TMA GEMM holds (kernels/gemm.cu `TMA_SPANS`): its copies are
+/// 64 bytes a row of x and a weight row's span bytes, times this.
+const TMA_SPANS: u32 = 2;
 /// Blocks below which [`SplitK::Auto`] splits a dense launch over its K segments: about one
 /// block per SM of an H200 (132). From there the per-segment sums cost more than the blocks
 /// they add (H200, cuda_kernel_bench, 2026-12-02: q_proj [4096 x 2048] at 128 rows (128
@@ -1482,12 +1485,11 @@ fn launch_tma(
     let (given, packing) = (mode.packed, w.packing);
     let operand = (&mut scratch.operand, &mut scratch.generation);
     let operand = operand_words(gpu, operand, given, x, row_index, x_rows, k, packing)?;
-    let x_map = tensor_map(operand.0, 2 * k, x_rows, 64, true)?;
+    let x_map = tensor_map(operand.0, 2 * k, x_rows, 64 * TMA_SPANS)?;
     let (row_bytes, span_bytes) = w.row_bytes(k);
-    let span_bytes = span_bytes as u32;
     let mut w_maps = [x_map; GEMM_MAX_PARTS];
     for (map, p) in w_maps.iter_mut().zip(parts) {
-        *map = tensor_map(p.w.data.0, row_bytes, experts * p.n, span_bytes, false)?;
+        *map = tensor_map(p.w.data.0, row_bytes, experts * p.n, span_bytes as u32 * TMA_SPANS)?;
     }
     let extra = |i: usize| match parts.get(i) {
         Some(p) => (p.w.scales, p.w.s_dec, Some(outs[i]), p.n as i32),
@@ -1529,16 +1531,19 @@ fn launch_tma(
 }
 
 /// A tensor map of `rows` rows of `row_bytes` bytes from device address `base`, read in boxes
-/// of 64 rows x `box_bytes` (zeros past its last row), in the 64-byte swizzle if `swizzle`
-/// (the wgmma descriptors' layout, kernels/common.cuh `a_piece`).
-fn tensor_map(
-    base: u64,
-    row_bytes: usize,
-    rows: usize,
-    box_bytes: u32,
-    swizzle: bool,
-) -> Result<TensorMap, CudaError> {
+/// of 64 rows x `box_bytes` (zeros past its last row and byte), in the swizzle of the box's
+/// width (32, 64 or 128 bytes; none for 16): the layout the wgmma descriptors read and
+/// kernels/gemm.cu `tma_w_offset` addresses.
+fn tensor_map(base: u64, row_bytes: usize, rows: usize, box_bytes: u32) -> Result<TensorMap, CudaError> {
     use cudarc::driver::sys;
+    use sys::CUtensorMapSwizzle as Swizzle;
+    let swizzle = match box_bytes {
+        16 => Swizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+        32 => Swizzle::CU_TENSOR_MAP_SWIZZLE_32B,
+        64 => Swizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+        128 => Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        _ => return Err(CudaError::Capacity(format!("no TMA swizzle for {box_bytes}-byte rows"))),
+    };
     let dims = [row_bytes as u64, rows as u64];
     let strides = [row_bytes as u64];
     let boxes = [box_bytes, 64];
@@ -1556,11 +1561,7 @@ fn tensor_map(
             boxes.as_ptr(),
             steps.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            if swizzle {
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B
-            } else {
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE
-            },
+            swizzle,
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
