@@ -283,7 +283,12 @@ fn main() {
             for i in 2..a.steps {
                 routed = step(&mut model, i, &mut ids);
             }
-            let s = t.elapsed().as_secs_f64() / (a.steps - 2).max(1) as f64;
+            if a.steps <= 2 {
+                // Only the warm-up ran (as the ncu profiles and prefill-only runs ask): no time.
+                println!("| {f} | decode (prompt {}, warm-up only) | {b} | | | | | |", a.prompt);
+                continue;
+            }
+            let s = t.elapsed().as_secs_f64() / (a.steps - 2) as f64;
             let bytes = decode_bytes(&cfg, expert_format, b, a.prompt + a.steps / 2);
             let roof = bytes / bw;
             println!(
@@ -296,7 +301,7 @@ fn main() {
                 roof * 1e3,
                 100.0 * roof / s
             );
-            // No timed step (--steps 2 or fewer, as the ncu profiles run): no routing to show.
+            // A dense model routes nothing: no experts to count.
             if routed.is_empty() {
                 continue;
             }
