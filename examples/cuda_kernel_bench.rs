@@ -5,7 +5,7 @@
 //! bandwidth and the H200's dense BF16 tensor rate.
 //!
 //! cargo run --release --example cuda_kernel_bench -- configs/qwen3-30b-a3b.json \
-//!     [--tokens 1,8,64,256,4096] [--sections attention,dense,moe,moe_down]
+//!     [--tokens 1,8,64,256,4096] [--sections attention,dense,moe,moe_down,sampling]
 //!
 //! Also paged attention alone at prefill and decode shapes, against the bytes of K/V it reads,
 //! and the dense attention projections at decode row counts on each tensor-core kernel.
@@ -38,11 +38,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn main() {
     let mut it = std::env::args().skip(1);
     let config = it.next().expect(
-        "usage: cuda_kernel_bench CONFIG.json [--tokens a,b] [--sections attention,dense,moe,moe_down]",
+        "usage: cuda_kernel_bench CONFIG.json [--tokens a,b] [--sections attention,dense,moe,moe_down,sampling]",
     );
     let mut token_counts = vec![1usize, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096];
-    const SECTIONS: [&str; 4] = ["attention", "dense", "moe", "moe_down"];
-    // By default the first three (moe_down on request).
+    const SECTIONS: [&str; 5] = ["attention", "dense", "moe", "moe_down", "sampling"];
+    // By default the first three (moe_down and sampling on request).
     let mut sections: Vec<String> = SECTIONS[..3].iter().map(|s| s.to_string()).collect();
     while let Some(flag) = it.next() {
         let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
@@ -51,7 +51,7 @@ fn main() {
             "--sections" => {
                 sections = v.split(',').map(str::to_string).collect();
                 if let Some(bad) = sections.iter().find(|s| !SECTIONS.contains(&s.as_str())) {
-                    panic!("--sections: unknown section {bad} (attention, dense, moe, moe_down)");
+                    panic!("--sections: unknown section {bad} (attention, dense, moe, moe_down, sampling)");
                 }
             }
             other => panic!("unknown flag {other}"),
@@ -92,6 +92,67 @@ fn main() {
     for (section, projection) in [("moe", Projection::GateUp), ("moe_down", Projection::Down)] {
         if wanted(section) {
             expert_gemms(&gpu, &cfg, bw, &x, &token_counts, projection);
+        }
+    }
+    if wanted("sampling") {
+        sampling(&gpu, &cfg, &token_counts);
+    }
+}
+
+/// The device sampler alone (`sample_rows`: a block a row over the whole vocabulary) on a step
+/// of `rows` rows, greedy (as the server's benchmark rows decode) and at temperature 1 with a
+/// seed (as RL rollouts sample: a draw from the whole distribution, the token's logprob), at
+/// each token count up to 1,024 rows: the parameters' upload, the launch and the results'
+/// download, median of 20. Logits uniform in [-8, 8) from a fixed hash (rows differ), so the
+/// draw's radix select narrows a wide distribution.
+fn sampling(gpu: &Gpu, cfg: &ModelConfig, token_counts: &[usize]) {
+    use lockstep::backend::cuda::sampling::{sample_rows, DeviceSampler};
+    use lockstep::sampling::{SampleInput, SamplingParams, TokenHistory};
+    let vocab = cfg.vocab_size;
+    let counts: Vec<usize> = token_counts.iter().copied().filter(|&r| r <= 1024).collect();
+    let max_rows = counts.iter().copied().max().unwrap_or(1);
+    let logits_host: Vec<f32> = (0..max_rows * vocab)
+        .map(|i| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / 1.05e6 - 8.0)
+        .collect();
+    let mut logits = gpu.upload(&logits_host).expect("logits");
+    let mut sampler = DeviceSampler::new(gpu, vocab, max_rows, max_rows, 64).expect("sampler");
+    let history = TokenHistory::new(&[1, 2, 3]);
+    println!();
+    println!("Device sampling over {vocab} logits a row");
+    println!("| rows | kind | us a step | us a row |");
+    println!("|---|---|---|---|");
+    for (kind, temperature) in [("greedy", 0.0), ("temperature 1, seeded", 1.0)] {
+        let params = SamplingParams {
+            temperature,
+            ..Default::default()
+        }
+        .validate(&Default::default())
+        .expect("sampling params");
+        for &rows in &counts {
+            let inputs: Vec<(usize, SampleInput<'_>)> = (0..rows)
+                .map(|r| {
+                    let input = SampleInput {
+                        params: &params,
+                        history: &history,
+                        eos_token_ids: &[],
+                        seed: r as u64,
+                        sample_index: 0,
+                        top_logprobs_num: 0,
+                    };
+                    (r, input)
+                })
+                .collect();
+            // Neither kind writes the logits (no penalties, no temperature to divide by).
+            sample_rows(gpu, &mut sampler, &mut logits, &inputs).expect("warm-up");
+            let times: Vec<f64> = (0..20)
+                .map(|_| {
+                    let t = Instant::now();
+                    sample_rows(gpu, &mut sampler, &mut logits, &inputs).expect("sample");
+                    t.elapsed().as_secs_f64()
+                })
+                .collect();
+            let us = median(times) * 1e6;
+            println!("| {rows} | {kind} | {us:.1} | {:.2} |", us / rows as f64);
         }
     }
 }
