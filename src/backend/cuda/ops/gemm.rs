@@ -7,7 +7,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::{need, MoePlan, Table, Unfolded};
-use crate::backend::cuda::args::{addr, DevPtr, TensorMap, View};
+use crate::backend::cuda::args::{addr, DevPtr, KernelArg, TensorMap, View};
 use crate::backend::cuda::kernels::{Kernel, TMA_THREADS};
 use crate::backend::cuda::{CudaError, Gpu};
 
@@ -1387,29 +1387,77 @@ fn launch_parts(
         return Ok(left);
     }
     for (p, out) in parts.iter().zip(outs) {
-        let count = rows_arg * p.n;
-        let nvfp4 = p.w.s_dec.is_some();
-        gpu.launch(
-            Kernel::GemmFoldSegments,
-            (count.div_ceil(256) as u32, 1, 1),
-            256,
-            (
-                DevPtr(sums),
-                segments as i32,
-                rows_arg as i32,
-                p.n as i32,
-                row_index.filter(|_| nvfp4).map(View::whole),
-                row_scale.filter(|_| nvfp4).map(View::whole),
-                p.w.s_dec,
-                p.w.groups as i32,
-                offsets.filter(|_| nvfp4),
-                experts as i32,
-                out,
-            ),
-        )?;
-        sums += (segments * count * std::mem::size_of::<f32>()) as u64;
+        let epilogue = match (p.w.s_dec, row_scale) {
+            (Some(s_dec), Some(row_scale)) => Some(FoldEpilogue {
+                row_index: row_index.map(View::whole),
+                row_scale: View::whole(row_scale),
+                s_dec,
+                groups: p.w.groups,
+                offsets,
+                experts,
+            }),
+            _ => None,
+        };
+        fold_segments(gpu, sums, segments, rows_arg, p.n, epilogue, out)?;
+        sums += (segments * rows_arg * p.n * std::mem::size_of::<f32>()) as u64;
     }
     Ok(Vec::new())
+}
+
+/// The NVFP4 epilogue a fold applies to the added segments (kernels/gemm.cu
+/// `gemm_fold_segments`): each row's activation scale (through the routed rows' index), the
+/// weights' S_dec of the column's group, the expert found through the plan's offsets.
+struct FoldEpilogue<'a> {
+    row_index: Option<View<'a, i32>>,
+    row_scale: View<'a, f32>,
+    s_dec: View<'a, f32>,
+    groups: usize,
+    offsets: Option<View<'a, i32>>,
+    experts: usize,
+}
+
+/// Adds `segments` segment sums of `rows` x `n` at device address `sums` in segment order into
+/// `out` (a buffer or an address), then applies `epilogue` where given: what the launch's own
+/// fold writes.
+fn fold_segments<O: KernelArg>(
+    gpu: &Gpu,
+    sums: u64,
+    segments: usize,
+    rows: usize,
+    n: usize,
+    epilogue: Option<FoldEpilogue<'_>>,
+    out: O,
+) -> Result<(), CudaError> {
+    let count = rows * n;
+    let (row_index, row_scale, s_dec, groups, offsets, experts) = match epilogue {
+        Some(e) => (
+            e.row_index,
+            Some(e.row_scale),
+            Some(e.s_dec),
+            e.groups,
+            e.offsets,
+            e.experts,
+        ),
+        None => (None, None, None, 1, None, 0),
+    };
+    gpu.launch(
+        Kernel::GemmFoldSegments,
+        (count.div_ceil(256) as u32, 1, 1),
+        256,
+        (
+            DevPtr(sums),
+            segments as i32,
+            rows as i32,
+            n as i32,
+            row_index,
+            row_scale,
+            s_dec,
+            groups as i32,
+            offsets,
+            experts as i32,
+            out,
+        ),
+    )
 }
 
 /// The BF16 operand words a launch reads (`x_rows` rows of `k / 2`): `given` (packed already;
@@ -1489,7 +1537,12 @@ fn launch_tma(
     let (row_bytes, span_bytes) = w.row_bytes(k);
     let mut w_maps = [x_map; GEMM_MAX_PARTS];
     for (map, p) in w_maps.iter_mut().zip(parts) {
-        *map = tensor_map(p.w.data.0, row_bytes, experts * p.n, span_bytes as u32 * TMA_SPANS)?;
+        *map = tensor_map(
+            p.w.data.0,
+            row_bytes,
+            experts * p.n,
+            span_bytes as u32 * TMA_SPANS,
+        )?;
     }
     let extra = |i: usize| match parts.get(i) {
         Some(p) => (p.w.scales, p.w.s_dec, Some(outs[i]), p.n as i32),
@@ -1534,7 +1587,12 @@ fn launch_tma(
 /// of 64 rows x `box_bytes` (zeros past its last row and byte), in the swizzle of the box's
 /// width (32, 64 or 128 bytes; none for 16): the layout the wgmma descriptors read and
 /// kernels/gemm.cu `tma_w_offset` addresses.
-fn tensor_map(base: u64, row_bytes: usize, rows: usize, box_bytes: u32) -> Result<TensorMap, CudaError> {
+fn tensor_map(
+    base: u64,
+    row_bytes: usize,
+    rows: usize,
+    box_bytes: u32,
+) -> Result<TensorMap, CudaError> {
     use cudarc::driver::sys;
     use sys::CUtensorMapSwizzle as Swizzle;
     let swizzle = match box_bytes {
@@ -1542,7 +1600,11 @@ fn tensor_map(base: u64, row_bytes: usize, rows: usize, box_bytes: u32) -> Resul
         32 => Swizzle::CU_TENSOR_MAP_SWIZZLE_32B,
         64 => Swizzle::CU_TENSOR_MAP_SWIZZLE_64B,
         128 => Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-        _ => return Err(CudaError::Capacity(format!("no TMA swizzle for {box_bytes}-byte rows"))),
+        _ => {
+            return Err(CudaError::Capacity(format!(
+                "no TMA swizzle for {box_bytes}-byte rows"
+            )))
+        }
     };
     let dims = [row_bytes as u64, rows as u64];
     let strides = [row_bytes as u64];
@@ -1580,31 +1642,13 @@ pub fn fold_unfolded(
     n: usize,
     out: DevPtr,
 ) -> Result<(), CudaError> {
-    let count = rows * n;
-    if sums.stride != count {
+    if sums.stride != rows * n {
         return Err(CudaError::Capacity(format!(
             "segment sums of {} elements folded as {rows} x {n}",
             sums.stride
         )));
     }
-    gpu.launch(
-        Kernel::GemmFoldSegments,
-        (count.div_ceil(256) as u32, 1, 1),
-        256,
-        (
-            DevPtr(sums.sums),
-            sums.segments as i32,
-            rows as i32,
-            n as i32,
-            None::<View<'_, i32>>,
-            None::<View<'_, f32>>,
-            None::<View<'_, f32>>,
-            1i32,
-            None::<View<'_, i32>>,
-            0i32,
-            out,
-        ),
-    )
+    fold_segments(gpu, sums.sums, sums.segments, rows, n, None, out)
 }
 
 #[cfg(test)]
