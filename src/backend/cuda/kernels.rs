@@ -366,10 +366,21 @@ pub fn prefill_attention_smem_bytes(head_dim: u32, arch: &str) -> u32 {
     }
 }
 
+/// The most dynamic shared memory a block may opt into on `arch` (CUDA's per-block limits).
+pub fn max_dynamic_smem(arch: &str) -> u32 {
+    match arch {
+        "sm_90a" | "sm_100a" => 232_448,
+        "sm_80" => 166_912,
+        _ => 101_376,
+    }
+}
+
 impl Kernel {
     /// The dynamic shared memory a launch on `arch` gives it (its limit is raised to this on
-    /// load).
+    /// load). The wgmma and TMA kernels run on Hopper alone (elsewhere they trap, and the
+    /// host never launches them), so they ask for none elsewhere.
     pub fn dynamic_smem(self, arch: &str) -> u32 {
+        let hopper = arch == "sm_90a";
         match self {
             Kernel::GroupedGemmWgmmaBf16
             | Kernel::GroupedGemmWgmmaMxfp8
@@ -377,14 +388,22 @@ impl Kernel {
             | Kernel::GroupedGemmWgmmaSwigluBf16
             | Kernel::GroupedGemmWgmmaSwigluMxfp8
             | Kernel::GroupedGemmWgmmaSwigluNvfp4
-            | Kernel::GroupedGemmWgmmaSwigluWordsBf16 => WGMMA_SMEM_BYTES,
+            | Kernel::GroupedGemmWgmmaSwigluWordsBf16
+                if hopper =>
+            {
+                WGMMA_SMEM_BYTES
+            }
             Kernel::GroupedGemmTmaBf16
             | Kernel::GroupedGemmTmaMxfp8
             | Kernel::GroupedGemmTmaNvfp4
             | Kernel::GroupedGemmTmaSwigluBf16
             | Kernel::GroupedGemmTmaSwigluMxfp8
             | Kernel::GroupedGemmTmaSwigluNvfp4
-            | Kernel::GroupedGemmTmaSwigluWordsBf16 => TMA_SMEM_BYTES,
+            | Kernel::GroupedGemmTmaSwigluWordsBf16
+                if hopper =>
+            {
+                TMA_SMEM_BYTES
+            }
             Kernel::PrefillAttentionHd32 => prefill_attention_smem_bytes(32, arch),
             Kernel::PrefillAttentionHd64 => prefill_attention_smem_bytes(64, arch),
             Kernel::PrefillAttentionHd128 => prefill_attention_smem_bytes(128, arch),
@@ -523,6 +542,21 @@ pub fn cached_ptx(source: Source, arch: &'static str, driver: i32) -> Result<Str
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_kernel_fits_the_shared_memory_of_every_arch() {
+        for (major, minor) in [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)] {
+            let arch = arch_for(major, minor);
+            for k in Kernel::ALL {
+                assert!(
+                    k.dynamic_smem(arch) <= max_dynamic_smem(arch),
+                    "{k:?} asks {} bytes on {arch}, which allows {}",
+                    k.dynamic_smem(arch),
+                    max_dynamic_smem(arch)
+                );
+            }
+        }
+    }
 
     #[test]
     fn every_kernel_names_a_symbol_of_its_source() {
