@@ -11,10 +11,15 @@ if [ -x scripts/fetch_test_assets.sh ]; then
 fi
 
 # NVRTC from PyPI (no GPU or CUDA toolkit needed): tests/cuda_kernels.rs compiles every CUDA
-# kernel with it for sm_90a and sm_100a, so a kernel that stops compiling fails here.
+# kernel with it for sm_90a and sm_100a, so a kernel that stops compiling fails here. The
+# version is the GPU host's (CUDA 13.0, docs/gpu.md), the oldest the kernels must compile on: a
+# newer NVRTC takes code that 13.0 refuses (a generic lambda in device code, 2026-12-05).
 nvrtc_dir=.cache/nvrtc
-if [ ! -e "$nvrtc_dir/nvidia/cu13/lib/libnvrtc.so.13" ]; then
-  python3 -m pip install -q --no-deps --upgrade --target "$nvrtc_dir" nvidia-cuda-nvrtc==13.5.37
+nvrtc_pin=nvidia-cuda-nvrtc==13.0.88
+if [ "$(cat "$nvrtc_dir/.pin" 2>/dev/null)" != "$nvrtc_pin" ]; then
+  rm -rf "$nvrtc_dir"
+  python3 -m pip install -q --no-deps --target "$nvrtc_dir" "$nvrtc_pin"
+  echo "$nvrtc_pin" > "$nvrtc_dir/.pin"
 fi
 export LD_LIBRARY_PATH="$PWD/$nvrtc_dir/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
