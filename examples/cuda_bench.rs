@@ -285,7 +285,10 @@ fn main() {
             }
             if a.steps <= 2 {
                 // Only the warm-up ran (as the ncu profiles and prefill-only runs ask): no time.
-                println!("| {f} | decode (prompt {}, warm-up only) | {b} | | | | | |", a.prompt);
+                println!(
+                    "| {f} | decode (prompt {}, warm-up only) | {b} | | | | | |",
+                    a.prompt
+                );
                 continue;
             }
             let s = t.elapsed().as_secs_f64() / (a.steps - 2) as f64;

@@ -109,7 +109,11 @@ fn sampling(gpu: &Gpu, cfg: &ModelConfig, token_counts: &[usize]) {
     use lockstep::backend::cuda::sampling::{sample_rows, DeviceSampler};
     use lockstep::sampling::{SampleInput, SamplingParams, TokenHistory};
     let vocab = cfg.vocab_size;
-    let counts: Vec<usize> = token_counts.iter().copied().filter(|&r| r <= 1024).collect();
+    let counts: Vec<usize> = token_counts
+        .iter()
+        .copied()
+        .filter(|&r| r <= 1024)
+        .collect();
     let max_rows = counts.iter().copied().max().unwrap_or(1);
     let logits_host: Vec<f32> = (0..max_rows * vocab)
         .map(|i| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / 1.05e6 - 8.0)
