@@ -1402,7 +1402,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
 #endif
 #define TMA_SUBS (TMA_COLS / TILE_TN)  // 128-column blocks a block takes
 #ifndef TMA_SPANS
-#define TMA_SPANS (TMA_SUBS == 2 ? 1 : 2)
+#define TMA_SPANS 1  // the host's box widths follow it: a kernel variant may not change it alone
 #endif
 #ifndef TMA_STAGES
 #define TMA_STAGES 4
