@@ -1490,7 +1490,12 @@ fn launch_tma(
     let (row_bytes, span_bytes) = w.row_bytes(k);
     let mut w_maps = [x_map; GEMM_MAX_PARTS];
     for (map, p) in w_maps.iter_mut().zip(parts) {
-        *map = tensor_map(p.w.data.0, row_bytes, experts * p.n, span_bytes as u32 * TMA_SPANS)?;
+        *map = tensor_map(
+            p.w.data.0,
+            row_bytes,
+            experts * p.n,
+            span_bytes as u32 * TMA_SPANS,
+        )?;
     }
     let extra = |i: usize| match parts.get(i) {
         Some(p) => (p.w.scales, p.w.s_dec, Some(outs[i]), p.n as i32),
@@ -1535,7 +1540,12 @@ fn launch_tma(
 /// of 64 rows x `box_bytes` (zeros past its last row and byte), in the swizzle of the box's
 /// width (32, 64 or 128 bytes; none for 16): the layout the wgmma descriptors read and
 /// kernels/gemm.cu `tma_w_offset` addresses.
-fn tensor_map(base: u64, row_bytes: usize, rows: usize, box_bytes: u32) -> Result<TensorMap, CudaError> {
+fn tensor_map(
+    base: u64,
+    row_bytes: usize,
+    rows: usize,
+    box_bytes: u32,
+) -> Result<TensorMap, CudaError> {
     use cudarc::driver::sys;
     use sys::CUtensorMapSwizzle as Swizzle;
     let swizzle = match box_bytes {
@@ -1543,7 +1553,11 @@ fn tensor_map(base: u64, row_bytes: usize, rows: usize, box_bytes: u32) -> Resul
         32 => Swizzle::CU_TENSOR_MAP_SWIZZLE_32B,
         64 => Swizzle::CU_TENSOR_MAP_SWIZZLE_64B,
         128 => Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-        _ => return Err(CudaError::Capacity(format!("no TMA swizzle for {box_bytes}-byte rows"))),
+        _ => {
+            return Err(CudaError::Capacity(format!(
+                "no TMA swizzle for {box_bytes}-byte rows"
+            )))
+        }
     };
     let dims = [row_bytes as u64, rows as u64];
     let strides = [row_bytes as u64];
