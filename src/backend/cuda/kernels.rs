@@ -341,14 +341,14 @@ kernels! {
 pub const WGMMA_SMEM_BYTES: u32 = 1024 + 8 * (128 * 64 + 128 * 64);
 
 /// Dynamic shared memory of the TMA GEMM kernels (kernels/gemm.cu `grouped_gemm_tma`): 1,024
-/// bytes to align the stages, then the room of twelve spans (`TMA_STAGES` stages of
-/// `TMA_SPANS` spans: four of two, and a kernel variant may take up to six; a block an SM
-/// either way, its registers allow no second), a span being a 128-row activation span and the
-/// span of 128 BF16 weight rows (the largest format's), then a `full` and an `empty` barrier
-/// (8 bytes) a stage.
-pub const TMA_SMEM_BYTES: u32 = 1024 + 12 * (128 * 64 + 128 * 64) + 2 * 8 * 12;
-/// Threads of a TMA GEMM block: two MMA warpgroups and the copy warp.
-pub const TMA_THREADS: u32 = 288;
+/// bytes to align the stages, four stages (`TMA_STAGES`) of one span (`TMA_SPANS`) each: a
+/// 128-row activation span (64 bytes a row) and the span of 256 BF16 weight rows (the largest
+/// format's, `TMA_COLS`), then the MMA threads' running totals (256 threads x 128 f32), then a
+/// `full` and an `empty` barrier (8 bytes) a stage: 230,464 bytes, under the 232,448 a block
+/// may have on Hopper (one block an SM).
+pub const TMA_SMEM_BYTES: u32 = 1024 + 4 * (128 * 64 + 256 * 64) + 256 * 128 * 4 + 2 * 8 * 4;
+/// Threads of a TMA GEMM block: two MMA warpgroups and the copy warpgroup.
+pub const TMA_THREADS: u32 = 384;
 
 /// Dynamic shared memory of the prefill attention kernel for `head_dim` on `arch`
 /// (kernels/prefill_attention.cu): its 4 warps' running totals of 16 rows x `head_dim` f32

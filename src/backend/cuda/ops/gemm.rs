@@ -53,8 +53,9 @@ const SKINNY4_MIN_ONE_ROW_WARPS: usize = 512;
 /// gives the bits of one that walks all of K.
 pub const K_SEGMENT: usize = 256;
 /// Spans (32 of K) a stage of the TMA GEMM holds (kernels/gemm.cu `TMA_SPANS`): its copies are
-/// 64 bytes a row of x and a weight row's span bytes, times this.
-const TMA_SPANS: u32 = 2;
+/// 64 bytes a row of x and a weight row's span bytes, times this. One: with 256 columns a
+/// block (`TMA_COLS`) the running totals take the shared memory that two-span stages would.
+const TMA_SPANS: u32 = 1;
 /// Blocks below which [`SplitK::Auto`] splits a dense launch over its K segments: about one
 /// block per SM of an H200 (132). From there the per-segment sums cost more than the blocks
 /// they add (H200, cuda_kernel_bench, 2026-12-02: q_proj [4096 x 2048] at 128 rows (128
