@@ -340,7 +340,8 @@ fn launch(
             s.heads as i32,
             s.kv_heads as i32,
             s.block_size as i32,
-            1.0 / (s.head_dim as f32).sqrt(),
+            // q's scale in log2 units: the kernels' softmax is 2^(s - m) (`fa_exp2`).
+            std::f32::consts::LOG2_E / (s.head_dim as f32).sqrt(),
             part,
             max_chunks as i32,
         ),
