@@ -620,10 +620,13 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 
 // Copies of 64-key tiles of K or V into their swizzled groups (one cp.async group a tile),
 // through the tiles' lists of cache rows (FaRowList, looked up four tiles ahead): thread tid
-// of 128 copies the 16-byte piece tid % 16 of keys tid / 16 + 8i, whose group and swizzled place
-// are the same for every i (8 keys are 512 bytes).
+// of the block's THREADS (128, or 256 for two warpgroups sharing the tiles) copies the 16-byte
+// piece tid % 16 of keys tid / 16 + KEY_STEP i, whose group and swizzled place are the same for
+// every i (the swizzle repeats every 8 keys, 512 bytes).
+template <int THREADS>
 struct FaTileCopy {
-    FaRowList<8> lookups;
+    static constexpr int KEY_STEP = THREADS / 16;
+    FaRowList<KEY_STEP> lookups;
     u32 row_bytes, dst0;
     int key0;
     // This thread's 16-byte piece of cache row 0 in K and V (worked out once: a copy is then
@@ -644,9 +647,9 @@ struct FaTileCopy {
     // The 64-key tile at k0 (list `list`) of K or V (`src`: k_src or v_src) into dst.
     __device__ __forceinline__ void issue(u32 dst, const u8* src, u32 list, int k0) const {
         if (k0 + FA_KEYS - 1 <= lookups.last_pos)
-            lookups.copy<true>(list, key0, dst + dst0, 512, src, row_bytes);
+            lookups.template copy<true>(list, key0, dst + dst0, KEY_STEP * 64, src, row_bytes);
         else
-            lookups.copy(list, key0, dst + dst0, 512, src, row_bytes);
+            lookups.copy(list, key0, dst + dst0, KEY_STEP * 64, src, row_bytes);
     }
 };
 
@@ -691,17 +694,28 @@ __device__ __forceinline__ void fa_wg_pv(float (&o)[16][4], const u32 (&p)[4][4]
 // factor comes after the P V it follows, as in fa_attend. `tiles`: q, K0, K1, V0, V1
 // (FA_WG_TILE_BYTES each; tile n's K and V in buffer n % 2), then four tiles' lists of cache
 // rows (FaTileCopy; tile n's in list n % 4).
-template <int HD>
+//
+// WGS 2: the block is two warpgroups, each with its own rows (`r`: the same positions of two
+// query heads of one KV head) and q tile, sharing the K and V tiles and their copies: `tiles`
+// then holds q of warpgroup 0, q of warpgroup 1, K0, K1, V0, V1 and the lists. Both walk the
+// same keys, so they meet at every barrier; each row's arithmetic is the one-warpgroup walk's.
+template <int HD, int WGS = 1>
 __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
                                 const int* table, int kvh, int kv_heads, int block_size, float scale_log2, u8* tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(HD == 128, "4 groups of 32 columns");
     constexpr int KSTEPS = HD / 16, DW = HD / 8;
-    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    u32 qs = (u32)__cvta_generic_to_shared(tiles), ks0 = qs + FA_WG_TILE_BYTES, vs0 = ks0 + 2 * FA_WG_TILE_BYTES;
-    u32 lists = vs0 + 2 * FA_WG_TILE_BYTES;
+    static_assert(WGS == 1 || WGS == 2, "one or two warpgroups");
+    int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+    u32 base = (u32)__cvta_generic_to_shared(tiles);
+    // The warpgroup's q tile: its number through a shuffle from lane 0, which the compiler
+    // knows to be the same in every lane, so the q descriptors stay in uniform registers (from
+    // threadIdx.x itself they were worked out per lane and moved over, 56 instructions a tile).
+    int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    u32 qs = base + wg * FA_WG_TILE_BYTES, ks0 = base + WGS * FA_WG_TILE_BYTES;
+    u32 vs0 = ks0 + 2 * FA_WG_TILE_BYTES, lists = vs0 + 2 * FA_WG_TILE_BYTES;
     auto list = [&](int k0) { return lists + (k0 / FA_KEYS) % 4 * FA_ROWS_BYTES; };
-    FaTileCopy copy(table, last_pos, k_cache, v_cache, kvh, kv_heads, HD, block_size);
+    FaTileCopy<128 * WGS> copy(table, last_pos, k_cache, v_cache, kvh, kv_heads, HD, block_size);
     {
         // This lane's q fragment words at their places in the swizzled groups: word i of step
         // st is row g + 8 (i & 1), columns 16 st + 2t + 8 (i >> 1) (+ 1).
@@ -827,11 +841,13 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
 
 // Prefill: `tiles[2i]` = first row of tile i, `tiles[2i + 1]` = its row count (<= 64); the rows
 // are consecutive positions of one sequence. Grid (tiles, heads), 128 threads: warp w owns
-// query rows 16w..16w+15 of the tile. Blocks start in launch order (x fastest), and block
+// query rows 16w..16w+15 of the tile. WGS 2 (Hopper's wgmma walk at head_dim 128, query heads
+// a KV head even): grid (tiles, heads / 2), 256 threads, warpgroup i taking head 2y + i, the
+// two sharing their K and V tiles (fa_attend_wgmma). Blocks start in launch order (x fastest), and block
 // (x, y) takes the tiles from the last back, each over every head in turn: a sequence's later
 // tiles, which walk more keys, start first, and the last wave holds short tiles (2 x 2,048
 // rows: 736 -> 651 us, H200, 2026-12-04).
-template <int HD>
+template <int HD, int WGS = 1>
 __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache,
                                   const int* row_pos, const int* row_seq, const int* table_offsets,
                                   const int* block_tables, const int* tiles, int heads, int kv_heads,
@@ -839,8 +855,8 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
     int at = blockIdx.y * gridDim.x + blockIdx.x;
     int tile = gridDim.x - 1 - at / gridDim.y;
     int first = tiles[2 * tile], count = tiles[2 * tile + 1];
-    int h = at % gridDim.y, kvh = h / (heads / kv_heads);
-    int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+    int h = at % gridDim.y * WGS + (int)(threadIdx.x >> 7), kvh = h / (heads / kv_heads);
+    int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2;
     int pos0 = row_pos[first];
     int r_lo = warp * 16 + g, r_hi = r_lo + 8;
     FaRows r;
@@ -865,10 +881,15 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
     if constexpr (HD == 128 && FA_WGMMA) {
         u8* base = reinterpret_cast<u8*>(fa_dynamic);
         u8* tiles = base + ((512 - ((u32)__cvta_generic_to_shared(base) & 511)) & 511);
-        fa_attend_wgmma<HD>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size, scale_log2, tiles);
+        fa_attend_wgmma<HD, WGS>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size, scale_log2,
+                                 tiles);
         return;
     }
 #endif
+    if constexpr (WGS > 1) {
+        __trap();  // the host launches two warpgroups only where the wgmma walk runs
+        return;
+    }
     float* tot = fa_dynamic + warp * FA_TOT_FLOATS(HD / 8);
     fa_attend<HD, 128, HD / 8, true, true>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size,
                                            scale_log2, 0, 0, 1, 0, tot);
@@ -971,6 +992,22 @@ __device__ void attention_merge(const float* part, float* out, const int* row_po
 ATTENTION_KERNELS(prefill_attention_hd32, decode_attention_hd32, decode_attention_g8_hd32, attention_merge_hd32, 32)
 ATTENTION_KERNELS(prefill_attention_hd64, decode_attention_hd64, decode_attention_g8_hd64, attention_merge_hd64, 64)
 ATTENTION_KERNELS(prefill_attention_hd128, decode_attention_hd128, decode_attention_g8_hd128, attention_merge_hd128, 128)
+
+// Prefill attention of head_dim 128 on Hopper with two warpgroups a block, two query heads of
+// one KV head sharing their K and V tiles and copies (fa_attend_wgmma's WGS 2): half the copy
+// instructions and half the bytes from L2 a query row, in the same eight warps an SM (one block
+// of 256 threads: 228 registers a thread). The rows' arithmetic is the one-warpgroup kernel's,
+// so their bits are. ops::prefill_attention launches it where the query heads a KV head are
+// even, unless LOCKSTEP_FA_PAIRS=0. Where the wgmma walk is not built (sm_100a, or the kernel
+// variant FA_WGMMA 0) it traps.
+extern "C" __global__ void __launch_bounds__(256, 1) prefill_attention_pairs_hd128(
+    const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos, const int* row_seq,
+    const int* table_offsets, const int* block_tables, const int* tiles, int heads, int kv_heads, int block_size,
+    float scale_log2, float* /* part */, int /* max_chunks */) {
+    pdl_entry();
+    prefill_attention<128, 2>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, tiles, heads,
+                              kv_heads, block_size, scale_log2);
+}
 
 // decode_attention_g8_hd128 at three blocks an SM: 147 registers without a spill, where four
 // blocks cap it at 128 and spill 36 bytes (ptxas 13.5, sm_90a). The same code, so the same bits;
