@@ -108,13 +108,15 @@ __device__ __forceinline__ void fa_q_fragments(const FaRows& r, float scale_log2
 }
 
 // A warp's output column tiles (C fragments) set to zero: a chunk's sum before its first tile.
+// Written as 64-bit moves in pairs: from plain `= 0.0f` ptxas 13.5 zeroed the wgmma walk's 64
+// accumulators through uniform registers, 130 instructions a chunk (100 this way).
 template <int DW>
 __device__ __forceinline__ void fa_clear(float (&o)[DW][4]) {
 #pragma unroll
     for (int d = 0; d < DW; d++)
 #pragma unroll
         for (int i = 0; i < 4; i += 2)
-            asm volatile("{\n.reg .b64 z;\nmov.b64 z, 0;\nmov.b64 {%0, %1}, z;\n}\n" : "=f"(o[d][i]), "=f"(o[d][i + 1]));
+            asm("{\n.reg .b64 z;\nmov.b64 z, 0;\nmov.b64 {%0, %1}, z;\n}\n" : "=f"(o[d][i]), "=f"(o[d][i + 1]));
 }
 
 // The output so far scaled by its rows' factors c, before a tile's P V (without HI the rows
@@ -316,9 +318,9 @@ __device__ __forceinline__ void fa_end_chunk(float (&o)[DW][4], const FaRows& r,
 
 // fa_end_chunk for the wgmma walk, which never splits: the running total in registers (`tot`,
 // in o's layout). Two blocks an SM leave a thread 255 registers, and the total in shared memory
-// cost a load and a store an element at each chunk's end. It leaves o as it is: the walk sets
-// it to zero at the next chunk's first tile, in place of that tile's scale (o is zero there, so
-// the scale by c, 0 or a finite factor, would leave it zero).
+// cost a load and a store an element at each chunk's end. o is cleared for the next chunk here,
+// so its first tile skips the scale by c (0 or a finite factor: it would leave zeros zero).
+// (Clearing it at that tile instead held o's old values across the loop and spilled.)
 template <int DW>
 __device__ __forceinline__ void fa_end_chunk_regs(float (&o)[DW][4], float (&tot)[DW][4], const FaRows& r, bool more,
                                                   int t, float& m_lo, float& m_hi, float& l_lo, float& l_hi,
@@ -671,13 +673,17 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, u64 desc_a, u64 des
         : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
+// A descriptor of the shared-memory operand `bytes` further on: its address field (bits 0-13,
+// the address over 16) plus bytes / 16, which cannot carry into the next field while the address
+// stays within shared memory's 256 KB. One add where a descriptor built from the address took
+// four uniform instructions (the walk built 20 a tile).
+__device__ __forceinline__ u64 wgmma_desc_at(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
+
 // O += P V for one tile, issued (not waited): the k16 steps of 16 keys in order.
 __device__ __forceinline__ void fa_wg_pv(float (&o)[16][4], const u32 (&p)[4][4], u32 vs) {
+    u64 v_desc = FA_WG_V_DESC(vs);
 #pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-        u64 desc = FA_WG_V_DESC(vs + kk * 16 * 64);
-        wgmma_m64n128k16_rs<1>(&o[0][0], p[kk], desc);
-    }
+    for (int kk = 0; kk < 4; kk++) wgmma_m64n128k16_rs<1>(&o[0][0], p[kk], wgmma_desc_at(v_desc, kk * 16 * 64));
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
@@ -731,7 +737,9 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
             }
     }
     // S = q k^T of the tile whose K is in ks into s, issued (not waited).
+    const u64 q_desc = wgmma_desc_sw64(qs);
     auto scores = [&](float (&s)[8][4], u32 ks) {
+        u64 k_desc = wgmma_desc_sw64(ks);
 #pragma unroll
         for (int j = 0; j < 8; j++)
 #pragma unroll
@@ -740,7 +748,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
 #pragma unroll
         for (int st = 0; st < KSTEPS; st++) {
             u32 step = (st / 2) * FA_WG_GROUP_BYTES + 32 * (st % 2);
-            wgmma_m64n64k16_ss(&s[0][0], wgmma_desc_sw64(qs + step), wgmma_desc_sw64(ks + step));
+            wgmma_m64n64k16_ss(&s[0][0], wgmma_desc_at(q_desc, step), wgmma_desc_at(k_desc, step));
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     };
@@ -780,7 +788,8 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
     int k0 = 0, buf = 0;  // buf: this tile's K and V buffer
     u32 p[4][4];
     auto probabilities = [&]() {
-        // A chunk's first tile starts its sum at zero; the others scale it by their factor.
+        // A chunk's first tile adds to the zeros fa_end_chunk_regs left (unscaled: zeros stay
+        // zeros); the others scale the chunk's sum by their factor first.
         static_assert(FA_CHUNK % FA_KEYS == 0, "chunks of whole tiles");
         if (k0 % FA_CHUNK != 0) fa_scale<true>(o, c_lo, c_hi);
 #pragma unroll
