@@ -239,11 +239,19 @@ __device__ __forceinline__ FaChunkWeights fa_chunk_weights(float m_lo, float m_h
     return w;
 }
 
+// A compile-time flag passed to a generic lambda.
+template <bool B>
+struct Const {
+    static constexpr bool value = B;
+};
+
 // One output element of a live row at a chunk's end: the running total merged with the chunk's
-// part, kept in `total` while more chunks follow, else normalized into `out`.
+// part, kept in `total` while more chunks follow, else normalized into `out`. UNIT_A: the
+// caller knows a is 1 (total * a is total).
+template <bool UNIT_A = false>
 __device__ __forceinline__ void fa_merge_element(float& total, float& out, float part, float a, float b, float inv,
                                                  bool first_chunk, bool more) {
-    float v = first_chunk ? part : fa_merge(total, a, part, b);
+    float v = first_chunk ? part : UNIT_A ? __fadd_rn(total, __fmul_rn(part, b)) : fa_merge(total, a, part, b);
     if (more) total = v;
     else out = __fmul_rn(v, inv);
 }
@@ -327,16 +335,28 @@ __device__ __forceinline__ void fa_end_chunk_regs(float (&o)[DW][4], float (&tot
                                                   float& M_lo, float& M_hi, float& L_lo, float& L_hi,
                                                   bool& first_chunk) {
     FaChunkWeights w = fa_chunk_weights(m_lo, m_hi, l_lo, l_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
+    auto merge = [&](auto unit) {
+        constexpr bool UNIT_A = decltype(unit)::value;
 #pragma unroll
-    for (int d = 0; d < DW; d++)
+        for (int d = 0; d < DW; d++)
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
-            int col = d * 8 + 2 * t + j;
-            if (r.live_lo) fa_merge_element(tot[d][j], r.out_lo[col], o[d][j], w.a_lo, w.b_lo, w.inv_lo, first_chunk, more);
-            if (r.live_hi)
-                fa_merge_element(tot[d][2 + j], r.out_hi[col], o[d][2 + j], w.a_hi, w.b_hi, w.inv_hi, first_chunk,
-                                 more);
-        }
+            for (int j = 0; j < 2; j++) {
+                int col = d * 8 + 2 * t + j;
+                if (r.live_lo)
+                    fa_merge_element<UNIT_A>(tot[d][j], r.out_lo[col], o[d][j], w.a_lo, w.b_lo, w.inv_lo, first_chunk,
+                                             more);
+                if (r.live_hi)
+                    fa_merge_element<UNIT_A>(tot[d][2 + j], r.out_hi[col], o[d][2 + j], w.a_hi, w.b_hi, w.inv_hi,
+                                             first_chunk, more);
+            }
+    };
+    // Where the total's weight a is exactly 1 in every live row of the warp (no row's running
+    // max grew in this chunk: most chunks of a long row once its max is found), the products
+    // total * a, which would be the totals themselves, are left out: the same bits, 64
+    // multiplies fewer a chunk.
+    bool unit_a = !first_chunk && __all_sync(0xffffffffu, (!r.live_lo || w.a_lo == 1.0f) && (!r.live_hi || w.a_hi == 1.0f));
+    if (unit_a) merge(Const<true>{});
+    else merge(Const<false>{});
     fa_next_chunk(o, m_lo, m_hi, l_lo, l_hi, first_chunk);
 }
 
