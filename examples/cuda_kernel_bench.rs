@@ -566,6 +566,12 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
                 "decode_attention",
                 "decode_attention split-KV",
             ]
+        } else if ops::pairs_possible(gpu, shape) {
+            &[
+                "paged_attention",
+                "prefill_attention",
+                "prefill_attention two heads a block",
+            ]
         } else {
             &["paged_attention", "prefill_attention"]
         };
@@ -579,7 +585,7 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
                         gpu, &q, &mut out, &k, &v, &meta, None, rows, rows, shape, split,
                     )
                 } else {
-                    ops::prefill_attention(
+                    ops::prefill_attention_blocks(
                         gpu,
                         &q,
                         &mut out,
@@ -590,6 +596,7 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
                         tiles.len() / 2,
                         rows,
                         shape,
+                        kernel.ends_with("two heads a block"),
                     )
                 }
                 .expect("attention")

@@ -64,14 +64,16 @@ struct FaRows {
     bool live_lo, live_hi;
 };
 
-// e^x for the softmax and the chunk merges (x <= 0, or -inf): 2^(x log2 e) on the special
-// function unit (`ex2.approx.ftz`, relative error about 2^-22; results under 2^-126 are 0). Its
-// error is far below that of rounding p to BF16 (2^-9), and it takes two
-// instructions where the accurate `expf` took eight (the wgmma walk issued 34 a thread a tile).
-// Every attention kernel calls it, so prefill and decode rows keep equal bits.
-__device__ __forceinline__ float fa_exp(float x) {
+// 2^x for the softmax and the chunk merges (x <= 0, or -inf), on the special function unit
+// (`ex2.approx.ftz`, relative error about 2^-22; results under 2^-126 are 0). Scores are in
+// log2 units (q is scaled by log2(e) / sqrt(head_dim) before it is rounded to BF16), so
+// 2^(s - m) is the softmax's e^(s' - m') with no multiply a probability. Its error is far below
+// that of rounding p to BF16 (2^-9); the accurate `expf` took eight instructions, ex2 of a
+// product two (the wgmma walk issued 34 a thread a tile), ex2 alone one. Every attention kernel
+// calls it, so prefill and decode rows keep equal bits.
+__device__ __forceinline__ float fa_exp2(float x) {
     float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(__fmul_rn(x, 1.44269504088896341f)));
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
 
@@ -81,8 +83,8 @@ __device__ __forceinline__ float fa_exp(float x) {
 // the row (m = -inf, l = 0, o = 0) leaves the total exactly as it was (a = 1, b = 0).
 __device__ __forceinline__ void fa_merge_weights(float M, float m, float& a, float& b) {
     float mx = fmaxf(M, m), ref = mx == -INFINITY ? 0.0f : mx;
-    a = fa_exp(__fsub_rn(M, ref));
-    b = fa_exp(__fsub_rn(m, ref));
+    a = fa_exp2(__fsub_rn(M, ref));
+    b = fa_exp2(__fsub_rn(m, ref));
 }
 __device__ __forceinline__ float fa_merge(float total, float a, float part, float b) {
     return __fadd_rn(__fmul_rn(total, a), __fmul_rn(part, b));
@@ -92,12 +94,12 @@ __device__ __forceinline__ float fa_merge(float total, float a, float part, floa
 // g + 8, columns 2t (+ 1) and 2t + 8 (+ 9) of each step), pre-scaled and rounded to BF16;
 // rows that are not rows are zeros.
 template <int HD, bool HI>
-__device__ __forceinline__ void fa_q_fragments(const FaRows& r, float scale, int t, u32 (&qa)[HD / 16][4]) {
+__device__ __forceinline__ void fa_q_fragments(const FaRows& r, float scale_log2, int t, u32 (&qa)[HD / 16][4]) {
 #pragma unroll
     for (int s = 0; s < HD / 16; s++) {
         int c0 = s * 16 + 2 * t, c1 = c0 + 8;
-        auto ql = [&](int c) { return r.live_lo ? __fmul_rn(r.q_lo[c], scale) : 0.0f; };
-        auto qh = [&](int c) { return HI && r.live_hi ? __fmul_rn(r.q_hi[c], scale) : 0.0f; };
+        auto ql = [&](int c) { return r.live_lo ? __fmul_rn(r.q_lo[c], scale_log2) : 0.0f; };
+        auto qh = [&](int c) { return HI && r.live_hi ? __fmul_rn(r.q_hi[c], scale_log2) : 0.0f; };
         qa[s][0] = fa_pack(ql(c0), ql(c0 + 1));
         qa[s][1] = fa_pack(qh(c0), qh(c0 + 1));
         qa[s][2] = fa_pack(ql(c1), ql(c1 + 1));
@@ -106,12 +108,15 @@ __device__ __forceinline__ void fa_q_fragments(const FaRows& r, float scale, int
 }
 
 // A warp's output column tiles (C fragments) set to zero: a chunk's sum before its first tile.
+// Written as 64-bit moves in pairs: from plain `= 0.0f` ptxas 13.5 zeroed the wgmma walk's 64
+// accumulators through uniform registers, 130 instructions a chunk (100 this way).
 template <int DW>
 __device__ __forceinline__ void fa_clear(float (&o)[DW][4]) {
 #pragma unroll
     for (int d = 0; d < DW; d++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) o[d][i] = 0.0f;
+        for (int i = 0; i < 4; i += 2)
+            asm("{\n.reg .b64 z;\nmov.b64 z, 0;\nmov.b64 {%0, %1}, z;\n}\n" : "=f"(o[d][i]), "=f"(o[d][i + 1]));
 }
 
 // The output so far scaled by its rows' factors c, before a tile's P V (without HI the rows
@@ -167,17 +172,17 @@ __device__ __forceinline__ void fa_softmax(float (&s)[8][4], const FaRows& r, in
     float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
     // A fully masked row so far keeps m = -inf: use 0 as the reference to avoid inf - inf.
     float ref_lo = mn_lo == -INFINITY ? 0.0f : mn_lo, ref_hi = mn_hi == -INFINITY ? 0.0f : mn_hi;
-    c_lo = fa_exp(__fsub_rn(m_lo, ref_lo));
-    c_hi = fa_exp(__fsub_rn(m_hi, ref_hi));
+    c_lo = fa_exp2(__fsub_rn(m_lo, ref_lo));
+    c_hi = fa_exp2(__fsub_rn(m_hi, ref_hi));
     float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; j++)
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            s[j][i] = fa_exp(__fsub_rn(s[j][i], ref_lo));
+            s[j][i] = fa_exp2(__fsub_rn(s[j][i], ref_lo));
             sum_lo = __fadd_rn(sum_lo, s[j][i]);
             if constexpr (HI) {
-                s[j][2 + i] = fa_exp(__fsub_rn(s[j][2 + i], ref_hi));
+                s[j][2 + i] = fa_exp2(__fsub_rn(s[j][2 + i], ref_hi));
                 sum_hi = __fadd_rn(sum_hi, s[j][2 + i]);
             }
         }
@@ -234,11 +239,19 @@ __device__ __forceinline__ FaChunkWeights fa_chunk_weights(float m_lo, float m_h
     return w;
 }
 
+// A compile-time flag passed to a generic lambda.
+template <bool B>
+struct Const {
+    static constexpr bool value = B;
+};
+
 // One output element of a live row at a chunk's end: the running total merged with the chunk's
-// part, kept in `total` while more chunks follow, else normalized into `out`.
+// part, kept in `total` while more chunks follow, else normalized into `out`. UNIT_A: the
+// caller knows a is 1 (total * a is total).
+template <bool UNIT_A = false>
 __device__ __forceinline__ void fa_merge_element(float& total, float& out, float part, float a, float b, float inv,
                                                  bool first_chunk, bool more) {
-    float v = first_chunk ? part : fa_merge(total, a, part, b);
+    float v = first_chunk ? part : UNIT_A ? __fadd_rn(total, __fmul_rn(part, b)) : fa_merge(total, a, part, b);
     if (more) total = v;
     else out = __fmul_rn(v, inv);
 }
@@ -313,23 +326,37 @@ __device__ __forceinline__ void fa_end_chunk(float (&o)[DW][4], const FaRows& r,
 
 // fa_end_chunk for the wgmma walk, which never splits: the running total in registers (`tot`,
 // in o's layout). Two blocks an SM leave a thread 255 registers, and the total in shared memory
-// cost a load and a store an element at each chunk's end.
+// cost a load and a store an element at each chunk's end. o is cleared for the next chunk here,
+// so its first tile skips the scale by c (0 or a finite factor: it would leave zeros zero).
+// (Clearing it at that tile instead held o's old values across the loop and spilled.)
 template <int DW>
 __device__ __forceinline__ void fa_end_chunk_regs(float (&o)[DW][4], float (&tot)[DW][4], const FaRows& r, bool more,
                                                   int t, float& m_lo, float& m_hi, float& l_lo, float& l_hi,
                                                   float& M_lo, float& M_hi, float& L_lo, float& L_hi,
                                                   bool& first_chunk) {
     FaChunkWeights w = fa_chunk_weights(m_lo, m_hi, l_lo, l_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
+    auto merge = [&](auto unit) {
+        constexpr bool UNIT_A = decltype(unit)::value;
 #pragma unroll
-    for (int d = 0; d < DW; d++)
+        for (int d = 0; d < DW; d++)
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
-            int col = d * 8 + 2 * t + j;
-            if (r.live_lo) fa_merge_element(tot[d][j], r.out_lo[col], o[d][j], w.a_lo, w.b_lo, w.inv_lo, first_chunk, more);
-            if (r.live_hi)
-                fa_merge_element(tot[d][2 + j], r.out_hi[col], o[d][2 + j], w.a_hi, w.b_hi, w.inv_hi, first_chunk,
-                                 more);
-        }
+            for (int j = 0; j < 2; j++) {
+                int col = d * 8 + 2 * t + j;
+                if (r.live_lo)
+                    fa_merge_element<UNIT_A>(tot[d][j], r.out_lo[col], o[d][j], w.a_lo, w.b_lo, w.inv_lo, first_chunk,
+                                             more);
+                if (r.live_hi)
+                    fa_merge_element<UNIT_A>(tot[d][2 + j], r.out_hi[col], o[d][2 + j], w.a_hi, w.b_hi, w.inv_hi,
+                                             first_chunk, more);
+            }
+    };
+    // Where the total's weight a is exactly 1 in every live row of the warp (no row's running
+    // max grew in this chunk: most chunks of a long row once its max is found), the products
+    // total * a, which would be the totals themselves, are left out: the same bits, 64
+    // multiplies fewer a chunk.
+    bool unit_a = !first_chunk && __all_sync(0xffffffffu, (!r.live_lo || w.a_lo == 1.0f) && (!r.live_hi || w.a_hi == 1.0f));
+    if (unit_a) merge(Const<true>{});
+    else merge(Const<false>{});
     fa_next_chunk(o, m_lo, m_hi, l_lo, l_hi, first_chunk);
 }
 
@@ -365,7 +392,10 @@ struct FaRowList {
     }
     // Copies the 16-byte pieces at `src` of the rows of keys key0 + KEY_STEP i of the tile
     // whose list is at `list` (rows row_bytes apart) to shared addresses dst + i dst_step, as
-    // one cp.async group.
+    // one cp.async group. ALL_LIVE: the caller knows every key of the tile is at or before
+    // last_pos (no row of the list is -1), so no copy tests its row (a key's copy is then an
+    // address and the copy: 2 instructions where the test took 6 more).
+    template <bool ALL_LIVE = false>
     __device__ __forceinline__ void copy(u32 list, int key0, u32 dst, u32 dst_step, const u8* src,
                                          u32 row_bytes) const {
         static_assert(PER_THREAD == 2 || PER_THREAD % 4 == 0, "whole loads");
@@ -382,7 +412,7 @@ struct FaRowList {
         }
 #pragma unroll
         for (int i = 0; i < PER_THREAD; i++) {
-            bool live = rows[i] >= 0;
+            bool live = ALL_LIVE || rows[i] >= 0;
             cp_async16_at(dst + dst_step * i, src + (u64)(u32)(live ? rows[i] : 0) * row_bytes, live);
         }
         cp_async_commit();
@@ -418,7 +448,7 @@ struct FaRowList {
 // independent, and the absent rows' q and p terms are the zeros they would be).
 template <int HD, int THREADS, int DW, bool HI = true, bool TOT_SHARED = false>
 __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
-                          const int* table, int kvh, int kv_heads, int block_size, float scale, int d0, int chunk0,
+                          const int* table, int kvh, int kv_heads, int block_size, float scale_log2, int d0, int chunk0,
                           int chunk_step, int max_chunks, float* tot) {
     constexpr int KSTEPS = HD / 16;  // k16 steps of q.k
     constexpr int WARPS = THREADS / 32;
@@ -449,7 +479,7 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 
     // Q fragments (A operand, row-major 16 x HD), rounded to BF16, pre-scaled.
     u32 qa[KSTEPS][4];
-    fa_q_fragments<HD, HI>(r, scale, t, qa);
+    fa_q_fragments<HD, HI>(r, scale_log2, t, qa);
 
     float o[DW][4];
     fa_clear(o);
@@ -612,22 +642,36 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 
 // Copies of 64-key tiles of K or V into their swizzled groups (one cp.async group a tile),
 // through the tiles' lists of cache rows (FaRowList, looked up four tiles ahead): thread tid
-// of 128 copies the 16-byte piece tid % 16 of keys tid / 16 + 8i, whose group and swizzled place
-// are the same for every i (8 keys are 512 bytes).
+// of the block's THREADS (128, or 256 for two warpgroups sharing the tiles) copies the 16-byte
+// piece tid % 16 of keys tid / 16 + KEY_STEP i, whose group and swizzled place are the same for
+// every i (the swizzle repeats every 8 keys, 512 bytes).
+template <int THREADS>
 struct FaTileCopy {
-    FaRowList<8> lookups;
-    u32 row_bytes, head_at, dst0;
+    static constexpr int KEY_STEP = THREADS / 16;
+    FaRowList<KEY_STEP> lookups;
+    u32 row_bytes, dst0;
     int key0;
-    __device__ FaTileCopy(const int* table, int last_pos, int kvh, int kv_heads, int hd, int block_size)
+    // This thread's 16-byte piece of cache row 0 in K and V (worked out once: a copy is then
+    // one wide multiply-add from the row, not a 64-bit sum of three terms).
+    const u8* k_src;
+    const u8* v_src;
+    __device__ FaTileCopy(const int* table, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache, int kvh,
+                          int kv_heads, int hd, int block_size)
         : lookups(table, last_pos, block_size) {
         int tid = threadIdx.x, part = tid % 16;
         key0 = tid / 16;
         row_bytes = kv_heads * hd * 2;
-        head_at = (kvh * hd + part * 8) * 2;
+        u32 head_at = (kvh * hd + part * 8) * 2;
+        k_src = reinterpret_cast<const u8*>(k_cache) + head_at;
+        v_src = reinterpret_cast<const u8*>(v_cache) + head_at;
         dst0 = (part / 4) * FA_WG_GROUP_BYTES + key0 * 64 + 16 * a_piece(key0, part % 4);
     }
-    __device__ __forceinline__ void issue(u32 dst, const bf16_t* cache, u32 list) const {
-        lookups.copy(list, key0, dst + dst0, 512, reinterpret_cast<const u8*>(cache) + head_at, row_bytes);
+    // The 64-key tile at k0 (list `list`) of K or V (`src`: k_src or v_src) into dst.
+    __device__ __forceinline__ void issue(u32 dst, const u8* src, u32 list, int k0) const {
+        if (k0 + FA_KEYS - 1 <= lookups.last_pos)
+            lookups.template copy<true>(list, key0, dst + dst0, KEY_STEP * 64, src, row_bytes);
+        else
+            lookups.copy(list, key0, dst + dst0, KEY_STEP * 64, src, row_bytes);
     }
 };
 
@@ -649,13 +693,17 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, u64 desc_a, u64 des
         : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
+// A descriptor of the shared-memory operand `bytes` further on: its address field (bits 0-13,
+// the address over 16) plus bytes / 16, which cannot carry into the next field while the address
+// stays within shared memory's 256 KB. One add where a descriptor built from the address took
+// four uniform instructions (the walk built 20 a tile).
+__device__ __forceinline__ u64 wgmma_desc_at(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
+
 // O += P V for one tile, issued (not waited): the k16 steps of 16 keys in order.
 __device__ __forceinline__ void fa_wg_pv(float (&o)[16][4], const u32 (&p)[4][4], u32 vs) {
+    u64 v_desc = FA_WG_V_DESC(vs);
 #pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-        u64 desc = FA_WG_V_DESC(vs + kk * 16 * 64);
-        wgmma_m64n128k16_rs<1>(&o[0][0], p[kk], desc);
-    }
+    for (int kk = 0; kk < 4; kk++) wgmma_m64n128k16_rs<1>(&o[0][0], p[kk], wgmma_desc_at(v_desc, kk * 16 * 64));
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
@@ -672,22 +720,33 @@ __device__ __forceinline__ void fa_wg_pv(float (&o)[16][4], const u32 (&p)[4][4]
 // factor comes after the P V it follows, as in fa_attend. `tiles`: q, K0, K1, V0, V1
 // (FA_WG_TILE_BYTES each; tile n's K and V in buffer n % 2), then four tiles' lists of cache
 // rows (FaTileCopy; tile n's in list n % 4).
-template <int HD>
+//
+// WGS 2: the block is two warpgroups, each with its own rows (`r`: the same positions of two
+// query heads of one KV head) and q tile, sharing the K and V tiles and their copies: `tiles`
+// then holds q of warpgroup 0, q of warpgroup 1, K0, K1, V0, V1 and the lists. Both walk the
+// same keys, so they meet at every barrier; each row's arithmetic is the one-warpgroup walk's.
+template <int HD, int WGS = 1>
 __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
-                                const int* table, int kvh, int kv_heads, int block_size, float scale, u8* tiles) {
+                                const int* table, int kvh, int kv_heads, int block_size, float scale_log2, u8* tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(HD == 128, "4 groups of 32 columns");
     constexpr int KSTEPS = HD / 16, DW = HD / 8;
-    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    u32 qs = (u32)__cvta_generic_to_shared(tiles), ks0 = qs + FA_WG_TILE_BYTES, vs0 = ks0 + 2 * FA_WG_TILE_BYTES;
-    u32 lists = vs0 + 2 * FA_WG_TILE_BYTES;
+    static_assert(WGS == 1 || WGS == 2, "one or two warpgroups");
+    int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+    u32 base = (u32)__cvta_generic_to_shared(tiles);
+    // The warpgroup's q tile: its number through a shuffle from lane 0, which the compiler
+    // knows to be the same in every lane, so the q descriptors stay in uniform registers (from
+    // threadIdx.x itself they were worked out per lane and moved over, 56 instructions a tile).
+    int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    u32 qs = base + wg * FA_WG_TILE_BYTES, ks0 = base + WGS * FA_WG_TILE_BYTES;
+    u32 vs0 = ks0 + 2 * FA_WG_TILE_BYTES, lists = vs0 + 2 * FA_WG_TILE_BYTES;
     auto list = [&](int k0) { return lists + (k0 / FA_KEYS) % 4 * FA_ROWS_BYTES; };
-    FaTileCopy copy(table, last_pos, kvh, kv_heads, HD, block_size);
+    FaTileCopy<128 * WGS> copy(table, last_pos, k_cache, v_cache, kvh, kv_heads, HD, block_size);
     {
         // This lane's q fragment words at their places in the swizzled groups: word i of step
         // st is row g + 8 (i & 1), columns 16 st + 2t + 8 (i >> 1) (+ 1).
         u32 qa[KSTEPS][4];
-        fa_q_fragments<HD, true>(r, scale, t, qa);
+        fa_q_fragments<HD, true>(r, scale_log2, t, qa);
 #pragma unroll
         for (int st = 0; st < KSTEPS; st++)
 #pragma unroll
@@ -698,7 +757,9 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
             }
     }
     // S = q k^T of the tile whose K is in ks into s, issued (not waited).
+    const u64 q_desc = wgmma_desc_sw64(qs);
     auto scores = [&](float (&s)[8][4], u32 ks) {
+        u64 k_desc = wgmma_desc_sw64(ks);
 #pragma unroll
         for (int j = 0; j < 8; j++)
 #pragma unroll
@@ -707,7 +768,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
 #pragma unroll
         for (int st = 0; st < KSTEPS; st++) {
             u32 step = (st / 2) * FA_WG_GROUP_BYTES + 32 * (st % 2);
-            wgmma_m64n64k16_ss(&s[0][0], wgmma_desc_sw64(qs + step), wgmma_desc_sw64(ks + step));
+            wgmma_m64n64k16_ss(&s[0][0], wgmma_desc_at(q_desc, step), wgmma_desc_at(k_desc, step));
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     };
@@ -718,7 +779,9 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
             for (int i = 0; i < 4; i++) wgmma_hold(s[j][i]);
     };
 
-    float o[DW][4], tot[DW][4];  // this chunk's output, and the total of the chunks before
+    // This chunk's output (set to zero at each chunk's first tile), and the total of the chunks
+    // before.
+    float o[DW][4], tot[DW][4];
     fa_clear(o);
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
     float M_lo = -INFINITY, M_hi = -INFINITY, L_lo = 0.0f, L_hi = 0.0f;
@@ -727,9 +790,9 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
 #pragma unroll
     for (int k = 0; k < 4 * FA_KEYS; k += FA_KEYS) copy.lookups.store(list(k), k, copy.lookups.entry(k));
     __syncthreads();  // the first four tiles' lists
-    copy.issue(ks0, k_cache, list(0));
-    copy.issue(vs0, v_cache, list(0));
-    if (FA_KEYS <= last_pos) copy.issue(ks0 + FA_WG_TILE_BYTES, k_cache, list(FA_KEYS));
+    copy.issue(ks0, copy.k_src, list(0), 0);
+    copy.issue(vs0, copy.v_src, list(0), 0);
+    if (FA_KEYS <= last_pos) copy.issue(ks0 + FA_WG_TILE_BYTES, copy.k_src, list(FA_KEYS), FA_KEYS);
     else cp_async_commit();
     fa_tiles_in<1>();  // K and V of the first tile (and every warp's q)
     float s[8][4], c_lo, c_hi;
@@ -738,14 +801,17 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
     hold_s(s);
     fa_softmax<true>(s, r, 0, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
     __syncthreads();  // every warp's scores are done with the first K buffer
-    if (2 * FA_KEYS <= last_pos) copy.issue(ks0, k_cache, list(2 * FA_KEYS));
+    if (2 * FA_KEYS <= last_pos) copy.issue(ks0, copy.k_src, list(2 * FA_KEYS), 2 * FA_KEYS);
     else cp_async_commit();
     // The tiles with a tile after them: the next tile's scores are issued before this tile's
     // P V, and its softmax runs while the P V does.
     int k0 = 0, buf = 0;  // buf: this tile's K and V buffer
     u32 p[4][4];
     auto probabilities = [&]() {
-        fa_scale<true>(o, c_lo, c_hi);
+        // A chunk's first tile adds to the zeros fa_end_chunk_regs left (unscaled: zeros stay
+        // zeros); the others scale the chunk's sum by their factor first.
+        static_assert(FA_CHUNK % FA_KEYS == 0, "chunks of whole tiles");
+        if (k0 % FA_CHUNK != 0) fa_scale<true>(o, c_lo, c_hi);
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) fa_p_fragments<true>(s, kk, p[kk]);
     };
@@ -768,7 +834,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
         u32 ks_next = ks0 + (buf ^ 1) * FA_WG_TILE_BYTES;
         int entry = copy.lookups.entry(k0 + 4 * FA_KEYS);  // stored in the list this tile is done with
         // The next tile's V into the other buffer (its last P V is done in every warp).
-        copy.issue(vs0 + (buf ^ 1) * FA_WG_TILE_BYTES, v_cache, list(k_next));
+        copy.issue(vs0 + (buf ^ 1) * FA_WG_TILE_BYTES, copy.v_src, list(k_next), k_next);
         fa_tiles_in<2>();  // the next tile's K and this tile's V (not the K after, nor that V)
         probabilities();
         scores(s, ks_next);  // the next tile's, then this tile's P V: the scores are done first
@@ -777,7 +843,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
         hold_s(s);
         copy.lookups.store(list(k0), k0 + 4 * FA_KEYS, entry);
         __syncthreads();  // every warp's scores are done with ks_next: the K two tiles on comes in
-        if (k_next + 2 * FA_KEYS <= last_pos) copy.issue(ks_next, k_cache, list(k_next + 2 * FA_KEYS));
+        if (k_next + 2 * FA_KEYS <= last_pos) copy.issue(ks_next, copy.k_src, list(k_next + 2 * FA_KEYS), k_next + 2 * FA_KEYS);
         else cp_async_commit();
         // This chunk's max and sum: the next tile's softmax starts a new chunk after its end.
         float cm_lo = m_lo, cm_hi = m_hi, cl_lo = l_lo, cl_hi = l_hi;
@@ -804,20 +870,22 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
 
 // Prefill: `tiles[2i]` = first row of tile i, `tiles[2i + 1]` = its row count (<= 64); the rows
 // are consecutive positions of one sequence. Grid (tiles, heads), 128 threads: warp w owns
-// query rows 16w..16w+15 of the tile. Blocks start in launch order (x fastest), and block
+// query rows 16w..16w+15 of the tile. WGS 2 (Hopper's wgmma walk at head_dim 128, query heads
+// a KV head even): grid (tiles, heads / 2), 256 threads, warpgroup i taking head 2y + i, the
+// two sharing their K and V tiles (fa_attend_wgmma). Blocks start in launch order (x fastest), and block
 // (x, y) takes the tiles from the last back, each over every head in turn: a sequence's later
 // tiles, which walk more keys, start first, and the last wave holds short tiles (2 x 2,048
 // rows: 736 -> 651 us, H200, 2026-12-04).
-template <int HD>
+template <int HD, int WGS = 1>
 __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache,
                                   const int* row_pos, const int* row_seq, const int* table_offsets,
                                   const int* block_tables, const int* tiles, int heads, int kv_heads,
-                                  int block_size, float scale) {
+                                  int block_size, float scale_log2) {
     int at = blockIdx.y * gridDim.x + blockIdx.x;
     int tile = gridDim.x - 1 - at / gridDim.y;
     int first = tiles[2 * tile], count = tiles[2 * tile + 1];
-    int h = at % gridDim.y, kvh = h / (heads / kv_heads);
-    int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+    int h = at % gridDim.y * WGS + (int)(threadIdx.x >> 7), kvh = h / (heads / kv_heads);
+    int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2;
     int pos0 = row_pos[first];
     int r_lo = warp * 16 + g, r_hi = r_lo + 8;
     FaRows r;
@@ -842,13 +910,18 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
     if constexpr (HD == 128 && FA_WGMMA) {
         u8* base = reinterpret_cast<u8*>(fa_dynamic);
         u8* tiles = base + ((512 - ((u32)__cvta_generic_to_shared(base) & 511)) & 511);
-        fa_attend_wgmma<HD>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size, scale, tiles);
+        fa_attend_wgmma<HD, WGS>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size, scale_log2,
+                                 tiles);
         return;
     }
 #endif
+    if constexpr (WGS > 1) {
+        __trap();  // the host launches two warpgroups only where the wgmma walk runs
+        return;
+    }
     float* tot = fa_dynamic + warp * FA_TOT_FLOATS(HD / 8);
     fa_attend<HD, 128, HD / 8, true, true>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size,
-                                           scale, 0, 0, 1, 0, tot);
+                                           scale_log2, 0, 0, 1, 0, tot);
 }
 
 // Decode: one query row per sequence. Grid (rows, kv_heads * passes, splits), 4 warps: the 16
@@ -863,7 +936,7 @@ template <int HD, bool HI>
 __device__ void decode_attention(const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache,
                                  const int* row_pos, const int* row_seq, const int* table_offsets,
                                  const int* block_tables, const int* rows, int heads, int kv_heads, int block_size,
-                                 float scale, float* part, int max_chunks) {
+                                 float scale_log2, float* part, int max_chunks) {
     int row = rows ? rows[blockIdx.x] : (int)blockIdx.x;
     int group = heads / kv_heads, passes = (group + 15) / 16;
     int kvh = blockIdx.y / passes, pass = blockIdx.y % passes;
@@ -890,7 +963,7 @@ __device__ void decode_attention(const float* q, float* out, const bf16_t* k_cac
     }
     constexpr int DW = HD / 8 / DECODE_WARPS;
     fa_attend<HD, 32 * DECODE_WARPS, DW, HI>(r, pos, k_cache, v_cache, block_tables + table_offsets[row_seq[row]], kvh,
-                                         kv_heads, block_size, scale, warp * DW, blockIdx.z, gridDim.z, max_chunks,
+                                         kv_heads, block_size, scale_log2, warp * DW, blockIdx.z, gridDim.z, max_chunks,
                                          nullptr);
 }
 
@@ -931,38 +1004,54 @@ __device__ void attention_merge(const float* part, float* out, const int* row_po
     out[((u64)row * heads + h) * HD + d] = __fmul_rn(O, inv);
 }
 
-#define ATTENTION_KERNELS(PREFILL, DECODE, DECODE_G8, MERGE, HD)                                                                        \
+#define ATTENTION_KERNELS(PREFILL, DECODE, DECODE_G8, MERGE, HD)                                                      \
     extern "C" __global__ void PREFILL(                                                                               \
         const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,                 \
         const int* row_seq, const int* table_offsets, const int* block_tables, const int* tiles, int heads,           \
-        int kv_heads, int block_size, float scale, float* /* part */, int /* max_chunks */) { pdl_entry();                         \
-        /* one signature for both kernels: prefill never splits its keys over blocks */                              \
+        int kv_heads, int block_size, float scale_log2, float* /* part */, int /* max_chunks */) { pdl_entry();       \
+        /* one signature for both kernels: prefill never splits its keys over blocks */                               \
         prefill_attention<HD>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, tiles,         \
-                              heads, kv_heads, block_size, scale);                                                    \
+                              heads, kv_heads, block_size, scale_log2);                                               \
     }                                                                                                                 \
     extern "C" __global__ void DECODE(                                                                                \
         const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,                 \
         const int* row_seq, const int* table_offsets, const int* block_tables, const int* rows, int heads,            \
-        int kv_heads, int block_size, float scale, float* part, int max_chunks) { pdl_entry();                                     \
+        int kv_heads, int block_size, float scale_log2, float* part, int max_chunks) { pdl_entry();                   \
         decode_attention<HD, true>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, rows,     \
-                                   heads, kv_heads, block_size, scale, part, max_chunks);                             \
+                                   heads, kv_heads, block_size, scale_log2, part, max_chunks);                        \
     }                                                                                                                 \
-    /* at most 8 query heads a KV head: the tile rows g + 8 are never rows */                                        \
+    /* at most 8 query heads a KV head: the tile rows g + 8 are never rows */                                         \
     extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS, 4) DECODE_G8(                                     \
         const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,                 \
         const int* row_seq, const int* table_offsets, const int* block_tables, const int* rows, int heads,            \
-        int kv_heads, int block_size, float scale, float* part, int max_chunks) { pdl_entry();                                     \
+        int kv_heads, int block_size, float scale_log2, float* part, int max_chunks) { pdl_entry();                   \
         decode_attention<HD, false>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, rows,    \
-                                    heads, kv_heads, block_size, scale, part, max_chunks);                            \
+                                    heads, kv_heads, block_size, scale_log2, part, max_chunks);                       \
     }                                                                                                                 \
     extern "C" __global__ void MERGE(const float* part, float* out, const int* row_pos, const int* rows, int heads,   \
-                                     int max_chunks) { pdl_entry();                                                                \
+                                     int max_chunks) { pdl_entry();                                                   \
         attention_merge<HD>(part, out, row_pos, rows, heads, max_chunks);                                             \
     }
 
 ATTENTION_KERNELS(prefill_attention_hd32, decode_attention_hd32, decode_attention_g8_hd32, attention_merge_hd32, 32)
 ATTENTION_KERNELS(prefill_attention_hd64, decode_attention_hd64, decode_attention_g8_hd64, attention_merge_hd64, 64)
 ATTENTION_KERNELS(prefill_attention_hd128, decode_attention_hd128, decode_attention_g8_hd128, attention_merge_hd128, 128)
+
+// Prefill attention of head_dim 128 on Hopper with two warpgroups a block, two query heads of
+// one KV head sharing their K and V tiles and copies (fa_attend_wgmma's WGS 2): half the copy
+// instructions and half the bytes from L2 a query row, in the same eight warps an SM (one block
+// of 256 threads: 228 registers a thread). The rows' arithmetic is the one-warpgroup kernel's,
+// so their bits are. ops::prefill_attention launches it where the query heads a KV head are
+// even, unless LOCKSTEP_FA_PAIRS=0. Where the wgmma walk is not built (sm_100a, or the kernel
+// variant FA_WGMMA 0) it traps.
+extern "C" __global__ void __launch_bounds__(256, 1) prefill_attention_pairs_hd128(
+    const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos, const int* row_seq,
+    const int* table_offsets, const int* block_tables, const int* tiles, int heads, int kv_heads, int block_size,
+    float scale_log2, float* /* part */, int /* max_chunks */) {
+    pdl_entry();
+    prefill_attention<128, 2>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, tiles, heads,
+                              kv_heads, block_size, scale_log2);
+}
 
 // decode_attention_g8_hd128 at three blocks an SM: 147 registers without a spill, where four
 // blocks cap it at 128 and spill 36 bytes (ptxas 13.5, sm_90a). The same code, so the same bits;
@@ -972,8 +1061,8 @@ ATTENTION_KERNELS(prefill_attention_hd128, decode_attention_hd128, decode_attent
 extern "C" __global__ __launch_bounds__(32 * DECODE_WARPS, 3) void decode_attention_g8_hd128_3(
     const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos, const int* row_seq,
     const int* table_offsets, const int* block_tables, const int* rows, int heads, int kv_heads, int block_size,
-    float scale, float* part, int max_chunks) {
+    float scale_log2, float* part, int max_chunks) {
     pdl_entry();
     decode_attention<128, false>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, rows, heads,
-                                 kv_heads, block_size, scale, part, max_chunks);
+                                 kv_heads, block_size, scale_log2, part, max_chunks);
 }

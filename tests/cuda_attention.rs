@@ -343,6 +343,56 @@ impl Rows {
         self.step(g, &whole, None)
     }
 
+    /// Every sequence prefilled in one chunk by `ops::prefill_attention_blocks`, in blocks of one
+    /// query head or, with `pairs`, two; each sequence's output rows.
+    fn prefilled_in_blocks(&self, g: &Gpu, pairs: bool) -> Vec<Vec<f32>> {
+        let width = self.shape.heads * self.shape.head_dim;
+        let rows: usize = self.contexts.iter().sum();
+        let q: Vec<f32> = self.q.concat();
+        let pos: Vec<i32> = self.contexts.iter().flat_map(|&c| 0..c as i32).collect();
+        let seq: Vec<i32> = (0..self.contexts.len())
+            .flat_map(|s| std::iter::repeat_n(s as i32, self.contexts[s]))
+            .collect();
+        let (dq, dpos, dseq) = (
+            g.upload(&q).unwrap(),
+            g.upload(&pos).unwrap(),
+            g.upload(&seq).unwrap(),
+        );
+        let meta = AttnRows {
+            pos: &dpos,
+            seq: &dseq,
+            table_offsets: &self.offsets,
+            block_tables: &self.tables,
+        };
+        let tiles = ops::prefill_tiles(self.contexts.iter().copied());
+        let dt = g.upload(&tiles).unwrap();
+        let mut out = g.upload(&vec![f32::NAN; rows * width]).unwrap();
+        ops::prefill_attention_blocks(
+            g,
+            &dq,
+            &mut out,
+            &self.k,
+            &self.v,
+            &meta,
+            &dt,
+            tiles.len() / 2,
+            rows,
+            self.shape,
+            pairs,
+        )
+        .unwrap();
+        let out = g.download(&out, rows * width).unwrap();
+        let mut at = 0;
+        self.contexts
+            .iter()
+            .map(|&c| {
+                let part = out[at * width..(at + c) * width].to_vec();
+                at += c;
+                part
+            })
+            .collect()
+    }
+
     /// One step of `(sequence, first position, rows)` parts; returns each part's output rows.
     fn step(
         &self,
@@ -416,6 +466,21 @@ fn attention_rows_have_the_same_bits_however_they_are_batched() {
             )
         };
         let want = rows.prefilled(&g);
+        // Prefill in blocks of one query head and, where the shape allows, of two sharing K and
+        // V (Hopper at head_dim 128), against the default's bits.
+        for pairs in [false, true] {
+            if pairs && !ops::pairs_possible(&g, shape) {
+                continue;
+            }
+            let got = rows.prefilled_in_blocks(&g, pairs);
+            for (s, got) in got.iter().enumerate() {
+                assert_same_bits(
+                    got,
+                    &want[s],
+                    &what(s, &format!("two heads a block {pairs}")),
+                );
+            }
+        }
         for (s, &c) in contexts.iter().enumerate() {
             // Alone, in one chunk.
             assert_same_bits(

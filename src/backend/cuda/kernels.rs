@@ -320,6 +320,7 @@ kernels! {
     PrefillAttentionHd32 => (PrefillAttention, "prefill_attention_hd32", TENSOR_CORE_ATTENTION),
     PrefillAttentionHd64 => (PrefillAttention, "prefill_attention_hd64", TENSOR_CORE_ATTENTION),
     PrefillAttentionHd128 => (PrefillAttention, "prefill_attention_hd128", TENSOR_CORE_ATTENTION),
+    PrefillAttentionPairsHd128 => (PrefillAttention, "prefill_attention_pairs_hd128", TENSOR_CORE_ATTENTION),
     DecodeAttentionHd32 => (PrefillAttention, "decode_attention_hd32", TENSOR_CORE_ATTENTION),
     DecodeAttentionG8Hd32 => (PrefillAttention, "decode_attention_g8_hd32", TENSOR_CORE_ATTENTION),
     AttentionMergeHd32 => (PrefillAttention, "attention_merge_hd32", ATTENTION_MERGE),
@@ -360,11 +361,19 @@ pub const TMA_THREADS: u32 = 384;
 /// the totals, so the `mma.sync` walk (kernel variant `FA_WGMMA 0`) runs in it too.
 pub fn prefill_attention_smem_bytes(head_dim: u32, arch: &str) -> u32 {
     if head_dim == 128 && arch == "sm_90a" {
-        512 + 5 * 64 * 128 * 2 + 4 * 64 * 4
+        512 + 5 * FA_TILE_BYTES + 4 * 64 * 4
     } else {
         4 * 16 * head_dim * 4
     }
 }
+
+/// One 64-row tile of head_dim 128 in BF16 (q, K or V) in the wgmma attention's shared memory.
+const FA_TILE_BYTES: u32 = 64 * 128 * 2;
+
+/// Dynamic shared memory of `prefill_attention_pairs_hd128` (Hopper): as the one-warpgroup
+/// kernel's, with a q tile for each of its two warpgroups (97.5 KB: one block an SM, as its
+/// 256 threads' registers allow).
+pub const PREFILL_ATTENTION_PAIRS_SMEM_BYTES: u32 = 512 + 6 * FA_TILE_BYTES + 4 * 64 * 4;
 
 impl Kernel {
     /// The dynamic shared memory a launch on `arch` gives it (its limit is raised to this on
@@ -388,6 +397,9 @@ impl Kernel {
             Kernel::PrefillAttentionHd32 => prefill_attention_smem_bytes(32, arch),
             Kernel::PrefillAttentionHd64 => prefill_attention_smem_bytes(64, arch),
             Kernel::PrefillAttentionHd128 => prefill_attention_smem_bytes(128, arch),
+            Kernel::PrefillAttentionPairsHd128 if arch == "sm_90a" => {
+                PREFILL_ATTENTION_PAIRS_SMEM_BYTES
+            }
             _ => 0,
         }
     }

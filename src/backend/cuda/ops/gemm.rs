@@ -324,7 +324,7 @@ fn block_split_allowed() -> bool {
 
 /// Whether the environment variable `var` leaves a kernel choice on (anything but `0`), read
 /// once into `cell`.
-fn switched_on(cell: &std::sync::OnceLock<bool>, var: &str) -> bool {
+pub(crate) fn switched_on(cell: &std::sync::OnceLock<bool>, var: &str) -> bool {
     *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v != "0"))
 }
 

@@ -162,7 +162,8 @@ pub fn attention_split(rows_per_seq: impl IntoIterator<Item = usize>) -> (Vec<i3
 }
 
 /// Attention for query rows grouped in tiles of consecutive positions of one sequence, on
-/// tensor cores (kernels/prefill_attention.cu). `tiles` from [`prefill_tiles`].
+/// tensor cores (kernels/prefill_attention.cu). `tiles` from [`prefill_tiles`]. Two query heads
+/// a block where [`pairs_chosen`].
 #[allow(clippy::too_many_arguments)]
 pub fn prefill_attention(
     gpu: &Gpu,
@@ -176,6 +177,35 @@ pub fn prefill_attention(
     rows: usize,
     s: AttnShape,
 ) -> Result<(), CudaError> {
+    let pairs = pairs_chosen(gpu, s);
+    prefill_attention_blocks(
+        gpu, q, out, k_cache, v_cache, meta, tiles, num_tiles, rows, s, pairs,
+    )
+}
+
+/// [`prefill_attention`] with its blocks told: one query head a block, or with `pairs` two
+/// (`prefill_attention_pairs_hd128`, where [`pairs_possible`]). The bits are the same; the
+/// tests and the kernel benchmark run both.
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_attention_blocks(
+    gpu: &Gpu,
+    q: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    k_cache: &CudaSlice<u16>,
+    v_cache: &CudaSlice<u16>,
+    meta: &AttnRows<'_>,
+    tiles: &CudaSlice<i32>,
+    num_tiles: usize,
+    rows: usize,
+    s: AttnShape,
+    pairs: bool,
+) -> Result<(), CudaError> {
+    if pairs && !pairs_possible(gpu, s) {
+        return Err(CudaError::Unsupported(format!(
+            "prefill attention of two query heads a block with head_dim {}, {} heads over {} on {}",
+            s.head_dim, s.heads, s.kv_heads, gpu.arch
+        )));
+    }
     let kernel = kernel_for(
         s,
         [
@@ -188,12 +218,17 @@ pub fn prefill_attention(
     if num_tiles == 0 {
         return Ok(());
     }
-    let grid = (num_tiles as u32, s.heads as u32, 1);
+    let (kernel, heads_a_block, threads) = if pairs {
+        (Kernel::PrefillAttentionPairsHd128, 2, 256)
+    } else {
+        (kernel, 1, 128)
+    };
+    let grid = (num_tiles as u32, (s.heads / heads_a_block) as u32, 1);
     launch(
         gpu,
         kernel,
         grid,
-        128,
+        threads,
         q,
         out,
         k_cache,
@@ -204,6 +239,24 @@ pub fn prefill_attention(
         tiles,
         (None, 0),
     )
+}
+
+/// Whether `prefill_attention_pairs_hd128` (two warpgroups a block, two query heads of one KV
+/// head sharing their K and V tiles) runs this shape: Hopper's wgmma walk at head_dim 128 and
+/// an even number of query heads a KV head.
+pub fn pairs_possible(gpu: &Gpu, s: AttnShape) -> bool {
+    gpu.arch == "sm_90a"
+        && s.head_dim == 128
+        && s.kv_heads > 0
+        && s.heads.is_multiple_of(s.kv_heads)
+        && (s.heads / s.kv_heads).is_multiple_of(2)
+}
+
+/// Whether [`prefill_attention`] takes the two-head blocks: where [`pairs_possible`], unless
+/// `LOCKSTEP_FA_PAIRS=0`. A row has the same bits either way.
+pub fn pairs_chosen(gpu: &Gpu, s: AttnShape) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    pairs_possible(gpu, s) && super::gemm::switched_on(&ON, "LOCKSTEP_FA_PAIRS")
 }
 
 /// Attention for single query rows (decode; `rows` lists them, None: rows 0..count), a block
@@ -340,7 +393,8 @@ fn launch(
             s.heads as i32,
             s.kv_heads as i32,
             s.block_size as i32,
-            1.0 / (s.head_dim as f32).sqrt(),
+            // q's scale in log2 units: the kernels' softmax is 2^(s - m) (`fa_exp2`).
+            std::f32::consts::LOG2_E / (s.head_dim as f32).sqrt(),
             part,
             max_chunks as i32,
         ),
