@@ -784,8 +784,8 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
             for (int i = 0; i < 4; i++) wgmma_hold(s[j][i]);
     };
 
-    // This chunk's output (set to zero at each chunk's first tile), and the total of the chunks
-    // before.
+    // This chunk's output (zero at its first tile: fa_end_chunk_regs clears it), and the total
+    // of the chunks before.
     float o[DW][4], tot[DW][4];
     fa_clear(o);
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
