@@ -472,9 +472,13 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
     const u32 lists_at = (u32)__cvta_generic_to_shared(&lists[0][0]);
     const int key0 = tid / CHUNKS, part = (tid % CHUNKS) * 8;
     const u32 row_bytes = kv_heads * HD * 2, head_at = (kvh * HD + part) * 2;
-    auto copy_tile = [&](bf16_t (*dst)[FA_LD], const bf16_t* cache, u32 list) {
-        row_list.copy(list, key0, (u32)__cvta_generic_to_shared(&dst[key0][part]), KEY_STEP * FA_LD * 2,
-                      reinterpret_cast<const u8*>(cache) + head_at, row_bytes);
+    // The tile at k0 (its list at `list`): a tile of keys all at or before last_pos (all but a
+    // row's last) copies without testing its rows.
+    auto copy_tile = [&](bf16_t (*dst)[FA_LD], const bf16_t* cache, u32 list, int k0) {
+        u32 to = (u32)__cvta_generic_to_shared(&dst[key0][part]);
+        const u8* src = reinterpret_cast<const u8*>(cache) + head_at;
+        if (k0 + FA_KEYS - 1 <= last_pos) row_list.template copy<true>(list, key0, to, KEY_STEP * FA_LD * 2, src, row_bytes);
+        else row_list.copy(list, key0, to, KEY_STEP * FA_LD * 2, src, row_bytes);
     };
 
     // Q fragments (A operand, row-major 16 x HD), rounded to BF16, pre-scaled.
@@ -491,8 +495,8 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
     int k_first = chunk0 * FA_CHUNK;
     row_list.store(lists_at, k_first, row_list.entry(k_first));
     __syncthreads();  // the first tile's list
-    copy_tile(ks, k_cache, lists_at);
-    copy_tile(vs, v_cache, lists_at);
+    copy_tile(ks, k_cache, lists_at, k_first);
+    copy_tile(vs, v_cache, lists_at, k_first);
     u32 list_next = lists_at + FA_ROWS_BYTES;  // the next tile's list (then this one's, in turn)
     for (int k0 = k_first; k0 <= last_pos;) {
         // The next tile: the next 64 keys, or past the chunks of other blocks.
@@ -557,11 +561,12 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
         // The next tile's list, where the tile before this one's was (its copies are issued).
         row_list.store(list_next, k_next, entry);
         __syncthreads();  // every warp is done with ks: the next tile's K comes in under P V
-        if (more) copy_tile(ks, k_cache, list_next);
+        if (more) copy_tile(ks, k_cache, list_next, k_next);
         else cp_async_commit();  // an empty group keeps the count
         cp_async_wait<1>();      // this tile's V is in
         __syncthreads();
-        fa_scale<HI>(o, c_lo, c_hi);
+        // A chunk's first tile adds to fa_next_chunk's zeros (unscaled: zeros stay zeros).
+        if (k0 % FA_CHUNK != 0) fa_scale<HI>(o, c_lo, c_hi);
         // O += P V: the S accumulators of key tiles (2kk, 2kk + 1) are the A fragment of the
         // k16 step kk; V's B fragment pairs keys (2t, 2t + 1) and (2t + 8, 2t + 9) at column g.
 #pragma unroll
@@ -601,7 +606,7 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
             }
         }
         __syncthreads();  // every warp is done with vs
-        if (more) copy_tile(vs, v_cache, list_next);
+        if (more) copy_tile(vs, v_cache, list_next, k_next);
         else cp_async_commit();
         list_next = list_next == lists_at ? lists_at + FA_ROWS_BYTES : lists_at;
 
@@ -779,8 +784,8 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
             for (int i = 0; i < 4; i++) wgmma_hold(s[j][i]);
     };
 
-    // This chunk's output (set to zero at each chunk's first tile), and the total of the chunks
-    // before.
+    // This chunk's output (zero at its first tile: fa_end_chunk_regs clears it), and the total
+    // of the chunks before.
     float o[DW][4], tot[DW][4];
     fa_clear(o);
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
