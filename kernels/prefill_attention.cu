@@ -30,7 +30,11 @@
 #define FA_MAX_HD 128
 #define FA_LD (FA_MAX_HD + 8)  // padded rows: fragment loads spread over the banks
 #define DECODE_WARPS 4         // host: ops::prefill_attention::DECODE_THREADS / 32
-#define FA_CHUNK 128           // keys per chunk of the merge order (host: ATTENTION_CHUNK_KEYS)
+// Keys per chunk of the merge order (host: ATTENTION_CHUNK_KEYS, which sizes the split-KV
+// scratch: a kernel variant may define a larger multiple of FA_KEYS, leaving that room unused).
+#ifndef FA_CHUNK
+#define FA_CHUNK 128
+#endif
 // 1: prefill attention of head_dim 128 on wgmma where the GPU has it (Hopper: fa_attend_wgmma);
 // 0: on mma.sync, as decode (a kernel variant to compare them).
 #ifndef FA_WGMMA
