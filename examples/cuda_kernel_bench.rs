@@ -568,18 +568,22 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
                 "decode_attention",
                 "decode_attention split-KV",
             ]
-        } else if ops::pairs_possible(gpu, shape) {
+        } else if ops::PrefillBlocks::TwoHeadsTma.possible(gpu, shape) {
             &[
                 "paged_attention",
                 "prefill_attention",
                 "prefill_attention two heads a block",
+                "prefill_attention two heads, TMA copies",
             ]
         } else {
             &["paged_attention", "prefill_attention"]
         };
         // The one-row-at-a-time paged kernel is left out of the long prompt (seconds a run).
         let long = rows * ctx > 1 << 26;
-        for &kernel in kernels.iter().filter(|&&k| !(long && k == "paged_attention")) {
+        for &kernel in kernels
+            .iter()
+            .filter(|&&k| !(long && k == "paged_attention"))
+        {
             let s = time(gpu, || {
                 if kernel == "paged_attention" {
                     ops::paged_attention(gpu, &q, &mut out, &k, &v, &meta, rows, shape)
@@ -600,7 +604,13 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
                         tiles.len() / 2,
                         rows,
                         shape,
-                        kernel.ends_with("two heads a block"),
+                        match kernel {
+                            "prefill_attention two heads a block" => ops::PrefillBlocks::TwoHeads,
+                            "prefill_attention two heads, TMA copies" => {
+                                ops::PrefillBlocks::TwoHeadsTma
+                            }
+                            _ => ops::PrefillBlocks::OneHead,
+                        },
                     )
                 }
                 .expect("attention")

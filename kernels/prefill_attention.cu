@@ -243,19 +243,23 @@ __device__ __forceinline__ FaChunkWeights fa_chunk_weights(float m_lo, float m_h
     return w;
 }
 
-// A compile-time flag passed to a generic lambda.
-template <bool B>
+// A compile-time value passed to a generic lambda.
+template <int V>
 struct Const {
-    static constexpr bool value = B;
+    static constexpr int value = V;
 };
 
 // One output element of a live row at a chunk's end: the running total merged with the chunk's
-// part, kept in `total` while more chunks follow, else normalized into `out`. UNIT_A: the
-// caller knows a is 1 (total * a is total).
-template <bool UNIT_A = false>
+// part, kept in `total` while more chunks follow, else normalized into `out`. MODE, where the
+// caller knows it: 0 the first chunk (the part is the total), 1 a later chunk whose a is 1
+// (total * a is total), 2 any later chunk; -1: first_chunk says.
+template <int MODE = -1>
 __device__ __forceinline__ void fa_merge_element(float& total, float& out, float part, float a, float b, float inv,
                                                  bool first_chunk, bool more) {
-    float v = first_chunk ? part : UNIT_A ? __fadd_rn(total, __fmul_rn(part, b)) : fa_merge(total, a, part, b);
+    float v = MODE == 0   ? part
+              : MODE == 1 ? __fadd_rn(total, __fmul_rn(part, b))
+              : MODE == 2 ? fa_merge(total, a, part, b)
+                          : (first_chunk ? part : fa_merge(total, a, part, b));
     if (more) total = v;
     else out = __fmul_rn(v, inv);
 }
@@ -339,28 +343,30 @@ __device__ __forceinline__ void fa_end_chunk_regs(float (&o)[DW][4], float (&tot
                                                   float& M_lo, float& M_hi, float& L_lo, float& L_hi,
                                                   bool& first_chunk) {
     FaChunkWeights w = fa_chunk_weights(m_lo, m_hi, l_lo, l_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
-    auto merge = [&](auto unit) {
-        constexpr bool UNIT_A = decltype(unit)::value;
+    auto merge = [&](auto mode) {
+        constexpr int MODE = decltype(mode)::value;
 #pragma unroll
         for (int d = 0; d < DW; d++)
 #pragma unroll
             for (int j = 0; j < 2; j++) {
                 int col = d * 8 + 2 * t + j;
                 if (r.live_lo)
-                    fa_merge_element<UNIT_A>(tot[d][j], r.out_lo[col], o[d][j], w.a_lo, w.b_lo, w.inv_lo, first_chunk,
-                                             more);
+                    fa_merge_element<MODE>(tot[d][j], r.out_lo[col], o[d][j], w.a_lo, w.b_lo, w.inv_lo, first_chunk,
+                                           more);
                 if (r.live_hi)
-                    fa_merge_element<UNIT_A>(tot[d][2 + j], r.out_hi[col], o[d][2 + j], w.a_hi, w.b_hi, w.inv_hi,
-                                             first_chunk, more);
+                    fa_merge_element<MODE>(tot[d][2 + j], r.out_hi[col], o[d][2 + j], w.a_hi, w.b_hi, w.inv_hi,
+                                           first_chunk, more);
             }
     };
     // Where the total's weight a is exactly 1 in every live row of the warp (no row's running
     // max grew in this chunk: most chunks of a long row once its max is found), the products
     // total * a, which would be the totals themselves, are left out: the same bits, 64
-    // multiplies fewer a chunk.
-    bool unit_a = !first_chunk && __all_sync(0xffffffffu, (!r.live_lo || w.a_lo == 1.0f) && (!r.live_hi || w.a_hi == 1.0f));
-    if (unit_a) merge(Const<true>{});
-    else merge(Const<false>{});
+    // multiplies fewer a chunk. The three cases are separate paths (as selects, ptxas kept
+    // both operands of every element live).
+    bool unit_a = __all_sync(0xffffffffu, (!r.live_lo || w.a_lo == 1.0f) && (!r.live_hi || w.a_hi == 1.0f));
+    if (first_chunk) merge(Const<0>{});
+    else if (unit_a) merge(Const<1>{});
+    else merge(Const<2>{});
     fa_next_chunk(o, m_lo, m_hi, l_lo, l_hi, first_chunk);
 }
 
@@ -1060,6 +1066,271 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_attention_pairs_hd1
     pdl_entry();
     prefill_attention<128, 2>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, tiles, heads,
                               kv_heads, block_size, scale_log2);
+}
+
+// ---- Prefill attention fed by the TMA unit (Hopper, head_dim 128, two query heads a block) ----
+//
+// prefill_attention_tma_hd128: the two-head walk of fa_attend_wgmma (WGS 2) with its copies
+// taken off the MMA warps, as FlashAttention-3 does. 384 threads: two consumer warpgroups (the
+// same rows of query heads 2y and 2y + 1 of one KV head), then a producer warpgroup whose first
+// warp copies each 64-key tile of K and V with the TMA unit into a ring of FA_TMA_STAGES stages
+// (K and V a ring each), `full` barriers completing when a stage's bytes land and `empty` ones
+// when the 8 consumer warps are done with it, in place of the block's barriers and the
+// consumers' cp.async copies and list lookups. The producer hands its registers to the
+// consumers (`setmaxnreg` 40 / 232). Each row's arithmetic, in its order, is the walk's, so its
+// bits are too.
+//
+// The cache's K (or V) is a tensor map over [cache rows][kv_heads * head_dim BF16] read in boxes
+// of 32 columns (64 bytes: one of a tile's 4 column groups, in the 64-byte swizzle the
+// descriptors read) by min(block_size, 64) rows: a tile takes 64 / that pages a group, each a
+// box at its page's cache row (the block table, looked up two tiles ahead by the producer warp's
+// lanes, one page a lane). Pages wholly past the rows' last position are not copied, and the
+// last tile's V rows past it (stale or never written) are zeroed before its P V: their p is 0,
+// and 0 times a stale NaN would not be. Its K rows past it are masked (-inf) as in the walk.
+// Needs a block size of at least 16 (the host checks: smaller pages take the cp.async walk).
+#define FA_TMA_STAGES 4
+#define FA_TMA_THREADS 384
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The producer warp: tile i's K then its V into stage i % FA_TMA_STAGES of their rings, once
+// the consumers are done with the tile FA_TMA_STAGES before it there.
+__device__ __forceinline__ void fa_tma_produce(const TensorMap* k_map, const TensorMap* v_map, const int* table,
+                                               int last_pos, int kvh, int block_size, u32 ks0, u32 vs0, u32 bars) {
+    constexpr int S = FA_TMA_STAGES;
+    const u32 full_k = bars, full_v = bars + 8 * S, empty_k = bars + 16 * S, empty_v = bars + 24 * S;
+    int lane = threadIdx.x & 31, shift = __ffs(block_size) - 1;
+    int box_rows = min(block_size, FA_KEYS), pages = FA_KEYS / box_rows;
+    // Lane p's page of tile i: its cache row (-1 past last_pos, or past the tile's pages).
+    auto lookup = [&](int i) {
+        int key = i * FA_KEYS + lane * box_rows;
+        return lane < pages && key <= last_pos ? (table[key >> shift] << shift) + (key & (block_size - 1)) : -1;
+    };
+    if (lane == 0) {
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)k_map) : "memory");
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)v_map) : "memory");
+    }
+    int row = lookup(0), row_next = lookup(1);
+    const int col = kvh * FA_MAX_HD * 2;  // the KV head's first byte of a cache row
+    const int tiles = last_pos / FA_KEYS + 1;
+    for (int i = 0; i < tiles; i++) {
+        int row_after = lookup(i + 2);  // its table load is waited for two tiles on
+        int stage = i % S, use = i / S;
+        int live = min(pages, (last_pos - i * FA_KEYS) / box_rows + 1);
+        u32 bytes = live * 4 * box_rows * 64;
+        int rows[4];
+#pragma unroll
+        for (int p = 0; p < 4; p++) rows[p] = __shfl_sync(0xffffffffu, row, p);
+        if (lane == 0) {
+#pragma unroll
+            for (int kv = 0; kv < 2; kv++) {
+                u32 empty = (kv ? empty_v : empty_k) + 8 * stage, full = (kv ? full_v : full_k) + 8 * stage;
+                if (use > 0) mbar_wait(empty, (use - 1) & 1);
+                mbar_arrive_expect_tx(full, bytes);
+                u32 dst = (kv ? vs0 : ks0) + stage * FA_WG_TILE_BYTES;
+                const TensorMap* map = kv ? v_map : k_map;
+#pragma unroll
+                for (int p = 0; p < 4; p++) {
+                    if (p >= live) break;
+#pragma unroll
+                    for (int grp = 0; grp < 4; grp++)
+                        tma_copy_2d(dst + grp * FA_WG_GROUP_BYTES + p * box_rows * 64, map, col + 64 * grp, rows[p],
+                                    full);
+                }
+            }
+        }
+        __syncwarp();
+        row = row_next;
+        row_next = row_after;
+    }
+}
+
+// A consumer warpgroup's walk: fa_attend_wgmma's, its tiles waited for on the rings' `full`
+// barriers and handed back on their `empty` ones. `base`: the q tiles of the two warpgroups.
+template <int HD>
+__device__ void fa_attend_tma(const FaRows r, int last_pos, float scale_log2, u32 base, u32 ks0, u32 vs0, u32 bars) {
+    static_assert(HD == 128, "4 groups of 32 columns");
+    constexpr int KSTEPS = HD / 16, DW = HD / 8, S = FA_TMA_STAGES;
+    const u32 full_k = bars, full_v = bars + 8 * S, empty_k = bars + 16 * S, empty_v = bars + 24 * S;
+    int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+    int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // uniform to the compiler (fa_attend_wgmma)
+    u32 qs = base + wg * FA_WG_TILE_BYTES;
+    {
+        u32 qa[KSTEPS][4];
+        fa_q_fragments<HD, true>(r, scale_log2, t, qa);
+#pragma unroll
+        for (int st = 0; st < KSTEPS; st++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int row = warp * 16 + g + 8 * (i & 1), col = st * 16 + 2 * t + 8 * (i >> 1);
+                u32 at = qs + (col / 32) * FA_WG_GROUP_BYTES + row * 64 + 16 * a_piece(row, (col % 32) / 8) + (col % 8) * 2;
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(qa[st][i]) : "memory");
+            }
+        // The warpgroup's q is in and seen by its tensor cores' reads.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+    }
+    auto stage_of = [&](int i) { return (u32)(i % S); };
+    auto wait_full = [&](u32 full, int i) {
+        mbar_wait(full + 8 * stage_of(i), (i / S) & 1);
+        __syncwarp();  // converged again after the polls, for the .aligned wgmma
+    };
+    auto release = [&](u32 empty, int i) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + 8 * stage_of(i));
+    };
+    const u64 q_desc = wgmma_desc_sw64(qs);
+    auto scores = [&](float (&s)[8][4], int i) {
+        u64 k_desc = wgmma_desc_sw64(ks0 + stage_of(i) * FA_WG_TILE_BYTES);
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[j][e] = 0.0f;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int st = 0; st < KSTEPS; st++) {
+            u32 step = (st / 2) * FA_WG_GROUP_BYTES + 32 * (st % 2);
+            wgmma_m64n64k16_ss(&s[0][0], wgmma_desc_at(q_desc, step), wgmma_desc_at(k_desc, step));
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    };
+    auto hold_s = [&](float (&s)[8][4]) {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) wgmma_hold(s[j][e]);
+    };
+    float o[DW][4], tot[DW][4];  // as in fa_attend_wgmma
+    fa_clear(o);
+    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
+    float M_lo = -INFINITY, M_hi = -INFINITY, L_lo = 0.0f, L_hi = 0.0f;
+    bool first_chunk = true;
+    float s[8][4], c_lo, c_hi;
+    wait_full(full_k, 0);
+    scores(s, 0);
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    hold_s(s);
+    release(empty_k, 0);
+    fa_softmax<true>(s, r, 0, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
+    int k0 = 0, i = 0;  // this tile's first key and number
+    u32 p[4][4];
+    auto probabilities = [&]() {
+        // A chunk's first tile adds to the zeros fa_end_chunk_regs left (unscaled).
+        if (k0 % FA_CHUNK != 0) fa_scale<true>(o, c_lo, c_hi);
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) fa_p_fragments<true>(s, kk, p[kk]);
+    };
+    auto pv_done = [&]() {
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+        for (int d = 0; d < DW; d++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) wgmma_hold(o[d][e]);
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) wgmma_hold(p[kk][e]);
+    };
+    for (; k0 + FA_KEYS <= last_pos; k0 += FA_KEYS, i++) {
+        int k_next = k0 + FA_KEYS;
+        bool chunk_end = k_next % FA_CHUNK == 0;
+        wait_full(full_k, i + 1);  // the next tile's K
+        wait_full(full_v, i);      // this tile's V
+        probabilities();
+        scores(s, i + 1);  // the next tile's, then this tile's P V: the scores are done first
+        fa_wg_pv(o, p, vs0 + stage_of(i) * FA_WG_TILE_BYTES);
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        hold_s(s);
+        release(empty_k, i + 1);
+        float cm_lo = m_lo, cm_hi = m_hi, cl_lo = l_lo, cl_hi = l_hi;
+        if (chunk_end) {
+            m_lo = m_hi = -INFINITY;
+            l_lo = l_hi = 0.0f;
+        }
+        fa_softmax<true>(s, r, k_next, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
+        pv_done();
+        release(empty_v, i);
+        if (chunk_end)
+            fa_end_chunk_regs(o, tot, r, true, t, cm_lo, cm_hi, cl_lo, cl_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
+    }
+    // The last tile: its V rows past last_pos set to zero by both warpgroups' 256 threads.
+    wait_full(full_v, i);
+    {
+        u32 vs = vs0 + stage_of(i) * FA_WG_TILE_BYTES;
+        int first_dead = last_pos - k0 + 1, c = tid & 255;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int piece = c + 256 * j, key = piece / 16, part = piece % 16;
+            if (key >= first_dead)
+                asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(vs + (part / 4) * FA_WG_GROUP_BYTES +
+                                                                              key * 64 + (part % 4) * 16),
+                             "r"(0u)
+                             : "memory");
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("bar.sync 3, 256;\n" ::: "memory");
+    }
+    probabilities();
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    fa_wg_pv(o, p, vs0 + stage_of(i) * FA_WG_TILE_BYTES);
+    pv_done();
+    fa_end_chunk_regs(o, tot, r, false, t, m_lo, m_hi, l_lo, l_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
+}
+#endif
+
+// Grid (tiles, heads / 2) as prefill_attention_pairs_hd128's, FA_TMA_THREADS threads; k_map and
+// v_map over the K and V caches (ops::prefill_attention's `kv_tensor_map`).
+extern "C" __global__ void __launch_bounds__(FA_TMA_THREADS, 1) prefill_attention_tma_hd128(
+    const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, const float* q, float* out,
+    const int* row_pos, const int* row_seq, const int* table_offsets, const int* block_tables, const int* tiles,
+    int heads, int kv_heads, int block_size, float scale_log2) {
+    pdl_entry();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int HD = 128, S = FA_TMA_STAGES;
+    int at = blockIdx.y * gridDim.x + blockIdx.x;
+    int tile = gridDim.x - 1 - at / gridDim.y;
+    int first = tiles[2 * tile], count = tiles[2 * tile + 1];
+    int kvh = at % gridDim.y * 2 / (heads / kv_heads);
+    int pos0 = row_pos[first], last_pos = pos0 + count - 1;
+    const int* table = block_tables + table_offsets[row_seq[first]];
+    // Dynamic shared memory (kernels::PREFILL_ATTENTION_TMA_SMEM_BYTES), 512-byte aligned for
+    // the swizzle: q of each consumer warpgroup, the K ring, the V ring, then the barriers
+    // (full K, full V, empty K, empty V; FA_TMA_STAGES each).
+    extern __shared__ __align__(16) float fa_tma_dynamic[];
+    u32 base = (u32)__cvta_generic_to_shared(fa_tma_dynamic);
+    base += (512 - (base & 511)) & 511;
+    u32 ks0 = base + 2 * FA_WG_TILE_BYTES, vs0 = ks0 + S * FA_WG_TILE_BYTES, bars = vs0 + S * FA_WG_TILE_BYTES;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < 2 * S; s++) {
+            mbar_init(bars + 8 * s, 1);                                 // full K, full V: the producer's arrival
+            mbar_init(bars + 8 * (2 * S + s), FA_TMA_THREADS / 32 - 4);  // empty: the 8 consumer warps
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x >= 256) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (threadIdx.x < 288)
+            fa_tma_produce(&k_map, &v_map, table, last_pos, kvh, block_size, ks0, vs0, bars);
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    int wg = threadIdx.x >> 7, h = at % gridDim.y * 2 + wg;
+    int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2;
+    int r_lo = warp * 16 + g, r_hi = r_lo + 8;
+    FaRows r;
+    r.live_lo = r_lo < count;
+    r.live_hi = r_hi < count;
+    r.p_lo = pos0 + r_lo;
+    r.p_hi = pos0 + r_hi;
+    u64 at_lo = ((u64)(first + (r.live_lo ? r_lo : 0)) * heads + h) * HD;
+    u64 at_hi = ((u64)(first + (r.live_hi ? r_hi : 0)) * heads + h) * HD;
+    r.q_lo = q + at_lo;
+    r.q_hi = q + at_hi;
+    r.out_lo = out + at_lo;
+    r.out_hi = out + at_hi;
+    r.part_lo = r.part_hi = nullptr;
+    fa_attend_tma<HD>(r, last_pos, scale_log2, base, ks0, vs0, bars);
+#endif
 }
 
 // decode_attention_g8_hd128 at three blocks an SM: 147 registers without a spill, where four

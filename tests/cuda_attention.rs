@@ -343,9 +343,9 @@ impl Rows {
         self.step(g, &whole, None)
     }
 
-    /// Every sequence prefilled in one chunk by `ops::prefill_attention_blocks`, in blocks of one
-    /// query head or, with `pairs`, two; each sequence's output rows.
-    fn prefilled_in_blocks(&self, g: &Gpu, pairs: bool) -> Vec<Vec<f32>> {
+    /// Every sequence prefilled in one chunk by `ops::prefill_attention_blocks` in `blocks`; each
+    /// sequence's output rows.
+    fn prefilled_in_blocks(&self, g: &Gpu, blocks: ops::PrefillBlocks) -> Vec<Vec<f32>> {
         let width = self.shape.heads * self.shape.head_dim;
         let rows: usize = self.contexts.iter().sum();
         let q: Vec<f32> = self.q.concat();
@@ -378,7 +378,7 @@ impl Rows {
             tiles.len() / 2,
             rows,
             self.shape,
-            pairs,
+            blocks,
         )
         .unwrap();
         let out = g.download(&out, rows * width).unwrap();
@@ -466,19 +466,16 @@ fn attention_rows_have_the_same_bits_however_they_are_batched() {
             )
         };
         let want = rows.prefilled(&g);
-        // Prefill in blocks of one query head and, where the shape allows, of two sharing K and
-        // V (Hopper at head_dim 128), against the default's bits.
-        for pairs in [false, true] {
-            if pairs && !ops::pairs_possible(&g, shape) {
+        // Prefill in every kind of block the shape allows (one query head; two sharing K and V,
+        // copied by their threads or by the TMA unit: Hopper at head_dim 128), against the
+        // default's bits.
+        for blocks in ops::PrefillBlocks::ALL {
+            if !blocks.possible(&g, shape) {
                 continue;
             }
-            let got = rows.prefilled_in_blocks(&g, pairs);
+            let got = rows.prefilled_in_blocks(&g, blocks);
             for (s, got) in got.iter().enumerate() {
-                assert_same_bits(
-                    got,
-                    &want[s],
-                    &what(s, &format!("two heads a block {pairs}")),
-                );
+                assert_same_bits(got, &want[s], &what(s, &format!("blocks {blocks:?}")));
             }
         }
         for (s, &c) in contexts.iter().enumerate() {

@@ -217,6 +217,12 @@ const GROUPED_GEMM: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, Ptr, Ptr, Ptr, I32, I32, I32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr,
     Ptr, Ptr, I32, Ptr, Ptr, Ptr, Ptr, I32,
 ];
+/// kernels/prefill_attention.cu `prefill_attention_tma_hd128`: the K and V caches' tensor maps,
+/// then q, out, the rows' positions and sequences, the block tables, the tiles, heads, KV heads,
+/// block size and the scale.
+const TMA_ATTENTION: &[Param] = &[
+    TensorMap, TensorMap, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, F32,
+];
 /// `GEMM_TMA_KERNEL` in gemm.cu: the tensor maps of x and of parts 1-3's weights, row_index,
 /// row_scale, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets, rows, N, K, out, then
 /// parts 2 and 3 (scales, sdec, out, n each).
@@ -321,6 +327,7 @@ kernels! {
     PrefillAttentionHd64 => (PrefillAttention, "prefill_attention_hd64", TENSOR_CORE_ATTENTION),
     PrefillAttentionHd128 => (PrefillAttention, "prefill_attention_hd128", TENSOR_CORE_ATTENTION),
     PrefillAttentionPairsHd128 => (PrefillAttention, "prefill_attention_pairs_hd128", TENSOR_CORE_ATTENTION),
+    PrefillAttentionTmaHd128 => (PrefillAttention, "prefill_attention_tma_hd128", TMA_ATTENTION),
     DecodeAttentionHd32 => (PrefillAttention, "decode_attention_hd32", TENSOR_CORE_ATTENTION),
     DecodeAttentionG8Hd32 => (PrefillAttention, "decode_attention_g8_hd32", TENSOR_CORE_ATTENTION),
     AttentionMergeHd32 => (PrefillAttention, "attention_merge_hd32", ATTENTION_MERGE),
@@ -375,6 +382,13 @@ const FA_TILE_BYTES: u32 = 64 * 128 * 2;
 /// 256 threads' registers allow).
 pub const PREFILL_ATTENTION_PAIRS_SMEM_BYTES: u32 = 512 + 6 * FA_TILE_BYTES + 4 * 64 * 4;
 
+/// Dynamic shared memory of `prefill_attention_tma_hd128` (Hopper): 512 bytes to align, the two
+/// consumer warpgroups' q tiles, rings of `FA_TMA_STAGES` (4) K and V tiles, and their 16
+/// barriers (161 KB: one block an SM).
+pub const PREFILL_ATTENTION_TMA_SMEM_BYTES: u32 = 512 + (2 + 2 * 4) * FA_TILE_BYTES + 4 * 4 * 8;
+/// Threads of `prefill_attention_tma_hd128`: two consumer warpgroups and the producer's.
+pub const PREFILL_ATTENTION_TMA_THREADS: u32 = 384;
+
 impl Kernel {
     /// The dynamic shared memory a launch on `arch` gives it (its limit is raised to this on
     /// load).
@@ -399,6 +413,9 @@ impl Kernel {
             Kernel::PrefillAttentionHd128 => prefill_attention_smem_bytes(128, arch),
             Kernel::PrefillAttentionPairsHd128 if arch == "sm_90a" => {
                 PREFILL_ATTENTION_PAIRS_SMEM_BYTES
+            }
+            Kernel::PrefillAttentionTmaHd128 if arch == "sm_90a" => {
+                PREFILL_ATTENTION_TMA_SMEM_BYTES
             }
             _ => 0,
         }

@@ -1594,6 +1594,17 @@ fn tensor_map(
     rows: usize,
     box_bytes: u32,
 ) -> Result<TensorMap, CudaError> {
+    tensor_map_boxes(base, row_bytes, rows, box_bytes, 64)
+}
+
+/// [`tensor_map`] with boxes of `box_rows` rows (at most 256).
+pub(crate) fn tensor_map_boxes(
+    base: u64,
+    row_bytes: usize,
+    rows: usize,
+    box_bytes: u32,
+    box_rows: u32,
+) -> Result<TensorMap, CudaError> {
     use cudarc::driver::sys;
     use sys::CUtensorMapSwizzle as Swizzle;
     let swizzle = match box_bytes {
@@ -1609,7 +1620,7 @@ fn tensor_map(
     };
     let dims = [row_bytes as u64, rows as u64];
     let strides = [row_bytes as u64];
-    let boxes = [box_bytes, 64];
+    let boxes = [box_bytes, box_rows];
     let steps = [1u32, 1];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     // SAFETY: the arrays hold the rank's (2) entries the call reads; `map` is written by it.

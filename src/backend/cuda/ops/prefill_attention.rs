@@ -8,8 +8,8 @@
 use cudarc::driver::CudaSlice;
 
 use super::{need, AttnRows, AttnShape};
-use crate::backend::cuda::args::{KernelArg, View};
-use crate::backend::cuda::kernels::Kernel;
+use crate::backend::cuda::args::{addr, KernelArg, View};
+use crate::backend::cuda::kernels::{Kernel, PREFILL_ATTENTION_TMA_THREADS};
 use crate::backend::cuda::{CudaError, Gpu};
 
 /// Query rows per block of [`prefill_attention`] (kernels/prefill_attention.cu `FA_ROWS`).
@@ -162,8 +162,8 @@ pub fn attention_split(rows_per_seq: impl IntoIterator<Item = usize>) -> (Vec<i3
 }
 
 /// Attention for query rows grouped in tiles of consecutive positions of one sequence, on
-/// tensor cores (kernels/prefill_attention.cu). `tiles` from [`prefill_tiles`]. Two query heads
-/// a block where [`pairs_chosen`].
+/// tensor cores (kernels/prefill_attention.cu). `tiles` from [`prefill_tiles`]. Its blocks as
+/// [`PrefillBlocks::chosen`].
 #[allow(clippy::too_many_arguments)]
 pub fn prefill_attention(
     gpu: &Gpu,
@@ -177,15 +177,71 @@ pub fn prefill_attention(
     rows: usize,
     s: AttnShape,
 ) -> Result<(), CudaError> {
-    let pairs = pairs_chosen(gpu, s);
+    let blocks = PrefillBlocks::chosen(gpu, s);
     prefill_attention_blocks(
-        gpu, q, out, k_cache, v_cache, meta, tiles, num_tiles, rows, s, pairs,
+        gpu, q, out, k_cache, v_cache, meta, tiles, num_tiles, rows, s, blocks,
     )
 }
 
-/// [`prefill_attention`] with its blocks told: one query head a block, or with `pairs` two
-/// (`prefill_attention_pairs_hd128`, where [`pairs_possible`]). The bits are the same; the
-/// tests and the kernel benchmark run both.
+/// What a block of [`prefill_attention`] takes. A row has the same bits in each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillBlocks {
+    /// One query head (every shape).
+    OneHead,
+    /// Two query heads of one KV head sharing their K and V tiles and copies
+    /// (`prefill_attention_pairs_hd128`).
+    TwoHeads,
+    /// Two query heads with their K and V tiles copied by a producer warp through the TMA unit
+    /// (`prefill_attention_tma_hd128`).
+    TwoHeadsTma,
+}
+
+impl PrefillBlocks {
+    /// Every kind, for the tests and benchmarks that run each.
+    pub const ALL: [PrefillBlocks; 3] = [
+        PrefillBlocks::OneHead,
+        PrefillBlocks::TwoHeads,
+        PrefillBlocks::TwoHeadsTma,
+    ];
+
+    /// Whether a launch of this shape on `gpu` can take these blocks: two heads need Hopper's
+    /// wgmma walk at head_dim 128 and an even number of query heads a KV head; the TMA copies
+    /// also pages of at least 16 tokens (a box a page and column group).
+    pub fn possible(self, gpu: &Gpu, s: AttnShape) -> bool {
+        let two_heads = gpu.arch == "sm_90a"
+            && s.head_dim == 128
+            && s.kv_heads > 0
+            && s.heads.is_multiple_of(s.kv_heads)
+            && (s.heads / s.kv_heads).is_multiple_of(2);
+        match self {
+            PrefillBlocks::OneHead => true,
+            PrefillBlocks::TwoHeads => two_heads,
+            PrefillBlocks::TwoHeadsTma => two_heads && s.block_size >= 16,
+        }
+    }
+
+    /// The blocks [`prefill_attention`] takes: two heads where possible unless
+    /// `LOCKSTEP_FA_PAIRS=0`, copied by the TMA unit with `LOCKSTEP_FA_TMA=1` (opt-in until
+    /// measured).
+    pub fn chosen(gpu: &Gpu, s: AttnShape) -> PrefillBlocks {
+        static PAIRS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        static TMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if PrefillBlocks::TwoHeadsTma.possible(gpu, s)
+            && super::gemm::opted_in(&TMA, "LOCKSTEP_FA_TMA")
+        {
+            PrefillBlocks::TwoHeadsTma
+        } else if PrefillBlocks::TwoHeads.possible(gpu, s)
+            && super::gemm::switched_on(&PAIRS, "LOCKSTEP_FA_PAIRS")
+        {
+            PrefillBlocks::TwoHeads
+        } else {
+            PrefillBlocks::OneHead
+        }
+    }
+}
+
+/// [`prefill_attention`] with its blocks told (where [`PrefillBlocks::possible`]). The bits
+/// are the same in each; the tests and the kernel benchmark run them all.
 #[allow(clippy::too_many_arguments)]
 pub fn prefill_attention_blocks(
     gpu: &Gpu,
@@ -198,12 +254,13 @@ pub fn prefill_attention_blocks(
     num_tiles: usize,
     rows: usize,
     s: AttnShape,
-    pairs: bool,
+    blocks: PrefillBlocks,
 ) -> Result<(), CudaError> {
-    if pairs && !pairs_possible(gpu, s) {
+    if !blocks.possible(gpu, s) {
         return Err(CudaError::Unsupported(format!(
-            "prefill attention of two query heads a block with head_dim {}, {} heads over {} on {}",
-            s.head_dim, s.heads, s.kv_heads, gpu.arch
+            "prefill attention in blocks of {blocks:?} with head_dim {}, {} heads over {}, \
+             {}-token pages on {}",
+            s.head_dim, s.heads, s.kv_heads, s.block_size, gpu.arch
         )));
     }
     let kernel = kernel_for(
@@ -218,10 +275,14 @@ pub fn prefill_attention_blocks(
     if num_tiles == 0 {
         return Ok(());
     }
-    let (kernel, heads_a_block, threads) = if pairs {
-        (Kernel::PrefillAttentionPairsHd128, 2, 256)
-    } else {
-        (kernel, 1, 128)
+    let (kernel, heads_a_block, threads) = match blocks {
+        PrefillBlocks::OneHead => (kernel, 1, 128),
+        PrefillBlocks::TwoHeads => (Kernel::PrefillAttentionPairsHd128, 2, 256),
+        PrefillBlocks::TwoHeadsTma => {
+            return prefill_attention_tma(
+                gpu, q, out, k_cache, v_cache, meta, tiles, num_tiles, rows, s,
+            )
+        }
     };
     let grid = (num_tiles as u32, (s.heads / heads_a_block) as u32, 1);
     launch(
@@ -241,22 +302,62 @@ pub fn prefill_attention_blocks(
     )
 }
 
-/// Whether `prefill_attention_pairs_hd128` (two warpgroups a block, two query heads of one KV
-/// head sharing their K and V tiles) runs this shape: Hopper's wgmma walk at head_dim 128 and
-/// an even number of query heads a KV head.
-pub fn pairs_possible(gpu: &Gpu, s: AttnShape) -> bool {
-    gpu.arch == "sm_90a"
-        && s.head_dim == 128
-        && s.kv_heads > 0
-        && s.heads.is_multiple_of(s.kv_heads)
-        && (s.heads / s.kv_heads).is_multiple_of(2)
+/// `prefill_attention_tma_hd128`: tensor maps over the K and V caches (rows of every KV head's
+/// head_dim BF16, boxes of 32 columns by a page of at most 64 rows, the 64-byte swizzle the
+/// kernel's descriptors read), then the launch as the two-head kernel's grid.
+#[allow(clippy::too_many_arguments)]
+fn prefill_attention_tma(
+    gpu: &Gpu,
+    q: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    k_cache: &CudaSlice<u16>,
+    v_cache: &CudaSlice<u16>,
+    meta: &AttnRows<'_>,
+    tiles: View<'_, i32>,
+    num_tiles: usize,
+    rows: usize,
+    s: AttnShape,
+) -> Result<(), CudaError> {
+    let row_elems = s.kv_heads * s.head_dim;
+    let box_rows = s.block_size.min(PREFILL_TILE_ROWS) as u32;
+    let map = |cache: &CudaSlice<u16>| {
+        super::gemm::tensor_map_boxes(
+            addr(gpu, cache),
+            2 * row_elems,
+            cache.len() / row_elems,
+            64,
+            box_rows,
+        )
+    };
+    let (k_map, v_map) = (map(k_cache)?, map(v_cache)?);
+    let q = need(q, rows * s.heads * s.head_dim, "attention q")?;
+    let out = need(out, rows * s.heads * s.head_dim, "attention out")?;
+    let pos = need(meta.pos, rows, "attention positions")?;
+    gpu.launch(
+        Kernel::PrefillAttentionTmaHd128,
+        (num_tiles as u32, (s.heads / 2) as u32, 1),
+        PREFILL_ATTENTION_TMA_THREADS,
+        (
+            k_map,
+            v_map,
+            q,
+            out,
+            pos,
+            View::whole(meta.seq),
+            View::whole(meta.table_offsets),
+            View::whole(meta.block_tables),
+            tiles,
+            s.heads as i32,
+            s.kv_heads as i32,
+            s.block_size as i32,
+            q_scale(s),
+        ),
+    )
 }
 
-/// Whether [`prefill_attention`] takes the two-head blocks: where [`pairs_possible`], unless
-/// `LOCKSTEP_FA_PAIRS=0`. A row has the same bits either way.
-pub fn pairs_chosen(gpu: &Gpu, s: AttnShape) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    pairs_possible(gpu, s) && super::gemm::switched_on(&ON, "LOCKSTEP_FA_PAIRS")
+/// q's scale in log2 units: the kernels' softmax is 2^(s - m) (`fa_exp2`).
+fn q_scale(s: AttnShape) -> f32 {
+    std::f32::consts::LOG2_E / (s.head_dim as f32).sqrt()
 }
 
 /// Attention for single query rows (decode; `rows` lists them, None: rows 0..count), a block
@@ -393,8 +494,7 @@ fn launch(
             s.heads as i32,
             s.kv_heads as i32,
             s.block_size as i32,
-            // q's scale in log2 units: the kernels' softmax is 2^(s - m) (`fa_exp2`).
-            std::f32::consts::LOG2_E / (s.head_dim as f32).sqrt(),
+            q_scale(s),
             part,
             max_chunks as i32,
         ),
