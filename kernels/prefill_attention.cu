@@ -903,6 +903,27 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
 #endif
 }
 
+// A prefill tile's rows of head h for the lane (g) of warp `warp`: rows 16 warp + g and + 8
+// of the tile's `count` rows from step row `first` (position pos0).
+template <int HD>
+__device__ __forceinline__ FaRows fa_tile_rows(const float* q, float* out, int first, int count, int pos0, int h,
+                                              int heads, int warp, int g) {
+    int r_lo = warp * 16 + g, r_hi = r_lo + 8;
+    FaRows r;
+    r.live_lo = r_lo < count;
+    r.live_hi = r_hi < count;
+    r.p_lo = pos0 + r_lo;
+    r.p_hi = pos0 + r_hi;
+    u64 at_lo = ((u64)(first + (r.live_lo ? r_lo : 0)) * heads + h) * HD;
+    u64 at_hi = ((u64)(first + (r.live_hi ? r_hi : 0)) * heads + h) * HD;
+    r.q_lo = q + at_lo;
+    r.q_hi = q + at_hi;
+    r.out_lo = out + at_lo;
+    r.out_hi = out + at_hi;
+    r.part_lo = r.part_hi = nullptr;
+    return r;
+}
+
 // Prefill: `tiles[2i]` = first row of tile i, `tiles[2i + 1]` = its row count (<= 64); the rows
 // are consecutive positions of one sequence. Grid (tiles, heads), 128 threads: warp w owns
 // query rows 16w..16w+15 of the tile. WGS 2 (Hopper's wgmma walk at head_dim 128, query heads
@@ -922,19 +943,7 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
     int h = at % gridDim.y * WGS + (int)(threadIdx.x >> 7), kvh = h / (heads / kv_heads);
     int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2;
     int pos0 = row_pos[first];
-    int r_lo = warp * 16 + g, r_hi = r_lo + 8;
-    FaRows r;
-    r.live_lo = r_lo < count;
-    r.live_hi = r_hi < count;
-    r.p_lo = pos0 + r_lo;
-    r.p_hi = pos0 + r_hi;
-    u64 at_lo = ((u64)(first + (r.live_lo ? r_lo : 0)) * heads + h) * HD;
-    u64 at_hi = ((u64)(first + (r.live_hi ? r_hi : 0)) * heads + h) * HD;
-    r.q_lo = q + at_lo;
-    r.q_hi = q + at_hi;
-    r.out_lo = out + at_lo;
-    r.out_hi = out + at_hi;
-    r.part_lo = r.part_hi = nullptr;
+    FaRows r = fa_tile_rows<HD>(q, out, first, count, pos0, h, heads, warp, g);
     // Dynamic shared memory (kernels::prefill_attention_smem_bytes): the warps' running totals
     // (4 x FA_TOT_FLOATS(HD / 8) floats: with the K and V tiles, more than 48 KB of static
     // memory), or on Hopper at head_dim 128 the wgmma walk's tiles, 512-byte aligned for the
@@ -1278,19 +1287,7 @@ extern "C" __global__ void __launch_bounds__(FA_TMA_THREADS, 1) prefill_attentio
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     int wg = threadIdx.x >> 7, h = at % gridDim.y * 2 + wg;
     int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2;
-    int r_lo = warp * 16 + g, r_hi = r_lo + 8;
-    FaRows r;
-    r.live_lo = r_lo < count;
-    r.live_hi = r_hi < count;
-    r.p_lo = pos0 + r_lo;
-    r.p_hi = pos0 + r_hi;
-    u64 at_lo = ((u64)(first + (r.live_lo ? r_lo : 0)) * heads + h) * HD;
-    u64 at_hi = ((u64)(first + (r.live_hi ? r_hi : 0)) * heads + h) * HD;
-    r.q_lo = q + at_lo;
-    r.q_hi = q + at_hi;
-    r.out_lo = out + at_lo;
-    r.out_hi = out + at_hi;
-    r.part_lo = r.part_hi = nullptr;
+    FaRows r = fa_tile_rows<HD>(q, out, first, count, pos0, h, heads, warp, g);
     fa_attend_tma<HD>(r, last_pos, scale_log2, base, ks0, vs0, bars);
 #endif
 }

@@ -210,6 +210,7 @@ fn tensor_core_attention(
         tiles.len() / 2,
         rows,
         shape,
+        ops::PrefillBlocks::chosen(g, shape),
     )
     .unwrap();
     ops::decode_attention(
@@ -361,7 +362,7 @@ impl Rows {
         self.step(g, &self.whole(), None)
     }
 
-    /// Every sequence prefilled in one chunk by `ops::prefill_attention_blocks` in `blocks`; each
+    /// Every sequence prefilled in one chunk by `ops::prefill_attention` in `blocks`; each
     /// sequence's output rows.
     fn prefilled_in_blocks(&self, g: &Gpu, blocks: ops::PrefillBlocks) -> Vec<Vec<f32>> {
         self.run(g, &self.whole(), |q, meta, lens| {
@@ -372,7 +373,7 @@ impl Rows {
             let mut out = g.upload(&vec![f32::NAN; n]).unwrap();
             let (k, v) = (&self.k, &self.v);
             let num_tiles = tiles.len() / 2;
-            ops::prefill_attention_blocks(
+            ops::prefill_attention(
                 g, q, &mut out, k, v, meta, &dt, num_tiles, rows, self.shape, blocks,
             )
             .unwrap();
