@@ -593,7 +593,7 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
                         gpu, &q, &mut out, &k, &v, &meta, None, rows, rows, shape, split,
                     )
                 } else {
-                    ops::prefill_attention_blocks(
+                    ops::prefill_attention(
                         gpu,
                         &q,
                         &mut out,

@@ -722,6 +722,75 @@ __device__ __forceinline__ void fa_wg_pv(float (&o)[16][4], const u32 (&p)[4][4]
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
+// The pieces of a warpgroup's walk that fa_attend_wgmma and fa_attend_tma share.
+//
+// This lane's q fragment words (fa_q_fragments) stored at their places in the warpgroup's q tile
+// `qs`, in the swizzled groups: word i of step st is row g + 8 (i & 1), columns 16 st + 2t +
+// 8 (i >> 1) (+ 1).
+template <int HD>
+__device__ __forceinline__ void fa_wg_store_q(const FaRows& r, float scale_log2, int warp, int g, int t, u32 qs) {
+    constexpr int KSTEPS = HD / 16;
+    u32 qa[KSTEPS][4];
+    fa_q_fragments<HD, true>(r, scale_log2, t, qa);
+#pragma unroll
+    for (int st = 0; st < KSTEPS; st++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int row = warp * 16 + g + 8 * (i & 1), col = st * 16 + 2 * t + 8 * (i >> 1);
+            u32 at = qs + (col / 32) * FA_WG_GROUP_BYTES + row * 64 + 16 * a_piece(row, (col % 32) / 8) + (col % 8) * 2;
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(qa[st][i]) : "memory");
+        }
+}
+
+// S = q k^T of one tile (q and K in shared memory, their descriptors) into s, issued (not
+// waited).
+template <int HD>
+__device__ __forceinline__ void fa_wg_scores(float (&s)[8][4], u64 q_desc, u64 k_desc) {
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) s[j][i] = 0.0f;
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int st = 0; st < HD / 16; st++) {
+        u32 step = (st / 2) * FA_WG_GROUP_BYTES + 32 * (st % 2);
+        wgmma_m64n64k16_ss(&s[0][0], wgmma_desc_at(q_desc, step), wgmma_desc_at(k_desc, step));
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void fa_wg_hold_scores(float (&s)[8][4]) {
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) wgmma_hold(s[j][i]);
+}
+
+// The tile at k0's probabilities as P V's A fragments, after its scale of the chunk's sum o by c
+// (a chunk's first tile adds to the zeros fa_end_chunk_regs left: unscaled, zeros stay zeros).
+template <int DW>
+__device__ __forceinline__ void fa_wg_probabilities(float (&o)[DW][4], const float (&s)[8][4], u32 (&p)[4][4], int k0,
+                                                    float c_lo, float c_hi) {
+    static_assert(FA_CHUNK % FA_KEYS == 0, "chunks of whole tiles");
+    if (k0 % FA_CHUNK != 0) fa_scale<true>(o, c_lo, c_hi);
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) fa_p_fragments<true>(s, kk, p[kk]);
+}
+
+// Every product issued is done: o and the P fragments are free.
+template <int DW>
+__device__ __forceinline__ void fa_wg_pv_done(float (&o)[DW][4], u32 (&p)[4][4]) {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+    for (int d = 0; d < DW; d++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) wgmma_hold(o[d][i]);
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) wgmma_hold(p[kk][i]);
+}
+
 // The walk over the keys overlaps a tile's softmax with the tile before's P V (as
 // FlashAttention-3 does): the next tile's scores are issued before this tile's P V and waited
 // for alone, so the softmax runs on the CUDA cores while the tensor cores sum. q lies in shared
@@ -745,7 +814,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
                                 const int* table, int kvh, int kv_heads, int block_size, float scale_log2, u8* tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(HD == 128, "4 groups of 32 columns");
-    constexpr int KSTEPS = HD / 16, DW = HD / 8;
+    constexpr int DW = HD / 8;
     static_assert(WGS == 1 || WGS == 2, "one or two warpgroups");
     int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
     u32 base = (u32)__cvta_generic_to_shared(tiles);
@@ -757,42 +826,10 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
     u32 vs0 = ks0 + 2 * FA_WG_TILE_BYTES, lists = vs0 + 2 * FA_WG_TILE_BYTES;
     auto list = [&](int k0) { return lists + (k0 / FA_KEYS) % 4 * FA_ROWS_BYTES; };
     FaTileCopy<128 * WGS> copy(table, last_pos, k_cache, v_cache, kvh, kv_heads, HD, block_size);
-    {
-        // This lane's q fragment words at their places in the swizzled groups: word i of step
-        // st is row g + 8 (i & 1), columns 16 st + 2t + 8 (i >> 1) (+ 1).
-        u32 qa[KSTEPS][4];
-        fa_q_fragments<HD, true>(r, scale_log2, t, qa);
-#pragma unroll
-        for (int st = 0; st < KSTEPS; st++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int row = warp * 16 + g + 8 * (i & 1), col = st * 16 + 2 * t + 8 * (i >> 1);
-                u32 at = qs + (col / 32) * FA_WG_GROUP_BYTES + row * 64 + 16 * a_piece(row, (col % 32) / 8) + (col % 8) * 2;
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(qa[st][i]) : "memory");
-            }
-    }
+    fa_wg_store_q<HD>(r, scale_log2, warp, g, t, qs);
     // S = q k^T of the tile whose K is in ks into s, issued (not waited).
     const u64 q_desc = wgmma_desc_sw64(qs);
-    auto scores = [&](float (&s)[8][4], u32 ks) {
-        u64 k_desc = wgmma_desc_sw64(ks);
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) s[j][i] = 0.0f;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int st = 0; st < KSTEPS; st++) {
-            u32 step = (st / 2) * FA_WG_GROUP_BYTES + 32 * (st % 2);
-            wgmma_m64n64k16_ss(&s[0][0], wgmma_desc_at(q_desc, step), wgmma_desc_at(k_desc, step));
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    };
-    auto hold_s = [&](float (&s)[8][4]) {
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) wgmma_hold(s[j][i]);
-    };
+    auto scores = [&](float (&s)[8][4], u32 ks) { fa_wg_scores<HD>(s, q_desc, wgmma_desc_sw64(ks)); };
 
     // This chunk's output (zero at its first tile: fa_end_chunk_regs clears it), and the total
     // of the chunks before.
@@ -813,7 +850,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
     float s[8][4], c_lo, c_hi;
     scores(s, ks0);
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    hold_s(s);
+    fa_wg_hold_scores(s);
     fa_softmax<true>(s, r, 0, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
     __syncthreads();  // every warp's scores are done with the first K buffer
     if (2 * FA_KEYS <= last_pos) copy.issue(ks0, copy.k_src, list(2 * FA_KEYS), 2 * FA_KEYS);
@@ -822,25 +859,8 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
     // P V, and its softmax runs while the P V does.
     int k0 = 0, buf = 0;  // buf: this tile's K and V buffer
     u32 p[4][4];
-    auto probabilities = [&]() {
-        // A chunk's first tile adds to the zeros fa_end_chunk_regs left (unscaled: zeros stay
-        // zeros); the others scale the chunk's sum by their factor first.
-        static_assert(FA_CHUNK % FA_KEYS == 0, "chunks of whole tiles");
-        if (k0 % FA_CHUNK != 0) fa_scale<true>(o, c_lo, c_hi);
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) fa_p_fragments<true>(s, kk, p[kk]);
-    };
-    auto pv_done = [&]() {
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-        for (int d = 0; d < DW; d++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) wgmma_hold(o[d][i]);
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) wgmma_hold(p[kk][i]);
-    };
+    auto probabilities = [&]() { fa_wg_probabilities(o, s, p, k0, c_lo, c_hi); };
+    auto pv_done = [&]() { fa_wg_pv_done(o, p); };
     for (; k0 + FA_KEYS <= last_pos; k0 += FA_KEYS, buf ^= 1) {
         // Here: s holds this tile's probabilities, c its factor; the next two tiles' K are
         // coming (the next one's issued two tiles back).
@@ -855,7 +875,7 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
         scores(s, ks_next);  // the next tile's, then this tile's P V: the scores are done first
         fa_wg_pv(o, p, vs0 + buf * FA_WG_TILE_BYTES);
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        hold_s(s);
+        fa_wg_hold_scores(s);
         copy.lookups.store(list(k0), k0 + 4 * FA_KEYS, entry);
         __syncthreads();  // every warp's scores are done with ks_next: the K two tiles on comes in
         if (k_next + 2 * FA_KEYS <= last_pos) copy.issue(ks_next, copy.k_src, list(k_next + 2 * FA_KEYS), k_next + 2 * FA_KEYS);
@@ -883,6 +903,27 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
 #endif
 }
 
+// A prefill tile's rows of head h for the lane (g) of warp `warp`: rows 16 warp + g and + 8
+// of the tile's `count` rows from step row `first` (position pos0).
+template <int HD>
+__device__ __forceinline__ FaRows fa_tile_rows(const float* q, float* out, int first, int count, int pos0, int h,
+                                              int heads, int warp, int g) {
+    int r_lo = warp * 16 + g, r_hi = r_lo + 8;
+    FaRows r;
+    r.live_lo = r_lo < count;
+    r.live_hi = r_hi < count;
+    r.p_lo = pos0 + r_lo;
+    r.p_hi = pos0 + r_hi;
+    u64 at_lo = ((u64)(first + (r.live_lo ? r_lo : 0)) * heads + h) * HD;
+    u64 at_hi = ((u64)(first + (r.live_hi ? r_hi : 0)) * heads + h) * HD;
+    r.q_lo = q + at_lo;
+    r.q_hi = q + at_hi;
+    r.out_lo = out + at_lo;
+    r.out_hi = out + at_hi;
+    r.part_lo = r.part_hi = nullptr;
+    return r;
+}
+
 // Prefill: `tiles[2i]` = first row of tile i, `tiles[2i + 1]` = its row count (<= 64); the rows
 // are consecutive positions of one sequence. Grid (tiles, heads), 128 threads: warp w owns
 // query rows 16w..16w+15 of the tile. WGS 2 (Hopper's wgmma walk at head_dim 128, query heads
@@ -902,19 +943,7 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
     int h = at % gridDim.y * WGS + (int)(threadIdx.x >> 7), kvh = h / (heads / kv_heads);
     int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2;
     int pos0 = row_pos[first];
-    int r_lo = warp * 16 + g, r_hi = r_lo + 8;
-    FaRows r;
-    r.live_lo = r_lo < count;
-    r.live_hi = r_hi < count;
-    r.p_lo = pos0 + r_lo;
-    r.p_hi = pos0 + r_hi;
-    u64 at_lo = ((u64)(first + (r.live_lo ? r_lo : 0)) * heads + h) * HD;
-    u64 at_hi = ((u64)(first + (r.live_hi ? r_hi : 0)) * heads + h) * HD;
-    r.q_lo = q + at_lo;
-    r.q_hi = q + at_hi;
-    r.out_lo = out + at_lo;
-    r.out_hi = out + at_hi;
-    r.part_lo = r.part_hi = nullptr;
+    FaRows r = fa_tile_rows<HD>(q, out, first, count, pos0, h, heads, warp, g);
     // Dynamic shared memory (kernels::prefill_attention_smem_bytes): the warps' running totals
     // (4 x FA_TOT_FLOATS(HD / 8) floats: with the K and V tiles, more than 48 KB of static
     // memory), or on Hopper at head_dim 128 the wgmma walk's tiles, 512-byte aligned for the
@@ -1149,26 +1178,15 @@ __device__ __forceinline__ void fa_tma_produce(const TensorMap* k_map, const Ten
 template <int HD>
 __device__ void fa_attend_tma(const FaRows r, int last_pos, float scale_log2, u32 base, u32 ks0, u32 vs0, u32 bars) {
     static_assert(HD == 128, "4 groups of 32 columns");
-    constexpr int KSTEPS = HD / 16, DW = HD / 8, S = FA_TMA_STAGES;
+    constexpr int DW = HD / 8, S = FA_TMA_STAGES;
     const u32 full_k = bars, full_v = bars + 8 * S, empty_k = bars + 16 * S, empty_v = bars + 24 * S;
     int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
     int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // uniform to the compiler (fa_attend_wgmma)
     u32 qs = base + wg * FA_WG_TILE_BYTES;
-    {
-        u32 qa[KSTEPS][4];
-        fa_q_fragments<HD, true>(r, scale_log2, t, qa);
-#pragma unroll
-        for (int st = 0; st < KSTEPS; st++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int row = warp * 16 + g + 8 * (i & 1), col = st * 16 + 2 * t + 8 * (i >> 1);
-                u32 at = qs + (col / 32) * FA_WG_GROUP_BYTES + row * 64 + 16 * a_piece(row, (col % 32) / 8) + (col % 8) * 2;
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(qa[st][i]) : "memory");
-            }
-        // The warpgroup's q is in and seen by its tensor cores' reads.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
-    }
+    fa_wg_store_q<HD>(r, scale_log2, warp, g, t, qs);
+    // The warpgroup's q is in and seen by its tensor cores' reads.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
     auto stage_of = [&](int i) { return (u32)(i % S); };
     auto wait_full = [&](u32 full, int i) {
         mbar_wait(full + 8 * stage_of(i), (i / S) & 1);
@@ -1180,24 +1198,7 @@ __device__ void fa_attend_tma(const FaRows r, int last_pos, float scale_log2, u3
     };
     const u64 q_desc = wgmma_desc_sw64(qs);
     auto scores = [&](float (&s)[8][4], int i) {
-        u64 k_desc = wgmma_desc_sw64(ks0 + stage_of(i) * FA_WG_TILE_BYTES);
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) s[j][e] = 0.0f;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int st = 0; st < KSTEPS; st++) {
-            u32 step = (st / 2) * FA_WG_GROUP_BYTES + 32 * (st % 2);
-            wgmma_m64n64k16_ss(&s[0][0], wgmma_desc_at(q_desc, step), wgmma_desc_at(k_desc, step));
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    };
-    auto hold_s = [&](float (&s)[8][4]) {
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) wgmma_hold(s[j][e]);
+        fa_wg_scores<HD>(s, q_desc, wgmma_desc_sw64(ks0 + stage_of(i) * FA_WG_TILE_BYTES));
     };
     float o[DW][4], tot[DW][4];  // as in fa_attend_wgmma
     fa_clear(o);
@@ -1208,28 +1209,13 @@ __device__ void fa_attend_tma(const FaRows r, int last_pos, float scale_log2, u3
     wait_full(full_k, 0);
     scores(s, 0);
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    hold_s(s);
+    fa_wg_hold_scores(s);
     release(empty_k, 0);
     fa_softmax<true>(s, r, 0, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
     int k0 = 0, i = 0;  // this tile's first key and number
     u32 p[4][4];
-    auto probabilities = [&]() {
-        // A chunk's first tile adds to the zeros fa_end_chunk_regs left (unscaled).
-        if (k0 % FA_CHUNK != 0) fa_scale<true>(o, c_lo, c_hi);
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) fa_p_fragments<true>(s, kk, p[kk]);
-    };
-    auto pv_done = [&]() {
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-        for (int d = 0; d < DW; d++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) wgmma_hold(o[d][e]);
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) wgmma_hold(p[kk][e]);
-    };
+    auto probabilities = [&]() { fa_wg_probabilities(o, s, p, k0, c_lo, c_hi); };
+    auto pv_done = [&]() { fa_wg_pv_done(o, p); };
     for (; k0 + FA_KEYS <= last_pos; k0 += FA_KEYS, i++) {
         int k_next = k0 + FA_KEYS;
         bool chunk_end = k_next % FA_CHUNK == 0;
@@ -1239,7 +1225,7 @@ __device__ void fa_attend_tma(const FaRows r, int last_pos, float scale_log2, u3
         scores(s, i + 1);  // the next tile's, then this tile's P V: the scores are done first
         fa_wg_pv(o, p, vs0 + stage_of(i) * FA_WG_TILE_BYTES);
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        hold_s(s);
+        fa_wg_hold_scores(s);
         release(empty_k, i + 1);
         float cm_lo = m_lo, cm_hi = m_hi, cl_lo = l_lo, cl_hi = l_hi;
         if (chunk_end) {
@@ -1316,19 +1302,7 @@ extern "C" __global__ void __launch_bounds__(FA_TMA_THREADS, 1) prefill_attentio
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     int wg = threadIdx.x >> 7, h = at % gridDim.y * 2 + wg;
     int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2;
-    int r_lo = warp * 16 + g, r_hi = r_lo + 8;
-    FaRows r;
-    r.live_lo = r_lo < count;
-    r.live_hi = r_hi < count;
-    r.p_lo = pos0 + r_lo;
-    r.p_hi = pos0 + r_hi;
-    u64 at_lo = ((u64)(first + (r.live_lo ? r_lo : 0)) * heads + h) * HD;
-    u64 at_hi = ((u64)(first + (r.live_hi ? r_hi : 0)) * heads + h) * HD;
-    r.q_lo = q + at_lo;
-    r.q_hi = q + at_hi;
-    r.out_lo = out + at_lo;
-    r.out_hi = out + at_hi;
-    r.part_lo = r.part_hi = nullptr;
+    FaRows r = fa_tile_rows<HD>(q, out, first, count, pos0, h, heads, warp, g);
     fa_attend_tma<HD>(r, last_pos, scale_log2, base, ks0, vs0, bars);
 #endif
 }

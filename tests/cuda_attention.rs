@@ -210,6 +210,7 @@ fn tensor_core_attention(
         tiles.len() / 2,
         rows,
         shape,
+        ops::PrefillBlocks::chosen(g, shape),
     )
     .unwrap();
     ops::decode_attention(
@@ -346,66 +347,38 @@ impl Rows {
         }
     }
 
-    /// The reference of the bitwise tests: every sequence prefilled in one chunk, all in one
-    /// step; each sequence's output rows.
-    fn prefilled(&self, g: &Gpu) -> Vec<Vec<f32>> {
-        let whole: Vec<(usize, usize, usize)> = self
-            .contexts
+    /// Every sequence in one chunk: the parts of [`Rows::prefilled`].
+    fn whole(&self) -> Vec<(usize, usize, usize)> {
+        self.contexts
             .iter()
             .enumerate()
             .map(|(s, &c)| (s, 0, c))
-            .collect();
-        self.step(g, &whole, None)
+            .collect()
     }
 
-    /// Every sequence prefilled in one chunk by `ops::prefill_attention_blocks` in `blocks`; each
+    /// The reference of the bitwise tests: every sequence prefilled in one chunk, all in one
+    /// step; each sequence's output rows.
+    fn prefilled(&self, g: &Gpu) -> Vec<Vec<f32>> {
+        self.step(g, &self.whole(), None)
+    }
+
+    /// Every sequence prefilled in one chunk by `ops::prefill_attention` in `blocks`; each
     /// sequence's output rows.
     fn prefilled_in_blocks(&self, g: &Gpu, blocks: ops::PrefillBlocks) -> Vec<Vec<f32>> {
-        let width = self.shape.heads * self.shape.head_dim;
-        let rows: usize = self.contexts.iter().sum();
-        let q: Vec<f32> = self.q.concat();
-        let pos: Vec<i32> = self.contexts.iter().flat_map(|&c| 0..c as i32).collect();
-        let seq: Vec<i32> = (0..self.contexts.len())
-            .flat_map(|s| std::iter::repeat_n(s as i32, self.contexts[s]))
-            .collect();
-        let (dq, dpos, dseq) = (
-            g.upload(&q).unwrap(),
-            g.upload(&pos).unwrap(),
-            g.upload(&seq).unwrap(),
-        );
-        let meta = AttnRows {
-            pos: &dpos,
-            seq: &dseq,
-            table_offsets: &self.offsets,
-            block_tables: &self.tables,
-        };
-        let tiles = ops::prefill_tiles(self.contexts.iter().copied());
-        let dt = g.upload(&tiles).unwrap();
-        let mut out = g.upload(&vec![f32::NAN; rows * width]).unwrap();
-        ops::prefill_attention_blocks(
-            g,
-            &dq,
-            &mut out,
-            &self.k,
-            &self.v,
-            &meta,
-            &dt,
-            tiles.len() / 2,
-            rows,
-            self.shape,
-            blocks,
-        )
-        .unwrap();
-        let out = g.download(&out, rows * width).unwrap();
-        let mut at = 0;
-        self.contexts
-            .iter()
-            .map(|&c| {
-                let part = out[at * width..(at + c) * width].to_vec();
-                at += c;
-                part
-            })
-            .collect()
+        self.run(g, &self.whole(), |q, meta, lens| {
+            let rows: usize = lens.iter().sum();
+            let n = rows * self.shape.heads * self.shape.head_dim;
+            let tiles = ops::prefill_tiles(lens.iter().copied());
+            let dt = g.upload(&tiles).unwrap();
+            let mut out = g.upload(&vec![f32::NAN; n]).unwrap();
+            let (k, v) = (&self.k, &self.v);
+            let num_tiles = tiles.len() / 2;
+            ops::prefill_attention(
+                g, q, &mut out, k, v, meta, &dt, num_tiles, rows, self.shape, blocks,
+            )
+            .unwrap();
+            g.download(&out, n).unwrap()
+        })
     }
 
     /// One step of `(sequence, first position, rows)` parts; returns each part's output rows.
@@ -414,6 +387,19 @@ impl Rows {
         g: &Gpu,
         parts: &[(usize, usize, usize)],
         split: Option<&DecodeSplit>,
+    ) -> Vec<Vec<f32>> {
+        self.run(g, parts, |q, meta, lens| {
+            tensor_core_attention(g, q, &self.k, &self.v, meta, lens, self.shape, split)
+        })
+    }
+
+    /// The parts' query rows, positions and sequences on the device, handed to `attend` (which
+    /// returns every row's output); each part's output rows.
+    fn run(
+        &self,
+        g: &Gpu,
+        parts: &[(usize, usize, usize)],
+        attend: impl FnOnce(&CudaSlice<f32>, &AttnRows<'_>, &[usize]) -> Vec<f32>,
     ) -> Vec<Vec<f32>> {
         let width = self.shape.heads * self.shape.head_dim;
         let (mut q, mut pos, mut seq) = (Vec::new(), Vec::new(), Vec::new());
@@ -435,7 +421,7 @@ impl Rows {
             block_tables: &self.tables,
         };
         let lens: Vec<usize> = parts.iter().map(|p| p.2).collect();
-        let out = tensor_core_attention(g, &dq, &self.k, &self.v, &meta, &lens, self.shape, split);
+        let out = attend(&dq, &meta, &lens);
         let mut at = 0;
         lens.iter()
             .map(|&len| {

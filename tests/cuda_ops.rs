@@ -688,6 +688,7 @@ fn prefill_attention_matches_the_cpu() {
             tiles.len() / 2,
             rows,
             shape,
+            ops::PrefillBlocks::chosen(&g, shape),
         )
         .unwrap();
         ops::decode_attention(

@@ -161,28 +161,6 @@ pub fn attention_split(rows_per_seq: impl IntoIterator<Item = usize>) -> (Vec<i3
     (tiles, decode_rows)
 }
 
-/// Attention for query rows grouped in tiles of consecutive positions of one sequence, on
-/// tensor cores (kernels/prefill_attention.cu). `tiles` from [`prefill_tiles`]. Its blocks as
-/// [`PrefillBlocks::chosen`].
-#[allow(clippy::too_many_arguments)]
-pub fn prefill_attention(
-    gpu: &Gpu,
-    q: &CudaSlice<f32>,
-    out: &mut CudaSlice<f32>,
-    k_cache: &CudaSlice<u16>,
-    v_cache: &CudaSlice<u16>,
-    meta: &AttnRows<'_>,
-    tiles: &CudaSlice<i32>,
-    num_tiles: usize,
-    rows: usize,
-    s: AttnShape,
-) -> Result<(), CudaError> {
-    let blocks = PrefillBlocks::chosen(gpu, s);
-    prefill_attention_blocks(
-        gpu, q, out, k_cache, v_cache, meta, tiles, num_tiles, rows, s, blocks,
-    )
-}
-
 /// What a block of [`prefill_attention`] takes. A row has the same bits in each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillBlocks {
@@ -240,10 +218,12 @@ impl PrefillBlocks {
     }
 }
 
-/// [`prefill_attention`] with its blocks told (where [`PrefillBlocks::possible`]). The bits
-/// are the same in each; the tests and the kernel benchmark run them all.
+/// Attention for query rows grouped in tiles of consecutive positions of one sequence, on
+/// tensor cores (kernels/prefill_attention.cu), in `blocks` (where [`PrefillBlocks::possible`];
+/// the engine takes [`PrefillBlocks::chosen`]). `tiles` from [`prefill_tiles`]. A row has the
+/// same bits in every kind of block; the tests and the kernel benchmark run them all.
 #[allow(clippy::too_many_arguments)]
-pub fn prefill_attention_blocks(
+pub fn prefill_attention(
     gpu: &Gpu,
     q: &CudaSlice<f32>,
     out: &mut CudaSlice<f32>,
