@@ -186,7 +186,12 @@ impl PrefillBlocks {
     /// wgmma walk at head_dim 128 and an even number of query heads a KV head; the TMA copies
     /// also pages of at least 16 tokens (a box a page and column group).
     pub fn possible(self, gpu: &Gpu, s: AttnShape) -> bool {
-        let two_heads = gpu.arch == "sm_90a"
+        self.possible_on(gpu.arch, s)
+    }
+
+    /// [`PrefillBlocks::possible`] on a GPU of `arch` (`kernels::arch_for`).
+    fn possible_on(self, arch: &str, s: AttnShape) -> bool {
+        let two_heads = arch == "sm_90a"
             && s.head_dim == 128
             && s.kv_heads > 0
             && s.heads.is_multiple_of(s.kv_heads)
@@ -510,6 +515,38 @@ mod tests {
         head_dim: 128,
         block_size: 16,
     };
+
+    #[test]
+    fn two_head_blocks_only_where_hopper_runs_them() {
+        use PrefillBlocks::*;
+        let all = |arch: &str, s: AttnShape| PrefillBlocks::ALL.map(|b| b.possible_on(arch, s));
+        // Qwen3-30B-A3B on an H200: every kind.
+        assert_eq!(all("sm_90a", QWEN3_MOE), [true, true, true]);
+        // Blackwell has no wgmma: one head a block.
+        assert_eq!(all("sm_100a", QWEN3_MOE), [true, false, false]);
+        // Head_dim 64, or an odd number of query heads a KV head: one head a block.
+        let hd64 = AttnShape {
+            head_dim: 64,
+            ..QWEN3_MOE
+        };
+        assert_eq!(all("sm_90a", hd64), [true, false, false]);
+        let odd = AttnShape {
+            heads: 12,
+            kv_heads: 4,
+            ..QWEN3_MOE
+        };
+        assert_eq!(all("sm_90a", odd), [true, false, false]);
+        // Pages under 16 tokens (SGLang's page size 1, say): no TMA copies (a box a page).
+        for block_size in [1, 8] {
+            let small = AttnShape {
+                block_size,
+                ..QWEN3_MOE
+            };
+            assert!(TwoHeads.possible_on("sm_90a", small));
+            assert!(!TwoHeadsTma.possible_on("sm_90a", small));
+        }
+        assert!(OneHead.possible_on("sm_80", QWEN3_MOE));
+    }
 
     #[test]
     fn every_row_count_that_splits_has_room_at_a_servers_full_context() {
