@@ -1119,6 +1119,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_attention_pairs_hd1
 // Needs a block size of at least 16 (the host checks: smaller pages take the cp.async walk).
 #define FA_TMA_STAGES 4
 #define FA_TMA_THREADS 384
+// 1: the consumer warpgroups take turns issuing their products (FlashAttention-3's "pingpong":
+// named barriers 4 and 5), so one's softmax runs under the other's products instead of both
+// waiting on interleaved ones. A kernel variant to measure (same products, same bits).
+#ifndef FA_TMA_PINGPONG
+#define FA_TMA_PINGPONG 0
+#endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // The producer warp: tile i's K then its V into stage i % FA_TMA_STAGES of their rings, once
@@ -1187,6 +1193,16 @@ __device__ void fa_attend_tma(const FaRows r, int last_pos, float scale_log2, u3
     // The warpgroup's q is in and seen by its tensor cores' reads.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+    // FA_TMA_PINGPONG: warpgroup w issues its products on its turn (barrier 4 + w, completed by
+    // the other's arrival after its own issue), warpgroup 0 first; warpgroup 1 leaves out its
+    // last arrival, so every barrier's arrivals match its waits.
+    auto turn_begin = [&]() {
+        if (FA_TMA_PINGPONG) asm volatile("bar.sync %0, 256;\n" ::"r"(4 + wg) : "memory");
+    };
+    auto turn_end = [&](bool last) {
+        if (FA_TMA_PINGPONG && !(last && wg == 1)) asm volatile("bar.arrive %0, 256;\n" ::"r"(5 - wg) : "memory");
+    };
+    if (FA_TMA_PINGPONG && wg == 1) asm volatile("bar.arrive 4, 256;\n" ::: "memory");
     auto stage_of = [&](int i) { return (u32)(i % S); };
     auto wait_full = [&](u32 full, int i) {
         mbar_wait(full + 8 * stage_of(i), (i / S) & 1);
@@ -1207,7 +1223,9 @@ __device__ void fa_attend_tma(const FaRows r, int last_pos, float scale_log2, u3
     bool first_chunk = true;
     float s[8][4], c_lo, c_hi;
     wait_full(full_k, 0);
+    turn_begin();
     scores(s, 0);
+    turn_end(false);
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     fa_wg_hold_scores(s);
     release(empty_k, 0);
@@ -1222,8 +1240,10 @@ __device__ void fa_attend_tma(const FaRows r, int last_pos, float scale_log2, u3
         wait_full(full_k, i + 1);  // the next tile's K
         wait_full(full_v, i);      // this tile's V
         probabilities();
+        turn_begin();
         scores(s, i + 1);  // the next tile's, then this tile's P V: the scores are done first
         fa_wg_pv(o, p, vs0 + stage_of(i) * FA_WG_TILE_BYTES);
+        turn_end(false);
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         fa_wg_hold_scores(s);
         release(empty_k, i + 1);
@@ -1257,7 +1277,9 @@ __device__ void fa_attend_tma(const FaRows r, int last_pos, float scale_log2, u3
     }
     probabilities();
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    turn_begin();
     fa_wg_pv(o, p, vs0 + stage_of(i) * FA_WG_TILE_BYTES);
+    turn_end(true);
     pv_done();
     fa_end_chunk_regs(o, tot, r, false, t, m_lo, m_hi, l_lo, l_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
 }
