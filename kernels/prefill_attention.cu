@@ -1272,7 +1272,7 @@ __device__ void fa_attend_tma(const FaRows r, int last_pos, float scale_log2, u3
 
 // Grid (tiles, heads / 2) as prefill_attention_pairs_hd128's, FA_TMA_THREADS threads; k_map and
 // v_map over the K and V caches (ops::prefill_attention's `kv_tensor_map`).
-extern "C" __global__ void __launch_bounds__(FA_TMA_THREADS, 1) prefill_attention_tma_hd128(
+extern "C" __global__ __launch_bounds__(FA_TMA_THREADS, 1) void prefill_attention_tma_hd128(
     const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, const float* q, float* out,
     const int* row_pos, const int* row_seq, const int* table_offsets, const int* block_tables, const int* tiles,
     int heads, int kv_heads, int block_size, float scale_log2) {
