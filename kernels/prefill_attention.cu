@@ -1088,7 +1088,7 @@ ATTENTION_KERNELS(prefill_attention_hd128, decode_attention_hd128, decode_attent
 // so their bits are. ops::prefill_attention launches it where the query heads a KV head are
 // even, unless LOCKSTEP_FA_PAIRS=0. Where the wgmma walk is not built (sm_100a, or the kernel
 // variant FA_WGMMA 0) it traps.
-extern "C" __global__ void __launch_bounds__(256, 1) prefill_attention_pairs_hd128(
+extern "C" __global__ __launch_bounds__(256, 1) void prefill_attention_pairs_hd128(
     const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos, const int* row_seq,
     const int* table_offsets, const int* block_tables, const int* tiles, int heads, int kv_heads, int block_size,
     float scale_log2, float* /* part */, int /* max_chunks */) {
@@ -1287,7 +1287,7 @@ __device__ void fa_attend_tma(const FaRows r, int last_pos, float scale_log2, u3
 
 // Grid (tiles, heads / 2) as prefill_attention_pairs_hd128's, FA_TMA_THREADS threads; k_map and
 // v_map over the K and V caches (ops::prefill_attention's `kv_tensor_map`).
-extern "C" __global__ void __launch_bounds__(FA_TMA_THREADS, 1) prefill_attention_tma_hd128(
+extern "C" __global__ __launch_bounds__(FA_TMA_THREADS, 1) void prefill_attention_tma_hd128(
     const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, const float* q, float* out,
     const int* row_pos, const int* row_seq, const int* table_offsets, const int* block_tables, const int* tiles,
     int heads, int kv_heads, int block_size, float scale_log2) {
