@@ -5,6 +5,9 @@
 #   BEFORE=REV scripts/stage_gpu_bin.sh [TEST ...]  # also REV's lockstep, cuda_bench and
 #                                                # cuda_kernel_bench as *_before (target/before)
 #   NO_TESTS=1 scripts/stage_gpu_bin.sh          # only lockstep and the two benchmarks
+#   VARIANTS="NAME:FILE:DEF=V,DEF2=V2 ..." scripts/stage_gpu_bin.sh
+#       # also kernel variants for gpu-check.sh's KERNEL_VARIANTS: .bin/kv/NAME/FILE is
+#       # kernels/FILE with `#define DEF V` lines on top (e.g. chunk256:prefill_attention.cu:FA_CHUNK=256)
 # Needs scripts/fetch_test_assets.sh's Qwen3 tokenizer for the server benchmark's copy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +38,13 @@ if [ -n "${BEFORE:-}" ]; then
   git worktree remove --force "$tree"
 fi
 
-strip .bin/*
+for v in ${VARIANTS:-}; do
+  IFS=: read -r name file defs <<<"$v"
+  mkdir -p ".bin/kv/$name"
+  { tr ',' '\n' <<<"$defs" | sed 's/^\([^=]*\)=\(.*\)$/#define \1 \2/'; cat "kernels/$file"; } >".bin/kv/$name/$file"
+done
+
+find .bin -maxdepth 1 -type f -exec strip {} +
 tok=.cache/assets/qwen3/tokenizer.json
 [ -f "$tok" ] && gzip -9c "$tok" >.bin/qwen3-tokenizer.json.gz
 du -ch .bin/* | tail -1
