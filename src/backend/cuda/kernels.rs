@@ -219,7 +219,7 @@ const GROUPED_GEMM: &[Param] = &[
 ];
 /// kernels/prefill_attention.cu `prefill_attention_tma_hd128`: the K and V caches' tensor maps,
 /// then q, out, the rows' positions and sequences, the block tables, the tiles, heads, KV heads,
-/// block size and the scale.
+/// block size and the scale in log2 units (log2(e) / sqrt(head_dim)).
 const TMA_ATTENTION: &[Param] = &[
     TensorMap, TensorMap, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, F32,
 ];
@@ -232,7 +232,8 @@ const TMA_GEMM: &[Param] = &[
 ];
 /// The prefill and decode kernels of prefill_attention.cu: q, out, k_cache, v_cache, row_pos,
 /// row_seq, table_offsets, block_tables, tiles (prefill) or rows (decode), heads, kv_heads,
-/// block_size, scale, part and max_chunks (decode's split-KV; prefill ignores them).
+/// block_size, scale in log2 units (log2(e) / sqrt(head_dim)), part and max_chunks (decode's
+/// split-KV; prefill ignores them).
 const TENSOR_CORE_ATTENTION: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, F32, Ptr, I32,
 ];
@@ -389,10 +390,66 @@ pub const PREFILL_ATTENTION_TMA_SMEM_BYTES: u32 = 512 + (2 + 2 * 4) * FA_TILE_BY
 /// Threads of `prefill_attention_tma_hd128`: two consumer warpgroups and the producer's.
 pub const PREFILL_ATTENTION_TMA_THREADS: u32 = 384;
 
+/// Registers a block's warpgroups hand between them (`setmaxnreg`): the copy warpgroup's
+/// `givers` threads drop to `low` a thread, then the other `takers` rise to `high`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegisterHandoff {
+    pub givers: u32,
+    pub low: u32,
+    pub takers: u32,
+    pub high: u32,
+}
+
+impl RegisterHandoff {
+    /// The fewest registers a thread the block must start with: `setmaxnreg.inc` waits until
+    /// the block's pool holds what it asks for, and only the givers' `dec` fills it, so a
+    /// block that starts with fewer waits forever (no barrier's timeout sees it).
+    pub fn entry_needed(self) -> u32 {
+        let (g, t) = (self.givers, self.takers);
+        (self.high * t + self.low * g).div_ceil(g + t)
+    }
+}
+
+/// The hand-off of the TMA-fed kernels (kernels/gemm.cu `grouped_gemm_tma`,
+/// kernels/prefill_attention.cu `prefill_attention_tma_hd128`): 384 threads at one block an SM
+/// start at 168 registers (65,536 / 384, in steps of 8), and 128 x (168 - 40) = 256 x (232 - 168).
+const TMA_HANDOFF: RegisterHandoff = RegisterHandoff {
+    givers: 128,
+    low: 40,
+    takers: 256,
+    high: 232,
+};
+
+/// The most dynamic shared memory a block may opt into on `arch` (CUDA's per-block limits).
+pub fn max_dynamic_smem(arch: &str) -> u32 {
+    match arch {
+        "sm_90a" | "sm_100a" => 232_448,
+        "sm_80" => 166_912,
+        _ => 101_376,
+    }
+}
+
 impl Kernel {
+    /// The registers it hands between warpgroups (`setmaxnreg`), on Hopper where it runs.
+    pub fn register_handoff(self) -> Option<RegisterHandoff> {
+        match self {
+            Kernel::GroupedGemmTmaBf16
+            | Kernel::GroupedGemmTmaMxfp8
+            | Kernel::GroupedGemmTmaNvfp4
+            | Kernel::GroupedGemmTmaSwigluBf16
+            | Kernel::GroupedGemmTmaSwigluMxfp8
+            | Kernel::GroupedGemmTmaSwigluNvfp4
+            | Kernel::GroupedGemmTmaSwigluWordsBf16
+            | Kernel::PrefillAttentionTmaHd128 => Some(TMA_HANDOFF),
+            _ => None,
+        }
+    }
+
     /// The dynamic shared memory a launch on `arch` gives it (its limit is raised to this on
-    /// load).
+    /// load). The wgmma and TMA kernels run on Hopper alone (elsewhere they trap, and the
+    /// host never launches them), so they ask for none elsewhere.
     pub fn dynamic_smem(self, arch: &str) -> u32 {
+        let hopper = arch == "sm_90a";
         match self {
             Kernel::GroupedGemmWgmmaBf16
             | Kernel::GroupedGemmWgmmaMxfp8
@@ -400,14 +457,22 @@ impl Kernel {
             | Kernel::GroupedGemmWgmmaSwigluBf16
             | Kernel::GroupedGemmWgmmaSwigluMxfp8
             | Kernel::GroupedGemmWgmmaSwigluNvfp4
-            | Kernel::GroupedGemmWgmmaSwigluWordsBf16 => WGMMA_SMEM_BYTES,
+            | Kernel::GroupedGemmWgmmaSwigluWordsBf16
+                if hopper =>
+            {
+                WGMMA_SMEM_BYTES
+            }
             Kernel::GroupedGemmTmaBf16
             | Kernel::GroupedGemmTmaMxfp8
             | Kernel::GroupedGemmTmaNvfp4
             | Kernel::GroupedGemmTmaSwigluBf16
             | Kernel::GroupedGemmTmaSwigluMxfp8
             | Kernel::GroupedGemmTmaSwigluNvfp4
-            | Kernel::GroupedGemmTmaSwigluWordsBf16 => TMA_SMEM_BYTES,
+            | Kernel::GroupedGemmTmaSwigluWordsBf16
+                if hopper =>
+            {
+                TMA_SMEM_BYTES
+            }
             Kernel::PrefillAttentionHd32 => prefill_attention_smem_bytes(32, arch),
             Kernel::PrefillAttentionHd64 => prefill_attention_smem_bytes(64, arch),
             Kernel::PrefillAttentionHd128 => prefill_attention_smem_bytes(128, arch),
@@ -552,6 +617,45 @@ pub fn cached_ptx(source: Source, arch: &'static str, driver: i32) -> Result<Str
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_kernel_fits_the_shared_memory_of_every_arch() {
+        for (major, minor) in [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)] {
+            let arch = arch_for(major, minor);
+            for k in Kernel::ALL {
+                assert!(
+                    k.dynamic_smem(arch) <= max_dynamic_smem(arch),
+                    "{k:?} asks {} bytes on {arch}, which allows {}",
+                    k.dynamic_smem(arch),
+                    max_dynamic_smem(arch)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn register_handoffs_balance_at_the_entry_one_block_an_sm_gives() {
+        let h = TMA_HANDOFF;
+        // One block of 384 threads an SM: 65,536 registers in steps of 8 a thread.
+        let entry = 65_536 / (h.givers + h.takers) / 8 * 8;
+        assert_eq!(entry, 168);
+        assert_eq!(h.entry_needed(), entry);
+        // Exactly: what the givers free is what the takers ask, and the block fits the SM.
+        assert_eq!((entry - h.low) * h.givers, (h.high - entry) * h.takers);
+        assert!(h.low * h.givers + h.high * h.takers <= 65_536);
+        // One register fewer at entry leaves the takers short.
+        let short = entry - 8;
+        assert!((short - h.low) * h.givers < (h.high - short) * h.takers);
+        for k in Kernel::ALL {
+            if let Some(hk) = k.register_handoff() {
+                assert_eq!(hk, TMA_HANDOFF, "{k:?}");
+            }
+        }
+        assert!(Kernel::PrefillAttentionTmaHd128
+            .register_handoff()
+            .is_some());
+        assert!(Kernel::GroupedGemmTmaBf16.register_handoff().is_some());
+    }
 
     #[test]
     fn every_kernel_names_a_symbol_of_its_source() {
