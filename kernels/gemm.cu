@@ -1383,10 +1383,10 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
 // [rows][2K bytes]; W a tensor map over [experts * N][row bytes], 64 rows a copy (a SwiGLU
 // tile's gate rows, then its up rows).
 //
-// A block takes TMA_COLS weight columns: 128 (two MMA warpgroups of 64), or 256, the column
-// blocks bx and bx + 1 of the launch's grid side by side (the even one takes both, the odd one
-// returns): each MMA warpgroup then holds the 64 columns it would hold in each of the two as
-// two m64 accumulators sharing every activation copy, so a span's copies carry a third fewer
+// A block takes TMA_COLS weight columns: 128 (two MMA warpgroups of 64), or 256, two
+// 128-column blocks side by side (the grid's column blocks are of TMA_COLS, the host's
+// ops::gemm::TMA_COLS): each MMA warpgroup then holds the 64 columns it would hold in each of
+// the two as two m64 accumulators sharing every activation copy, so a span's copies carry a third fewer
 // bytes a product than with 128 (L2 bounds the 128-column tiles: docs/gpu.md). Each column's
 // products, sums and epilogue are those of the 128-column block, so the bits are. With 256 the
 // running totals live in shared memory ([element][thread], added once a segment) and the
@@ -1397,9 +1397,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
 // bytes a row (the 64- or 128-byte swizzle, as wgmma_span's X_ROW), W's W_BYTES * TMA_SPANS
 // in the swizzle of that width (tma_w_offset), so a lane's reads of 8 columns fall in distinct
 // banks.
-#ifndef TMA_COLS
-#define TMA_COLS 256
-#endif
+#define TMA_COLS 256  // weight rows a block; the host's grid follows it (ops::gemm::TMA_COLS)
 #define TMA_SUBS (TMA_COLS / TILE_TN)  // 128-column blocks a block takes
 #ifndef TMA_SPANS
 #define TMA_SPANS 1  // the host's box widths follow it: a kernel variant may not change it alone
@@ -1473,12 +1471,11 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TM_WIDE)) return;
     if (((r0 - (tiles ? offsets[e] : 0)) / TM_WIDE) % 2 == 1) return;
-    if (bx % TMA_SUBS != 0) return;  // the block before takes these columns
     r1 = min(r0 + WG_ROWS, tiles ? offsets[e + 1] : rows);
     bool wide_n = r1 - r0 > 64;
     constexpr bool swiglu = OUT != WG_OUT_SUMS;
     constexpr int SUB_COLS = swiglu ? TILE_TN / 2 : TILE_TN;  // output columns of a 128-column block
-    int n0 = bx * SUB_COLS;
+    int n0 = bx * TMA_SUBS * SUB_COLS;  // bx counts blocks of TMA_COLS weight rows
     constexpr int W_BYTES = WeightSpanCopy<FMT, 256>::W_BYTES;
     constexpr int W_ROW = W_BYTES * TMA_SPANS, X_ROW = 64 * TMA_SPANS;  // a stage's row bytes
     extern __shared__ __align__(128) u8 wg_smem[];
@@ -1737,7 +1734,7 @@ GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma_swiglu_words, grouped_gemm_wgmma_swiglu_w
         const float* sdec2, float* out2, int n2, const u8* scales3, const float* sdec3, float* out3, int n3) {   \
         pdl_entry();                                                                                              \
         /* a part's weights are its tensor map */                                                                \
-        GemmPart p = gemm_part(TILE_TN, rows, &w_map, w_scales, w_sdec, N, out, nullptr, &w2_map, scales2,       \
+        GemmPart p = gemm_part(TMA_COLS, rows, &w_map, w_scales, w_sdec, N, out, nullptr, &w2_map, scales2,      \
                                sdec2, out2, n2, &w3_map, scales3, sdec3, out3, n3);                               \
         grouped_gemm_tma<FMT, OUT>(&x_map, (const TensorMap*)p.w, row_index, row_scale, p.scales, p.sdec,        \
                                    sdec_groups, tiles, num_tiles, offsets, rows, p.n, K, p.out, p.bx);            \

@@ -1084,7 +1084,7 @@ ATTENTION_KERNELS(prefill_attention_hd128, decode_attention_hd128, decode_attent
 // Prefill attention of head_dim 128 on Hopper with two warpgroups a block, two query heads of
 // one KV head sharing their K and V tiles and copies (fa_attend_wgmma's WGS 2): half the copy
 // instructions and half the bytes from L2 a query row, in the same eight warps an SM (one block
-// of 256 threads: 228 registers a thread). The rows' arithmetic is the one-warpgroup kernel's,
+// of 256 threads: 226 registers a thread). The rows' arithmetic is the one-warpgroup kernel's,
 // so their bits are. ops::prefill_attention launches it where the query heads a KV head are
 // even, unless LOCKSTEP_FA_PAIRS=0. Where the wgmma walk is not built (sm_100a, or the kernel
 // variant FA_WGMMA 0) it traps.
@@ -1326,6 +1326,8 @@ extern "C" __global__ __launch_bounds__(FA_TMA_THREADS, 1) void prefill_attentio
     int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2;
     FaRows r = fa_tile_rows<HD>(q, out, first, count, pos0, h, heads, warp, g);
     fa_attend_tma<HD>(r, last_pos, scale_log2, base, ks0, vs0, bars);
+#else
+    __trap();  // the host launches it on sm_90a alone (ops::prefill_attention::PrefillBlocks)
 #endif
 }
 

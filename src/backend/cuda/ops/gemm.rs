@@ -56,6 +56,9 @@ pub const K_SEGMENT: usize = 256;
 /// 64 bytes a row of x and a weight row's span bytes, times this. One: with 256 columns a
 /// block (`TMA_COLS`) the running totals take the shared memory that two-span stages would.
 const TMA_SPANS: u32 = 1;
+/// Weight rows a block of the TMA GEMM takes (kernels/gemm.cu `TMA_COLS`): two 128-column
+/// blocks side by side sharing each activation copy; its grid counts blocks of these.
+const TMA_COLS: usize = 256;
 /// Blocks below which [`SplitK::Auto`] splits a dense launch over its K segments: about one
 /// block per SM of an H200 (132). From there the per-segment sums cost more than the blocks
 /// they add (H200, cuda_kernel_bench, 2026-12-02: q_proj [4096 x 2048] at 128 rows (128
@@ -1263,6 +1266,7 @@ fn launch_parts(
     };
     let segments = split.segments(path, &rows, grid_x * grid_y, rows_arg, n, k);
     if tma && segments.is_none() && !matches!((&rows, row_index), (GemmRows::Dense(_), Some(_))) {
+        let grid_x: usize = parts.iter().map(|p| p.n.div_ceil(TMA_COLS)).sum();
         let grid = (grid_x as u32, grid_y as u32, 1);
         return launch_tma(
             gpu, x, row_index, row_scale, parts, &outs, &rows, rows_arg, k, grid, mode,

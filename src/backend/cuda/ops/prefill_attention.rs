@@ -199,7 +199,10 @@ impl PrefillBlocks {
         match self {
             PrefillBlocks::OneHead => true,
             PrefillBlocks::TwoHeads => two_heads,
-            PrefillBlocks::TwoHeadsTma => two_heads && s.block_size >= 16,
+            // A 64-key tile in at most four pages (the kernel's page rows), found by shifts.
+            PrefillBlocks::TwoHeadsTma => {
+                two_heads && s.block_size >= 16 && s.block_size.is_power_of_two()
+            }
         }
     }
 
