@@ -27,7 +27,7 @@
 // - grouped_gemm_skinny_ksplit_*: the 32-column few-rows warps for tiles of at most 16 rows, a
 //   32-column group's K segments spread over one block's warps and added in the block.
 // - grouped_gemm_wgmma_* (Hopper, sm_90a): the same products on warpgroup MMAs, 128x128 tiles
-//   (two of the plan's wide tiles), the weights as the A operand (section below);
+//   (a plan's pair tiles: two wide tiles' rows), the weights as the A operand (section below);
 //   grouped_gemm_wgmma_swiglu_*: over a gate/up matrix, with SwiGLU in the epilogue (h written
 //   instead of gate and up: swiglu_weight_row); grouped_gemm_tma_*: the same with the copies
 //   made by the TMA unit (section below).
@@ -1102,14 +1102,14 @@ __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const
 // the tile's rows of x its N (B, from shared memory in the 64-byte swizzle: a row's span is 64
 // bytes whose 16-byte pieces are the packed operand's, piece s at s ^ (row / 2) % 4, the tiled
 // kernel's `a_piece` order; chunk c's k16 step starts 32c bytes into the rows).
-// A tile is 128 rows (two of the routing plan's wide tiles of one expert, or of a dense group)
-// x 128 columns over two warpgroups, one block an SM: each decoded weight fragment feeds 128
+// A tile is 128 rows (a routing plan's pair tile: two wide tiles' rows of one expert; or of a
+// dense group) x 128 columns over two warpgroups, one block an SM: each decoded weight fragment feeds 128
 // rows, and each byte brought from L2 feeds twice the products of a 64-row tile (ncu, H200,
 // 2026-12-03: the 64-row kernel kept L2 87% busy and its shared-memory reads conflicted 62% of
-// the time, unswizzled). The grid is the wide tiles'; the block of a wide tile that is the
-// second of its pair returns at once. A tile of at most 64 live rows uses m64n64 MMAs.
+// the time, unswizzled). The grid is the pair tiles' (the plan's `pair_tiles`). A tile of at
+// most 64 live rows uses m64n64 MMAs.
 
-#define WG_ROWS 128  // rows per wgmma tile: two wide tiles
+#define WG_ROWS 128  // rows per wgmma tile: two wide tiles (host: ops::gemm::PAIR_TILE_ROWS)
 #define WG_STAGES 8
 #define WG_X_STAGE (WG_ROWS * 64)  // a span of the activations: 64 bytes a row
 #define WG_W_STAGE (TILE_TN * 64)  // a span of 128 BF16 columns
@@ -1245,10 +1245,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
                                                    float* partials, const u32* xb, u32* counters, int bx) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     int e, r0, r1;
-    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TM_WIDE)) return;
-    // The first wide tile of each pair takes both: rows r0 .. r0 + 128 of its expert or group.
-    if (((r0 - (tiles ? offsets[e] : 0)) / TM_WIDE) % 2 == 1) return;
-    r1 = min(r0 + WG_ROWS, tiles ? offsets[e + 1] : rows);
+    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, WG_ROWS)) return;  // a pair tile's rows
     bool wide_n = r1 - r0 > 64;  // block-uniform: m64n128 MMAs, else m64n64
     constexpr bool swiglu = OUT != WG_OUT_SUMS;
     int n0 = bx * (swiglu ? TILE_TN / 2 : TILE_TN);  // a SwiGLU tile's first h column
@@ -1469,9 +1466,7 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
                                                  const int* offsets, int rows, int N, int K, float* out, int bx) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     int e, r0, r1;
-    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TM_WIDE)) return;
-    if (((r0 - (tiles ? offsets[e] : 0)) / TM_WIDE) % 2 == 1) return;
-    r1 = min(r0 + WG_ROWS, tiles ? offsets[e + 1] : rows);
+    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, WG_ROWS)) return;
     bool wide_n = r1 - r0 > 64;
     constexpr bool swiglu = OUT != WG_OUT_SUMS;
     constexpr int SUB_COLS = swiglu ? TILE_TN / 2 : TILE_TN;  // output columns of a 128-column block

@@ -915,11 +915,13 @@ fn the_routing_plan_is_the_sequential_walk_over_experts() {
         let dids = g.upload(&ids).unwrap();
         plan.build(&g, &dids, tokens, top_k, experts).unwrap();
         let (mut offsets, mut tiles, mut wide) = (vec![0i32], Vec::new(), Vec::new());
+        let mut pair = Vec::new();
         for e in 0..experts {
             let count = ids.iter().filter(|&&i| i == e as i32).count() as i32;
             let first = *offsets.last().unwrap();
             tiles.extend((0..count).step_by(32).flat_map(|r| [e as i32, first + r]));
             wide.extend((0..count).step_by(64).flat_map(|r| [e as i32, first + r]));
+            pair.extend((0..count).step_by(128).flat_map(|r| [e as i32, first + r]));
             offsets.push(first + count);
         }
         let shape = format!("{tokens} tokens x {top_k} of {experts}");
@@ -945,6 +947,17 @@ fn the_routing_plan_is_the_sequential_walk_over_experts() {
             g.download(&plan.wide_tiles, 2 * n).unwrap(),
             wide,
             "{shape}: wide tiles"
+        );
+        let n = g.download(&plan.num_pair_tiles, 1).unwrap()[0] as usize;
+        assert_eq!(n, pair.len() / 2, "{shape}: pair tiles");
+        assert!(
+            n <= plan.pair_tiles_launched(),
+            "{shape}: {n} pair tiles over the launch bound"
+        );
+        assert_eq!(
+            g.download(&plan.pair_tiles, 2 * n).unwrap(),
+            pair,
+            "{shape}: pair tiles"
         );
         assert_rows_of_groups(&g, &plan, &ids, &offsets, top_k, &shape);
     }
@@ -1044,11 +1057,13 @@ fn one_launch_routing_gives_the_routes_and_plan_of_the_separate_launches() {
             let ints = |p: &MoePlan| {
                 let n = g.download(&p.num_tiles, 1).unwrap()[0] as usize;
                 let m = g.download(&p.num_wide_tiles, 1).unwrap()[0] as usize;
+                let q = g.download(&p.num_pair_tiles, 1).unwrap()[0] as usize;
                 (
                     g.download(&p.counts, experts).unwrap(),
                     g.download(&p.offsets, experts + 1).unwrap(),
                     g.download(&p.tiles, 2 * n).unwrap(),
                     g.download(&p.wide_tiles, 2 * m).unwrap(),
+                    g.download(&p.pair_tiles, 2 * q).unwrap(),
                 )
             };
             let want = ints(&plan_b);

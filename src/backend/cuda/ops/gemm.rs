@@ -15,6 +15,8 @@ use crate::backend::cuda::{CudaError, Gpu};
 pub const GEMM_TILE_ROWS: usize = 32;
 /// Rows per wide tile of the tiled tensor-core kernel (kernels/gemm.cu `TM_WIDE`).
 pub const GEMM_WIDE_TILE_ROWS: usize = 64;
+/// Rows per tile of the wgmma and TMA kernels (kernels/gemm.cu `WG_ROWS`): two wide tiles.
+pub const PAIR_TILE_ROWS: usize = 2 * GEMM_WIDE_TILE_ROWS;
 /// Columns per tile of the FFMA kernel (kernels/gemm.cu `TN`).
 pub const GEMM_TILE_COLS: usize = 64;
 /// Columns per tile of the tiled tensor-core kernel (kernels/gemm.cu `TILE_TN`).
@@ -1191,8 +1193,7 @@ fn launch_parts(
     let (kernel, cols_per_block, threads) = match path {
         GemmPath::TensorCore => (w.kernels[1], MMA_TILE_COLS, 128),
         GemmPath::TensorCoreWide => (w.kernels[4], MMA_TILE_COLS, 4 * GEMM_WIDE_TILE_ROWS as u32),
-        // Two warpgroups of 64 columns over two wide tiles' 128 rows (the grid is the wide
-        // tiles'; a pair's second block returns at once).
+        // Two warpgroups of 64 columns over a pair tile's 128 rows (two wide tiles').
         GemmPath::Wgmma => match mode.swiglu {
             None => (w.kernels[5], MMA_TILE_COLS, 256),
             // (The same grid: 64 h columns a block of 2 x 64 weight rows.)
@@ -1212,19 +1213,21 @@ fn launch_parts(
         _ => (w.kernels[0], GEMM_TILE_COLS, 256),
     };
     // A plan's launch takes `max_rows` (its pairs) as the row count of split-K's sums.
-    let wide = matches!(path, GemmPath::TensorCoreWide | GemmPath::Wgmma);
-    let tile_rows = if wide {
-        GEMM_WIDE_TILE_ROWS
-    } else {
-        GEMM_TILE_ROWS
+    // The tiles a block: the wgmma (and TMA) kernels' of two wide tiles' rows.
+    let tile_rows = match path {
+        GemmPath::Wgmma => PAIR_TILE_ROWS,
+        GemmPath::TensorCoreWide => GEMM_WIDE_TILE_ROWS,
+        _ => GEMM_TILE_ROWS,
     };
     let (tiles, num_tiles, offsets, experts, rows_arg, grid_y) = match rows {
         GemmRows::Dense(r) => (None, None, None, 0, r, r.div_ceil(tile_rows)),
         GemmRows::Plan(p) => {
-            let (list, count, launched) = if wide {
-                (&p.wide_tiles, &p.num_wide_tiles, p.wide_tiles_launched())
-            } else {
-                (&p.tiles, &p.num_tiles, p.tiles_launched())
+            let (list, count, launched) = match path {
+                GemmPath::Wgmma => (&p.pair_tiles, &p.num_pair_tiles, p.pair_tiles_launched()),
+                GemmPath::TensorCoreWide => {
+                    (&p.wide_tiles, &p.num_wide_tiles, p.wide_tiles_launched())
+                }
+                _ => (&p.tiles, &p.num_tiles, p.tiles_launched()),
             };
             (
                 Some(View::whole(list)),
@@ -1523,8 +1526,8 @@ fn launch_tma(
     let (tiles, num_tiles, offsets, x_rows, experts) = match rows {
         GemmRows::Dense(r) => (None, None, None, *r, 1),
         GemmRows::Plan(p) => (
-            Some(View::whole(&p.wide_tiles)),
-            Some(View::whole(&p.num_wide_tiles)),
+            Some(View::whole(&p.pair_tiles)),
+            Some(View::whole(&p.num_pair_tiles)),
             Some(View::whole(&p.offsets)),
             p.pairs,
             p.counts.len(),

@@ -3,7 +3,10 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{need, sums_ptr, sums_segments, Unfolded, BLOCK, GEMM_TILE_ROWS, GEMM_WIDE_TILE_ROWS};
+use super::{
+    need, sums_ptr, sums_segments, Unfolded, BLOCK, GEMM_TILE_ROWS, GEMM_WIDE_TILE_ROWS,
+    PAIR_TILE_ROWS,
+};
 use crate::backend::cuda::args::View;
 use crate::backend::cuda::kernels::Kernel;
 use crate::backend::cuda::{CudaError, Gpu};
@@ -157,6 +160,8 @@ pub fn route_and_plan(
             View::whole(&plan.num_tiles),
             View::whole(&plan.wide_tiles),
             View::whole(&plan.num_wide_tiles),
+            View::whole(&plan.pair_tiles),
+            View::whole(&plan.num_pair_tiles),
             slot_row,
             View::whole(&plan.row_token),
             sums_ptr(sums, tokens * experts)?,
@@ -175,6 +180,9 @@ pub struct MoePlan {
     /// The same tiles of [`GEMM_WIDE_TILE_ROWS`] rows (the tiled GEMM's wide blocks).
     pub wide_tiles: CudaSlice<i32>,
     pub num_wide_tiles: CudaSlice<i32>,
+    /// The same tiles of two wide tiles' rows (the wgmma and TMA GEMMs' blocks).
+    pub pair_tiles: CudaSlice<i32>,
+    pub num_pair_tiles: CudaSlice<i32>,
     pub slot_row: CudaSlice<i32>,
     pub row_token: CudaSlice<i32>,
     /// The tokens and (token, expert) pairs of the last [`MoePlan::build`].
@@ -192,6 +200,8 @@ impl MoePlan {
             num_tiles: gpu.alloc(1)?,
             wide_tiles: gpu.alloc(2 * Self::max_tiles(max_pairs, experts, GEMM_WIDE_TILE_ROWS))?,
             num_wide_tiles: gpu.alloc(1)?,
+            pair_tiles: gpu.alloc(2 * Self::max_tiles(max_pairs, experts, PAIR_TILE_ROWS))?,
+            num_pair_tiles: gpu.alloc(1)?,
             slot_row: gpu.alloc(max_pairs)?,
             row_token: gpu.alloc(max_pairs)?,
             tokens: 0,
@@ -224,7 +234,13 @@ impl MoePlan {
             .min(self.wide_tiles.len() / 2)
     }
 
-    /// Groups the pairs of `ids` by expert: counts, offsets, GEMM tiles (and wide tiles), and for every pair
+    /// The same for its pair tiles.
+    pub fn pair_tiles_launched(&self) -> usize {
+        Self::tile_bound(self.pairs, self.counts.len(), PAIR_TILE_ROWS)
+            .min(self.pair_tiles.len() / 2)
+    }
+
+    /// Groups the pairs of `ids` by expert: counts, offsets, GEMM tiles (wide and pair tiles too), and for every pair
     /// its row (`slot_row`) and for every row its token (`row_token`).
     pub fn build(
         &mut self,
@@ -267,6 +283,8 @@ impl MoePlan {
                 View::whole(&self.num_tiles),
                 View::whole(&self.wide_tiles),
                 View::whole(&self.num_wide_tiles),
+                View::whole(&self.pair_tiles),
+                View::whole(&self.num_pair_tiles),
             ),
         )?;
         if pairs > 0 {
