@@ -8,8 +8,17 @@
 # transformers peer), then prints a summary table.
 set -uo pipefail
 mode=${1:-quick}
-logs=${2:-${OUT:-/tmp/gpu-check}}
-mkdir -p "$logs"
+out=${2:-${OUT:-/tmp/gpu-check}}
+logs=$out
+# PACK=1: the logs are written beside $out and packed into $out/results.tgz after each step (the
+# device tool brings back at most 8 files, and a command cut by its time limit keeps what it
+# had packed).
+[ "${PACK:-0}" = 1 ] && logs=$(mktemp -d /tmp/gpu-check-logs.XXXX)
+mkdir -p "$out" "$logs"
+pack() {
+  [ "${PACK:-0}" = 1 ] || return 0
+  (cd "$logs" && tar czf "$out/results.tgz.part" ./* 2>/dev/null && mv "$out/results.tgz.part" "$out/results.tgz")
+}
 bin=.bin
 export LOCKSTEP_KERNEL_CACHE=${LOCKSTEP_KERNEL_CACHE:-/tmp/lockstep-kernels}
 # NVRTC and cuBLAS from the CUDA toolkit, or from pip's nvidia-* wheels (e.g. PyTorch's).
@@ -18,7 +27,9 @@ libdirs=$( (ls -d /usr/local/cuda/lib64 /usr/local/cuda/targets/*/lib 2>/dev/nul
 export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:-}"
 export RAYON_NUM_THREADS=$(nproc)
 declare -a summary
-record() { summary+=("| $1 | $2 |"); }
+record() { summary+=("| $1 | $2 |"); pack; }  # each step's logs packed as it ends (PACK=1)
+# Benchmarks stop after BENCH_TIMEOUT seconds (default 420), as test suites do after TEST_TIMEOUT.
+bound=(timeout -k 10 "${BENCH_TIMEOUT:-420}")
 # Waits up to $2 seconds for a server on port $1 to answer /health.
 wait_healthy() {
   for _ in $(seq 1 "$2"); do
@@ -43,17 +54,24 @@ declare -A what=(
   [cuda_memory]="release/resume memory: freed bytes reach another allocator; same bits after; no room for a second copy: updates in place"
 )
 # TESTS="cuda_invariance cuda_attention" runs a subset; TEST_FILTER="name1 name2" only the tests
-# whose names contain one of these.
+# whose names contain one of these. A suite still running after TEST_TIMEOUT seconds (default
+# 420) is stopped and recorded as such: a kernel that never returns costs one suite, not the run.
 for t in ${TESTS:-cuda_ops cuda_sampling cuda_load cuda_attention cuda_invariance cuda_generate cuda_memory}; do
   echo "== $t: ${what[$t]:-} ($(date +%T))"
   if [ "${SKIP_TESTS:-0}" = 1 ]; then
     record "$t" "skipped (SKIP_TESTS=1)"
   elif [ ! -x "$bin/$t" ]; then
     record "$t" "MISSING (.bin/$t not carried)"
-  elif "$bin/$t" --ignored --test-threads=1 --nocapture ${TEST_FILTER:-} 2>&1 | tee "$logs/$t.log"; then
-    record "$t (${what[$t]:-})" "pass"
   else
-    record "$t (${what[$t]:-})" "FAIL (see $t.log)"
+    timeout -k 10 "${TEST_TIMEOUT:-420}" "$bin/$t" --ignored --test-threads=1 --nocapture ${TEST_FILTER:-} \
+      >"$logs/$t.log" 2>&1
+    rc=$?
+    tail -n 40 "$logs/$t.log"
+    case $rc in
+      0) record "$t (${what[$t]:-})" "pass" ;;
+      124 | 137) record "$t (${what[$t]:-})" "TIMEOUT after ${TEST_TIMEOUT:-420} s (see $t.log)" ;;
+      *) record "$t (${what[$t]:-})" "FAIL (see $t.log)" ;;
+    esac
   fi
 done
 
@@ -79,7 +97,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
 read -r -a kernel_bench_args <<<"${KERNEL_BENCH_ARGS:-}"
 if [ "${SKIP_KERNEL_BENCH:-0}" != 1 ]; then
 echo "== kernel benchmark (expert GEMMs, attention) ($(date +%T))"
-if "$bin"/cuda_kernel_bench configs/qwen3-30b-a3b.json "${kernel_bench_args[@]}" 2>&1 | tee "$logs/kernel_bench.md"; then
+if "${bound[@]}" "$bin"/cuda_kernel_bench configs/qwen3-30b-a3b.json "${kernel_bench_args[@]}" 2>&1 | tee "$logs/kernel_bench.md"; then
   record "cuda_kernel_bench" "done (kernel_bench.md)"
 else
   record "cuda_kernel_bench" "FAIL"
@@ -94,7 +112,7 @@ elif [ "$mode" = full ]; then
 else
   bench_args=(configs/qwen3-30b-a3b.json --layers 4 --steps 16 --batches 1,64 --prefill 2x2048)
 fi
-if "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench.md"; then
+if "${bound[@]}" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench.md"; then
   record "cuda_bench ${bench_args[*]}" "done (bench.md)"
 else
   record "cuda_bench" "FAIL"
@@ -102,11 +120,11 @@ fi
 # Builds of the previous code (carried as .bin/cuda_kernel_bench_before, .bin/cuda_bench_before),
 # for before/after in one run, with the same arguments.
 if [ -x "$bin/cuda_kernel_bench_before" ]; then
-  "$bin"/cuda_kernel_bench_before configs/qwen3-30b-a3b.json "${kernel_bench_args[@]}" 2>&1 | tee "$logs/kernel_bench_before.md" \
+  "${bound[@]}" "$bin"/cuda_kernel_bench_before configs/qwen3-30b-a3b.json "${kernel_bench_args[@]}" 2>&1 | tee "$logs/kernel_bench_before.md" \
     && record "cuda_kernel_bench_before (previous code)" "done (kernel_bench_before.md)" || record "cuda_kernel_bench_before" "FAIL"
 fi
 if [ -x "$bin/cuda_bench_before" ]; then
-  "$bin"/cuda_bench_before "${bench_args[@]}" 2>&1 | tee "$logs/bench_before.md" \
+  "${bound[@]}" "$bin"/cuda_bench_before "${bench_args[@]}" 2>&1 | tee "$logs/bench_before.md" \
     && record "cuda_bench_before (previous code)" "done (bench_before.md)" || record "cuda_bench_before" "FAIL"
 fi
 # KERNEL_VARIANTS="a b": the step benchmark (and KERNEL_VARIANT_KERNEL_BENCH=1: the kernel
@@ -115,52 +133,52 @@ fi
 # kernel variants measured by one binary in one run.
 for v in ${KERNEL_VARIANTS:-}; do
   if [ "${KERNEL_VARIANT_KERNEL_BENCH:-0}" = 1 ]; then
-    LOCKSTEP_KERNEL_SOURCES="$PWD/$bin/kv/$v" "$bin"/cuda_kernel_bench configs/qwen3-30b-a3b.json "${kernel_bench_args[@]}" 2>&1 \
+    LOCKSTEP_KERNEL_SOURCES="$PWD/$bin/kv/$v" "${bound[@]}" "$bin"/cuda_kernel_bench configs/qwen3-30b-a3b.json "${kernel_bench_args[@]}" 2>&1 \
       | tee "$logs/kernel_bench_$v.md" && record "cuda_kernel_bench, kernels .bin/kv/$v" "done (kernel_bench_$v.md)" \
       || record "cuda_kernel_bench, kernels .bin/kv/$v" "FAIL"
   fi
-  LOCKSTEP_KERNEL_SOURCES="$PWD/$bin/kv/$v" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_$v.md" \
+  LOCKSTEP_KERNEL_SOURCES="$PWD/$bin/kv/$v" "${bound[@]}" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_$v.md" \
     && record "cuda_bench, kernels .bin/kv/$v" "done (bench_$v.md)" || record "cuda_bench, kernels .bin/kv/$v" "FAIL"
 done
 # BENCH_ALT_ARGS="...": the step benchmark once more with these arguments (bench_alt.md).
 if [ -n "${BENCH_ALT_ARGS:-}" ]; then
   read -r -a alt_args <<<"$BENCH_ALT_ARGS"
-  "$bin"/cuda_bench "${alt_args[@]}" 2>&1 | tee "$logs/bench_alt.md" \
+  "${bound[@]}" "$bin"/cuda_bench "${alt_args[@]}" 2>&1 | tee "$logs/bench_alt.md" \
     && record "cuda_bench ${alt_args[*]}" "done (bench_alt.md)" || record "cuda_bench ${alt_args[*]}" "FAIL"
 fi
 # BENCH_WIDE_OFF=1: the step benchmark again on 32-row GEMM tiles only (LOCKSTEP_WIDE_TILES=0).
 if [ "${BENCH_WIDE_OFF:-0}" = 1 ]; then
-  LOCKSTEP_WIDE_TILES=0 "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_wide_off.md" \
+  LOCKSTEP_WIDE_TILES=0 "${bound[@]}" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_wide_off.md" \
     && record "cuda_bench, LOCKSTEP_WIDE_TILES=0" "done (bench_wide_off.md)" || record "cuda_bench, LOCKSTEP_WIDE_TILES=0" "FAIL"
 fi
 # BENCH_BLOCK_SPLIT_OFF=1: the step benchmark again without the few-rows launches split over K
 # inside a block (LOCKSTEP_BLOCK_SPLIT=0: no GemmPath::SkinnyKSplit).
 if [ "${BENCH_BLOCK_SPLIT_OFF:-0}" = 1 ]; then
-  LOCKSTEP_BLOCK_SPLIT=0 "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_block_split_off.md" \
+  LOCKSTEP_BLOCK_SPLIT=0 "${bound[@]}" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_block_split_off.md" \
     && record "cuda_bench, LOCKSTEP_BLOCK_SPLIT=0" "done (bench_block_split_off.md)" || record "cuda_bench, LOCKSTEP_BLOCK_SPLIT=0" "FAIL"
 fi
 # BENCH_WGMMA_OFF=1: the step benchmark again without the wgmma GEMM kernels (LOCKSTEP_WGMMA=0).
 if [ "${BENCH_WGMMA_OFF:-0}" = 1 ]; then
-  LOCKSTEP_WGMMA=0 "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_wgmma_off.md" \
+  LOCKSTEP_WGMMA=0 "${bound[@]}" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_wgmma_off.md" \
     && record "cuda_bench, LOCKSTEP_WGMMA=0" "done (bench_wgmma_off.md)" || record "cuda_bench, LOCKSTEP_WGMMA=0" "FAIL"
 fi
 # BENCH_SWITCHES_OFF="VAR VAR2": the step benchmark again with each kernel-choice switch VAR
 # set to 0 (e.g. LOCKSTEP_SWIGLU_EPILOGUE, LOCKSTEP_TMA_GEMM), as bench_off_VAR.md:
 # each choice against the default in one run (the bits are the same either way).
 for var in ${BENCH_SWITCHES_OFF:-}; do
-  env "$var=0" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_off_$var.md" \
+  env "$var=0" "${bound[@]}" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_off_$var.md" \
     && record "cuda_bench, $var=0" "done (bench_off_$var.md)" || record "cuda_bench, $var=0" "FAIL"
 done
 # BENCH_SWITCHES_ON="VAR ...": the same with each opt-in switch VAR set to 1 (e.g.
 # LOCKSTEP_FOLD_IN_READERS), as bench_on_VAR.md.
 for var in ${BENCH_SWITCHES_ON:-}; do
-  env "$var=1" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_on_$var.md" \
+  env "$var=1" "${bound[@]}" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_on_$var.md" \
     && record "cuda_bench, $var=1" "done (bench_on_$var.md)" || record "cuda_bench, $var=1" "FAIL"
 done
 # BENCH_PDL_OFF=1: the step benchmark again with programmatic dependent launch off
 # (LOCKSTEP_PDL=0), for its share of the step time in the same run.
 if [ "${BENCH_PDL_OFF:-0}" = 1 ]; then
-  LOCKSTEP_PDL=0 "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_pdl_off.md" \
+  LOCKSTEP_PDL=0 "${bound[@]}" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_pdl_off.md" \
     && record "cuda_bench, LOCKSTEP_PDL=0" "done (bench_pdl_off.md)" || record "cuda_bench, LOCKSTEP_PDL=0" "FAIL"
 fi
 if [ "$mode" = full ] && [ "${SKIP_PEER:-0}" != 1 ]; then
@@ -378,7 +396,4 @@ fi
   printf '%s\n' "${summary[@]}"
 } | tee "$logs/summary.md"
 
-# PACK=1: every log in one results.tgz (the device tool brings back at most 8 files).
-if [ "${PACK:-0}" = 1 ]; then
-  (cd "$logs" && tar czf results.tgz --exclude results.tgz ./* && find . -type f ! -name results.tgz -delete)
-fi
+pack
