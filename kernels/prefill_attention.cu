@@ -201,6 +201,20 @@ __device__ __forceinline__ void fa_softmax(float (&s)[8][4], const FaRows& r, in
     m_hi = mn_hi;
 }
 
+// fa_softmax of the tile at k0 in the wgmma walks, whose chunk may end with the tile before: its
+// maxima and sums then move to cm and cl (merged once that tile's P V is done) and the running
+// ones start over, so this tile's softmax begins the next chunk.
+__device__ __forceinline__ void fa_softmax_after(float (&s)[8][4], const FaRows& r, int k0, int t, bool chunk_end,
+                                                 float& m_lo, float& m_hi, float& l_lo, float& l_hi, float& c_lo,
+                                                 float& c_hi, float& cm_lo, float& cm_hi, float& cl_lo, float& cl_hi) {
+    cm_lo = m_lo, cm_hi = m_hi, cl_lo = l_lo, cl_hi = l_hi;
+    if (chunk_end) {
+        m_lo = m_hi = -INFINITY;
+        l_lo = l_hi = 0.0f;
+    }
+    fa_softmax<true>(s, r, k0, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
+}
+
 // The probabilities of key tiles (2kk, 2kk + 1) as the A fragment of P V's k16 step kk, rounded
 // to BF16 (the C fragments of two n8 tiles are one k16 A fragment); without HI the rows g + 8
 // are zeros.
@@ -880,13 +894,8 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
         __syncthreads();  // every warp's scores are done with ks_next: the K two tiles on comes in
         if (k_next + 2 * FA_KEYS <= last_pos) copy.issue(ks_next, copy.k_src, list(k_next + 2 * FA_KEYS), k_next + 2 * FA_KEYS);
         else cp_async_commit();
-        // This chunk's max and sum: the next tile's softmax starts a new chunk after its end.
-        float cm_lo = m_lo, cm_hi = m_hi, cl_lo = l_lo, cl_hi = l_hi;
-        if (chunk_end) {
-            m_lo = m_hi = -INFINITY;
-            l_lo = l_hi = 0.0f;
-        }
-        fa_softmax<true>(s, r, k_next, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
+        float cm_lo, cm_hi, cl_lo, cl_hi;  // this chunk's max and sum
+        fa_softmax_after(s, r, k_next, t, chunk_end, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi, cm_lo, cm_hi, cl_lo, cl_hi);
         pv_done();
         if (chunk_end)
             fa_end_chunk_regs(o, tot, r, true, t, cm_lo, cm_hi, cl_lo, cl_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
@@ -1247,12 +1256,8 @@ __device__ void fa_attend_tma(const FaRows r, int last_pos, float scale_log2, u3
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         fa_wg_hold_scores(s);
         release(empty_k, i + 1);
-        float cm_lo = m_lo, cm_hi = m_hi, cl_lo = l_lo, cl_hi = l_hi;
-        if (chunk_end) {
-            m_lo = m_hi = -INFINITY;
-            l_lo = l_hi = 0.0f;
-        }
-        fa_softmax<true>(s, r, k_next, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
+        float cm_lo, cm_hi, cl_lo, cl_hi;
+        fa_softmax_after(s, r, k_next, t, chunk_end, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi, cm_lo, cm_hi, cl_lo, cl_hi);
         pv_done();
         release(empty_v, i);
         if (chunk_end)

@@ -930,35 +930,43 @@ fn the_routing_plan_is_the_sequential_walk_over_experts() {
             offsets,
             "{shape}"
         );
-        let n = g.download(&plan.num_tiles, 1).unwrap()[0] as usize;
-        assert_eq!(n, tiles.len() / 2, "{shape}: tiles");
-        assert!(
-            n <= plan.tiles_launched(),
-            "{shape}: {n} tiles over the launch bound"
-        );
-        assert_eq!(g.download(&plan.tiles, 2 * n).unwrap(), tiles, "{shape}");
-        let n = g.download(&plan.num_wide_tiles, 1).unwrap()[0] as usize;
-        assert_eq!(n, wide.len() / 2, "{shape}: wide tiles");
-        assert!(
-            n <= plan.wide_tiles_launched(),
-            "{shape}: {n} wide tiles over the launch bound"
-        );
-        assert_eq!(
-            g.download(&plan.wide_tiles, 2 * n).unwrap(),
-            wide,
-            "{shape}: wide tiles"
-        );
-        let n = g.download(&plan.num_pair_tiles, 1).unwrap()[0] as usize;
-        assert_eq!(n, pair.len() / 2, "{shape}: pair tiles");
-        assert!(
-            n <= plan.pair_tiles_launched(),
-            "{shape}: {n} pair tiles over the launch bound"
-        );
-        assert_eq!(
-            g.download(&plan.pair_tiles, 2 * n).unwrap(),
-            pair,
-            "{shape}: pair tiles"
-        );
+        // Each tile list: its count, within the launch bound, and its tiles.
+        let lists = [
+            (
+                "32-row",
+                &plan.tiles,
+                &plan.num_tiles,
+                plan.tiles_launched(),
+                tiles,
+            ),
+            (
+                "wide",
+                &plan.wide_tiles,
+                &plan.num_wide_tiles,
+                plan.wide_tiles_launched(),
+                wide,
+            ),
+            (
+                "pair",
+                &plan.pair_tiles,
+                &plan.num_pair_tiles,
+                plan.pair_tiles_launched(),
+                pair,
+            ),
+        ];
+        for (name, list, count, launched, want) in lists {
+            let n = g.download(count, 1).unwrap()[0] as usize;
+            assert_eq!(n, want.len() / 2, "{shape}: {name} tiles");
+            assert!(
+                n <= launched,
+                "{shape}: {n} {name} tiles over the launch bound"
+            );
+            assert_eq!(
+                g.download(list, 2 * n).unwrap(),
+                want,
+                "{shape}: {name} tiles"
+            );
+        }
         assert_rows_of_groups(&g, &plan, &ids, &offsets, top_k, &shape);
     }
 }

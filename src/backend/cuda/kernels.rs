@@ -430,19 +430,23 @@ pub fn max_dynamic_smem(arch: &str) -> u32 {
 }
 
 impl Kernel {
+    /// One of the TMA GEMM kernels (kernels/gemm.cu `GEMM_TMA_KERNEL`).
+    fn is_tma_gemm(self) -> bool {
+        matches!(
+            self,
+            Kernel::GroupedGemmTmaBf16
+                | Kernel::GroupedGemmTmaMxfp8
+                | Kernel::GroupedGemmTmaNvfp4
+                | Kernel::GroupedGemmTmaSwigluBf16
+                | Kernel::GroupedGemmTmaSwigluMxfp8
+                | Kernel::GroupedGemmTmaSwigluNvfp4
+                | Kernel::GroupedGemmTmaSwigluWordsBf16
+        )
+    }
+
     /// The registers it hands between warpgroups (`setmaxnreg`), on Hopper where it runs.
     pub fn register_handoff(self) -> Option<RegisterHandoff> {
-        match self {
-            Kernel::GroupedGemmTmaBf16
-            | Kernel::GroupedGemmTmaMxfp8
-            | Kernel::GroupedGemmTmaNvfp4
-            | Kernel::GroupedGemmTmaSwigluBf16
-            | Kernel::GroupedGemmTmaSwigluMxfp8
-            | Kernel::GroupedGemmTmaSwigluNvfp4
-            | Kernel::GroupedGemmTmaSwigluWordsBf16
-            | Kernel::PrefillAttentionTmaHd128 => Some(TMA_HANDOFF),
-            _ => None,
-        }
+        (self.is_tma_gemm() || self == Kernel::PrefillAttentionTmaHd128).then_some(TMA_HANDOFF)
     }
 
     /// The dynamic shared memory a launch on `arch` gives it (its limit is raised to this on
@@ -462,17 +466,7 @@ impl Kernel {
             {
                 WGMMA_SMEM_BYTES
             }
-            Kernel::GroupedGemmTmaBf16
-            | Kernel::GroupedGemmTmaMxfp8
-            | Kernel::GroupedGemmTmaNvfp4
-            | Kernel::GroupedGemmTmaSwigluBf16
-            | Kernel::GroupedGemmTmaSwigluMxfp8
-            | Kernel::GroupedGemmTmaSwigluNvfp4
-            | Kernel::GroupedGemmTmaSwigluWordsBf16
-                if hopper =>
-            {
-                TMA_SMEM_BYTES
-            }
+            k if k.is_tma_gemm() && hopper => TMA_SMEM_BYTES,
             Kernel::PrefillAttentionHd32 => prefill_attention_smem_bytes(32, arch),
             Kernel::PrefillAttentionHd64 => prefill_attention_smem_bytes(64, arch),
             Kernel::PrefillAttentionHd128 => prefill_attention_smem_bytes(128, arch),
