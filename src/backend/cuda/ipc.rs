@@ -5,6 +5,7 @@
 //! give back the producer's reference (its counter in a shared-memory file) so the trainer can
 //! free the tensor.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -174,7 +175,7 @@ impl IpcMapping {
                 )?;
                 waited.push(ev);
             }
-            if !bases.contains_key(&s.handle) {
+            if let Entry::Vacant(slot) = bases.entry(s.handle) {
                 let handle = sys::CUipcMemHandle_st {
                     reserved: s.handle.map(|b| b as std::ffi::c_char),
                 };
@@ -202,7 +203,7 @@ impl IpcMapping {
                 )?;
                 // The mapping is the whole allocation: what lies past `ptr` bounds every range.
                 let usable = (base as usize + size) - ptr as usize;
-                bases.insert(s.handle, (ptr, usable));
+                slot.insert((ptr, usable));
             }
             let (ptr, usable) = bases[&s.handle];
             if s.offset.checked_add(s.len).is_none_or(|end| end > usable) {
