@@ -175,6 +175,15 @@ for var in ${BENCH_SWITCHES_ON:-}; do
   env "$var=1" "${bound[@]}" "$bin"/cuda_bench "${bench_args[@]}" 2>&1 | tee "$logs/bench_on_$var.md" \
     && record "cuda_bench, $var=1" "done (bench_on_$var.md)" || record "cuda_bench, $var=1" "FAIL"
 done
+# BENCH_ENVS="VAR=VALUE ...": the same once for each setting (e.g. LOCKSTEP_ROUTE_PLAN_TOKENS=16),
+# with BENCH_ENV_ARGS as its arguments if set (default: BENCH_ARGS), as bench_env_VAR_VALUE.md.
+read -r -a env_args <<<"${BENCH_ENV_ARGS:-}"
+[ ${#env_args[@]} -gt 0 ] || env_args=("${bench_args[@]}")
+for setting in ${BENCH_ENVS:-}; do
+  log="bench_env_${setting//=/_}.md"
+  env "$setting" "${bound[@]}" "$bin"/cuda_bench "${env_args[@]}" 2>&1 | tee "$logs/$log" \
+    && record "cuda_bench, $setting" "done ($log)" || record "cuda_bench, $setting" "FAIL"
+done
 # BENCH_PDL_OFF=1: the step benchmark again with programmatic dependent launch off
 # (LOCKSTEP_PDL=0), for its share of the step time in the same run.
 if [ "${BENCH_PDL_OFF:-0}" = 1 ]; then

@@ -95,11 +95,30 @@ pub fn moe_route(
 /// the work. Its 8 warps route one token each; more would queue (H200, 2026-12-03: at 64
 /// tokens, 8 a warp, with the in-launch folds, decode took 33.9 ms a step against 26.1).
 pub const ROUTE_PLAN_MAX_TOKENS: usize = 8;
+
+/// The tokens up to which [`route_and_plan`] runs as one launch: [`ROUTE_PLAN_MAX_TOKENS`], or
+/// `LOCKSTEP_ROUTE_PLAN_TOKENS` (1 to 256, read once) to measure another bound; the ids,
+/// weights and plan are the same either way.
+fn route_plan_tokens() -> usize {
+    static TOKENS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *TOKENS.get_or_init(|| {
+        route_plan_tokens_from(std::env::var("LOCKSTEP_ROUTE_PLAN_TOKENS").ok().as_deref())
+    })
+}
+
+/// [`route_plan_tokens`] for the variable's value: a count of 1 to 256, else the default.
+fn route_plan_tokens_from(value: Option<&str>) -> usize {
+    value
+        .and_then(|v| v.parse().ok())
+        .filter(|t| (1..=256).contains(t))
+        .unwrap_or(ROUTE_PLAN_MAX_TOKENS)
+}
 /// The most experts `moe_route_plan` counts in shared memory (kernels/moe.cu).
 pub const ROUTE_PLAN_MAX_EXPERTS: usize = 1024;
 
 /// [`moe_route`] and then [`MoePlan::build`] over its ids: as one launch for up to
-/// [`ROUTE_PLAN_MAX_TOKENS`] tokens (the same ids, weights and plan), else as the two. `sums`
+/// [`ROUTE_PLAN_MAX_TOKENS`] tokens (`route_plan_tokens`; the same ids, weights and plan), else
+/// as the two. `sums`
 /// as for [`moe_route`].
 #[allow(clippy::too_many_arguments)]
 pub fn route_and_plan(
@@ -115,7 +134,7 @@ pub fn route_and_plan(
     weights: &mut CudaSlice<f32>,
     plan: &mut MoePlan,
 ) -> Result<(), CudaError> {
-    if tokens == 0 || tokens > ROUTE_PLAN_MAX_TOKENS || experts > ROUTE_PLAN_MAX_EXPERTS {
+    if tokens == 0 || tokens > route_plan_tokens() || experts > ROUTE_PLAN_MAX_EXPERTS {
         moe_route(
             gpu,
             logits,
@@ -309,6 +328,26 @@ impl MoePlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_one_launch_routing_bound_takes_counts_of_1_to_256() {
+        assert_eq!(route_plan_tokens_from(Some("16")), 16);
+        assert_eq!(route_plan_tokens_from(Some("256")), 256);
+        for bad in [
+            None,
+            Some("0"),
+            Some("257"),
+            Some("-3"),
+            Some("sixteen"),
+            Some(""),
+        ] {
+            assert_eq!(
+                route_plan_tokens_from(bad),
+                ROUTE_PLAN_MAX_TOKENS,
+                "{bad:?}"
+            );
+        }
+    }
 
     /// Every way of routing `pairs` pairs to `experts` experts (counts as compositions): the
     /// tiles they make never pass the bound, and some routing reaches it.
