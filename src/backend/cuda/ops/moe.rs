@@ -96,6 +96,9 @@ pub fn moe_route(
 /// tokens, 8 a warp, with the in-launch folds, decode took 33.9 ms a step against 26.1).
 pub const ROUTE_PLAN_MAX_TOKENS: usize = 8;
 
+/// The most experts `moe_route_plan` counts in shared memory (kernels/moe.cu).
+pub const ROUTE_PLAN_MAX_EXPERTS: usize = 1024;
+
 /// The tokens up to which [`route_and_plan`] runs as one launch: [`ROUTE_PLAN_MAX_TOKENS`], or
 /// `LOCKSTEP_ROUTE_PLAN_TOKENS` (1 to 256, read once) to measure another bound; the ids,
 /// weights and plan are the same either way.
@@ -113,13 +116,10 @@ fn route_plan_tokens_from(value: Option<&str>) -> usize {
         .filter(|t| (1..=256).contains(t))
         .unwrap_or(ROUTE_PLAN_MAX_TOKENS)
 }
-/// The most experts `moe_route_plan` counts in shared memory (kernels/moe.cu).
-pub const ROUTE_PLAN_MAX_EXPERTS: usize = 1024;
 
 /// [`moe_route`] and then [`MoePlan::build`] over its ids: as one launch for up to
-/// [`ROUTE_PLAN_MAX_TOKENS`] tokens (`route_plan_tokens`; the same ids, weights and plan), else
-/// as the two. `sums`
-/// as for [`moe_route`].
+/// `route_plan_tokens` tokens (the same ids, weights and plan), else as the two. `sums` as for
+/// [`moe_route`].
 #[allow(clippy::too_many_arguments)]
 pub fn route_and_plan(
     gpu: &Gpu,
