@@ -120,6 +120,15 @@ extern "C" __global__ void moe_count(const int* topk_ids, int pairs, int* counts
 // runs' rows and tiles gives each run its first row and tiles, so the plan is the one a single
 // walk over e = 0, 1, ... writes (integers: the same for any thread count).
 #define PLAN_THREADS 256
+// Writes expert e's tiles of `tile_rows` rows over its `count` rows from `row` into `list` from
+// entry `at`; returns the entry after them.
+__device__ __forceinline__ int put_tiles(int* list, int at, int e, int row, int count, int tile_rows) {
+    for (int r = 0; r < count; r += tile_rows, at++) {
+        list[2 * at] = e;
+        list[2 * at + 1] = row + r;
+    }
+    return at;
+}
 __device__ void plan_block(const int* counts, int experts, int tile_rows, int wide_rows, int* offsets, int* cursor,
                            int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles, int* pair_tiles,
                            int* num_pair_tiles) {
@@ -153,21 +162,9 @@ __device__ void plan_block(const int* counts, int experts, int tile_rows, int wi
     for (int e = e0; e < e1; e++) {
         offsets[e] = row;
         cursor[e] = row;
-        for (int r = 0; r < counts[e]; r += tile_rows) {
-            tiles[2 * n] = e;
-            tiles[2 * n + 1] = row + r;
-            n++;
-        }
-        for (int r = 0; r < counts[e]; r += wide_rows) {
-            wide_tiles[2 * m] = e;
-            wide_tiles[2 * m + 1] = row + r;
-            m++;
-        }
-        for (int r = 0; r < counts[e]; r += pair_rows) {
-            pair_tiles[2 * p] = e;
-            pair_tiles[2 * p + 1] = row + r;
-            p++;
-        }
+        n = put_tiles(tiles, n, e, row, counts[e], tile_rows);
+        m = put_tiles(wide_tiles, m, e, row, counts[e], wide_rows);
+        p = put_tiles(pair_tiles, p, e, row, counts[e], pair_rows);
         row += counts[e];
     }
     if (tid == PLAN_THREADS - 1) {

@@ -244,19 +244,23 @@ impl MoePlan {
 
     /// [`MoePlan::tile_bound`] of the last [`MoePlan::build`], for its tiles.
     pub fn tiles_launched(&self) -> usize {
-        Self::tile_bound(self.pairs, self.counts.len(), GEMM_TILE_ROWS).min(self.tiles.len() / 2)
+        self.launched(&self.tiles, GEMM_TILE_ROWS)
     }
 
     /// The same for its wide tiles.
     pub fn wide_tiles_launched(&self) -> usize {
-        Self::tile_bound(self.pairs, self.counts.len(), GEMM_WIDE_TILE_ROWS)
-            .min(self.wide_tiles.len() / 2)
+        self.launched(&self.wide_tiles, GEMM_WIDE_TILE_ROWS)
     }
 
     /// The same for its pair tiles.
     pub fn pair_tiles_launched(&self) -> usize {
-        Self::tile_bound(self.pairs, self.counts.len(), PAIR_TILE_ROWS)
-            .min(self.pair_tiles.len() / 2)
+        self.launched(&self.pair_tiles, PAIR_TILE_ROWS)
+    }
+
+    /// The tile blocks a launch over `list` (tiles of `rows` rows) takes: the bound, within the
+    /// list.
+    fn launched(&self, list: &CudaSlice<i32>, rows: usize) -> usize {
+        Self::tile_bound(self.pairs, self.counts.len(), rows).min(list.len() / 2)
     }
 
     /// Groups the pairs of `ids` by expert: counts, offsets, GEMM tiles (wide and pair tiles too), and for every pair
