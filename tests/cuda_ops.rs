@@ -73,13 +73,26 @@ fn dummy_weights_equal_the_cpu_generator() {
 fn activation_quantizers_match_the_quant_module_byte_for_byte() {
     let g = gpu();
     let mut rng = Rng(seed());
-    let (rows, cols) = (37, 256);
-    let x = activations(&mut rng, rows, cols);
-    let dx = g.upload(&x).unwrap();
+    // Rows narrower than a block's threads, one decode row of Qwen3-30B-A3B's width, and rows
+    // a block walks in several rounds of loads with a part-filled last round.
+    for (rows, cols) in [(37, 256), (5, 2048), (3, 4864)] {
+        let mut x = activations(&mut rng, rows, cols);
+        // Rows 0 and 2 with their largest magnitude in their last element (row 1 stays all
+        // zero), so a walk that stops short of a row's end gives other scales.
+        for r in [0, 2] {
+            x[r * cols + cols - 1] = 5000.0 * (r + 1) as f32;
+        }
+        quantizers_match_on(&g, &x, rows, cols);
+    }
+}
+
+/// The MXFP8 and NVFP4 activation quantizers on `x` [rows][cols] against the CPU's bytes.
+fn quantizers_match_on(g: &lockstep::backend::cuda::Gpu, x: &[f32], rows: usize, cols: usize) {
+    let dx = g.upload(x).unwrap();
     let n = rows * cols;
 
     // MXFP8 1x32.
-    let want = quant::mxfp8::quantize_rowwise(&x, rows, cols).unwrap();
+    let want = quant::mxfp8::quantize_rowwise(x, rows, cols).unwrap();
     let (mut data, mut scales, mut deq) = (
         poisoned(&g, n, 0xAAu8),
         poisoned(&g, n / 32, 0xAAu8),
@@ -118,7 +131,7 @@ fn activation_quantizers_match_the_quant_module_byte_for_byte() {
     for fos in variants {
         for granularity in [ScaleGranularity::PerToken, ScaleGranularity::PerTensor] {
             let want = quant::nvfp4::quantize(
-                &x,
+                x,
                 rows,
                 cols,
                 &Nvfp4Options {
