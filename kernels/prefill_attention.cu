@@ -257,12 +257,6 @@ __device__ __forceinline__ FaChunkWeights fa_chunk_weights(float m_lo, float m_h
     return w;
 }
 
-// A compile-time value passed to a generic lambda.
-template <int V>
-struct Const {
-    static constexpr int value = V;
-};
-
 // One output element of a live row at a chunk's end: the running total merged with the chunk's
 // part, kept in `total` while more chunks follow, else normalized into `out`. MODE, where the
 // caller knows it: 0 the first chunk (the part is the total), 1 a later chunk whose a is 1
@@ -346,6 +340,25 @@ __device__ __forceinline__ void fa_end_chunk(float (&o)[DW][4], const FaRows& r,
     fa_next_chunk(o, m_lo, m_hi, l_lo, l_hi, first_chunk);
 }
 
+// fa_end_chunk_regs' merge of a chunk into the running total, in one of fa_merge_element's
+// modes. (A template, not a generic lambda: the NVRTC of CUDA 13.0 takes a generic lambda in
+// device code for a host function and refuses it.)
+template <int MODE, int DW>
+__device__ __forceinline__ void fa_merge_regs(float (&o)[DW][4], float (&tot)[DW][4], const FaRows& r,
+                                              const FaChunkWeights& w, int t, bool first_chunk, bool more) {
+#pragma unroll
+    for (int d = 0; d < DW; d++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            int col = d * 8 + 2 * t + j;
+            if (r.live_lo)
+                fa_merge_element<MODE>(tot[d][j], r.out_lo[col], o[d][j], w.a_lo, w.b_lo, w.inv_lo, first_chunk, more);
+            if (r.live_hi)
+                fa_merge_element<MODE>(tot[d][2 + j], r.out_hi[col], o[d][2 + j], w.a_hi, w.b_hi, w.inv_hi,
+                                       first_chunk, more);
+        }
+}
+
 // fa_end_chunk for the wgmma walk, which never splits: the running total in registers (`tot`,
 // in o's layout). Two blocks an SM leave a thread 255 registers, and the total in shared memory
 // cost a load and a store an element at each chunk's end. o is cleared for the next chunk here,
@@ -357,30 +370,15 @@ __device__ __forceinline__ void fa_end_chunk_regs(float (&o)[DW][4], float (&tot
                                                   float& M_lo, float& M_hi, float& L_lo, float& L_hi,
                                                   bool& first_chunk) {
     FaChunkWeights w = fa_chunk_weights(m_lo, m_hi, l_lo, l_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
-    auto merge = [&](auto mode) {
-        constexpr int MODE = decltype(mode)::value;
-#pragma unroll
-        for (int d = 0; d < DW; d++)
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-                int col = d * 8 + 2 * t + j;
-                if (r.live_lo)
-                    fa_merge_element<MODE>(tot[d][j], r.out_lo[col], o[d][j], w.a_lo, w.b_lo, w.inv_lo, first_chunk,
-                                           more);
-                if (r.live_hi)
-                    fa_merge_element<MODE>(tot[d][2 + j], r.out_hi[col], o[d][2 + j], w.a_hi, w.b_hi, w.inv_hi,
-                                           first_chunk, more);
-            }
-    };
     // Where the total's weight a is exactly 1 in every live row of the warp (no row's running
     // max grew in this chunk: most chunks of a long row once its max is found), the products
     // total * a, which would be the totals themselves, are left out: the same bits, 64
     // multiplies fewer a chunk. The three cases are separate paths (as selects, ptxas kept
     // both operands of every element live).
     bool unit_a = __all_sync(0xffffffffu, (!r.live_lo || w.a_lo == 1.0f) && (!r.live_hi || w.a_hi == 1.0f));
-    if (first_chunk) merge(Const<0>{});
-    else if (unit_a) merge(Const<1>{});
-    else merge(Const<2>{});
+    if (first_chunk) fa_merge_regs<0>(o, tot, r, w, t, first_chunk, more);
+    else if (unit_a) fa_merge_regs<1>(o, tot, r, w, t, first_chunk, more);
+    else fa_merge_regs<2>(o, tot, r, w, t, first_chunk, more);
     fa_next_chunk(o, m_lo, m_hi, l_lo, l_hi, first_chunk);
 }
 
