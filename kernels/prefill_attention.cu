@@ -1020,10 +1020,6 @@ __device__ void decode_attention(const float* q, float* out, const bf16_t* k_cac
 
 // Split-KV's second step: grid (rows, heads), HD threads. The chunk states decode_attention
 // stored for each (row, head) merged in chunk order, as fa_attend merges them, then normalized.
-// The states are loaded MERGE_AHEAD chunks at a time before they are merged (the same merges in
-// the same order): one chunk at a time, each merge waited a load's latency, and a row of 4,096
-// keys (32 chunks) took 10.5 us for 16 rows (H200, 2026-12-05).
-#define MERGE_AHEAD 8
 template <int HD>
 __device__ void attention_merge(const float* part, float* out, const int* row_pos, const int* rows, int heads,
                                 int max_chunks) {
@@ -1032,24 +1028,13 @@ __device__ void attention_merge(const float* part, float* out, const int* row_po
     int chunks = min(row_pos[row] / FA_CHUNK + 1, max_chunks);
     const float* p = part + ((u64)i * heads + h) * max_chunks * (HD + 2);
     float M = p[HD], L = p[HD + 1], O = p[d];
-    for (int c0 = 1; c0 < chunks; c0 += MERGE_AHEAD) {
-        float m[MERGE_AHEAD], l[MERGE_AHEAD], o[MERGE_AHEAD];
-#pragma unroll
-        for (int j = 0; j < MERGE_AHEAD; j++) {
-            const float* pc = p + (u64)min(c0 + j, chunks - 1) * (HD + 2);
-            m[j] = pc[HD];
-            l[j] = pc[HD + 1];
-            o[j] = pc[d];
-        }
-#pragma unroll
-        for (int j = 0; j < MERGE_AHEAD; j++) {
-            if (c0 + j >= chunks) break;
-            float a, b;
-            fa_merge_weights(M, m[j], a, b);
-            L = fa_merge(L, a, l[j], b);
-            O = fa_merge(O, a, o[j], b);
-            M = fmaxf(M, m[j]);
-        }
+    for (int c = 1; c < chunks; c++) {
+        const float* pc = p + (u64)c * (HD + 2);
+        float m = pc[HD], a, b;
+        fa_merge_weights(M, m, a, b);
+        L = fa_merge(L, a, pc[HD + 1], b);
+        O = fa_merge(O, a, pc[d], b);
+        M = fmaxf(M, m);
     }
     float inv = L > 0.0f ? __fdiv_rn(1.0f, L) : 0.0f;
     out[((u64)row * heads + h) * HD + d] = __fmul_rn(O, inv);
