@@ -206,9 +206,10 @@ impl PrefillBlocks {
         }
     }
 
-    /// The blocks [`prefill_attention`] takes: two heads where possible unless
-    /// `LOCKSTEP_FA_PAIRS=0`, copied by the TMA unit with `LOCKSTEP_FA_TMA=1` (opt-in until
-    /// measured).
+    /// The blocks [`prefill_attention`] takes: one head a block unless `LOCKSTEP_FA_PAIRS=1`
+    /// (two heads where possible) or `LOCKSTEP_FA_TMA=1` (two heads, copied by the TMA unit).
+    /// Both are opt-in: on an H100 (2026-12-05) two heads a block took 8% longer than one, and
+    /// the TMA copies no less time than the threads' copies (docs/performance.md).
     pub fn chosen(gpu: &Gpu, s: AttnShape) -> PrefillBlocks {
         static PAIRS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         static TMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -217,7 +218,7 @@ impl PrefillBlocks {
         {
             PrefillBlocks::TwoHeadsTma
         } else if PrefillBlocks::TwoHeads.possible(gpu, s)
-            && super::gemm::switched_on(&PAIRS, "LOCKSTEP_FA_PAIRS")
+            && super::gemm::opted_in(&PAIRS, "LOCKSTEP_FA_PAIRS")
         {
             PrefillBlocks::TwoHeads
         } else {
