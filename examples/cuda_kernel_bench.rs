@@ -501,6 +501,8 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
     for (what, seqs, ctx, rows_per_seq) in [
         ("prefill", 1usize, 512usize, 512usize),
         ("prefill", 2, 2048, 2048),
+        // The last 8,192-row chunk of a 32k prompt (its TTFT's largest attention launch).
+        ("prefill", 1, 32768, 8192),
         ("decode", 1, 8192, 1),
         ("decode", 64, 512, 1),
         ("decode", 256, 512, 1),
@@ -566,10 +568,22 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
                 "decode_attention",
                 "decode_attention split-KV",
             ]
+        } else if ops::PrefillBlocks::TwoHeadsTma.possible(gpu, shape) {
+            &[
+                "paged_attention",
+                "prefill_attention",
+                "prefill_attention two heads a block",
+                "prefill_attention two heads, TMA copies",
+            ]
         } else {
             &["paged_attention", "prefill_attention"]
         };
-        for &kernel in kernels {
+        // The one-row-at-a-time paged kernel is left out of the long prompt (seconds a run).
+        let long = rows * ctx > 1 << 26;
+        for &kernel in kernels
+            .iter()
+            .filter(|&&k| !(long && k == "paged_attention"))
+        {
             let s = time(gpu, || {
                 if kernel == "paged_attention" {
                     ops::paged_attention(gpu, &q, &mut out, &k, &v, &meta, rows, shape)
@@ -590,6 +604,13 @@ fn attention(gpu: &Gpu, cfg: &ModelConfig, bw: f64) {
                         tiles.len() / 2,
                         rows,
                         shape,
+                        match kernel {
+                            "prefill_attention two heads a block" => ops::PrefillBlocks::TwoHeads,
+                            "prefill_attention two heads, TMA copies" => {
+                                ops::PrefillBlocks::TwoHeadsTma
+                            }
+                            _ => ops::PrefillBlocks::OneHead,
+                        },
                     )
                 }
                 .expect("attention")

@@ -290,7 +290,7 @@ struct __align__(64) TensorMap {
     u64 opaque[16];
 };
 
-// Polls of a barrier wait after which the kernel traps (a launch error) instead of hanging the
+// Polls of a barrier wait after which the kernel faults (a launch error) instead of hanging the
 // GPU: far beyond any wait for copies in flight (each poll may suspend for a while).
 #define MBAR_MAX_POLLS (1u << 26)
 
@@ -306,17 +306,18 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 }
 // Waits until the barrier's phase of this parity has completed (its copies' bytes are then
 // visible to the waiting thread).
+// The fault is a store to address 0 (an illegal-address launch error), not `trap`: a trap in
+// the MMA warpgroups' code kept ptxas 13.5 from giving them the registers `setmaxnreg` hands
+// them (the 256-column TMA GEMM then spilled at 168 registers).
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    for (u32 polls = 0;; polls++) {
-        u32 done;
+    u32 done = 0;
+    for (u32 polls = 0; !done && polls < MBAR_MAX_POLLS; polls++)
         asm volatile(
             "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
             : "=r"(done)
             : "r"(bar), "r"(parity)
             : "memory");
-        if (done) return;
-        if (polls == MBAR_MAX_POLLS) __trap();
-    }
+    if (!done) *(volatile u32*)0 = bar;
 }
 // The box of `map` at (c0, c1) (innermost coordinate first) into shared memory at dst, its
 // bytes counted on `bar`.

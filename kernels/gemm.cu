@@ -27,7 +27,7 @@
 // - grouped_gemm_skinny_ksplit_*: the 32-column few-rows warps for tiles of at most 16 rows, a
 //   32-column group's K segments spread over one block's warps and added in the block.
 // - grouped_gemm_wgmma_* (Hopper, sm_90a): the same products on warpgroup MMAs, 128x128 tiles
-//   (two of the plan's wide tiles), the weights as the A operand (section below);
+//   (a plan's pair tiles: two wide tiles' rows), the weights as the A operand (section below);
 //   grouped_gemm_wgmma_swiglu_*: over a gate/up matrix, with SwiGLU in the epilogue (h written
 //   instead of gate and up: swiglu_weight_row); grouped_gemm_tma_*: the same with the copies
 //   made by the TMA unit (section below).
@@ -1102,14 +1102,14 @@ __device__ void grouped_gemm_skinny4(const float* x, const int* row_index, const
 // the tile's rows of x its N (B, from shared memory in the 64-byte swizzle: a row's span is 64
 // bytes whose 16-byte pieces are the packed operand's, piece s at s ^ (row / 2) % 4, the tiled
 // kernel's `a_piece` order; chunk c's k16 step starts 32c bytes into the rows).
-// A tile is 128 rows (two of the routing plan's wide tiles of one expert, or of a dense group)
-// x 128 columns over two warpgroups, one block an SM: each decoded weight fragment feeds 128
+// A tile is 128 rows (a routing plan's pair tile: two wide tiles' rows of one expert; or of a
+// dense group) x 128 columns over two warpgroups, one block an SM: each decoded weight fragment feeds 128
 // rows, and each byte brought from L2 feeds twice the products of a 64-row tile (ncu, H200,
 // 2026-12-03: the 64-row kernel kept L2 87% busy and its shared-memory reads conflicted 62% of
-// the time, unswizzled). The grid is the wide tiles'; the block of a wide tile that is the
-// second of its pair returns at once. A tile of at most 64 live rows uses m64n64 MMAs.
+// the time, unswizzled). The grid is the pair tiles' (the plan's `pair_tiles`). A tile of at
+// most 64 live rows uses m64n64 MMAs.
 
-#define WG_ROWS 128  // rows per wgmma tile: two wide tiles
+#define WG_ROWS 128  // rows per wgmma tile: two wide tiles (host: ops::gemm::PAIR_TILE_ROWS)
 #define WG_STAGES 8
 #define WG_X_STAGE (WG_ROWS * 64)  // a span of the activations: 64 bytes a row
 #define WG_W_STAGE (TILE_TN * 64)  // a span of 128 BF16 columns
@@ -1245,10 +1245,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
                                                    float* partials, const u32* xb, u32* counters, int bx) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     int e, r0, r1;
-    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TM_WIDE)) return;
-    // The first wide tile of each pair takes both: rows r0 .. r0 + 128 of its expert or group.
-    if (((r0 - (tiles ? offsets[e] : 0)) / TM_WIDE) % 2 == 1) return;
-    r1 = min(r0 + WG_ROWS, tiles ? offsets[e + 1] : rows);
+    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, WG_ROWS)) return;  // a pair tile's rows
     bool wide_n = r1 - r0 > 64;  // block-uniform: m64n128 MMAs, else m64n64
     constexpr bool swiglu = OUT != WG_OUT_SUMS;
     int n0 = bx * (swiglu ? TILE_TN / 2 : TILE_TN);  // a SwiGLU tile's first h column
@@ -1383,24 +1380,41 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
 // [rows][2K bytes]; W a tensor map over [experts * N][row bytes], 64 rows a copy (a SwiGLU
 // tile's gate rows, then its up rows).
 //
+// A block takes TMA_COLS weight columns: 128 (two MMA warpgroups of 64), or 256, two
+// 128-column blocks side by side (the grid's column blocks are of TMA_COLS, the host's
+// ops::gemm::TMA_COLS): each MMA warpgroup then holds the 64 columns it would hold in each of
+// the two as two m64 accumulators sharing every activation copy, so a span's copies carry a third fewer
+// bytes a product than with 128 (L2 bounds the 128-column tiles: docs/gpu.md). Each column's
+// products, sums and epilogue are those of the 128-column block, so the bits are. With 256 the
+// running totals live in shared memory ([element][thread], added once a segment) and the
+// copy warpgroup hands its registers to the MMA warpgroups (`setmaxnreg`: 40 and 232 a
+// thread).
+//
 // A stage holds TMA_SPANS spans (host: ops::gemm::TMA_SPANS): x's copies are 64 * TMA_SPANS
 // bytes a row (the 64- or 128-byte swizzle, as wgmma_span's X_ROW), W's W_BYTES * TMA_SPANS
-// in the swizzle of that width (tma_w_offset), so a copy's rows are whole 64- or 128-byte
-// pieces and the lanes' reads of 8 columns fall in distinct banks.
+// in the swizzle of that width (tma_w_offset), so a lane's reads of 8 columns fall in distinct
+// banks.
+#define TMA_COLS 256  // weight rows a block; the host's grid follows it (ops::gemm::TMA_COLS)
+#define TMA_SUBS (TMA_COLS / TILE_TN)  // 128-column blocks a block takes
 #ifndef TMA_SPANS
-#define TMA_SPANS 2
+#define TMA_SPANS 1  // the host's box widths follow it: a kernel variant may not change it alone
 #endif
 #ifndef TMA_STAGES
-#define TMA_STAGES 4  // at most 12 / TMA_SPANS: the host gives the shared memory of 12 spans
+#define TMA_STAGES 4
 #endif
 #define TMA_X_STAGE (WG_X_STAGE * TMA_SPANS)
-#define TMA_W_STAGE (TILE_TN * 64 * TMA_SPANS)  // the largest stage of 128 weight rows (BF16)
-// The TMA kernels' dynamic shared memory: 1024 (the swizzle's alignment) + TMA_STAGES *
-// (TMA_X_STAGE + TMA_W_STAGE) + 2 * 8 * TMA_STAGES (the barriers), within what the host gives
-// (kernels::TMA_SMEM_BYTES, for 12 spans); 288 threads (kernels::TMA_THREADS).
+#define TMA_W_STAGE (TMA_COLS * 64 * TMA_SPANS)  // the largest stage of the weight rows (BF16)
 #define TMA_MMA_WARPS 8
+#define TMA_TOT_BYTES (TMA_SUBS == 2 ? 32 * TMA_MMA_WARPS * 128 * 4 : 0)
+// The TMA kernels' dynamic shared memory: 1024 (the swizzle's alignment) + TMA_STAGES *
+// (TMA_X_STAGE + TMA_W_STAGE) + TMA_TOT_BYTES + 2 * 8 * TMA_STAGES (the barriers), within what
+// the host gives (kernels::TMA_SMEM_BYTES, the most a block may have); 384 threads
+// (kernels::TMA_THREADS): the two MMA warpgroups, then the copy warpgroup.
+static_assert(1024 + TMA_STAGES * (TMA_X_STAGE + TMA_W_STAGE) + TMA_TOT_BYTES + 16 * TMA_STAGES <= 232448,
+              "the stages and totals fit a block's shared memory");
 static_assert((SEG / MMA_TK) % TMA_SPANS == 0, "segments end on a stage's end");
 static_assert(TMA_SPANS == 1 || TMA_SPANS == 2, "x's rows: the 64- or 128-byte swizzle");
+static_assert(TMA_SUBS == 1 || TMA_SUBS == 2, "128 or 256 columns a block");
 
 // The byte of a TMA stage's weight row `row` at offset o into its ROW bytes: the 16-byte pieces
 // swizzled as the copy wrote them (the swizzle of the row's width: piece ^ address bits 7..;
@@ -1410,6 +1424,41 @@ __device__ __forceinline__ int tma_w_offset(int row, int o) {
     return row * ROW + ((((o >> 4) ^ ((row * ROW >> 7) & (ROW / 16 - 1)))) << 4) + (o & 15);
 }
 
+// One span's products on the TMA kernels: wgmma_span's for each of SUBS m64 accumulators (one
+// per 128-column block), the k16 steps in the K chain's order for each.
+template <int FMT, int X_ROW, int SUBS>
+__device__ __forceinline__ void tma_span(float (&acc)[SUBS][64], const u32 (&wd)[SUBS][2][4],
+                                         u32 (&cur)[SUBS][2][4], u32 (&prev)[SUBS][2][4], u32 x_stage,
+                                         bool wide_n) {
+#pragma unroll
+    for (int s = 0; s < SUBS; s++)
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            cur[s][c][0] = wd[s][0][2 * c];
+            cur[s][c][1] = wd[s][1][2 * c];
+            cur[s][c][2] = wd[s][0][2 * c + 1];
+            cur[s][c][3] = wd[s][1][2 * c + 1];
+        }
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int c = 0; c < 2; c++) {
+        u64 desc = X_ROW == 128 ? wgmma_desc_sw128(x_stage + 32 * c) : wgmma_desc_sw64(x_stage + 32 * c);
+#pragma unroll
+        for (int s = 0; s < SUBS; s++) {
+            if (wide_n) wgmma_m64n128k16_rs<0, F16_OPERANDS<FMT>>(acc[s], cur[s][c], desc);
+            else wgmma_m64n64k16_rs<0, F16_OPERANDS<FMT>>(acc[s], cur[s][c], desc);
+        }
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+#pragma unroll
+    for (int s = 0; s < SUBS; s++)
+#pragma unroll
+        for (int c = 0; c < 2; c++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) wgmma_hold(prev[s][c][i]);
+}
+
 template <int FMT, int OUT>
 __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const TensorMap* w_map, const int* row_index,
                                                  const float* row_scale, const u8* w_scales, const float* w_sdec,
@@ -1417,12 +1466,11 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
                                                  const int* offsets, int rows, int N, int K, float* out, int bx) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     int e, r0, r1;
-    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TM_WIDE)) return;
-    if (((r0 - (tiles ? offsets[e] : 0)) / TM_WIDE) % 2 == 1) return;
-    r1 = min(r0 + WG_ROWS, tiles ? offsets[e + 1] : rows);
+    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, WG_ROWS)) return;
     bool wide_n = r1 - r0 > 64;
     constexpr bool swiglu = OUT != WG_OUT_SUMS;
-    int n0 = bx * (swiglu ? TILE_TN / 2 : TILE_TN);
+    constexpr int SUB_COLS = swiglu ? TILE_TN / 2 : TILE_TN;  // output columns of a 128-column block
+    int n0 = bx * TMA_SUBS * SUB_COLS;  // bx counts blocks of TMA_COLS weight rows
     constexpr int W_BYTES = WeightSpanCopy<FMT, 256>::W_BYTES;
     constexpr int W_ROW = W_BYTES * TMA_SPANS, X_ROW = 64 * TMA_SPANS;  // a stage's row bytes
     extern __shared__ __align__(128) u8 wg_smem[];
@@ -1430,7 +1478,8 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
     u32 align = (1024 - (smem_base & 1023)) & 1023;
     u32 xs = smem_base + align, ws = xs + TMA_STAGES * TMA_X_STAGE;
     const u8* ws_ptr = wg_smem + align + TMA_STAGES * TMA_X_STAGE;
-    u32 full = ws + TMA_STAGES * TMA_W_STAGE, empty = full + 8 * TMA_STAGES;
+    float* tot_s = (float*)(ws_ptr + TMA_STAGES * TMA_W_STAGE);  // TMA_SUBS 2: [element][thread]
+    u32 full = ws + TMA_STAGES * TMA_W_STAGE + TMA_TOT_BYTES, empty = full + 8 * TMA_STAGES;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     int spans = K / MMA_TK;
     if (tid == 0) {
@@ -1442,15 +1491,16 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
     }
     __syncthreads();
 
-    if (warp == TMA_MMA_WARPS) {
-        // The copy warp: stage use q (spans q * TMA_SPANS ..) into stage q % TMA_STAGES once the
-        // products of the use before it there are done. A last stage past K is zeros (the
-        // maps' bounds) and counts its whole boxes.
-        if (lane != 0) return;
+    if (warp >= TMA_MMA_WARPS) {
+        // The copy warpgroup, its first lane: stage use q (spans q * TMA_SPANS ..) into stage
+        // q % TMA_STAGES once the products of the use before it there are done. A last stage
+        // past K is zeros (the maps' bounds) and counts its whole boxes; so are a second
+        // 128-column block's rows past the matrix (never stored).
+        if constexpr (TMA_SUBS == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (warp != TMA_MMA_WARPS || lane != 0) return;
         asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)x_map) : "memory");
         asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)w_map) : "memory");
-        u32 bytes = (wide_n ? 2 : 1) * 64 * X_ROW + TILE_TN * W_ROW;
-        int w_row0 = e * N + n0, w_row1 = swiglu ? e * N + N / 2 + n0 : w_row0 + 64;
+        u32 bytes = (wide_n ? 2 : 1) * 64 * X_ROW + TMA_SUBS * TILE_TN * W_ROW;
         for (int q = 0; q * TMA_SPANS < spans; q++) {
             int stage = q % TMA_STAGES, use = q / TMA_STAGES;
             if (use > 0) mbar_wait(empty + 8 * stage, (use - 1) & 1);
@@ -1458,35 +1508,53 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
             mbar_arrive_expect_tx(bar, bytes);
             tma_copy_2d(xd, x_map, q * X_ROW, r0, bar);
             if (wide_n) tma_copy_2d(xd + 64 * X_ROW, x_map, q * X_ROW, r0 + 64, bar);
-            tma_copy_2d(wd, w_map, q * W_ROW, w_row0, bar);
-            tma_copy_2d(wd + 64 * W_ROW, w_map, q * W_ROW, w_row1, bar);
+#pragma unroll
+            for (int s = 0; s < TMA_SUBS; s++) {
+                int w_row0 = e * N + n0 + s * SUB_COLS, w_row1 = swiglu ? w_row0 + N / 2 : w_row0 + 64;
+                u32 wsub = wd + s * TILE_TN * W_ROW;
+                tma_copy_2d(wsub, w_map, q * W_ROW, w_row0, bar);
+                tma_copy_2d(wsub + 64 * W_ROW, w_map, q * W_ROW, w_row1, bar);
+            }
         }
         return;
     }
+    if constexpr (TMA_SUBS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 
     int wg = warp >> 2, wq = warp & 3;
-    WgLanes l{wg, wq, g, t, {wg * 64 + wq * 16 + g, wg * 64 + wq * 16 + g + 8}, {0, 0}};
-    // Where this lane's 8 weights of each column lie in a stage's first span: the column's stage
-    // row (a SwiGLU tile's gate rows, then up rows), swizzled. The second span's are at
-    // w_at ^ W_BYTES (the swizzle is an XOR of the pieces, and W_BYTES a piece bit of the row).
-    int w_at[2];
-    const u8* col_scales[2];
+    // Each 128-column block's lanes, and where this lane's 8 weights of each column lie in a
+    // stage's first span: the column's stage row (a SwiGLU tile's gate rows, then up rows),
+    // swizzled. The second span's are at w_at ^ W_BYTES (the swizzle is an XOR of the pieces,
+    // and W_BYTES a piece bit of the row).
+    WgLanes l[TMA_SUBS];
+    int w_at[TMA_SUBS][2];
+    const u8* col_scales[TMA_SUBS][2];
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        int c = l.col_local[h];
-        int n = l.col_row[h] = swiglu ? swiglu_weight_row(c, n0, N) : n0 + c;
-        col_scales[h] = column_scales<FMT>(w_scales, (u64)e * N + ((swiglu ? n >= 0 : n < N) ? n : 0), K, 0, t);
-        w_at[h] = tma_w_offset<W_ROW>(swiglu ? (c % 16 >= 8 ? 64 : 0) + 8 * (c / 16) + c % 8 : c, t * W_BYTES / 4);
+    for (int s = 0; s < TMA_SUBS; s++) {
+        l[s] = WgLanes{wg, wq, g, t, {wg * 64 + wq * 16 + g, wg * 64 + wq * 16 + g + 8}, {0, 0}};
+        int n0s = n0 + s * SUB_COLS;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int c = l[s].col_local[h];
+            int n = l[s].col_row[h] = swiglu ? swiglu_weight_row(c, n0s, N) : n0s + c;
+            col_scales[s][h] =
+                column_scales<FMT>(w_scales, (u64)e * N + ((swiglu ? n >= 0 : n < N) ? n : 0), K, 0, t);
+            w_at[s][h] = s * TILE_TN * W_ROW +
+                         tma_w_offset<W_ROW>(swiglu ? (c % 16 >= 8 ? 64 : 0) + 8 * (c / 16) + c % 8 : c, t * W_BYTES / 4);
+        }
     }
-    auto load_scales = [&](int span, u8* out_scales) {
+    auto load_scales = [&](int span, u8 (&out_scales)[TMA_SUBS][2]) {
 #pragma unroll
-        for (int h = 0; h < 2; h++)
-            out_scales[h] = SPAN_SCALES<FMT> && span < spans ? col_scales[h][span * SPAN_SCALES<FMT>] : 0;
+        for (int s = 0; s < TMA_SUBS; s++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                out_scales[s][h] = SPAN_SCALES<FMT> && span < spans ? col_scales[s][h][span * SPAN_SCALES<FMT>] : 0;
     };
-    float acc[64], tot[64];
+    float acc[TMA_SUBS][64], tot[TMA_SUBS == 1 ? 64 : 1];
 #pragma unroll
-    for (int i = 0; i < 64; i++) acc[i] = 0.0f;
-    u8 sc[2], sc_next[2];
+    for (int s = 0; s < TMA_SUBS; s++)
+#pragma unroll
+        for (int i = 0; i < 64; i++) acc[s][i] = 0.0f;
+    u8 sc[TMA_SUBS][2], sc_next[TMA_SUBS][2];
     load_scales(0, sc);
     // The stage of the span whose products were issued last and are not yet known done.
     int pending = -1;
@@ -1496,39 +1564,74 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
     };
     // Span `span`, the j-th of its stage (j known where step is called: spans go in pairs from
     // a segment's start, a multiple of TMA_SPANS).
-    auto step = [&](int span, int j, u32 (&cur)[2][4], u32 (&prev)[2][4]) {
+    auto step = [&](int span, int j, u32 (&cur)[TMA_SUBS][2][4], u32 (&prev)[TMA_SUBS][2][4]) {
         load_scales(span + 1, sc_next);
         int q = span / TMA_SPANS, stage = q % TMA_STAGES;
         if (j == 0) {
             mbar_wait(full + 8 * stage, (q / TMA_STAGES) & 1);
             __syncwarp();  // the warp converged again after its polls, for the .aligned wgmma below
         }
-        u32 wd[2][4];
+        u32 wd[TMA_SUBS][2][4];
 #pragma unroll
-        for (int h = 0; h < 2; h++)
-            decode_weight8<FMT>(smem_weight8<FMT>(ws_ptr + stage * TMA_W_STAGE + (w_at[h] ^ (j * W_BYTES)), sc[h]),
-                                wd[h]);
-        wgmma_span<FMT, X_ROW>(acc, wd, cur, prev, xs + stage * TMA_X_STAGE + 64 * j, wide_n);
+        for (int s = 0; s < TMA_SUBS; s++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                decode_weight8<FMT>(
+                    smem_weight8<FMT>(ws_ptr + stage * TMA_W_STAGE + (w_at[s][h] ^ (j * W_BYTES)), sc[s][h]), wd[s][h]);
+        tma_span<FMT, X_ROW, TMA_SUBS>(acc, wd, cur, prev, xs + stage * TMA_X_STAGE + 64 * j, wide_n);
         // The span before's products are done: its stage may be copied into again once this
         // span is of another.
         if (pending >= 0 && pending != stage) release(pending);
         pending = stage;
-        sc[0] = sc_next[0];
-        sc[1] = sc_next[1];
+#pragma unroll
+        for (int s = 0; s < TMA_SUBS; s++) {
+            sc[s][0] = sc_next[s][0];
+            sc[s][1] = sc_next[s][1];
+        }
     };
-    u32 a0[2][4], a1[2][4];
+    u32 a0[TMA_SUBS][2][4], a1[TMA_SUBS][2][4];
     for (int seg0 = 0; seg0 < spans; seg0 += SEG / MMA_TK) {
         int seg_end = min(spans, seg0 + SEG / MMA_TK);
         for (int span = seg0; span < seg_end; span += 2) {
             step(span, 0, a0, a1);
             if (span + 1 < seg_end) step(span + 1, TMA_SPANS - 1, a1, a0);
         }
-        wgmma_segment_end(acc, tot, a0, a1, seg0 == 0);
+        // The segment's products are done (and their fragments free); its sums join the
+        // running total.
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+        for (int s = 0; s < TMA_SUBS; s++) {
+#pragma unroll
+            for (int i = 0; i < 64; i++) wgmma_hold(acc[s][i]);
+#pragma unroll
+            for (int c = 0; c < 2; c++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    wgmma_hold(a0[s][c][i]);
+                    wgmma_hold(a1[s][c][i]);
+                }
+        }
+        if constexpr (TMA_SUBS == 1) end_segment<64>(acc[0], tot, seg0 == 0);
+        else
+#pragma unroll
+            for (int s = 0; s < TMA_SUBS; s++)
+                end_segment<64, 32 * TMA_MMA_WARPS>(acc[s], tot_s + s * 64 * 32 * TMA_MMA_WARPS + tid, seg0 == 0);
         release(pending);
         pending = -1;
     }
-    wgmma_store<FMT, OUT>(tot, l, e, r0, r1, n0, N, rows, row_index, row_scale, w_sdec, sdec_groups, out, nullptr,
-                          nullptr);
+    if constexpr (TMA_SUBS == 1) {
+        wgmma_store<FMT, OUT>(tot, l[0], e, r0, r1, n0, N, rows, row_index, row_scale, w_sdec, sdec_groups, out,
+                              nullptr, nullptr);
+    } else {
+#pragma unroll
+        for (int s = 0; s < TMA_SUBS; s++) {
+            float sub_tot[64];
+#pragma unroll
+            for (int i = 0; i < 64; i++) sub_tot[i] = tot_s[(s * 64 + i) * 32 * TMA_MMA_WARPS + tid];
+            wgmma_store<FMT, OUT>(sub_tot, l[s], e, r0, r1, n0 + s * SUB_COLS, N, rows, row_index, row_scale, w_sdec,
+                                  sdec_groups, out, nullptr, nullptr);
+        }
+    }
 #else
     __trap();  // sm_90a only: the host never picks this kernel elsewhere
 #endif
@@ -1618,7 +1721,7 @@ GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma_swiglu_words, grouped_gemm_wgmma_swiglu_w
 // The TMA kernels (grouped_gemm_tma): the tensor maps of x and of the launch's up to three
 // weight matrices, then the other GEMM parameters they use (parts 2 and 3 as GEMM_ENTRY's).
 #define GEMM_TMA_KERNEL(NAME, FMT, OUT)                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * (TMA_MMA_WARPS + 1), 1) NAME(                             \
+    extern "C" __global__ void __launch_bounds__(32 * (TMA_MMA_WARPS + 4), 1) NAME(                             \
         const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map,                        \
         const __grid_constant__ TensorMap w2_map, const __grid_constant__ TensorMap w3_map, const int* row_index, \
         const float* row_scale, const u8* w_scales, const float* w_sdec, int sdec_groups, const int* tiles,      \
@@ -1626,7 +1729,7 @@ GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma_swiglu_words, grouped_gemm_wgmma_swiglu_w
         const float* sdec2, float* out2, int n2, const u8* scales3, const float* sdec3, float* out3, int n3) {   \
         pdl_entry();                                                                                              \
         /* a part's weights are its tensor map */                                                                \
-        GemmPart p = gemm_part(TILE_TN, rows, &w_map, w_scales, w_sdec, N, out, nullptr, &w2_map, scales2,       \
+        GemmPart p = gemm_part(TMA_COLS, rows, &w_map, w_scales, w_sdec, N, out, nullptr, &w2_map, scales2,      \
                                sdec2, out2, n2, &w3_map, scales3, sdec3, out3, n3);                               \
         grouped_gemm_tma<FMT, OUT>(&x_map, (const TensorMap*)p.w, row_index, row_scale, p.scales, p.sdec,        \
                                    sdec_groups, tiles, num_tiles, offsets, rows, p.n, K, p.out, p.bx);            \

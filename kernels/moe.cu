@@ -113,63 +113,74 @@ extern "C" __global__ void moe_count(const int* topk_ids, int pairs, int* counts
 }
 
 // One block of PLAN_THREADS threads: offsets[e] = first permuted row of expert e; tiles =
-// (expert, first row) of every `tile_rows`-row tile of the grouped GEMMs, in expert order, and
-// wide_tiles the same for `wide_rows`-row tiles (the tiled GEMM's wide blocks); cursor[e] =
+// (expert, first row) of every `tile_rows`-row tile of the grouped GEMMs, in expert order,
+// wide_tiles the same for `wide_rows`-row tiles (the tiled GEMM's wide blocks) and pair_tiles
+// for tiles of two wide tiles' rows (the wgmma and TMA kernels' blocks); cursor[e] =
 // offsets[e] for the scatter. Thread i takes a contiguous run of experts; a block scan of the
 // runs' rows and tiles gives each run its first row and tiles, so the plan is the one a single
 // walk over e = 0, 1, ... writes (integers: the same for any thread count).
 #define PLAN_THREADS 256
+// Writes expert e's tiles of `tile_rows` rows over its `count` rows from `row` into `list` from
+// entry `at`; returns the entry after them.
+__device__ __forceinline__ int put_tiles(int* list, int at, int e, int row, int count, int tile_rows) {
+    for (int r = 0; r < count; r += tile_rows, at++) {
+        list[2 * at] = e;
+        list[2 * at + 1] = row + r;
+    }
+    return at;
+}
 __device__ void plan_block(const int* counts, int experts, int tile_rows, int wide_rows, int* offsets, int* cursor,
-                           int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles) {
-    __shared__ int rows_s[PLAN_THREADS], tiles_s[PLAN_THREADS], wide_s[PLAN_THREADS];
-    int tid = threadIdx.x, per = (experts + PLAN_THREADS - 1) / PLAN_THREADS;
+                           int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles, int* pair_tiles,
+                           int* num_pair_tiles) {
+    __shared__ int rows_s[PLAN_THREADS], tiles_s[PLAN_THREADS], wide_s[PLAN_THREADS], pair_s[PLAN_THREADS];
+    int tid = threadIdx.x, per = (experts + PLAN_THREADS - 1) / PLAN_THREADS, pair_rows = 2 * wide_rows;
     int e0 = min(tid * per, experts), e1 = min(e0 + per, experts);
-    int my_rows = 0, my_tiles = 0, my_wide = 0;
+    int my_rows = 0, my_tiles = 0, my_wide = 0, my_pairs = 0;
     for (int e = e0; e < e1; e++) {
         my_rows += counts[e];
         my_tiles += (counts[e] + tile_rows - 1) / tile_rows;
         my_wide += (counts[e] + wide_rows - 1) / wide_rows;
+        my_pairs += (counts[e] + pair_rows - 1) / pair_rows;
     }
     rows_s[tid] = my_rows;
     tiles_s[tid] = my_tiles;
     wide_s[tid] = my_wide;
+    pair_s[tid] = my_pairs;
     __syncthreads();
     for (int off = 1; off < PLAN_THREADS; off <<= 1) {  // inclusive scan (Hillis-Steele)
         int r = tid >= off ? rows_s[tid - off] : 0, n = tid >= off ? tiles_s[tid - off] : 0;
-        int m = tid >= off ? wide_s[tid - off] : 0;
+        int m = tid >= off ? wide_s[tid - off] : 0, p = tid >= off ? pair_s[tid - off] : 0;
         __syncthreads();
         rows_s[tid] += r;
         tiles_s[tid] += n;
         wide_s[tid] += m;
+        pair_s[tid] += p;
         __syncthreads();
     }
     int row = rows_s[tid] - my_rows, n = tiles_s[tid] - my_tiles, m = wide_s[tid] - my_wide;
+    int p = pair_s[tid] - my_pairs;
     for (int e = e0; e < e1; e++) {
         offsets[e] = row;
         cursor[e] = row;
-        for (int r = 0; r < counts[e]; r += tile_rows) {
-            tiles[2 * n] = e;
-            tiles[2 * n + 1] = row + r;
-            n++;
-        }
-        for (int r = 0; r < counts[e]; r += wide_rows) {
-            wide_tiles[2 * m] = e;
-            wide_tiles[2 * m + 1] = row + r;
-            m++;
-        }
+        n = put_tiles(tiles, n, e, row, counts[e], tile_rows);
+        m = put_tiles(wide_tiles, m, e, row, counts[e], wide_rows);
+        p = put_tiles(pair_tiles, p, e, row, counts[e], pair_rows);
         row += counts[e];
     }
     if (tid == PLAN_THREADS - 1) {
         offsets[experts] = rows_s[tid];
         *num_tiles = tiles_s[tid];
         *num_wide_tiles = wide_s[tid];
+        *num_pair_tiles = pair_s[tid];
     }
 }
 
 extern "C" __global__ void moe_plan(const int* counts, int experts, int tile_rows, int wide_rows, int* offsets,
-                                    int* cursor, int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles) {
+                                    int* cursor, int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles,
+                                    int* pair_tiles, int* num_pair_tiles) {
     pdl_entry();
-    plan_block(counts, experts, tile_rows, wide_rows, offsets, cursor, tiles, num_tiles, wide_tiles, num_wide_tiles);
+    plan_block(counts, experts, tile_rows, wide_rows, offsets, cursor, tiles, num_tiles, wide_tiles, num_wide_tiles,
+               pair_tiles, num_pair_tiles);
 }
 
 // Assigns each (token, slot) pair a row in its expert's group. The order inside a group does
@@ -192,8 +203,9 @@ extern "C" __global__ void moe_scatter(const int* topk_ids, int pairs, int top_k
 #define ROUTE_PLAN_MAX_EXPERTS 1024
 extern "C" __global__ void moe_route_plan(float* logits, int tokens, int experts, int top_k, int renormalize, const int* given,
                    int* topk_ids, float* topk_w, int* counts, int tile_rows, int wide_rows, int* offsets,
-                   int* cursor, int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles, int* slot_row,
-                   int* row_token, const float* sums, int segments) {
+                   int* cursor, int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles,
+                   int* pair_tiles, int* num_pair_tiles, int* slot_row, int* row_token, const float* sums,
+                   int segments) {
     pdl_entry();
     __shared__ int counts_s[ROUTE_PLAN_MAX_EXPERTS];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, pairs = tokens * top_k;
@@ -208,7 +220,8 @@ extern "C" __global__ void moe_route_plan(float* logits, int tokens, int experts
     for (int i = tid; i < pairs; i += PLAN_THREADS) atomicAdd(&counts_s[topk_ids[i]], 1);
     __syncthreads();
     for (int e = tid; e < experts; e += PLAN_THREADS) counts[e] = counts_s[e];
-    plan_block(counts_s, experts, tile_rows, wide_rows, offsets, cursor, tiles, num_tiles, wide_tiles, num_wide_tiles);
+    plan_block(counts_s, experts, tile_rows, wide_rows, offsets, cursor, tiles, num_tiles, wide_tiles, num_wide_tiles,
+               pair_tiles, num_pair_tiles);
     __syncthreads();
     for (int i = tid; i < pairs; i += PLAN_THREADS) {
         int r = atomicAdd(&cursor[topk_ids[i]], 1);

@@ -30,7 +30,11 @@
 #define FA_MAX_HD 128
 #define FA_LD (FA_MAX_HD + 8)  // padded rows: fragment loads spread over the banks
 #define DECODE_WARPS 4         // host: ops::prefill_attention::DECODE_THREADS / 32
-#define FA_CHUNK 128           // keys per chunk of the merge order (host: ATTENTION_CHUNK_KEYS)
+// Keys per chunk of the merge order (host: ATTENTION_CHUNK_KEYS, which sizes the split-KV
+// scratch: a kernel variant may define a larger multiple of FA_KEYS, leaving that room unused).
+#ifndef FA_CHUNK
+#define FA_CHUNK 128
+#endif
 // 1: prefill attention of head_dim 128 on wgmma where the GPU has it (Hopper: fa_attend_wgmma);
 // 0: on mma.sync, as decode (a kernel variant to compare them).
 #ifndef FA_WGMMA
@@ -64,14 +68,16 @@ struct FaRows {
     bool live_lo, live_hi;
 };
 
-// e^x for the softmax and the chunk merges (x <= 0, or -inf): 2^(x log2 e) on the special
-// function unit (`ex2.approx.ftz`, relative error about 2^-22; results under 2^-126 are 0). Its
-// error is far below that of rounding p to BF16 (2^-9), and it takes two
-// instructions where the accurate `expf` took eight (the wgmma walk issued 34 a thread a tile).
-// Every attention kernel calls it, so prefill and decode rows keep equal bits.
-__device__ __forceinline__ float fa_exp(float x) {
+// 2^x for the softmax and the chunk merges (x <= 0, or -inf), on the special function unit
+// (`ex2.approx.ftz`, relative error about 2^-22; results under 2^-126 are 0). Scores are in
+// log2 units (q is scaled by log2(e) / sqrt(head_dim) before it is rounded to BF16), so
+// 2^(s - m) is the softmax's e^(s' - m') with no multiply a probability. Its error is far below
+// that of rounding p to BF16 (2^-9); the accurate `expf` took eight instructions, ex2 of a
+// product two (the wgmma walk issued 34 a thread a tile), ex2 alone one. Every attention kernel
+// calls it, so prefill and decode rows keep equal bits.
+__device__ __forceinline__ float fa_exp2(float x) {
     float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(__fmul_rn(x, 1.44269504088896341f)));
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
 
@@ -81,8 +87,8 @@ __device__ __forceinline__ float fa_exp(float x) {
 // the row (m = -inf, l = 0, o = 0) leaves the total exactly as it was (a = 1, b = 0).
 __device__ __forceinline__ void fa_merge_weights(float M, float m, float& a, float& b) {
     float mx = fmaxf(M, m), ref = mx == -INFINITY ? 0.0f : mx;
-    a = fa_exp(__fsub_rn(M, ref));
-    b = fa_exp(__fsub_rn(m, ref));
+    a = fa_exp2(__fsub_rn(M, ref));
+    b = fa_exp2(__fsub_rn(m, ref));
 }
 __device__ __forceinline__ float fa_merge(float total, float a, float part, float b) {
     return __fadd_rn(__fmul_rn(total, a), __fmul_rn(part, b));
@@ -92,12 +98,12 @@ __device__ __forceinline__ float fa_merge(float total, float a, float part, floa
 // g + 8, columns 2t (+ 1) and 2t + 8 (+ 9) of each step), pre-scaled and rounded to BF16;
 // rows that are not rows are zeros.
 template <int HD, bool HI>
-__device__ __forceinline__ void fa_q_fragments(const FaRows& r, float scale, int t, u32 (&qa)[HD / 16][4]) {
+__device__ __forceinline__ void fa_q_fragments(const FaRows& r, float scale_log2, int t, u32 (&qa)[HD / 16][4]) {
 #pragma unroll
     for (int s = 0; s < HD / 16; s++) {
         int c0 = s * 16 + 2 * t, c1 = c0 + 8;
-        auto ql = [&](int c) { return r.live_lo ? __fmul_rn(r.q_lo[c], scale) : 0.0f; };
-        auto qh = [&](int c) { return HI && r.live_hi ? __fmul_rn(r.q_hi[c], scale) : 0.0f; };
+        auto ql = [&](int c) { return r.live_lo ? __fmul_rn(r.q_lo[c], scale_log2) : 0.0f; };
+        auto qh = [&](int c) { return HI && r.live_hi ? __fmul_rn(r.q_hi[c], scale_log2) : 0.0f; };
         qa[s][0] = fa_pack(ql(c0), ql(c0 + 1));
         qa[s][1] = fa_pack(qh(c0), qh(c0 + 1));
         qa[s][2] = fa_pack(ql(c1), ql(c1 + 1));
@@ -106,12 +112,15 @@ __device__ __forceinline__ void fa_q_fragments(const FaRows& r, float scale, int
 }
 
 // A warp's output column tiles (C fragments) set to zero: a chunk's sum before its first tile.
+// Written as 64-bit moves in pairs: from plain `= 0.0f` ptxas 13.5 zeroed the wgmma walk's 64
+// accumulators through uniform registers, 130 instructions a chunk (100 this way).
 template <int DW>
 __device__ __forceinline__ void fa_clear(float (&o)[DW][4]) {
 #pragma unroll
     for (int d = 0; d < DW; d++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) o[d][i] = 0.0f;
+        for (int i = 0; i < 4; i += 2)
+            asm("{\n.reg .b64 z;\nmov.b64 z, 0;\nmov.b64 {%0, %1}, z;\n}\n" : "=f"(o[d][i]), "=f"(o[d][i + 1]));
 }
 
 // The output so far scaled by its rows' factors c, before a tile's P V (without HI the rows
@@ -167,17 +176,17 @@ __device__ __forceinline__ void fa_softmax(float (&s)[8][4], const FaRows& r, in
     float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
     // A fully masked row so far keeps m = -inf: use 0 as the reference to avoid inf - inf.
     float ref_lo = mn_lo == -INFINITY ? 0.0f : mn_lo, ref_hi = mn_hi == -INFINITY ? 0.0f : mn_hi;
-    c_lo = fa_exp(__fsub_rn(m_lo, ref_lo));
-    c_hi = fa_exp(__fsub_rn(m_hi, ref_hi));
+    c_lo = fa_exp2(__fsub_rn(m_lo, ref_lo));
+    c_hi = fa_exp2(__fsub_rn(m_hi, ref_hi));
     float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; j++)
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            s[j][i] = fa_exp(__fsub_rn(s[j][i], ref_lo));
+            s[j][i] = fa_exp2(__fsub_rn(s[j][i], ref_lo));
             sum_lo = __fadd_rn(sum_lo, s[j][i]);
             if constexpr (HI) {
-                s[j][2 + i] = fa_exp(__fsub_rn(s[j][2 + i], ref_hi));
+                s[j][2 + i] = fa_exp2(__fsub_rn(s[j][2 + i], ref_hi));
                 sum_hi = __fadd_rn(sum_hi, s[j][2 + i]);
             }
         }
@@ -190,6 +199,20 @@ __device__ __forceinline__ void fa_softmax(float (&s)[8][4], const FaRows& r, in
     l_hi = __fmaf_rn(l_hi, c_hi, sum_hi);
     m_lo = mn_lo;
     m_hi = mn_hi;
+}
+
+// fa_softmax of the tile at k0 in the wgmma walks, whose chunk may end with the tile before: its
+// maxima and sums then move to cm and cl (merged once that tile's P V is done) and the running
+// ones start over, so this tile's softmax begins the next chunk.
+__device__ __forceinline__ void fa_softmax_after(float (&s)[8][4], const FaRows& r, int k0, int t, bool chunk_end,
+                                                 float& m_lo, float& m_hi, float& l_lo, float& l_hi, float& c_lo,
+                                                 float& c_hi, float& cm_lo, float& cm_hi, float& cl_lo, float& cl_hi) {
+    cm_lo = m_lo, cm_hi = m_hi, cl_lo = l_lo, cl_hi = l_hi;
+    if (chunk_end) {
+        m_lo = m_hi = -INFINITY;
+        l_lo = l_hi = 0.0f;
+    }
+    fa_softmax<true>(s, r, k0, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
 }
 
 // The probabilities of key tiles (2kk, 2kk + 1) as the A fragment of P V's k16 step kk, rounded
@@ -235,10 +258,16 @@ __device__ __forceinline__ FaChunkWeights fa_chunk_weights(float m_lo, float m_h
 }
 
 // One output element of a live row at a chunk's end: the running total merged with the chunk's
-// part, kept in `total` while more chunks follow, else normalized into `out`.
+// part, kept in `total` while more chunks follow, else normalized into `out`. MODE, where the
+// caller knows it: 0 the first chunk (the part is the total), 1 a later chunk whose a is 1
+// (total * a is total), 2 any later chunk; -1: first_chunk says.
+template <int MODE = -1>
 __device__ __forceinline__ void fa_merge_element(float& total, float& out, float part, float a, float b, float inv,
                                                  bool first_chunk, bool more) {
-    float v = first_chunk ? part : fa_merge(total, a, part, b);
+    float v = MODE == 0   ? part
+              : MODE == 1 ? __fadd_rn(total, __fmul_rn(part, b))
+              : MODE == 2 ? fa_merge(total, a, part, b)
+                          : (first_chunk ? part : fa_merge(total, a, part, b));
     if (more) total = v;
     else out = __fmul_rn(v, inv);
 }
@@ -311,25 +340,45 @@ __device__ __forceinline__ void fa_end_chunk(float (&o)[DW][4], const FaRows& r,
     fa_next_chunk(o, m_lo, m_hi, l_lo, l_hi, first_chunk);
 }
 
+// fa_end_chunk_regs' merge of a chunk into the running total, in one of fa_merge_element's
+// modes. (A template, not a generic lambda: the NVRTC of CUDA 13.0 takes a generic lambda in
+// device code for a host function and refuses it.)
+template <int MODE, int DW>
+__device__ __forceinline__ void fa_merge_regs(float (&o)[DW][4], float (&tot)[DW][4], const FaRows& r,
+                                              const FaChunkWeights& w, int t, bool first_chunk, bool more) {
+#pragma unroll
+    for (int d = 0; d < DW; d++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            int col = d * 8 + 2 * t + j;
+            if (r.live_lo)
+                fa_merge_element<MODE>(tot[d][j], r.out_lo[col], o[d][j], w.a_lo, w.b_lo, w.inv_lo, first_chunk, more);
+            if (r.live_hi)
+                fa_merge_element<MODE>(tot[d][2 + j], r.out_hi[col], o[d][2 + j], w.a_hi, w.b_hi, w.inv_hi,
+                                       first_chunk, more);
+        }
+}
+
 // fa_end_chunk for the wgmma walk, which never splits: the running total in registers (`tot`,
 // in o's layout). Two blocks an SM leave a thread 255 registers, and the total in shared memory
-// cost a load and a store an element at each chunk's end.
+// cost a load and a store an element at each chunk's end. o is cleared for the next chunk here,
+// so its first tile skips the scale by c (0 or a finite factor: it would leave zeros zero).
+// (Clearing it at that tile instead held o's old values across the loop and spilled.)
 template <int DW>
 __device__ __forceinline__ void fa_end_chunk_regs(float (&o)[DW][4], float (&tot)[DW][4], const FaRows& r, bool more,
                                                   int t, float& m_lo, float& m_hi, float& l_lo, float& l_hi,
                                                   float& M_lo, float& M_hi, float& L_lo, float& L_hi,
                                                   bool& first_chunk) {
     FaChunkWeights w = fa_chunk_weights(m_lo, m_hi, l_lo, l_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
-#pragma unroll
-    for (int d = 0; d < DW; d++)
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            int col = d * 8 + 2 * t + j;
-            if (r.live_lo) fa_merge_element(tot[d][j], r.out_lo[col], o[d][j], w.a_lo, w.b_lo, w.inv_lo, first_chunk, more);
-            if (r.live_hi)
-                fa_merge_element(tot[d][2 + j], r.out_hi[col], o[d][2 + j], w.a_hi, w.b_hi, w.inv_hi, first_chunk,
-                                 more);
-        }
+    // Where the total's weight a is exactly 1 in every live row of the warp (no row's running
+    // max grew in this chunk: most chunks of a long row once its max is found), the products
+    // total * a, which would be the totals themselves, are left out: the same bits, 64
+    // multiplies fewer a chunk. The three cases are separate paths (as selects, ptxas kept
+    // both operands of every element live).
+    bool unit_a = __all_sync(0xffffffffu, (!r.live_lo || w.a_lo == 1.0f) && (!r.live_hi || w.a_hi == 1.0f));
+    if (first_chunk) fa_merge_regs<0>(o, tot, r, w, t, first_chunk, more);
+    else if (unit_a) fa_merge_regs<1>(o, tot, r, w, t, first_chunk, more);
+    else fa_merge_regs<2>(o, tot, r, w, t, first_chunk, more);
     fa_next_chunk(o, m_lo, m_hi, l_lo, l_hi, first_chunk);
 }
 
@@ -365,7 +414,10 @@ struct FaRowList {
     }
     // Copies the 16-byte pieces at `src` of the rows of keys key0 + KEY_STEP i of the tile
     // whose list is at `list` (rows row_bytes apart) to shared addresses dst + i dst_step, as
-    // one cp.async group.
+    // one cp.async group. ALL_LIVE: the caller knows every key of the tile is at or before
+    // last_pos (no row of the list is -1), so no copy tests its row (a key's copy is then an
+    // address and the copy: 2 instructions where the test took 6 more).
+    template <bool ALL_LIVE = false>
     __device__ __forceinline__ void copy(u32 list, int key0, u32 dst, u32 dst_step, const u8* src,
                                          u32 row_bytes) const {
         static_assert(PER_THREAD == 2 || PER_THREAD % 4 == 0, "whole loads");
@@ -382,7 +434,7 @@ struct FaRowList {
         }
 #pragma unroll
         for (int i = 0; i < PER_THREAD; i++) {
-            bool live = rows[i] >= 0;
+            bool live = ALL_LIVE || rows[i] >= 0;
             cp_async16_at(dst + dst_step * i, src + (u64)(u32)(live ? rows[i] : 0) * row_bytes, live);
         }
         cp_async_commit();
@@ -418,7 +470,7 @@ struct FaRowList {
 // independent, and the absent rows' q and p terms are the zeros they would be).
 template <int HD, int THREADS, int DW, bool HI = true, bool TOT_SHARED = false>
 __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
-                          const int* table, int kvh, int kv_heads, int block_size, float scale, int d0, int chunk0,
+                          const int* table, int kvh, int kv_heads, int block_size, float scale_log2, int d0, int chunk0,
                           int chunk_step, int max_chunks, float* tot) {
     constexpr int KSTEPS = HD / 16;  // k16 steps of q.k
     constexpr int WARPS = THREADS / 32;
@@ -442,14 +494,18 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
     const u32 lists_at = (u32)__cvta_generic_to_shared(&lists[0][0]);
     const int key0 = tid / CHUNKS, part = (tid % CHUNKS) * 8;
     const u32 row_bytes = kv_heads * HD * 2, head_at = (kvh * HD + part) * 2;
-    auto copy_tile = [&](bf16_t (*dst)[FA_LD], const bf16_t* cache, u32 list) {
-        row_list.copy(list, key0, (u32)__cvta_generic_to_shared(&dst[key0][part]), KEY_STEP * FA_LD * 2,
-                      reinterpret_cast<const u8*>(cache) + head_at, row_bytes);
+    // The tile at k0 (its list at `list`): a tile of keys all at or before last_pos (all but a
+    // row's last) copies without testing its rows.
+    auto copy_tile = [&](bf16_t (*dst)[FA_LD], const bf16_t* cache, u32 list, int k0) {
+        u32 to = (u32)__cvta_generic_to_shared(&dst[key0][part]);
+        const u8* src = reinterpret_cast<const u8*>(cache) + head_at;
+        if (k0 + FA_KEYS - 1 <= last_pos) row_list.template copy<true>(list, key0, to, KEY_STEP * FA_LD * 2, src, row_bytes);
+        else row_list.copy(list, key0, to, KEY_STEP * FA_LD * 2, src, row_bytes);
     };
 
     // Q fragments (A operand, row-major 16 x HD), rounded to BF16, pre-scaled.
     u32 qa[KSTEPS][4];
-    fa_q_fragments<HD, HI>(r, scale, t, qa);
+    fa_q_fragments<HD, HI>(r, scale_log2, t, qa);
 
     float o[DW][4];
     fa_clear(o);
@@ -461,8 +517,8 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
     int k_first = chunk0 * FA_CHUNK;
     row_list.store(lists_at, k_first, row_list.entry(k_first));
     __syncthreads();  // the first tile's list
-    copy_tile(ks, k_cache, lists_at);
-    copy_tile(vs, v_cache, lists_at);
+    copy_tile(ks, k_cache, lists_at, k_first);
+    copy_tile(vs, v_cache, lists_at, k_first);
     u32 list_next = lists_at + FA_ROWS_BYTES;  // the next tile's list (then this one's, in turn)
     for (int k0 = k_first; k0 <= last_pos;) {
         // The next tile: the next 64 keys, or past the chunks of other blocks.
@@ -527,11 +583,12 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
         // The next tile's list, where the tile before this one's was (its copies are issued).
         row_list.store(list_next, k_next, entry);
         __syncthreads();  // every warp is done with ks: the next tile's K comes in under P V
-        if (more) copy_tile(ks, k_cache, list_next);
+        if (more) copy_tile(ks, k_cache, list_next, k_next);
         else cp_async_commit();  // an empty group keeps the count
         cp_async_wait<1>();      // this tile's V is in
         __syncthreads();
-        fa_scale<HI>(o, c_lo, c_hi);
+        // A chunk's first tile adds to fa_next_chunk's zeros (unscaled: zeros stay zeros).
+        if (k0 % FA_CHUNK != 0) fa_scale<HI>(o, c_lo, c_hi);
         // O += P V: the S accumulators of key tiles (2kk, 2kk + 1) are the A fragment of the
         // k16 step kk; V's B fragment pairs keys (2t, 2t + 1) and (2t + 8, 2t + 9) at column g.
 #pragma unroll
@@ -571,7 +628,7 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
             }
         }
         __syncthreads();  // every warp is done with vs
-        if (more) copy_tile(vs, v_cache, list_next);
+        if (more) copy_tile(vs, v_cache, list_next, k_next);
         else cp_async_commit();
         list_next = list_next == lists_at ? lists_at + FA_ROWS_BYTES : lists_at;
 
@@ -612,22 +669,36 @@ __device__ void fa_attend(const FaRows r, int last_pos, const bf16_t* k_cache, c
 
 // Copies of 64-key tiles of K or V into their swizzled groups (one cp.async group a tile),
 // through the tiles' lists of cache rows (FaRowList, looked up four tiles ahead): thread tid
-// of 128 copies the 16-byte piece tid % 16 of keys tid / 16 + 8i, whose group and swizzled place
-// are the same for every i (8 keys are 512 bytes).
+// of the block's THREADS (128, or 256 for two warpgroups sharing the tiles) copies the 16-byte
+// piece tid % 16 of keys tid / 16 + KEY_STEP i, whose group and swizzled place are the same for
+// every i (the swizzle repeats every 8 keys, 512 bytes).
+template <int THREADS>
 struct FaTileCopy {
-    FaRowList<8> lookups;
-    u32 row_bytes, head_at, dst0;
+    static constexpr int KEY_STEP = THREADS / 16;
+    FaRowList<KEY_STEP> lookups;
+    u32 row_bytes, dst0;
     int key0;
-    __device__ FaTileCopy(const int* table, int last_pos, int kvh, int kv_heads, int hd, int block_size)
+    // This thread's 16-byte piece of cache row 0 in K and V (worked out once: a copy is then
+    // one wide multiply-add from the row, not a 64-bit sum of three terms).
+    const u8* k_src;
+    const u8* v_src;
+    __device__ FaTileCopy(const int* table, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache, int kvh,
+                          int kv_heads, int hd, int block_size)
         : lookups(table, last_pos, block_size) {
         int tid = threadIdx.x, part = tid % 16;
         key0 = tid / 16;
         row_bytes = kv_heads * hd * 2;
-        head_at = (kvh * hd + part * 8) * 2;
+        u32 head_at = (kvh * hd + part * 8) * 2;
+        k_src = reinterpret_cast<const u8*>(k_cache) + head_at;
+        v_src = reinterpret_cast<const u8*>(v_cache) + head_at;
         dst0 = (part / 4) * FA_WG_GROUP_BYTES + key0 * 64 + 16 * a_piece(key0, part % 4);
     }
-    __device__ __forceinline__ void issue(u32 dst, const bf16_t* cache, u32 list) const {
-        lookups.copy(list, key0, dst + dst0, 512, reinterpret_cast<const u8*>(cache) + head_at, row_bytes);
+    // The 64-key tile at k0 (list `list`) of K or V (`src`: k_src or v_src) into dst.
+    __device__ __forceinline__ void issue(u32 dst, const u8* src, u32 list, int k0) const {
+        if (k0 + FA_KEYS - 1 <= lookups.last_pos)
+            lookups.template copy<true>(list, key0, dst + dst0, KEY_STEP * 64, src, row_bytes);
+        else
+            lookups.copy(list, key0, dst + dst0, KEY_STEP * 64, src, row_bytes);
     }
 };
 
@@ -649,14 +720,87 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, u64 desc_a, u64 des
         : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
+// A descriptor of the shared-memory operand `bytes` further on: its address field (bits 0-13,
+// the address over 16) plus bytes / 16, which cannot carry into the next field while the address
+// stays within shared memory's 256 KB. One add where a descriptor built from the address took
+// four uniform instructions (the walk built 20 a tile).
+__device__ __forceinline__ u64 wgmma_desc_at(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
+
 // O += P V for one tile, issued (not waited): the k16 steps of 16 keys in order.
 __device__ __forceinline__ void fa_wg_pv(float (&o)[16][4], const u32 (&p)[4][4], u32 vs) {
+    u64 v_desc = FA_WG_V_DESC(vs);
 #pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-        u64 desc = FA_WG_V_DESC(vs + kk * 16 * 64);
-        wgmma_m64n128k16_rs<1>(&o[0][0], p[kk], desc);
+    for (int kk = 0; kk < 4; kk++) wgmma_m64n128k16_rs<1>(&o[0][0], p[kk], wgmma_desc_at(v_desc, kk * 16 * 64));
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+// The pieces of a warpgroup's walk that fa_attend_wgmma and fa_attend_tma share.
+//
+// This lane's q fragment words (fa_q_fragments) stored at their places in the warpgroup's q tile
+// `qs`, in the swizzled groups: word i of step st is row g + 8 (i & 1), columns 16 st + 2t +
+// 8 (i >> 1) (+ 1).
+template <int HD>
+__device__ __forceinline__ void fa_wg_store_q(const FaRows& r, float scale_log2, int warp, int g, int t, u32 qs) {
+    constexpr int KSTEPS = HD / 16;
+    u32 qa[KSTEPS][4];
+    fa_q_fragments<HD, true>(r, scale_log2, t, qa);
+#pragma unroll
+    for (int st = 0; st < KSTEPS; st++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int row = warp * 16 + g + 8 * (i & 1), col = st * 16 + 2 * t + 8 * (i >> 1);
+            u32 at = qs + (col / 32) * FA_WG_GROUP_BYTES + row * 64 + 16 * a_piece(row, (col % 32) / 8) + (col % 8) * 2;
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(qa[st][i]) : "memory");
+        }
+}
+
+// S = q k^T of one tile (q and K in shared memory, their descriptors) into s, issued (not
+// waited).
+template <int HD>
+__device__ __forceinline__ void fa_wg_scores(float (&s)[8][4], u64 q_desc, u64 k_desc) {
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) s[j][i] = 0.0f;
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int st = 0; st < HD / 16; st++) {
+        u32 step = (st / 2) * FA_WG_GROUP_BYTES + 32 * (st % 2);
+        wgmma_m64n64k16_ss(&s[0][0], wgmma_desc_at(q_desc, step), wgmma_desc_at(k_desc, step));
     }
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void fa_wg_hold_scores(float (&s)[8][4]) {
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) wgmma_hold(s[j][i]);
+}
+
+// The tile at k0's probabilities as P V's A fragments, after its scale of the chunk's sum o by c
+// (a chunk's first tile adds to the zeros fa_end_chunk_regs left: unscaled, zeros stay zeros).
+template <int DW>
+__device__ __forceinline__ void fa_wg_probabilities(float (&o)[DW][4], const float (&s)[8][4], u32 (&p)[4][4], int k0,
+                                                    float c_lo, float c_hi) {
+    static_assert(FA_CHUNK % FA_KEYS == 0, "chunks of whole tiles");
+    if (k0 % FA_CHUNK != 0) fa_scale<true>(o, c_lo, c_hi);
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) fa_p_fragments<true>(s, kk, p[kk]);
+}
+
+// Every product issued is done: o and the P fragments are free.
+template <int DW>
+__device__ __forceinline__ void fa_wg_pv_done(float (&o)[DW][4], u32 (&p)[4][4]) {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+    for (int d = 0; d < DW; d++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) wgmma_hold(o[d][i]);
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) wgmma_hold(p[kk][i]);
 }
 
 // The walk over the keys overlaps a tile's softmax with the tile before's P V (as
@@ -672,53 +816,36 @@ __device__ __forceinline__ void fa_wg_pv(float (&o)[16][4], const u32 (&p)[4][4]
 // factor comes after the P V it follows, as in fa_attend. `tiles`: q, K0, K1, V0, V1
 // (FA_WG_TILE_BYTES each; tile n's K and V in buffer n % 2), then four tiles' lists of cache
 // rows (FaTileCopy; tile n's in list n % 4).
-template <int HD>
+//
+// WGS 2: the block is two warpgroups, each with its own rows (`r`: the same positions of two
+// query heads of one KV head) and q tile, sharing the K and V tiles and their copies: `tiles`
+// then holds q of warpgroup 0, q of warpgroup 1, K0, K1, V0, V1 and the lists. Both walk the
+// same keys, so they meet at every barrier; each row's arithmetic is the one-warpgroup walk's.
+template <int HD, int WGS = 1>
 __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_cache, const bf16_t* v_cache,
-                                const int* table, int kvh, int kv_heads, int block_size, float scale, u8* tiles) {
+                                const int* table, int kvh, int kv_heads, int block_size, float scale_log2, u8* tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(HD == 128, "4 groups of 32 columns");
-    constexpr int KSTEPS = HD / 16, DW = HD / 8;
-    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    u32 qs = (u32)__cvta_generic_to_shared(tiles), ks0 = qs + FA_WG_TILE_BYTES, vs0 = ks0 + 2 * FA_WG_TILE_BYTES;
-    u32 lists = vs0 + 2 * FA_WG_TILE_BYTES;
+    constexpr int DW = HD / 8;
+    static_assert(WGS == 1 || WGS == 2, "one or two warpgroups");
+    int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+    u32 base = (u32)__cvta_generic_to_shared(tiles);
+    // The warpgroup's q tile: its number through a shuffle from lane 0, which the compiler
+    // knows to be the same in every lane, so the q descriptors stay in uniform registers (from
+    // threadIdx.x itself they were worked out per lane and moved over, 56 instructions a tile).
+    int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    u32 qs = base + wg * FA_WG_TILE_BYTES, ks0 = base + WGS * FA_WG_TILE_BYTES;
+    u32 vs0 = ks0 + 2 * FA_WG_TILE_BYTES, lists = vs0 + 2 * FA_WG_TILE_BYTES;
     auto list = [&](int k0) { return lists + (k0 / FA_KEYS) % 4 * FA_ROWS_BYTES; };
-    FaTileCopy copy(table, last_pos, kvh, kv_heads, HD, block_size);
-    {
-        // This lane's q fragment words at their places in the swizzled groups: word i of step
-        // st is row g + 8 (i & 1), columns 16 st + 2t + 8 (i >> 1) (+ 1).
-        u32 qa[KSTEPS][4];
-        fa_q_fragments<HD, true>(r, scale, t, qa);
-#pragma unroll
-        for (int st = 0; st < KSTEPS; st++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int row = warp * 16 + g + 8 * (i & 1), col = st * 16 + 2 * t + 8 * (i >> 1);
-                u32 at = qs + (col / 32) * FA_WG_GROUP_BYTES + row * 64 + 16 * a_piece(row, (col % 32) / 8) + (col % 8) * 2;
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(qa[st][i]) : "memory");
-            }
-    }
+    FaTileCopy<128 * WGS> copy(table, last_pos, k_cache, v_cache, kvh, kv_heads, HD, block_size);
+    fa_wg_store_q<HD>(r, scale_log2, warp, g, t, qs);
     // S = q k^T of the tile whose K is in ks into s, issued (not waited).
-    auto scores = [&](float (&s)[8][4], u32 ks) {
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) s[j][i] = 0.0f;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int st = 0; st < KSTEPS; st++) {
-            u32 step = (st / 2) * FA_WG_GROUP_BYTES + 32 * (st % 2);
-            wgmma_m64n64k16_ss(&s[0][0], wgmma_desc_sw64(qs + step), wgmma_desc_sw64(ks + step));
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    };
-    auto hold_s = [&](float (&s)[8][4]) {
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) wgmma_hold(s[j][i]);
-    };
+    const u64 q_desc = wgmma_desc_sw64(qs);
+    auto scores = [&](float (&s)[8][4], u32 ks) { fa_wg_scores<HD>(s, q_desc, wgmma_desc_sw64(ks)); };
 
-    float o[DW][4], tot[DW][4];  // this chunk's output, and the total of the chunks before
+    // This chunk's output (zero at its first tile: fa_end_chunk_regs clears it), and the total
+    // of the chunks before.
+    float o[DW][4], tot[DW][4];
     fa_clear(o);
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
     float M_lo = -INFINITY, M_hi = -INFINITY, L_lo = 0.0f, L_hi = 0.0f;
@@ -727,39 +854,25 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
 #pragma unroll
     for (int k = 0; k < 4 * FA_KEYS; k += FA_KEYS) copy.lookups.store(list(k), k, copy.lookups.entry(k));
     __syncthreads();  // the first four tiles' lists
-    copy.issue(ks0, k_cache, list(0));
-    copy.issue(vs0, v_cache, list(0));
-    if (FA_KEYS <= last_pos) copy.issue(ks0 + FA_WG_TILE_BYTES, k_cache, list(FA_KEYS));
+    copy.issue(ks0, copy.k_src, list(0), 0);
+    copy.issue(vs0, copy.v_src, list(0), 0);
+    if (FA_KEYS <= last_pos) copy.issue(ks0 + FA_WG_TILE_BYTES, copy.k_src, list(FA_KEYS), FA_KEYS);
     else cp_async_commit();
     fa_tiles_in<1>();  // K and V of the first tile (and every warp's q)
     float s[8][4], c_lo, c_hi;
     scores(s, ks0);
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    hold_s(s);
+    fa_wg_hold_scores(s);
     fa_softmax<true>(s, r, 0, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
     __syncthreads();  // every warp's scores are done with the first K buffer
-    if (2 * FA_KEYS <= last_pos) copy.issue(ks0, k_cache, list(2 * FA_KEYS));
+    if (2 * FA_KEYS <= last_pos) copy.issue(ks0, copy.k_src, list(2 * FA_KEYS), 2 * FA_KEYS);
     else cp_async_commit();
     // The tiles with a tile after them: the next tile's scores are issued before this tile's
     // P V, and its softmax runs while the P V does.
     int k0 = 0, buf = 0;  // buf: this tile's K and V buffer
     u32 p[4][4];
-    auto probabilities = [&]() {
-        fa_scale<true>(o, c_lo, c_hi);
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) fa_p_fragments<true>(s, kk, p[kk]);
-    };
-    auto pv_done = [&]() {
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-        for (int d = 0; d < DW; d++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) wgmma_hold(o[d][i]);
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) wgmma_hold(p[kk][i]);
-    };
+    auto probabilities = [&]() { fa_wg_probabilities(o, s, p, k0, c_lo, c_hi); };
+    auto pv_done = [&]() { fa_wg_pv_done(o, p); };
     for (; k0 + FA_KEYS <= last_pos; k0 += FA_KEYS, buf ^= 1) {
         // Here: s holds this tile's probabilities, c its factor; the next two tiles' K are
         // coming (the next one's issued two tiles back).
@@ -768,24 +881,19 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
         u32 ks_next = ks0 + (buf ^ 1) * FA_WG_TILE_BYTES;
         int entry = copy.lookups.entry(k0 + 4 * FA_KEYS);  // stored in the list this tile is done with
         // The next tile's V into the other buffer (its last P V is done in every warp).
-        copy.issue(vs0 + (buf ^ 1) * FA_WG_TILE_BYTES, v_cache, list(k_next));
+        copy.issue(vs0 + (buf ^ 1) * FA_WG_TILE_BYTES, copy.v_src, list(k_next), k_next);
         fa_tiles_in<2>();  // the next tile's K and this tile's V (not the K after, nor that V)
         probabilities();
         scores(s, ks_next);  // the next tile's, then this tile's P V: the scores are done first
         fa_wg_pv(o, p, vs0 + buf * FA_WG_TILE_BYTES);
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        hold_s(s);
+        fa_wg_hold_scores(s);
         copy.lookups.store(list(k0), k0 + 4 * FA_KEYS, entry);
         __syncthreads();  // every warp's scores are done with ks_next: the K two tiles on comes in
-        if (k_next + 2 * FA_KEYS <= last_pos) copy.issue(ks_next, k_cache, list(k_next + 2 * FA_KEYS));
+        if (k_next + 2 * FA_KEYS <= last_pos) copy.issue(ks_next, copy.k_src, list(k_next + 2 * FA_KEYS), k_next + 2 * FA_KEYS);
         else cp_async_commit();
-        // This chunk's max and sum: the next tile's softmax starts a new chunk after its end.
-        float cm_lo = m_lo, cm_hi = m_hi, cl_lo = l_lo, cl_hi = l_hi;
-        if (chunk_end) {
-            m_lo = m_hi = -INFINITY;
-            l_lo = l_hi = 0.0f;
-        }
-        fa_softmax<true>(s, r, k_next, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
+        float cm_lo, cm_hi, cl_lo, cl_hi;  // this chunk's max and sum
+        fa_softmax_after(s, r, k_next, t, chunk_end, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi, cm_lo, cm_hi, cl_lo, cl_hi);
         pv_done();
         if (chunk_end)
             fa_end_chunk_regs(o, tot, r, true, t, cm_lo, cm_hi, cl_lo, cl_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
@@ -802,23 +910,11 @@ __device__ void fa_attend_wgmma(const FaRows r, int last_pos, const bf16_t* k_ca
 #endif
 }
 
-// Prefill: `tiles[2i]` = first row of tile i, `tiles[2i + 1]` = its row count (<= 64); the rows
-// are consecutive positions of one sequence. Grid (tiles, heads), 128 threads: warp w owns
-// query rows 16w..16w+15 of the tile. Blocks start in launch order (x fastest), and block
-// (x, y) takes the tiles from the last back, each over every head in turn: a sequence's later
-// tiles, which walk more keys, start first, and the last wave holds short tiles (2 x 2,048
-// rows: 736 -> 651 us, H200, 2026-12-04).
+// A prefill tile's rows of head h for the lane (g) of warp `warp`: rows 16 warp + g and + 8
+// of the tile's `count` rows from step row `first` (position pos0).
 template <int HD>
-__device__ void prefill_attention(const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache,
-                                  const int* row_pos, const int* row_seq, const int* table_offsets,
-                                  const int* block_tables, const int* tiles, int heads, int kv_heads,
-                                  int block_size, float scale) {
-    int at = blockIdx.y * gridDim.x + blockIdx.x;
-    int tile = gridDim.x - 1 - at / gridDim.y;
-    int first = tiles[2 * tile], count = tiles[2 * tile + 1];
-    int h = at % gridDim.y, kvh = h / (heads / kv_heads);
-    int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
-    int pos0 = row_pos[first];
+__device__ __forceinline__ FaRows fa_tile_rows(const float* q, float* out, int first, int count, int pos0, int h,
+                                              int heads, int warp, int g) {
     int r_lo = warp * 16 + g, r_hi = r_lo + 8;
     FaRows r;
     r.live_lo = r_lo < count;
@@ -832,6 +928,29 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
     r.out_lo = out + at_lo;
     r.out_hi = out + at_hi;
     r.part_lo = r.part_hi = nullptr;
+    return r;
+}
+
+// Prefill: `tiles[2i]` = first row of tile i, `tiles[2i + 1]` = its row count (<= 64); the rows
+// are consecutive positions of one sequence. Grid (tiles, heads), 128 threads: warp w owns
+// query rows 16w..16w+15 of the tile. WGS 2 (Hopper's wgmma walk at head_dim 128, query heads
+// a KV head even): grid (tiles, heads / 2), 256 threads, warpgroup i taking head 2y + i, the
+// two sharing their K and V tiles (fa_attend_wgmma). Blocks start in launch order (x fastest), and block
+// (x, y) takes the tiles from the last back, each over every head in turn: a sequence's later
+// tiles, which walk more keys, start first, and the last wave holds short tiles (2 x 2,048
+// rows: 736 -> 651 us, H200, 2026-12-04).
+template <int HD, int WGS = 1>
+__device__ void prefill_attention(const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache,
+                                  const int* row_pos, const int* row_seq, const int* table_offsets,
+                                  const int* block_tables, const int* tiles, int heads, int kv_heads,
+                                  int block_size, float scale_log2) {
+    int at = blockIdx.y * gridDim.x + blockIdx.x;
+    int tile = gridDim.x - 1 - at / gridDim.y;
+    int first = tiles[2 * tile], count = tiles[2 * tile + 1];
+    int h = at % gridDim.y * WGS + (int)(threadIdx.x >> 7), kvh = h / (heads / kv_heads);
+    int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2;
+    int pos0 = row_pos[first];
+    FaRows r = fa_tile_rows<HD>(q, out, first, count, pos0, h, heads, warp, g);
     // Dynamic shared memory (kernels::prefill_attention_smem_bytes): the warps' running totals
     // (4 x FA_TOT_FLOATS(HD / 8) floats: with the K and V tiles, more than 48 KB of static
     // memory), or on Hopper at head_dim 128 the wgmma walk's tiles, 512-byte aligned for the
@@ -842,13 +961,18 @@ __device__ void prefill_attention(const float* q, float* out, const bf16_t* k_ca
     if constexpr (HD == 128 && FA_WGMMA) {
         u8* base = reinterpret_cast<u8*>(fa_dynamic);
         u8* tiles = base + ((512 - ((u32)__cvta_generic_to_shared(base) & 511)) & 511);
-        fa_attend_wgmma<HD>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size, scale, tiles);
+        fa_attend_wgmma<HD, WGS>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size, scale_log2,
+                                 tiles);
         return;
     }
 #endif
+    if constexpr (WGS > 1) {
+        __trap();  // the host launches two warpgroups only where the wgmma walk runs
+        return;
+    }
     float* tot = fa_dynamic + warp * FA_TOT_FLOATS(HD / 8);
     fa_attend<HD, 128, HD / 8, true, true>(r, pos0 + count - 1, k_cache, v_cache, table, kvh, kv_heads, block_size,
-                                           scale, 0, 0, 1, 0, tot);
+                                           scale_log2, 0, 0, 1, 0, tot);
 }
 
 // Decode: one query row per sequence. Grid (rows, kv_heads * passes, splits), 4 warps: the 16
@@ -863,7 +987,7 @@ template <int HD, bool HI>
 __device__ void decode_attention(const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache,
                                  const int* row_pos, const int* row_seq, const int* table_offsets,
                                  const int* block_tables, const int* rows, int heads, int kv_heads, int block_size,
-                                 float scale, float* part, int max_chunks) {
+                                 float scale_log2, float* part, int max_chunks) {
     int row = rows ? rows[blockIdx.x] : (int)blockIdx.x;
     int group = heads / kv_heads, passes = (group + 15) / 16;
     int kvh = blockIdx.y / passes, pass = blockIdx.y % passes;
@@ -890,7 +1014,7 @@ __device__ void decode_attention(const float* q, float* out, const bf16_t* k_cac
     }
     constexpr int DW = HD / 8 / DECODE_WARPS;
     fa_attend<HD, 32 * DECODE_WARPS, DW, HI>(r, pos, k_cache, v_cache, block_tables + table_offsets[row_seq[row]], kvh,
-                                         kv_heads, block_size, scale, warp * DW, blockIdx.z, gridDim.z, max_chunks,
+                                         kv_heads, block_size, scale_log2, warp * DW, blockIdx.z, gridDim.z, max_chunks,
                                          nullptr);
 }
 
@@ -916,38 +1040,284 @@ __device__ void attention_merge(const float* part, float* out, const int* row_po
     out[((u64)row * heads + h) * HD + d] = __fmul_rn(O, inv);
 }
 
-#define ATTENTION_KERNELS(PREFILL, DECODE, DECODE_G8, MERGE, HD)                                                                        \
+#define ATTENTION_KERNELS(PREFILL, DECODE, DECODE_G8, MERGE, HD)                                                      \
     extern "C" __global__ void PREFILL(                                                                               \
         const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,                 \
         const int* row_seq, const int* table_offsets, const int* block_tables, const int* tiles, int heads,           \
-        int kv_heads, int block_size, float scale, float* /* part */, int /* max_chunks */) { pdl_entry();                         \
-        /* one signature for both kernels: prefill never splits its keys over blocks */                              \
+        int kv_heads, int block_size, float scale_log2, float* /* part */, int /* max_chunks */) { pdl_entry();       \
+        /* one signature for both kernels: prefill never splits its keys over blocks */                               \
         prefill_attention<HD>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, tiles,         \
-                              heads, kv_heads, block_size, scale);                                                    \
+                              heads, kv_heads, block_size, scale_log2);                                               \
     }                                                                                                                 \
     extern "C" __global__ void DECODE(                                                                                \
         const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,                 \
         const int* row_seq, const int* table_offsets, const int* block_tables, const int* rows, int heads,            \
-        int kv_heads, int block_size, float scale, float* part, int max_chunks) { pdl_entry();                                     \
+        int kv_heads, int block_size, float scale_log2, float* part, int max_chunks) { pdl_entry();                   \
         decode_attention<HD, true>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, rows,     \
-                                   heads, kv_heads, block_size, scale, part, max_chunks);                             \
+                                   heads, kv_heads, block_size, scale_log2, part, max_chunks);                        \
     }                                                                                                                 \
-    /* at most 8 query heads a KV head: the tile rows g + 8 are never rows */                                        \
+    /* at most 8 query heads a KV head: the tile rows g + 8 are never rows */                                         \
     extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS, 4) DECODE_G8(                                     \
         const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos,                 \
         const int* row_seq, const int* table_offsets, const int* block_tables, const int* rows, int heads,            \
-        int kv_heads, int block_size, float scale, float* part, int max_chunks) { pdl_entry();                                     \
+        int kv_heads, int block_size, float scale_log2, float* part, int max_chunks) { pdl_entry();                   \
         decode_attention<HD, false>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, rows,    \
-                                    heads, kv_heads, block_size, scale, part, max_chunks);                            \
+                                    heads, kv_heads, block_size, scale_log2, part, max_chunks);                       \
     }                                                                                                                 \
     extern "C" __global__ void MERGE(const float* part, float* out, const int* row_pos, const int* rows, int heads,   \
-                                     int max_chunks) { pdl_entry();                                                                \
+                                     int max_chunks) { pdl_entry();                                                   \
         attention_merge<HD>(part, out, row_pos, rows, heads, max_chunks);                                             \
     }
 
 ATTENTION_KERNELS(prefill_attention_hd32, decode_attention_hd32, decode_attention_g8_hd32, attention_merge_hd32, 32)
 ATTENTION_KERNELS(prefill_attention_hd64, decode_attention_hd64, decode_attention_g8_hd64, attention_merge_hd64, 64)
 ATTENTION_KERNELS(prefill_attention_hd128, decode_attention_hd128, decode_attention_g8_hd128, attention_merge_hd128, 128)
+
+// Prefill attention of head_dim 128 on Hopper with two warpgroups a block, two query heads of
+// one KV head sharing their K and V tiles and copies (fa_attend_wgmma's WGS 2): half the copy
+// instructions and half the bytes from L2 a query row, in the same eight warps an SM (one block
+// of 256 threads: 226 registers a thread). The rows' arithmetic is the one-warpgroup kernel's,
+// so their bits are. ops::prefill_attention launches it where the query heads a KV head are
+// even, unless LOCKSTEP_FA_PAIRS=0. Where the wgmma walk is not built (sm_100a, or the kernel
+// variant FA_WGMMA 0) it traps.
+extern "C" __global__ __launch_bounds__(256, 1) void prefill_attention_pairs_hd128(
+    const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos, const int* row_seq,
+    const int* table_offsets, const int* block_tables, const int* tiles, int heads, int kv_heads, int block_size,
+    float scale_log2, float* /* part */, int /* max_chunks */) {
+    pdl_entry();
+    prefill_attention<128, 2>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, tiles, heads,
+                              kv_heads, block_size, scale_log2);
+}
+
+// ---- Prefill attention fed by the TMA unit (Hopper, head_dim 128, two query heads a block) ----
+//
+// prefill_attention_tma_hd128: the two-head walk of fa_attend_wgmma (WGS 2) with its copies
+// taken off the MMA warps, as FlashAttention-3 does. 384 threads: two consumer warpgroups (the
+// same rows of query heads 2y and 2y + 1 of one KV head), then a producer warpgroup whose first
+// warp copies each 64-key tile of K and V with the TMA unit into a ring of FA_TMA_STAGES stages
+// (K and V a ring each), `full` barriers completing when a stage's bytes land and `empty` ones
+// when the 8 consumer warps are done with it, in place of the block's barriers and the
+// consumers' cp.async copies and list lookups. The producer hands its registers to the
+// consumers (`setmaxnreg` 40 / 232). Each row's arithmetic, in its order, is the walk's, so its
+// bits are too.
+//
+// The cache's K (or V) is a tensor map over [cache rows][kv_heads * head_dim BF16] read in boxes
+// of 32 columns (64 bytes: one of a tile's 4 column groups, in the 64-byte swizzle the
+// descriptors read) by min(block_size, 64) rows: a tile takes 64 / that pages a group, each a
+// box at its page's cache row (the block table, looked up two tiles ahead by the producer warp's
+// lanes, one page a lane). Pages wholly past the rows' last position are not copied, and the
+// last tile's V rows past it (stale or never written) are zeroed before its P V: their p is 0,
+// and 0 times a stale NaN would not be. Its K rows past it are masked (-inf) as in the walk.
+// Needs a block size of at least 16 (the host checks: smaller pages take the cp.async walk).
+#define FA_TMA_STAGES 4
+#define FA_TMA_THREADS 384
+// 1: the consumer warpgroups take turns issuing their products (FlashAttention-3's "pingpong":
+// named barriers 4 and 5), so one's softmax runs under the other's products instead of both
+// waiting on interleaved ones. A kernel variant to measure (same products, same bits).
+#ifndef FA_TMA_PINGPONG
+#define FA_TMA_PINGPONG 0
+#endif
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The producer warp: tile i's K then its V into stage i % FA_TMA_STAGES of their rings, once
+// the consumers are done with the tile FA_TMA_STAGES before it there.
+__device__ __forceinline__ void fa_tma_produce(const TensorMap* k_map, const TensorMap* v_map, const int* table,
+                                               int last_pos, int kvh, int block_size, u32 ks0, u32 vs0, u32 bars) {
+    constexpr int S = FA_TMA_STAGES;
+    const u32 full_k = bars, full_v = bars + 8 * S, empty_k = bars + 16 * S, empty_v = bars + 24 * S;
+    int lane = threadIdx.x & 31, shift = __ffs(block_size) - 1;
+    int box_rows = min(block_size, FA_KEYS), pages = FA_KEYS / box_rows;
+    // Lane p's page of tile i: its cache row (-1 past last_pos, or past the tile's pages).
+    auto lookup = [&](int i) {
+        int key = i * FA_KEYS + lane * box_rows;
+        return lane < pages && key <= last_pos ? (table[key >> shift] << shift) + (key & (block_size - 1)) : -1;
+    };
+    if (lane == 0) {
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)k_map) : "memory");
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)v_map) : "memory");
+    }
+    int row = lookup(0), row_next = lookup(1);
+    const int col = kvh * FA_MAX_HD * 2;  // the KV head's first byte of a cache row
+    const int tiles = last_pos / FA_KEYS + 1;
+    for (int i = 0; i < tiles; i++) {
+        int row_after = lookup(i + 2);  // its table load is waited for two tiles on
+        int stage = i % S, use = i / S;
+        int live = min(pages, (last_pos - i * FA_KEYS) / box_rows + 1);
+        u32 bytes = live * 4 * box_rows * 64;
+        int rows[4];
+#pragma unroll
+        for (int p = 0; p < 4; p++) rows[p] = __shfl_sync(0xffffffffu, row, p);
+        if (lane == 0) {
+#pragma unroll
+            for (int kv = 0; kv < 2; kv++) {
+                u32 empty = (kv ? empty_v : empty_k) + 8 * stage, full = (kv ? full_v : full_k) + 8 * stage;
+                if (use > 0) mbar_wait(empty, (use - 1) & 1);
+                mbar_arrive_expect_tx(full, bytes);
+                u32 dst = (kv ? vs0 : ks0) + stage * FA_WG_TILE_BYTES;
+                const TensorMap* map = kv ? v_map : k_map;
+#pragma unroll
+                for (int p = 0; p < 4; p++) {
+                    if (p >= live) break;
+#pragma unroll
+                    for (int grp = 0; grp < 4; grp++)
+                        tma_copy_2d(dst + grp * FA_WG_GROUP_BYTES + p * box_rows * 64, map, col + 64 * grp, rows[p],
+                                    full);
+                }
+            }
+        }
+        __syncwarp();
+        row = row_next;
+        row_next = row_after;
+    }
+}
+
+// A consumer warpgroup's walk: fa_attend_wgmma's, its tiles waited for on the rings' `full`
+// barriers and handed back on their `empty` ones. `base`: the q tiles of the two warpgroups.
+template <int HD>
+__device__ void fa_attend_tma(const FaRows r, int last_pos, float scale_log2, u32 base, u32 ks0, u32 vs0, u32 bars) {
+    static_assert(HD == 128, "4 groups of 32 columns");
+    constexpr int DW = HD / 8, S = FA_TMA_STAGES;
+    const u32 full_k = bars, full_v = bars + 8 * S, empty_k = bars + 16 * S, empty_v = bars + 24 * S;
+    int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+    int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // uniform to the compiler (fa_attend_wgmma)
+    u32 qs = base + wg * FA_WG_TILE_BYTES;
+    fa_wg_store_q<HD>(r, scale_log2, warp, g, t, qs);
+    // The warpgroup's q is in and seen by its tensor cores' reads.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+    // FA_TMA_PINGPONG: warpgroup w issues its products on its turn (barrier 4 + w, completed by
+    // the other's arrival after its own issue), warpgroup 0 first; warpgroup 1 leaves out its
+    // last arrival, so every barrier's arrivals match its waits.
+    auto turn_begin = [&]() {
+        if (FA_TMA_PINGPONG) asm volatile("bar.sync %0, 256;\n" ::"r"(4 + wg) : "memory");
+    };
+    auto turn_end = [&](bool last) {
+        if (FA_TMA_PINGPONG && !(last && wg == 1)) asm volatile("bar.arrive %0, 256;\n" ::"r"(5 - wg) : "memory");
+    };
+    if (FA_TMA_PINGPONG && wg == 1) asm volatile("bar.arrive 4, 256;\n" ::: "memory");
+    auto stage_of = [&](int i) { return (u32)(i % S); };
+    auto wait_full = [&](u32 full, int i) {
+        mbar_wait(full + 8 * stage_of(i), (i / S) & 1);
+        __syncwarp();  // converged again after the polls, for the .aligned wgmma
+    };
+    auto release = [&](u32 empty, int i) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + 8 * stage_of(i));
+    };
+    const u64 q_desc = wgmma_desc_sw64(qs);
+    auto scores = [&](float (&s)[8][4], int i) {
+        fa_wg_scores<HD>(s, q_desc, wgmma_desc_sw64(ks0 + stage_of(i) * FA_WG_TILE_BYTES));
+    };
+    float o[DW][4], tot[DW][4];  // as in fa_attend_wgmma
+    fa_clear(o);
+    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
+    float M_lo = -INFINITY, M_hi = -INFINITY, L_lo = 0.0f, L_hi = 0.0f;
+    bool first_chunk = true;
+    float s[8][4], c_lo, c_hi;
+    wait_full(full_k, 0);
+    turn_begin();
+    scores(s, 0);
+    turn_end(false);
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    fa_wg_hold_scores(s);
+    release(empty_k, 0);
+    fa_softmax<true>(s, r, 0, t, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
+    int k0 = 0, i = 0;  // this tile's first key and number
+    u32 p[4][4];
+    auto probabilities = [&]() { fa_wg_probabilities(o, s, p, k0, c_lo, c_hi); };
+    auto pv_done = [&]() { fa_wg_pv_done(o, p); };
+    for (; k0 + FA_KEYS <= last_pos; k0 += FA_KEYS, i++) {
+        int k_next = k0 + FA_KEYS;
+        bool chunk_end = k_next % FA_CHUNK == 0;
+        wait_full(full_k, i + 1);  // the next tile's K
+        wait_full(full_v, i);      // this tile's V
+        probabilities();
+        turn_begin();
+        scores(s, i + 1);  // the next tile's, then this tile's P V: the scores are done first
+        fa_wg_pv(o, p, vs0 + stage_of(i) * FA_WG_TILE_BYTES);
+        turn_end(false);
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        fa_wg_hold_scores(s);
+        release(empty_k, i + 1);
+        float cm_lo, cm_hi, cl_lo, cl_hi;
+        fa_softmax_after(s, r, k_next, t, chunk_end, m_lo, m_hi, l_lo, l_hi, c_lo, c_hi, cm_lo, cm_hi, cl_lo, cl_hi);
+        pv_done();
+        release(empty_v, i);
+        if (chunk_end)
+            fa_end_chunk_regs(o, tot, r, true, t, cm_lo, cm_hi, cl_lo, cl_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
+    }
+    // The last tile: its V rows past last_pos set to zero by both warpgroups' 256 threads.
+    wait_full(full_v, i);
+    {
+        u32 vs = vs0 + stage_of(i) * FA_WG_TILE_BYTES;
+        int first_dead = last_pos - k0 + 1, c = tid & 255;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int piece = c + 256 * j, key = piece / 16, part = piece % 16;
+            if (key >= first_dead)
+                asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(vs + (part / 4) * FA_WG_GROUP_BYTES +
+                                                                              key * 64 + (part % 4) * 16),
+                             "r"(0u)
+                             : "memory");
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("bar.sync 3, 256;\n" ::: "memory");
+    }
+    probabilities();
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    turn_begin();
+    fa_wg_pv(o, p, vs0 + stage_of(i) * FA_WG_TILE_BYTES);
+    turn_end(true);
+    pv_done();
+    fa_end_chunk_regs(o, tot, r, false, t, m_lo, m_hi, l_lo, l_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
+}
+#endif
+
+// Grid (tiles, heads / 2) as prefill_attention_pairs_hd128's, FA_TMA_THREADS threads; k_map and
+// v_map over the K and V caches (ops::prefill_attention's `kv_tensor_map`).
+extern "C" __global__ __launch_bounds__(FA_TMA_THREADS, 1) void prefill_attention_tma_hd128(
+    const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, const float* q, float* out,
+    const int* row_pos, const int* row_seq, const int* table_offsets, const int* block_tables, const int* tiles,
+    int heads, int kv_heads, int block_size, float scale_log2) {
+    pdl_entry();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int HD = 128, S = FA_TMA_STAGES;
+    int at = blockIdx.y * gridDim.x + blockIdx.x;
+    int tile = gridDim.x - 1 - at / gridDim.y;
+    int first = tiles[2 * tile], count = tiles[2 * tile + 1];
+    int kvh = at % gridDim.y * 2 / (heads / kv_heads);
+    int pos0 = row_pos[first], last_pos = pos0 + count - 1;
+    const int* table = block_tables + table_offsets[row_seq[first]];
+    // Dynamic shared memory (kernels::PREFILL_ATTENTION_TMA_SMEM_BYTES), 512-byte aligned for
+    // the swizzle: q of each consumer warpgroup, the K ring, the V ring, then the barriers
+    // (full K, full V, empty K, empty V; FA_TMA_STAGES each).
+    extern __shared__ __align__(16) float fa_tma_dynamic[];
+    u32 base = (u32)__cvta_generic_to_shared(fa_tma_dynamic);
+    base += (512 - (base & 511)) & 511;
+    u32 ks0 = base + 2 * FA_WG_TILE_BYTES, vs0 = ks0 + S * FA_WG_TILE_BYTES, bars = vs0 + S * FA_WG_TILE_BYTES;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < 2 * S; s++) {
+            mbar_init(bars + 8 * s, 1);                                 // full K, full V: the producer's arrival
+            mbar_init(bars + 8 * (2 * S + s), FA_TMA_THREADS / 32 - 4);  // empty: the 8 consumer warps
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x >= 256) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (threadIdx.x < 288)
+            fa_tma_produce(&k_map, &v_map, table, last_pos, kvh, block_size, ks0, vs0, bars);
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    int wg = threadIdx.x >> 7, h = at % gridDim.y * 2 + wg;
+    int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2;
+    FaRows r = fa_tile_rows<HD>(q, out, first, count, pos0, h, heads, warp, g);
+    fa_attend_tma<HD>(r, last_pos, scale_log2, base, ks0, vs0, bars);
+#else
+    __trap();  // the host launches it on sm_90a alone (ops::prefill_attention::PrefillBlocks)
+#endif
+}
 
 // decode_attention_g8_hd128 at three blocks an SM: 147 registers without a spill, where four
 // blocks cap it at 128 and spill 36 bytes (ptxas 13.5, sm_90a). The same code, so the same bits;
@@ -957,8 +1327,8 @@ ATTENTION_KERNELS(prefill_attention_hd128, decode_attention_hd128, decode_attent
 extern "C" __global__ __launch_bounds__(32 * DECODE_WARPS, 3) void decode_attention_g8_hd128_3(
     const float* q, float* out, const bf16_t* k_cache, const bf16_t* v_cache, const int* row_pos, const int* row_seq,
     const int* table_offsets, const int* block_tables, const int* rows, int heads, int kv_heads, int block_size,
-    float scale, float* part, int max_chunks) {
+    float scale_log2, float* part, int max_chunks) {
     pdl_entry();
     decode_attention<128, false>(q, out, k_cache, v_cache, row_pos, row_seq, table_offsets, block_tables, rows, heads,
-                                 kv_heads, block_size, scale, part, max_chunks);
+                                 kv_heads, block_size, scale_log2, part, max_chunks);
 }

@@ -51,8 +51,6 @@ __device__ __forceinline__ u32 amax_bits(float x) {
     return b <= 0x7f800000u ? b : 0u;
 }
 
-__device__ __forceinline__ float load_elem(const float* x, u64 i) { return x[i]; }
-__device__ __forceinline__ float load_elem(const bf16_t* x, u64 i) { return bf16_to_f32(x[i]); }
 
 // Four consecutive elements (16-byte aligned for f32, 8-byte for BF16) as f32.
 __device__ __forceinline__ void load4(const float* x, u64 i, float* v) {
@@ -208,6 +206,7 @@ __device__ u8 nvfp4_block(const float* v, Level lv, float fos_range, int fos_squ
     return s6;
 }
 
+#define AMAX_LOADS 4
 // One block per row. Per token (`per_token`): the row's own level, and s_tok (0 for an all-zero
 // row) written to row_s_dec. Otherwise the given level (a per-tensor scale, e.g. the one gate and
 // up share). `deq` (optional): the block-scaled values e2m1 * e4m3, the GEMM's operand.
@@ -220,12 +219,27 @@ __device__ void nvfp4_rows(const T* x, int cols, int per_token, float amax, floa
     if (per_token) {
         __shared__ u32 red_bits[32];
         __shared__ int red_any[32];
+        // Four elements a load and AMAX_LOADS loads in flight before any max: a decode row is
+        // one block, and a load a trip made its walk a chain of dependent round trips (16 for
+        // a 2,048-wide row). A max over the bits and an or give the same result in any order.
         u32 mb = 0u;
         int any_number = 0;
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-            float v = load_elem(row, i);
-            mb = max(mb, amax_bits(v));
-            any_number |= !isnan(v);
+        for (int i0 = 4 * threadIdx.x; i0 < cols; i0 += 4 * AMAX_LOADS * blockDim.x) {
+            float v[AMAX_LOADS][4];
+#pragma unroll
+            for (int u = 0; u < AMAX_LOADS; u++) {
+                int i = i0 + 4 * u * blockDim.x;
+                if (i < cols) load4(row, i, v[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < AMAX_LOADS; u++) {
+                if (i0 + 4 * u * (int)blockDim.x >= cols) break;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    mb = max(mb, amax_bits(v[u][j]));
+                    any_number |= !isnan(v[u][j]);
+                }
+            }
         }
         mb = __reduce_max_sync(0xffffffffu, mb);
         any_number = __reduce_or_sync(0xffffffffu, any_number);

@@ -68,7 +68,7 @@ impl Problem {
         let blocks: Vec<usize> = case
             .contexts
             .iter()
-            .map(|c| c.div_ceil(BLOCK_SIZE))
+            .map(|c| c.div_ceil(s.block_size))
             .collect();
         // Blocks in a shuffled order, with spare ones, so the tables are really followed.
         let num_blocks = blocks.iter().sum::<usize>() + 3;
@@ -86,7 +86,7 @@ impl Problem {
             KvDtype::Bf16,
             1,
             num_blocks,
-            BLOCK_SIZE,
+            s.block_size,
             s.kv_heads,
             s.head_dim,
         );
@@ -123,6 +123,21 @@ impl Problem {
             offsets.push(flat.len() as i32);
             flat.extend(t.iter().map(|&b| b as i32));
         }
+        // The cache rows no sequence wrote (the ends of last blocks, the spare blocks) hold NaN,
+        // as a server's stale or never-written rows may: no kernel may let them into a result
+        // (keys past a row's position are masked and their V rows copied as zeros, or zeroed).
+        let mut written = vec![false; num_blocks * s.block_size];
+        for (table, &ctx) in tables.iter().zip(&case.contexts) {
+            for p in 0..ctx {
+                written[table[p / s.block_size] as usize * s.block_size + p % s.block_size] = true;
+            }
+        }
+        let stale = |mut bits: Vec<u16>| {
+            for (row, _) in written.iter().enumerate().filter(|(_, &w)| !w) {
+                bits[row * kvw..(row + 1) * kvw].fill(0x7fc0);
+            }
+            bits
+        };
         Problem {
             rows,
             q_lens: case.q_lens.clone(),
@@ -130,8 +145,8 @@ impl Problem {
             want,
             row_ctx,
             q: g.upload(&q).unwrap(),
-            k: g.upload(&cache.k_bits(0)).unwrap(),
-            v: g.upload(&cache.v_bits(0)).unwrap(),
+            k: g.upload(&stale(cache.k_bits(0))).unwrap(),
+            v: g.upload(&stale(cache.v_bits(0))).unwrap(),
             pos: g.upload(&pos).unwrap(),
             seq: g.upload(&seq).unwrap(),
             offsets: g.upload(&offsets).unwrap(),
@@ -195,6 +210,7 @@ fn tensor_core_attention(
         tiles.len() / 2,
         rows,
         shape,
+        ops::PrefillBlocks::chosen(g, shape),
     )
     .unwrap();
     ops::decode_attention(
@@ -331,16 +347,38 @@ impl Rows {
         }
     }
 
-    /// The reference of the bitwise tests: every sequence prefilled in one chunk, all in one
-    /// step; each sequence's output rows.
-    fn prefilled(&self, g: &Gpu) -> Vec<Vec<f32>> {
-        let whole: Vec<(usize, usize, usize)> = self
-            .contexts
+    /// Every sequence in one chunk: the parts of [`Rows::prefilled`].
+    fn whole(&self) -> Vec<(usize, usize, usize)> {
+        self.contexts
             .iter()
             .enumerate()
             .map(|(s, &c)| (s, 0, c))
-            .collect();
-        self.step(g, &whole, None)
+            .collect()
+    }
+
+    /// The reference of the bitwise tests: every sequence prefilled in one chunk, all in one
+    /// step; each sequence's output rows.
+    fn prefilled(&self, g: &Gpu) -> Vec<Vec<f32>> {
+        self.step(g, &self.whole(), None)
+    }
+
+    /// Every sequence prefilled in one chunk by `ops::prefill_attention` in `blocks`; each
+    /// sequence's output rows.
+    fn prefilled_in_blocks(&self, g: &Gpu, blocks: ops::PrefillBlocks) -> Vec<Vec<f32>> {
+        self.run(g, &self.whole(), |q, meta, lens| {
+            let rows: usize = lens.iter().sum();
+            let n = rows * self.shape.heads * self.shape.head_dim;
+            let tiles = ops::prefill_tiles(lens.iter().copied());
+            let dt = g.upload(&tiles).unwrap();
+            let mut out = g.upload(&vec![f32::NAN; n]).unwrap();
+            let (k, v) = (&self.k, &self.v);
+            let num_tiles = tiles.len() / 2;
+            ops::prefill_attention(
+                g, q, &mut out, k, v, meta, &dt, num_tiles, rows, self.shape, blocks,
+            )
+            .unwrap();
+            g.download(&out, n).unwrap()
+        })
     }
 
     /// One step of `(sequence, first position, rows)` parts; returns each part's output rows.
@@ -349,6 +387,19 @@ impl Rows {
         g: &Gpu,
         parts: &[(usize, usize, usize)],
         split: Option<&DecodeSplit>,
+    ) -> Vec<Vec<f32>> {
+        self.run(g, parts, |q, meta, lens| {
+            tensor_core_attention(g, q, &self.k, &self.v, meta, lens, self.shape, split)
+        })
+    }
+
+    /// The parts' query rows, positions and sequences on the device, handed to `attend` (which
+    /// returns every row's output); each part's output rows.
+    fn run(
+        &self,
+        g: &Gpu,
+        parts: &[(usize, usize, usize)],
+        attend: impl FnOnce(&CudaSlice<f32>, &AttnRows<'_>, &[usize]) -> Vec<f32>,
     ) -> Vec<Vec<f32>> {
         let width = self.shape.heads * self.shape.head_dim;
         let (mut q, mut pos, mut seq) = (Vec::new(), Vec::new(), Vec::new());
@@ -370,7 +421,7 @@ impl Rows {
             block_tables: &self.tables,
         };
         let lens: Vec<usize> = parts.iter().map(|p| p.2).collect();
-        let out = tensor_core_attention(g, &dq, &self.k, &self.v, &meta, &lens, self.shape, split);
+        let out = attend(&dq, &meta, &lens);
         let mut at = 0;
         lens.iter()
             .map(|&len| {
@@ -416,6 +467,18 @@ fn attention_rows_have_the_same_bits_however_they_are_batched() {
             )
         };
         let want = rows.prefilled(&g);
+        // Prefill in every kind of block the shape allows (one query head; two sharing K and V,
+        // copied by their threads or by the TMA unit: Hopper at head_dim 128), against the
+        // default's bits.
+        for blocks in ops::PrefillBlocks::ALL {
+            if !blocks.possible(&g, shape) {
+                continue;
+            }
+            let got = rows.prefilled_in_blocks(&g, blocks);
+            for (s, got) in got.iter().enumerate() {
+                assert_same_bits(got, &want[s], &what(s, &format!("blocks {blocks:?}")));
+            }
+        }
         for (s, &c) in contexts.iter().enumerate() {
             // Alone, in one chunk.
             assert_same_bits(
@@ -509,4 +572,39 @@ fn decode_rows_have_the_same_bits_on_either_side_of_the_kernel_switch() {
         assert_same_bits(&alone, want_row, &format!("{what}, alone"));
     }
     println!("{count} decode rows: the same bits in one step and alone, as prefilled");
+}
+
+/// Prefill in every kind of block the GPU has (one query head; two sharing K and V, copied by
+/// their threads or by the TMA unit, which takes a box a page, or a tile's part of a page) gives
+/// the bits of one head a block at pages of 16 to 128 tokens.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn prefill_blocks_of_every_kind_agree_at_every_page_size() {
+    let g = Gpu::open(0).expect("a CUDA device");
+    let mut rng = Rng(seed());
+    let contexts = [1, 63, 65, 200, 1000, 3001];
+    for block_size in [16, 32, 64, 128] {
+        let shape = AttnShape {
+            heads: 32,
+            kv_heads: 4,
+            head_dim: 128,
+            block_size,
+        };
+        let rows = Rows::new(&g, &mut rng, &contexts, shape);
+        let want = rows.prefilled_in_blocks(&g, ops::PrefillBlocks::OneHead);
+        for blocks in ops::PrefillBlocks::ALL {
+            if !blocks.possible(&g, shape) {
+                continue;
+            }
+            let got = rows.prefilled_in_blocks(&g, blocks);
+            for (s, got) in got.iter().enumerate() {
+                let what = format!(
+                    "{block_size}-token pages, {} keys, blocks {blocks:?}",
+                    contexts[s]
+                );
+                assert_same_bits(got, &want[s], &what);
+            }
+        }
+        println!("{block_size}-token pages: every kind of prefill block gives the same bits");
+    }
 }

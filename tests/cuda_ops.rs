@@ -73,13 +73,26 @@ fn dummy_weights_equal_the_cpu_generator() {
 fn activation_quantizers_match_the_quant_module_byte_for_byte() {
     let g = gpu();
     let mut rng = Rng(seed());
-    let (rows, cols) = (37, 256);
-    let x = activations(&mut rng, rows, cols);
-    let dx = g.upload(&x).unwrap();
+    // Rows narrower than a block's threads, one decode row of Qwen3-30B-A3B's width, and rows
+    // a block walks in several rounds of loads with a part-filled last round.
+    for (rows, cols) in [(37, 256), (5, 2048), (3, 4864)] {
+        let mut x = activations(&mut rng, rows, cols);
+        // Rows 0 and 2 with their largest magnitude in their last element (row 1 stays all
+        // zero), so a walk that stops short of a row's end gives other scales.
+        for r in [0, 2] {
+            x[r * cols + cols - 1] = 5000.0 * (r + 1) as f32;
+        }
+        quantizers_match_on(&g, &x, rows, cols);
+    }
+}
+
+/// The MXFP8 and NVFP4 activation quantizers on `x` [rows][cols] against the CPU's bytes.
+fn quantizers_match_on(g: &lockstep::backend::cuda::Gpu, x: &[f32], rows: usize, cols: usize) {
+    let dx = g.upload(x).unwrap();
     let n = rows * cols;
 
     // MXFP8 1x32.
-    let want = quant::mxfp8::quantize_rowwise(&x, rows, cols).unwrap();
+    let want = quant::mxfp8::quantize_rowwise(x, rows, cols).unwrap();
     let (mut data, mut scales, mut deq) = (
         poisoned(&g, n, 0xAAu8),
         poisoned(&g, n / 32, 0xAAu8),
@@ -118,7 +131,7 @@ fn activation_quantizers_match_the_quant_module_byte_for_byte() {
     for fos in variants {
         for granularity in [ScaleGranularity::PerToken, ScaleGranularity::PerTensor] {
             let want = quant::nvfp4::quantize(
-                &x,
+                x,
                 rows,
                 cols,
                 &Nvfp4Options {
@@ -688,6 +701,7 @@ fn prefill_attention_matches_the_cpu() {
             tiles.len() / 2,
             rows,
             shape,
+            ops::PrefillBlocks::chosen(&g, shape),
         )
         .unwrap();
         ops::decode_attention(
@@ -914,11 +928,13 @@ fn the_routing_plan_is_the_sequential_walk_over_experts() {
         let dids = g.upload(&ids).unwrap();
         plan.build(&g, &dids, tokens, top_k, experts).unwrap();
         let (mut offsets, mut tiles, mut wide) = (vec![0i32], Vec::new(), Vec::new());
+        let mut pair = Vec::new();
         for e in 0..experts {
             let count = ids.iter().filter(|&&i| i == e as i32).count() as i32;
             let first = *offsets.last().unwrap();
             tiles.extend((0..count).step_by(32).flat_map(|r| [e as i32, first + r]));
             wide.extend((0..count).step_by(64).flat_map(|r| [e as i32, first + r]));
+            pair.extend((0..count).step_by(128).flat_map(|r| [e as i32, first + r]));
             offsets.push(first + count);
         }
         let shape = format!("{tokens} tokens x {top_k} of {experts}");
@@ -927,24 +943,43 @@ fn the_routing_plan_is_the_sequential_walk_over_experts() {
             offsets,
             "{shape}"
         );
-        let n = g.download(&plan.num_tiles, 1).unwrap()[0] as usize;
-        assert_eq!(n, tiles.len() / 2, "{shape}: tiles");
-        assert!(
-            n <= plan.tiles_launched(),
-            "{shape}: {n} tiles over the launch bound"
-        );
-        assert_eq!(g.download(&plan.tiles, 2 * n).unwrap(), tiles, "{shape}");
-        let n = g.download(&plan.num_wide_tiles, 1).unwrap()[0] as usize;
-        assert_eq!(n, wide.len() / 2, "{shape}: wide tiles");
-        assert!(
-            n <= plan.wide_tiles_launched(),
-            "{shape}: {n} wide tiles over the launch bound"
-        );
-        assert_eq!(
-            g.download(&plan.wide_tiles, 2 * n).unwrap(),
-            wide,
-            "{shape}: wide tiles"
-        );
+        // Each tile list: its count, within the launch bound, and its tiles.
+        let lists = [
+            (
+                "32-row",
+                &plan.tiles,
+                &plan.num_tiles,
+                plan.tiles_launched(),
+                tiles,
+            ),
+            (
+                "wide",
+                &plan.wide_tiles,
+                &plan.num_wide_tiles,
+                plan.wide_tiles_launched(),
+                wide,
+            ),
+            (
+                "pair",
+                &plan.pair_tiles,
+                &plan.num_pair_tiles,
+                plan.pair_tiles_launched(),
+                pair,
+            ),
+        ];
+        for (name, list, count, launched, want) in lists {
+            let n = g.download(count, 1).unwrap()[0] as usize;
+            assert_eq!(n, want.len() / 2, "{shape}: {name} tiles");
+            assert!(
+                n <= launched,
+                "{shape}: {n} {name} tiles over the launch bound"
+            );
+            assert_eq!(
+                g.download(list, 2 * n).unwrap(),
+                want,
+                "{shape}: {name} tiles"
+            );
+        }
         assert_rows_of_groups(&g, &plan, &ids, &offsets, top_k, &shape);
     }
 }
@@ -1043,11 +1078,13 @@ fn one_launch_routing_gives_the_routes_and_plan_of_the_separate_launches() {
             let ints = |p: &MoePlan| {
                 let n = g.download(&p.num_tiles, 1).unwrap()[0] as usize;
                 let m = g.download(&p.num_wide_tiles, 1).unwrap()[0] as usize;
+                let q = g.download(&p.num_pair_tiles, 1).unwrap()[0] as usize;
                 (
                     g.download(&p.counts, experts).unwrap(),
                     g.download(&p.offsets, experts + 1).unwrap(),
                     g.download(&p.tiles, 2 * n).unwrap(),
                     g.download(&p.wide_tiles, 2 * m).unwrap(),
+                    g.download(&p.pair_tiles, 2 * q).unwrap(),
                 )
             };
             let want = ints(&plan_b);

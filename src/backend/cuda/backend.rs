@@ -915,6 +915,7 @@ impl Backend for Cuda {
             a.prefill_tiles,
             n,
             shape,
+            ops::PrefillBlocks::chosen(&self.gpu, shape),
         )?;
         ops::decode_attention(
             &self.gpu,

@@ -89,6 +89,15 @@ impl Gpu {
             let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
             for &k in Kernel::ALL.iter().filter(|k| k.source() == source) {
                 let f = module.load_function(k.symbol())?;
+                if let Some(h) = k.register_handoff().filter(|_| arch == "sm_90a") {
+                    let entry = f.num_regs()? as u32;
+                    if entry < h.entry_needed() {
+                        return Err(CudaError::Unsupported(format!(
+                            "{}: {entry} registers a thread at entry, where its setmaxnreg hand-off ({} threads to {}, {} to {}) needs {}: its blocks would wait forever",
+                            k.symbol(), h.givers, h.low, h.takers, h.high, h.entry_needed()
+                        )));
+                    }
+                }
                 if k.dynamic_smem(arch) > 0 {
                     f.set_attribute(
                         sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -217,6 +217,12 @@ const GROUPED_GEMM: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, Ptr, Ptr, Ptr, I32, I32, I32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr,
     Ptr, Ptr, I32, Ptr, Ptr, Ptr, Ptr, I32,
 ];
+/// kernels/prefill_attention.cu `prefill_attention_tma_hd128`: the K and V caches' tensor maps,
+/// then q, out, the rows' positions and sequences, the block tables, the tiles, heads, KV heads,
+/// block size and the scale in log2 units (log2(e) / sqrt(head_dim)).
+const TMA_ATTENTION: &[Param] = &[
+    TensorMap, TensorMap, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, F32,
+];
 /// `GEMM_TMA_KERNEL` in gemm.cu: the tensor maps of x and of parts 1-3's weights, row_index,
 /// row_scale, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets, rows, N, K, out, then
 /// parts 2 and 3 (scales, sdec, out, n each).
@@ -226,7 +232,8 @@ const TMA_GEMM: &[Param] = &[
 ];
 /// The prefill and decode kernels of prefill_attention.cu: q, out, k_cache, v_cache, row_pos,
 /// row_seq, table_offsets, block_tables, tiles (prefill) or rows (decode), heads, kv_heads,
-/// block_size, scale, part and max_chunks (decode's split-KV; prefill ignores them).
+/// block_size, scale in log2 units (log2(e) / sqrt(head_dim)), part and max_chunks (decode's
+/// split-KV; prefill ignores them).
 const TENSOR_CORE_ATTENTION: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, F32, Ptr, I32,
 ];
@@ -260,11 +267,11 @@ kernels! {
     CopyRanges => (Elementwise, "copy_ranges", &[Ptr, I32]),
     MoeRoute => (Moe, "moe_route", &[Ptr, I32, I32, I32, I32, Ptr, Ptr, Ptr, Ptr, I32]),
     MoeCount => (Moe, "moe_count", &[Ptr, I32, Ptr]),
-    MoePlan => (Moe, "moe_plan", &[Ptr, I32, I32, I32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr]),
+    MoePlan => (Moe, "moe_plan", &[Ptr, I32, I32, I32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr]),
     MoeScatter => (Moe, "moe_scatter", &[Ptr, I32, I32, Ptr, Ptr, Ptr]),
     MoeRoutePlan => (Moe, "moe_route_plan", &[
         Ptr, I32, I32, I32, I32, Ptr, Ptr, Ptr, Ptr, I32, I32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr,
-        Ptr, I32,
+        Ptr, Ptr, Ptr, I32,
     ]),
     Mxfp8QuantizeF32 => (Quant, "mxfp8_quantize_f32", MXFP8_QUANTIZE),
     Mxfp8QuantizeBf16 => (Quant, "mxfp8_quantize_bf16", MXFP8_QUANTIZE),
@@ -320,6 +327,8 @@ kernels! {
     PrefillAttentionHd32 => (PrefillAttention, "prefill_attention_hd32", TENSOR_CORE_ATTENTION),
     PrefillAttentionHd64 => (PrefillAttention, "prefill_attention_hd64", TENSOR_CORE_ATTENTION),
     PrefillAttentionHd128 => (PrefillAttention, "prefill_attention_hd128", TENSOR_CORE_ATTENTION),
+    PrefillAttentionPairsHd128 => (PrefillAttention, "prefill_attention_pairs_hd128", TENSOR_CORE_ATTENTION),
+    PrefillAttentionTmaHd128 => (PrefillAttention, "prefill_attention_tma_hd128", TMA_ATTENTION),
     DecodeAttentionHd32 => (PrefillAttention, "decode_attention_hd32", TENSOR_CORE_ATTENTION),
     DecodeAttentionG8Hd32 => (PrefillAttention, "decode_attention_g8_hd32", TENSOR_CORE_ATTENTION),
     AttentionMergeHd32 => (PrefillAttention, "attention_merge_hd32", ATTENTION_MERGE),
@@ -341,14 +350,14 @@ kernels! {
 pub const WGMMA_SMEM_BYTES: u32 = 1024 + 8 * (128 * 64 + 128 * 64);
 
 /// Dynamic shared memory of the TMA GEMM kernels (kernels/gemm.cu `grouped_gemm_tma`): 1,024
-/// bytes to align the stages, then the room of twelve spans (`TMA_STAGES` stages of
-/// `TMA_SPANS` spans: four of two, and a kernel variant may take up to six; a block an SM
-/// either way, its registers allow no second), a span being a 128-row activation span and the
-/// span of 128 BF16 weight rows (the largest format's), then a `full` and an `empty` barrier
-/// (8 bytes) a stage.
-pub const TMA_SMEM_BYTES: u32 = 1024 + 12 * (128 * 64 + 128 * 64) + 2 * 8 * 12;
-/// Threads of a TMA GEMM block: two MMA warpgroups and the copy warp.
-pub const TMA_THREADS: u32 = 288;
+/// bytes to align the stages, four stages (`TMA_STAGES`) of one span (`TMA_SPANS`) each: a
+/// 128-row activation span (64 bytes a row) and the span of 256 BF16 weight rows (the largest
+/// format's, `TMA_COLS`), then the MMA threads' running totals (256 threads x 128 f32), then a
+/// `full` and an `empty` barrier (8 bytes) a stage: 230,464 bytes, under the 232,448 a block
+/// may have on Hopper (one block an SM).
+pub const TMA_SMEM_BYTES: u32 = 1024 + 4 * (128 * 64 + 256 * 64) + 256 * 128 * 4 + 2 * 8 * 4;
+/// Threads of a TMA GEMM block: two MMA warpgroups and the copy warpgroup.
+pub const TMA_THREADS: u32 = 384;
 
 /// Dynamic shared memory of the prefill attention kernel for `head_dim` on `arch`
 /// (kernels/prefill_attention.cu): its 4 warps' running totals of 16 rows x `head_dim` f32
@@ -360,11 +369,56 @@ pub const TMA_THREADS: u32 = 288;
 /// the totals, so the `mma.sync` walk (kernel variant `FA_WGMMA 0`) runs in it too.
 pub fn prefill_attention_smem_bytes(head_dim: u32, arch: &str) -> u32 {
     if head_dim == 128 && arch == "sm_90a" {
-        512 + 5 * 64 * 128 * 2 + 4 * 64 * 4
+        512 + 5 * FA_TILE_BYTES + 4 * 64 * 4
     } else {
         4 * 16 * head_dim * 4
     }
 }
+
+/// One 64-row tile of head_dim 128 in BF16 (q, K or V) in the wgmma attention's shared memory.
+const FA_TILE_BYTES: u32 = 64 * 128 * 2;
+
+/// Dynamic shared memory of `prefill_attention_pairs_hd128` (Hopper): as the one-warpgroup
+/// kernel's, with a q tile for each of its two warpgroups (97.5 KB: one block an SM, as its
+/// 256 threads' registers allow).
+pub const PREFILL_ATTENTION_PAIRS_SMEM_BYTES: u32 = 512 + 6 * FA_TILE_BYTES + 4 * 64 * 4;
+
+/// Dynamic shared memory of `prefill_attention_tma_hd128` (Hopper): 512 bytes to align, the two
+/// consumer warpgroups' q tiles, rings of `FA_TMA_STAGES` (4) K and V tiles, and their 16
+/// barriers (161 KB: one block an SM).
+pub const PREFILL_ATTENTION_TMA_SMEM_BYTES: u32 = 512 + (2 + 2 * 4) * FA_TILE_BYTES + 4 * 4 * 8;
+/// Threads of `prefill_attention_tma_hd128`: two consumer warpgroups and the producer's.
+pub const PREFILL_ATTENTION_TMA_THREADS: u32 = 384;
+
+/// Registers a block's warpgroups hand between them (`setmaxnreg`): the copy warpgroup's
+/// `givers` threads drop to `low` a thread, then the other `takers` rise to `high`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegisterHandoff {
+    pub givers: u32,
+    pub low: u32,
+    pub takers: u32,
+    pub high: u32,
+}
+
+impl RegisterHandoff {
+    /// The fewest registers a thread the block must start with: `setmaxnreg.inc` waits until
+    /// the block's pool holds what it asks for, and only the givers' `dec` fills it, so a
+    /// block that starts with fewer waits forever (no barrier's timeout sees it).
+    pub fn entry_needed(self) -> u32 {
+        let (g, t) = (self.givers, self.takers);
+        (self.high * t + self.low * g).div_ceil(g + t)
+    }
+}
+
+/// The hand-off of the TMA-fed kernels (kernels/gemm.cu `grouped_gemm_tma`,
+/// kernels/prefill_attention.cu `prefill_attention_tma_hd128`): 384 threads at one block an SM
+/// start at 168 registers (65,536 / 384, in steps of 8), and 128 x (168 - 40) = 256 x (232 - 168).
+const TMA_HANDOFF: RegisterHandoff = RegisterHandoff {
+    givers: 128,
+    low: 40,
+    takers: 256,
+    high: 232,
+};
 
 /// The most dynamic shared memory a block may opt into on `arch` (CUDA's per-block limits).
 pub fn max_dynamic_smem(arch: &str) -> u32 {
@@ -376,6 +430,25 @@ pub fn max_dynamic_smem(arch: &str) -> u32 {
 }
 
 impl Kernel {
+    /// One of the TMA GEMM kernels (kernels/gemm.cu `GEMM_TMA_KERNEL`).
+    fn is_tma_gemm(self) -> bool {
+        matches!(
+            self,
+            Kernel::GroupedGemmTmaBf16
+                | Kernel::GroupedGemmTmaMxfp8
+                | Kernel::GroupedGemmTmaNvfp4
+                | Kernel::GroupedGemmTmaSwigluBf16
+                | Kernel::GroupedGemmTmaSwigluMxfp8
+                | Kernel::GroupedGemmTmaSwigluNvfp4
+                | Kernel::GroupedGemmTmaSwigluWordsBf16
+        )
+    }
+
+    /// The registers it hands between warpgroups (`setmaxnreg`), on Hopper where it runs.
+    pub fn register_handoff(self) -> Option<RegisterHandoff> {
+        (self.is_tma_gemm() || self == Kernel::PrefillAttentionTmaHd128).then_some(TMA_HANDOFF)
+    }
+
     /// The dynamic shared memory a launch on `arch` gives it (its limit is raised to this on
     /// load). The wgmma and TMA kernels run on Hopper alone (elsewhere they trap, and the
     /// host never launches them), so they ask for none elsewhere.
@@ -393,20 +466,16 @@ impl Kernel {
             {
                 WGMMA_SMEM_BYTES
             }
-            Kernel::GroupedGemmTmaBf16
-            | Kernel::GroupedGemmTmaMxfp8
-            | Kernel::GroupedGemmTmaNvfp4
-            | Kernel::GroupedGemmTmaSwigluBf16
-            | Kernel::GroupedGemmTmaSwigluMxfp8
-            | Kernel::GroupedGemmTmaSwigluNvfp4
-            | Kernel::GroupedGemmTmaSwigluWordsBf16
-                if hopper =>
-            {
-                TMA_SMEM_BYTES
-            }
+            k if k.is_tma_gemm() && hopper => TMA_SMEM_BYTES,
             Kernel::PrefillAttentionHd32 => prefill_attention_smem_bytes(32, arch),
             Kernel::PrefillAttentionHd64 => prefill_attention_smem_bytes(64, arch),
             Kernel::PrefillAttentionHd128 => prefill_attention_smem_bytes(128, arch),
+            Kernel::PrefillAttentionPairsHd128 if arch == "sm_90a" => {
+                PREFILL_ATTENTION_PAIRS_SMEM_BYTES
+            }
+            Kernel::PrefillAttentionTmaHd128 if arch == "sm_90a" => {
+                PREFILL_ATTENTION_TMA_SMEM_BYTES
+            }
             _ => 0,
         }
     }
@@ -556,6 +625,30 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn register_handoffs_balance_at_the_entry_one_block_an_sm_gives() {
+        let h = TMA_HANDOFF;
+        // One block of 384 threads an SM: 65,536 registers in steps of 8 a thread.
+        let entry = 65_536 / (h.givers + h.takers) / 8 * 8;
+        assert_eq!(entry, 168);
+        assert_eq!(h.entry_needed(), entry);
+        // Exactly: what the givers free is what the takers ask, and the block fits the SM.
+        assert_eq!((entry - h.low) * h.givers, (h.high - entry) * h.takers);
+        assert!(h.low * h.givers + h.high * h.takers <= 65_536);
+        // One register fewer at entry leaves the takers short.
+        let short = entry - 8;
+        assert!((short - h.low) * h.givers < (h.high - short) * h.takers);
+        for k in Kernel::ALL {
+            if let Some(hk) = k.register_handoff() {
+                assert_eq!(hk, TMA_HANDOFF, "{k:?}");
+            }
+        }
+        assert!(Kernel::PrefillAttentionTmaHd128
+            .register_handoff()
+            .is_some());
+        assert!(Kernel::GroupedGemmTmaBf16.register_handoff().is_some());
     }
 
     #[test]

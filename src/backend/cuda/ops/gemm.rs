@@ -15,6 +15,8 @@ use crate::backend::cuda::{CudaError, Gpu};
 pub const GEMM_TILE_ROWS: usize = 32;
 /// Rows per wide tile of the tiled tensor-core kernel (kernels/gemm.cu `TM_WIDE`).
 pub const GEMM_WIDE_TILE_ROWS: usize = 64;
+/// Rows per tile of the wgmma and TMA kernels (kernels/gemm.cu `WG_ROWS`): two wide tiles.
+pub const PAIR_TILE_ROWS: usize = 2 * GEMM_WIDE_TILE_ROWS;
 /// Columns per tile of the FFMA kernel (kernels/gemm.cu `TN`).
 pub const GEMM_TILE_COLS: usize = 64;
 /// Columns per tile of the tiled tensor-core kernel (kernels/gemm.cu `TILE_TN`).
@@ -53,8 +55,12 @@ const SKINNY4_MIN_ONE_ROW_WARPS: usize = 512;
 /// gives the bits of one that walks all of K.
 pub const K_SEGMENT: usize = 256;
 /// Spans (32 of K) a stage of the TMA GEMM holds (kernels/gemm.cu `TMA_SPANS`): its copies are
-/// 64 bytes a row of x and a weight row's span bytes, times this.
-const TMA_SPANS: u32 = 2;
+/// 64 bytes a row of x and a weight row's span bytes, times this. One: with 256 columns a
+/// block (`TMA_COLS`) the running totals take the shared memory that two-span stages would.
+const TMA_SPANS: u32 = 1;
+/// Weight rows a block of the TMA GEMM takes (kernels/gemm.cu `TMA_COLS`): two 128-column
+/// blocks side by side sharing each activation copy; its grid counts blocks of these.
+const TMA_COLS: usize = 256;
 /// Blocks below which [`SplitK::Auto`] splits a dense launch over its K segments: about one
 /// block per SM of an H200 (132). From there the per-segment sums cost more than the blocks
 /// they add (H200, cuda_kernel_bench, 2026-12-02: q_proj [4096 x 2048] at 128 rows (128
@@ -323,7 +329,7 @@ fn block_split_allowed() -> bool {
 
 /// Whether the environment variable `var` leaves a kernel choice on (anything but `0`), read
 /// once into `cell`.
-fn switched_on(cell: &std::sync::OnceLock<bool>, var: &str) -> bool {
+pub(crate) fn switched_on(cell: &std::sync::OnceLock<bool>, var: &str) -> bool {
     *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v != "0"))
 }
 
@@ -1187,8 +1193,7 @@ fn launch_parts(
     let (kernel, cols_per_block, threads) = match path {
         GemmPath::TensorCore => (w.kernels[1], MMA_TILE_COLS, 128),
         GemmPath::TensorCoreWide => (w.kernels[4], MMA_TILE_COLS, 4 * GEMM_WIDE_TILE_ROWS as u32),
-        // Two warpgroups of 64 columns over two wide tiles' 128 rows (the grid is the wide
-        // tiles'; a pair's second block returns at once).
+        // Two warpgroups of 64 columns over a pair tile's 128 rows (two wide tiles').
         GemmPath::Wgmma => match mode.swiglu {
             None => (w.kernels[5], MMA_TILE_COLS, 256),
             // (The same grid: 64 h columns a block of 2 x 64 weight rows.)
@@ -1208,19 +1213,21 @@ fn launch_parts(
         _ => (w.kernels[0], GEMM_TILE_COLS, 256),
     };
     // A plan's launch takes `max_rows` (its pairs) as the row count of split-K's sums.
-    let wide = matches!(path, GemmPath::TensorCoreWide | GemmPath::Wgmma);
-    let tile_rows = if wide {
-        GEMM_WIDE_TILE_ROWS
-    } else {
-        GEMM_TILE_ROWS
+    // The tiles a block: the wgmma (and TMA) kernels' of two wide tiles' rows.
+    let tile_rows = match path {
+        GemmPath::Wgmma => PAIR_TILE_ROWS,
+        GemmPath::TensorCoreWide => GEMM_WIDE_TILE_ROWS,
+        _ => GEMM_TILE_ROWS,
     };
     let (tiles, num_tiles, offsets, experts, rows_arg, grid_y) = match rows {
         GemmRows::Dense(r) => (None, None, None, 0, r, r.div_ceil(tile_rows)),
         GemmRows::Plan(p) => {
-            let (list, count, launched) = if wide {
-                (&p.wide_tiles, &p.num_wide_tiles, p.wide_tiles_launched())
-            } else {
-                (&p.tiles, &p.num_tiles, p.tiles_launched())
+            let (list, count, launched) = match path {
+                GemmPath::Wgmma => (&p.pair_tiles, &p.num_pair_tiles, p.pair_tiles_launched()),
+                GemmPath::TensorCoreWide => {
+                    (&p.wide_tiles, &p.num_wide_tiles, p.wide_tiles_launched())
+                }
+                _ => (&p.tiles, &p.num_tiles, p.tiles_launched()),
             };
             (
                 Some(View::whole(list)),
@@ -1262,6 +1269,7 @@ fn launch_parts(
     };
     let segments = split.segments(path, &rows, grid_x * grid_y, rows_arg, n, k);
     if tma && segments.is_none() && !matches!((&rows, row_index), (GemmRows::Dense(_), Some(_))) {
+        let grid_x: usize = parts.iter().map(|p| p.n.div_ceil(TMA_COLS)).sum();
         let grid = (grid_x as u32, grid_y as u32, 1);
         return launch_tma(
             gpu, x, row_index, row_scale, parts, &outs, &rows, rows_arg, k, grid, mode,
@@ -1518,8 +1526,8 @@ fn launch_tma(
     let (tiles, num_tiles, offsets, x_rows, experts) = match rows {
         GemmRows::Dense(r) => (None, None, None, *r, 1),
         GemmRows::Plan(p) => (
-            Some(View::whole(&p.wide_tiles)),
-            Some(View::whole(&p.num_wide_tiles)),
+            Some(View::whole(&p.pair_tiles)),
+            Some(View::whole(&p.num_pair_tiles)),
             Some(View::whole(&p.offsets)),
             p.pairs,
             p.counts.len(),
@@ -1593,6 +1601,17 @@ fn tensor_map(
     rows: usize,
     box_bytes: u32,
 ) -> Result<TensorMap, CudaError> {
+    tensor_map_boxes(base, row_bytes, rows, box_bytes, 64)
+}
+
+/// [`tensor_map`] with boxes of `box_rows` rows (at most 256).
+pub(crate) fn tensor_map_boxes(
+    base: u64,
+    row_bytes: usize,
+    rows: usize,
+    box_bytes: u32,
+    box_rows: u32,
+) -> Result<TensorMap, CudaError> {
     use cudarc::driver::sys;
     use sys::CUtensorMapSwizzle as Swizzle;
     let swizzle = match box_bytes {
@@ -1608,7 +1627,7 @@ fn tensor_map(
     };
     let dims = [row_bytes as u64, rows as u64];
     let strides = [row_bytes as u64];
-    let boxes = [box_bytes, 64];
+    let boxes = [box_bytes, box_rows];
     let steps = [1u32, 1];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     // SAFETY: the arrays hold the rank's (2) entries the call reads; `map` is written by it.

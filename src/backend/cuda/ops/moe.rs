@@ -3,7 +3,10 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{need, sums_ptr, sums_segments, Unfolded, BLOCK, GEMM_TILE_ROWS, GEMM_WIDE_TILE_ROWS};
+use super::{
+    need, sums_ptr, sums_segments, Unfolded, BLOCK, GEMM_TILE_ROWS, GEMM_WIDE_TILE_ROWS,
+    PAIR_TILE_ROWS,
+};
 use crate::backend::cuda::args::View;
 use crate::backend::cuda::kernels::Kernel;
 use crate::backend::cuda::{CudaError, Gpu};
@@ -176,6 +179,8 @@ pub fn route_and_plan(
             View::whole(&plan.num_tiles),
             View::whole(&plan.wide_tiles),
             View::whole(&plan.num_wide_tiles),
+            View::whole(&plan.pair_tiles),
+            View::whole(&plan.num_pair_tiles),
             slot_row,
             View::whole(&plan.row_token),
             sums_ptr(sums, tokens * experts)?,
@@ -194,6 +199,9 @@ pub struct MoePlan {
     /// The same tiles of [`GEMM_WIDE_TILE_ROWS`] rows (the tiled GEMM's wide blocks).
     pub wide_tiles: CudaSlice<i32>,
     pub num_wide_tiles: CudaSlice<i32>,
+    /// The same tiles of two wide tiles' rows (the wgmma and TMA GEMMs' blocks).
+    pub pair_tiles: CudaSlice<i32>,
+    pub num_pair_tiles: CudaSlice<i32>,
     pub slot_row: CudaSlice<i32>,
     pub row_token: CudaSlice<i32>,
     /// The tokens and (token, expert) pairs of the last [`MoePlan::build`].
@@ -211,6 +219,8 @@ impl MoePlan {
             num_tiles: gpu.alloc(1)?,
             wide_tiles: gpu.alloc(2 * Self::max_tiles(max_pairs, experts, GEMM_WIDE_TILE_ROWS))?,
             num_wide_tiles: gpu.alloc(1)?,
+            pair_tiles: gpu.alloc(2 * Self::max_tiles(max_pairs, experts, PAIR_TILE_ROWS))?,
+            num_pair_tiles: gpu.alloc(1)?,
             slot_row: gpu.alloc(max_pairs)?,
             row_token: gpu.alloc(max_pairs)?,
             tokens: 0,
@@ -234,16 +244,26 @@ impl MoePlan {
 
     /// [`MoePlan::tile_bound`] of the last [`MoePlan::build`], for its tiles.
     pub fn tiles_launched(&self) -> usize {
-        Self::tile_bound(self.pairs, self.counts.len(), GEMM_TILE_ROWS).min(self.tiles.len() / 2)
+        self.launched(&self.tiles, GEMM_TILE_ROWS)
     }
 
     /// The same for its wide tiles.
     pub fn wide_tiles_launched(&self) -> usize {
-        Self::tile_bound(self.pairs, self.counts.len(), GEMM_WIDE_TILE_ROWS)
-            .min(self.wide_tiles.len() / 2)
+        self.launched(&self.wide_tiles, GEMM_WIDE_TILE_ROWS)
     }
 
-    /// Groups the pairs of `ids` by expert: counts, offsets, GEMM tiles (and wide tiles), and for every pair
+    /// The same for its pair tiles.
+    pub fn pair_tiles_launched(&self) -> usize {
+        self.launched(&self.pair_tiles, PAIR_TILE_ROWS)
+    }
+
+    /// The tile blocks a launch over `list` (tiles of `rows` rows) takes: the bound, within the
+    /// list.
+    fn launched(&self, list: &CudaSlice<i32>, rows: usize) -> usize {
+        Self::tile_bound(self.pairs, self.counts.len(), rows).min(list.len() / 2)
+    }
+
+    /// Groups the pairs of `ids` by expert: counts, offsets, GEMM tiles (wide and pair tiles too), and for every pair
     /// its row (`slot_row`) and for every row its token (`row_token`).
     pub fn build(
         &mut self,
@@ -286,6 +306,8 @@ impl MoePlan {
                 View::whole(&self.num_tiles),
                 View::whole(&self.wide_tiles),
                 View::whole(&self.num_wide_tiles),
+                View::whole(&self.pair_tiles),
+                View::whole(&self.num_pair_tiles),
             ),
         )?;
         if pairs > 0 {

@@ -8,8 +8,8 @@
 use cudarc::driver::CudaSlice;
 
 use super::{need, AttnRows, AttnShape};
-use crate::backend::cuda::args::{KernelArg, View};
-use crate::backend::cuda::kernels::Kernel;
+use crate::backend::cuda::args::{addr, KernelArg, View};
+use crate::backend::cuda::kernels::{Kernel, PREFILL_ATTENTION_TMA_THREADS};
 use crate::backend::cuda::{CudaError, Gpu};
 
 /// Query rows per block of [`prefill_attention`] (kernels/prefill_attention.cu `FA_ROWS`).
@@ -161,8 +161,76 @@ pub fn attention_split(rows_per_seq: impl IntoIterator<Item = usize>) -> (Vec<i3
     (tiles, decode_rows)
 }
 
+/// What a block of [`prefill_attention`] takes. A row has the same bits in each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillBlocks {
+    /// One query head (every shape).
+    OneHead,
+    /// Two query heads of one KV head sharing their K and V tiles and copies
+    /// (`prefill_attention_pairs_hd128`).
+    TwoHeads,
+    /// Two query heads with their K and V tiles copied by a producer warp through the TMA unit
+    /// (`prefill_attention_tma_hd128`).
+    TwoHeadsTma,
+}
+
+impl PrefillBlocks {
+    /// Every kind, for the tests and benchmarks that run each.
+    pub const ALL: [PrefillBlocks; 3] = [
+        PrefillBlocks::OneHead,
+        PrefillBlocks::TwoHeads,
+        PrefillBlocks::TwoHeadsTma,
+    ];
+
+    /// Whether a launch of this shape on `gpu` can take these blocks: two heads need Hopper's
+    /// wgmma walk at head_dim 128 and an even number of query heads a KV head; the TMA copies
+    /// also pages of at least 16 tokens (a box a page and column group).
+    pub fn possible(self, gpu: &Gpu, s: AttnShape) -> bool {
+        self.possible_on(gpu.arch, s)
+    }
+
+    /// [`PrefillBlocks::possible`] on a GPU of `arch` (`kernels::arch_for`).
+    fn possible_on(self, arch: &str, s: AttnShape) -> bool {
+        let two_heads = arch == "sm_90a"
+            && s.head_dim == 128
+            && s.kv_heads > 0
+            && s.heads.is_multiple_of(s.kv_heads)
+            && (s.heads / s.kv_heads).is_multiple_of(2);
+        match self {
+            PrefillBlocks::OneHead => true,
+            PrefillBlocks::TwoHeads => two_heads,
+            // A 64-key tile in at most four pages (the kernel's page rows), found by shifts.
+            PrefillBlocks::TwoHeadsTma => {
+                two_heads && s.block_size >= 16 && s.block_size.is_power_of_two()
+            }
+        }
+    }
+
+    /// The blocks [`prefill_attention`] takes: one head a block unless `LOCKSTEP_FA_PAIRS=1`
+    /// (two heads where possible) or `LOCKSTEP_FA_TMA=1` (two heads, copied by the TMA unit).
+    /// Both are opt-in: on an H100 (2026-12-05) two heads a block took 8% longer than one, and
+    /// the TMA copies no less time than the threads' copies (docs/performance.md).
+    pub fn chosen(gpu: &Gpu, s: AttnShape) -> PrefillBlocks {
+        static PAIRS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        static TMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if PrefillBlocks::TwoHeadsTma.possible(gpu, s)
+            && super::gemm::opted_in(&TMA, "LOCKSTEP_FA_TMA")
+        {
+            PrefillBlocks::TwoHeadsTma
+        } else if PrefillBlocks::TwoHeads.possible(gpu, s)
+            && super::gemm::opted_in(&PAIRS, "LOCKSTEP_FA_PAIRS")
+        {
+            PrefillBlocks::TwoHeads
+        } else {
+            PrefillBlocks::OneHead
+        }
+    }
+}
+
 /// Attention for query rows grouped in tiles of consecutive positions of one sequence, on
-/// tensor cores (kernels/prefill_attention.cu). `tiles` from [`prefill_tiles`].
+/// tensor cores (kernels/prefill_attention.cu), in `blocks` (where [`PrefillBlocks::possible`];
+/// the engine takes [`PrefillBlocks::chosen`]). `tiles` from [`prefill_tiles`]. A row has the
+/// same bits in every kind of block; the tests and the kernel benchmark run them all.
 #[allow(clippy::too_many_arguments)]
 pub fn prefill_attention(
     gpu: &Gpu,
@@ -175,7 +243,15 @@ pub fn prefill_attention(
     num_tiles: usize,
     rows: usize,
     s: AttnShape,
+    blocks: PrefillBlocks,
 ) -> Result<(), CudaError> {
+    if !blocks.possible(gpu, s) {
+        return Err(CudaError::Unsupported(format!(
+            "prefill attention in blocks of {blocks:?} with head_dim {}, {} heads over {}, \
+             {}-token pages on {}",
+            s.head_dim, s.heads, s.kv_heads, s.block_size, gpu.arch
+        )));
+    }
     let kernel = kernel_for(
         s,
         [
@@ -188,12 +264,21 @@ pub fn prefill_attention(
     if num_tiles == 0 {
         return Ok(());
     }
-    let grid = (num_tiles as u32, s.heads as u32, 1);
+    let (kernel, heads_a_block, threads) = match blocks {
+        PrefillBlocks::OneHead => (kernel, 1, 128),
+        PrefillBlocks::TwoHeads => (Kernel::PrefillAttentionPairsHd128, 2, 256),
+        PrefillBlocks::TwoHeadsTma => {
+            return prefill_attention_tma(
+                gpu, q, out, k_cache, v_cache, meta, tiles, num_tiles, rows, s,
+            )
+        }
+    };
+    let grid = (num_tiles as u32, (s.heads / heads_a_block) as u32, 1);
     launch(
         gpu,
         kernel,
         grid,
-        128,
+        threads,
         q,
         out,
         k_cache,
@@ -204,6 +289,64 @@ pub fn prefill_attention(
         tiles,
         (None, 0),
     )
+}
+
+/// `prefill_attention_tma_hd128`: tensor maps over the K and V caches (rows of every KV head's
+/// head_dim BF16, boxes of 32 columns by a page of at most 64 rows, the 64-byte swizzle the
+/// kernel's descriptors read), then the launch as the two-head kernel's grid.
+#[allow(clippy::too_many_arguments)]
+fn prefill_attention_tma(
+    gpu: &Gpu,
+    q: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    k_cache: &CudaSlice<u16>,
+    v_cache: &CudaSlice<u16>,
+    meta: &AttnRows<'_>,
+    tiles: View<'_, i32>,
+    num_tiles: usize,
+    rows: usize,
+    s: AttnShape,
+) -> Result<(), CudaError> {
+    let row_elems = s.kv_heads * s.head_dim;
+    let box_rows = s.block_size.min(PREFILL_TILE_ROWS) as u32;
+    let map = |cache: &CudaSlice<u16>| {
+        super::gemm::tensor_map_boxes(
+            addr(gpu, cache),
+            2 * row_elems,
+            cache.len() / row_elems,
+            64,
+            box_rows,
+        )
+    };
+    let (k_map, v_map) = (map(k_cache)?, map(v_cache)?);
+    let q = need(q, rows * s.heads * s.head_dim, "attention q")?;
+    let out = need(out, rows * s.heads * s.head_dim, "attention out")?;
+    let pos = need(meta.pos, rows, "attention positions")?;
+    gpu.launch(
+        Kernel::PrefillAttentionTmaHd128,
+        (num_tiles as u32, (s.heads / 2) as u32, 1),
+        PREFILL_ATTENTION_TMA_THREADS,
+        (
+            k_map,
+            v_map,
+            q,
+            out,
+            pos,
+            View::whole(meta.seq),
+            View::whole(meta.table_offsets),
+            View::whole(meta.block_tables),
+            tiles,
+            s.heads as i32,
+            s.kv_heads as i32,
+            s.block_size as i32,
+            q_scale(s),
+        ),
+    )
+}
+
+/// q's scale in log2 units: the kernels' softmax is 2^(s - m) (`fa_exp2`).
+fn q_scale(s: AttnShape) -> f32 {
+    std::f32::consts::LOG2_E / (s.head_dim as f32).sqrt()
 }
 
 /// Attention for single query rows (decode; `rows` lists them, None: rows 0..count), a block
@@ -340,7 +483,7 @@ fn launch(
             s.heads as i32,
             s.kv_heads as i32,
             s.block_size as i32,
-            1.0 / (s.head_dim as f32).sqrt(),
+            q_scale(s),
             part,
             max_chunks as i32,
         ),
@@ -376,6 +519,38 @@ mod tests {
         head_dim: 128,
         block_size: 16,
     };
+
+    #[test]
+    fn two_head_blocks_only_where_hopper_runs_them() {
+        use PrefillBlocks::*;
+        let all = |arch: &str, s: AttnShape| PrefillBlocks::ALL.map(|b| b.possible_on(arch, s));
+        // Qwen3-30B-A3B on an H200: every kind.
+        assert_eq!(all("sm_90a", QWEN3_MOE), [true, true, true]);
+        // Blackwell has no wgmma: one head a block.
+        assert_eq!(all("sm_100a", QWEN3_MOE), [true, false, false]);
+        // Head_dim 64, or an odd number of query heads a KV head: one head a block.
+        let hd64 = AttnShape {
+            head_dim: 64,
+            ..QWEN3_MOE
+        };
+        assert_eq!(all("sm_90a", hd64), [true, false, false]);
+        let odd = AttnShape {
+            heads: 12,
+            kv_heads: 4,
+            ..QWEN3_MOE
+        };
+        assert_eq!(all("sm_90a", odd), [true, false, false]);
+        // Pages under 16 tokens (SGLang's page size 1, say): no TMA copies (a box a page).
+        for block_size in [1, 8] {
+            let small = AttnShape {
+                block_size,
+                ..QWEN3_MOE
+            };
+            assert!(TwoHeads.possible_on("sm_90a", small));
+            assert!(!TwoHeadsTma.possible_on("sm_90a", small));
+        }
+        assert!(OneHead.possible_on("sm_80", QWEN3_MOE));
+    }
 
     #[test]
     fn every_row_count_that_splits_has_room_at_a_servers_full_context() {
