@@ -29,6 +29,8 @@ export RAYON_NUM_THREADS=$(nproc)
 declare -a summary
 record() { summary+=("| $1 | $2 |"); pack; }  # each step's logs packed as it ends (PACK=1)
 # Benchmarks stop after BENCH_TIMEOUT seconds (default 420), as test suites do after TEST_TIMEOUT.
+# The first one on a fresh machine also compiles the kernels (LOCKSTEP_KERNEL_CACHE is empty):
+# 40 s was too short for it on an H100 (2026-12-05).
 bound=(timeout -k 10 "${BENCH_TIMEOUT:-420}")
 # Waits up to $2 seconds for a server on port $1 to answer /health.
 wait_healthy() {
@@ -92,7 +94,7 @@ record "serve --device cuda: /generate + /v1/chat/completions" "$ok"
 fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-# SKIP_KERNEL_BENCH=1: only the step benchmark (cuda_bench), not cuda_kernel_bench.
+# SKIP_KERNEL_BENCH=1: only the step benchmark (cuda_bench), not cuda_kernel_bench (nor its _before).
 # KERNEL_BENCH_ARGS="--sections moe,moe_down --tokens 64,256,4096": its flags.
 read -r -a kernel_bench_args <<<"${KERNEL_BENCH_ARGS:-}"
 if [ "${SKIP_KERNEL_BENCH:-0}" != 1 ]; then
@@ -119,7 +121,7 @@ else
 fi
 # Builds of the previous code (carried as .bin/cuda_kernel_bench_before, .bin/cuda_bench_before),
 # for before/after in one run, with the same arguments.
-if [ -x "$bin/cuda_kernel_bench_before" ]; then
+if [ "${SKIP_KERNEL_BENCH:-0}" != 1 ] && [ -x "$bin/cuda_kernel_bench_before" ]; then
   "${bound[@]}" "$bin"/cuda_kernel_bench_before configs/qwen3-30b-a3b.json "${kernel_bench_args[@]}" 2>&1 | tee "$logs/kernel_bench_before.md" \
     && record "cuda_kernel_bench_before (previous code)" "done (kernel_bench_before.md)" || record "cuda_kernel_bench_before" "FAIL"
 fi
