@@ -27,6 +27,22 @@ pub struct AttnRows<'a> {
     pub block_tables: &'a CudaSlice<i32>,
 }
 
+/// q, out and the positions of a launch over `rows` query rows, each checked against its
+/// buffer's length.
+pub(super) fn row_views<'a>(
+    q: &'a CudaSlice<f32>,
+    out: &'a CudaSlice<f32>,
+    meta: &AttnRows<'a>,
+    rows: usize,
+    s: AttnShape,
+) -> Result<(View<'a, f32>, View<'a, f32>, View<'a, i32>), CudaError> {
+    Ok((
+        need(q, rows * s.heads * s.head_dim, "attention q")?,
+        need(out, rows * s.heads * s.head_dim, "attention out")?,
+        need(meta.pos, rows, "attention positions")?,
+    ))
+}
+
 // The sequences, block tables and caches are read where the rows' data points: the scheduler's
 // batch keeps those in bounds, so the wrappers pass them whole.
 
@@ -48,9 +64,7 @@ pub fn paged_attention(
             s.head_dim, s.heads, s.kv_heads
         )));
     }
-    let q = need(q, rows * s.heads * s.head_dim, "attention q")?;
-    let out = need(out, rows * s.heads * s.head_dim, "attention out")?;
-    let pos = need(meta.pos, rows, "attention positions")?;
+    let (q, out, pos) = row_views(q, out, meta, rows, s)?;
     if rows == 0 {
         return Ok(());
     }

@@ -319,9 +319,7 @@ fn prefill_attention_tma(
         )
     };
     let (k_map, v_map) = (map(k_cache)?, map(v_cache)?);
-    let q = need(q, rows * s.heads * s.head_dim, "attention q")?;
-    let out = need(out, rows * s.heads * s.head_dim, "attention out")?;
-    let pos = need(meta.pos, rows, "attention positions")?;
+    let (q, out, pos) = super::attention::row_views(q, out, meta, rows, s)?;
     gpu.launch(
         Kernel::PrefillAttentionTmaHd128,
         (num_tiles as u32, (s.heads / 2) as u32, 1),
@@ -463,9 +461,7 @@ fn launch(
     rows: impl KernelArg,
     (part, max_chunks): (Option<View<'_, f32>>, usize),
 ) -> Result<(), CudaError> {
-    let q = need(q, step_rows * s.heads * s.head_dim, "attention q")?;
-    let out = need(out, step_rows * s.heads * s.head_dim, "attention out")?;
-    let pos = need(meta.pos, step_rows, "attention positions")?;
+    let (q, out, pos) = super::attention::row_views(q, out, meta, step_rows, s)?;
     gpu.launch(
         kernel,
         grid,
