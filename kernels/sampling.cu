@@ -229,16 +229,15 @@ __device__ __forceinline__ bool member_of(const RowView& r, int kind, int by_mas
     return key <= r.limit;
 }
 
-// Whether token t is a member of `kind`, and its key and weight.
-__device__ __forceinline__ bool member(const RowView& r, int kind, int by_mass, int t, u64& key, double& w) {
-    return member_of(r, kind, by_mass, t, kind == KIND_PROB ? r.p[t] : r.l[t], key, w);
-}
-
 // A thread's walk over a row: f(t, row[t]) for t = threadIdx.x, + SAMPLE_THREADS, ... < vocab,
 // in that order, each SAMPLE_BATCH elements' loads issued before any is used: one block walks a
 // whole row (151,936 logits of Qwen3), and at one load in flight a warp each walk waited out
-// ~300 load latencies. (f may write row[t]: its batch was loaded first.)
+// ~300 load latencies. (f may write row[t]: its batch was loaded first.) More than 8 gave the
+// kernel more than 64 registers a thread (16: 128), so one block an SM where two fit.
 #define SAMPLE_BATCH 8
+#ifndef SELECT_BATCH
+#define SELECT_BATCH 16  // select_key's histogram walk (its loop body holds no f64 polynomial)
+#endif
 template <class F>
 __device__ __forceinline__ void walk_row(const float* row, int vocab, F f) {
     for (int t0 = threadIdx.x; t0 < vocab; t0 += SAMPLE_THREADS * SAMPLE_BATCH) {
@@ -261,6 +260,11 @@ __device__ __forceinline__ bool in_prefix(u64 key, u64 prefix, int fixed) {
     return fixed == 0 || (key >> (64 - fixed)) == prefix;
 }
 
+// The values a member test of `kind` reads: the probabilities or the logits.
+__device__ __forceinline__ const float* member_values(const RowView& r, int kind) {
+    return kind == KIND_PROB ? r.p : r.l;
+}
+
 // Gathers the member keys whose top `fixed` bits are `prefix` (at most GATHER_CAP of them) into
 // sh.u.keys and sorts them ascending (bitonic). Returns their number.
 __device__ int gather_sorted(const RowView& r, int kind, u64 prefix, int fixed, SampleShared& sh) {
@@ -268,14 +272,14 @@ __device__ int gather_sorted(const RowView& r, int kind, u64 prefix, int fixed, 
     __syncthreads();
     if (tid == 0) sh.gather_n = 0;
     __syncthreads();
-    for (int t = tid; t < r.vocab; t += SAMPLE_THREADS) {
+    walk_row(member_values(r, kind), r.vocab, [&](int t, float v) {
         u64 key;
         double w;
-        if (member(r, kind, 0, t, key, w) && in_prefix(key, prefix, fixed)) {
+        if (member_of(r, kind, 0, t, v, key, w) && in_prefix(key, prefix, fixed)) {
             int slot = atomicAdd(&sh.gather_n, 1);
             if (slot < GATHER_CAP) sh.u.keys[slot] = key;
         }
-    }
+    });
     __syncthreads();
     int n = min(sh.gather_n, GATHER_CAP);
     int padded = 1;
@@ -317,23 +321,37 @@ __device__ u64 select_key(const RowView& r, int kind, int by_mass, double target
         for (int i = tid; i < SAMPLE_WARPS * 256; i += SAMPLE_THREADS) sh.u.warp_hist[i / 256][i % 256] = 0.0;
         for (int i = tid; i < 256; i += SAMPLE_THREADS) sh.bin_n[i] = 0;
         __syncthreads();
-        // Warp w takes the 32-token groups w, w + SAMPLE_WARPS, ...: a fixed order per warp.
-        for (int base = warp * 32; base < r.vocab; base += SAMPLE_THREADS) {
-            int t = base + lane;
-            u64 key = 0;
-            double w = 0.0;
-            bool in = t < r.vocab && member(r, kind, by_mass, t, key, w) && in_prefix(key, prefix, fixed);
-            u32 bin = in ? (u32)(key >> shift) & 255u : 256u;
-            sh.stage[warp][lane] = in ? w : 0.0;
-            u32 peers = __match_any_sync(0xffffffffu, bin);
-            __syncwarp();
-            if (in && lane == __ffs(peers) - 1) {
-                double s = 0.0;
-                for (u32 m = peers; m; m &= m - 1) s += sh.stage[warp][__ffs(m) - 1];
-                sh.u.warp_hist[warp][bin] += s;
-                atomicAdd(&sh.bin_n[bin], __popc(peers));
+        // Warp w takes the 32-token groups w, w + SAMPLE_WARPS, ...: a fixed order per warp,
+        // SELECT_BATCH groups' values loaded before the first is binned (one at a time, each
+        // group waited a load's latency: ~300 a pass over 151,936 values).
+        const float* values = member_values(r, kind);
+        for (int base0 = warp * 32; base0 < r.vocab; base0 += SAMPLE_THREADS * SELECT_BATCH) {
+            float vb[SELECT_BATCH];
+#pragma unroll
+            for (int u = 0; u < SELECT_BATCH; u++) {
+                int t = base0 + u * SAMPLE_THREADS + lane;
+                vb[u] = t < r.vocab ? values[t] : 0.0f;
             }
-            __syncwarp();
+#pragma unroll
+            for (int u = 0; u < SELECT_BATCH; u++) {
+                int base = base0 + u * SAMPLE_THREADS;
+                if (base >= r.vocab) break;  // warp-uniform
+                int t = base + lane;
+                u64 key = 0;
+                double w = 0.0;
+                bool in = t < r.vocab && member_of(r, kind, by_mass, t, vb[u], key, w) && in_prefix(key, prefix, fixed);
+                u32 bin = in ? (u32)(key >> shift) & 255u : 256u;
+                sh.stage[warp][lane] = in ? w : 0.0;
+                u32 peers = __match_any_sync(0xffffffffu, bin);
+                __syncwarp();
+                if (in && lane == __ffs(peers) - 1) {
+                    double s = 0.0;
+                    for (u32 m = peers; m; m &= m - 1) s += sh.stage[warp][__ffs(m) - 1];
+                    sh.u.warp_hist[warp][bin] += s;
+                    atomicAdd(&sh.bin_n[bin], __popc(peers));
+                }
+                __syncwarp();
+            }
         }
         __syncthreads();
         for (int b = tid; b < 256; b += SAMPLE_THREADS) {
@@ -417,11 +435,11 @@ __device__ u64 member_max_key(const RowView& r, SampleShared& sh) {
     __syncthreads();
     if (threadIdx.x == 0) sh.max_key = 0;
     __syncthreads();
-    for (int t = threadIdx.x; t < r.vocab; t += SAMPLE_THREADS) {
+    walk_row(r.p, r.vocab, [&](int t, float p) {
         u64 key;
         double w;
-        if (member(r, KIND_PROB, 0, t, key, w)) atomicMax(&sh.max_key, key);
-    }
+        if (member_of(r, KIND_PROB, 0, t, p, key, w)) atomicMax(&sh.max_key, key);
+    });
     __syncthreads();
     return sh.max_key;
 }
