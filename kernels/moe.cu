@@ -64,14 +64,14 @@ __device__ void route_token(const float* logits, int t, int lane, int experts, i
         for (int j = 0; j < ROUTE_HELD; j++)
             if (lane + 32 * j < experts) consider(lane + 32 * j, held[j]);
         for (int e = lane + 32 * ROUTE_HELD; e < experts; e += 32) consider(e, expf(row[e] - m) / sum);
-        for (int o = 16; o > 0; o >>= 1) {
-            float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, best_id, o);
-            if (ob > best || (ob == best && oi < best_id)) {
-                best = ob;
-                best_id = oi;
-            }
-        }
+        // The warp's best in two reductions: the largest probability (a lane's best as bits
+        // plus one, 0 for none: the bits of non-negative floats order as the floats), then the
+        // lowest id among the lanes that hold it. (Five shuffle rounds of both before: the same
+        // picks, three times the instructions.)
+        u32 key = best >= 0.0f ? __float_as_uint(best) + 1u : 0u;
+        u32 top = __reduce_max_sync(0xffffffffu, key);
+        best_id = (int)__reduce_min_sync(0xffffffffu, key == top ? (u32)best_id : 0x7fffffffu);
+        best = top ? __uint_as_float(top - 1u) : -1.0f;
         if (lane == 0) {
             topk_ids[t * top_k + s] = best_id;
             topk_w[t * top_k + s] = best;
