@@ -15,9 +15,12 @@ logs=$out
 # had packed).
 [ "${PACK:-0}" = 1 ] && logs=$(mktemp -d /tmp/gpu-check-logs.XXXX)
 mkdir -p "$out" "$logs"
+# tar's status 1 (a file changed while read) still leaves a whole archive; its messages go to
+# $out/pack.err (2026-12-05: a server run's archive kept only gpu.txt, for a reason not seen).
 pack() {
   [ "${PACK:-0}" = 1 ] || return 0
-  (cd "$logs" && tar czf "$out/results.tgz.part" ./* 2>/dev/null && mv "$out/results.tgz.part" "$out/results.tgz")
+  (cd "$logs" && { tar czf "$out/results.tgz.part" ./* 2>"$out/pack.err"; [ $? -le 1 ]; } \
+    && mv "$out/results.tgz.part" "$out/results.tgz")
 }
 bin=.bin
 export LOCKSTEP_KERNEL_CACHE=${LOCKSTEP_KERNEL_CACHE:-/tmp/lockstep-kernels}
