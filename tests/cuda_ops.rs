@@ -1095,6 +1095,53 @@ fn one_launch_routing_gives_the_routes_and_plan_of_the_separate_launches() {
     }
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn routing_ties_pick_the_lower_expert_like_the_cpu() {
+    // Logits on a coarse grid (five values over 128 experts): every token's top-k is decided by
+    // ties, which the device must break to the lower expert id as the CPU's sort does, in the
+    // one-launch routing (up to ROUTE_PLAN_MAX_TOKENS tokens) and in moe_route alike.
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let (experts, top_k) = (128, 8);
+    for tokens in [ops::ROUTE_PLAN_MAX_TOKENS, 37] {
+        let logits: Vec<f32> = (0..tokens * experts)
+            .map(|_| 0.5 * rng.below(5) as f32 - 1.0)
+            .collect();
+        let dlogits = g.upload(&logits).unwrap();
+        let pairs = tokens * top_k;
+        let mut ids = g.alloc::<i32>(pairs).unwrap();
+        let mut w = g.alloc::<f32>(pairs).unwrap();
+        let mut plan = MoePlan::new(&g, pairs, experts).unwrap();
+        ops::route_and_plan(
+            &g, &dlogits, None, tokens, experts, top_k, true, None, &mut ids, &mut w, &mut plan,
+        )
+        .unwrap();
+        let (ids_h, w_h) = (
+            g.download(&ids, pairs).unwrap(),
+            g.download(&w, pairs).unwrap(),
+        );
+        for t in 0..tokens {
+            let mut probs = logits[t * experts..][..experts].to_vec();
+            cpu::softmax_inplace(&mut probs);
+            let top = cpu::top_k(&probs, top_k);
+            let sum: f32 = top.iter().map(|&i| probs[i]).sum();
+            let got: Vec<usize> = ids_h[t * top_k..][..top_k]
+                .iter()
+                .map(|&e| e as usize)
+                .collect();
+            assert_eq!(got, top, "{tokens} tokens: token {t}'s experts");
+            for (s, &e) in top.iter().enumerate() {
+                let want = probs[e] / sum;
+                assert!(
+                    (w_h[t * top_k + s] - want).abs() < 1e-6,
+                    "{tokens} tokens: token {t} slot {s} weight"
+                );
+            }
+        }
+    }
+}
+
 /// A routing plan of `tokens` rows over `experts` experts, `top_k` a row, from random logits.
 fn random_plan(
     g: &lockstep::backend::cuda::Gpu,
