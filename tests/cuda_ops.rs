@@ -1121,23 +1121,39 @@ fn routing_ties_pick_the_lower_expert_like_the_cpu() {
             g.download(&ids, pairs).unwrap(),
             g.download(&w, pairs).unwrap(),
         );
-        for t in 0..tokens {
-            let mut probs = logits[t * experts..][..experts].to_vec();
-            cpu::softmax_inplace(&mut probs);
-            let top = cpu::top_k(&probs, top_k);
-            let sum: f32 = top.iter().map(|&i| probs[i]).sum();
-            let got: Vec<usize> = ids_h[t * top_k..][..top_k]
-                .iter()
-                .map(|&e| e as usize)
-                .collect();
-            assert_eq!(got, top, "{tokens} tokens: token {t}'s experts");
-            for (s, &e) in top.iter().enumerate() {
-                let want = probs[e] / sum;
-                assert!(
-                    (w_h[t * top_k + s] - want).abs() < 1e-6,
-                    "{tokens} tokens: token {t} slot {s} weight"
-                );
-            }
+        assert_routes_of_the_cpu(
+            &logits,
+            experts,
+            top_k,
+            &ids_h,
+            &w_h,
+            &format!("{tokens} tokens: "),
+        );
+    }
+}
+
+/// Checks the device's routes (`ids`, `weights`: `top_k` a token) against the CPU's softmax and
+/// top-k of each row of `logits` (`experts` a row): the same experts in the same slots, ties to
+/// the lower id, and the weights renormalized over them within 1e-6.
+fn assert_routes_of_the_cpu(
+    logits: &[f32],
+    experts: usize,
+    top_k: usize,
+    ids: &[i32],
+    weights: &[f32],
+    what: &str,
+) {
+    for (t, row) in logits.chunks(experts).enumerate() {
+        let mut probs = row.to_vec();
+        cpu::softmax_inplace(&mut probs);
+        let top = cpu::top_k(&probs, top_k);
+        let sum: f32 = top.iter().map(|&i| probs[i]).sum();
+        for (s, &e) in top.iter().enumerate() {
+            assert_eq!(ids[t * top_k + s], e as i32, "{what}token {t} slot {s}");
+            assert!(
+                (weights[t * top_k + s] - probs[e] / sum).abs() < 1e-6,
+                "{what}token {t} slot {s} weight"
+            );
         }
     }
 }
@@ -1471,19 +1487,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
         g.download(&ids, tokens * top_k).unwrap(),
         g.download(&wts, tokens * top_k).unwrap(),
     );
-    for t in 0..tokens {
-        let mut probs = logits[t * experts..][..experts].to_vec();
-        cpu::softmax_inplace(&mut probs);
-        let top = cpu::top_k(&probs, top_k);
-        let sum: f32 = top.iter().map(|&i| probs[i]).sum();
-        for (s, &e) in top.iter().enumerate() {
-            assert_eq!(ids_h[t * top_k + s], e as i32, "token {t} slot {s}");
-            assert!(
-                (wts_h[t * top_k + s] - probs[e] / sum).abs() < 1e-6,
-                "token {t} weight"
-            );
-        }
-    }
+    assert_routes_of_the_cpu(&logits, experts, top_k, &ids_h, &wts_h, "");
     let mut plan = MoePlan::new(&g, tokens * top_k, experts).unwrap();
     plan.build(&g, &ids, tokens, top_k, experts).unwrap();
     let x = activations(&mut rng, tokens, k);
