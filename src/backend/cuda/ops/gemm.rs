@@ -327,6 +327,22 @@ fn block_split_allowed() -> bool {
     switched_on(&ALLOWED, "LOCKSTEP_BLOCK_SPLIT")
 }
 
+/// Opt-in trials of [`GemmPath::SkinnyKSplit`] where [`GemmPath::Auto`] does not take it yet,
+/// each faster alone in the kernel benchmark and not yet measured in a step (the bits are the
+/// same either way): `LOCKSTEP_BLOCK_SPLIT_PLANS=1` for a routing plan of one token, whose
+/// expert gate/up took 28.4 us against Auto's 32.4 (BF16), and `LOCKSTEP_BLOCK_SPLIT_ONE_ROW=1`
+/// for a dense launch of one row over more than [`BLOCK_SPLIT_AUTO_MAX_GROUPS`] column groups
+/// (the LM head: 184.3 us against 213.4). H200, 2026-12-05, cuda_kernel_bench, eager launches;
+/// every format's batch-1 step lost when all one-row dense launches took it (2026-12-03).
+fn block_split_plans_opted_in() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    opted_in(&ON, "LOCKSTEP_BLOCK_SPLIT_PLANS")
+}
+fn block_split_one_row_opted_in() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    opted_in(&ON, "LOCKSTEP_BLOCK_SPLIT_ONE_ROW")
+}
+
 /// Whether the environment variable `var` leaves a kernel choice on (anything but `0`), read
 /// once into `cell`.
 pub(crate) fn switched_on(cell: &std::sync::OnceLock<bool>, var: &str) -> bool {
@@ -429,10 +445,19 @@ impl GemmPath {
         // expert gate/up alone at 16 tokens, us: BF16 138 on Skinny4 against 150, MXFP8 135 on
         // TensorCore against 143). At one row the launches mostly gained alone, yet every
         // format's batch-1 step lost (BF16 5.23 -> 5.27 ms, MXFP8 5.56 -> 5.81).
+        let groups = n.div_ceil(SKINNY_COLS_PER_BLOCK);
         let block_split = block_split_fits
             && block_split_allowed()
-            && matches!(rows, GemmRows::Dense(r) if (2..=BLOCK_SPLIT_AUTO_MAX_ROWS).contains(r)
-                || (*r > BLOCK_SPLIT_AUTO_MAX_ROWS && n.div_ceil(SKINNY_COLS_PER_BLOCK) <= BLOCK_SPLIT_AUTO_MAX_GROUPS));
+            && match rows {
+                GemmRows::Dense(r) => {
+                    (2..=BLOCK_SPLIT_AUTO_MAX_ROWS).contains(r)
+                        || (*r > BLOCK_SPLIT_AUTO_MAX_ROWS && groups <= BLOCK_SPLIT_AUTO_MAX_GROUPS)
+                        || (*r == 1
+                            && groups > BLOCK_SPLIT_AUTO_MAX_GROUPS
+                            && block_split_one_row_opted_in())
+                }
+                GemmRows::Plan(p) => p.tokens == 1 && block_split_plans_opted_in(),
+            };
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
             GemmPath::SkinnyKSplit if !block_split_fits => GemmPath::Skinny4,
