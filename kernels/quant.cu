@@ -51,7 +51,6 @@ __device__ __forceinline__ u32 amax_bits(float x) {
     return b <= 0x7f800000u ? b : 0u;
 }
 
-
 // Four consecutive elements (16-byte aligned for f32, 8-byte for BF16) as f32.
 __device__ __forceinline__ void load4(const float* x, u64 i, float* v) {
     float4 a = *(const float4*)(x + i);
@@ -206,7 +205,8 @@ __device__ u8 nvfp4_block(const float* v, Level lv, float fos_range, int fos_squ
     return s6;
 }
 
-#define AMAX_LOADS 4
+#define AMAX_LOADS 4  // nvfp4_rows' per-token amax: loads of four elements in flight a thread
+
 // One block per row. Per token (`per_token`): the row's own level, and s_tok (0 for an all-zero
 // row) written to row_s_dec. Otherwise the given level (a per-tensor scale, e.g. the one gate and
 // up share). `deq` (optional): the block-scaled values e2m1 * e4m3, the GEMM's operand.
