@@ -16,7 +16,7 @@ logs=$out
 [ "${PACK:-0}" = 1 ] && logs=$(mktemp -d /tmp/gpu-check-logs.XXXX)
 mkdir -p "$out" "$logs"
 # tar's status 1 (a file changed while read) still leaves a whole archive; its messages go to
-# $out/pack.err (2026-12-05: a server run's archive kept only gpu.txt, for a reason not seen).
+# $out/pack.err (2026-12-05: a server run's archive kept only gpu.txt: its loop read the output length into `out`).
 pack() {
   [ "${PACK:-0}" = 1 ] || return 0
   (cd "$logs" && { tar czf "$out/results.tgz.part" ./* 2>"$out/pack.err"; [ $? -le 1 ]; } \
@@ -234,11 +234,12 @@ if [ "${SERVER_BENCH:-0}" = 1 ]; then
     runs=("1 4 512 128 random" "64 64 512 256 random" "256 256 512 256 random")
     [ "${SERVER_BENCH_TARGETS:-0}" = 1 ] && runs+=("256 32 512 512 rl" "16 16 4096 1024 random" "1 1 32768 1 random")
     for run in "${runs[@]}"; do
-      read -r conc prompts in out dataset <<<"$run"
-      echo "-- $server: $conc concurrent, $prompts prompts ($dataset), $in in / $out out" | tee -a "$logs/server_bench_$server.md"
+      # (Not `out`: that is the log directory, which pack() writes to.)
+      read -r conc prompts in_len out_len dataset <<<"$run"
+      echo "-- $server: $conc concurrent, $prompts prompts ($dataset), $in_len in / $out_len out" | tee -a "$logs/server_bench_$server.md"
       "$bin/lockstep" bench --base-url http://127.0.0.1:30556 --tokenizer "$model/tokenizer.json" \
-        --dataset "$dataset" --num-prompts "$prompts" --max-concurrency "$conc" --input-len "$in" \
-        --output-len "$out" --range-ratio 1 --warmup 2 2>&1 | tee -a "$logs/server_bench_$server.md" || ok=FAIL
+        --dataset "$dataset" --num-prompts "$prompts" --max-concurrency "$conc" --input-len "$in_len" \
+        --output-len "$out_len" --range-ratio 1 --warmup 2 2>&1 | tee -a "$logs/server_bench_$server.md" || ok=FAIL
       # The engine's step phases so far (cumulative): the host's share is 1 - forward / all.
       curl -s localhost:30556/metrics | grep -E "^lockstep_engine_((step_seconds|step_tokens|decode_step_seconds)_(sum|count)|cuda_graph_steps_total)" \
         >>"$logs/server_bench_$server.md"
