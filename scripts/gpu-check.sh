@@ -16,7 +16,8 @@ logs=$out
 [ "${PACK:-0}" = 1 ] && logs=$(mktemp -d /tmp/gpu-check-logs.XXXX)
 mkdir -p "$out" "$logs"
 # tar's status 1 (a file changed while read) still leaves a whole archive; its messages go to
-# $out/pack.err (2026-12-05: a server run's archive kept only gpu.txt: its loop read the output length into `out`).
+# $out/pack.err. (2026-12-05: the server runs' archives kept only gpu.txt, because the server
+# loop read each row's output length into `out`.)
 pack() {
   [ "${PACK:-0}" = 1 ] || return 0
   (cd "$logs" && { tar czf "$out/results.tgz.part" ./* 2>"$out/pack.err"; [ $? -le 1 ]; } \
