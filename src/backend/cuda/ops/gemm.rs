@@ -327,13 +327,15 @@ fn block_split_allowed() -> bool {
     switched_on(&ALLOWED, "LOCKSTEP_BLOCK_SPLIT")
 }
 
-/// Opt-in trials of [`GemmPath::SkinnyKSplit`] where [`GemmPath::Auto`] does not take it yet,
-/// each faster alone in the kernel benchmark and not yet measured in a step (the bits are the
-/// same either way): `LOCKSTEP_BLOCK_SPLIT_PLANS=1` for a routing plan of one token, whose
-/// expert gate/up took 28.4 us against Auto's 32.4 (BF16), and `LOCKSTEP_BLOCK_SPLIT_ONE_ROW=1`
-/// for a dense launch of one row over more than [`BLOCK_SPLIT_AUTO_MAX_GROUPS`] column groups
-/// (the LM head: 184.3 us against 213.4). H200, 2026-12-05, cuda_kernel_bench, eager launches;
-/// every format's batch-1 step lost when all one-row dense launches took it (2026-12-03).
+/// Opt-in trials of [`GemmPath::SkinnyKSplit`] where [`GemmPath::Auto`] does not take it, each
+/// faster alone in the kernel benchmark (the bits are the same either way):
+/// `LOCKSTEP_BLOCK_SPLIT_PLANS=1` for a routing plan of one token, whose expert gate/up took
+/// 28.4 us against Auto's 32.4 (BF16), and `LOCKSTEP_BLOCK_SPLIT_ONE_ROW=1` for a dense launch
+/// of one row over more than [`BLOCK_SPLIT_AUTO_MAX_GROUPS`] column groups (the LM head: 184.3
+/// us against 213.4). H200, 2026-12-05, cuda_kernel_bench, eager launches. In a step they stay
+/// within a percent (H200, 2026-12-05, BF16 batch 1: 4.90 and 4.93 ms against 4.96), so Auto
+/// leaves them off; every format's batch-1 step lost when all one-row dense launches took it
+/// (2026-12-03).
 fn block_split_plans_opted_in() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     opted_in(&ON, "LOCKSTEP_BLOCK_SPLIT_PLANS")
