@@ -205,6 +205,48 @@ __device__ u8 nvfp4_block(const float* v, Level lv, float fos_range, int fos_squ
     return s6;
 }
 
+// A row's 16-element blocks without four-over-six, four threads a block and four elements a
+// thread (blockDim a multiple of 4, cols of 16): the block amax by two shuffles within the
+// group, then nvfp4_block's scale, codes and dequantized values for each thread's four (so the
+// same bytes), two code bytes and a float4 a thread. A decode row is one block: a quarter of
+// nvfp4_block's chain a thread, where a thread a block left 16 dependent encodes each.
+template <typename T>
+__device__ __forceinline__ void nvfp4_row_quarters(const T* row, int cols, Level lv, u8* data, u8* scales,
+                                                   float* deq) {
+    for (int q = threadIdx.x; q < cols / 4; q += blockDim.x) {
+        // A group's four threads are all in this trip or all past the row (cols / 4 and the
+        // stride are multiples of 4).
+        u32 group = __activemask();
+        float v[4];
+        load4(row, (u64)q * 4, v);
+        u32 mb = 0u;
+        int any_number = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            mb = max(mb, amax_bits(v[i]));
+            any_number |= !isnan(v[i]);
+        }
+#pragma unroll
+        for (int d = 1; d < 4; d <<= 1) {
+            mb = max(mb, __shfl_xor_sync(group, mb, d));
+            any_number |= __shfl_xor_sync(group, any_number, d);
+        }
+        float block_amax = any_number ? __uint_as_float(mb) : __uint_as_float(0x7fc00000u);
+        u8 s8 = e4m3_encode(__fmul_rn(block_amax, __fmul_rn(lv.s_enc, R6)));
+        float enc = element_multiplier(s8, lv.s_dec);
+        u32 c[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) c[i] = e2m1_encode(__fmul_rn(v[i], enc));
+        *(unsigned short*)(data + (u64)q * 2) = (unsigned short)(c[0] | c[1] << 4 | c[2] << 8 | c[3] << 12);
+        if ((q & 3) == 0) scales[q / 4] = s8;
+        if (deq) {
+            float d = e4m3_decode(s8);
+            *(float4*)(deq + (u64)q * 4) = make_float4(__fmul_rn(e2m1_decode(c[0]), d), __fmul_rn(e2m1_decode(c[1]), d),
+                                                       __fmul_rn(e2m1_decode(c[2]), d), __fmul_rn(e2m1_decode(c[3]), d));
+        }
+    }
+}
+
 #define AMAX_LOADS 4  // nvfp4_rows' per-token amax: loads of four elements in flight a thread
 
 // One block per row. Per token (`per_token`): the row's own level, and s_tok (0 for an all-zero
@@ -261,8 +303,12 @@ __device__ void nvfp4_rows(const T* x, int cols, int per_token, float amax, floa
         lv = level_from_amax(amax, range);
         if (row_s_dec && threadIdx.x == 0) row_s_dec[r] = lv.s_dec;
     }
-    // A thread per 16-element block: 16-byte loads, its 8 code bytes in one store, its
-    // dequantized values in four.
+    if (fos_range <= 0.0f) {
+        nvfp4_row_quarters(row, cols, lv, data + r * (cols / 2), scales + r * (cols / 16), deq ? deq + r * cols : nullptr);
+        return;
+    }
+    // Four-over-six: a thread per 16-element block, 16-byte loads, its 8 code bytes in one
+    // store, its dequantized values in four.
     for (int b = threadIdx.x; b < cols / 16; b += blockDim.x) {
         float v[16];
         u8 codes[16];

@@ -94,6 +94,12 @@ pub struct Nvfp4Out<'a> {
     pub deq: Option<&'a mut CudaSlice<f32>>,
 }
 
+/// Threads of an NVFP4 quantizer's block (a block a row): four a 16-element block
+/// (kernels/quant.cu `nvfp4_row_quarters`), 32 to 512.
+fn nvfp4_threads(cols: usize) -> u32 {
+    (cols / 4).next_multiple_of(32).clamp(32, 512) as u32
+}
+
 /// NVFP4 quantization of f32 rows, per token or per tensor (`tensor_amax` from [`amax`]).
 #[allow(clippy::too_many_arguments)]
 pub fn nvfp4_quantize_f32(
@@ -122,7 +128,7 @@ pub fn nvfp4_quantize_f32(
     gpu.launch(
         Kernel::Nvfp4QuantizeF32,
         (rows as u32, 1, 1),
-        128,
+        nvfp4_threads(cols),
         (
             x,
             cols as i32,
@@ -199,7 +205,7 @@ pub fn nvfp4_quantize_bf16(
     gpu.launch(
         Kernel::Nvfp4QuantizeBf16,
         (rows as u32, 1, 1),
-        128,
+        nvfp4_threads(cols),
         (
             x,
             cols as i32,
