@@ -187,15 +187,21 @@ pub(crate) mod tests {
     use super::*;
     use crate::backend::cpu::attention::{paged_attention, AttentionSeq, KvDtype, KvMemory};
 
-    /// A fresh random source per test run (the seed is printed so a failure can be replayed).
+    /// A fresh random source per test run (the seed is printed; `LOCKSTEP_TEST_SEED` replays
+    /// one).
     pub struct Rng(u64);
     impl Rng {
         pub fn fresh() -> Rng {
-            let seed = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                ^ (std::process::id() as u64) << 32;
+            let seed = std::env::var("LOCKSTEP_TEST_SEED")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or_else(|| {
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .unwrap()
+                        .as_nanos() as u64
+                        ^ (std::process::id() as u64) << 32
+                });
             eprintln!("rng seed {seed}");
             Rng(seed | 1)
         }
