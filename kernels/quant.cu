@@ -164,6 +164,13 @@ __device__ __forceinline__ float element_multiplier(u8 s8, float s_dec) {
     return fminf(__fdiv_rn(1.0f, __fmul_rn(e4m3_decode(s8), s_dec)), F32_MAX);
 }
 
+// A 16-element block's scale byte for its amax, and the multiplier that encodes its elements.
+__device__ __forceinline__ u8 nvfp4_block_scale(float block_amax, Level lv, float& enc) {
+    u8 s8 = e4m3_encode(__fmul_rn(block_amax, __fmul_rn(lv.s_enc, R6)));
+    enc = element_multiplier(s8, lv.s_dec);
+    return s8;
+}
+
 // One 16-element block: codes out, its scale byte returned. fos_range > 0 turns on
 // four-over-six with that E4M3 range; fos_squared picks the squared error.
 __device__ u8 nvfp4_block(const float* v, Level lv, float fos_range, int fos_squared, u8* codes) {
@@ -175,8 +182,8 @@ __device__ u8 nvfp4_block(const float* v, Level lv, float fos_range, int fos_squ
     }
     float block_amax = any_number ? __uint_as_float(mb) : __uint_as_float(0x7fc00000u);
     if (fos_range <= 0.0f) {
-        u8 s8 = e4m3_encode(__fmul_rn(block_amax, __fmul_rn(lv.s_enc, R6)));
-        float enc = element_multiplier(s8, lv.s_dec);
+        float enc;
+        u8 s8 = nvfp4_block_scale(block_amax, lv, enc);
         for (int i = 0; i < 16; i++) codes[i] = e2m1_encode(__fmul_rn(v[i], enc));
         return s8;
     }
@@ -207,8 +214,8 @@ __device__ u8 nvfp4_block(const float* v, Level lv, float fos_range, int fos_squ
 
 // A row's 16-element blocks without four-over-six, four threads a block and four elements a
 // thread (blockDim a multiple of 4, cols of 16): the block amax by two shuffles within the
-// group, then nvfp4_block's scale, codes and dequantized values for each thread's four (so the
-// same bytes), two code bytes and a float4 a thread. A decode row is one block: a quarter of
+// group, then the scale (nvfp4_block_scale), codes and dequantized values of nvfp4_block for
+// each thread's four (so the same bytes), two code bytes and a float4 a thread. A decode row is one block: a quarter of
 // nvfp4_block's chain a thread, where a thread a block left 16 dependent encodes each.
 template <typename T>
 __device__ __forceinline__ void nvfp4_row_quarters(const T* row, int cols, Level lv, u8* data, u8* scales,
@@ -232,8 +239,8 @@ __device__ __forceinline__ void nvfp4_row_quarters(const T* row, int cols, Level
             any_number |= __shfl_xor_sync(group, any_number, d);
         }
         float block_amax = any_number ? __uint_as_float(mb) : __uint_as_float(0x7fc00000u);
-        u8 s8 = e4m3_encode(__fmul_rn(block_amax, __fmul_rn(lv.s_enc, R6)));
-        float enc = element_multiplier(s8, lv.s_dec);
+        float enc;
+        u8 s8 = nvfp4_block_scale(block_amax, lv, enc);
         u32 c[4];
 #pragma unroll
         for (int i = 0; i < 4; i++) c[i] = e2m1_encode(__fmul_rn(v[i], enc));

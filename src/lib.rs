@@ -40,4 +40,19 @@ pub mod testing {
             }
         }
     }
+
+    /// A random test's seed: `$LOCKSTEP_TEST_SEED` replays one, otherwise a fresh one from the
+    /// clock and the process id. The caller prints it.
+    pub fn test_seed() -> u64 {
+        std::env::var("LOCKSTEP_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+                    ^ (std::process::id() as u64) << 32
+            })
+    }
 }

@@ -192,16 +192,7 @@ pub(crate) mod tests {
     pub struct Rng(u64);
     impl Rng {
         pub fn fresh() -> Rng {
-            let seed = std::env::var("LOCKSTEP_TEST_SEED")
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .unwrap_or_else(|| {
-                    std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .unwrap()
-                        .as_nanos() as u64
-                        ^ (std::process::id() as u64) << 32
-                });
+            let seed = crate::testing::test_seed();
             eprintln!("rng seed {seed}");
             Rng(seed | 1)
         }

@@ -39,16 +39,7 @@ impl Rng {
 
 /// A fresh odd seed per run (`LOCKSTEP_TEST_SEED` replays one), printed.
 pub fn seed() -> u64 {
-    let s = std::env::var("LOCKSTEP_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        })
-        | 1;
+    let s = lockstep::testing::test_seed() | 1;
     println!("seed {s}");
     s
 }
