@@ -129,6 +129,12 @@ __device__ __forceinline__ u32 descending_f32(float x) {
     return ~ascending;
 }
 
+// The probability a KIND_PROB key holds in its top 32 bits (descending_f32 of p > 0): p itself,
+// without a load of p from the row.
+__device__ __forceinline__ float key_probability(u64 key) {
+    return __uint_as_float(~(u32)(key >> 32) & 0x7fffffffu);
+}
+
 // src/sampling/sample.rs `contract_ln`, operation for operation: ln x for x >= 1.
 __device__ double contract_ln(double x) {
     long long bits = __double_as_longlong(x);
@@ -305,11 +311,37 @@ __device__ int gather_sorted(const RowView& r, int kind, u64 prefix, int fixed, 
     return n;
 }
 
+// One 32-token group of a histogram pass (every lane of the warp calls it, in the warp's group
+// order): the members' weights w of each 8-bit digit `bin` (256: not a member) are added in lane
+// order by the digit's first lane, and that sum joins the warp's row of the histogram; the digit's
+// count joins the block's.
+__device__ __forceinline__ void bin_group(SampleShared& sh, int warp, int lane, bool in, u32 bin, double w) {
+    sh.stage[warp][lane] = in ? w : 0.0;
+    u32 peers = __match_any_sync(0xffffffffu, bin);
+    __syncwarp();
+    if (in && lane == __ffs(peers) - 1) {
+        double s = 0.0;
+        for (u32 m = peers; m; m &= m - 1) s += sh.stage[warp][__ffs(m) - 1];
+        sh.u.warp_hist[warp][bin] += s;
+        atomicAdd(&sh.bin_n[bin], __popc(peers));
+    }
+    __syncwarp();
+}
+
+// Clears the histogram of a pass (the caller synchronizes before and after).
+__device__ __forceinline__ void clear_histogram(SampleShared& sh) {
+    for (int i = threadIdx.x; i < SAMPLE_WARPS * 256; i += SAMPLE_THREADS) sh.u.warp_hist[i / 256][i % 256] = 0.0;
+    for (int i = threadIdx.x; i < 256; i += SAMPLE_THREADS) sh.bin_n[i] = 0;
+}
+
 // The first member key in canonical (ascending key) order at which the running weight reaches
 // `target` (cum >= target, or cum > target when `strict`); NO_KEY when the members' total never
 // does. When rounding makes a narrowed range fall short, its last key is taken (the CPU's draw
 // does the same with its last kept token). Every thread must call it; all get the result.
-__device__ u64 select_key(const RowView& r, int kind, int by_mass, double target, int strict, SampleShared& sh) {
+// `first_binned`: the first pass's histogram (all members, the top digit) is already in shared
+// memory, built in the same group order by the probabilities' walk (sample_rows).
+__device__ u64 select_key(const RowView& r, int kind, int by_mass, double target, int strict, SampleShared& sh,
+                          bool first_binned = false) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     u64 prefix = 0;
     int fixed = 0;
@@ -318,14 +350,14 @@ __device__ u64 select_key(const RowView& r, int kind, int by_mass, double target
     while (fixed < 64 && (in_range < 0 || in_range > GATHER_CAP)) {
         const int shift = 56 - fixed;
         __syncthreads();
-        for (int i = tid; i < SAMPLE_WARPS * 256; i += SAMPLE_THREADS) sh.u.warp_hist[i / 256][i % 256] = 0.0;
-        for (int i = tid; i < 256; i += SAMPLE_THREADS) sh.bin_n[i] = 0;
+        const bool walk = !(first_binned && fixed == 0);
+        if (walk) clear_histogram(sh);
         __syncthreads();
         // Warp w takes the 32-token groups w, w + SAMPLE_WARPS, ...: a fixed order per warp,
         // SELECT_BATCH groups' values loaded before the first is binned (one at a time, each
         // group waited a load's latency: ~300 a pass over 151,936 values).
         const float* values = member_values(r, kind);
-        for (int base0 = warp * 32; base0 < r.vocab; base0 += SAMPLE_THREADS * SELECT_BATCH) {
+        for (int base0 = warp * 32; walk && base0 < r.vocab; base0 += SAMPLE_THREADS * SELECT_BATCH) {
             float vb[SELECT_BATCH];
 #pragma unroll
             for (int u = 0; u < SELECT_BATCH; u++) {
@@ -340,17 +372,7 @@ __device__ u64 select_key(const RowView& r, int kind, int by_mass, double target
                 u64 key = 0;
                 double w = 0.0;
                 bool in = t < r.vocab && member_of(r, kind, by_mass, t, vb[u], key, w) && in_prefix(key, prefix, fixed);
-                u32 bin = in ? (u32)(key >> shift) & 255u : 256u;
-                sh.stage[warp][lane] = in ? w : 0.0;
-                u32 peers = __match_any_sync(0xffffffffu, bin);
-                __syncwarp();
-                if (in && lane == __ffs(peers) - 1) {
-                    double s = 0.0;
-                    for (u32 m = peers; m; m &= m - 1) s += sh.stage[warp][__ffs(m) - 1];
-                    sh.u.warp_hist[warp][bin] += s;
-                    atomicAdd(&sh.bin_n[bin], __popc(peers));
-                }
-                __syncwarp();
+                bin_group(sh, warp, lane, in, in ? (u32)(key >> shift) & 255u : 256u, w);
             }
         }
         __syncthreads();
@@ -400,7 +422,7 @@ __device__ u64 select_key(const RowView& r, int kind, int by_mass, double target
         for (int base = 0; base < n && found == NO_KEY; base += 32) {
             int i = base + lane;
             double w = 0.0;
-            if (i < n) w = (kind == KIND_PROB && by_mass) ? (double)r.p[(u32)sh.u.keys[i]] : 1.0;
+            if (i < n) w = (kind == KIND_PROB && by_mass) ? (double)key_probability(sh.u.keys[i]) : 1.0;
             double c = w;  // inclusive scan over the warp
             for (int o = 1; o < 32; o <<= 1) {
                 double v = __shfl_up_sync(0xffffffffu, c, o);
@@ -507,12 +529,43 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* 
     // greedy token (first maximum) on the way.
     double acc = 0.0;
     int first_max = 0x7fffffff;
-    walk_row(row, vocab, [&](int t, float l) {
+    auto probability = [&](int t, float l) {
         float p = host_expf(__fsub_rn(l, m), sh.exp_table);
         if (!pr.greedy) prow[t] = p;
         acc = __dadd_rn(acc, (double)p);
         if (l == m) first_max = min(first_max, t);
-    });
+        return p;
+    };
+    // A draw with no top-k, top-p or min-p keeps every token with p > 0, whose mass is the
+    // normalizer (below). Its first histogram pass (select_key's: every member, the top digit)
+    // is then built on this walk, which visits the groups of 32 tokens in select_key's order
+    // (warp w: groups w, w + SAMPLE_WARPS, ...; walk_row's tokens for each thread), so the sums
+    // are the pass's own: a walk over the row fewer.
+    const bool untruncated = !pr.greedy && pr.top_k <= 0 && !(pr.top_p < 1.0f) && !(pr.min_p > 0.0f);
+    if (untruncated) {
+        const int lane = tid & 31, warp = tid >> 5;
+        clear_histogram(sh);
+        __syncthreads();
+        for (int base0 = warp * 32; base0 < vocab; base0 += SAMPLE_THREADS * SAMPLE_BATCH) {
+            float lb[SAMPLE_BATCH];
+#pragma unroll
+            for (int u = 0; u < SAMPLE_BATCH; u++) {
+                int t = base0 + u * SAMPLE_THREADS + lane;
+                lb[u] = t < vocab ? row[t] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < SAMPLE_BATCH; u++) {
+                int base = base0 + u * SAMPLE_THREADS;
+                if (base >= vocab) break;  // warp-uniform
+                int t = base + lane;
+                float p = t < vocab ? probability(t, lb[u]) : 0.0f;
+                bool in = t < vocab && p > 0.0f;  // member_of(KIND_PROB) with min_p 0, no limit
+                bin_group(sh, warp, lane, in, in ? descending_f32(p) >> 24 : 256u, (double)p);
+            }
+        }
+    } else {
+        walk_row(row, vocab, [&](int t, float l) { probability(t, l); });
+    }
     double total = block_sum_f64(acc, sh);
     first_max = block_min_i32(first_max, sh);
     RowView view;
@@ -536,8 +589,12 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* 
             u64 k = select_key(view, KIND_PROB, 1, (double)pr.top_p * total, 0, sh);
             if (k != NO_KEY) view.limit = k;
         }
-        double mass = member_mass(view, sh);
-        u64 k = select_key(view, KIND_PROB, 1, pr.u * mass, 1, sh);
+        // Untruncated, the members are the tokens with p > 0, and their mass in member_mass's
+        // order is the normalizer: the same terms in the same walk and tree, less p == 0 ones,
+        // whose +0.0 changes no sum. Its walk is left out, and the draw's first histogram is
+        // the probabilities' walk's.
+        double mass = untruncated ? total : member_mass(view, sh);
+        u64 k = select_key(view, KIND_PROB, 1, pr.u * mass, 1, sh, untruncated);
         if (k == NO_KEY) k = member_max_key(view, sh);
         token = (u32)k;
     }

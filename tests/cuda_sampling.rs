@@ -415,6 +415,81 @@ fn device_draws_cover_exactly_the_cpu_kept_set() {
     }
 }
 
+/// A draw with no top-k, top-p or min-p takes its own path on the device: the kept mass is the
+/// normalizer, and the draw's first histogram pass is built on the probabilities' walk. A min-p
+/// below every probability of the row keeps the same tokens through the general path (the mass
+/// walk, the histogram's own walk): the two must give the same draws bit for bit.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn untruncated_draws_give_the_bits_of_the_general_path() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let params = |min_p: f64| {
+        SamplingParams {
+            temperature: 1.0,
+            min_p,
+            ..Default::default()
+        }
+        .validate(&Default::default())
+        .unwrap()
+    };
+    // Every finite logit of a row lies within 60 of its maximum: p >= e^-60 > 1e-30 = min_p.
+    let (untruncated, general) = (params(0.0), params(1e-30));
+    let history = TokenHistory::new(&[]);
+    for v in [1000usize, 151_936] {
+        let rows = 64;
+        let mut sampler = DeviceSampler::new(&g, v, rows, rows, 64).unwrap();
+        let raws: Vec<Vec<f32>> = (0..rows)
+            .map(|r| match r % 3 {
+                0 => (0..v).map(|_| rng.unit() * 60.0).collect(),
+                1 => {
+                    let mut l: Vec<f32> = (0..v)
+                        .map(|_| (rng.unit() + rng.unit() + rng.unit()) * 2.0)
+                        .collect();
+                    l[rng.below(v)] += 15.0;
+                    l
+                }
+                _ => (0..v)
+                    .map(|_| {
+                        if rng.unit() < 0.1 {
+                            f32::NEG_INFINITY
+                        } else {
+                            (rng.unit() * 12.0).floor() * 0.5
+                        }
+                    })
+                    .collect(),
+            })
+            .collect();
+        let base = rng.next();
+        let mut draw = |params: &ValidSamplingParams| {
+            let inputs: Vec<(usize, SampleInput<'_>)> = (0..rows)
+                .map(|r| {
+                    let input = SampleInput {
+                        params,
+                        history: &history,
+                        eos_token_ids: &[],
+                        seed: base.wrapping_add(r as u64),
+                        sample_index: 0,
+                        top_logprobs_num: 0,
+                    };
+                    (r, input)
+                })
+                .collect();
+            let mut dev = upload_rows(&g, &raws);
+            sample_rows(&g, &mut sampler, &mut dev, &inputs).unwrap()
+        };
+        let (fast, slow) = (draw(&untruncated), draw(&general));
+        for (r, (a, b)) in fast.iter().zip(&slow).enumerate() {
+            let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
+            assert_eq!(
+                (a.token, a.logprob.to_bits()),
+                (b.token, b.logprob.to_bits()),
+                "vocab {v} row {r}: untruncated {a:?} vs min-p {b:?}"
+            );
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn forward_and_sample_equals_forward_then_the_cpu_sampler() {
