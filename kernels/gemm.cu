@@ -24,8 +24,9 @@
 // - grouped_gemm_skinny_*, grouped_gemm_skinny4_*: the same tensor-core products for tiles of
 //   few rows (decode): a warp per 8 (or 32) output columns, weights loaded straight into
 //   registers, no shared memory.
-// - grouped_gemm_skinny_ksplit_*: the 32-column few-rows warps for tiles of at most 16 rows, a
-//   32-column group's K segments spread over one block's warps and added in the block.
+// - grouped_gemm_skinny_ksplit_*, grouped_gemm_skinny_ksplit8_*: the few-rows warps (32 or 8
+//   columns) for tiles of at most 16 rows, a column group's K segments spread over one block's
+//   warps and added in the block.
 // - grouped_gemm_wgmma_* (Hopper, sm_90a): the same products on warpgroup MMAs, 128x128 tiles
 //   (a plan's pair tiles: two wide tiles' rows), the weights as the A operand (section below);
 //   grouped_gemm_wgmma_swiglu_*: over a gate/up matrix, with SwiGLU in the epilogue (h written
@@ -1017,24 +1018,27 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
 
 // ---- Few rows, K split over one block's warps ----
 //
-// The 32-column few-rows warps (grouped_gemm_skinny4's), for tiles of at most 16 rows (one m16
-// fragment): a block takes one 32-column group, and its KSPLIT_WARPS warps take the K segments
-// w, w + KSPLIT_WARPS, ... Each segment's sums go to shared memory; then the block adds every
-// element's segments in order (s0, then + s1, ...: the additions a whole-K chain makes), applies
-// the NVFP4 epilogue and stores. Split-K's blocks without its partial sums in global memory,
-// counters and last-block fold. Requires K % 32 == 0, at most KSPLIT_MAX_SEGMENTS segments and
-// tiles of at most 16 rows (the host's choice; a tile of more rows would lose them).
+// The few-rows warps of NF n8 fragments (grouped_gemm_skinny4's 32 columns, or 8), for tiles of
+// at most 16 rows (one m16 fragment): a block takes one 8 * NF-column group, and its warps (up
+// to KSPLIT_WARPS: blockDim.x / 32) take the K segments w, w + warps, ... Each segment's sums go
+// to shared memory; then the block adds every element's segments in order (s0, then + s1, ...:
+// the additions a whole-K chain makes), applies the NVFP4 epilogue and stores. Split-K's blocks
+// without its partial sums in global memory, counters and last-block fold. Requires K % 32 == 0,
+// at most KSPLIT_MAX_SEGMENTS segments and tiles of at most 16 rows (the host's choice; a tile
+// of more rows would lose them).
 
 #define KSPLIT_WARPS 8          // host: ops::gemm::BLOCK_SPLIT_THREADS / 32
 #define KSPLIT_MAX_SEGMENTS 16  // host: ops::gemm::BLOCK_SPLIT_MAX_SEGMENTS
 
-template <int FMT>
+template <int FMT, int NF = 4>
 __device__ void grouped_gemm_skinny_ksplit(const float* x, const int* row_index, const float* row_scale,
                                            const void* w, const u8* w_scales, const float* w_sdec, int sdec_groups,
                                            const int* tiles, const int* num_tiles, const int* offsets, int rows,
                                            int N, int K, float* out, float* /* partials: none */,
                                            const u32* /* xb: reads x itself */, u32* /* counters: none */, int bx) {
-    constexpr int NF = 4, ELEMS = NF * 4;
+    constexpr int ELEMS = NF * 4;
+    // One segment's chain holds SPANS spans of NF columns in flight: 16 loads a lane.
+    constexpr int SPANS = 16 / NF > 8 ? 8 : 16 / NF;
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
     int n0 = bx * 8 * NF;
@@ -1055,10 +1059,10 @@ __device__ void grouped_gemm_skinny_ksplit(const float* x, const int* row_index,
     }
     // Segment z's sum of element i of lane l at [z][i][l].
     __shared__ float seg_s[KSPLIT_MAX_SEGMENTS][ELEMS][32];
-    int segments = (K + SEG - 1) / SEG;
-    for (int z = warp; z < segments; z += KSPLIT_WARPS)
-        skinny_chain<FMT, NF, 1, 4>(w, w_scales, w_row, xr, live, K, z * SEG, min(K, (z + 1) * SEG), t,
-                                    &seg_s[z][0][lane]);
+    int segments = (K + SEG - 1) / SEG, warps = blockDim.x >> 5;
+    for (int z = warp; z < segments; z += warps)
+        skinny_chain<FMT, NF, 1, SPANS>(w, w_scales, w_row, xr, live, K, z * SEG, min(K, (z + 1) * SEG), t,
+                                        &seg_s[z][0][lane]);
     __syncthreads();
     // Element i of lane l is row g + 8 * (i % 4 / 2), column 8 * (i / 4) + 2 * t + i % 2 of the
     // fragment's (grouped_gemm_skinny's store).
@@ -1756,6 +1760,17 @@ GEMM_KERNEL_BOUNDED(grouped_gemm_skinny4, grouped_gemm_skinny4_nvfp4, 3, SKINNY_
 GEMM_KERNEL_BOUNDED(grouped_gemm_skinny_ksplit, grouped_gemm_skinny_ksplit_bf16, 1, 32, 32 * KSPLIT_WARPS, 2)
 GEMM_KERNEL_BOUNDED(grouped_gemm_skinny_ksplit, grouped_gemm_skinny_ksplit_mxfp8, 2, 32, 32 * KSPLIT_WARPS, 2)
 GEMM_KERNEL_BOUNDED(grouped_gemm_skinny_ksplit, grouped_gemm_skinny_ksplit_nvfp4, 3, 32, 32 * KSPLIT_WARPS, 2)
+// The same for 8 columns a block (one fragment a warp, 8 spans in flight; the host's choice for
+// tiles of up to 8 rows, ops::gemm `block_split_narrow`): four times the blocks over the same
+// launch, each warp's segment one round of loads; at most 8 warps a block, three blocks an SM
+// (at four, 64 registers, BF16 spilled 32 bytes; ptxas 13.0).
+template <int FMT>
+__device__ __forceinline__ void grouped_gemm_skinny_ksplit8(GEMM_KIND_PARAMS) {
+    grouped_gemm_skinny_ksplit<FMT, 1>(GEMM_KIND_ARGS);
+}
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny_ksplit8, grouped_gemm_skinny_ksplit8_bf16, 1, 8, 32 * KSPLIT_WARPS, 3)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny_ksplit8, grouped_gemm_skinny_ksplit8_mxfp8, 2, 8, 32 * KSPLIT_WARPS, 3)
+GEMM_KERNEL_BOUNDED(grouped_gemm_skinny_ksplit8, grouped_gemm_skinny_ksplit8_nvfp4, 3, 8, 32 * KSPLIT_WARPS, 3)
 
 GEMM_KERNEL(grouped_gemm, grouped_gemm_f32, 0, TN)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_bf16, 1, TN)

@@ -1559,6 +1559,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             (3, GemmPath::Skinny, SplitK::Off),
             (3, GemmPath::Skinny, SplitK::On),
             (5, GemmPath::Skinny4, SplitK::On),
+            (3, GemmPath::SkinnyKSplit, SplitK::Auto),
             (9, GemmPath::SkinnyKSplit, SplitK::Auto),
             (13, GemmPath::TensorCore, SplitK::Off),
             (13, GemmPath::TensorCore, SplitK::On),

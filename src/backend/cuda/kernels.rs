@@ -319,6 +319,9 @@ kernels! {
     GroupedGemmSkinnyKsplitBf16 => (Gemm, "grouped_gemm_skinny_ksplit_bf16", GROUPED_GEMM),
     GroupedGemmSkinnyKsplitMxfp8 => (Gemm, "grouped_gemm_skinny_ksplit_mxfp8", GROUPED_GEMM),
     GroupedGemmSkinnyKsplitNvfp4 => (Gemm, "grouped_gemm_skinny_ksplit_nvfp4", GROUPED_GEMM),
+    GroupedGemmSkinnyKsplit8Bf16 => (Gemm, "grouped_gemm_skinny_ksplit8_bf16", GROUPED_GEMM),
+    GroupedGemmSkinnyKsplit8Mxfp8 => (Gemm, "grouped_gemm_skinny_ksplit8_mxfp8", GROUPED_GEMM),
+    GroupedGemmSkinnyKsplit8Nvfp4 => (Gemm, "grouped_gemm_skinny_ksplit8_nvfp4", GROUPED_GEMM),
     GemmFoldSegments => (Gemm, "gemm_fold_segments", &[Ptr, I32, I32, I32, Ptr, Ptr, Ptr, I32, Ptr, I32, Ptr]),
     PackGemmOperand => (Gemm, "pack_gemm_operand", &[Ptr, Ptr, I32, I32, I32, Ptr]),
     PagedAttention => (Attention, "paged_attention", &[

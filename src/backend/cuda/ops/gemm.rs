@@ -25,7 +25,7 @@ const MMA_TILE_COLS: usize = 128;
 /// `skinny4` kernels, 32) columns.
 const SKINNY_COLS_PER_BLOCK: usize = 32;
 /// [`GemmPath::SkinnyKSplit`]'s block: 8 warps over one 32-column group (kernels/gemm.cu
-/// `KSPLIT_WARPS`).
+/// `KSPLIT_WARPS`); the 8-column blocks take a warp a K segment, up to as many.
 const BLOCK_SPLIT_THREADS: u32 = 256;
 /// The most K segments [`GemmPath::SkinnyKSplit`] adds in a block (kernels/gemm.cu
 /// `KSPLIT_MAX_SEGMENTS`), and the most rows of its tiles.
@@ -39,6 +39,9 @@ pub const BLOCK_SPLIT_MAX_TILE_ROWS: usize = 16;
 /// router 16.4 against 20.0; the LM head (4,748 groups) 213 against 191.
 const BLOCK_SPLIT_AUTO_MAX_ROWS: usize = 8;
 const BLOCK_SPLIT_AUTO_MAX_GROUPS: usize = 1024;
+/// The most rows of the tiles that take the block-split kernel of 8 columns a block
+/// ([`block_split_narrow`]): the sizes it was measured at (1 to 8 rows).
+const BLOCK_SPLIT_NARROW_MAX_ROWS: usize = 8;
 /// Warps at which a few-rows launch takes the 32-columns-per-warp kernels: enough to fill the
 /// GPU, and each warp's activation packing then serves four times the weights.
 const SKINNY4_MIN_WARPS: usize = 2048;
@@ -197,12 +200,14 @@ pub enum GemmPath {
     Skinny,
     /// As [`GemmPath::Skinny`], a warp per 32 columns: for launches with warps enough.
     Skinny4,
-    /// [`GemmPath::Skinny4`]'s warps with K split over one block: the block's 8 warps take a
-    /// 32-column group's K segments in turn and add them in order through shared memory (no
-    /// split-K sums in global memory, no fold). For tiles of at most 16 rows (dense launches of
-    /// up to 16 rows, plans of up to 16 tokens) and K of 2 to 16 segments; elsewhere it runs as
-    /// [`GemmPath::Skinny4`] (the same bits). [`GemmPath::Auto`] takes it for dense launches of 2
-    /// to 8 rows (`LOCKSTEP_BLOCK_SPLIT=0` turns that off; the bits are the same either way).
+    /// The few-rows warps with K split over one block: the block's warps take a column group's
+    /// K segments in turn and add them in order through shared memory (no split-K sums in
+    /// global memory, no fold); 8 columns a block for tiles of up to 8 rows, else 32
+    /// ([`block_split_narrow`]). For tiles of at most 16 rows (dense launches of up to 16 rows,
+    /// plans of up to 16 tokens) and K of 2 to 16 segments; elsewhere it runs as
+    /// [`GemmPath::Skinny4`] (the same bits). [`GemmPath::Auto`] takes it for dense launches of 1
+    /// to 8 rows (and of 9 to 16 over few columns) and routing plans of one token
+    /// (`LOCKSTEP_BLOCK_SPLIT=0` turns that off; the bits are the same either way).
     SkinnyKSplit,
     /// Hopper's warpgroup MMAs (`wgmma`, sm_90a) on pairs of the wide tiles (128 rows x 128
     /// columns, one block an SM): the weights decoded into registers as the A operand, the
@@ -327,22 +332,36 @@ fn block_split_allowed() -> bool {
     switched_on(&ALLOWED, "LOCKSTEP_BLOCK_SPLIT")
 }
 
-/// Opt-in trials of [`GemmPath::SkinnyKSplit`] where [`GemmPath::Auto`] does not take it, each
-/// faster alone in the kernel benchmark (the bits are the same either way):
-/// `LOCKSTEP_BLOCK_SPLIT_PLANS=1` for a routing plan of one token, whose expert gate/up took
-/// 28.4 us against Auto's 32.4 (BF16), and `LOCKSTEP_BLOCK_SPLIT_ONE_ROW=1` for a dense launch
-/// of one row over more than [`BLOCK_SPLIT_AUTO_MAX_GROUPS`] column groups (the LM head: 184.3
-/// us against 213.4). H200, 2026-12-05, cuda_kernel_bench, eager launches. In a step they stay
-/// within a percent (H200, 2026-12-05, BF16 batch 1: 4.90 and 4.93 ms against 4.96), so Auto
-/// leaves them off; every format's batch-1 step lost when all one-row dense launches took it
-/// (2026-12-03).
-fn block_split_plans_opted_in() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    opted_in(&ON, "LOCKSTEP_BLOCK_SPLIT_PLANS")
+/// The most rows a tile of the launch can hold: a dense launch's, or a routing plan's tokens.
+fn tile_rows_of(rows: &GemmRows<'_>) -> usize {
+    match rows {
+        GemmRows::Dense(r) => *r,
+        GemmRows::Plan(p) => p.tokens,
+    }
 }
-fn block_split_one_row_opted_in() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    opted_in(&ON, "LOCKSTEP_BLOCK_SPLIT_ONE_ROW")
+
+/// Which block-split kernel a launch of tiles of `tile_rows` rows takes: 8 columns a block
+/// (`grouped_gemm_skinny_ksplit8_*`: one fragment a warp, one warp a K segment, up to 8 warps)
+/// for tiles of at most [`BLOCK_SPLIT_NARROW_MAX_ROWS`] rows, else 32 (a 32-column group over 8
+/// warps). The same products in the same order, so the same bits; four times the blocks, each
+/// warp's segment one round of loads, spread evenly over the SMs where 32-column groups are few
+/// (q/k/v at one row: 160). `LOCKSTEP_BLOCK_SPLIT_COLS=8` or `=32` sets one for every launch.
+/// H100, 2026-12-05, `cuda_bench --steps 64 --batches 1,2,4` (ms, two rounds, 32 against 8
+/// columns a block, both with every one-row launch split in the block): batch 1 BF16 5.21 /
+/// 5.27 -> 5.22 / 5.21, NVFP4 5.33 / 5.31 -> 5.24 / 5.21, MXFP8 5.84 / 5.85 -> 5.22 / 5.19;
+/// MXFP8 (whose attention projections are MXFP8 too) at batch 2 and 4 6.98 -> 6.68, 9.17 -> 8.87;
+/// BF16 and NVFP4 there the same.
+fn block_split_narrow(tile_rows: usize) -> bool {
+    static COLS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = *COLS.get_or_init(|| {
+        std::env::var("LOCKSTEP_BLOCK_SPLIT_COLS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+    });
+    match forced {
+        Some(cols) => cols == 8,
+        None => tile_rows <= BLOCK_SPLIT_NARROW_MAX_ROWS,
+    }
 }
 
 /// Whether the environment variable `var` leaves a kernel choice on (anything but `0`), read
@@ -433,32 +452,29 @@ impl GemmPath {
                     }
                 });
         // K split over one block's warps: tiles of at most 16 rows, 2 to 16 segments.
-        let tile_rows = match rows {
-            GemmRows::Dense(r) => *r,
-            GemmRows::Plan(p) => p.tokens,
-        };
+        let tile_rows = tile_rows_of(rows);
         let block_split_fits = tile_rows <= BLOCK_SPLIT_MAX_TILE_ROWS
             && (2..=BLOCK_SPLIT_MAX_SEGMENTS).contains(&k.div_ceil(K_SEGMENT));
-        // Auto takes it for dense launches of 2 to 8 rows, and of 9 to 16 rows of few columns
-        // (BLOCK_SPLIT_AUTO_MAX_GROUPS). H200, 2026-12-03, step benchmark (ms,
-        // without -> with): NVFP4 batch 2 7.02 -> 6.63, batch 8 11.96 -> 11.57 (its experts on
-        // their own kernels; BF16 and MXFP8 alike). A routing plan's tiles lost on it: at 8 and
-        // 16 tokens the BF16 step 12.34 -> 13.04 and 15.17 -> 18.49, MXFP8 12.04 -> 14.04 (the
-        // expert gate/up alone at 16 tokens, us: BF16 138 on Skinny4 against 150, MXFP8 135 on
-        // TensorCore against 143). At one row the launches mostly gained alone, yet every
-        // format's batch-1 step lost (BF16 5.23 -> 5.27 ms, MXFP8 5.56 -> 5.81).
+        // Auto takes it for dense launches of 1 to 8 rows, of 9 to 16 rows of few columns
+        // (BLOCK_SPLIT_AUTO_MAX_GROUPS), and for routing plans of one token. H200, 2026-12-03,
+        // step benchmark (ms, without -> with): NVFP4 batch 2 7.02 -> 6.63, batch 8 11.96 ->
+        // 11.57 (its experts on their own kernels; BF16 and MXFP8 alike). A routing plan's
+        // tiles of more tokens lost on it: at 8 and 16 tokens the BF16 step 12.34 -> 13.04 and
+        // 15.17 -> 18.49, MXFP8 12.04 -> 14.04 (the expert gate/up alone at 16 tokens, us: BF16
+        // 138 on Skinny4 against 150, MXFP8 135 on TensorCore against 143). At one row, on 32
+        // columns a block, every format's batch-1 step lost then (BF16 5.23 -> 5.27 ms, MXFP8
+        // 5.56 -> 5.81); on 8 columns a block (block_split_narrow) every one-row dense launch
+        // and one-token plan gains (H100, 2026-12-05, `cuda_bench --steps 64`, two rounds, ms:
+        // BF16 5.52 / 5.53 -> 5.22 / 5.21, NVFP4 5.41 / 5.39 -> 5.24 / 5.21, MXFP8 5.68 / 5.63
+        // -> 5.22 / 5.19; the dense launches alone BF16 5.39, the plans alone 5.38).
         let groups = n.div_ceil(SKINNY_COLS_PER_BLOCK);
         let block_split = block_split_fits
             && block_split_allowed()
             && match rows {
                 GemmRows::Dense(r) => {
-                    (2..=BLOCK_SPLIT_AUTO_MAX_ROWS).contains(r)
-                        || (*r > BLOCK_SPLIT_AUTO_MAX_ROWS && groups <= BLOCK_SPLIT_AUTO_MAX_GROUPS)
-                        || (*r == 1
-                            && groups > BLOCK_SPLIT_AUTO_MAX_GROUPS
-                            && block_split_one_row_opted_in())
+                    *r <= BLOCK_SPLIT_AUTO_MAX_ROWS || groups <= BLOCK_SPLIT_AUTO_MAX_GROUPS
                 }
-                GemmRows::Plan(p) => p.tokens == 1 && block_split_plans_opted_in(),
+                GemmRows::Plan(p) => p.tokens == 1,
             };
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
@@ -555,6 +571,16 @@ impl<'a> Operand<'a> {
                 Some(Kernel::GroupedGemmWgmmaSwigluNvfp4)
             }
             _ => None,
+        }
+    }
+
+    /// [`GemmPath::SkinnyKSplit`]'s kernel of 8 columns a block ([`block_split_narrow`]).
+    fn narrow_block_split_kernel(&self) -> Kernel {
+        use Kernel::*;
+        match self.kernels[6] {
+            GroupedGemmSkinnyKsplitMxfp8 => GroupedGemmSkinnyKsplit8Mxfp8,
+            GroupedGemmSkinnyKsplitNvfp4 => GroupedGemmSkinnyKsplit8Nvfp4,
+            _ => GroupedGemmSkinnyKsplit8Bf16,
         }
     }
 
@@ -1234,7 +1260,13 @@ fn launch_parts(
             },
         },
         GemmPath::Skinny4 => (w.kernels[3], 4 * SKINNY_COLS_PER_BLOCK, 128),
-        // A 32-column group a block, its K segments over the block's 8 warps.
+        // A 32-column group a block, its K segments over the block's 8 warps; or 8 columns a
+        // block, a warp a segment (up to 8).
+        GemmPath::SkinnyKSplit if block_split_narrow(tile_rows_of(&rows)) => (
+            w.narrow_block_split_kernel(),
+            8,
+            32 * k.div_ceil(K_SEGMENT).min(BLOCK_SPLIT_THREADS as usize / 32) as u32,
+        ),
         GemmPath::SkinnyKSplit => (w.kernels[6], 32, BLOCK_SPLIT_THREADS),
         GemmPath::Skinny => (w.kernels[2], SKINNY_COLS_PER_BLOCK, 128),
         _ => (w.kernels[0], GEMM_TILE_COLS, 256),
