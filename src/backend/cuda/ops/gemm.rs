@@ -332,6 +332,20 @@ fn block_split_allowed() -> bool {
     switched_on(&ALLOWED, "LOCKSTEP_BLOCK_SPLIT")
 }
 
+/// The most tokens of a routing plan whose launches [`GemmPath::Auto`] splits inside a block:
+/// 1, or `LOCKSTEP_BLOCK_SPLIT_PLAN_TOKENS` (a trial; the bits are the same either way). Plans
+/// of 8 and 16 tokens lost on 32-column blocks (H200, 2026-12-03, see [`GemmPath::resolve`]);
+/// not yet measured on the 8-column ones.
+fn block_split_plan_tokens() -> usize {
+    static TOKENS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *TOKENS.get_or_init(|| {
+        std::env::var("LOCKSTEP_BLOCK_SPLIT_PLAN_TOKENS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1)
+    })
+}
+
 /// The most rows a tile of the launch can hold: a dense launch's, or a routing plan's tokens.
 fn tile_rows_of(rows: &GemmRows<'_>) -> usize {
     match rows {
@@ -474,7 +488,7 @@ impl GemmPath {
                 GemmRows::Dense(r) => {
                     *r <= BLOCK_SPLIT_AUTO_MAX_ROWS || groups <= BLOCK_SPLIT_AUTO_MAX_GROUPS
                 }
-                GemmRows::Plan(p) => p.tokens == 1,
+                GemmRows::Plan(p) => p.tokens <= block_split_plan_tokens(),
             };
         match self {
             _ if !tensor_ok => GemmPath::Ffma,
