@@ -417,9 +417,9 @@ fn rms_norm_rows_have_the_same_bits_for_every_row_count() {
 /// residual, q/k norm + RoPE + KV store, routing with its plan, SwiGLU, the MoE combine) gives
 /// the bits it gives from the output the launch's own fold writes, and `fold_unfolded` writes
 /// those bits. K = 2,048: eight segments. Rows 20 and 40 (the tiled kernel split over K);
-/// dense launches of 1 to 16 rows and plans of one token split K inside a block and leave no
-/// sums (the few-rows kernels' split-K sums at one row came before 2026-12-05's block-split
-/// default: with `LOCKSTEP_BLOCK_SPLIT=0` one-row launches take them again).
+/// dense launches of 1 to 8 rows (9 to 16 over few columns) and plans of one token split K
+/// inside a block and leave no sums (one-row launches left the few-rows kernels' split-K sums
+/// before 2026-12-05's block-split default, and do again with `LOCKSTEP_BLOCK_SPLIT=0`).
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn readers_of_split_k_sums_give_the_bits_of_the_folded_output() {
