@@ -33,23 +33,8 @@ fn logits_row(rng: &mut Rng, v: usize) -> Vec<f32> {
         0 => (0..v).map(|_| rng.unit() * 20.0).collect(),
         1 => (0..v).map(|_| rng.unit() * 2.0).collect(),
         2 => (0..v).map(|_| rng.unit() * 200.0 - 100.0).collect(),
-        3 => {
-            let mut l: Vec<f32> = (0..v)
-                .map(|_| (rng.unit() + rng.unit() + rng.unit()) * 2.0)
-                .collect();
-            let spike = rng.below(v);
-            l[spike] += 15.0;
-            l
-        }
-        4 | 5 => (0..v)
-            .map(|_| {
-                if rng.unit() < 0.1 {
-                    f32::NEG_INFINITY
-                } else {
-                    (rng.unit() * 12.0).floor() * 0.5
-                }
-            })
-            .collect(),
+        3 => peaked_row(rng, v),
+        4 | 5 => grid_row(rng, v),
         6 => vec![rng.pick(&[0.0f32, 1.5, -3.0]); v],
         _ => {
             let mut l: Vec<f32> = (0..v).map(|_| rng.unit() * 10.0).collect();
@@ -62,6 +47,29 @@ fn logits_row(rng: &mut Rng, v: usize) -> Vec<f32> {
             l
         }
     }
+}
+
+/// A bump of small logits with one token 15 above it.
+fn peaked_row(rng: &mut Rng, v: usize) -> Vec<f32> {
+    let mut l: Vec<f32> = (0..v)
+        .map(|_| (rng.unit() + rng.unit() + rng.unit()) * 2.0)
+        .collect();
+    let spike = rng.below(v);
+    l[spike] += 15.0;
+    l
+}
+
+/// A coarse grid of logits (many exact ties) with a tenth of the tokens masked.
+fn grid_row(rng: &mut Rng, v: usize) -> Vec<f32> {
+    (0..v)
+        .map(|_| {
+            if rng.unit() < 0.1 {
+                f32::NEG_INFINITY
+            } else {
+                (rng.unit() * 12.0).floor() * 0.5
+            }
+        })
+        .collect()
 }
 
 /// A request's sampling parameters and history, drawn over the ranges that matter.
@@ -442,22 +450,8 @@ fn untruncated_draws_give_the_bits_of_the_general_path() {
         let raws: Vec<Vec<f32>> = (0..rows)
             .map(|r| match r % 3 {
                 0 => (0..v).map(|_| rng.unit() * 60.0).collect(),
-                1 => {
-                    let mut l: Vec<f32> = (0..v)
-                        .map(|_| (rng.unit() + rng.unit() + rng.unit()) * 2.0)
-                        .collect();
-                    l[rng.below(v)] += 15.0;
-                    l
-                }
-                _ => (0..v)
-                    .map(|_| {
-                        if rng.unit() < 0.1 {
-                            f32::NEG_INFINITY
-                        } else {
-                            (rng.unit() * 12.0).floor() * 0.5
-                        }
-                    })
-                    .collect(),
+                1 => peaked_row(&mut rng, v),
+                _ => grid_row(&mut rng, v),
             })
             .collect();
         let base = rng.next();

@@ -337,13 +337,13 @@ fn block_split_allowed() -> bool {
 /// of 8 and 16 tokens lost on 32-column blocks (H200, 2026-12-03, see [`GemmPath::resolve`]);
 /// not yet measured on the 8-column ones.
 fn block_split_plan_tokens() -> usize {
-    static TOKENS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *TOKENS.get_or_init(|| {
-        std::env::var("LOCKSTEP_BLOCK_SPLIT_PLAN_TOKENS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(1)
-    })
+    static TOKENS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    env_count(&TOKENS, "LOCKSTEP_BLOCK_SPLIT_PLAN_TOKENS").unwrap_or(1)
+}
+
+/// The count the environment variable `var` holds, if it holds one, read once into `cell`.
+fn env_count(cell: &std::sync::OnceLock<Option<usize>>, var: &str) -> Option<usize> {
+    *cell.get_or_init(|| std::env::var(var).ok().and_then(|v| v.parse().ok()))
 }
 
 /// The most rows a tile of the launch can hold: a dense launch's, or a routing plan's tokens.
@@ -367,12 +367,7 @@ fn tile_rows_of(rows: &GemmRows<'_>) -> usize {
 /// BF16 and NVFP4 there the same.
 fn block_split_narrow(tile_rows: usize) -> bool {
     static COLS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let forced = *COLS.get_or_init(|| {
-        std::env::var("LOCKSTEP_BLOCK_SPLIT_COLS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-    });
-    match forced {
+    match env_count(&COLS, "LOCKSTEP_BLOCK_SPLIT_COLS") {
         Some(cols) => cols == 8,
         None => tile_rows <= BLOCK_SPLIT_NARROW_MAX_ROWS,
     }
