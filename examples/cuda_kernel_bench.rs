@@ -6,6 +6,10 @@
 //!
 //! cargo run --release --example cuda_kernel_bench -- configs/qwen3-30b-a3b.json \
 //!     [--tokens 1,8,64,256,4096] [--sections attention,dense,moe,moe_down,sampling]
+//!     [--rows 64,128,256] [--repeat 20]
+//!
+//! `--rows`: the dense projections' row counts (default 1 to 4,096); `--repeat`: timed runs a
+//! measurement (default 20; 1 under ncu, which times each launch itself).
 //!
 //! Also paged attention alone at prefill and decode shapes, against the bytes of K/V it reads,
 //! and the dense attention projections at decode row counts on each tensor-core kernel.
@@ -38,8 +42,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn main() {
     let mut it = std::env::args().skip(1);
     let config = it.next().expect(
-        "usage: cuda_kernel_bench CONFIG.json [--tokens a,b] [--sections attention,dense,moe,moe_down,sampling]",
+        "usage: cuda_kernel_bench CONFIG.json [--tokens a,b] [--sections attention,dense,moe,moe_down,sampling] [--rows a,b] [--repeat n]",
     );
+    let mut row_counts = ROW_COUNTS.to_vec();
     let mut token_counts = vec![1usize, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096];
     const SECTIONS: [&str; 5] = ["attention", "dense", "moe", "moe_down", "sampling"];
     // By default the first three (moe_down and sampling on request).
@@ -48,6 +53,11 @@ fn main() {
         let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
         match flag.as_str() {
             "--tokens" => token_counts = v.split(',').map(|t| t.parse().expect("tokens")).collect(),
+            "--rows" => row_counts = v.split(',').map(|t| t.parse().expect("rows")).collect(),
+            "--repeat" => {
+                let n: usize = v.parse().expect("--repeat: a count");
+                REPEAT.set(n.max(1)).expect("--repeat once");
+            }
             "--sections" => {
                 sections = v.split(',').map(str::to_string).collect();
                 if let Some(bad) = sections.iter().find(|s| !SECTIONS.contains(&s.as_str())) {
@@ -74,9 +84,12 @@ fn main() {
         h2d / 1e9
     );
     let max_tokens = *token_counts.iter().max().unwrap_or(&1);
-    // The largest input either projection reads: tokens x hidden (gate/up) or routed rows x
-    // intermediate (down).
-    let max_x = (max_tokens * hidden).max(max_tokens * top_k * moe.intermediate_size);
+    // The largest input a launch reads: tokens x hidden (gate/up), routed rows x intermediate
+    // (down), or a dense projection's rows x its inputs.
+    let max_rows = *row_counts.iter().max().unwrap_or(&1);
+    let max_x = (max_tokens * hidden)
+        .max(max_tokens * top_k * moe.intermediate_size)
+        .max(max_rows * hidden.max(cfg.num_heads * cfg.head_dim));
     let x_host: Vec<f32> = (0..max_x)
         .map(|i| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / 8.4e6 - 1.0)
         .collect();
@@ -86,8 +99,8 @@ fn main() {
         attention(&gpu, &cfg, bw);
     }
     if wanted("dense") {
-        dense(&gpu, &cfg, bw, &x);
-        dense_qkv(&gpu, &cfg, bw, &x);
+        dense(&gpu, &cfg, bw, &x, &row_counts);
+        dense_qkv(&gpu, &cfg, bw, &x, &row_counts);
     }
     for (section, projection) in [("moe", Projection::GateUp), ("moe_down", Projection::Down)] {
         if wanted(section) {
@@ -344,20 +357,27 @@ const DENSE_CHOICES: [(GemmPath, SplitK); 11] = [
     (GemmPath::Auto, SplitK::Auto),
 ];
 
-fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f32>) {
+fn dense(
+    gpu: &Gpu,
+    cfg: &ModelConfig,
+    bw: f64,
+    x: &cudarc::driver::CudaSlice<f32>,
+    row_counts: &[usize],
+) {
     let dummy = DummyWeights { gpu, seed: 9 };
     let (h, q) = (cfg.hidden_size, cfg.num_heads * cfg.head_dim);
     let kv = cfg.num_kv_heads * cfg.head_dim;
     let experts = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
     println!("| dense bf16 | kernel | rows | us | GB/s | of roofline |");
     println!("|---|---|---|---|---|---|");
-    // The LM head at decode batches only (its output is rows x vocab floats).
-    for (name, n, k, row_counts) in [
-        ("q_proj", q, h, &ROW_COUNTS[..]),
-        ("k_proj", kv, h, &ROW_COUNTS[..]),
-        ("o_proj", h, q, &ROW_COUNTS[..]),
-        ("router", experts, h, &ROW_COUNTS[..7]),
-        ("lm_head", cfg.vocab_size, h, &ROW_COUNTS[..7]),
+    // The router and the LM head at decode batches only (the LM head's output is rows x vocab
+    // floats).
+    for (name, n, k, most_rows) in [
+        ("q_proj", q, h, usize::MAX),
+        ("k_proj", kv, h, usize::MAX),
+        ("o_proj", h, q, usize::MAX),
+        ("router", experts, h, 256),
+        ("lm_head", cfg.vocab_size, h, 256),
     ] {
         if n == 0 {
             continue;
@@ -366,7 +386,7 @@ fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f3
         let m = dummy
             .matrix(&parts, k, &lockstep::quant::TensorFormat::BF16, false)
             .expect("weights");
-        for &rows in row_counts {
+        for &rows in row_counts.iter().filter(|&&r| r <= most_rows) {
             if rows * k > x.len() {
                 continue;
             }
@@ -406,7 +426,13 @@ fn dense(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f3
 
 /// q, k and v over one input: three launches (`Auto`, as the engine ran them before) against
 /// one joined launch on each kernel (the same bits; only speed picks).
-fn dense_qkv(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlice<f32>) {
+fn dense_qkv(
+    gpu: &Gpu,
+    cfg: &ModelConfig,
+    bw: f64,
+    x: &cudarc::driver::CudaSlice<f32>,
+    row_counts: &[usize],
+) {
     let dummy = DummyWeights { gpu, seed: 10 };
     let (h, q) = (cfg.hidden_size, cfg.num_heads * cfg.head_dim);
     let kv = cfg.num_kv_heads * cfg.head_dim;
@@ -423,7 +449,7 @@ fn dense_qkv(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlic
         .collect();
     let data: Vec<_> = ms.iter().map(|m| &m.data).collect();
     let n_all: usize = ns.iter().sum();
-    for rows in ROW_COUNTS {
+    for &rows in row_counts {
         if rows * h > x.len() {
             continue;
         }
@@ -472,11 +498,14 @@ fn dense_qkv(gpu: &Gpu, cfg: &ModelConfig, bw: f64, x: &cudarc::driver::CudaSlic
     }
 }
 
+/// Timed runs a measurement (`--repeat`, default 20).
+static REPEAT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
 fn time(gpu: &Gpu, mut run: impl FnMut()) -> f64 {
     run();
     gpu.synchronize().expect("sync");
     median(
-        (0..20)
+        (0..*REPEAT.get_or_init(|| 20))
             .map(|_| {
                 let t = Instant::now();
                 run();

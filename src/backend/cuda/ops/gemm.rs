@@ -315,6 +315,16 @@ pub const WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT: usize = 128;
 /// 64 rows). The q/k/v/o projections at these rows have too few tiles and stay on 32-row ones.
 pub const WGMMA_MIN_DENSE_ROWS: usize = 64;
 pub const WGMMA_MIN_DENSE_TILES: usize = 1024;
+/// Rows up to which, and 128 x 128 tiles up to which, [`GemmPath::Auto`] takes the wgmma kernel
+/// split over K ([`SplitK::Auto`] splits a launch of so few blocks) for a dense launch of at
+/// least [`WGMMA_MIN_DENSE_ROWS`] rows: o_proj [2048 x 4096] (16 tiles at 64-128 rows, 32 at
+/// 256) and the router, where a block of 128 weight columns walks K = 4,096 over 32-row tiles.
+/// H200 (2026-12-05, ncu of `cuda_kernel_bench --sections dense --rows 64,128,256`, us; the
+/// fold of the segments' sums after it not counted): o_proj at 64 / 128 / 256 rows 12.5 /
+/// 15.3 / 25.9 against the 32-row tiles' 15.1 (split) / 24.6 (split) / 49.9 (whole); q_proj
+/// [4096 x 2048] at 256 rows (64 tiles) 25.7 against 30.4, which its fold (33 MB of sums) undoes.
+pub const WGMMA_SPLIT_MAX_DENSE_ROWS: usize = 256;
+pub const WGMMA_SPLIT_MAX_DENSE_TILES: usize = 32;
 
 /// Whether [`GemmPath::Auto`] may take the wide tiles: `LOCKSTEP_WIDE_TILES=0` keeps it on
 /// 32-row tiles, to measure the difference in one run (scripts/gpu-check.sh
@@ -322,6 +332,14 @@ pub const WGMMA_MIN_DENSE_TILES: usize = 1024;
 fn wide_tiles_allowed() -> bool {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     switched_on(&ALLOWED, "LOCKSTEP_WIDE_TILES")
+}
+
+/// Whether [`GemmPath::Auto`] may take the wgmma kernel split over K for dense launches of few
+/// tiles ([`WGMMA_SPLIT_MAX_DENSE_TILES`]): unless `LOCKSTEP_DENSE_WGMMA_SPLIT=0` (to measure
+/// the difference in one run; the bits are the same).
+fn dense_wgmma_split_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    switched_on(&ALLOWED, "LOCKSTEP_DENSE_WGMMA_SPLIT")
 }
 
 /// Whether [`GemmPath::Auto`] may take [`GemmPath::SkinnyKSplit`]: unless
@@ -460,6 +478,12 @@ impl GemmPath {
                                 >= WGMMA_MIN_DENSE_TILES
                     }
                 });
+        // Dense launches of 64-256 rows over few 128 x 128 tiles: the wgmma kernel split over K.
+        let wgmma_split_wins = wgmma
+            && dense_wgmma_split_allowed()
+            && matches!(rows, GemmRows::Dense(r) if (WGMMA_MIN_DENSE_ROWS..=WGMMA_SPLIT_MAX_DENSE_ROWS).contains(r)
+                && r.div_ceil(2 * GEMM_WIDE_TILE_ROWS) * n.div_ceil(MMA_TILE_COLS) <= WGMMA_SPLIT_MAX_DENSE_TILES
+                && k > K_SEGMENT);
         // K split over one block's warps: tiles of at most 16 rows, 2 to 16 segments.
         let tile_rows = tile_rows_of(rows);
         let block_split_fits = tile_rows <= BLOCK_SPLIT_MAX_TILE_ROWS
@@ -489,7 +513,7 @@ impl GemmPath {
             _ if !tensor_ok => GemmPath::Ffma,
             GemmPath::SkinnyKSplit if !block_split_fits => GemmPath::Skinny4,
             GemmPath::Auto if wgmma_wins && tma_switched_on() => GemmPath::WgmmaTma,
-            GemmPath::Auto if wgmma_wins => GemmPath::Wgmma,
+            GemmPath::Auto if wgmma_wins || wgmma_split_wins => GemmPath::Wgmma,
             GemmPath::Auto if wide => GemmPath::TensorCoreWide,
             GemmPath::Wgmma | GemmPath::WgmmaTma if !wgmma => GemmPath::TensorCoreWide,
             GemmPath::Auto if block_split => GemmPath::SkinnyKSplit,
