@@ -262,6 +262,8 @@ impl SplitK {
         // The few-rows kernels' warps each walk their K alone, as a plan's tiles do.
         let few_rows = matches!(path, GemmPath::Skinny | GemmPath::Skinny4);
         let below = match rows {
+            // The wgmma kernel's 128 x 128 tiles split up to WGMMA_SPLIT_MAX_DENSE_TILES.
+            GemmRows::Dense(_) if path == GemmPath::Wgmma => WGMMA_SPLIT_MAX_DENSE_TILES + 1,
             GemmRows::Dense(_) if !few_rows => SPLIT_K_BELOW_BLOCKS,
             _ => SPLIT_K_PLAN_BELOW_BLOCKS,
         };
@@ -316,14 +318,21 @@ pub const WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT: usize = 128;
 pub const WGMMA_MIN_DENSE_ROWS: usize = 64;
 pub const WGMMA_MIN_DENSE_TILES: usize = 1024;
 /// Rows up to which, and 128 x 128 tiles up to which, [`GemmPath::Auto`] takes the wgmma kernel
-/// split over K ([`SplitK::Auto`] splits a launch of so few blocks) for a dense launch of at
-/// least [`WGMMA_MIN_DENSE_ROWS`] rows: o_proj [2048 x 4096] (16 tiles at 64-128 rows, 32 at
-/// 256) and the router, where a block of 128 weight columns walks K = 4,096 over 32-row tiles.
-/// H200 (2026-12-05, ncu of `cuda_kernel_bench --sections dense --rows 64,128,256`, us; the
-/// fold of the segments' sums after it not counted): o_proj at 64 / 128 / 256 rows 12.5 /
-/// 15.3 / 25.9 against the 32-row tiles' 15.1 (split) / 24.6 (split) / 49.9 (whole); q_proj
-/// [4096 x 2048] at 256 rows (64 tiles) 25.7 against 30.4, which its fold (33 MB of sums) undoes.
-pub const WGMMA_SPLIT_MAX_DENSE_ROWS: usize = 256;
+/// for a dense launch of at least [`WGMMA_MIN_DENSE_ROWS`] rows: the attention projections at
+/// decode batches, where 32-row tiles (the tiled kernel) take each weight column's span from L2
+/// eight times at 256 rows and spend a block's K chain on few products. Launches of at most
+/// [`WGMMA_SPLIT_MAX_DENSE_TILES`] tiles split over K ([`SplitK::Auto`]): o_proj [2048 x 4096]
+/// (16 tiles at 64-128 rows, 32 at 256) and the router; more (q, k and v in one launch, 40 tiles
+/// at 64-128 rows, 80 at 256) walk all of K. H200, 2026-12-05 (ncu of `cuda_kernel_bench
+/// --sections dense --rows 64,128,256`, us; a split launch's fold not counted): o_proj at 64 /
+/// 128 / 256 rows 12.5 / 15.3 / 25.9 split against the 32-row tiles' 15.1 (split) / 24.6
+/// (split) / 49.9 (whole). H100, the same day (`cuda_bench --steps 32 --prefill 1x16`, ms, two
+/// rounds each): with o_proj and the router alone on it NVFP4 (BF16 projections) batch 64 / 128
+/// / 256 18.77 / 22.25 / 28.29 -> 18.61 / 21.78 / 27.78, MXFP8 (MXFP8 projections) 20.63 / 25.02
+/// / 32.26 -> 20.08 / 24.12 / 30.20; with q/k/v too (`LOCKSTEP_DENSE_WGMMA_TILES=80`) NVFP4
+/// 18.28 / 21.34 / 27.23, MXFP8 19.91 / 22.81 / 28.96.
+pub const WGMMA_MAX_DENSE_DECODE_ROWS: usize = 256;
+pub const WGMMA_MAX_DENSE_DECODE_TILES: usize = 80;
 pub const WGMMA_SPLIT_MAX_DENSE_TILES: usize = 32;
 
 /// Whether [`GemmPath::Auto`] may take the wide tiles: `LOCKSTEP_WIDE_TILES=0` keeps it on
@@ -334,12 +343,12 @@ fn wide_tiles_allowed() -> bool {
     switched_on(&ALLOWED, "LOCKSTEP_WIDE_TILES")
 }
 
-/// Whether [`GemmPath::Auto`] may take the wgmma kernel split over K for dense launches of few
-/// tiles ([`WGMMA_SPLIT_MAX_DENSE_TILES`]): unless `LOCKSTEP_DENSE_WGMMA_SPLIT=0` (to measure
-/// the difference in one run; the bits are the same).
-fn dense_wgmma_split_allowed() -> bool {
+/// Whether [`GemmPath::Auto`] may take the wgmma kernel for dense launches of 64-256 rows over
+/// few tiles ([`WGMMA_MAX_DENSE_DECODE_TILES`]): unless `LOCKSTEP_DENSE_WGMMA=0` (to measure the
+/// difference in one run; the bits are the same).
+fn dense_wgmma_decode_allowed() -> bool {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    switched_on(&ALLOWED, "LOCKSTEP_DENSE_WGMMA_SPLIT")
+    switched_on(&ALLOWED, "LOCKSTEP_DENSE_WGMMA")
 }
 
 /// Whether [`GemmPath::Auto`] may take [`GemmPath::SkinnyKSplit`]: unless
@@ -478,11 +487,11 @@ impl GemmPath {
                                 >= WGMMA_MIN_DENSE_TILES
                     }
                 });
-        // Dense launches of 64-256 rows over few 128 x 128 tiles: the wgmma kernel split over K.
-        let wgmma_split_wins = wgmma
-            && dense_wgmma_split_allowed()
-            && matches!(rows, GemmRows::Dense(r) if (WGMMA_MIN_DENSE_ROWS..=WGMMA_SPLIT_MAX_DENSE_ROWS).contains(r)
-                && r.div_ceil(2 * GEMM_WIDE_TILE_ROWS) * n.div_ceil(MMA_TILE_COLS) <= WGMMA_SPLIT_MAX_DENSE_TILES
+        // Dense launches of 64-256 rows over few 128 x 128 tiles (decode's attention projections).
+        let wgmma_decode_wins = wgmma
+            && dense_wgmma_decode_allowed()
+            && matches!(rows, GemmRows::Dense(r) if (WGMMA_MIN_DENSE_ROWS..=WGMMA_MAX_DENSE_DECODE_ROWS).contains(r)
+                && r.div_ceil(2 * GEMM_WIDE_TILE_ROWS) * n.div_ceil(MMA_TILE_COLS) <= WGMMA_MAX_DENSE_DECODE_TILES
                 && k > K_SEGMENT);
         // K split over one block's warps: tiles of at most 16 rows, 2 to 16 segments.
         let tile_rows = tile_rows_of(rows);
@@ -513,7 +522,7 @@ impl GemmPath {
             _ if !tensor_ok => GemmPath::Ffma,
             GemmPath::SkinnyKSplit if !block_split_fits => GemmPath::Skinny4,
             GemmPath::Auto if wgmma_wins && tma_switched_on() => GemmPath::WgmmaTma,
-            GemmPath::Auto if wgmma_wins || wgmma_split_wins => GemmPath::Wgmma,
+            GemmPath::Auto if wgmma_wins || wgmma_decode_wins => GemmPath::Wgmma,
             GemmPath::Auto if wide => GemmPath::TensorCoreWide,
             GemmPath::Wgmma | GemmPath::WgmmaTma if !wgmma => GemmPath::TensorCoreWide,
             GemmPath::Auto if block_split => GemmPath::SkinnyKSplit,
