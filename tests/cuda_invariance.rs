@@ -79,8 +79,10 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
     let g = gpu();
     let mut rng = Rng(seed());
     // K = 96: a partial group of spans for the few-rows kernel; N = 100, 136: partial column
-    // tiles; K = 800: three K segments and a partial fourth; K = 2048: eight segments.
-    for (n, k) in [(100, 96), (136, 800), (576, 2048)] {
+    // tiles; K = 800: three K segments and a partial fourth; K = 2048 and 4096: eight and
+    // sixteen segments (q/k/v's and o_proj's, which the wgmma kernel takes split at decode
+    // batches).
+    for (n, k) in [(100, 96), (136, 800), (576, 2048), (200, 4096)] {
         let x = rng.vec(ALL * k, 2.0);
         let mut layers: Vec<(String, Box<dyn Linear>)> = expert_formats()
             .iter()
@@ -146,14 +148,21 @@ fn joined_launches_give_each_part_the_bits_of_its_own_launch() {
     let g = gpu();
     let mut rng = Rng(seed());
     // Parts of 160, 32 and 96 columns: partial column blocks on every kernel; K = 800: three
-    // K segments and a partial fourth.
-    let (ns, k) = ([160usize, 32, 96], 800);
+    // K segments and a partial fourth; K = 2048: eight (q, k and v's own).
+    let ns = [160usize, 32, 96];
+    for k in [800, 2048] {
+        joined_launches_over(&mut rng, &g, ns, k);
+    }
+}
+
+/// [`joined_launches_give_each_part_the_bits_of_its_own_launch`] for K = `k`.
+fn joined_launches_over(rng: &mut Rng, g: &lockstep::backend::cuda::Gpu, ns: [usize; 3], k: usize) {
     let mut kinds: Vec<(String, Vec<Box<dyn Linear>>)> = expert_formats()
         .iter()
         .map(|f| {
             let layers = ns
                 .iter()
-                .map(|&n| make_linear(bf16_weights(&mut rng, n, k), n, k, f, None))
+                .map(|&n| make_linear(bf16_weights(rng, n, k), n, k, f, None))
                 .collect();
             (format!("{:?}", f.format), layers)
         })
@@ -169,7 +178,7 @@ fn joined_launches_give_each_part_the_bits_of_its_own_launch() {
     for (name, layers) in &kinds {
         let ms: Vec<GpuMatrix> = layers
             .iter()
-            .map(|l| GpuMatrix::upload(&g, &[vec![&**l]]).unwrap())
+            .map(|l| GpuMatrix::upload(g, &[vec![&**l]]).unwrap())
             .collect();
         let data: Vec<_> = ms.iter().map(|m| &m.data).collect();
         assert!(
@@ -183,10 +192,10 @@ fn joined_launches_give_each_part_the_bits_of_its_own_launch() {
         };
         for rows in [1, 5, 13, 77, 300] {
             let x = rng.vec(rows * k, 2.0);
-            let input = layer_input(&g, ms[0].act, &x, rows, k);
+            let input = layer_input(g, ms[0].act, &x, rows, k);
             let want: Vec<Vec<f32>> = ms
                 .iter()
-                .map(|m| gemm_on(&g, AUTO, &input, None, m, GemmRows::Dense(rows), rows))
+                .map(|m| gemm_on(g, AUTO, &input, None, m, GemmRows::Dense(rows), rows))
                 .collect();
             for &path in paths {
                 for split in [SplitK::Auto, SplitK::Off, SplitK::On] {
@@ -198,7 +207,7 @@ fn joined_launches_give_each_part_the_bits_of_its_own_launch() {
                     ops::dense_gemm_parts_on(
                         path,
                         split,
-                        &g,
+                        g,
                         &input.x,
                         input.row_scale.as_ref(),
                         &data,
