@@ -329,8 +329,8 @@ pub const WGMMA_MIN_DENSE_TILES: usize = 1024;
 /// (split) / 49.9 (whole). H100, the same day (`cuda_bench --steps 32 --prefill 1x16`, ms, two
 /// rounds each): with o_proj and the router alone on it NVFP4 (BF16 projections) batch 64 / 128
 /// / 256 18.77 / 22.25 / 28.29 -> 18.61 / 21.78 / 27.78, MXFP8 (MXFP8 projections) 20.63 / 25.02
-/// / 32.26 -> 20.08 / 24.12 / 30.20; with q/k/v too (`LOCKSTEP_DENSE_WGMMA_TILES=80`) NVFP4
-/// 18.28 / 21.34 / 27.23, MXFP8 19.91 / 22.81 / 28.96.
+/// / 32.26 -> 20.08 / 24.12 / 30.20; with q/k/v too (up to 80 tiles) NVFP4 18.28 / 21.34 /
+/// 27.23, MXFP8 19.91 / 22.81 / 28.96.
 pub const WGMMA_MAX_DENSE_DECODE_ROWS: usize = 256;
 pub const WGMMA_MAX_DENSE_DECODE_TILES: usize = 80;
 pub const WGMMA_SPLIT_MAX_DENSE_TILES: usize = 32;
@@ -471,6 +471,11 @@ impl GemmPath {
                     w.s_dec.is_none() && max_rows >= WIDE_MIN_ROWS_PER_EXPERT * p.counts.len()
                 }
             };
+        // A dense launch's 128 x 128 tiles on the wgmma kernel (none for a routing plan).
+        let dense_pair_tiles = match rows {
+            GemmRows::Dense(r) => r.div_ceil(PAIR_TILE_ROWS) * n.div_ceil(MMA_TILE_COLS),
+            GemmRows::Plan(_) => 0,
+        };
         // The wgmma kernel wherever the wide tiles would run, over MXFP8 or NVFP4 experts from
         // WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT rows an expert, and for dense launches of many
         // tiles (the LM head) from WGMMA_MIN_DENSE_ROWS rows.
@@ -482,17 +487,15 @@ impl GemmPath {
                             && max_rows >= WGMMA_MIN_QUANTIZED_ROWS_PER_EXPERT * p.counts.len()
                     }
                     GemmRows::Dense(r) => {
-                        *r >= WGMMA_MIN_DENSE_ROWS
-                            && r.div_ceil(2 * GEMM_WIDE_TILE_ROWS) * n.div_ceil(MMA_TILE_COLS)
-                                >= WGMMA_MIN_DENSE_TILES
+                        *r >= WGMMA_MIN_DENSE_ROWS && dense_pair_tiles >= WGMMA_MIN_DENSE_TILES
                     }
                 });
         // Dense launches of 64-256 rows over few 128 x 128 tiles (decode's attention projections).
         let wgmma_decode_wins = wgmma
             && dense_wgmma_decode_allowed()
-            && matches!(rows, GemmRows::Dense(r) if (WGMMA_MIN_DENSE_ROWS..=WGMMA_MAX_DENSE_DECODE_ROWS).contains(r)
-                && r.div_ceil(2 * GEMM_WIDE_TILE_ROWS) * n.div_ceil(MMA_TILE_COLS) <= WGMMA_MAX_DENSE_DECODE_TILES
-                && k > K_SEGMENT);
+            && matches!(rows, GemmRows::Dense(r) if (WGMMA_MIN_DENSE_ROWS..=WGMMA_MAX_DENSE_DECODE_ROWS).contains(r))
+            && dense_pair_tiles <= WGMMA_MAX_DENSE_DECODE_TILES
+            && k > K_SEGMENT;
         // K split over one block's warps: tiles of at most 16 rows, 2 to 16 segments.
         let tile_rows = tile_rows_of(rows);
         let block_split_fits = tile_rows <= BLOCK_SPLIT_MAX_TILE_ROWS
