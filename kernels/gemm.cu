@@ -1140,8 +1140,8 @@ struct WgLanes {
 // The wgmma kernels' epilogue: a block's totals (tot[4j + i]: tile row 8j + 2t + (i & 1), A row
 // col_local[i >> 1]) through the NVFP4 epilogue into `out` as OUT says, or split-K's segment
 // sums into `partials` (then folded here by the region's last block where `counters` is given).
-template <int FMT, int OUT>
-__device__ __forceinline__ void wgmma_store(const float (&tot)[64], const WgLanes& l, int e, int r0, int r1, int n0,
+template <int FMT, int OUT, int ACC = 64>
+__device__ __forceinline__ void wgmma_store(const float (&tot)[ACC], const WgLanes& l, int e, int r0, int r1, int n0,
                                             int N, int rows, const int* row_index, const float* row_scale,
                                             const float* w_sdec, int sdec_groups, float* out, float* partials,
                                             u32* counters) {
@@ -1160,7 +1160,7 @@ __device__ __forceinline__ void wgmma_store(const float (&tot)[64], const WgLane
         int inter = N / 2, hc = n0 + 8 * (4 * wg + wq) + g;
         u32* words = (u32*)out;
 #pragma unroll
-        for (int j = 0; j < 16; j++)
+        for (int j = 0; j < ACC / 4; j++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 int row = r0 + 8 * j + 2 * t + i;
@@ -1178,7 +1178,7 @@ __device__ __forceinline__ void wgmma_store(const float (&tot)[64], const WgLane
             }
     } else {
 #pragma unroll
-        for (int j = 0; j < 16; j++)
+        for (int j = 0; j < ACC / 4; j++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 int row = r0 + 8 * j + 2 * t + (i & 1), col = n0 + col_local[i >> 1];
@@ -1198,8 +1198,8 @@ __device__ __forceinline__ void wgmma_store(const float (&tot)[64], const WgLane
 // products, whose fragments (`prev`) are free after it.
 // X_ROW: the bytes of a row of the activations' stage (64: the 64-byte swizzle; 128: a TMA
 // stage of two spans in the 128-byte swizzle, the span's 64 bytes at x_stage's offset).
-template <int FMT, int X_ROW = 64>
-__device__ __forceinline__ void wgmma_span(float (&acc)[64], const u32 (&wd)[2][4], u32 (&cur)[2][4],
+template <int FMT, int X_ROW = 64, int ACC = 64>
+__device__ __forceinline__ void wgmma_span(float (&acc)[ACC], const u32 (&wd)[2][4], u32 (&cur)[2][4],
                                            u32 (&prev)[2][4], u32 x_stage, bool wide_n) {
     // Chunk c's A fragment: (row g, slots 2t..), (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..).
 #pragma unroll
@@ -1213,7 +1213,7 @@ __device__ __forceinline__ void wgmma_span(float (&acc)[64], const u32 (&wd)[2][
 #pragma unroll
     for (int c = 0; c < 2; c++) {  // the K chain's order: chunk 0, then 1
         u64 desc = X_ROW == 128 ? wgmma_desc_sw128(x_stage + 32 * c) : wgmma_desc_sw64(x_stage + 32 * c);
-        if (wide_n) wgmma_m64n128k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
+        if (ACC == 64 && wide_n) wgmma_m64n128k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
         else wgmma_m64n64k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
     }
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -1226,11 +1226,12 @@ __device__ __forceinline__ void wgmma_span(float (&acc)[64], const u32 (&wd)[2][
 
 // A segment's end on the wgmma kernels: every product issued is done (and its fragments, a0 and
 // a1, free), then the segment's sums join the running total.
-__device__ __forceinline__ void wgmma_segment_end(float (&acc)[64], float (&tot)[64], u32 (&a0)[2][4],
+template <int ACC = 64>
+__device__ __forceinline__ void wgmma_segment_end(float (&acc)[ACC], float (&tot)[ACC], u32 (&a0)[2][4],
                                                   u32 (&a1)[2][4], bool first) {
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #pragma unroll
-    for (int i = 0; i < 64; i++) wgmma_hold(acc[i]);
+    for (int i = 0; i < ACC; i++) wgmma_hold(acc[i]);
 #pragma unroll
     for (int c = 0; c < 2; c++)
 #pragma unroll
@@ -1238,10 +1239,13 @@ __device__ __forceinline__ void wgmma_segment_end(float (&acc)[64], float (&tot)
             wgmma_hold(a0[c][i]);
             wgmma_hold(a1[c][i]);
         }
-    end_segment<64>(acc, tot, first);
+    end_segment<ACC>(acc, tot, first);
 }
 
-template <int FMT, int OUT = WG_OUT_SUMS>
+// TR: the tile's rows. WG_ROWS (a pair tile's 128: m64n128 MMAs, or m64n64 where it holds at
+// most 64 live rows), or 64 for a dense launch's 64-row tiles (grouped_gemm_wgmma64_*: m64n64
+// MMAs, half the accumulators and activation stages, two blocks an SM).
+template <int FMT, int OUT = WG_OUT_SUMS, int TR = WG_ROWS>
 __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_index, const float* row_scale,
                                                    const void* w, const u8* w_scales, const float* w_sdec,
                                                    int sdec_groups, const int* tiles, const int* num_tiles,
@@ -1249,8 +1253,9 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
                                                    float* partials, const u32* xb, u32* counters, int bx) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     int e, r0, r1;
-    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, WG_ROWS)) return;  // a pair tile's rows
-    bool wide_n = r1 - r0 > 64;  // block-uniform: m64n128 MMAs, else m64n64
+    if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TR)) return;  // a pair tile's rows
+    bool wide_n = TR == WG_ROWS && r1 - r0 > 64;  // block-uniform: m64n128 MMAs, else m64n64
+    constexpr int ACC = TR / 2, X_STAGE = TR * 64, HALVES = TR / 64;
     constexpr bool swiglu = OUT != WG_OUT_SUMS;
     int n0 = bx * (swiglu ? TILE_TN / 2 : TILE_TN);  // a SwiGLU tile's first h column
     constexpr int W_BYTES = WeightSpanCopy<FMT, 256>::W_BYTES;  // one column's span
@@ -1258,18 +1263,18 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     // The swizzle is of shared-memory address bits: stages start 1024-byte aligned.
     u32 smem_base = (u32)__cvta_generic_to_shared(wg_smem);
     u8* xs = wg_smem + ((1024 - (smem_base & 1023)) & 1023);  // [stage][part][row][64 bytes], swizzled
-    u8* ws = xs + WG_STAGES * WG_X_STAGE;                         // [stage][column][W_BYTES]
+    u8* ws = xs + WG_STAGES * X_STAGE;                            // [stage][column][W_BYTES]
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     int wg = warp >> 2, wq = warp & 3;  // warpgroup (64 columns), warp in it (16 of them)
 
     // Copy roles: x piece tid & 3 of rows tid / 4 and tid / 4 + 64; W chunks
     // tid + 256 c.
     int piece = tid & 3;
-    const u8* a_base[2];
-    bool a_live[2];
-    int a_dst[2];
+    const u8* a_base[HALVES];
+    bool a_live[HALVES];
+    int a_dst[HALVES];
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < HALVES; h++) {
         int r = (tid >> 2) + 64 * h;
         a_live[h] = r0 + r < r1;
         u64 src = a_live[h] ? (row_index ? (u64)row_index[r0 + r] : (u64)(r0 + r)) : 0;
@@ -1284,9 +1289,9 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     int spans = (k_end - k_begin) / MMA_TK;
     auto issue = [&](int span) {
         int stage = span % WG_STAGES, k0 = k_begin + span * MMA_TK;
-        u8* xst = xs + stage * WG_X_STAGE;
+        u8* xst = xs + stage * X_STAGE;
 #pragma unroll
-        for (int h = 0; h < 2; h++)
+        for (int h = 0; h < HALVES; h++)
             if (h == 0 || wide_n) cp_async16(xst + a_dst[h], a_base[h] + k0 * 2, a_live[h]);
         w_copy.issue(ws + stage * WG_W_STAGE, k0);
     };
@@ -1310,9 +1315,9 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
 
     // acc[4j + i]: column (A row) wq * 16 + g + 8 (i >> 1) of this warpgroup's 64, tile row
     // 8j + 2t + (i & 1) (j < 8 with m64n64 MMAs).
-    float acc[64], tot[64];
+    float acc[ACC], tot[ACC];
 #pragma unroll
-    for (int i = 0; i < 64; i++) acc[i] = 0.0f;
+    for (int i = 0; i < ACC; i++) acc[i] = 0.0f;
     // Spans in flight, copied and waited for in pairs (one barrier per two spans): at span 2q
     // the pair 2q + 4, 2q + 5 is issued into the stages of spans 2q - 4 and 2q - 3, whose MMAs
     // are done (each span waits for all but its own group); the MMAs of a span overlap the next
@@ -1346,7 +1351,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
             decode_weight8<FMT>(smem_weight8<FMT>(ws + stage * WG_W_STAGE + col_local[h] * W_BYTES + t * W_BYTES / 4, sc[h]),
                                 wd[h]);
         }
-        wgmma_span<FMT>(acc, wd, cur, prev, xs_addr + stage * WG_X_STAGE, wide_n);
+        wgmma_span<FMT, 64, ACC>(acc, wd, cur, prev, xs_addr + stage * X_STAGE, wide_n);
         sc[0] = sc_next[0];
         sc[1] = sc_next[1];
     };
@@ -1361,7 +1366,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     }
     cp_async_wait<0>();
 
-    wgmma_store<FMT, OUT>(tot, WgLanes{wg, wq, g, t, {col_local[0], col_local[1]}, {col_row[0], col_row[1]}}, e, r0, r1,
+    wgmma_store<FMT, OUT, ACC>(tot, WgLanes{wg, wq, g, t, {col_local[0], col_local[1]}, {col_row[0], col_row[1]}}, e, r0, r1,
                           n0, N, rows, row_index, row_scale, w_sdec, sdec_groups, out, partials, counters);
 #else
     __trap();  // sm_90a only: the host never picks this kernel elsewhere
@@ -1708,6 +1713,14 @@ GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_nvfp4, 3, TILE_
 GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_bf16, 1, TILE_TN, 256, 1)
 GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_mxfp8, 2, TILE_TN, 256, 1)
 GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma, grouped_gemm_wgmma_nvfp4, 3, TILE_TN, 256, 1)
+// The same on a dense launch's 64-row tiles: two blocks an SM.
+template <int FMT>
+__device__ __forceinline__ void grouped_gemm_wgmma64(GEMM_KIND_PARAMS) {
+    grouped_gemm_wgmma<FMT, WG_OUT_SUMS, 64>(GEMM_KIND_ARGS);
+}
+GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma64, grouped_gemm_wgmma64_bf16, 1, TILE_TN, 256, 2)
+GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma64, grouped_gemm_wgmma64_mxfp8, 2, TILE_TN, 256, 2)
+GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma64, grouped_gemm_wgmma64_nvfp4, 3, TILE_TN, 256, 2)
 // The same over a gate/up matrix with SwiGLU in the epilogue (the wgmma kernels' OUT): h as f32,
 // or (BF16 weights) as the BF16 operand words of the down projection's tiled or wgmma launch.
 template <int FMT>

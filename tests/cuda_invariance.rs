@@ -27,11 +27,12 @@ const ALL: usize = 1024;
 /// The engine's choice of kernel and split.
 const AUTO: (GemmPath, SplitK) = (GemmPath::Auto, SplitK::Auto);
 /// The engine's choice and every tensor-core kernel (the ones that share the K chain's bits).
-const TENSOR_CORE_CHOICES: [GemmPath; 7] = [
+const TENSOR_CORE_CHOICES: [GemmPath; 8] = [
     GemmPath::Auto,
     GemmPath::TensorCore,
     GemmPath::TensorCoreWide,
     GemmPath::Wgmma,
+    GemmPath::Wgmma64,
     GemmPath::Skinny,
     GemmPath::Skinny4,
     GemmPath::SkinnyKSplit,

@@ -1569,6 +1569,8 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             (13, GemmPath::Wgmma, SplitK::Off),
             (77, GemmPath::Wgmma, SplitK::Off),
             (77, GemmPath::Wgmma, SplitK::On),
+            (77, GemmPath::Wgmma64, SplitK::Off),
+            (77, GemmPath::Wgmma64, SplitK::On),
         ] {
             let mut out = poisoned(&g, rows * n, f32::NAN);
             ops::grouped_gemm_on(

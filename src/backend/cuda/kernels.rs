@@ -299,6 +299,9 @@ kernels! {
     GroupedGemmWgmmaBf16 => (Gemm, "grouped_gemm_wgmma_bf16", GROUPED_GEMM),
     GroupedGemmWgmmaMxfp8 => (Gemm, "grouped_gemm_wgmma_mxfp8", GROUPED_GEMM),
     GroupedGemmWgmmaNvfp4 => (Gemm, "grouped_gemm_wgmma_nvfp4", GROUPED_GEMM),
+    GroupedGemmWgmma64Bf16 => (Gemm, "grouped_gemm_wgmma64_bf16", GROUPED_GEMM),
+    GroupedGemmWgmma64Mxfp8 => (Gemm, "grouped_gemm_wgmma64_mxfp8", GROUPED_GEMM),
+    GroupedGemmWgmma64Nvfp4 => (Gemm, "grouped_gemm_wgmma64_nvfp4", GROUPED_GEMM),
     GroupedGemmWgmmaSwigluBf16 => (Gemm, "grouped_gemm_wgmma_swiglu_bf16", GROUPED_GEMM),
     GroupedGemmWgmmaSwigluMxfp8 => (Gemm, "grouped_gemm_wgmma_swiglu_mxfp8", GROUPED_GEMM),
     GroupedGemmWgmmaSwigluNvfp4 => (Gemm, "grouped_gemm_wgmma_swiglu_nvfp4", GROUPED_GEMM),
@@ -351,6 +354,11 @@ kernels! {
 /// stages for the 64-byte swizzle, then `WG_STAGES` (eight) stages of `WG_X_STAGE + WG_W_STAGE`
 /// bytes: a 128-row activation span (64 bytes a row) and 128 BF16 weight columns' span.
 pub const WGMMA_SMEM_BYTES: u32 = 1024 + 8 * (128 * 64 + 128 * 64);
+
+/// Dynamic shared memory of the wgmma kernels on a dense launch's 64-row tiles (kernels/gemm.cu
+/// `grouped_gemm_wgmma64_*`): the same eight stages with a 64-row activation span each, 99,328
+/// bytes, so that two blocks share an SM.
+pub const WGMMA64_SMEM_BYTES: u32 = 1024 + 8 * (64 * 64 + 128 * 64);
 
 /// Dynamic shared memory of the TMA GEMM kernels (kernels/gemm.cu `grouped_gemm_tma`): 1,024
 /// bytes to align the stages, four stages (`TMA_STAGES`) of one span (`TMA_SPANS`) each: a
@@ -468,6 +476,13 @@ impl Kernel {
                 if hopper =>
             {
                 WGMMA_SMEM_BYTES
+            }
+            Kernel::GroupedGemmWgmma64Bf16
+            | Kernel::GroupedGemmWgmma64Mxfp8
+            | Kernel::GroupedGemmWgmma64Nvfp4
+                if hopper =>
+            {
+                WGMMA64_SMEM_BYTES
             }
             k if k.is_tma_gemm() && hopper => TMA_SMEM_BYTES,
             Kernel::PrefillAttentionHd32 => prefill_attention_smem_bytes(32, arch),

@@ -225,6 +225,13 @@ pub enum GemmPath {
     /// takes it where it takes the wgmma kernel unless `LOCKSTEP_TMA_GEMM=0` (H200,
     /// 2026-12-05: expert gate/up at 4,096 tokens 11% faster in BF16, prefill 8 x 2,048 10%).
     WgmmaTma,
+    /// [`GemmPath::Wgmma`]'s kernel on a dense launch's 64-row tiles (m64n64 MMAs: half the
+    /// accumulators and activation stages, about 100 registers, two blocks an SM), the same
+    /// products in the same order, so the same bits. A routing plan's launch runs as
+    /// [`GemmPath::Wgmma`]. [`GemmPath::Auto`] takes it where it takes the wgmma kernel for the
+    /// attention projections at decode batches only with `LOCKSTEP_WGMMA64=1` (a trial, not
+    /// yet run on a GPU).
+    Wgmma64,
 }
 
 /// Whether a tensor-core launch runs a block per K segment (then the region's sums are added in
@@ -264,6 +271,8 @@ impl SplitK {
         let below = match rows {
             // The wgmma kernel's 128 x 128 tiles split up to WGMMA_SPLIT_MAX_DENSE_TILES.
             GemmRows::Dense(_) if path == GemmPath::Wgmma => WGMMA_SPLIT_MAX_DENSE_TILES + 1,
+            // (64-row tiles: twice as many.)
+            GemmRows::Dense(_) if path == GemmPath::Wgmma64 => 2 * WGMMA_SPLIT_MAX_DENSE_TILES + 1,
             GemmRows::Dense(_) if !few_rows => SPLIT_K_BELOW_BLOCKS,
             _ => SPLIT_K_PLAN_BELOW_BLOCKS,
         };
@@ -349,6 +358,13 @@ fn wide_tiles_allowed() -> bool {
 fn dense_wgmma_decode_allowed() -> bool {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     switched_on(&ALLOWED, "LOCKSTEP_DENSE_WGMMA")
+}
+
+/// Whether [`GemmPath::Auto`] takes [`GemmPath::Wgmma64`] where it takes the wgmma kernel for
+/// dense launches of 64-256 rows: with `LOCKSTEP_WGMMA64=1` (a trial; the bits are the same).
+fn wgmma64_chosen() -> bool {
+    static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    opted_in(&CHOSEN, "LOCKSTEP_WGMMA64")
 }
 
 /// Whether [`GemmPath::Auto`] may take [`GemmPath::SkinnyKSplit`]: unless
@@ -437,12 +453,13 @@ fn wgmma_allowed(gpu: &Gpu) -> bool {
 impl GemmPath {
     /// Every kernel a launch can be told to take (all but [`GemmPath::Auto`]): what the tests
     /// and benchmarks that run each kernel walk.
-    pub const EXPLICIT: [GemmPath; 8] = [
+    pub const EXPLICIT: [GemmPath; 9] = [
         GemmPath::Ffma,
         GemmPath::TensorCore,
         GemmPath::TensorCoreWide,
         GemmPath::Wgmma,
         GemmPath::WgmmaTma,
+        GemmPath::Wgmma64,
         GemmPath::Skinny,
         GemmPath::Skinny4,
         GemmPath::SkinnyKSplit,
@@ -525,9 +542,13 @@ impl GemmPath {
             _ if !tensor_ok => GemmPath::Ffma,
             GemmPath::SkinnyKSplit if !block_split_fits => GemmPath::Skinny4,
             GemmPath::Auto if wgmma_wins && tma_switched_on() => GemmPath::WgmmaTma,
+            GemmPath::Auto if wgmma_decode_wins && wgmma64_chosen() => GemmPath::Wgmma64,
             GemmPath::Auto if wgmma_wins || wgmma_decode_wins => GemmPath::Wgmma,
             GemmPath::Auto if wide => GemmPath::TensorCoreWide,
-            GemmPath::Wgmma | GemmPath::WgmmaTma if !wgmma => GemmPath::TensorCoreWide,
+            GemmPath::Wgmma | GemmPath::WgmmaTma | GemmPath::Wgmma64 if !wgmma => {
+                GemmPath::TensorCoreWide
+            }
+            GemmPath::Wgmma64 if matches!(rows, GemmRows::Plan(_)) => GemmPath::Wgmma,
             GemmPath::Auto if block_split => GemmPath::SkinnyKSplit,
             GemmPath::Auto if max_rows > skinny_rows => GemmPath::TensorCore,
             // A dense launch of few rows splits over K (SplitK::Auto); its 32-column warps win
@@ -616,6 +637,16 @@ impl<'a> Operand<'a> {
                 Some(Kernel::GroupedGemmWgmmaSwigluNvfp4)
             }
             _ => None,
+        }
+    }
+
+    /// [`GemmPath::Wgmma64`]'s kernel: the wgmma kernel on a dense launch's 64-row tiles.
+    fn wgmma64_kernel(&self) -> Kernel {
+        use Kernel::*;
+        match self.kernels[5] {
+            GroupedGemmWgmmaMxfp8 => GroupedGemmWgmma64Mxfp8,
+            GroupedGemmWgmmaNvfp4 => GroupedGemmWgmma64Nvfp4,
+            _ => GroupedGemmWgmma64Bf16,
         }
     }
 
@@ -797,7 +828,11 @@ pub fn takes_bf16_words(
     w.packing == Packing::Bf16
         && matches!(
             GemmPath::Auto.resolve(wgmma_allowed(gpu), &w, rows, max_rows, n, k),
-            GemmPath::TensorCore | GemmPath::TensorCoreWide | GemmPath::Wgmma | GemmPath::WgmmaTma
+            GemmPath::TensorCore
+                | GemmPath::TensorCoreWide
+                | GemmPath::Wgmma
+                | GemmPath::WgmmaTma
+                | GemmPath::Wgmma64
         )
 }
 
@@ -1304,6 +1339,7 @@ fn launch_parts(
                 }
             },
         },
+        GemmPath::Wgmma64 => (w.wgmma64_kernel(), MMA_TILE_COLS, 256),
         GemmPath::Skinny4 => (w.kernels[3], 4 * SKINNY_COLS_PER_BLOCK, 128),
         // A 32-column group a block, its K segments over the block's 8 warps; or 8 columns a
         // block, a warp a segment (up to 8).
@@ -1320,7 +1356,7 @@ fn launch_parts(
     // The tiles a block: the wgmma (and TMA) kernels' of two wide tiles' rows.
     let tile_rows = match path {
         GemmPath::Wgmma => PAIR_TILE_ROWS,
-        GemmPath::TensorCoreWide => GEMM_WIDE_TILE_ROWS,
+        GemmPath::TensorCoreWide | GemmPath::Wgmma64 => GEMM_WIDE_TILE_ROWS,
         _ => GEMM_TILE_ROWS,
     };
     let (tiles, num_tiles, offsets, experts, rows_arg, grid_y) = match rows {
@@ -1414,7 +1450,7 @@ fn launch_parts(
     // The tiled kernel reads x packed to BF16: every row the rows (through row_index) name.
     let reads_words = matches!(
         path,
-        GemmPath::TensorCore | GemmPath::TensorCoreWide | GemmPath::Wgmma
+        GemmPath::TensorCore | GemmPath::TensorCoreWide | GemmPath::Wgmma | GemmPath::Wgmma64
     );
     let x_rows = match (&rows, row_index) {
         (GemmRows::Dense(r), None) => *r,
