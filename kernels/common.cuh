@@ -254,6 +254,7 @@ __device__ __forceinline__ u64 wgmma_desc_sw64_mn(u32 smem_addr, u32 group_bytes
 
 // d (m64nN, f32) += a (m64k16 from registers) * b (k16nN in shared memory; K-major, or with
 // TRANS_B N-major), both BF16, or FP16 with F16.
+#define WGMMA_D16 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define WGMMA_D32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define WGMMA_D64 WGMMA_D32, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 // One function per shape: D the accumulator's operand numbers, A, DESC, FLAG and TRANS those of
@@ -271,12 +272,14 @@ __device__ __forceinline__ u64 wgmma_desc_sw64_mn(u32 smem_addr, u32 group_bytes
                  ", p, 1, 1, " TRANS ";\n}\n"                                                              \
                  : __VA_ARGS__                                                                            \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(TRANS_B))
+WGMMA_RS(wgmma_m64n32k16_rs, "m64n32k16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15", "%16, %17, %18, %19", "%20", "%21", "%22", WGMMA_D16)
 WGMMA_RS(wgmma_m64n64k16_rs, "m64n64k16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31", "%32, %33, %34, %35", "%36", "%37", "%38", WGMMA_D32)
 WGMMA_RS(wgmma_m64n128k16_rs, "m64n128k16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63", "%64, %65, %66, %67", "%68", "%69", "%70", WGMMA_D64)
 #undef WGMMA_RS_ASM
 #undef WGMMA_RS
 #undef WGMMA_D64
 #undef WGMMA_D32
+#undef WGMMA_D16
 
 // Keeps the compiler from touching v (a wgmma operand or accumulator) across this point.
 __device__ __forceinline__ void wgmma_hold(float& v) { asm volatile("" : "+f"(v)::"memory"); }

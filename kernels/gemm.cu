@@ -1213,8 +1213,13 @@ __device__ __forceinline__ void wgmma_span(float (&acc)[ACC], const u32 (&wd)[2]
 #pragma unroll
     for (int c = 0; c < 2; c++) {  // the K chain's order: chunk 0, then 1
         u64 desc = X_ROW == 128 ? wgmma_desc_sw128(x_stage + 32 * c) : wgmma_desc_sw64(x_stage + 32 * c);
-        if (ACC == 64 && wide_n) wgmma_m64n128k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
-        else wgmma_m64n64k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
+        if (ACC == 64) {
+            if (wide_n) wgmma_m64n128k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
+            else wgmma_m64n64k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
+        } else {
+            if (wide_n) wgmma_m64n64k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
+            else wgmma_m64n32k16_rs<0, F16_OPERANDS<FMT>>(acc, cur[c], desc);
+        }
     }
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
@@ -1254,7 +1259,10 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     int e, r0, r1;
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TR)) return;  // a pair tile's rows
-    bool wide_n = TR == WG_ROWS && r1 - r0 > 64;  // block-uniform: m64n128 MMAs, else m64n64
+    // Block-uniform: MMAs over all of the tile's rows (m64n128, or m64n64 on 64-row tiles), else
+    // over its first half (m64n64, m64n32). (On 64-row tiles the branch also keeps ptxas 13.0 from
+    // giving both k16 steps' fragments one register quad and serializing the MMAs: C7513.)
+    bool wide_n = r1 - r0 > TR / 2;
     constexpr int ACC = TR / 2, X_STAGE = TR * 64, HALVES = TR / 64;
     constexpr bool swiglu = OUT != WG_OUT_SUMS;
     int n0 = bx * (swiglu ? TILE_TN / 2 : TILE_TN);  // a SwiGLU tile's first h column
