@@ -229,8 +229,7 @@ pub enum GemmPath {
     /// accumulators and activation stages, about 100 registers, two blocks an SM), the same
     /// products in the same order, so the same bits. A routing plan's launch runs as
     /// [`GemmPath::Wgmma`]. [`GemmPath::Auto`] takes it where it takes the wgmma kernel for the
-    /// attention projections at decode batches only with `LOCKSTEP_WGMMA64=1` (a trial, not
-    /// yet run on a GPU).
+    /// attention projections at decode batches of at most [`WGMMA64_MAX_DENSE_ROWS`] rows.
     Wgmma64,
 }
 
@@ -343,6 +342,14 @@ pub const WGMMA_MIN_DENSE_TILES: usize = 1024;
 pub const WGMMA_MAX_DENSE_DECODE_ROWS: usize = 256;
 pub const WGMMA_MAX_DENSE_DECODE_TILES: usize = 80;
 pub const WGMMA_SPLIT_MAX_DENSE_TILES: usize = 32;
+/// Rows up to which [`GemmPath::Auto`] runs those dense decode launches on the wgmma kernel's
+/// 64-row tiles ([`GemmPath::Wgmma64`], two blocks an SM) instead of its 128-row ones. H100,
+/// 2026-12-05 (`cuda_bench --steps 32 --prefill 1x16`, ms, two rounds each, 128-row tiles ->
+/// 64-row tiles everywhere): batch 64 NVFP4 18.35 / 18.36 -> 18.21 / 18.23, MXFP8 19.90 /
+/// 20.02 -> 19.54 / 19.45; batch 128 NVFP4 21.33 / 21.39 -> 21.29 / 21.16, MXFP8 22.82 / 22.88
+/// -> 23.27 / 23.16; batch 256 NVFP4 27.28 / 27.34 -> 27.42 / 27.38, MXFP8 29.05 / 28.79 ->
+/// 29.29 / 29.30. Wider launches keep the 128-row tiles.
+pub const WGMMA64_MAX_DENSE_ROWS: usize = 64;
 
 /// Whether [`GemmPath::Auto`] may take the wide tiles: `LOCKSTEP_WIDE_TILES=0` keeps it on
 /// 32-row tiles, to measure the difference in one run (scripts/gpu-check.sh
@@ -360,11 +367,11 @@ fn dense_wgmma_decode_allowed() -> bool {
     switched_on(&ALLOWED, "LOCKSTEP_DENSE_WGMMA")
 }
 
-/// Whether [`GemmPath::Auto`] takes [`GemmPath::Wgmma64`] where it takes the wgmma kernel for
-/// dense launches of 64-256 rows: with `LOCKSTEP_WGMMA64=1` (a trial; the bits are the same).
-fn wgmma64_chosen() -> bool {
-    static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    opted_in(&CHOSEN, "LOCKSTEP_WGMMA64")
+/// Whether [`GemmPath::Auto`] may take [`GemmPath::Wgmma64`] for dense decode launches of at
+/// most [`WGMMA64_MAX_DENSE_ROWS`] rows: unless `LOCKSTEP_WGMMA64=0` (the bits are the same).
+fn wgmma64_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    switched_on(&ALLOWED, "LOCKSTEP_WGMMA64")
 }
 
 /// Whether [`GemmPath::Auto`] may take [`GemmPath::SkinnyKSplit`]: unless
@@ -513,6 +520,10 @@ impl GemmPath {
             && matches!(rows, GemmRows::Dense(r) if (WGMMA_MIN_DENSE_ROWS..=WGMMA_MAX_DENSE_DECODE_ROWS).contains(r))
             && dense_pair_tiles <= WGMMA_MAX_DENSE_DECODE_TILES
             && k > K_SEGMENT;
+        // Those of at most WGMMA64_MAX_DENSE_ROWS rows on its 64-row tiles.
+        let wgmma64_wins = wgmma_decode_wins
+            && wgmma64_allowed()
+            && matches!(rows, GemmRows::Dense(r) if *r <= WGMMA64_MAX_DENSE_ROWS);
         // K split over one block's warps: tiles of at most 16 rows, 2 to 16 segments.
         let tile_rows = tile_rows_of(rows);
         let block_split_fits = tile_rows <= BLOCK_SPLIT_MAX_TILE_ROWS
@@ -542,7 +553,7 @@ impl GemmPath {
             _ if !tensor_ok => GemmPath::Ffma,
             GemmPath::SkinnyKSplit if !block_split_fits => GemmPath::Skinny4,
             GemmPath::Auto if wgmma_wins && tma_switched_on() => GemmPath::WgmmaTma,
-            GemmPath::Auto if wgmma_decode_wins && wgmma64_chosen() => GemmPath::Wgmma64,
+            GemmPath::Auto if wgmma64_wins => GemmPath::Wgmma64,
             GemmPath::Auto if wgmma_wins || wgmma_decode_wins => GemmPath::Wgmma,
             GemmPath::Auto if wide => GemmPath::TensorCoreWide,
             GemmPath::Wgmma | GemmPath::WgmmaTma | GemmPath::Wgmma64 if !wgmma => {
