@@ -1470,9 +1470,24 @@ fn tma_gemm_gives_the_bits_of_the_wgmma_kernel() {
 fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
     let g = gpu();
     let mut rng = Rng(seed());
-    // K = 288: a partial last group of spans for the few-rows kernels; N = 96: a partial tile;
-    // 50 rows per expert on average: full and partial tiles of 32 and of 64 rows.
-    let (tokens, experts, top_k, n, k) = (150, 6, 2, 96, 288);
+    // K = 288: a partial last group of spans for the few-rows kernels, and no whole segment
+    // (block scales read a span ahead); K = 512: two whole segments (block scales staged a
+    // segment at a time). 150 tokens: 50 rows per expert on average, full and partial tiles of
+    // 32 and of 64 rows; 40 tokens: about 13, tiles of one live m16 fragment and of two.
+    for (tokens, k) in [(150, 288), (150, 512), (40, 512)] {
+        routing_and_grouped_gemm_match_the_cpu_at(&g, &mut rng, tokens, k);
+    }
+}
+
+fn routing_and_grouped_gemm_match_the_cpu_at(
+    g: &lockstep::backend::cuda::Gpu,
+    rng: &mut Rng,
+    tokens: usize,
+    k: usize,
+) {
+    println!("{tokens} tokens, K = {k}");
+    // N = 96: a partial tile.
+    let (experts, top_k, n) = (6, 2, 96);
     let logits = rng.vec(tokens * experts, 3.0);
     let (mut ids, mut wts) = (
         g.alloc::<i32>(tokens * top_k).unwrap(),
@@ -1480,7 +1495,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
     );
     let dlogits = g.upload(&logits).unwrap();
     ops::moe_route(
-        &g, &dlogits, None, tokens, experts, top_k, true, None, &mut ids, &mut wts,
+        g, &dlogits, None, tokens, experts, top_k, true, None, &mut ids, &mut wts,
     )
     .unwrap();
     let (ids_h, wts_h) = (
@@ -1488,16 +1503,16 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
         g.download(&wts, tokens * top_k).unwrap(),
     );
     assert_routes_of_the_cpu(&logits, experts, top_k, &ids_h, &wts_h, "");
-    let mut plan = MoePlan::new(&g, tokens * top_k, experts).unwrap();
-    plan.build(&g, &ids, tokens, top_k, experts).unwrap();
-    let x = activations(&mut rng, tokens, k);
+    let mut plan = MoePlan::new(g, tokens * top_k, experts).unwrap();
+    plan.build(g, &ids, tokens, top_k, experts).unwrap();
+    let x = activations(rng, tokens, k);
     let pairs = tokens * top_k;
     for fmt in expert_formats() {
         let tol = 1e-5;
-        let cpu_w = cpu_experts(&mut rng, experts, n, k, &fmt);
+        let cpu_w = cpu_experts(rng, experts, n, k, &fmt);
         let parts: Vec<Vec<&dyn Linear>> = cpu_w.iter().map(|l| vec![&**l]).collect();
-        let m = GpuMatrix::upload(&g, &parts).unwrap();
-        let input = layer_input(&g, m.act, &x, tokens, k);
+        let m = GpuMatrix::upload(g, &parts).unwrap();
+        let input = layer_input(g, m.act, &x, tokens, k);
         let (xin, rs) = (&input.x, input.row_scale.as_ref());
         let mut want = Vec::with_capacity(pairs * n);
         for t in 0..tokens {
@@ -1510,7 +1525,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
         }
         let slot_row = g.download(&plan.slot_row, pairs).unwrap();
         for path in GemmPath::EXPLICIT {
-            let mut out = poisoned(&g, pairs * n, f32::NAN);
+            let mut out = poisoned(g, pairs * n, f32::NAN);
             ops::grouped_gemm_on(
                 path,
                 SplitK::Auto,
@@ -1554,7 +1569,7 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             );
         }
         // One dense group of a few rows (the decode shape) on each kernel, whole and split
-        // over K.
+        // over K (as many rows as there are tokens).
         for (rows, path, split) in [
             (3, GemmPath::Skinny, SplitK::Off),
             (3, GemmPath::Skinny, SplitK::On),
@@ -1571,8 +1586,11 @@ fn routing_and_grouped_gemm_match_the_cpu_in_every_format() {
             (77, GemmPath::Wgmma, SplitK::On),
             (77, GemmPath::Wgmma64, SplitK::Off),
             (77, GemmPath::Wgmma64, SplitK::On),
-        ] {
-            let mut out = poisoned(&g, rows * n, f32::NAN);
+        ]
+        .into_iter()
+        .filter(|&(rows, _, _)| rows <= tokens)
+        {
+            let mut out = poisoned(g, rows * n, f32::NAN);
             ops::grouped_gemm_on(
                 path,
                 split,
