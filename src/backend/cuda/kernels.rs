@@ -350,15 +350,17 @@ kernels! {
     Xxh3Ranges => (Hash, "xxh3_64_ranges", &[Ptr, Ptr, I32, Ptr]),
 }
 
-/// Dynamic shared memory of the wgmma GEMM kernels (kernels/gemm.cu): 1,024 bytes to align the
-/// stages for the 64-byte swizzle, then `WG_STAGES` (eight) stages of `WG_X_STAGE + WG_W_STAGE`
-/// bytes: a 128-row activation span (64 bytes a row) and 128 BF16 weight columns' span.
-pub const WGMMA_SMEM_BYTES: u32 = 1024 + 8 * (128 * 64 + 128 * 64);
-
-/// Dynamic shared memory of the wgmma kernels on a dense launch's 64-row tiles (kernels/gemm.cu
-/// `grouped_gemm_wgmma64_*`): the same eight stages with a 64-row activation span each, 99,328
-/// bytes, so that two blocks share an SM.
-pub const WGMMA64_SMEM_BYTES: u32 = 1024 + 8 * (64 * 64 + 128 * 64);
+/// Dynamic shared memory of the wgmma GEMM kernels (kernels/gemm.cu) on tiles of `tile_rows`:
+/// 1,024 bytes to align the stages for the 64-byte swizzle, then `WG_STAGES` (eight) stages of
+/// an activation span (64 bytes a row) and 128 BF16 weight columns' span (`WG_W_STAGE`).
+const fn wgmma_smem_bytes(tile_rows: u32) -> u32 {
+    1024 + 8 * (tile_rows * 64 + 128 * 64)
+}
+/// The pair tiles' (128 rows, `WG_X_STAGE`).
+pub const WGMMA_SMEM_BYTES: u32 = wgmma_smem_bytes(128);
+/// A dense launch's 64-row tiles' (`grouped_gemm_wgmma64_*`): 99,328 bytes, so that two blocks
+/// share an SM.
+pub const WGMMA64_SMEM_BYTES: u32 = wgmma_smem_bytes(64);
 
 /// Dynamic shared memory of the TMA GEMM kernels (kernels/gemm.cu `grouped_gemm_tma`): 1,024
 /// bytes to align the stages, four stages (`TMA_STAGES`) of one span (`TMA_SPANS`) each: a
