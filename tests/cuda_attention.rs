@@ -574,6 +574,51 @@ fn decode_rows_have_the_same_bits_on_either_side_of_the_kernel_switch() {
     println!("{count} decode rows: the same bits in one step and alone, as prefilled");
 }
 
+/// A split decode block takes the chunks z, z + splits, ... of its row. The most rows that split
+/// at 32 query heads over 4 KV heads (33, 8 ways), over 9 to 16 chunks of keys, so every block
+/// walks two chunks or more (the longest rows' fa_attend steps to its next chunk past the other
+/// blocks'), give the bits of the unsplit walk, which is within the CPU's tolerance.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn split_decode_blocks_walking_several_chunks_give_the_unsplit_bits() {
+    let g = Gpu::open(0).expect("a CUDA device");
+    let mut rng = Rng(seed());
+    let shape = AttnShape {
+        heads: 32,
+        kv_heads: 4,
+        head_dim: 128,
+        block_size: BLOCK_SIZE,
+    };
+    let split = decode_split(&g, shape);
+    let count = (1..=64)
+        .rev()
+        .find(|&n| split.splits(n, shape) > 1)
+        .expect("a row count that splits");
+    let splits = split.splits(count, shape);
+    // More chunks than splits: block 0 takes chunks 0 and `splits` at least.
+    let shortest = splits * ops::ATTENTION_CHUNK_KEYS + 1;
+    assert!(
+        shortest + 900 <= MAX_CONTEXT,
+        "{count} rows split {splits} ways"
+    );
+    let case = Case {
+        contexts: (0..count).map(|_| shortest + rng.below(900)).collect(),
+        q_lens: vec![1; count],
+        shape,
+    };
+    let p = Problem::new(&g, &mut rng, &case);
+    let run =
+        |split| tensor_core_attention(&g, &p.q, &p.k, &p.v, &p.meta(), &p.q_lens, shape, split);
+    let whole = run(None);
+    p.check(&whole, "unsplit", shape, 1e-2, 3e-2);
+    assert_same_bits(
+        &run(Some(&split)),
+        &whole,
+        &format!("{count} rows split {splits} ways"),
+    );
+    println!("{count} decode rows of {shortest}+ keys split {splits} ways: the unsplit bits");
+}
+
 /// Prefill in every kind of block the GPU has (one query head; two sharing K and V, copied by
 /// their threads or by the TMA unit, which takes a box a page, or a tile's part of a page) gives
 /// the bits of one head a block at pages of 16 to 128 tokens.
