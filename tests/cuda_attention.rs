@@ -24,6 +24,13 @@ use common::cuda::{rel_err, seed, Rng};
 const BLOCK_SIZE: usize = 16;
 /// Every context here fits the split-KV scratch.
 const MAX_CONTEXT: usize = 4200;
+/// Qwen3-30B-A3B's attention: 32 query heads over 4 KV heads of 128.
+const QWEN3_MOE: AttnShape = AttnShape {
+    heads: 32,
+    kv_heads: 4,
+    head_dim: 128,
+    block_size: BLOCK_SIZE,
+};
 
 /// Split-KV scratch for up to 64 decode rows of `shape`.
 fn decode_split(g: &Gpu, shape: AttnShape) -> DecodeSplit {
@@ -542,12 +549,7 @@ fn attention_rows_have_the_same_bits_however_they_are_batched() {
 fn decode_rows_have_the_same_bits_on_either_side_of_the_kernel_switch() {
     let g = Gpu::open(0).expect("a CUDA device");
     let mut rng = Rng(seed());
-    let shape = AttnShape {
-        heads: 32,
-        kv_heads: 4,
-        head_dim: 128,
-        block_size: BLOCK_SIZE,
-    };
+    let shape = QWEN3_MOE;
     // One step of these rows launches 4 blocks a row, more than three an SM can hold at once.
     let count = 3 * g.sm_count as usize / shape.kv_heads + 8;
     let contexts: Vec<usize> = (0..count).map(|_| 1 + rng.below(200)).collect();
@@ -583,12 +585,7 @@ fn decode_rows_have_the_same_bits_on_either_side_of_the_kernel_switch() {
 fn split_decode_blocks_walking_several_chunks_give_the_unsplit_bits() {
     let g = Gpu::open(0).expect("a CUDA device");
     let mut rng = Rng(seed());
-    let shape = AttnShape {
-        heads: 32,
-        kv_heads: 4,
-        head_dim: 128,
-        block_size: BLOCK_SIZE,
-    };
+    let shape = QWEN3_MOE;
     let split = decode_split(&g, shape);
     let count = (1..=64)
         .rev()
@@ -630,10 +627,8 @@ fn prefill_blocks_of_every_kind_agree_at_every_page_size() {
     let contexts = [1, 63, 65, 200, 1000, 3001];
     for block_size in [16, 32, 64, 128] {
         let shape = AttnShape {
-            heads: 32,
-            kv_heads: 4,
-            head_dim: 128,
             block_size,
+            ..QWEN3_MOE
         };
         let rows = Rows::new(&g, &mut rng, &contexts, shape);
         let want = rows.prefilled_in_blocks(&g, ops::PrefillBlocks::OneHead);
