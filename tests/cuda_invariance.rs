@@ -154,9 +154,10 @@ fn joined_launches_give_each_part_the_bits_of_its_own_launch() {
     // Parts of 160, 32 and 96 columns: partial column blocks on every kernel; K = 800: three
     // K segments and a partial fourth; K = 2048: eight (q, k and v's own). At 1,100 rows the
     // wgmma kernel's 36 tiles take SplitK::OneWave's runs (2 and 3 segments a block), the parts'
-    // sums one after the other.
+    // sums one after the other; K = 1568 (six segments and one span) runs 3, 3 and a last run
+    // of that one partial segment.
     let ns = [160usize, 32, 96];
-    for k in [800, 2048] {
+    for k in [800, 1568, 2048] {
         joined_launches_over(&mut rng, &g, ns, k);
     }
 }
