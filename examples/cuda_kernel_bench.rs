@@ -343,14 +343,16 @@ fn dense_choice_skipped(path: GemmPath, rows: usize) -> bool {
 /// Rows of the dense projections' launches.
 const ROW_COUNTS: [usize; 11] = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096];
 /// The kernels and splits the dense projections are timed on.
-const DENSE_CHOICES: [(GemmPath, SplitK); 13] = [
+const DENSE_CHOICES: [(GemmPath, SplitK); 15] = [
     (GemmPath::TensorCore, SplitK::Off),
     (GemmPath::TensorCore, SplitK::On),
     (GemmPath::TensorCoreWide, SplitK::Off),
     (GemmPath::Wgmma, SplitK::Off),
     (GemmPath::Wgmma, SplitK::On),
+    (GemmPath::Wgmma, SplitK::OneWave),
     (GemmPath::Wgmma64, SplitK::Off),
     (GemmPath::Wgmma64, SplitK::On),
+    (GemmPath::Wgmma64, SplitK::OneWave),
     (GemmPath::WgmmaTma, SplitK::Off),
     (GemmPath::Skinny, SplitK::Off),
     (GemmPath::Skinny, SplitK::On),

@@ -414,6 +414,16 @@ __device__ __forceinline__ void block_k_range(const float* partials, int K, int&
     k_end = partials ? min(K, k_begin + SEG) : K;
 }
 
+// The K range of a wgmma `_runs` kernel's block: as block_k_range, or where the split grid has
+// fewer blocks than K has segments (ops::gemm::SplitK::OneWave), a run of
+// ceil(segments / gridDim.z) consecutive segments, each of whose sums the block stores as that
+// segment's (wgmma_segment_sums): what a block a segment stores, so the fold adds the same sums.
+__device__ __forceinline__ void block_k_run(const float* partials, int K, int& k_begin, int& k_end) {
+    int per = partials ? ((K + SEG - 1) / SEG + (int)gridDim.z - 1) / (int)gridDim.z : 0;
+    k_begin = partials ? (int)blockIdx.z * per * SEG : 0;
+    k_end = partials ? min(K, k_begin + per * SEG) : K;
+}
+
 // The end of a segment: its sum joins the running total (or starts it) and the accumulators
 // start again from zero.
 // `tot` holds element i at tot[i * STRIDE] (registers, or a lane's column of shared memory).
@@ -1230,7 +1240,8 @@ __device__ __forceinline__ void wgmma_span(float (&acc)[ACC], const u32 (&wd)[2]
 }
 
 // A segment's end on the wgmma kernels: every product issued is done (and its fragments, a0 and
-// a1, free), then the segment's sums join the running total.
+// a1, free), then the segment's sums join the running total (or, wgmma_segment_sums, are
+// stored).
 template <int ACC = 64>
 __device__ __forceinline__ void wgmma_segment_end(float (&acc)[ACC], float (&tot)[ACC], u32 (&a0)[2][4],
                                                   u32 (&a1)[2][4], bool first) {
@@ -1247,10 +1258,38 @@ __device__ __forceinline__ void wgmma_segment_end(float (&acc)[ACC], float (&tot
     end_segment<ACC>(acc, tot, first);
 }
 
+// A segment's end on a wgmma block of a split launch that walks several segments (block_k_run):
+// every product issued is done, then the segment's sums go to segment `seg`'s partials, where a
+// block of that one segment stores its running total (wgmma_store: the same lanes, rows and
+// columns), and the accumulators start again from zero.
+template <int ACC>
+__device__ __forceinline__ void wgmma_segment_sums(float (&acc)[ACC], u32 (&a0)[2][4], u32 (&a1)[2][4],
+                                                   const WgLanes& l, int seg, int r0, int r1, int n0, int N,
+                                                   int rows, float* partials) {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < ACC; i++) wgmma_hold(acc[i]);
+#pragma unroll
+    for (int c = 0; c < 2; c++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            wgmma_hold(a0[c][i]);
+            wgmma_hold(a1[c][i]);
+        }
+#pragma unroll
+    for (int j = 0; j < ACC / 4; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int row = r0 + 8 * j + 2 * l.t + (i & 1), col = n0 + l.col_local[i >> 1];
+            if (row < r1 && col < N) partials[((u64)seg * rows + row) * N + col] = acc[4 * j + i];
+            acc[4 * j + i] = 0.0f;
+        }
+}
+
 // TR: the tile's rows. WG_ROWS (a pair tile's 128: m64n128 MMAs, or m64n64 where it holds at
 // most 64 live rows), or 64 for a dense launch's 64-row tiles (grouped_gemm_wgmma64_*: m64n64
 // MMAs, half the accumulators and activation stages, two blocks an SM).
-template <int FMT, int OUT = WG_OUT_SUMS, int TR = WG_ROWS>
+template <int FMT, int OUT = WG_OUT_SUMS, int TR = WG_ROWS, bool RUNS = false>
 __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_index, const float* row_scale,
                                                    const void* w, const u8* w_scales, const float* w_sdec,
                                                    int sdec_groups, const int* tiles, const int* num_tiles,
@@ -1293,8 +1332,13 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
     WeightSpanCopy<FMT, 256> w_copy(w, e, N, n0, K, tid, 0, swiglu);
 
     int k_begin, k_end;
-    block_k_range(partials, K, k_begin, k_end);
+    if (RUNS) block_k_run(partials, K, k_begin, k_end);
+    else block_k_range(partials, K, k_begin, k_end);
     int spans = (k_end - k_begin) / MMA_TK;
+    // RUNS (grouped_gemm_wgmma_runs_*, grouped_gemm_wgmma64_runs_*): a run of a split launch's
+    // segments (a last run may hold one), each segment's sums stored as it ends, at its own
+    // index (not blockIdx.z).
+    bool seg_sums = RUNS && partials;
     auto issue = [&](int span) {
         int stage = span % WG_STAGES, k0 = k_begin + span * MMA_TK;
         u8* xst = xs + stage * X_STAGE;
@@ -1364,18 +1408,24 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const float*, const int* row_
         sc[1] = sc_next[1];
     };
     u32 a0[2][4], a1[2][4];
+    const WgLanes lanes{wg, wq, g, t, {col_local[0], col_local[1]}, {col_row[0], col_row[1]}};
     for (int seg0 = 0; seg0 < spans; seg0 += SEG / MMA_TK) {
         int seg_end = min(spans, seg0 + SEG / MMA_TK);
         for (int span = seg0; span < seg_end; span += 2) {
             step(span, a0, a1);
             if (span + 1 < seg_end) step(span + 1, a1, a0);
         }
-        wgmma_segment_end(acc, tot, a0, a1, seg0 == 0);
+        if (seg_sums)
+            wgmma_segment_sums(acc, a0, a1, lanes, k_begin / SEG + seg0 / (SEG / MMA_TK), r0, r1, n0, N, rows,
+                               partials);
+        else
+            wgmma_segment_end(acc, tot, a0, a1, seg0 == 0);
     }
     cp_async_wait<0>();
 
-    wgmma_store<FMT, OUT, ACC>(tot, WgLanes{wg, wq, g, t, {col_local[0], col_local[1]}, {col_row[0], col_row[1]}}, e, r0, r1,
-                          n0, N, rows, row_index, row_scale, w_sdec, sdec_groups, out, partials, counters);
+    if (!seg_sums)
+        wgmma_store<FMT, OUT, ACC>(tot, lanes, e, r0, r1, n0, N, rows, row_index, row_scale, w_sdec, sdec_groups, out,
+                                   partials, counters);
 #else
     __trap();  // sm_90a only: the host never picks this kernel elsewhere
 #endif
@@ -1658,8 +1708,9 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
 // their columns side by side in one grid. Part 1 is the launch's w, w_scales, w_sdec, N and
 // out; parts 2 and 3 (n2, n3 > 0) follow with their own, the grid's column blocks taken in
 // order, COLS columns a block. Each part keeps its own output [rows x n] and split-K sums
-// (the parts' in turn in `partials`); sdec_groups and K are shared. A block works on one part,
-// as a launch of that part alone would, with its column block bx.
+// (the parts' in turn in `partials`, gridDim.z segments each, or ceil(K / SEG) for the `_runs`
+// kernels, which pass K as runs_k); sdec_groups and K are shared. A block works on one part, as a launch of
+// that part alone would, with its column block bx.
 struct GemmPart {
     const void* w;
     const u8* scales;
@@ -1669,7 +1720,7 @@ struct GemmPart {
     int n, bx;
 };
 
-__device__ __forceinline__ GemmPart gemm_part(int cols, int rows, const void* w, const u8* w_scales,
+__device__ __forceinline__ GemmPart gemm_part(int cols, int rows, int runs_k, const void* w, const u8* w_scales,
                                               const float* w_sdec, int N, float* out, float* partials,
                                               const void* w2, const u8* scales2, const float* sdec2, float* out2,
                                               int n2, const void* w3, const u8* scales3, const float* sdec3,
@@ -1677,11 +1728,13 @@ __device__ __forceinline__ GemmPart gemm_part(int cols, int rows, const void* w,
     GemmPart p{w, w_scales, w_sdec, out, partials, N, (int)blockIdx.x};
     int blocks = (N + cols - 1) / cols;
     if (n2 <= 0 || p.bx < blocks) return p;
-    float* partials2 = partials ? partials + (u64)gridDim.z * rows * N : nullptr;
+    float* partials2 = partials ? partials + (runs_k ? (u64)((runs_k + SEG - 1) / SEG) : (u64)gridDim.z) * rows * N
+                                : nullptr;
     p = GemmPart{w2, scales2, sdec2, out2, partials2, n2, p.bx - blocks};
     blocks = (n2 + cols - 1) / cols;
     if (n3 <= 0 || p.bx < blocks) return p;
-    float* partials3 = partials ? partials2 + (u64)gridDim.z * rows * n2 : nullptr;
+    float* partials3 =
+        partials ? partials2 + (runs_k ? (u64)((runs_k + SEG - 1) / SEG) : (u64)gridDim.z) * rows * n2 : nullptr;
     return GemmPart{w3, scales3, sdec3, out3, partials3, n3, p.bx - blocks};
 }
 
@@ -1694,9 +1747,9 @@ __device__ __forceinline__ GemmPart gemm_part(int cols, int rows, const void* w,
     x, row_index, row_scale, w, w_scales, w_sdec, sdec_groups, tiles, num_tiles, offsets, rows, N, K, out, partials, xb, counters, bx
 
 // The kernels' entry: KIND<FMT> over the part of the launch this block works on, COLS columns
-// a block. With THREADS and BLOCKS, launch bounds: THREADS a block, at least BLOCKS blocks an
-// SM (the registers a thread may use follow).
-#define GEMM_ENTRY(KIND, NAME, FMT, COLS, BOUNDS)                                                                \
+// a block, RUNS_K as gemm_part's runs_k. With THREADS and BLOCKS, launch bounds:
+// THREADS a block, at least BLOCKS blocks an SM (the registers a thread may use follow).
+#define GEMM_ENTRY(KIND, NAME, FMT, COLS, BOUNDS, RUNS_K)                                                          \
     extern "C" __global__ void BOUNDS NAME(                                                                       \
         const float* x, const int* row_index, const float* row_scale, const void* w, const u8* w_scales,          \
         const float* w_sdec, int sdec_groups, const int* tiles, const int* num_tiles, const int* offsets,          \
@@ -1704,14 +1757,17 @@ __device__ __forceinline__ GemmPart gemm_part(int cols, int rows, const void* w,
         const u8* scales2, const float* sdec2, float* out2, int n2, const void* w3, const u8* scales3,             \
         const float* sdec3, float* out3, int n3) {                                                                 \
         pdl_entry();                                                                                              \
-        GemmPart p = gemm_part(COLS, rows, w, w_scales, w_sdec, N, out, partials, w2, scales2, sdec2, out2, n2,   \
-                               w3, scales3, sdec3, out3, n3);                                                      \
+        GemmPart p = gemm_part(COLS, rows, RUNS_K, w, w_scales, w_sdec, N, out, partials, w2, scales2, sdec2, out2, \
+                               n2, w3, scales3, sdec3, out3, n3);                                                  \
         KIND<FMT>(x, row_index, row_scale, p.w, p.scales, p.sdec, sdec_groups, tiles, num_tiles, offsets, rows,    \
                   p.n, K, p.out, p.partials, xb, counters, p.bx);                                                  \
     }
-#define GEMM_KERNEL(KIND, NAME, FMT, COLS) GEMM_ENTRY(KIND, NAME, FMT, COLS, )
+#define GEMM_KERNEL(KIND, NAME, FMT, COLS) GEMM_ENTRY(KIND, NAME, FMT, COLS, , 0)
 #define GEMM_KERNEL_BOUNDED(KIND, NAME, FMT, COLS, THREADS, BLOCKS) \
-    GEMM_ENTRY(KIND, NAME, FMT, COLS, __launch_bounds__(THREADS, BLOCKS))
+    GEMM_ENTRY(KIND, NAME, FMT, COLS, __launch_bounds__(THREADS, BLOCKS), 0)
+// A wgmma `_runs` kernel: a split grid of fewer blocks than segments (block_k_run).
+#define GEMM_KERNEL_RUNS(KIND, NAME, FMT, THREADS, BLOCKS) \
+    GEMM_ENTRY(KIND, NAME, FMT, TILE_TN, __launch_bounds__(THREADS, BLOCKS), K)
 
 // The wide tiles' kernels: 256 threads, two blocks an SM (at most 128 registers a thread).
 GEMM_KERNEL_BOUNDED(grouped_gemm_mma_wide, grouped_gemm_mma_wide_bf16, 1, TILE_TN, 4 * TM_WIDE, 2)
@@ -1729,6 +1785,22 @@ __device__ __forceinline__ void grouped_gemm_wgmma64(GEMM_KIND_PARAMS) {
 GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma64, grouped_gemm_wgmma64_bf16, 1, TILE_TN, 256, 2)
 GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma64, grouped_gemm_wgmma64_mxfp8, 2, TILE_TN, 256, 2)
 GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma64, grouped_gemm_wgmma64_nvfp4, 3, TILE_TN, 256, 2)
+// Both on split grids of fewer blocks than K has segments, a block walking a run of them
+// (ops::gemm::SplitK::OneWave): the same products, each segment's sums stored as its own.
+template <int FMT>
+__device__ __forceinline__ void grouped_gemm_wgmma_runs(GEMM_KIND_PARAMS) {
+    grouped_gemm_wgmma<FMT, WG_OUT_SUMS, WG_ROWS, true>(GEMM_KIND_ARGS);
+}
+template <int FMT>
+__device__ __forceinline__ void grouped_gemm_wgmma64_runs(GEMM_KIND_PARAMS) {
+    grouped_gemm_wgmma<FMT, WG_OUT_SUMS, 64, true>(GEMM_KIND_ARGS);
+}
+GEMM_KERNEL_RUNS(grouped_gemm_wgmma_runs, grouped_gemm_wgmma_runs_bf16, 1, 256, 1)
+GEMM_KERNEL_RUNS(grouped_gemm_wgmma_runs, grouped_gemm_wgmma_runs_mxfp8, 2, 256, 1)
+GEMM_KERNEL_RUNS(grouped_gemm_wgmma_runs, grouped_gemm_wgmma_runs_nvfp4, 3, 256, 1)
+GEMM_KERNEL_RUNS(grouped_gemm_wgmma64_runs, grouped_gemm_wgmma64_runs_bf16, 1, 256, 2)
+GEMM_KERNEL_RUNS(grouped_gemm_wgmma64_runs, grouped_gemm_wgmma64_runs_mxfp8, 2, 256, 2)
+GEMM_KERNEL_RUNS(grouped_gemm_wgmma64_runs, grouped_gemm_wgmma64_runs_nvfp4, 3, 256, 2)
 // The same over a gate/up matrix with SwiGLU in the epilogue (the wgmma kernels' OUT): h as f32,
 // or (BF16 weights) as the BF16 operand words of the down projection's tiled or wgmma launch.
 template <int FMT>
@@ -1754,7 +1826,7 @@ GEMM_KERNEL_BOUNDED(grouped_gemm_wgmma_swiglu_words, grouped_gemm_wgmma_swiglu_w
         const float* sdec2, float* out2, int n2, const u8* scales3, const float* sdec3, float* out3, int n3) {   \
         pdl_entry();                                                                                              \
         /* a part's weights are its tensor map */                                                                \
-        GemmPart p = gemm_part(TMA_COLS, rows, &w_map, w_scales, w_sdec, N, out, nullptr, &w2_map, scales2,      \
+        GemmPart p = gemm_part(TMA_COLS, rows, 0, &w_map, w_scales, w_sdec, N, out, nullptr, &w2_map, scales2,   \
                                sdec2, out2, n2, &w3_map, scales3, sdec3, out3, n3);                               \
         grouped_gemm_tma<FMT, OUT>(&x_map, (const TensorMap*)p.w, row_index, row_scale, p.scales, p.sdec,        \
                                    sdec_groups, tiles, num_tiles, offsets, rows, p.n, K, p.out, p.bx);            \

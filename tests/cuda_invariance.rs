@@ -26,6 +26,9 @@ const ROW_COUNTS: [usize; 7] = [1, 2, 7, 16, 64, 200, 1024];
 const ALL: usize = 1024;
 /// The engine's choice of kernel and split.
 const AUTO: (GemmPath, SplitK) = (GemmPath::Auto, SplitK::Auto);
+/// Every way of splitting a launch over K: SplitK::OneWave's runs of segments a block (wgmma)
+/// among them, which the dense cases' 1,024 rows and the joined launches' 1,100 reach.
+const SPLITS: [SplitK; 4] = [SplitK::Auto, SplitK::Off, SplitK::On, SplitK::OneWave];
 /// The engine's choice and every tensor-core kernel (the ones that share the K chain's bits).
 const TENSOR_CORE_CHOICES: [GemmPath; 8] = [
     GemmPath::Auto,
@@ -114,7 +117,7 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
                     &what("quantized activations"),
                 );
                 for path in TENSOR_CORE_CHOICES {
-                    for split in [SplitK::Auto, SplitK::Off, SplitK::On] {
+                    for split in SPLITS {
                         let choice = (path, split);
                         let got =
                             gemm_on(&g, choice, &part, None, &m, GemmRows::Dense(rows_m), rows_m);
@@ -149,9 +152,12 @@ fn joined_launches_give_each_part_the_bits_of_its_own_launch() {
     let g = gpu();
     let mut rng = Rng(seed());
     // Parts of 160, 32 and 96 columns: partial column blocks on every kernel; K = 800: three
-    // K segments and a partial fourth; K = 2048: eight (q, k and v's own).
+    // K segments and a partial fourth; K = 2048: eight (q, k and v's own). At 1,100 rows the
+    // wgmma kernel's 36 tiles take SplitK::OneWave's runs (2 and 3 segments a block), the parts'
+    // sums one after the other; K = 1568 (six segments and one span) runs 3, 3 and a last run
+    // of that one partial segment.
     let ns = [160usize, 32, 96];
-    for k in [800, 2048] {
+    for k in [800, 1568, 2048] {
         joined_launches_over(&mut rng, &g, ns, k);
     }
 }
@@ -191,7 +197,7 @@ fn joined_launches_over(rng: &mut Rng, g: &lockstep::backend::cuda::Gpu, ns: [us
         } else {
             &TENSOR_CORE_CHOICES
         };
-        for rows in [1, 5, 13, 77, 300] {
+        for rows in [1, 5, 13, 77, 300, 1100] {
             let x = rng.vec(rows * k, 2.0);
             let input = layer_input(g, ms[0].act, &x, rows, k);
             let want: Vec<Vec<f32>> = ms
@@ -199,7 +205,7 @@ fn joined_launches_over(rng: &mut Rng, g: &lockstep::backend::cuda::Gpu, ns: [us
                 .map(|m| gemm_on(g, AUTO, &input, None, m, GemmRows::Dense(rows), rows))
                 .collect();
             for &path in paths {
-                for split in [SplitK::Auto, SplitK::Off, SplitK::On] {
+                for split in SPLITS {
                     let mut outs: Vec<CudaSlice<f32>> = ns
                         .iter()
                         .map(|&n| g.upload(&vec![f32::NAN; rows * n]).unwrap())
@@ -317,7 +323,7 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
             for path in TENSOR_CORE_CHOICES {
                 // K = 288 is two segments: split, the second step adds them and applies the
                 // NVFP4 epilogue of each row's expert.
-                for split in [SplitK::Auto, SplitK::Off, SplitK::On] {
+                for split in SPLITS {
                     let choice = (path, split);
                     let out = gemm_on(
                         &g,

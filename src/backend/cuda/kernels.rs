@@ -302,6 +302,12 @@ kernels! {
     GroupedGemmWgmma64Bf16 => (Gemm, "grouped_gemm_wgmma64_bf16", GROUPED_GEMM),
     GroupedGemmWgmma64Mxfp8 => (Gemm, "grouped_gemm_wgmma64_mxfp8", GROUPED_GEMM),
     GroupedGemmWgmma64Nvfp4 => (Gemm, "grouped_gemm_wgmma64_nvfp4", GROUPED_GEMM),
+    GroupedGemmWgmmaRunsBf16 => (Gemm, "grouped_gemm_wgmma_runs_bf16", GROUPED_GEMM),
+    GroupedGemmWgmmaRunsMxfp8 => (Gemm, "grouped_gemm_wgmma_runs_mxfp8", GROUPED_GEMM),
+    GroupedGemmWgmmaRunsNvfp4 => (Gemm, "grouped_gemm_wgmma_runs_nvfp4", GROUPED_GEMM),
+    GroupedGemmWgmma64RunsBf16 => (Gemm, "grouped_gemm_wgmma64_runs_bf16", GROUPED_GEMM),
+    GroupedGemmWgmma64RunsMxfp8 => (Gemm, "grouped_gemm_wgmma64_runs_mxfp8", GROUPED_GEMM),
+    GroupedGemmWgmma64RunsNvfp4 => (Gemm, "grouped_gemm_wgmma64_runs_nvfp4", GROUPED_GEMM),
     GroupedGemmWgmmaSwigluBf16 => (Gemm, "grouped_gemm_wgmma_swiglu_bf16", GROUPED_GEMM),
     GroupedGemmWgmmaSwigluMxfp8 => (Gemm, "grouped_gemm_wgmma_swiglu_mxfp8", GROUPED_GEMM),
     GroupedGemmWgmmaSwigluNvfp4 => (Gemm, "grouped_gemm_wgmma_swiglu_nvfp4", GROUPED_GEMM),
@@ -475,6 +481,9 @@ impl Kernel {
             | Kernel::GroupedGemmWgmmaSwigluMxfp8
             | Kernel::GroupedGemmWgmmaSwigluNvfp4
             | Kernel::GroupedGemmWgmmaSwigluWordsBf16
+            | Kernel::GroupedGemmWgmmaRunsBf16
+            | Kernel::GroupedGemmWgmmaRunsMxfp8
+            | Kernel::GroupedGemmWgmmaRunsNvfp4
                 if hopper =>
             {
                 WGMMA_SMEM_BYTES
@@ -482,6 +491,9 @@ impl Kernel {
             Kernel::GroupedGemmWgmma64Bf16
             | Kernel::GroupedGemmWgmma64Mxfp8
             | Kernel::GroupedGemmWgmma64Nvfp4
+            | Kernel::GroupedGemmWgmma64RunsBf16
+            | Kernel::GroupedGemmWgmma64RunsMxfp8
+            | Kernel::GroupedGemmWgmma64RunsNvfp4
                 if hopper =>
             {
                 WGMMA64_SMEM_BYTES

@@ -243,6 +243,33 @@ pub enum SplitK {
     Off,
     /// Split wherever K has more than one segment.
     On,
+    /// As [`SplitK::On`], but on the wgmma kernels a block walks a run of consecutive
+    /// segments, as few as keep the launch within one wave of its blocks (one an SM, two on
+    /// 64-row tiles), storing each segment's sums as a block of that segment would
+    /// (`grouped_gemm_wgmma_runs_*`): fewer blocks, each paying its copies' start once for
+    /// several segments, and the same sums for the same fold. Other kernels split as `On`.
+    /// [`SplitK::Auto`] takes it for the wgmma kernels where `LOCKSTEP_SPLIT_ONE_WAVE=1`.
+    OneWave,
+}
+
+/// Whether [`SplitK::Auto`] takes [`SplitK::OneWave`]'s runs on the wgmma kernels:
+/// `LOCKSTEP_SPLIT_ONE_WAVE=1` (opt-in until measured; the bits are the same either way).
+fn one_wave_opted_in() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    opted_in(&ON, "LOCKSTEP_SPLIT_ONE_WAVE")
+}
+
+/// Blocks along K for a split wgmma launch of `tiles` tiles over `segments` K segments, at
+/// most `wave` blocks at once: the fewest segments a block (`per`) that keep
+/// `tiles * ceil(segments / per)` within the wave (a block a segment where even that does
+/// not fit, or where it already does).
+fn one_wave_blocks(tiles: usize, segments: usize, wave: usize) -> usize {
+    let fit = wave / tiles.max(1);
+    if fit == 0 || fit >= segments {
+        return segments;
+    }
+    let per = segments.div_ceil(fit);
+    segments.div_ceil(per)
 }
 
 impl SplitK {
@@ -277,7 +304,7 @@ impl SplitK {
         };
         let fits = segments * out_rows * n <= SPLIT_K_MAX_PARTIALS;
         match self {
-            SplitK::On => Some(segments),
+            SplitK::On | SplitK::OneWave => Some(segments),
             _ if blocks < below && fits => Some(segments),
             _ => None,
         }
@@ -661,6 +688,20 @@ impl<'a> Operand<'a> {
             GroupedGemmWgmmaMxfp8 => GroupedGemmWgmma64Mxfp8,
             GroupedGemmWgmmaNvfp4 => GroupedGemmWgmma64Nvfp4,
             _ => GroupedGemmWgmma64Bf16,
+        }
+    }
+
+    /// The wgmma kernel (on 64-row tiles with `narrow`) whose blocks walk a run of K segments
+    /// ([`SplitK::OneWave`]).
+    fn wgmma_runs_kernel(&self, narrow: bool) -> Kernel {
+        use Kernel::*;
+        match (self.kernels[5], narrow) {
+            (GroupedGemmWgmmaMxfp8, false) => GroupedGemmWgmmaRunsMxfp8,
+            (GroupedGemmWgmmaNvfp4, false) => GroupedGemmWgmmaRunsNvfp4,
+            (_, false) => GroupedGemmWgmmaRunsBf16,
+            (GroupedGemmWgmmaMxfp8, true) => GroupedGemmWgmma64RunsMxfp8,
+            (GroupedGemmWgmmaNvfp4, true) => GroupedGemmWgmma64RunsNvfp4,
+            (_, true) => GroupedGemmWgmma64RunsBf16,
         }
     }
 
@@ -1461,6 +1502,23 @@ fn launch_parts(
         )?),
         _ => None,
     };
+    // SplitK::OneWave (Auto where opted in) on a dense wgmma launch folded after it: the blocks
+    // along K that keep it within one wave, each walking a run of segments.
+    let one_wave = split == SplitK::OneWave || (split == SplitK::Auto && one_wave_opted_in());
+    let runs = match (segments, path, &rows) {
+        (Some(s), GemmPath::Wgmma | GemmPath::Wgmma64, GemmRows::Dense(_))
+            if one_wave && counters.is_none() && mode.swiglu.is_none() =>
+        {
+            let per_sm = if path == GemmPath::Wgmma64 { 2 } else { 1 };
+            let z = one_wave_blocks(grid_x * grid_y, s, per_sm * gpu.sm_count as usize);
+            (z < s).then_some(z)
+        }
+        _ => None,
+    };
+    let kernel = match runs {
+        Some(_) => w.wgmma_runs_kernel(path == GemmPath::Wgmma64),
+        None => kernel,
+    };
     // The tiled kernel reads x packed to BF16: every row the rows (through row_index) name.
     let reads_words = matches!(
         path,
@@ -1498,7 +1556,11 @@ fn launch_parts(
     // (or the dense row count) names: sized by the layer's owner.
     gpu.launch(
         kernel,
-        (grid_x as u32, grid_y as u32, segments.unwrap_or(1) as u32),
+        (
+            grid_x as u32,
+            grid_y as u32,
+            runs.or(segments).unwrap_or(1) as u32,
+        ),
         threads,
         (
             View::whole(x),
@@ -1826,7 +1888,43 @@ pub fn fold_unfolded(
 
 #[cfg(test)]
 mod tests {
-    use super::packed_word;
+    use super::{one_wave_blocks, packed_word};
+
+    /// A split launch's blocks along K under `SplitK::OneWave`: within the wave where runs can
+    /// make it fit, every segment in exactly one run (runs of ceil(segments / blocks), the last
+    /// possibly shorter but not empty), and a block a segment where that fits already or where
+    /// even one run of all of K would not.
+    #[test]
+    fn one_wave_runs_cover_every_segment_once_within_the_wave() {
+        // o_proj at 256 rows on an H200: 32 tiles of 128 x 128, 16 segments, 132 SMs.
+        assert_eq!(one_wave_blocks(32, 16, 132), 4);
+        // At 128 rows: 16 tiles, runs of two.
+        assert_eq!(one_wave_blocks(16, 16, 132), 8);
+        // Already within the wave, or more tiles than the wave: a block a segment.
+        assert_eq!(one_wave_blocks(8, 16, 132), 16);
+        assert_eq!(one_wave_blocks(200, 16, 132), 16);
+        for tiles in 1..300 {
+            for segments in 1..40 {
+                let wave = 132;
+                let z = one_wave_blocks(tiles, segments, wave);
+                assert!(
+                    (1..=segments).contains(&z),
+                    "{tiles} tiles, {segments} segments"
+                );
+                if z == segments {
+                    continue;
+                }
+                assert!(tiles * z <= wave, "{tiles} tiles x {z} past the wave");
+                // The kernel's runs (block_k_run): ceil(segments / z) each.
+                let per = segments.div_ceil(z);
+                let runs: Vec<usize> = (0..z)
+                    .map(|b| (segments - (b * per).min(segments)).min(per))
+                    .collect();
+                assert!(runs.iter().all(|&r| r > 0), "an empty run: {runs:?}");
+                assert_eq!(runs.iter().sum::<usize>(), segments);
+            }
+        }
+    }
 
     /// The packed order is a permutation of each 16-word span, and piece `s` (words 4s..4s+3
     /// as stored) holds words s, s + 4, s + 8, s + 12: lane t of an `ldmatrix` row of piece 2c
