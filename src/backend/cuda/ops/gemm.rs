@@ -248,15 +248,17 @@ pub enum SplitK {
     /// 64-row tiles), storing each segment's sums as a block of that segment would
     /// (`grouped_gemm_wgmma_runs_*`): fewer blocks, each paying its copies' start once for
     /// several segments, and the same sums for the same fold. Other kernels split as `On`.
-    /// [`SplitK::Auto`] takes it for the wgmma kernels where `LOCKSTEP_SPLIT_ONE_WAVE=1`.
+    /// [`SplitK::Auto`] takes it for the wgmma kernels unless `LOCKSTEP_SPLIT_ONE_WAVE=0`.
     OneWave,
 }
 
-/// Whether [`SplitK::Auto`] takes [`SplitK::OneWave`]'s runs on the wgmma kernels:
-/// `LOCKSTEP_SPLIT_ONE_WAVE=1` (opt-in until measured; the bits are the same either way).
-fn one_wave_opted_in() -> bool {
+/// Whether [`SplitK::Auto`] takes [`SplitK::OneWave`]'s runs on the wgmma kernels: unless
+/// `LOCKSTEP_SPLIT_ONE_WAVE=0` (the bits are the same either way). H100, 2026-12-05
+/// (docs/performance.md, fiftieth session): o_proj alone at 128 / 256 rows 28.5 -> 27.2 and
+/// 49.2 -> 45.9 us; decode steps at 256 rows 0.5-0.7% faster, at 64 and 128 rows the same.
+fn one_wave_switched_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    opted_in(&ON, "LOCKSTEP_SPLIT_ONE_WAVE")
+    switched_on(&ON, "LOCKSTEP_SPLIT_ONE_WAVE")
 }
 
 /// Blocks along K for a split wgmma launch of `tiles` tiles over `segments` K segments, at
@@ -1504,7 +1506,7 @@ fn launch_parts(
     };
     // SplitK::OneWave (Auto where opted in) on a dense wgmma launch folded after it: the blocks
     // along K that keep it within one wave, each walking a run of segments.
-    let one_wave = split == SplitK::OneWave || (split == SplitK::Auto && one_wave_opted_in());
+    let one_wave = split == SplitK::OneWave || (split == SplitK::Auto && one_wave_switched_on());
     let runs = match (segments, path, &rows) {
         (Some(s), GemmPath::Wgmma | GemmPath::Wgmma64, GemmRows::Dense(_))
             if one_wave && counters.is_none() && mode.swiglu.is_none() =>
