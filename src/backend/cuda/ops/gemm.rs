@@ -1504,8 +1504,9 @@ fn launch_parts(
         )?),
         _ => None,
     };
-    // SplitK::OneWave (Auto where opted in) on a dense wgmma launch folded after it: the blocks
-    // along K that keep it within one wave, each walking a run of segments.
+    // SplitK::OneWave (and Auto, unless LOCKSTEP_SPLIT_ONE_WAVE=0) on a dense wgmma launch
+    // folded after it: the blocks along K that keep it within one wave, each walking a run of
+    // segments.
     let one_wave = split == SplitK::OneWave || (split == SplitK::Auto && one_wave_switched_on());
     let runs = match (segments, path, &rows) {
         (Some(s), GemmPath::Wgmma | GemmPath::Wgmma64, GemmRows::Dense(_))
