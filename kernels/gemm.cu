@@ -1239,12 +1239,10 @@ __device__ __forceinline__ void wgmma_span(float (&acc)[ACC], const u32 (&wd)[2]
         for (int i = 0; i < 4; i++) wgmma_hold(prev[c][i]);
 }
 
-// A segment's end on the wgmma kernels: every product issued is done (and its fragments, a0 and
-// a1, free), then the segment's sums join the running total (or, wgmma_segment_sums, are
-// stored).
-template <int ACC = 64>
-__device__ __forceinline__ void wgmma_segment_end(float (&acc)[ACC], float (&tot)[ACC], u32 (&a0)[2][4],
-                                                  u32 (&a1)[2][4], bool first) {
+// Every wgmma product issued is done: its accumulators hold their sums and its fragments, a0
+// and a1, are free.
+template <int ACC>
+__device__ __forceinline__ void wgmma_drain(float (&acc)[ACC], u32 (&a0)[2][4], u32 (&a1)[2][4]) {
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #pragma unroll
     for (int i = 0; i < ACC; i++) wgmma_hold(acc[i]);
@@ -1255,6 +1253,14 @@ __device__ __forceinline__ void wgmma_segment_end(float (&acc)[ACC], float (&tot
             wgmma_hold(a0[c][i]);
             wgmma_hold(a1[c][i]);
         }
+}
+
+// A segment's end on the wgmma kernels: every product issued is done (wgmma_drain), then the
+// segment's sums join the running total (or, wgmma_segment_sums, are stored).
+template <int ACC = 64>
+__device__ __forceinline__ void wgmma_segment_end(float (&acc)[ACC], float (&tot)[ACC], u32 (&a0)[2][4],
+                                                  u32 (&a1)[2][4], bool first) {
+    wgmma_drain<ACC>(acc, a0, a1);
     end_segment<ACC>(acc, tot, first);
 }
 
@@ -1266,16 +1272,7 @@ template <int ACC>
 __device__ __forceinline__ void wgmma_segment_sums(float (&acc)[ACC], u32 (&a0)[2][4], u32 (&a1)[2][4],
                                                    const WgLanes& l, int seg, int r0, int r1, int n0, int N,
                                                    int rows, float* partials) {
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-    for (int i = 0; i < ACC; i++) wgmma_hold(acc[i]);
-#pragma unroll
-    for (int c = 0; c < 2; c++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            wgmma_hold(a0[c][i]);
-            wgmma_hold(a1[c][i]);
-        }
+    wgmma_drain<ACC>(acc, a0, a1);
 #pragma unroll
     for (int j = 0; j < ACC / 4; j++)
 #pragma unroll
@@ -1720,6 +1717,12 @@ struct GemmPart {
     int n, bx;
 };
 
+// The split-K sums a joined launch keeps of each part: a block's along z, or (the `_runs`
+// kernels, runs_k = K) every segment's.
+__device__ __forceinline__ u64 part_segments(int runs_k) {
+    return runs_k ? (u64)((runs_k + SEG - 1) / SEG) : (u64)gridDim.z;
+}
+
 __device__ __forceinline__ GemmPart gemm_part(int cols, int rows, int runs_k, const void* w, const u8* w_scales,
                                               const float* w_sdec, int N, float* out, float* partials,
                                               const void* w2, const u8* scales2, const float* sdec2, float* out2,
@@ -1728,13 +1731,11 @@ __device__ __forceinline__ GemmPart gemm_part(int cols, int rows, int runs_k, co
     GemmPart p{w, w_scales, w_sdec, out, partials, N, (int)blockIdx.x};
     int blocks = (N + cols - 1) / cols;
     if (n2 <= 0 || p.bx < blocks) return p;
-    float* partials2 = partials ? partials + (runs_k ? (u64)((runs_k + SEG - 1) / SEG) : (u64)gridDim.z) * rows * N
-                                : nullptr;
+    float* partials2 = partials ? partials + part_segments(runs_k) * rows * N : nullptr;
     p = GemmPart{w2, scales2, sdec2, out2, partials2, n2, p.bx - blocks};
     blocks = (n2 + cols - 1) / cols;
     if (n3 <= 0 || p.bx < blocks) return p;
-    float* partials3 =
-        partials ? partials2 + (runs_k ? (u64)((runs_k + SEG - 1) / SEG) : (u64)gridDim.z) * rows * n2 : nullptr;
+    float* partials3 = partials ? partials2 + part_segments(runs_k) * rows * n2 : nullptr;
     return GemmPart{w3, scales3, sdec3, out3, partials3, n3, p.bx - blocks};
 }
 
