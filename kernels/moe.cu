@@ -132,8 +132,9 @@ __device__ __forceinline__ int put_tiles(int* list, int at, int e, int row, int 
 __device__ void plan_block(const int* counts, int experts, int tile_rows, int wide_rows, int* offsets, int* cursor,
                            int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles, int* pair_tiles,
                            int* num_pair_tiles) {
-    __shared__ int rows_s[PLAN_THREADS], tiles_s[PLAN_THREADS], wide_s[PLAN_THREADS], pair_s[PLAN_THREADS];
-    int tid = threadIdx.x, per = (experts + PLAN_THREADS - 1) / PLAN_THREADS, pair_rows = 2 * wide_rows;
+    __shared__ int4 warp_s[PLAN_THREADS / 32];
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, pair_rows = 2 * wide_rows;
+    int per = (experts + PLAN_THREADS - 1) / PLAN_THREADS;
     int e0 = min(tid * per, experts), e1 = min(e0 + per, experts);
     int my_rows = 0, my_tiles = 0, my_wide = 0, my_pairs = 0;
     for (int e = e0; e < e1; e++) {
@@ -142,23 +143,27 @@ __device__ void plan_block(const int* counts, int experts, int tile_rows, int wi
         my_wide += (counts[e] + wide_rows - 1) / wide_rows;
         my_pairs += (counts[e] + pair_rows - 1) / pair_rows;
     }
-    rows_s[tid] = my_rows;
-    tiles_s[tid] = my_tiles;
-    wide_s[tid] = my_wide;
-    pair_s[tid] = my_pairs;
-    __syncthreads();
-    for (int off = 1; off < PLAN_THREADS; off <<= 1) {  // inclusive scan (Hillis-Steele)
-        int r = tid >= off ? rows_s[tid - off] : 0, n = tid >= off ? tiles_s[tid - off] : 0;
-        int m = tid >= off ? wide_s[tid - off] : 0, p = tid >= off ? pair_s[tid - off] : 0;
-        __syncthreads();
-        rows_s[tid] += r;
-        tiles_s[tid] += n;
-        wide_s[tid] += m;
-        pair_s[tid] += p;
-        __syncthreads();
+    // Exclusive block scan of the four sums: a shuffle scan in each warp, then each thread adds
+    // the totals of the warps before its own (one barrier; a Hillis-Steele scan over shared
+    // memory took seventeen).
+    int4 v = make_int4(my_rows, my_tiles, my_wide, my_pairs);
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        int4 u = make_int4(__shfl_up_sync(0xffffffffu, v.x, off), __shfl_up_sync(0xffffffffu, v.y, off),
+                           __shfl_up_sync(0xffffffffu, v.z, off), __shfl_up_sync(0xffffffffu, v.w, off));
+        if (lane >= off) v = make_int4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
     }
-    int row = rows_s[tid] - my_rows, n = tiles_s[tid] - my_tiles, m = wide_s[tid] - my_wide;
-    int p = pair_s[tid] - my_pairs;
+    if (lane == 31) warp_s[warp] = v;
+    __syncthreads();
+    int4 before = make_int4(0, 0, 0, 0), total = make_int4(0, 0, 0, 0);
+#pragma unroll
+    for (int w = 0; w < PLAN_THREADS / 32; w++) {
+        int4 t = warp_s[w];
+        if (w < warp) before = make_int4(before.x + t.x, before.y + t.y, before.z + t.z, before.w + t.w);
+        total = make_int4(total.x + t.x, total.y + t.y, total.z + t.z, total.w + t.w);
+    }
+    int row = before.x + v.x - my_rows, n = before.y + v.y - my_tiles, m = before.z + v.z - my_wide;
+    int p = before.w + v.w - my_pairs;
     for (int e = e0; e < e1; e++) {
         offsets[e] = row;
         cursor[e] = row;
@@ -167,11 +172,11 @@ __device__ void plan_block(const int* counts, int experts, int tile_rows, int wi
         p = put_tiles(pair_tiles, p, e, row, counts[e], pair_rows);
         row += counts[e];
     }
-    if (tid == PLAN_THREADS - 1) {
-        offsets[experts] = rows_s[tid];
-        *num_tiles = tiles_s[tid];
-        *num_wide_tiles = wide_s[tid];
-        *num_pair_tiles = pair_s[tid];
+    if (tid == 0) {
+        offsets[experts] = total.x;
+        *num_tiles = total.y;
+        *num_wide_tiles = total.z;
+        *num_pair_tiles = total.w;
     }
 }
 
@@ -199,15 +204,16 @@ extern "C" __global__ void moe_scatter(const int* topk_ids, int pairs, int top_k
 // moe_route, moe_count, moe_plan and moe_scatter write, in one launch instead of four and a
 // memset. Each token is routed by the same code (a warp per token); counts, offsets and tiles
 // are integers; rows within an expert's group are handed out in any order, as moe_scatter's
-// are. Requires experts <= ROUTE_PLAN_MAX_EXPERTS (host: ops::moe::ROUTE_PLAN_MAX_EXPERTS).
+// are, from a cursor in shared memory (the plan's cursor in global memory is not written).
+// Requires experts <= ROUTE_PLAN_MAX_EXPERTS (host: ops::moe::ROUTE_PLAN_MAX_EXPERTS).
 #define ROUTE_PLAN_MAX_EXPERTS 1024
 extern "C" __global__ void moe_route_plan(float* logits, int tokens, int experts, int top_k, int renormalize, const int* given,
                    int* topk_ids, float* topk_w, int* counts, int tile_rows, int wide_rows, int* offsets,
-                   int* cursor, int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles,
+                   int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles,
                    int* pair_tiles, int* num_pair_tiles, int* slot_row, int* row_token, const float* sums,
                    int segments) {
     pdl_entry();
-    __shared__ int counts_s[ROUTE_PLAN_MAX_EXPERTS];
+    __shared__ int counts_s[ROUTE_PLAN_MAX_EXPERTS], cursor_s[ROUTE_PLAN_MAX_EXPERTS];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, pairs = tokens * top_k;
     if (segments) {
         fold_logits(logits, sums, segments, tokens, experts, 0, tokens * experts, tid, PLAN_THREADS);
@@ -220,11 +226,11 @@ extern "C" __global__ void moe_route_plan(float* logits, int tokens, int experts
     for (int i = tid; i < pairs; i += PLAN_THREADS) atomicAdd(&counts_s[topk_ids[i]], 1);
     __syncthreads();
     for (int e = tid; e < experts; e += PLAN_THREADS) counts[e] = counts_s[e];
-    plan_block(counts_s, experts, tile_rows, wide_rows, offsets, cursor, tiles, num_tiles, wide_tiles, num_wide_tiles,
+    plan_block(counts_s, experts, tile_rows, wide_rows, offsets, cursor_s, tiles, num_tiles, wide_tiles, num_wide_tiles,
                pair_tiles, num_pair_tiles);
     __syncthreads();
     for (int i = tid; i < pairs; i += PLAN_THREADS) {
-        int r = atomicAdd(&cursor[topk_ids[i]], 1);
+        int r = atomicAdd(&cursor_s[topk_ids[i]], 1);
         slot_row[i] = r;
         row_token[r] = i / top_k;
     }

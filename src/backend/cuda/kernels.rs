@@ -271,7 +271,7 @@ kernels! {
     MoeScatter => (Moe, "moe_scatter", &[Ptr, I32, I32, Ptr, Ptr, Ptr]),
     MoeRoutePlan => (Moe, "moe_route_plan", &[
         Ptr, I32, I32, I32, I32, Ptr, Ptr, Ptr, Ptr, I32, I32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr,
-        Ptr, Ptr, Ptr, I32,
+        Ptr, Ptr, I32,
     ]),
     Mxfp8QuantizeF32 => (Quant, "mxfp8_quantize_f32", MXFP8_QUANTIZE),
     Mxfp8QuantizeBf16 => (Quant, "mxfp8_quantize_bf16", MXFP8_QUANTIZE),

@@ -157,8 +157,8 @@ pub fn route_and_plan(
     let slot_row = need(&plan.slot_row, pairs, "plan slot_row")?;
     let counts = need(&plan.counts, experts, "plan counts")?;
     (plan.tokens, plan.pairs) = (tokens, pairs);
-    // Offsets, cursor and the tiles are sized by `MoePlan::new` for `experts` and the most
-    // pairs, row_token for the rows the cursor hands out.
+    // Offsets and the tiles are sized by `MoePlan::new` for `experts` and the most pairs,
+    // row_token for the rows of the pairs (the kernel's cursor is in shared memory).
     gpu.launch(
         Kernel::MoeRoutePlan,
         (1, 1, 1),
@@ -176,7 +176,6 @@ pub fn route_and_plan(
             GEMM_TILE_ROWS as i32,
             GEMM_WIDE_TILE_ROWS as i32,
             View::whole(&plan.offsets),
-            View::whole(&plan.cursor),
             View::whole(&plan.tiles),
             View::whole(&plan.num_tiles),
             View::whole(&plan.wide_tiles),
