@@ -5,9 +5,12 @@
 //! cargo run --release --example cuda_bench -- configs/qwen3-30b-a3b.json \
 //!     [--formats bf16,mxfp8,nvfp4] [--batches 1,8,64,256] [--prompt 512] [--steps 256]
 //!     [--prefill 8x2048] [--layers N] [--mem-fraction 0.9] [--feed-sampled true]
+//!     [--logprobs true]
 //!
 //! `--feed-sampled true` feeds each decode step the tokens the step before sampled, as serving
-//! does (by default every step decodes the same tokens). Each decode row is followed by the
+//! does (by default every step decodes the same tokens). `--logprobs true` asks each decode row's
+//! logprob, as RL rollouts do (by default greedy rows without it, as `lockstep bench`'s random
+//! rows: the sampler skips the normalizer). Each decode row is followed by the
 //! experts its last step touched per MoE layer, against uniform routing's expectation.
 //!
 //! `--mem-fraction` is the device memory the model and its KV cache take (default 0.9, as
@@ -43,6 +46,8 @@ struct Args {
     /// Each decode step's inputs are the tokens the last one sampled (as in serving), not the
     /// same tokens every step.
     feed_sampled: bool,
+    /// Decode rows ask for their token's logprob (`return_logprob`).
+    logprobs: bool,
 }
 
 fn parse() -> Args {
@@ -57,6 +62,7 @@ fn parse() -> Args {
         layers: None,
         mem_fraction: 0.9,
         feed_sampled: false,
+        logprobs: false,
     };
     while let Some(flag) = it.next() {
         let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
@@ -68,6 +74,7 @@ fn parse() -> Args {
             "--layers" => a.layers = Some(v.parse().expect("layers")),
             "--mem-fraction" => a.mem_fraction = v.parse().expect("mem-fraction"),
             "--feed-sampled" => a.feed_sampled = v.parse().expect("--feed-sampled true|false"),
+            "--logprobs" => a.logprobs = v.parse().expect("--logprobs true|false"),
             "--prefill" => {
                 let (n, len) = v.split_once('x').expect("--prefill NxLEN");
                 a.prefill = (n.parse().expect("N"), len.parse().expect("LEN"));
@@ -257,6 +264,7 @@ fn main() {
                             seed: 0,
                             sample_index: 0,
                             top_logprobs_num: 0,
+                            logprob: a.logprobs,
                         })
                     })
                     .collect();

@@ -138,7 +138,11 @@ fn sampling(gpu: &Gpu, cfg: &ModelConfig, token_counts: &[usize]) {
     println!("Device sampling over {vocab} logits a row");
     println!("| rows | kind | us a step | us a row |");
     println!("|---|---|---|---|");
-    for (kind, temperature) in [("greedy", 0.0), ("temperature 1, seeded", 1.0)] {
+    for (kind, temperature, logprob) in [
+        ("greedy, no logprob", 0.0, false),
+        ("greedy, logprob", 0.0, true),
+        ("temperature 1, seeded", 1.0, true),
+    ] {
         let params = SamplingParams {
             temperature,
             ..Default::default()
@@ -155,11 +159,12 @@ fn sampling(gpu: &Gpu, cfg: &ModelConfig, token_counts: &[usize]) {
                         seed: r as u64,
                         sample_index: 0,
                         top_logprobs_num: 0,
+                        logprob,
                     };
                     (r, input)
                 })
                 .collect();
-            // Neither kind writes the logits (no penalties, no temperature to divide by).
+            // No kind writes the logits (no penalties, no temperature to divide by).
             sample_rows(gpu, &mut sampler, &mut logits, &inputs).expect("warm-up");
             let times: Vec<f64> = (0..20)
                 .map(|_| {

@@ -48,7 +48,8 @@ struct RowParams {
     float repetition;
     float frequency;
     float presence;
-    int pad0, pad1;
+    int logprob;  // 0: a greedy row without top-N need not compute the normalizer
+    int pad1;
 };
 
 struct PenaltyEntry {
@@ -466,6 +467,28 @@ __device__ u64 member_max_key(const RowView& r, SampleShared& sh) {
     return sh.max_key;
 }
 
+// A row's result: its token (with the logprob and the number of top-N entries when computed).
+__device__ void write_token(RowResult* res, u32 token, float logprob = 0.0f, u32 num_top = 0) {
+    res->token = token;
+    res->logprob = logprob;
+    res->status = STATUS_OK;
+    res->bad_token = 0;
+    res->bad_value = 0.0f;
+    res->num_top = num_top;
+}
+
+// A row that cannot be sampled: its first non-finite logit (`bad`, with its value) or, when
+// there is none (bad = INT_MAX), no finite logit at all.
+__device__ void write_failure(RowResult* res, int bad, float value) {
+    const bool non_finite = bad != 0x7fffffff;
+    res->token = 0;
+    res->logprob = 0.0f;
+    res->num_top = 0;
+    res->status = non_finite ? STATUS_NON_FINITE : STATUS_NO_CANDIDATES;
+    res->bad_token = non_finite ? (u32)bad : 0u;
+    res->bad_value = non_finite ? value : 0.0f;
+}
+
 // One block per sampled row. `logits` holds the lm_head chunk (row stride `vocab`); the row is
 // processed in place. `probs` has one row per block. Results go to slot first_slot + blockIdx.x.
 extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* logits, float* probs, int vocab, const RowParams* params, const PenaltyEntry* penalties,
@@ -500,40 +523,40 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* 
 
     // Temperature, the max and the first non-finite logit. A thread walks its logits t = tid,
     // tid + SAMPLE_THREADS, ... in that order, SAMPLE_BATCH of them loaded before any is used.
+    // A thread's first maximum is the first t holding its largest l (its t ascend).
     const bool scale = !pr.greedy && pr.temperature != 1.0f;
     float m = -INFINITY;
-    int bad = 0x7fffffff;
+    int bad = 0x7fffffff, first_max = 0x7fffffff;
     walk_row(row, vocab, [&](int t, float l) {
         if (scale) {
             l = __fdiv_rn(l, pr.temperature);
             row[t] = l;
         }
         if (l != l || l == INFINITY) bad = min(bad, t);
-        m = fmaxf(m, l);
+        if (l > m) {
+            m = l;
+            first_max = t;
+        }
     });
     bad = block_min_i32(bad, sh);
-    m = block_max_f32(m, sh);
-    if (bad != 0x7fffffff || m == -INFINITY) {
-        if (tid == 0) {
-            res->token = 0;
-            res->logprob = 0.0f;
-            res->num_top = 0;
-            res->status = bad != 0x7fffffff ? STATUS_NON_FINITE : STATUS_NO_CANDIDATES;
-            res->bad_token = bad != 0x7fffffff ? (u32)bad : 0u;
-            res->bad_value = bad != 0x7fffffff ? row[bad] : 0.0f;
-        }
+    float block_m = block_max_f32(m, sh);
+    first_max = block_min_i32(m == block_m ? first_max : 0x7fffffff, sh);
+    m = block_m;
+    if (tid == 0 && (bad != 0x7fffffff || m == -INFINITY)) {
+        write_failure(res, bad, bad != 0x7fffffff ? row[bad] : 0.0f);
+    }
+    if (bad != 0x7fffffff || m == -INFINITY) return;
+    if (pr.greedy && !pr.logprob && pr.top_n == 0) {
+        if (tid == 0) write_token(res, (u32)first_max);
         return;
     }
 
-    // Probabilities and the normalizer (each thread's terms added in its walk's order); the
-    // greedy token (first maximum) on the way.
+    // Probabilities and the normalizer (each thread's terms added in its walk's order).
     double acc = 0.0;
-    int first_max = 0x7fffffff;
     auto probability = [&](int t, float l) {
         float p = host_expf(__fsub_rn(l, m), sh.exp_table);
         if (!pr.greedy) prow[t] = p;
         acc = __dadd_rn(acc, (double)p);
-        if (l == m) first_max = min(first_max, t);
         return p;
     };
     // A draw with no top-k, top-p or min-p keeps every token with p > 0, whose mass is the
@@ -567,7 +590,6 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* 
         walk_row(row, vocab, [&](int t, float l) { probability(t, l); });
     }
     double total = block_sum_f64(acc, sh);
-    first_max = block_min_i32(first_max, sh);
     RowView view;
     view.l = row;
     view.p = prow;
@@ -615,11 +637,136 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* 
         }
     }
     if (tid == 0) {
-        res->token = token;
-        res->logprob = lp;
-        res->status = STATUS_OK;
-        res->bad_token = 0;
-        res->bad_value = 0.0f;
-        res->num_top = (u32)max(n, 0);
+        write_token(res, token, lp, (u32)max(n, 0));
+    }
+}
+
+// Greedy rows without logprobs or top-N, each row split over `splits` blocks (grid (splits,
+// rows)): block s processes and walks tokens [s * chunk, (s + 1) * chunk), chunk =
+// ceil(vocab / splits), and leaves its largest logit, that logit's first token and its first
+// non-finite token in `parts`; the row's last block to finish (a ticket in `tickets`, zero
+// between launches) combines the parts in token order. A maximum and a first index do not
+// depend on how the row is cut: the token and the errors are sample_rows' (and the CPU's).
+// At few rows, one block a row walked 151,936 logits from one SM.
+#define ARGMAX_THREADS 256
+#define ARGMAX_WARPS (ARGMAX_THREADS / 32)
+#define ARGMAX_BATCH 8
+
+struct ArgmaxPart {
+    float max;
+    int first_max;
+    int bad;
+    int pad;
+};
+
+// The (max, first index) of two candidates: the larger logit, the lower index on ties.
+__device__ __forceinline__ void argmax_pick(float& m, int& i, float m2, int i2) {
+    if (m2 > m || (m2 == m && i2 < i)) {
+        m = m2;
+        i = i2;
+    }
+}
+
+__device__ __forceinline__ void warp_argmax(float& m, int& i, int& bad) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        int i2 = __shfl_xor_sync(0xffffffffu, i, o);
+        bad = min(bad, __shfl_xor_sync(0xffffffffu, bad, o));
+        argmax_pick(m, i, m2, i2);
+    }
+}
+
+extern "C" __global__ __launch_bounds__(ARGMAX_THREADS) void argmax_rows(float* logits, int vocab, const RowParams* params, const PenaltyEntry* penalties,
+                int splits, ArgmaxPart* parts, u32* tickets, int first_slot, RowResult* results) {
+    pdl_entry();
+    __shared__ float red_m[ARGMAX_WARPS];
+    __shared__ int red_i[ARGMAX_WARPS], red_bad[ARGMAX_WARPS];
+    __shared__ bool last;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int r = blockIdx.y, s = blockIdx.x;
+    const RowParams pr = params[r];
+    float* row = logits + (u64)pr.logits_row * vocab;
+    const int chunk = (vocab + splits - 1) / splits;
+    const int lo = s * chunk, hi = min(vocab, lo + chunk);
+
+    // This block's tokens' penalties, then their min_new_tokens mask (sample_rows' phases).
+    for (int i = pr.penalties_begin + tid; i < pr.penalties_end; i += ARGMAX_THREADS) {
+        PenaltyEntry e = penalties[i];
+        if ((e.flags & PENALTY_MASK) || (int)e.token < lo || (int)e.token >= hi) continue;
+        float l = row[e.token];
+        if (e.flags & PENALTY_REPEAT) l = l > 0.0f ? __fdiv_rn(l, pr.repetition) : __fmul_rn(l, pr.repetition);
+        if (e.output_count > 0) {
+            l = __fsub_rn(l, __fmul_rn(pr.frequency, (float)e.output_count));
+            l = __fsub_rn(l, pr.presence);
+        }
+        row[e.token] = l;
+    }
+    __syncthreads();
+    for (int i = pr.penalties_begin + tid; i < pr.penalties_end; i += ARGMAX_THREADS) {
+        PenaltyEntry e = penalties[i];
+        if ((e.flags & PENALTY_MASK) && (int)e.token >= lo && (int)e.token < hi) row[e.token] = -INFINITY;
+    }
+    __syncthreads();
+
+    float m = -INFINITY;
+    int first = 0x7fffffff, bad = 0x7fffffff;
+    for (int t0 = lo + tid; t0 < hi; t0 += ARGMAX_THREADS * ARGMAX_BATCH) {
+        float lb[ARGMAX_BATCH];
+#pragma unroll
+        for (int u = 0; u < ARGMAX_BATCH; u++) {
+            int t = t0 + u * ARGMAX_THREADS;
+            lb[u] = t < hi ? row[t] : -INFINITY;
+        }
+#pragma unroll
+        for (int u = 0; u < ARGMAX_BATCH; u++) {
+            int t = t0 + u * ARGMAX_THREADS;
+            float l = lb[u];
+            if (t < hi && (l != l || l == INFINITY)) bad = min(bad, t);
+            if (l > m) {
+                m = l;
+                first = t;
+            }
+        }
+    }
+    warp_argmax(m, first, bad);
+    if (lane == 0) {
+        red_m[warp] = m;
+        red_i[warp] = first;
+        red_bad[warp] = bad;
+    }
+    __syncthreads();
+    ArgmaxPart* row_parts = parts + (u64)r * splits;
+    if (tid == 0) {
+        for (int w = 1; w < ARGMAX_WARPS; w++) {
+            argmax_pick(m, first, red_m[w], red_i[w]);
+            bad = min(bad, red_bad[w]);
+        }
+        row_parts[s] = ArgmaxPart{m, first, bad, 0};
+        __threadfence();  // the part is visible before the ticket counts it
+        last = atomicAdd(&tickets[r], 1u) == (u32)(splits - 1);
+    }
+    __syncthreads();
+    if (!last || warp != 0) return;
+
+    // The row's last block: every part (read from L2, where the other blocks' writes are), a
+    // lane's in token order, then the lanes' by argmax_pick (which keeps the lower index).
+    __threadfence();
+    m = -INFINITY;
+    first = 0x7fffffff;
+    bad = 0x7fffffff;
+    for (int p = lane; p < splits; p += 32) {
+        int4 q = __ldcg(reinterpret_cast<const int4*>(row_parts + p));
+        argmax_pick(m, first, __int_as_float(q.x), q.y);
+        bad = min(bad, q.z);
+    }
+    warp_argmax(m, first, bad);
+    if (lane == 0) {
+        RowResult* res = results + first_slot + r;
+        if (bad != 0x7fffffff || m == -INFINITY) {
+            write_failure(res, bad, bad != 0x7fffffff ? __ldcg(row + bad) : 0.0f);
+        } else {
+            write_token(res, (u32)first);
+        }
+        tickets[r] = 0;  // for the next launch, which the stream orders after this one
     }
 }

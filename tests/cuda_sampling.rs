@@ -80,10 +80,26 @@ struct Case {
     seed: u64,
     sample_index: u32,
     top_n: usize,
+    /// `return_logprob`: a greedy row without it or a top-N takes the argmax alone.
+    logprob: bool,
 }
 
 impl Case {
     fn random(rng: &mut Rng, v: usize) -> Case {
+        let greedy = rng.below(6) == 0;
+        Case::drawn(rng, v, greedy)
+    }
+
+    /// A greedy row that asks for no logprobs (`argmax_rows` when a launch holds only such).
+    fn argmax_only(rng: &mut Rng, v: usize) -> Case {
+        Case {
+            top_n: 0,
+            logprob: false,
+            ..Case::drawn(rng, v, true)
+        }
+    }
+
+    fn drawn(rng: &mut Rng, v: usize, greedy: bool) -> Case {
         let prompt: Vec<u32> = (0..rng.below(50))
             .map(|_| rng.below(v + 10) as u32)
             .collect();
@@ -92,7 +108,6 @@ impl Case {
         for _ in 0..outputs {
             history.push(rng.below(v) as u32);
         }
-        let greedy = rng.below(6) == 0;
         let params = SamplingParams {
             temperature: if greedy {
                 0.0
@@ -118,6 +133,7 @@ impl Case {
             seed: rng.next(),
             sample_index: rng.below(4) as u32,
             top_n: rng.pick(&[0, 0, 1, 5, 20, 100]),
+            logprob: rng.below(2) == 0,
         }
     }
 
@@ -129,6 +145,7 @@ impl Case {
             seed: self.seed,
             sample_index: self.sample_index,
             top_logprobs_num: self.top_n,
+            logprob: self.logprob,
         }
     }
 }
@@ -384,6 +401,7 @@ fn device_draws_cover_exactly_the_cpu_kept_set() {
                 seed: base.wrapping_add(d as u64),
                 sample_index: 0,
                 top_logprobs_num: 0,
+                logprob: true,
             })
             .collect();
         let mut dev = upload_rows(&g, &vec![raw.clone(); draws]);
@@ -465,6 +483,7 @@ fn untruncated_draws_give_the_bits_of_the_general_path() {
                         seed: base.wrapping_add(r as u64),
                         sample_index: 0,
                         top_logprobs_num: 0,
+                        logprob: true,
                     };
                     (r, input)
                 })
@@ -482,6 +501,71 @@ fn untruncated_draws_give_the_bits_of_the_general_path() {
             );
         }
     }
+}
+
+/// Launches of greedy rows without logprobs split each row over blocks (`argmax_rows`): the
+/// tokens and errors of the CPU's greedy rows and of the device's rows that also compute the
+/// logprob (`sample_rows`), at every row count from one (64 blocks a row) to 300 (two launches
+/// of a block or two a row), penalties and masks included; a launch's tickets are left for the
+/// next (several launches a sampler).
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn greedy_rows_without_logprobs_give_the_tokens_of_rows_with_them() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let mut scratch = SamplerScratch::default();
+    let mut checked = 0;
+    for (v, batches) in [
+        (3usize, &[1usize, 5][..]),
+        (300, &[1, 2, 40]),
+        (1000, &[1, 7, 64]),
+        (151_936, &[1, 2, 8, 33, 300]),
+    ] {
+        let mut sampler = DeviceSampler::new(&g, v, 256, 300, 4096).unwrap();
+        for &batch in batches {
+            for round in 0..2 {
+                let cases: Vec<Case> = (0..batch).map(|_| Case::argmax_only(&mut rng, v)).collect();
+                let raws: Vec<Vec<f32>> = (0..batch).map(|_| logits_row(&mut rng, v)).collect();
+                let with_logprob: Vec<Case> = cases
+                    .iter()
+                    .map(|c| Case {
+                        params: c.params.clone(),
+                        history: c.history.clone(),
+                        eos: c.eos.clone(),
+                        logprob: true,
+                        ..*c
+                    })
+                    .collect();
+                let run = |sampler: &mut DeviceSampler, cases: &[Case]| {
+                    let rows: Vec<(usize, SampleInput<'_>)> = cases
+                        .iter()
+                        .enumerate()
+                        .map(|(i, c)| (i, c.input()))
+                        .collect();
+                    let mut dev = upload_rows(&g, &raws);
+                    sample_rows(&g, sampler, &mut dev, &rows).unwrap()
+                };
+                let (alone, full) = (run(&mut sampler, &cases), run(&mut sampler, &with_logprob));
+                for (i, c) in cases.iter().enumerate() {
+                    let what = format!("vocab {v} batch {batch} round {round} row {i}");
+                    let want = sampling::sample(&mut raws[i].clone(), &c.input(), &mut scratch);
+                    check_row(&what, &raws[i], &c.input(), &alone[i], &want);
+                    match (&alone[i], &full[i]) {
+                        (Ok(a), Ok(f)) => {
+                            assert_eq!(a.token, f.token, "{what}: without logprob vs with");
+                            assert_eq!(a.logprob, 0.0, "{what}: no logprob was asked");
+                        }
+                        (Err(a), Err(f)) => {
+                            assert_eq!(format!("{a:?}"), format!("{f:?}"), "{what}: the same error")
+                        }
+                        (a, f) => panic!("{what}: without logprob {a:?}, with {f:?}"),
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    println!("{checked} greedy rows without logprobs equal the CPU's and the logprob rows'");
 }
 
 #[test]

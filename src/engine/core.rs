@@ -282,6 +282,7 @@ impl Core {
             seed: 0,
             sample_index: 0,
             top_logprobs_num: 0,
+            logprob: false,
         };
         self.exec.step(&batch, &[Some(input)]).map(drop)
     }
@@ -972,6 +973,7 @@ impl Core {
                     seed: a.req.seed,
                     sample_index: a.req.sample_index,
                     top_logprobs_num: a.req.top_logprobs_num,
+                    logprob: a.req.return_logprob,
                 })
             })
             .collect();

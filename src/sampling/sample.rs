@@ -34,6 +34,10 @@ pub struct SampleInput<'a> {
     pub sample_index: u32,
     /// How many alternatives to report (`top_logprobs_num`); 0 for none.
     pub top_logprobs_num: usize,
+    /// Whether the chosen token's logprob is wanted (`return_logprob`). A greedy row without
+    /// it and without alternatives skips the normalizer and reports a logprob of 0: the same
+    /// token and the same errors, a walk over the row fewer.
+    pub logprob: bool,
 }
 
 /// A chosen (or, for prompts, actual) token with its logprob and the top-N alternatives.
@@ -66,14 +70,17 @@ pub fn sample(
     mask_min_new_tokens(logits, params, input.history, input.eos_token_ids);
     apply_temperature(logits, &params.decoding);
     let (token, norm) = match params.decoding {
+        Decoding::Greedy if !input.logprob && input.top_logprobs_num == 0 => {
+            let max = checked_max(logits)?;
+            return Ok(TokenLogprobs {
+                token: first_max(logits, max),
+                logprob: 0.0,
+                top: Vec::new(),
+            });
+        }
         Decoding::Greedy => {
             let norm = Normalizer::of(logits, None)?;
-            // The first maximum: ties go to the lowest id.
-            let token = logits
-                .iter()
-                .position(|&l| l == norm.max)
-                .expect("max is an element");
-            (token as u32, norm)
+            (first_max(logits, norm.max), norm)
         }
         Decoding::Sample {
             top_k,
@@ -122,6 +129,33 @@ pub fn prompt_logprobs(
     })
 }
 
+/// The row's largest logit. Rejects NaN and +inf (a broken model, reported rather than sampled
+/// around; the first such token) and rows with nothing finite.
+fn checked_max(logits: &[f32]) -> Result<f32, SamplingError> {
+    let mut max = f32::NEG_INFINITY;
+    for (t, &l) in logits.iter().enumerate() {
+        if l.is_nan() || l == f32::INFINITY {
+            return Err(SamplingError::NonFiniteLogit {
+                token: t as u32,
+                value: l,
+            });
+        }
+        max = max.max(l);
+    }
+    if max == f32::NEG_INFINITY {
+        return Err(SamplingError::NoCandidates);
+    }
+    Ok(max)
+}
+
+/// The greedy token: the first position holding `max` (ties go to the lowest id).
+fn first_max(logits: &[f32], max: f32) -> u32 {
+    logits
+        .iter()
+        .position(|&l| l == max)
+        .expect("max is an element") as u32
+}
+
 /// The softmax normalizer of a row.
 struct Normalizer {
     max: f32,
@@ -132,22 +166,10 @@ struct Normalizer {
 }
 
 impl Normalizer {
-    /// Rejects NaN and +inf (a broken model, reported rather than sampled around) and rows
-    /// with nothing finite. When `probs` is given it receives `exp(l - max)` per token.
+    /// Rejects what [`checked_max`] rejects. When `probs` is given it receives `exp(l - max)`
+    /// per token.
     fn of(logits: &[f32], probs: Option<&mut Vec<f32>>) -> Result<Self, SamplingError> {
-        let mut max = f32::NEG_INFINITY;
-        for (t, &l) in logits.iter().enumerate() {
-            if l.is_nan() || l == f32::INFINITY {
-                return Err(SamplingError::NonFiniteLogit {
-                    token: t as u32,
-                    value: l,
-                });
-            }
-            max = max.max(l);
-        }
-        if max == f32::NEG_INFINITY {
-            return Err(SamplingError::NoCandidates);
-        }
+        let max = checked_max(logits)?;
         let total: f64 = match probs {
             Some(probs) => {
                 probs.clear();
@@ -471,6 +493,7 @@ mod tests {
             seed,
             sample_index: 0,
             top_logprobs_num: 0,
+            logprob: true,
         }
     }
 
@@ -564,6 +587,62 @@ mod tests {
                 1
             );
         }
+    }
+
+    #[test]
+    fn greedy_without_logprobs_takes_the_same_token_and_reports_the_same_errors() {
+        let params = valid(SamplingParams {
+            temperature: 0.0,
+            repetition_penalty: 1.5,
+            min_new_tokens: 2,
+            ..Default::default()
+        });
+        let h = TokenHistory::new(&[3, 7]);
+        let mut s = SamplerScratch::default();
+        let u = test_uniforms(11, 4000);
+        let mut rows: Vec<Vec<f32>> = (0..40)
+            .map(|r| {
+                u[r * 100..][..100]
+                    .iter()
+                    // A coarse grid: ties for the maximum in most rows.
+                    .map(|x| (x * 6.0).floor() as f32 - 2.0)
+                    .collect()
+            })
+            .collect();
+        rows[0][5] = f32::NAN;
+        rows[1][9] = f32::INFINITY;
+        rows[2] = vec![f32::NEG_INFINITY; 100];
+        rows[3][0] = -0.0;
+        rows[3][1] = 0.0;
+        for (r, row) in rows.iter().enumerate() {
+            let with = SampleInput {
+                eos_token_ids: &[4],
+                ..input(&params, &h, r as u64)
+            };
+            let without = SampleInput {
+                logprob: false,
+                ..with
+            };
+            let a = sample(&mut row.clone(), &with, &mut s);
+            let b = sample(&mut row.clone(), &without, &mut s);
+            match (a, b) {
+                (Ok(a), Ok(b)) => {
+                    assert_eq!(a.token, b.token, "row {r}");
+                    assert_eq!(b.logprob, 0.0, "row {r}: no logprob asked");
+                    assert!(b.top.is_empty());
+                }
+                (Err(a), Err(b)) => assert_eq!(format!("{a:?}"), format!("{b:?}"), "row {r}"),
+                (a, b) => panic!("row {r}: with logprob {a:?}, without {b:?}"),
+            }
+        }
+        // Alternatives still need the normalizer: a top-N row reports its logprob.
+        let top = SampleInput {
+            logprob: false,
+            top_logprobs_num: 2,
+            ..input(&params, &h, 0)
+        };
+        let out = sample(&mut rows[5].clone(), &top, &mut s).unwrap();
+        assert!(out.logprob < 0.0 && out.top.len() == 2);
     }
 
     #[test]
@@ -914,6 +993,7 @@ mod tests {
         let mut l = raw.clone();
         let inp = SampleInput {
             top_logprobs_num: 1000,
+            logprob: true,
             ..input(&params, &h, 4)
         };
         let out = sample(&mut l, &inp, &mut SamplerScratch::default()).unwrap();

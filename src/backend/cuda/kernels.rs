@@ -352,6 +352,7 @@ kernels! {
     DecodeAttentionG8Hd128Three => (PrefillAttention, "decode_attention_g8_hd128_3", TENSOR_CORE_ATTENTION),
     AttentionMergeHd128 => (PrefillAttention, "attention_merge_hd128", ATTENTION_MERGE),
     SampleRows => (Sampling, "sample_rows", &[Ptr, Ptr, I32, Ptr, Ptr, I32, I32, Ptr, Ptr]),
+    ArgmaxRows => (Sampling, "argmax_rows", &[Ptr, I32, Ptr, Ptr, I32, Ptr, Ptr, I32, Ptr]),
     HostExpf => (Sampling, "host_expf_kernel", MAP_N),
     Xxh3Ranges => (Hash, "xxh3_64_ranges", &[Ptr, Ptr, I32, Ptr]),
 }

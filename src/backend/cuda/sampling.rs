@@ -21,6 +21,22 @@ use crate::sampling::{uniform, Decoding, SampleInput, SamplingError, TokenLogpro
 /// Threads per sampled row (`SAMPLE_THREADS` in kernels/sampling.cu).
 const SAMPLE_THREADS: u32 = 512;
 
+/// Threads of an `argmax_rows` block (`ARGMAX_THREADS`).
+const ARGMAX_THREADS: u32 = 256;
+
+/// The most blocks a greedy row without logprobs is split over (`argmax_rows`): 2,374 of
+/// Qwen3's 151,936 logits a block.
+const ARGMAX_MAX_SPLITS: usize = 64;
+
+/// Blocks a greedy row without logprobs is split over: enough for four blocks an SM over the
+/// launch, at most [`ARGMAX_MAX_SPLITS`] and at least a block's threads' logits each.
+fn argmax_splits(rows: usize, vocab: usize, sm_count: u32) -> usize {
+    (4 * sm_count.max(1) as usize)
+        .div_ceil(rows.max(1))
+        .clamp(1, ARGMAX_MAX_SPLITS)
+        .min(vocab.div_ceil(ARGMAX_THREADS as usize).max(1))
+}
+
 /// The most logprob alternatives the device reports per row; the kernel's gather holds 2048
 /// keys. Rows asking for more are sampled on the host (the runner does that).
 pub const MAX_DEVICE_TOP_LOGPROBS: usize = 1024;
@@ -50,7 +66,10 @@ pub struct RowParams {
     pub repetition: f32,
     pub frequency: f32,
     pub presence: f32,
-    pub pad: [i32; 2],
+    /// 1: the token's logprob is wanted. A greedy row without it and without top-N skips the
+    /// normalizer.
+    pub logprob: i32,
+    pub pad: i32,
 }
 
 /// A token the penalties or the mask rewrite (`PenaltyEntry` in kernels/sampling.cu).
@@ -74,6 +93,16 @@ struct RowResult {
     num_top: u32,
 }
 
+/// One block's share of a split greedy row (`ArgmaxPart` in kernels/sampling.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct ArgmaxPart {
+    max: f32,
+    first_max: i32,
+    bad: i32,
+    pad: i32,
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 struct TopEntry {
@@ -86,6 +115,7 @@ const _: () = assert!(std::mem::align_of::<RowParams>() == 8);
 const _: () = assert!(std::mem::size_of::<PenaltyEntry>() == 12);
 const _: () = assert!(std::mem::size_of::<RowResult>() == 24);
 const _: () = assert!(std::mem::size_of::<TopEntry>() == 8);
+const _: () = assert!(std::mem::size_of::<ArgmaxPart>() == 16);
 
 // SAFETY: plain `repr(C)` structs of integers and floats with the kernel's layout (asserted
 // above), valid for any bit pattern, zero included.
@@ -97,6 +127,8 @@ unsafe impl DeviceRepr for RowResult {}
 unsafe impl ValidAsZeroBits for RowResult {}
 unsafe impl DeviceRepr for TopEntry {}
 unsafe impl ValidAsZeroBits for TopEntry {}
+unsafe impl DeviceRepr for ArgmaxPart {}
+unsafe impl ValidAsZeroBits for ArgmaxPart {}
 
 /// The kernel parameters of one row and the tokens its penalties and mask touch (appended to
 /// `entries`; each penalized token once, masked tokens in a second phase of the kernel).
@@ -150,6 +182,7 @@ pub fn row_params(
         penalties_begin: begin as i32,
         penalties_end: entries.len() as i32,
         top_n: input.top_logprobs_num.min(vocab) as i32,
+        logprob: input.logprob as i32,
         repetition: pen.repetition,
         frequency: pen.frequency,
         presence: pen.presence,
@@ -191,6 +224,10 @@ pub struct DeviceSampler {
     penalties: CudaSlice<PenaltyEntry>,
     results: CudaSlice<RowResult>,
     tops: CudaSlice<TopEntry>,
+    /// `argmax_rows`' per-block results (`argmax_splits` a row) and per-row tickets (zero
+    /// between launches: the row's last block resets its own).
+    parts: CudaSlice<ArgmaxPart>,
+    tickets: CudaSlice<u32>,
     host_params: Vec<RowParams>,
     host_penalties: Vec<PenaltyEntry>,
     row_penalties: Vec<PenaltyEntry>,
@@ -221,6 +258,8 @@ impl DeviceSampler {
             penalties: gpu.alloc(penalty_capacity.max(1))?,
             results: gpu.alloc(max_slots)?,
             tops: gpu.alloc(max_slots * MAX_DEVICE_TOP_LOGPROBS)?,
+            parts: gpu.alloc(rows_per_launch * ARGMAX_MAX_SPLITS)?,
+            tickets: gpu.alloc(rows_per_launch)?,
             host_params: Vec::with_capacity(rows_per_launch),
             host_penalties: Vec::with_capacity(penalty_capacity),
             row_penalties: Vec::new(),
@@ -236,6 +275,8 @@ impl DeviceSampler {
             + self.penalties.len() * 12
             + self.results.len() * 24
             + self.tops.len() * 8
+            + self.parts.len() * 16
+            + self.tickets.len() * 4
     }
 
     /// Starts a step whose rows report at most `top_n` alternatives each.
@@ -322,9 +363,35 @@ impl DeviceSampler {
         // them after the previous launch, so the host vectors and device buffers can be reused.
         gpu.write(&self.host_params, &mut self.params)?;
         gpu.write(&self.host_penalties, &mut self.penalties)?;
+        let rows = self.host_params.len();
+        let argmax_only = self
+            .host_params
+            .iter()
+            .all(|p| p.greedy == 1 && p.logprob == 0 && p.top_n == 0);
+        if argmax_only {
+            let splits = argmax_splits(rows, self.vocab, gpu.sm_count);
+            return gpu.launch(
+                Kernel::ArgmaxRows,
+                (splits as u32, rows as u32, 1),
+                ARGMAX_THREADS,
+                // `parts` holds ARGMAX_MAX_SPLITS blocks of every row of a launch, `tickets` a
+                // ticket a row (both sized by `new` for `rows_per_launch`).
+                (
+                    View::whole(logits),
+                    self.vocab as i32,
+                    View::whole(&self.params),
+                    View::whole(&self.penalties),
+                    splits as i32,
+                    View::whole(&self.parts),
+                    View::whole(&self.tickets),
+                    first_slot as i32,
+                    View::whole(&self.results),
+                ),
+            );
+        }
         gpu.launch(
             Kernel::SampleRows,
-            (self.host_params.len() as u32, 1, 1),
+            (rows as u32, 1, 1),
             SAMPLE_THREADS,
             // Sized by `new` for the rows of one launch and the slots of a step; `begin` and
             // `sample` check the rows, slots and penalty lists against them.
@@ -446,13 +513,20 @@ mod tests {
             seed: 42,
             sample_index: 2,
             top_logprobs_num: 5,
+            logprob: true,
         };
         let mut entries = vec![PenaltyEntry::default()];
         let row = row_params(&input, 100, 6, &mut entries);
         assert_eq!(row.u, uniform(42, 2, 2));
         assert_eq!(
-            (row.logits_row, row.top_k, row.top_n, row.greedy),
-            (6, 40, 5, 0)
+            (
+                row.logits_row,
+                row.top_k,
+                row.top_n,
+                row.greedy,
+                row.logprob
+            ),
+            (6, 40, 5, 0, 1)
         );
         assert_eq!((row.temperature, row.top_p, row.min_p), (0.7, 0.9, 0.05));
         assert_eq!((row.penalties_begin, row.penalties_end), (1, 6));
@@ -492,11 +566,12 @@ mod tests {
             seed: 1,
             sample_index: 0,
             top_logprobs_num: 0,
+            logprob: false,
         };
         let mut entries = Vec::new();
         let row = row_params(&input, 50, 0, &mut entries);
         assert!(entries.is_empty());
-        assert_eq!((row.greedy, row.top_k, row.u), (1, 0, 0.0));
+        assert_eq!((row.greedy, row.top_k, row.u, row.logprob), (1, 0, 0.0, 0));
         // Only frequency/presence: the output tokens alone.
         let params = valid(SamplingParams {
             presence_penalty: 0.3,
