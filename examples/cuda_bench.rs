@@ -116,6 +116,14 @@ fn main() {
         gpu.arch,
         bw / 1e9
     );
+    println!(
+        "decode rows: greedy, {}",
+        if a.logprobs {
+            "with the token's logprob"
+        } else {
+            "no logprob asked"
+        }
+    );
     drop(gpu);
     let max_batch = *a.batches.iter().max().unwrap_or(&1);
     let block = 16;
