@@ -112,9 +112,10 @@ fn main() {
     }
 }
 
-/// The device sampler alone (`sample_rows`: a block a row over the whole vocabulary) on a step
-/// of `rows` rows, greedy (as the server's benchmark rows decode) and at temperature 1 with a
-/// seed (as RL rollouts sample: a draw from the whole distribution, the token's logprob), at
+/// The device sampler alone on a step of `rows` rows: greedy without logprobs (as the server's
+/// benchmark rows decode: `argmax_rows`, each row split over blocks), greedy with its logprob
+/// (`sample_rows`: a block a row over the whole vocabulary) and at temperature 1 with a seed
+/// (as RL rollouts sample: a draw from the whole distribution, the token's logprob), at
 /// each token count up to 1,024 rows: the parameters' upload, the launch and the results'
 /// download, median of 20. Logits uniform in [-8, 8) from a fixed hash (rows differ), so the
 /// draw's radix select narrows a wide distribution.
@@ -138,11 +139,13 @@ fn sampling(gpu: &Gpu, cfg: &ModelConfig, token_counts: &[usize]) {
     println!("Device sampling over {vocab} logits a row");
     println!("| rows | kind | us a step | us a row |");
     println!("|---|---|---|---|");
-    for (kind, temperature, logprob) in [
-        ("greedy, no logprob", 0.0, false),
-        ("greedy, logprob", 0.0, true),
-        ("temperature 1, seeded", 1.0, true),
+    // (What the row is, temperature, whether it asks for its logprob, the argmax path on.)
+    for (kind, temperature, logprob, argmax) in [
+        ("greedy, no logprob (argmax_rows)", 0.0, false, true),
+        ("greedy, logprob", 0.0, true, false),
+        ("temperature 1, seeded", 1.0, true, false),
     ] {
+        sampler.set_greedy_argmax(argmax);
         let params = SamplingParams {
             temperature,
             ..Default::default()

@@ -337,6 +337,8 @@ fn device_sampling_equals_the_cpu_sampler() {
     ] {
         // 8 rows per launch and a small penalty buffer: a batch of 16 takes several launches.
         let mut sampler = DeviceSampler::new(&g, v, 8, 64, 200).unwrap();
+        // Greedy rows without logprobs stop after the max walk (the CPU's tokens, logprob 0).
+        sampler.set_greedy_argmax(true);
         let mut scratch = SamplerScratch::default();
         for round in 0..rounds {
             let batch = 16;
@@ -522,6 +524,7 @@ fn greedy_rows_without_logprobs_give_the_tokens_of_rows_with_them() {
         (151_936, &[1, 2, 8, 33, 300]),
     ] {
         let mut sampler = DeviceSampler::new(&g, v, 256, 300, 4096).unwrap();
+        sampler.set_greedy_argmax(true);
         for &batch in batches {
             for round in 0..2 {
                 let cases: Vec<Case> = (0..batch).map(|_| Case::argmax_only(&mut rng, v)).collect();
@@ -619,7 +622,14 @@ fn forward_and_sample_equals_forward_then_the_cpu_sampler() {
             },
         ],
     };
-    let cases: Vec<Case> = (0..3).map(|_| Case::random(&mut rng, v)).collect();
+    // Every row asks for its logprob: the model's sampler takes greedy rows without one as
+    // `LOCKSTEP_GREEDY_ARGMAX` says, and off it reports a logprob where the CPU reports 0.
+    let cases: Vec<Case> = (0..3)
+        .map(|_| Case {
+            logprob: true,
+            ..Case::random(&mut rng, v)
+        })
+        .collect();
     // The second sequence is not sampled (a mid-prefill chunk asking for prompt logprobs).
     let samples: Vec<Option<SampleInput<'_>>> = cases
         .iter()

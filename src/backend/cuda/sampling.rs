@@ -234,6 +234,12 @@ pub struct DeviceSampler {
     /// Slots used in this step and the top-N stride it was begun with.
     used: usize,
     top_stride: usize,
+    /// Greedy rows that ask for no logprob take their first maximum alone (`sample_rows`
+    /// stops after its first walk; launches of only such rows go to `argmax_rows`). Off, they
+    /// compute the logprob they do not report, as before. Opt-in (`LOCKSTEP_GREEDY_ARGMAX=1`,
+    /// or [`DeviceSampler::set_greedy_argmax`]) until it has run on a GPU (written 2026-12-06,
+    /// not yet run: docs/gpu.md).
+    greedy_argmax: bool,
 }
 
 impl DeviceSampler {
@@ -265,7 +271,13 @@ impl DeviceSampler {
             row_penalties: Vec::new(),
             used: 0,
             top_stride: 0,
+            greedy_argmax: std::env::var("LOCKSTEP_GREEDY_ARGMAX").is_ok_and(|v| v == "1"),
         })
+    }
+
+    /// Turns the greedy rows' argmax path on or off (see `greedy_argmax`).
+    pub fn set_greedy_argmax(&mut self, on: bool) {
+        self.greedy_argmax = on;
     }
 
     /// Device bytes the sampler holds.
@@ -325,6 +337,9 @@ impl DeviceSampler {
             }
             self.row_penalties.clear();
             let mut params = row_params(input, self.vocab, *row, &mut self.row_penalties);
+            if !self.greedy_argmax {
+                params.logprob = 1;
+            }
             let needed = self.row_penalties.len();
             if needed > self.penalties.len() {
                 return Err(CudaError::Capacity(format!(
