@@ -224,8 +224,8 @@ pub struct DeviceSampler {
     penalties: CudaSlice<PenaltyEntry>,
     results: CudaSlice<RowResult>,
     tops: CudaSlice<TopEntry>,
-    /// `argmax_rows`' per-block results (`argmax_splits` a row) and per-row tickets (zero
-    /// between launches: the row's last block resets its own).
+    /// `argmax_rows`' per-block results (room for [`ARGMAX_MAX_SPLITS`] a row of a launch) and
+    /// per-row tickets (zero between launches: the row's last block resets its own).
     parts: CudaSlice<ArgmaxPart>,
     tickets: CudaSlice<u32>,
     host_params: Vec<RowParams>,
