@@ -489,6 +489,31 @@ __device__ void write_failure(RowResult* res, int bad, float value) {
     res->bad_value = non_finite ? value : 0.0f;
 }
 
+// The penalties (each token at most once in the list) of the row's tokens in [lo, hi), then
+// their min_new_tokens mask, by a block of `threads` threads, in place; the block's threads see
+// the processed row afterwards.
+__device__ void apply_penalties(float* row, const RowParams& pr, const PenaltyEntry* penalties, int lo, int hi,
+                                int threads) {
+    const int first = pr.penalties_begin + threadIdx.x;
+    for (int i = first; i < pr.penalties_end; i += threads) {
+        PenaltyEntry e = penalties[i];
+        if ((e.flags & PENALTY_MASK) || (int)e.token < lo || (int)e.token >= hi) continue;
+        float l = row[e.token];
+        if (e.flags & PENALTY_REPEAT) l = l > 0.0f ? __fdiv_rn(l, pr.repetition) : __fmul_rn(l, pr.repetition);
+        if (e.output_count > 0) {
+            l = __fsub_rn(l, __fmul_rn(pr.frequency, (float)e.output_count));
+            l = __fsub_rn(l, pr.presence);
+        }
+        row[e.token] = l;
+    }
+    __syncthreads();
+    for (int i = first; i < pr.penalties_end; i += threads) {
+        PenaltyEntry e = penalties[i];
+        if ((e.flags & PENALTY_MASK) && (int)e.token >= lo && (int)e.token < hi) row[e.token] = -INFINITY;
+    }
+    __syncthreads();
+}
+
 // One block per sampled row. `logits` holds the lm_head chunk (row stride `vocab`); the row is
 // processed in place. `probs` has one row per block. Results go to slot first_slot + blockIdx.x.
 extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* logits, float* probs, int vocab, const RowParams* params, const PenaltyEntry* penalties,
@@ -502,24 +527,7 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* 
     RowResult* res = results + first_slot + blockIdx.x;
     if (tid < 32) sh.exp_table[tid] = EXP2F_TABLE[tid];
 
-    // Penalties (each token at most once in the list), then the min_new_tokens mask.
-    for (int i = pr.penalties_begin + tid; i < pr.penalties_end; i += SAMPLE_THREADS) {
-        PenaltyEntry e = penalties[i];
-        if (e.flags & PENALTY_MASK) continue;
-        float l = row[e.token];
-        if (e.flags & PENALTY_REPEAT) l = l > 0.0f ? __fdiv_rn(l, pr.repetition) : __fmul_rn(l, pr.repetition);
-        if (e.output_count > 0) {
-            l = __fsub_rn(l, __fmul_rn(pr.frequency, (float)e.output_count));
-            l = __fsub_rn(l, pr.presence);
-        }
-        row[e.token] = l;
-    }
-    __syncthreads();
-    for (int i = pr.penalties_begin + tid; i < pr.penalties_end; i += SAMPLE_THREADS) {
-        PenaltyEntry e = penalties[i];
-        if (e.flags & PENALTY_MASK) row[e.token] = -INFINITY;
-    }
-    __syncthreads();
+    apply_penalties(row, pr, penalties, 0, vocab, SAMPLE_THREADS);
 
     // Temperature, the max and the first non-finite logit. A thread walks its logits t = tid,
     // tid + SAMPLE_THREADS, ... in that order, SAMPLE_BATCH of them loaded before any is used.
@@ -542,10 +550,10 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS) void sample_rows(float* 
     float block_m = block_max_f32(m, sh);
     first_max = block_min_i32(m == block_m ? first_max : 0x7fffffff, sh);
     m = block_m;
-    if (tid == 0 && (bad != 0x7fffffff || m == -INFINITY)) {
-        write_failure(res, bad, bad != 0x7fffffff ? row[bad] : 0.0f);
+    if (bad != 0x7fffffff || m == -INFINITY) {
+        if (tid == 0) write_failure(res, bad, bad != 0x7fffffff ? row[bad] : 0.0f);
+        return;
     }
-    if (bad != 0x7fffffff || m == -INFINITY) return;
     if (pr.greedy && !pr.logprob && pr.top_n == 0) {
         if (tid == 0) write_token(res, (u32)first_max);
         return;
@@ -689,24 +697,7 @@ extern "C" __global__ __launch_bounds__(ARGMAX_THREADS) void argmax_rows(float* 
     const int chunk = (vocab + splits - 1) / splits;
     const int lo = s * chunk, hi = min(vocab, lo + chunk);
 
-    // This block's tokens' penalties, then their min_new_tokens mask (sample_rows' phases).
-    for (int i = pr.penalties_begin + tid; i < pr.penalties_end; i += ARGMAX_THREADS) {
-        PenaltyEntry e = penalties[i];
-        if ((e.flags & PENALTY_MASK) || (int)e.token < lo || (int)e.token >= hi) continue;
-        float l = row[e.token];
-        if (e.flags & PENALTY_REPEAT) l = l > 0.0f ? __fdiv_rn(l, pr.repetition) : __fmul_rn(l, pr.repetition);
-        if (e.output_count > 0) {
-            l = __fsub_rn(l, __fmul_rn(pr.frequency, (float)e.output_count));
-            l = __fsub_rn(l, pr.presence);
-        }
-        row[e.token] = l;
-    }
-    __syncthreads();
-    for (int i = pr.penalties_begin + tid; i < pr.penalties_end; i += ARGMAX_THREADS) {
-        PenaltyEntry e = penalties[i];
-        if ((e.flags & PENALTY_MASK) && (int)e.token >= lo && (int)e.token < hi) row[e.token] = -INFINITY;
-    }
-    __syncthreads();
+    apply_penalties(row, pr, penalties, lo, hi, ARGMAX_THREADS);  // this block's tokens'
 
     float m = -INFINITY;
     int first = 0x7fffffff, bad = 0x7fffffff;
