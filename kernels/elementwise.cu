@@ -413,3 +413,67 @@ extern "C" __global__ void copy_ranges(const u64* ranges, int n) {
         for (u64 i = first; i < bytes; i += step) dst[i] = src[i];
     }
 }
+
+// ---- L2 prefetches of weights (a hint: no value changes) ----
+//
+// A launch queued between kernels A and B that asks L2 for weights B or a later launch reads,
+// while A still runs: it lets its dependents launch first, issues its prefetches, and only then
+// waits for A, so B (which waits for this launch) still sees every write made before it, and the
+// weight bytes come from DRAM during A's latency-bound chain instead of B's. Weights are never
+// written by a step's kernels, so reading them before the wait is safe.
+__device__ __forceinline__ void pdl_let_dependents_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait_for_previous() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// PREFETCH_EVICT_LAST 1 (a kernel variant): the prefetched lines are the last L2 evicts, so
+// the expert weights streamed between a prefetch and its reader do not push them out first.
+#ifndef PREFETCH_EVICT_LAST
+#define PREFETCH_EVICT_LAST 0
+#endif
+
+// Asks L2 for the 128-byte lines of `bytes` bytes at `p`, thread `first` of `step` taking every
+// step-th line.
+__device__ __forceinline__ void prefetch_lines(const u8* p, u64 bytes, u64 first, u64 step) {
+    for (u64 off = first * 128; off < bytes; off += step * 128) {
+#if PREFETCH_EVICT_LAST && __CUDA_ARCH__ >= 800
+        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p + off));
+#else
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
+#endif
+    }
+}
+
+// Three byte ranges (a null pointer or zero bytes: none), grid-stride over the launch's threads.
+extern "C" __global__ void l2_prefetch(const u8* a, u64 a_bytes, const u8* b, u64 b_bytes, const u8* c,
+                                       u64 c_bytes) {
+    pdl_let_dependents_launch();
+    u64 first = blockIdx.x * (u64)blockDim.x + threadIdx.x, step = (u64)gridDim.x * blockDim.x;
+    if (a) prefetch_lines(a, a_bytes, first, step);
+    if (b) prefetch_lines(b, b_bytes, first, step);
+    if (c) prefetch_lines(c, c_bytes, first, step);
+    pdl_wait_for_previous();
+}
+
+// The matrices of the experts a routing chose (ids[0..n], the routing launch's output, so read
+// after the wait): expert e's `data_bytes` at data + e * data_bytes and `scale_bytes` at
+// scales + e * scale_bytes (scales null: none). Repeated ids are asked for again (harmless).
+// Grid (x, n): the x blocks of id blockIdx.y take its lines grid-stride.
+extern "C" __global__ void l2_prefetch_experts(const int* ids, int n, const u8* data, u64 data_bytes,
+                                               const u8* scales, u64 scale_bytes) {
+    pdl_let_dependents_launch();
+    pdl_wait_for_previous();
+    if ((int)blockIdx.y >= n) return;
+    int e = ids[blockIdx.y];
+    if (e < 0) return;
+    u64 first = blockIdx.x * (u64)blockDim.x + threadIdx.x, step = (u64)gridDim.x * blockDim.x;
+    prefetch_lines(data + (u64)e * data_bytes, data_bytes, first, step);
+    if (scales) prefetch_lines(scales + (u64)e * scale_bytes, scale_bytes, first, step);
+}
