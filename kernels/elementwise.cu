@@ -463,17 +463,21 @@ extern "C" __global__ void l2_prefetch(const u8* a, u64 a_bytes, const u8* b, u6
 }
 
 // The matrices of the experts a routing chose (ids[0..n], the routing launch's output, so read
-// after the wait): expert e's `data_bytes` at data + e * data_bytes and `scale_bytes` at
-// scales + e * scale_bytes (scales null: none). Repeated ids are asked for again (harmless).
-// Grid (x, n): the x blocks of id blockIdx.y take its lines grid-stride.
-extern "C" __global__ void l2_prefetch_experts(const int* ids, int n, const u8* data, u64 data_bytes,
-                                               const u8* scales, u64 scale_bytes) {
+// after the wait), of up to two stacks (a, then b; a null data pointer: none): expert e's
+// `*_bytes` at data + e * bytes and `*_scale_bytes` at scales + e * scale_bytes (null scales:
+// none). Repeated ids are asked for again (harmless). Grid (x, n): the x blocks of id
+// blockIdx.y take its lines grid-stride.
+extern "C" __global__ void l2_prefetch_experts(const int* ids, int n, const u8* a_data, u64 a_bytes,
+                                               const u8* a_scales, u64 a_scale_bytes, const u8* b_data,
+                                               u64 b_bytes, const u8* b_scales, u64 b_scale_bytes) {
     pdl_let_dependents_launch();
     pdl_wait_for_previous();
     if ((int)blockIdx.y >= n) return;
     int e = ids[blockIdx.y];
     if (e < 0) return;
     u64 first = blockIdx.x * (u64)blockDim.x + threadIdx.x, step = (u64)gridDim.x * blockDim.x;
-    prefetch_lines(data + (u64)e * data_bytes, data_bytes, first, step);
-    if (scales) prefetch_lines(scales + (u64)e * scale_bytes, scale_bytes, first, step);
+    if (a_data) prefetch_lines(a_data + (u64)e * a_bytes, a_bytes, first, step);
+    if (a_scales) prefetch_lines(a_scales + (u64)e * a_scale_bytes, a_scale_bytes, first, step);
+    if (b_data) prefetch_lines(b_data + (u64)e * b_bytes, b_bytes, first, step);
+    if (b_scales) prefetch_lines(b_scales + (u64)e * b_scale_bytes, b_scale_bytes, first, step);
 }

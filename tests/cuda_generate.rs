@@ -719,6 +719,7 @@ fn decode_steps_on_cuda_graphs_give_the_eager_bits() {
         let all = lockstep::model::cuda::L2Prefetch {
             dense: true,
             experts: true,
+            experts_gate_up: true,
             max_rows: 256,
         };
         graphed.backend.set_l2_prefetch(all);

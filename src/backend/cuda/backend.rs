@@ -213,16 +213,18 @@ fn folds_in_readers() -> bool {
 
 /// Which weights a step asks L2 for ahead of their GEMMs: dense ones (`Backend::prefetch`: a
 /// layer's q/k/v during the MLP before it, its o_proj and router during its attention) and the
-/// chosen experts' down projections during their gate/up; in decode steps of at most
-/// `max_rows` rows, where the GEMMs wait on memory round trips rather than bandwidth, and only
-/// under programmatic dependent launch, which lets a prefetch run beside the kernel before it.
+/// chosen experts' (once routed: their down projections, which then come during the gate/up,
+/// and with `experts_gate_up` the gate/up's own first); in decode steps of at most `max_rows`
+/// rows, where the GEMMs wait on memory round trips rather than bandwidth, and only under
+/// programmatic dependent launch, which lets a prefetch run beside the kernel before it.
 /// Opt-in while unmeasured: `LOCKSTEP_L2_PREFETCH=1` (dense weights),
-/// `LOCKSTEP_L2_PREFETCH_EXPERTS=1`, `LOCKSTEP_L2_PREFETCH_ROWS=N` (default 16). No value
-/// changes either way.
+/// `LOCKSTEP_L2_PREFETCH_EXPERTS=1` (down) or `=2` (gate/up and down),
+/// `LOCKSTEP_L2_PREFETCH_ROWS=N` (default 16). No value changes either way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct L2Prefetch {
     pub dense: bool,
     pub experts: bool,
+    pub experts_gate_up: bool,
     pub max_rows: usize,
 }
 
@@ -232,9 +234,11 @@ impl L2Prefetch {
         static RULE: std::sync::OnceLock<L2Prefetch> = std::sync::OnceLock::new();
         *RULE.get_or_init(|| {
             let on = |var: &str| std::env::var(var).is_ok_and(|v| v == "1");
+            let experts = std::env::var("LOCKSTEP_L2_PREFETCH_EXPERTS").unwrap_or_default();
             L2Prefetch {
                 dense: on("LOCKSTEP_L2_PREFETCH"),
-                experts: on("LOCKSTEP_L2_PREFETCH_EXPERTS"),
+                experts: experts == "1" || experts == "2",
+                experts_gate_up: experts == "2",
                 max_rows: std::env::var("LOCKSTEP_L2_PREFETCH_ROWS")
                     .ok()
                     .and_then(|v| v.parse().ok())
@@ -1150,7 +1154,12 @@ impl Backend for Cuda {
         // The chosen experts' down projections come into L2 during their gate/up.
         if self.prefetches(true) {
             let pairs = rows * shape.top_k;
-            ops::l2_prefetch_experts(&self.gpu, &route.ids, pairs, &w.down.data, w.down.experts)?;
+            let stacks: &[&ops::WeightData] = if self.l2_prefetch.experts_gate_up {
+                &[&w.gate_up.data, &w.down.data]
+            } else {
+                &[&w.down.data]
+            };
+            ops::l2_prefetch_experts(&self.gpu, &route.ids, pairs, stacks, w.down.experts)?;
         }
         if !self.keep && self.experts_swiglu_down(w, x, rows, route, gate_up, out)? {
             return Ok(());

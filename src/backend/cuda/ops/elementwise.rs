@@ -409,22 +409,31 @@ pub fn l2_prefetch(gpu: &Gpu, weights: &[&WeightData]) -> Result<(), CudaError> 
     Ok(())
 }
 
-/// Asks L2 for the matrices of `experts` (a stack of `experts.len() / per_expert` matrices)
-/// that the first `n` entries of `ids` (a routing's chosen experts, written by the launch before)
-/// name. Each id's lines are spread over a few blocks.
+/// Asks L2 for the matrices of the expert stacks in `stacks` (one or two, each of `count`
+/// matrices) that the first `n` entries of `ids` (a routing's chosen experts, written by the
+/// launch before) name, each stack in turn. Each id's lines are spread over a few blocks.
 pub fn l2_prefetch_experts(
     gpu: &Gpu,
     ids: &CudaSlice<i32>,
     n: usize,
-    experts: &WeightData,
+    stacks: &[&WeightData],
     count: usize,
 ) -> Result<(), CudaError> {
-    if n == 0 || count == 0 {
+    if n == 0 || count == 0 || stacks.is_empty() || stacks.len() > 2 {
         return Ok(());
     }
     let ids = need(ids, n, "l2_prefetch_experts ids")?;
-    let [(data, data_bytes), (scales, scale_bytes)] = weight_ranges(gpu, experts);
-    let (data_bytes, scale_bytes) = (data_bytes / count as u64, scale_bytes / count as u64);
+    let per_expert = |w: Option<&&WeightData>| {
+        let [(data, bytes), (scales, scale_bytes)] = w.map_or([(0, 0); 2], |w| weight_ranges(gpu, w));
+        (
+            DevPtr(data),
+            bytes / count as u64,
+            DevPtr(scales),
+            scale_bytes / count as u64,
+        )
+    };
+    let (a, a_bytes, a_scales, a_scale_bytes) = per_expert(stacks.first());
+    let (b, b_bytes, b_scales, b_scale_bytes) = per_expert(stacks.get(1));
     // About one block an SM in all.
     let per_id = (gpu.sm_count as usize).div_ceil(n).clamp(1, 32) as u32;
     gpu.launch(
@@ -434,10 +443,14 @@ pub fn l2_prefetch_experts(
         (
             ids,
             n as i32,
-            DevPtr(data),
-            data_bytes,
-            DevPtr(scales),
-            scale_bytes,
+            a,
+            a_bytes,
+            a_scales,
+            a_scale_bytes,
+            b,
+            b_bytes,
+            b_scales,
+            b_scale_bytes,
         ),
     )
 }
