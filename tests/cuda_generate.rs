@@ -714,16 +714,6 @@ fn decode_steps_on_cuda_graphs_give_the_eager_bits() {
         let (mut eager, mut graphed) = (model(0, false), model(256, true));
         // Recorded at start-up (every size up to the 8 sequences), as the server does.
         let mut captured = model(256, true);
-        // The recorded steps also ask L2 for weights ahead of their GEMMs (a hint that must
-        // change no bit); the eager model's plain launches never do.
-        let all = lockstep::model::cuda::L2Prefetch {
-            dense: true,
-            experts: true,
-            experts_gate_up: true,
-            max_rows: 256,
-        };
-        graphed.backend.set_l2_prefetch(all);
-        captured.backend.set_l2_prefetch(all);
         assert_eq!(
             captured.capture_decode_graphs().unwrap(),
             4,
@@ -807,7 +797,7 @@ fn decode_steps_on_cuda_graphs_give_the_eager_bits() {
             4,
             "{name}: the steps replayed the start-up recordings"
         );
-        println!("{name}: 13 decode steps on CUDA graphs with dependent launches and L2 prefetches of the weights (8, 4 and 1 padded rows, recorded lazily or at start-up) equal the eager steps with plain launches bit for bit");
+        println!("{name}: 13 decode steps on CUDA graphs with dependent launches (8, 4 and 1 padded rows, recorded lazily or at start-up) equal the eager steps with plain launches bit for bit");
     }
 }
 

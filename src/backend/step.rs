@@ -214,14 +214,6 @@ pub trait Backend {
         out: &mut Self::Act,
     ) -> Result<(), Self::Error>;
 
-    /// A hint that `weights` are read soon, by a launch after the next one: a device backend
-    /// may ask its cache for their bytes while the work queued before still runs. It changes
-    /// no value; the default does nothing.
-    fn prefetch(&mut self, weights: &[&Self::Linear]) -> Result<(), Self::Error> {
-        let _ = weights;
-        Ok(())
-    }
-
     /// `outs[i] = x W_i^T` for layers that read the same `x` (the attention's q, k and v): three
     /// [`Backend::linear`] calls, unless the backend prepares `x` once for all of them (the CUDA
     /// backend quantizes it once when the layers share an activation format).

@@ -77,11 +77,6 @@ pub fn forward<B: Backend>(
     b.layers(record, &mut |b| {
         b.embed(&model.embed_tokens, &plan, &dims, &mut s.x)?;
         let mut moe_index = 0;
-        // Each layer's q/k/v are asked for during the MLP before them (the first layer's here),
-        // its o_proj and router during its attention: hints that change no value.
-        if let Some(first) = model.layers.first() {
-            b.prefetch(&[&first.q_proj, &first.k_proj, &first.v_proj])?;
-        }
         for (l, layer) in model.layers.iter().enumerate() {
             // The previous layer's MLP output joins the residual stream inside the norm.
             let residual = (l > 0).then_some(&s.y);
@@ -95,10 +90,6 @@ pub fn forward<B: Backend>(
                 eps,
             )?;
             let x_in = tracing.then(|| b.host(&s.x, n * h)).transpose()?;
-            match &layer.mlp {
-                Mlp::Moe(moe) => b.prefetch(&[&layer.o_proj, &moe.router])?,
-                Mlp::Dense(_) => b.prefetch(&[&layer.o_proj])?,
-            }
             b.linear_same_input(
                 [&layer.q_proj, &layer.k_proj, &layer.v_proj],
                 &s.normed,
@@ -139,17 +130,10 @@ pub fn forward<B: Backend>(
             )?;
             let x_mid = tracing.then(|| b.host(&s.x, n * h)).transpose()?;
             let mlp_in = tracing.then(|| b.host(&s.normed, n * h)).transpose()?;
-            let next_qkv = model
-                .layers
-                .get(l + 1)
-                .map(|next| [&next.q_proj, &next.k_proj, &next.v_proj]);
             let mlp_trace = match &layer.mlp {
                 Mlp::Dense(mlp) => {
                     let inter = cfg.intermediate_size;
                     b.mlp_gate_up(mlp, &s.normed, n, &mut s.gate_up)?;
-                    if let Some(qkv) = next_qkv {
-                        b.prefetch(&qkv)?;
-                    }
                     b.silu_mul(&s.gate_up, n, inter, &mut s.act)?;
                     b.mlp_down(mlp, &s.act, n, &mut s.y)?;
                     tracing
@@ -165,9 +149,6 @@ pub fn forward<B: Backend>(
                         inter: cfg.moe.as_ref().map_or(0, |m| m.intermediate_size),
                     };
                     b.linear(&moe.router, &s.normed, n, &mut s.router_logits)?;
-                    if let Some(qkv) = next_qkv {
-                        b.prefetch(&qkv)?;
-                    }
                     // This layer's replayed experts, `[rows, top_k]`.
                     let replay: Option<Vec<i32>> = opts.routing.map(|ids| {
                         (0..n)

@@ -188,8 +188,6 @@ pub struct Cuda {
     /// GEMM outputs left as split-K segment sums for their readers ([`Unfolded`]), by the
     /// output buffer's address.
     unfolded: Vec<LeftSums>,
-    /// Which weights the decode steps ask L2 for ahead of their GEMMs.
-    l2_prefetch: L2Prefetch,
 }
 
 /// A GEMM output left as its segment sums: where it would have gone, and its shape.
@@ -211,58 +209,7 @@ fn folds_in_readers() -> bool {
     ops::opted_in(&CHOSEN, "LOCKSTEP_FOLD_IN_READERS")
 }
 
-/// Which weights a step asks L2 for ahead of their GEMMs: dense ones (`Backend::prefetch`: a
-/// layer's q/k/v during the MLP before it, its o_proj and router during its attention) and the
-/// chosen experts' (once routed: their down projections, which then come during the gate/up,
-/// and with `experts_gate_up` the gate/up's own first); in decode steps of at most `max_rows`
-/// rows, where the GEMMs wait on memory round trips rather than bandwidth, and only under
-/// programmatic dependent launch, which lets a prefetch run beside the kernel before it.
-/// Opt-in while unmeasured: `LOCKSTEP_L2_PREFETCH=1` (dense weights),
-/// `LOCKSTEP_L2_PREFETCH_EXPERTS=1` (down) or `=2` (gate/up and down),
-/// `LOCKSTEP_L2_PREFETCH_ROWS=N` (default 16). No value changes either way.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct L2Prefetch {
-    pub dense: bool,
-    pub experts: bool,
-    pub experts_gate_up: bool,
-    pub max_rows: usize,
-}
-
-impl L2Prefetch {
-    /// The rule the environment asks for (read once).
-    pub fn from_env() -> L2Prefetch {
-        static RULE: std::sync::OnceLock<L2Prefetch> = std::sync::OnceLock::new();
-        *RULE.get_or_init(|| {
-            let on = |var: &str| std::env::var(var).is_ok_and(|v| v == "1");
-            let experts = std::env::var("LOCKSTEP_L2_PREFETCH_EXPERTS").unwrap_or_default();
-            L2Prefetch {
-                dense: on("LOCKSTEP_L2_PREFETCH"),
-                experts: experts == "1" || experts == "2",
-                experts_gate_up: experts == "2",
-                max_rows: std::env::var("LOCKSTEP_L2_PREFETCH_ROWS")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(16),
-            }
-        })
-    }
-}
-
 impl Cuda {
-    /// Whether this step asks L2 for weights ahead of their GEMMs ([`L2Prefetch`]; `experts`:
-    /// the routed experts' rather than dense weights).
-    fn prefetches(&self, experts: bool) -> bool {
-        let rule = self.l2_prefetch;
-        let asked = if experts { rule.experts } else { rule.dense };
-        asked && self.gpu.pdl && self.decode_rows.is_some_and(|n| n <= rule.max_rows)
-    }
-
-    /// Sets which weights the steps recorded or run from now on prefetch ([`L2Prefetch`]; the
-    /// environment's choice until then).
-    pub fn set_l2_prefetch(&mut self, rule: L2Prefetch) {
-        self.l2_prefetch = rule;
-    }
-
     /// The backend's own scratch for steps up to `sizes`.
     pub fn new(gpu: Gpu, shape: &ModelShape, sizes: CudaSizes) -> Result<Cuda, CudaError> {
         let d = &shape.dims;
@@ -350,7 +297,6 @@ impl Cuda {
             decode_split,
             keep: true,
             unfolded: Vec::new(),
-            l2_prefetch: L2Prefetch::from_env(),
         })
     }
 
@@ -847,14 +793,6 @@ impl Backend for Cuda {
     /// each would write the same bytes, scales and dequantized values. Their one launch may
     /// leave its sums to the readers, as [`Cuda::gemm`]; separate launches fold (each would
     /// reuse the sums' scratch).
-    fn prefetch(&mut self, weights: &[&GpuMatrix]) -> Result<(), CudaError> {
-        if !self.prefetches(false) {
-            return Ok(());
-        }
-        let data: Vec<&ops::WeightData> = weights.iter().map(|w| &w.data).collect();
-        ops::l2_prefetch(&self.gpu, &data)
-    }
-
     fn linear_same_input(
         &mut self,
         ws: [&GpuMatrix; 3],
@@ -1151,16 +1089,6 @@ impl Backend for Cuda {
         act: &mut CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        // The chosen experts' down projections come into L2 during their gate/up.
-        if self.prefetches(true) {
-            let pairs = rows * shape.top_k;
-            let stacks: &[&ops::WeightData] = if self.l2_prefetch.experts_gate_up {
-                &[&w.gate_up.data, &w.down.data]
-            } else {
-                &[&w.down.data]
-            };
-            ops::l2_prefetch_experts(&self.gpu, &route.ids, pairs, stacks, w.down.experts)?;
-        }
         if !self.keep && self.experts_swiglu_down(w, x, rows, route, gate_up, out)? {
             return Ok(());
         }

@@ -265,10 +265,6 @@ kernels! {
     MoeCombine => (Elementwise, "moe_combine", &[Ptr, Ptr, Ptr, Ptr, I32, I32]),
     MoeCombineSums => (Elementwise, "moe_combine_sums", &[Ptr, Ptr, Ptr, Ptr, I32, I32, I32]),
     CopyRanges => (Elementwise, "copy_ranges", &[Ptr, I32]),
-    L2Prefetch => (Elementwise, "l2_prefetch", &[Ptr, U64, Ptr, U64, Ptr, U64]),
-    L2PrefetchExperts => (Elementwise, "l2_prefetch_experts", &[
-        Ptr, I32, Ptr, U64, Ptr, U64, Ptr, U64, Ptr, U64,
-    ]),
     MoeRoute => (Moe, "moe_route", &[Ptr, I32, I32, I32, I32, Ptr, Ptr, Ptr, Ptr, I32]),
     MoeCount => (Moe, "moe_count", &[Ptr, I32, Ptr]),
     MoePlan => (Moe, "moe_plan", &[Ptr, I32, I32, I32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr]),

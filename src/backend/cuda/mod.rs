@@ -20,7 +20,7 @@ pub mod pinned;
 pub mod sampling;
 pub mod weights;
 
-pub use backend::{Cuda, CudaSizes, L2Prefetch};
+pub use backend::{Cuda, CudaSizes};
 pub use device::{device_count, Gpu};
 
 #[derive(Debug, thiserror::Error)]

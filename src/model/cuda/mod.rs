@@ -16,7 +16,7 @@ use super::{
     ForwardBatch, ForwardOutput, ForwardTrace, Layer, Mlp, Model, ModelConfig, Moe, SeqInput,
 };
 use crate::backend::cpu::linear::DenseWeight;
-pub use crate::backend::cuda::backend::{Cuda, CudaSizes, L2Prefetch};
+pub use crate::backend::cuda::backend::{Cuda, CudaSizes};
 use crate::backend::cuda::backend::{CudaExperts, CudaKv, CudaSwiGlu, ModelShape};
 use crate::backend::cuda::graphs::{padded_rows, GRAPH_ROWS};
 use crate::backend::cuda::ops::Table;

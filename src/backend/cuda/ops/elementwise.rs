@@ -3,7 +3,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{need, sums_ptr, AttnShape, MoePlan, Unfolded, WeightData, BLOCK};
+use super::{need, sums_ptr, AttnShape, MoePlan, Unfolded, BLOCK};
 use crate::backend::cuda::args::{addr, DevPtr, View};
 use crate::backend::cuda::kernels::Kernel;
 use crate::backend::cuda::{CudaError, Gpu};
@@ -368,89 +368,4 @@ pub unsafe fn copy_ranges(gpu: &Gpu, ranges: &[CopyRange]) -> Result<(), CudaErr
         )?;
     }
     Ok(())
-}
-
-/// A weight's bytes as the L2 prefetches name them: its data, then its block scales.
-fn weight_ranges(gpu: &Gpu, w: &WeightData) -> [(u64, u64); 2] {
-    let bytes = |len: usize, size: usize| (len * size) as u64;
-    match w {
-        WeightData::F32(d) => [(addr(gpu, d), bytes(d.len(), 4)), (0, 0)],
-        WeightData::Bf16(d) => [(addr(gpu, d), bytes(d.len(), 2)), (0, 0)],
-        WeightData::Mxfp8 { data, scales } | WeightData::Nvfp4 { data, scales, .. } => [
-            (addr(gpu, data), data.len() as u64),
-            (addr(gpu, scales), scales.len() as u64),
-        ],
-    }
-}
-
-/// Threads of an L2 prefetch launch (`l2_prefetch`, `l2_prefetch_experts`).
-const PREFETCH_BLOCK: u32 = 256;
-
-/// Asks L2 for every byte of `weights` (at most three ranges: data and scales of one or two
-/// matrices, or the data of three) while the kernel queued before still runs: a hint that changes
-/// no value (kernels/elementwise.cu `l2_prefetch`). One block an SM, each thread every
-/// (grid * 256)-th 128-byte line.
-pub fn l2_prefetch(gpu: &Gpu, weights: &[&WeightData]) -> Result<(), CudaError> {
-    let ranges: Vec<(u64, u64)> = weights
-        .iter()
-        .flat_map(|w| weight_ranges(gpu, w))
-        .filter(|&(_, bytes)| bytes > 0)
-        .collect();
-    for chunk in ranges.chunks(3) {
-        let at = |i: usize| chunk.get(i).copied().unwrap_or((0, 0));
-        let [(a, an), (b, bn), (c, cn)] = [at(0), at(1), at(2)];
-        gpu.launch(
-            Kernel::L2Prefetch,
-            (gpu.sm_count.max(1), 1, 1),
-            PREFETCH_BLOCK,
-            (DevPtr(a), an, DevPtr(b), bn, DevPtr(c), cn),
-        )?;
-    }
-    Ok(())
-}
-
-/// Asks L2 for the matrices of the expert stacks in `stacks` (one or two, each of `count`
-/// matrices) that the first `n` entries of `ids` (a routing's chosen experts, written by the
-/// launch before) name, each stack in turn. Each id's lines are spread over a few blocks.
-pub fn l2_prefetch_experts(
-    gpu: &Gpu,
-    ids: &CudaSlice<i32>,
-    n: usize,
-    stacks: &[&WeightData],
-    count: usize,
-) -> Result<(), CudaError> {
-    if n == 0 || count == 0 || stacks.is_empty() || stacks.len() > 2 {
-        return Ok(());
-    }
-    let ids = need(ids, n, "l2_prefetch_experts ids")?;
-    let per_expert = |w: Option<&&WeightData>| {
-        let [(data, bytes), (scales, scale_bytes)] = w.map_or([(0, 0); 2], |w| weight_ranges(gpu, w));
-        (
-            DevPtr(data),
-            bytes / count as u64,
-            DevPtr(scales),
-            scale_bytes / count as u64,
-        )
-    };
-    let (a, a_bytes, a_scales, a_scale_bytes) = per_expert(stacks.first());
-    let (b, b_bytes, b_scales, b_scale_bytes) = per_expert(stacks.get(1));
-    // About one block an SM in all.
-    let per_id = (gpu.sm_count as usize).div_ceil(n).clamp(1, 32) as u32;
-    gpu.launch(
-        Kernel::L2PrefetchExperts,
-        (per_id, n as u32, 1),
-        PREFETCH_BLOCK,
-        (
-            ids,
-            n as i32,
-            a,
-            a_bytes,
-            a_scales,
-            a_scale_bytes,
-            b,
-            b_bytes,
-            b_scales,
-            b_scale_bytes,
-        ),
-    )
 }
