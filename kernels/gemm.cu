@@ -1903,3 +1903,33 @@ extern "C" __global__ void gemm_fold_segments(const float* partials, int segment
     }
     out[i] = v;
 }
+
+// gemm_fold_segments for the parts of one joined launch that take no epilogue (q, k and v), in
+// one launch instead of one a part: part p's sums ([segments][rows][n_p]) follow part p - 1's,
+// and element i of the launch is part p's element i - rows * (n_0 + ... + n_{p-1}), its segments
+// added in order into out_p: the same additions, so the same bits. n1 and n2 may be 0 (fewer
+// parts). Grid ceil(rows * (n0 + n1 + n2) / 256), 256 threads.
+extern "C" __global__ void gemm_fold_parts(const float* partials, int segments, int rows, int n0, float* out0, int n1,
+                                           float* out1, int n2, float* out2) {
+    pdl_entry();
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 c0 = (u64)rows * n0, c1 = (u64)rows * n1, count = c0;
+    const float* sums = partials;
+    float* out = out0;
+    if (i >= c0) {
+        i -= c0;
+        sums += segments * c0;
+        out = out1;
+        count = c1;
+        if (i >= c1) {
+            i -= c1;
+            sums += segments * c1;
+            out = out2;
+            count = (u64)rows * n2;
+        }
+    }
+    if (i >= count) return;
+    float v = sums[i];
+    for (int s = 1; s < segments; s++) v = __fadd_rn(v, sums[s * count + i]);
+    out[i] = v;
+}

@@ -332,6 +332,7 @@ kernels! {
     GroupedGemmSkinnyKsplit8Mxfp8 => (Gemm, "grouped_gemm_skinny_ksplit8_mxfp8", GROUPED_GEMM),
     GroupedGemmSkinnyKsplit8Nvfp4 => (Gemm, "grouped_gemm_skinny_ksplit8_nvfp4", GROUPED_GEMM),
     GemmFoldSegments => (Gemm, "gemm_fold_segments", &[Ptr, I32, I32, I32, Ptr, Ptr, Ptr, I32, Ptr, I32, Ptr]),
+    GemmFoldParts => (Gemm, "gemm_fold_parts", &[Ptr, I32, I32, I32, Ptr, I32, Ptr, I32, Ptr]),
     PackGemmOperand => (Gemm, "pack_gemm_operand", &[Ptr, Ptr, I32, I32, I32, Ptr]),
     PagedAttention => (Attention, "paged_attention", &[
         Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, F32,

@@ -1613,6 +1613,9 @@ fn launch_parts(
         }
         return Ok(left);
     }
+    if parts.len() > 1 && parts.iter().all(|p| p.w.s_dec.is_none()) && joined_fold_chosen() {
+        return fold_parts(gpu, sums, segments, rows_arg, parts, &outs).map(|()| Vec::new());
+    }
     for (p, out) in parts.iter().zip(outs) {
         let epilogue = match (p.w.s_dec, row_scale) {
             (Some(s_dec), Some(row_scale)) => Some(FoldEpilogue {
@@ -1683,6 +1686,49 @@ fn fold_segments<O: KernelArg>(
             offsets,
             experts as i32,
             out,
+        ),
+    )
+}
+
+/// Whether the parts of a joined launch without an epilogue (q, k and v) are folded in one
+/// launch (`gemm_fold_parts`) rather than one a part: only with `LOCKSTEP_JOINED_FOLD=1` while
+/// unmeasured (the bits are the same either way).
+fn joined_fold_chosen() -> bool {
+    static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    opted_in(&CHOSEN, "LOCKSTEP_JOINED_FOLD")
+}
+
+/// [`fold_segments`] of every part of a joined launch (2 or 3, no epilogue) in one launch: the
+/// parts' sums one after another at device address `sums`, each added in segment order into
+/// its output.
+fn fold_parts(
+    gpu: &Gpu,
+    sums: u64,
+    segments: usize,
+    rows: usize,
+    parts: &[GemmPart<'_>],
+    outs: &[View<'_, f32>],
+) -> Result<(), CudaError> {
+    let part = |i: usize| match (parts.get(i), outs.get(i)) {
+        (Some(p), Some(&out)) => (p.n as i32, Some(out)),
+        _ => (0, None),
+    };
+    let ((n0, out0), (n1, out1), (n2, out2)) = (part(0), part(1), part(2));
+    let count = rows * parts.iter().map(|p| p.n).sum::<usize>();
+    gpu.launch(
+        Kernel::GemmFoldParts,
+        (count.div_ceil(256) as u32, 1, 1),
+        256,
+        (
+            DevPtr(sums),
+            segments as i32,
+            rows as i32,
+            n0,
+            out0,
+            n1,
+            out1,
+            n2,
+            out2,
         ),
     )
 }
