@@ -1691,11 +1691,12 @@ fn fold_segments<O: KernelArg>(
 }
 
 /// Whether the parts of a joined launch without an epilogue (q, k and v) are folded in one
-/// launch (`gemm_fold_parts`) rather than one a part: only with `LOCKSTEP_JOINED_FOLD=1` while
-/// unmeasured (the bits are the same either way).
+/// launch (`gemm_fold_parts`) rather than one a part: unless `LOCKSTEP_JOINED_FOLD=0` (the bits
+/// are the same either way). H100, 2026-12-06: decode steps at 32 rows 0.8% (BF16) and 1.4%
+/// (NVFP4) faster, at 64 and 128 rows within the spread (docs/performance.md).
 fn joined_fold_chosen() -> bool {
     static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    opted_in(&CHOSEN, "LOCKSTEP_JOINED_FOLD")
+    switched_on(&CHOSEN, "LOCKSTEP_JOINED_FOLD")
 }
 
 /// [`fold_segments`] of every part of a joined launch (2 or 3, no epilogue) in one launch: the
