@@ -1928,8 +1928,5 @@ extern "C" __global__ void gemm_fold_parts(const float* partials, int segments, 
             count = (u64)rows * n2;
         }
     }
-    if (i >= count) return;
-    float v = sums[i];
-    for (int s = 1; s < segments; s++) v = __fadd_rn(v, sums[s * count + i]);
-    out[i] = v;
+    if (i < count) out[i] = folded(sums, segments, count, i);
 }
