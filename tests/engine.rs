@@ -411,3 +411,94 @@ fn a_weight_swap_mid_request_is_attributed_to_version_spans() {
         .is_err());
     assert_eq!(h.weight_version(), "v1");
 }
+
+/// A request's outcome as bits: tokens, their logprobs and text, the finish, the routed experts
+/// and the prompt logprobs (the arrival-dependent queue time and cache hits left out).
+fn outcome(r: &(Vec<TokenOut>, lockstep::engine::FinishInfo)) -> String {
+    let (tokens, f) = r;
+    let bits = |v: f32| v.to_bits();
+    let tokens: Vec<_> = tokens
+        .iter()
+        .map(|t| (t.id, t.text.clone(), t.logprob.map(bits)))
+        .collect();
+    let input: Option<Vec<_>> = f.input_logprobs.as_ref().map(|lps| {
+        lps.iter()
+            .map(|lp| {
+                let top: Vec<_> = lp.top.iter().map(|&(t, v)| (t, bits(v))).collect();
+                (lp.token, lp.logprob.map(bits), top)
+            })
+            .collect()
+    });
+    format!(
+        "{tokens:?} {:?} {:?} {:?} {:?} {input:?}",
+        f.reason, f.text, f.output_ids, f.routed_experts
+    )
+}
+
+#[test]
+fn a_crowd_of_requests_gets_what_each_gets_alone() {
+    // 24 requests at once: steps of 16 sequences, whose outputs become events on the rayon
+    // pool, each request with its own options (greedy or seeded, prompt logprobs, routed
+    // experts, a stop token or a stop string where its free run would go on).
+    let h = engine(16384, 16);
+    let ask = |i: u32, stop: Vec<String>, stop_token_ids: Vec<i64>| {
+        let params = SamplingParams {
+            max_new_tokens: Some(10),
+            temperature: if i.is_multiple_of(3) { 0.0 } else { 1.0 },
+            // SGLang's rule: ignore_eos ignores the stop tokens too.
+            ignore_eos: stop_token_ids.is_empty(),
+            stop,
+            stop_token_ids,
+            ..SamplingParams::default()
+        };
+        let mut r = request(
+            &prompt(6 + i as usize, 40 + i),
+            10,
+            1.0,
+            500 + i as u64,
+            i % 2,
+        );
+        r.params = params.validate(&Default::default()).unwrap();
+        r.return_routed_experts = i % 4 == 1;
+        if i % 4 == 2 {
+            r.logprob_start_len = Some(0);
+            r.top_logprobs_num = 2;
+        }
+        r
+    };
+    let free = run_requests(&h, (0..24).map(|i| ask(i, vec![], vec![])).collect());
+    let reqs: Vec<GenerateRequest> = (0..24u32)
+        .map(|i| {
+            let f = &free[i as usize].1;
+            match i % 6 {
+                3 => ask(i, vec![], vec![f.output_ids[4] as i64]),
+                5 => {
+                    let stop: String = f.text.chars().skip(3).take(2).collect();
+                    assert!(!stop.is_empty(), "request {i}'s free text is long enough");
+                    ask(i, vec![stop], vec![])
+                }
+                _ => ask(i, vec![], vec![]),
+            }
+        })
+        .collect();
+    let alone: Vec<_> = reqs
+        .iter()
+        .map(|r| run_requests(&h, vec![r.clone()]).remove(0))
+        .collect();
+    let crowd = run_requests(&h, reqs);
+    let stopped = alone
+        .iter()
+        .filter(|r| matches!(r.1.reason, Finish::Stop { .. }))
+        .count();
+    assert!(
+        stopped >= 8,
+        "the stop tokens and strings end 8 requests early ({stopped})"
+    );
+    for (i, (a, c)) in alone.iter().zip(&crowd).enumerate() {
+        assert_eq!(
+            outcome(a),
+            outcome(c),
+            "request {i}: the crowd changes nothing"
+        );
+    }
+}
