@@ -437,9 +437,9 @@ fn outcome(r: &(Vec<TokenOut>, lockstep::engine::FinishInfo)) -> String {
 
 #[test]
 fn a_crowd_of_requests_gets_what_each_gets_alone() {
-    // 24 requests at once: steps of 16 sequences, whose outputs become events on the rayon
-    // pool, each request with its own options (greedy or seeded, prompt logprobs, routed
-    // experts, a stop token or a stop string where its free run would go on).
+    // 24 requests at once, steps of up to 16 sequences, each request with its own options
+    // (greedy or seeded, prompt logprobs, routed experts, a stop token or a stop string where
+    // its free run would go on): each gets, bit for bit, what it gets alone.
     let h = engine(16384, 16);
     let ask = |i: u32, stop: Vec<String>, stop_token_ids: Vec<i64>| {
         let params = SamplingParams {

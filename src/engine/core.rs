@@ -19,13 +19,12 @@ use super::{
     PauseMode, DECODE_STEP_SECONDS, STEP_SECONDS, STEP_TOKENS,
 };
 use crate::kv::KvPool;
-use crate::model::{ForwardBatch, ForwardOutput, Model, SeqInput};
+use crate::model::{ForwardBatch, Model, SeqInput};
 use crate::sampling::{
     self, Finish, SampleInput, StopChecker, StopStatus, TokenHistory, ValidSamplingParams,
 };
 use crate::scheduler::{
-    FinishReason, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, SeqRequest,
-    StepResult,
+    FinishReason, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, SeqRequest, StepResult,
 };
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 
@@ -981,70 +980,63 @@ impl Core {
         self.exec.step(&batch, &samples)
     }
 
-    /// Turns the step's output into each sequence's events and its scheduler result. Each
-    /// sequence's share (its routed experts, input logprobs, the sampled token's detokenizing,
-    /// stop check and event) touches only its own state, so a step of many sequences does them
-    /// on the rayon pool while the device waits for the next step: at 256 streams this was
-    /// about 2.4% of an H200 server run's time, one thread doing them in turn.
+    /// Turns the step's output into each sequence's events and its scheduler result.
     fn process_outputs(
         &mut self,
         out: &SchedulerOutput,
         logits_from: &[Option<usize>],
         step: StepOutput,
     ) -> Vec<StepResult> {
-        let (fwd, sampled) = (step.forward, step.sampled);
-        let ctx = OutputContext {
-            per_token: self.num_moe_layers() * self.top_k(),
-            vocab: self.exec.config().vocab_size,
-            version: self
-                .info
-                .weight_version
-                .read()
-                .expect("weight version lock")
-                .clone(),
-            fwd: &fwd,
-            shared: &self.shared,
-        };
-        // Each scheduled sequence's state, in the step's order (none: it went away since).
-        let order: HashMap<SeqId, usize> = out
-            .seqs
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.id, i))
-            .collect();
-        let mut states: Vec<Option<&mut Active>> = out.seqs.iter().map(|_| None).collect();
-        for (id, a) in self.seqs.iter_mut() {
-            if let Some(&i) = order.get(id) {
-                states[i] = Some(a);
+        let (fwd, mut sampled) = (step.forward, step.sampled);
+        let per_token = self.num_moe_layers() * self.top_k();
+        let vocab = self.exec.config().vocab_size;
+        let version = self
+            .info
+            .weight_version
+            .read()
+            .expect("weight version lock")
+            .clone();
+        let mut results = Vec::with_capacity(out.seqs.len());
+        let mut token_row = 0;
+        for (i, s) in out.seqs.iter().enumerate() {
+            let n = s.tokens.len();
+            let rows = token_row..token_row + n;
+            token_row += n;
+            let Some(a) = self.seqs.get_mut(&s.id) else {
+                continue;
+            };
+            if a.cached_tokens.is_none() {
+                a.cached_tokens = Some(s.cached_tokens);
+                a.queue_time = Some(a.arrived.elapsed().as_secs_f64());
             }
+            if a.req.return_routed_experts && per_token > 0 {
+                for (j, r) in rows.enumerate() {
+                    let pos = s.start_pos + j;
+                    if a.routed.len() <= pos {
+                        a.routed.resize(pos + 1, Vec::new());
+                    }
+                    a.routed[pos] = fwd.routed_experts[r * per_token..][..per_token].to_vec();
+                }
+            }
+            let (first_row, num_rows) = fwd.logit_rows[i];
+            let from = logits_from[i].unwrap_or(n);
+            let logits = &fwd.logits[first_row * vocab..(first_row + num_rows) * vocab];
+            record_input_logprobs(a, s.start_pos + from, logits, vocab);
+            let mut result = StepResult {
+                id: s.id,
+                token: None,
+                finished: false,
+            };
+            if let Some(sample) = sampled[i].take() {
+                take_token(a, sample, &version, &self.shared, &mut result);
+            } else if s.sample && a.req.params.max_new_tokens == 0 {
+                // Prompt-only request: the prefill is done.
+                a.finish = Some((Finish::Length { length: 0 }, 0));
+                result.finished = true;
+            }
+            results.push(result);
         }
-        let mut first_row = 0;
-        let jobs: Vec<OutputJob<'_, '_>> = out
-            .seqs
-            .iter()
-            .zip(states)
-            .zip(sampled)
-            .enumerate()
-            .map(|(i, ((s, a), sample))| {
-                let job = OutputJob {
-                    seq: s,
-                    index: i,
-                    first_row,
-                    from: logits_from[i],
-                    active: a,
-                    sample,
-                };
-                first_row += s.tokens.len();
-                job
-            })
-            .collect();
-        let results: Vec<Option<StepResult>> = if jobs.len() >= PARALLEL_OUTPUTS {
-            use rayon::prelude::*;
-            jobs.into_par_iter().map(|j| j.run(&ctx)).collect()
-        } else {
-            jobs.into_iter().map(|j| j.run(&ctx)).collect()
-        };
-        results.into_iter().flatten().collect()
+        results
     }
 
     /// The scheduler learns the step's tokens; requests that finished are answered.
@@ -1144,72 +1136,6 @@ fn partly(e: EngineError, verb: &str, done: &[MemoryTag]) -> EngineError {
 
 /// Input logprobs from a chunk's logits rows (the first at position `first_pos`): the logits
 /// at position p score prompt token p + 1.
-/// Steps of at least this many sequences turn their outputs into events on the rayon pool;
-/// smaller ones on the engine thread, where handing the work to the pool and waiting for it
-/// would cost more than the work (a few microseconds a sequence).
-const PARALLEL_OUTPUTS: usize = 16;
-
-/// What every sequence's output processing reads of the step.
-struct OutputContext<'a> {
-    per_token: usize,
-    vocab: usize,
-    version: String,
-    fwd: &'a ForwardOutput,
-    shared: &'a EngineShared,
-}
-
-/// One scheduled sequence's share of a step's output.
-struct OutputJob<'s, 'a> {
-    seq: &'s ScheduledSeq,
-    /// The sequence's place in the step (its logit rows' entry).
-    index: usize,
-    /// Its first row among the step's tokens.
-    first_row: usize,
-    from: Option<usize>,
-    active: Option<&'a mut Active>,
-    sample: Option<Result<sampling::TokenLogprobs, sampling::SamplingError>>,
-}
-
-impl OutputJob<'_, '_> {
-    /// The sequence's routed experts and input logprobs recorded, its sampled token taken:
-    /// its scheduler result (none if the sequence went away).
-    fn run(self, ctx: &OutputContext<'_>) -> Option<StepResult> {
-        let (s, a) = (self.seq, self.active?);
-        let (fwd, per_token, vocab) = (ctx.fwd, ctx.per_token, ctx.vocab);
-        let n = s.tokens.len();
-        if a.cached_tokens.is_none() {
-            a.cached_tokens = Some(s.cached_tokens);
-            a.queue_time = Some(a.arrived.elapsed().as_secs_f64());
-        }
-        if a.req.return_routed_experts && per_token > 0 {
-            for j in 0..n {
-                let (pos, r) = (s.start_pos + j, self.first_row + j);
-                if a.routed.len() <= pos {
-                    a.routed.resize(pos + 1, Vec::new());
-                }
-                a.routed[pos] = fwd.routed_experts[r * per_token..][..per_token].to_vec();
-            }
-        }
-        let (first_row, num_rows) = fwd.logit_rows[self.index];
-        let from = self.from.unwrap_or(n);
-        let logits = &fwd.logits[first_row * vocab..(first_row + num_rows) * vocab];
-        record_input_logprobs(a, s.start_pos + from, logits, vocab);
-        let mut result = StepResult {
-            id: s.id,
-            token: None,
-            finished: false,
-        };
-        if let Some(sample) = self.sample {
-            take_token(a, sample, &ctx.version, ctx.shared, &mut result);
-        } else if s.sample && a.req.params.max_new_tokens == 0 {
-            // Prompt-only request: the prefill is done.
-            a.finish = Some((Finish::Length { length: 0 }, 0));
-            result.finished = true;
-        }
-        Some(result)
-    }
-}
-
 fn record_input_logprobs(a: &mut Active, first_pos: usize, logits: &[f32], vocab: usize) {
     let prompt_len = a.req.input_ids.len();
     for (k, row) in logits.chunks(vocab).enumerate() {
