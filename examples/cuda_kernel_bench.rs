@@ -277,6 +277,7 @@ fn expert_gemms(
                             scales: &mut scales,
                             row_s_dec: &mut row_scale,
                             deq: Some(&mut deq),
+                            words: None,
                         },
                     )
                     .expect("quantize");

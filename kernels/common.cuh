@@ -31,6 +31,21 @@ __device__ __forceinline__ u32 pack_bf16x2_rn(float lo, float hi) {
     return d;
 }
 
+// Two f32 values that are exactly FP16 (NVFP4's decoded codes times block scales) as FP16x2.
+__device__ __forceinline__ u32 pack_exact_f16(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// Where word j (k = 2j, 2j + 1) of a 16-word span of a packed GEMM operand row is stored (the
+// tiled and wgmma kernels' activations, gemm.cu `pack_gemm_operand`; the NVFP4 quantizer's
+// `words`): the span's 4x4 words transposed, so its 16-byte piece s holds words s, s + 4,
+// s + 8, s + 12. An ldmatrix row of piece 2c (2c + 1) then hands lane t the word 4t + 2c
+// (4t + 2c + 1): the K chain's fragment slots {2t, 2t + 1} ({2t + 8, 2t + 9}) of chunk c
+// (host: ops::gemm::packed_word).
+__device__ __forceinline__ int packed_word(int j) { return (j & ~15) | (j & 3) << 2 | (j & 15) >> 2; }
+
 // The first statement of every kernel. Launched as a programmatic dependent (Gpu::launch on
 // Hopper and later), a kernel's blocks may be resident before the kernel ahead of it on the
 // stream has finished: this waits until that kernel has completed and its writes are visible

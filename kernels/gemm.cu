@@ -184,13 +184,6 @@ __device__ __forceinline__ void mma_k16(float* c, const u32* a, const u32* b) {
 #undef MMA_K16_ASM
 }
 
-// Two f32 values that are exactly FP16 (NVFP4's decoded codes times block scales) as FP16x2.
-__device__ __forceinline__ u32 pack_exact_f16(float lo, float hi) {
-    u32 d;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-
 // Two activations as one word of the K chain's operand type, rounded to nearest even: BF16
 // (plain BF16 layers' f32 activations; MXFP8's dequantized values, which are exact in it), or
 // FP16 for NVFP4 weights (`f16`: its exact values). The few-rows kernels' packing (pack_act8)
@@ -505,12 +498,6 @@ __device__ __forceinline__ void fold_if_last(const float* partials, u32* counter
 }
 
 // ---- Tiles: activations packed once, operands streamed into shared memory ----
-
-// Where word j (k = 2j, 2j + 1) of a 16-word span of a packed row is stored: the span's 4x4
-// words transposed, so its 16-byte piece s holds words s, s + 4, s + 8, s + 12. An ldmatrix
-// row of piece 2c (2c + 1) then hands lane t the word 4t + 2c (4t + 2c + 1): the K chain's
-// fragment slots {2t, 2t + 1} ({2t + 8, 2t + 9}) of chunk c (host: ops::gemm::packed_word).
-__device__ __forceinline__ int packed_word(int j) { return (j & ~15) | (j & 3) << 2 | (j & 15) >> 2; }
 
 // The tiled and wgmma kernels' activation operand, each span's words in packed_word's order:
 // every x row as pack_act8's words, `packing` 0 BF16, 1 FP16 (NVFP4), rounded to nearest even

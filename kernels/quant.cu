@@ -219,7 +219,7 @@ __device__ u8 nvfp4_block(const float* v, Level lv, float fos_range, int fos_squ
 // nvfp4_block's chain a thread, where a thread a block left 16 dependent encodes each.
 template <typename T>
 __device__ __forceinline__ void nvfp4_row_quarters(const T* row, int cols, Level lv, u8* data, u8* scales,
-                                                   float* deq) {
+                                                   float* deq, u32* words) {
     for (int q = threadIdx.x; q < cols / 4; q += blockDim.x) {
         // A group's four threads are all in this trip or all past the row (cols / 4 and the
         // stride are multiples of 4).
@@ -246,10 +246,17 @@ __device__ __forceinline__ void nvfp4_row_quarters(const T* row, int cols, Level
         for (int i = 0; i < 4; i++) c[i] = e2m1_encode(__fmul_rn(v[i], enc));
         *(unsigned short*)(data + (u64)q * 2) = (unsigned short)(c[0] | c[1] << 4 | c[2] << 8 | c[3] << 12);
         if ((q & 3) == 0) scales[q / 4] = s8;
-        if (deq) {
+        if (deq || words) {
             float d = e4m3_decode(s8);
-            *(float4*)(deq + (u64)q * 4) = make_float4(__fmul_rn(e2m1_decode(c[0]), d), __fmul_rn(e2m1_decode(c[1]), d),
-                                                       __fmul_rn(e2m1_decode(c[2]), d), __fmul_rn(e2m1_decode(c[3]), d));
+            float4 v4 = make_float4(__fmul_rn(e2m1_decode(c[0]), d), __fmul_rn(e2m1_decode(c[1]), d),
+                                    __fmul_rn(e2m1_decode(c[2]), d), __fmul_rn(e2m1_decode(c[3]), d));
+            if (deq) *(float4*)(deq + (u64)q * 4) = v4;
+            if (words) {
+                // Pairs 2q and 2q + 1 as pack_gemm_operand packs them (a warp's stores fill whole
+                // sectors: its 128 values are four spans).
+                words[packed_word(2 * q)] = pack_exact_f16(v4.x, v4.y);
+                words[packed_word(2 * q + 1)] = pack_exact_f16(v4.z, v4.w);
+            }
         }
     }
 }
@@ -261,7 +268,7 @@ __device__ __forceinline__ void nvfp4_row_quarters(const T* row, int cols, Level
 // up share). `deq` (optional): the block-scaled values e2m1 * e4m3, the GEMM's operand.
 template <typename T>
 __device__ void nvfp4_rows(const T* x, int cols, int per_token, float amax, float range, float fos_range,
-                           int fos_squared, u8* data, u8* scales, float* row_s_dec, float* deq) {
+                           int fos_squared, u8* data, u8* scales, float* row_s_dec, float* deq, u32* words) {
     u64 r = blockIdx.x;
     const T* row = x + r * cols;
     Level lv;
@@ -311,7 +318,8 @@ __device__ void nvfp4_rows(const T* x, int cols, int per_token, float amax, floa
         if (row_s_dec && threadIdx.x == 0) row_s_dec[r] = lv.s_dec;
     }
     if (fos_range <= 0.0f) {
-        nvfp4_row_quarters(row, cols, lv, data + r * (cols / 2), scales + r * (cols / 16), deq ? deq + r * cols : nullptr);
+        nvfp4_row_quarters(row, cols, lv, data + r * (cols / 2), scales + r * (cols / 16), deq ? deq + r * cols : nullptr,
+                           words ? words + r * (cols / 2) : nullptr);
         return;
     }
     // Four-over-six: a thread per 16-element block, 16-byte loads, its 8 code bytes in one
@@ -327,31 +335,39 @@ __device__ void nvfp4_rows(const T* x, int cols, int per_token, float amax, floa
 #pragma unroll
         for (int i = 0; i < 8; i++) packed[i / 4] |= (u32)((codes[2 * i + 1] << 4) | codes[2 * i]) << (8 * (i % 4));
         *(uint2*)(data + r * (cols / 2) + b * 8) = make_uint2(packed[0], packed[1]);
-        if (deq) {
+        if (deq || words) {
             float d = e4m3_decode(s8);
 #pragma unroll
-            for (int i = 0; i < 16; i += 4)
-                *(float4*)(deq + r * cols + b * 16 + i) =
-                    make_float4(__fmul_rn(e2m1_decode(codes[i]), d), __fmul_rn(e2m1_decode(codes[i + 1]), d),
-                                __fmul_rn(e2m1_decode(codes[i + 2]), d), __fmul_rn(e2m1_decode(codes[i + 3]), d));
+            for (int i = 0; i < 16; i += 4) {
+                float4 v4 = make_float4(__fmul_rn(e2m1_decode(codes[i]), d), __fmul_rn(e2m1_decode(codes[i + 1]), d),
+                                        __fmul_rn(e2m1_decode(codes[i + 2]), d), __fmul_rn(e2m1_decode(codes[i + 3]), d));
+                if (deq) *(float4*)(deq + r * cols + b * 16 + i) = v4;
+                if (words) {
+                    int j = (b * 16 + i) / 2;  // the pair of elements b * 16 + i, + 1
+                    words[r * (cols / 2) + packed_word(j)] = pack_exact_f16(v4.x, v4.y);
+                    words[r * (cols / 2) + packed_word(j + 1)] = pack_exact_f16(v4.z, v4.w);
+                }
+            }
         }
     }
 }
 
 // Activations. Per tensor, the amax comes from `amax_f32` on the device (no host round trip).
+// `deq` (optional): the values as f32; `words` (optional): the same values as the tiled and
+// wgmma GEMMs' FP16 operand (pack_gemm_operand's words of them: cols / 2 a row).
 extern "C" __global__ void nvfp4_quantize_f32(const float* x, int cols, int per_token, const u32* tensor_amax,
                                               float range, float fos_range, int fos_squared, u8* data, u8* scales,
-                                              float* row_s_dec, float* deq) {
+                                              float* row_s_dec, float* deq, u32* words) {
     pdl_entry();
     float amax = 0.0f;
     if (!per_token) amax = tensor_amax[1] ? __uint_as_float(tensor_amax[0]) : __uint_as_float(0x7fc00000u);
-    nvfp4_rows(x, cols, per_token, amax, range, fos_range, fos_squared, data, scales, row_s_dec, deq);
+    nvfp4_rows(x, cols, per_token, amax, range, fos_range, fos_squared, data, scales, row_s_dec, deq, words);
 }
 
 extern "C" __global__ void nvfp4_quantize_bf16(const bf16_t* x, int cols, float amax, float range,
                                                float fos_range, int fos_squared, u8* data, u8* scales) {
     pdl_entry();
-    nvfp4_rows(x, cols, 0, amax, range, fos_range, fos_squared, data, scales, (float*)0, (float*)0);
+    nvfp4_rows(x, cols, 0, amax, range, fos_range, fos_squared, data, scales, (float*)0, (float*)0, (u32*)0);
 }
 
 // out[0] = max |x| bits (NaN skipped), out[1] |= 1 if any element is a number. Zero `out` first.

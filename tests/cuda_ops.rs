@@ -5,7 +5,7 @@
 //!
 //! Paths are relative to the repository root (the GPU host runs the test binary from there).
 
-use half::bf16;
+use half::{bf16, f16};
 use lockstep::backend::cpu::attention::{paged_attention, AttentionSeq, KvDtype, KvMemory};
 use lockstep::backend::cpu::linear::{make_linear, DenseWeight};
 use lockstep::backend::cpu::ops as cpu;
@@ -143,6 +143,7 @@ fn quantizers_match_on(g: &lockstep::backend::cuda::Gpu, x: &[f32], rows: usize,
             let (mut data, mut scales) =
                 (poisoned(&g, n / 2, 0xAAu8), poisoned(&g, n / 16, 0xAAu8));
             let (mut s_dec, mut deq) = (poisoned(&g, rows, f32::NAN), poisoned(&g, n, f32::NAN));
+            let mut words = poisoned(&g, n / 2, f32::NAN);
             let per_token = granularity == ScaleGranularity::PerToken;
             if !per_token {
                 ops::amax(&g, &dx, n, &mut amax).unwrap();
@@ -160,6 +161,7 @@ fn quantizers_match_on(g: &lockstep::backend::cuda::Gpu, x: &[f32], rows: usize,
                     scales: &mut scales,
                     row_s_dec: &mut s_dec,
                     deq: Some(&mut deq),
+                    words: Some(&mut words),
                 },
             )
             .unwrap();
@@ -191,6 +193,23 @@ fn quantizers_match_on(g: &lockstep::backend::cuda::Gpu, x: &[f32], rows: usize,
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "{what}: values"
             );
+            // The values as the tiled and wgmma GEMMs' FP16 operand: word j of a row (values
+            // 2j, 2j + 1, the first in the low half) at ops::packed_word(j).
+            let mut words_want = vec![0u32; n / 2];
+            for r in 0..rows {
+                for j in 0..cols / 2 {
+                    let half = |v: f32| u32::from(f16::from_f32(v).to_bits());
+                    let (lo, hi) = (deq_want[r * cols + 2 * j], deq_want[r * cols + 2 * j + 1]);
+                    words_want[r * cols / 2 + ops::packed_word(j)] = half(lo) | half(hi) << 16;
+                }
+            }
+            let words_got: Vec<u32> = g
+                .download(&words, n / 2)
+                .unwrap()
+                .iter()
+                .map(|w| w.to_bits())
+                .collect();
+            assert_eq!(words_got, words_want, "{what}: FP16 operand words");
         }
     }
 }
@@ -1277,8 +1296,11 @@ fn gate_up_with_swiglu_in_its_epilogue_gives_the_bits_of_the_separate_launches()
             )
             .unwrap();
             let mut y = poisoned(&g, pairs * hidden, f32::NAN);
-            ops::grouped_gemm_packed(&g, &got, &down.data, rows, pairs, hidden, inter, &mut y)
-                .unwrap();
+            let bf16 = ops::Packing::Bf16;
+            ops::grouped_gemm_packed(
+                &g, &got, bf16, None, &down.data, rows, pairs, hidden, inter, &mut y,
+            )
+            .unwrap();
             assert_eq!(
                 bits(g.download(&y, pairs * hidden).unwrap()),
                 bits(g.download(&y_want, pairs * hidden).unwrap()),
@@ -1439,6 +1461,8 @@ fn tma_gemm_gives_the_bits_of_the_wgmma_kernel() {
                 ops::grouped_gemm_packed(
                     &g,
                     &words,
+                    ops::Packing::Bf16,
+                    None,
                     &down.data,
                     rows,
                     pairs,
@@ -1449,7 +1473,7 @@ fn tma_gemm_gives_the_bits_of_the_wgmma_kernel() {
                 .unwrap();
                 let tma = (GemmPath::WgmmaTma, SplitK::Off);
                 ops::grouped_gemm_packed_on(
-                    tma.0, tma.1, &g, &words, &down.data, rows, pairs, hidden, inter, &mut y,
+                    tma.0, tma.1, &g, &words, None, &down.data, rows, pairs, hidden, inter, &mut y,
                 )
                 .unwrap();
                 assert_eq!(

@@ -112,6 +112,7 @@ pub fn layer_input(g: &Gpu, act: Activation, x: &[f32], rows: usize, k: usize) -
                     scales: &mut scales,
                     row_s_dec: &mut row_scale,
                     deq: Some(&mut deq),
+                    words: None,
                 },
             )
             .unwrap();

@@ -199,6 +199,15 @@ struct LeftSums {
     n: usize,
 }
 
+/// Whether the NVFP4 activation quantizer writes the GEMM's FP16 operand words itself where the
+/// GEMM reads words and takes the rows in their own order ([`linear`]): unless
+/// `LOCKSTEP_NVFP4_WORDS=0` (the bits are the same either way; the switch measures the
+/// difference in one run).
+fn quantizer_packs() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    ops::switched_on(&ON, "LOCKSTEP_NVFP4_WORDS")
+}
+
 /// Whether the GEMMs of a step that does not keep its buffers leave their split-K sums to their
 /// readers: only with `LOCKSTEP_FOLD_IN_READERS=1` (the bits are the same either way). Measured
 /// on an H200 (2026-12-05, docs/performance.md) it took the BF16 batch-8 step from 10.62 to
@@ -436,14 +445,17 @@ impl Cuda {
             if !runs {
                 return Ok(false);
             }
-            quantize_input(gpu, gu.act, gu.experts, x, rows, gu.k, q)?;
+            quantize_input(gpu, gu.act, gu.experts, x, rows, gu.k, q, false)?;
             let (input, row_scale) = q.gemm_input(gu.act, x);
             let row_token = Some(&plan.row_token);
             ops::grouped_gemm_swiglu(
                 gpu, input, row_token, row_scale, &gu.data, routed, pairs, gu.n, gu.k, form, h,
             )?;
             if words {
-                ops::grouped_gemm_packed(gpu, h, &down.data, routed, pairs, down.n, down.k, out)?;
+                let bf16 = ops::Packing::Bf16;
+                ops::grouped_gemm_packed(
+                    gpu, h, bf16, None, &down.data, routed, pairs, down.n, down.k, out,
+                )?;
                 return Ok(true);
             }
         }
@@ -530,13 +542,36 @@ fn linear(
     q: &mut QuantScratch,
     leave: bool,
 ) -> Result<Option<Unfolded>, CudaError> {
-    quantize_input(gpu, m.act, m.experts, x, x_rows, m.k, q)?;
+    // NVFP4 activations on a kernel that reads operand words (the tiled and wgmma kernels), in
+    // the rows' own order (no index to gather them by): the quantizer writes the words itself,
+    // into the dequantized values' buffer, which nothing reads then, and no launch packs them.
+    // The same words as pack_gemm_operand's of the values, so the same bits.
+    let words = match m.act {
+        Activation::Nvfp4 { .. }
+            if row_index.is_none() && q.block_scaled.is_none() && quantizer_packs() =>
+        {
+            ops::takes_operand_words(gpu, &m.data, &rows, out_rows, m.n, m.k)
+                == Some(ops::Packing::F16)
+        }
+        _ => false,
+    };
+    quantize_input(gpu, m.act, m.experts, x, x_rows, m.k, q, words)?;
+    if words {
+        let f16 = ops::Packing::F16;
+        let row_scale = Some(&q.row_scale);
+        ops::grouped_gemm_packed(
+            gpu, &q.deq, f16, row_scale, &m.data, rows, out_rows, m.n, m.k, out,
+        )?;
+        return Ok(None);
+    }
     gemm_prepared(gpu, m, x, rows, row_index, out_rows, out, q, leave)
 }
 
 /// The activation quantizer of layers whose input is `act`, over `x_rows` rows of width `k`:
-/// data, scales, exact dequantized values and (NVFP4) row scales into `q`. Nothing for plain
-/// layers.
+/// data, scales, exact dequantized values and (NVFP4) row scales into `q`; with `words`
+/// (NVFP4 only), the values as the GEMM's FP16 operand words in `q.deq`'s memory instead of
+/// as f32. Nothing for plain layers.
+#[allow(clippy::too_many_arguments)]
 fn quantize_input(
     gpu: &Gpu,
     act: Activation,
@@ -545,6 +580,7 @@ fn quantize_input(
     x_rows: usize,
     k: usize,
     q: &mut QuantScratch,
+    words: bool,
 ) -> Result<(), CudaError> {
     match act {
         Activation::Plain => Ok(()),
@@ -565,6 +601,10 @@ fn quantize_input(
                 }
                 ops::amax(gpu, x, x_rows * k, &mut q.amax)?;
             }
+            let (deq, operand) = match words {
+                true => (None, Some(&mut q.deq)),
+                false => (Some(&mut q.deq), None),
+            };
             ops::nvfp4_quantize_f32(
                 gpu,
                 x,
@@ -577,7 +617,8 @@ fn quantize_input(
                     data: &mut q.data,
                     scales: &mut q.scales,
                     row_s_dec: &mut q.row_scale,
-                    deq: Some(&mut q.deq),
+                    deq,
+                    words: operand,
                 },
             )
         }
@@ -805,7 +846,16 @@ impl Backend for Cuda {
             .iter()
             .all(|m| m.act == ws[0].act && m.k == ws[0].k && m.experts == 1);
         if shared {
-            quantize_input(&self.gpu, ws[0].act, 1, x, rows, ws[0].k, &mut self.quant)?;
+            quantize_input(
+                &self.gpu,
+                ws[0].act,
+                1,
+                x,
+                rows,
+                ws[0].k,
+                &mut self.quant,
+                false,
+            )?;
             // One launch for all three where the kernels take them together (the block-scaled
             // MMAs of quantized activations run one layer a launch).
             let data = ws.map(|m| &m.data);
@@ -831,7 +881,16 @@ impl Backend for Cuda {
         }
         for (m, out) in ws.into_iter().zip(outs) {
             if !shared {
-                quantize_input(&self.gpu, m.act, m.experts, x, rows, m.k, &mut self.quant)?;
+                quantize_input(
+                    &self.gpu,
+                    m.act,
+                    m.experts,
+                    x,
+                    rows,
+                    m.k,
+                    &mut self.quant,
+                    false,
+                )?;
             }
             let dense = GemmRows::Dense(rows);
             gemm_prepared(

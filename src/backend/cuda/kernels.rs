@@ -277,7 +277,7 @@ kernels! {
     Mxfp8QuantizeBf16 => (Quant, "mxfp8_quantize_bf16", MXFP8_QUANTIZE),
     Mxfp8QuantizeSiluMul => (Quant, "mxfp8_quantize_silu_mul", &[Ptr, Ptr, I32, U64, Ptr, Ptr, Ptr]),
     Nvfp4QuantizeF32 => (Quant, "nvfp4_quantize_f32", &[
-        Ptr, I32, I32, Ptr, F32, F32, I32, Ptr, Ptr, Ptr, Ptr,
+        Ptr, I32, I32, Ptr, F32, F32, I32, Ptr, Ptr, Ptr, Ptr, Ptr,
     ]),
     Nvfp4QuantizeBf16 => (Quant, "nvfp4_quantize_bf16", &[Ptr, I32, F32, F32, F32, I32, Ptr, Ptr]),
     AmaxBf16 => (Quant, "amax_bf16", AMAX),

@@ -204,6 +204,7 @@ impl DeviceLoader<'_> {
                                 scales: &mut scales,
                                 row_s_dec: &mut row_s_dec,
                                 deq: None,
+                                words: None,
                             },
                         )?
                     }

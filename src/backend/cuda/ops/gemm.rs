@@ -871,8 +871,30 @@ pub fn swiglu_epilogue_runs(
         )
 }
 
-/// Whether a [`grouped_gemm`] of `w` over these rows reads its activations as BF16 operand
-/// words ([`grouped_gemm_packed`] can take them already packed).
+/// Whether a [`grouped_gemm`] of `w` over these rows reads its activations as operand words
+/// ([`grouped_gemm_packed`] can take them already packed), in the weights' operand type
+/// ([`Packing`]).
+pub fn takes_operand_words(
+    gpu: &Gpu,
+    w: &WeightData,
+    rows: &GemmRows<'_>,
+    max_rows: usize,
+    n: usize,
+    k: usize,
+) -> Option<Packing> {
+    let w = Operand::of(gpu, w);
+    matches!(
+        GemmPath::Auto.resolve(wgmma_allowed(gpu), &w, rows, max_rows, n, k),
+        GemmPath::TensorCore
+            | GemmPath::TensorCoreWide
+            | GemmPath::Wgmma
+            | GemmPath::WgmmaTma
+            | GemmPath::Wgmma64
+    )
+    .then_some(w.packing)
+}
+
+/// Whether [`takes_operand_words`] takes BF16 words.
 pub fn takes_bf16_words(
     gpu: &Gpu,
     w: &WeightData,
@@ -881,16 +903,7 @@ pub fn takes_bf16_words(
     n: usize,
     k: usize,
 ) -> bool {
-    let w = Operand::of(gpu, w);
-    w.packing == Packing::Bf16
-        && matches!(
-            GemmPath::Auto.resolve(wgmma_allowed(gpu), &w, rows, max_rows, n, k),
-            GemmPath::TensorCore
-                | GemmPath::TensorCoreWide
-                | GemmPath::Wgmma
-                | GemmPath::WgmmaTma
-                | GemmPath::Wgmma64
-        )
+    takes_operand_words(gpu, w, rows, max_rows, n, k) == Some(Packing::Bf16)
 }
 
 /// The gate/up GEMM `[gate; up] = x W_e^T` (`n` = 2 * inter weight rows: gate, then up) with
@@ -957,13 +970,16 @@ pub fn grouped_gemm_swiglu_on(
     .map(drop)
 }
 
-/// [`grouped_gemm`] of plain BF16 activations given as operand words already (`words`, rows
-/// of `k / 2` words: a [`SwigluOut::Bf16Words`] output), not packed again. Refused where the
-/// launch would not read words ([`takes_bf16_words`]).
+/// [`grouped_gemm`] of activations given as operand words already (`words`, rows of `k / 2`
+/// words in the weights' operand type: a [`SwigluOut::Bf16Words`] output, or the NVFP4
+/// quantizer's `words` with its row scales as `row_scale`), not packed again. Refused where the
+/// launch would not read words of that type ([`takes_operand_words`]).
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_gemm_packed(
     gpu: &Gpu,
     words: &CudaSlice<f32>,
+    packing: Packing,
+    row_scale: Option<&CudaSlice<f32>>,
     w: &WeightData,
     rows: GemmRows<'_>,
     max_rows: usize,
@@ -971,13 +987,15 @@ pub fn grouped_gemm_packed(
     k: usize,
     out: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
-    if !takes_bf16_words(gpu, w, &rows, max_rows, n, k) {
-        return Err(CudaError::Unsupported(
-            "a GEMM over packed BF16 activations where its kernel reads them unpacked".into(),
-        ));
+    if takes_operand_words(gpu, w, &rows, max_rows, n, k) != Some(packing) {
+        return Err(CudaError::Unsupported(format!(
+            "a GEMM over activations packed as {packing:?} where its kernel reads them otherwise"
+        )));
     }
     let (path, split) = (GemmPath::Auto, SplitK::Auto);
-    grouped_gemm_packed_on(path, split, gpu, words, w, rows, max_rows, n, k, out)
+    grouped_gemm_packed_on(
+        path, split, gpu, words, row_scale, w, rows, max_rows, n, k, out,
+    )
 }
 
 /// [`grouped_gemm_packed`] on a chosen kernel that reads packed activations (the tiled, wide
@@ -988,6 +1006,7 @@ pub fn grouped_gemm_packed_on(
     split: SplitK,
     gpu: &Gpu,
     words: &CudaSlice<f32>,
+    row_scale: Option<&CudaSlice<f32>>,
     w: &WeightData,
     rows: GemmRows<'_>,
     max_rows: usize,
@@ -1001,7 +1020,7 @@ pub fn grouped_gemm_packed_on(
     };
     let w = Operand::of(gpu, w);
     launch_gemm(
-        path, split, mode, gpu, words, None, None, w, rows, max_rows, n, k, out,
+        path, split, mode, gpu, words, None, row_scale, w, rows, max_rows, n, k, out,
     )
     .map(drop)
 }
@@ -1301,7 +1320,7 @@ pub const GEMM_MAX_PARTS: usize = 3;
 #[derive(Clone, Copy, Default)]
 struct LaunchMode<'a> {
     swiglu: Option<SwigluOut>,
-    /// BF16 operand words (rows of k / 2) to read instead of packing x.
+    /// Operand words (rows of k / 2, in the weights' operand type) to read instead of packing x.
     packed: Option<&'a CudaSlice<f32>>,
     /// A launch split over K leaves its segment sums unfolded ([`Unfolded`]) where no part
     /// has an NVFP4 epilogue.
@@ -1535,7 +1554,7 @@ fn launch_parts(
     };
     if mode.packed.is_some() && !reads_words {
         return Err(CudaError::Unsupported(format!(
-            "packed BF16 activations for a {path:?} launch"
+            "packed activations for a {path:?} launch"
         )));
     }
     let operand = if reads_words {
@@ -1734,10 +1753,10 @@ fn fold_parts(
     )
 }
 
-/// The BF16 operand words a launch reads (`x_rows` rows of `k / 2`): `given` (packed already;
-/// BF16 weights only), or else rows of `x` (row `row_index[r]` for r where an index is given)
-/// packed for `packing` into the scratch's operand buffer (`scratch`: it and the scratch's
-/// generation).
+/// The operand words a launch reads (`x_rows` rows of `k / 2`): `given` (packed already, for
+/// `packing`: the caller's word, checked by [`grouped_gemm_packed`]), or else rows of `x` (row
+/// `row_index[r]` for r where an index is given) packed for `packing` into the scratch's
+/// operand buffer (`scratch`: it and the scratch's generation).
 #[allow(clippy::too_many_arguments)]
 fn operand_words(
     gpu: &Gpu,
@@ -1751,12 +1770,7 @@ fn operand_words(
 ) -> Result<DevPtr, CudaError> {
     let words = x_rows * k / 2;
     if let Some(given) = given {
-        if packing != Packing::Bf16 {
-            return Err(CudaError::Unsupported(
-                "packed BF16 activations for weights that take another operand type".into(),
-            ));
-        }
-        // Two BF16 values a word, in an f32 buffer's memory.
+        // Two 16-bit values a word, in an f32 buffer's memory.
         return Ok(DevPtr(need(given, words, "packed gemm operand")?.addr(gpu)));
     }
     let packed = grown(gpu, scratch.0, scratch.1, words)?;

@@ -92,6 +92,11 @@ pub struct Nvfp4Out<'a> {
     pub row_s_dec: &'a mut CudaSlice<f32>,
     /// Block-scaled values e2m1 * e4m3, the GEMM operand.
     pub deq: Option<&'a mut CudaSlice<f32>>,
+    /// The same values as the tiled and wgmma GEMMs' FP16 operand words (two values a word,
+    /// `cols / 2` a row, in [`super::gemm::packed_word`]'s order, in an f32 buffer's memory):
+    /// the words [`super::pack_gemm_operand`] makes of `deq` with [`super::Packing::F16`],
+    /// for [`super::grouped_gemm_packed`].
+    pub words: Option<&'a mut CudaSlice<f32>>,
 }
 
 /// Threads of an NVFP4 quantizer's block (a block a row): four a 16-element block
@@ -117,6 +122,18 @@ pub fn nvfp4_quantize_f32(
     let data = need(out.data, rows * cols / 2, "nvfp4 data")?;
     let scales = need(out.scales, rows * cols / 16, "nvfp4 scales")?;
     let row_s_dec = need(out.row_s_dec, rows, "nvfp4 row scales")?;
+    let words = match out.words {
+        // The operand's spans are 32 values.
+        Some(w) if cols.is_multiple_of(32) => {
+            Some(need(w, rows * cols / 2, "nvfp4 operand words")?)
+        }
+        Some(_) => {
+            return Err(CudaError::Unsupported(format!(
+                "NVFP4 operand words of rows of {cols} values (a multiple of 32 needed)"
+            )))
+        }
+        None => None,
+    };
     if !per_token && tensor_amax.is_none() {
         return Err(CudaError::Capacity(
             "per-tensor NVFP4 needs the tensor amax".into(),
@@ -141,6 +158,7 @@ pub fn nvfp4_quantize_f32(
             scales,
             row_s_dec,
             out.deq.map(|d| View::whole(d)),
+            words,
         ),
     )
 }
