@@ -506,11 +506,21 @@ __device__ __forceinline__ void fold_if_last(const float* partials, u32* counter
 // 16-byte piece of it at a time: piece q of a span holds its words q, q + 4, q + 8 and q + 12.
 // (A thread a word, with 64-bit index arithmetic each: the TMA kernel's BF16 gate/up at 4,096
 // tokens, packing included, took 783 us against 706 this way; H200, 2026-12-05.)
+// `packing` 2: x holds such words already (K / 2 a row, e.g. the NVFP4 quantizer's), and the
+// rows row_index names are copied in their order.
 extern "C" __global__ void pack_gemm_operand(const float* x, const int* row_index, int rows, int K, int packing,
                                              u32* out) {
     pdl_entry();
     bool f16 = packing == 1;
     int pieces = K / 8;
+    if (packing == 2) {
+        for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+            const uint4* src = (const uint4*)((const u32*)x + (u64)(row_index ? row_index[row] : row) * (K / 2));
+            uint4* dst = (uint4*)(out + (u64)row * (K / 2));
+            for (int p = threadIdx.x; p < pieces; p += blockDim.x) dst[p] = src[p];
+        }
+        return;
+    }
     for (int row = blockIdx.x; row < rows; row += gridDim.x) {
         const float* src = x + (u64)(row_index ? row_index[row] : row) * K;
         uint4* dst = (uint4*)(out + (u64)row * (K / 2));

@@ -12,7 +12,7 @@ use lockstep::backend::cpu::ops as cpu;
 use lockstep::backend::cuda::ops::{
     self, AttnRows, AttnShape, GemmPath, GemmRows, MoePlan, Nvfp4Out, Nvfp4Params, SplitK,
 };
-use lockstep::backend::cuda::weights::GpuMatrix;
+use lockstep::backend::cuda::weights::{Activation, GpuMatrix};
 use lockstep::backend::Linear;
 use lockstep::model::cuda::DummyWeights;
 use lockstep::model::cuda::{CudaModel, CudaSizes, CudaWeights};
@@ -1298,7 +1298,7 @@ fn gate_up_with_swiglu_in_its_epilogue_gives_the_bits_of_the_separate_launches()
             let mut y = poisoned(&g, pairs * hidden, f32::NAN);
             let bf16 = ops::Packing::Bf16;
             ops::grouped_gemm_packed(
-                &g, &got, bf16, None, &down.data, rows, pairs, hidden, inter, &mut y,
+                &g, &got, bf16, None, None, &down.data, rows, pairs, hidden, inter, &mut y,
             )
             .unwrap();
             assert_eq!(
@@ -1323,6 +1323,127 @@ fn gemm_bits(
 ) -> Vec<u32> {
     let out = gemm_on(g, (path, SplitK::Off), input, row_index, m, rows, out_rows);
     out.into_iter().map(f32::to_bits).collect()
+}
+
+/// The NVFP4 quantizer's FP16 operand words, given to the GEMMs that read words (not packed
+/// again; the TMA kernel's copy of a plan's rows copies words), give the bits of the same GEMMs
+/// over the quantizer's f32 values: dense rows, routing plans of about 300 and 12 rows an
+/// expert read through the plan's row index, and gate/up with SwiGLU in the epilogue.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn nvfp4_operand_words_give_the_bits_of_the_values() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let fmt = expert_formats()[2];
+    assert_eq!(fmt.format, Format::Nvfp4);
+    let mut paths = vec![GemmPath::TensorCore];
+    if g.arch == "sm_90a" {
+        paths.extend([GemmPath::Wgmma, GemmPath::WgmmaTma]);
+    }
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    // x quantized once, as f32 values and as words (the same launch).
+    let quantized = |x: &[f32], rows: usize, k: usize, params| {
+        let (mut data, mut scales) = (
+            g.alloc::<u8>(rows * k).unwrap(),
+            g.alloc::<u8>(rows * k).unwrap(),
+        );
+        let (mut s_tok, mut deq) = (
+            poisoned(&g, rows, f32::NAN),
+            poisoned(&g, rows * k, f32::NAN),
+        );
+        let mut words = poisoned(&g, rows * k / 2, f32::NAN);
+        let dx = g.upload(x).unwrap();
+        let out = Nvfp4Out {
+            data: &mut data,
+            scales: &mut scales,
+            row_s_dec: &mut s_tok,
+            deq: Some(&mut deq),
+            words: Some(&mut words),
+        };
+        ops::nvfp4_quantize_f32(&g, &dx, rows, k, true, None, params, out).unwrap();
+        (deq, words, s_tok)
+    };
+    let cases: [(usize, usize, usize); 3] = [(200, 1, 1), (600, 4, 2), (48, 8, 2)];
+    for (tokens, experts, top_k) in cases {
+        let (n, k) = (96, 288);
+        let cpu_w = cpu_experts(&mut rng, experts, n, k, &fmt);
+        let parts: Vec<Vec<&dyn Linear>> = cpu_w.iter().map(|l| vec![&**l]).collect();
+        let m = GpuMatrix::upload(&g, &parts).unwrap();
+        let Activation::Nvfp4 { params, .. } = m.act else {
+            panic!("NVFP4 experts take NVFP4 activations")
+        };
+        let (deq, words, s_tok) = quantized(&activations(&mut rng, tokens, k), tokens, k, params);
+        let plan = (experts > 1).then(|| random_plan(&g, &mut rng, tokens, experts, top_k));
+        let (rows, ri, out_rows) = match &plan {
+            Some(p) => (GemmRows::Plan(p), Some(&p.row_token), tokens * top_k),
+            None => (GemmRows::Dense(tokens), None, tokens),
+        };
+        for &path in &paths {
+            let mut want = poisoned(&g, out_rows * n, f32::NAN);
+            let mut got = poisoned(&g, out_rows * n, f32::NAN);
+            let rs = Some(&s_tok);
+            ops::grouped_gemm_on(
+                path,
+                SplitK::Off,
+                &g,
+                &deq,
+                ri,
+                rs,
+                &m.data,
+                rows,
+                out_rows,
+                n,
+                k,
+                &mut want,
+            )
+            .unwrap();
+            ops::grouped_gemm_packed_on(
+                path,
+                SplitK::Off,
+                &g,
+                &words,
+                ri,
+                rs,
+                &m.data,
+                rows,
+                out_rows,
+                n,
+                k,
+                &mut got,
+            )
+            .unwrap();
+            assert_eq!(
+                bits(g.download(&got, out_rows * n).unwrap()),
+                bits(g.download(&want, out_rows * n).unwrap()),
+                "{path:?}, {tokens} tokens over {experts} experts: the words give the values' bits"
+            );
+        }
+        // Gate/up with SwiGLU in the epilogue (the wgmma kernels' plans).
+        let Some(p) = &plan else { continue };
+        let (inter, pairs) = (n / 2, tokens * top_k);
+        if !ops::swiglu_epilogue_runs(&g, &m.data, &rows, pairs, n, k, ops::SwigluOut::F32) {
+            continue;
+        }
+        let (mut want, mut got) = (
+            poisoned(&g, pairs * n, f32::NAN),
+            poisoned(&g, pairs * n, f32::NAN),
+        );
+        let (ri, rs) = (Some(&p.row_token), Some(&s_tok));
+        let out = ops::SwigluOut::F32;
+        ops::grouped_gemm_swiglu(&g, &deq, ri, rs, &m.data, rows, pairs, n, k, out, &mut want)
+            .unwrap();
+        let f16 = ops::Packing::F16;
+        ops::grouped_gemm_swiglu_packed(
+            &g, &words, f16, ri, rs, &m.data, rows, pairs, n, k, out, &mut got,
+        )
+        .unwrap();
+        assert_eq!(
+            bits(g.download(&got, pairs * inter).unwrap()),
+            bits(g.download(&want, pairs * inter).unwrap()),
+            "SwiGLU epilogue, {tokens} tokens over {experts} experts: the words give the values' bits"
+        );
+    }
+    println!("NVFP4 operand words: the bits of the values on {paths:?} and the SwiGLU epilogue");
 }
 
 /// The TMA kernel (`GemmPath::WgmmaTma`: the wgmma kernel's tiles and products, its copies made
@@ -1463,6 +1584,7 @@ fn tma_gemm_gives_the_bits_of_the_wgmma_kernel() {
                     &words,
                     ops::Packing::Bf16,
                     None,
+                    None,
                     &down.data,
                     rows,
                     pairs,
@@ -1473,7 +1595,8 @@ fn tma_gemm_gives_the_bits_of_the_wgmma_kernel() {
                 .unwrap();
                 let tma = (GemmPath::WgmmaTma, SplitK::Off);
                 ops::grouped_gemm_packed_on(
-                    tma.0, tma.1, &g, &words, None, &down.data, rows, pairs, hidden, inter, &mut y,
+                    tma.0, tma.1, &g, &words, None, None, &down.data, rows, pairs, hidden, inter,
+                    &mut y,
                 )
                 .unwrap();
                 assert_eq!(

@@ -200,7 +200,7 @@ struct LeftSums {
 }
 
 /// Whether the NVFP4 activation quantizer writes the GEMM's FP16 operand words itself where the
-/// GEMM reads words and takes the rows in their own order ([`linear`]): unless
+/// GEMM reads words ([`linear`]): unless
 /// `LOCKSTEP_NVFP4_WORDS=0` (the bits are the same either way; the switch measures the
 /// difference in one run).
 fn quantizer_packs() -> bool {
@@ -445,16 +445,26 @@ impl Cuda {
             if !runs {
                 return Ok(false);
             }
-            quantize_input(gpu, gu.act, gu.experts, x, rows, gu.k, q, false)?;
+            // The quantizer's FP16 words where NVFP4's gate/up reads them (as `linear`).
+            let gu_words = matches!(gu.act, Activation::Nvfp4 { .. }) && quantizer_packs();
+            quantize_input(gpu, gu.act, gu.experts, x, rows, gu.k, q, gu_words)?;
             let (input, row_scale) = q.gemm_input(gu.act, x);
             let row_token = Some(&plan.row_token);
-            ops::grouped_gemm_swiglu(
-                gpu, input, row_token, row_scale, &gu.data, routed, pairs, gu.n, gu.k, form, h,
-            )?;
+            if gu_words {
+                let f16 = ops::Packing::F16;
+                ops::grouped_gemm_swiglu_packed(
+                    gpu, &q.deq, f16, row_token, row_scale, &gu.data, routed, pairs, gu.n, gu.k,
+                    form, h,
+                )?;
+            } else {
+                ops::grouped_gemm_swiglu(
+                    gpu, input, row_token, row_scale, &gu.data, routed, pairs, gu.n, gu.k, form, h,
+                )?;
+            }
             if words {
                 let bf16 = ops::Packing::Bf16;
                 ops::grouped_gemm_packed(
-                    gpu, h, bf16, None, &down.data, routed, pairs, down.n, down.k, out,
+                    gpu, h, bf16, None, None, &down.data, routed, pairs, down.n, down.k, out,
                 )?;
                 return Ok(true);
             }
@@ -542,14 +552,12 @@ fn linear(
     q: &mut QuantScratch,
     leave: bool,
 ) -> Result<Option<Unfolded>, CudaError> {
-    // NVFP4 activations on a kernel that reads operand words (the tiled and wgmma kernels), in
-    // the rows' own order (no index to gather them by): the quantizer writes the words itself,
-    // into the dequantized values' buffer, which nothing reads then, and no launch packs them.
-    // The same words as pack_gemm_operand's of the values, so the same bits.
+    // NVFP4 activations on a kernel that reads operand words (the tiled and wgmma kernels): the
+    // quantizer writes the words itself, into the dequantized values' buffer, which nothing
+    // reads then, and no launch packs them (the TMA kernel's copy of a plan's rows in its order
+    // copies words). The same words as pack_gemm_operand's of the values, so the same bits.
     let words = match m.act {
-        Activation::Nvfp4 { .. }
-            if row_index.is_none() && q.block_scaled.is_none() && quantizer_packs() =>
-        {
+        Activation::Nvfp4 { .. } if q.block_scaled.is_none() && quantizer_packs() => {
             ops::takes_operand_words(gpu, &m.data, &rows, out_rows, m.n, m.k)
                 == Some(ops::Packing::F16)
         }
@@ -560,7 +568,7 @@ fn linear(
         let f16 = ops::Packing::F16;
         let row_scale = Some(&q.row_scale);
         ops::grouped_gemm_packed(
-            gpu, &q.deq, f16, row_scale, &m.data, rows, out_rows, m.n, m.k, out,
+            gpu, &q.deq, f16, row_index, row_scale, &m.data, rows, out_rows, m.n, m.k, out,
         )?;
         return Ok(None);
     }

@@ -948,6 +948,69 @@ pub fn grouped_gemm_swiglu_on(
     out: SwigluOut,
     h: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
+    swiglu_launch(
+        path, gpu, x, None, row_index, row_scale, w, rows, max_rows, n, k, out, h,
+    )
+}
+
+/// [`grouped_gemm_swiglu`] of activations given as operand words already (as
+/// [`grouped_gemm_packed`] takes them: the NVFP4 quantizer's `words`, read through
+/// `row_index`), not packed again.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemm_swiglu_packed(
+    gpu: &Gpu,
+    words: &CudaSlice<f32>,
+    packing: Packing,
+    row_index: Option<&CudaSlice<i32>>,
+    row_scale: Option<&CudaSlice<f32>>,
+    w: &WeightData,
+    rows: GemmRows<'_>,
+    max_rows: usize,
+    n: usize,
+    k: usize,
+    out: SwigluOut,
+    h: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    if Operand::of(gpu, w).packing != packing {
+        return Err(CudaError::Unsupported(format!(
+            "SwiGLU's gate/up over activations packed as {packing:?} for weights that take another type"
+        )));
+    }
+    let path = GemmPath::Auto;
+    swiglu_launch(
+        path,
+        gpu,
+        words,
+        Some(words),
+        row_index,
+        row_scale,
+        w,
+        rows,
+        max_rows,
+        n,
+        k,
+        out,
+        h,
+    )
+}
+
+/// The gate/up launch with SwiGLU in its epilogue, over x or (`packed`) operand words.
+#[allow(clippy::too_many_arguments)]
+fn swiglu_launch(
+    path: GemmPath,
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    packed: Option<&CudaSlice<f32>>,
+    row_index: Option<&CudaSlice<i32>>,
+    row_scale: Option<&CudaSlice<f32>>,
+    w: &WeightData,
+    rows: GemmRows<'_>,
+    max_rows: usize,
+    n: usize,
+    k: usize,
+    out: SwigluOut,
+    h: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
     if !swiglu_epilogue_runs(gpu, w, &rows, max_rows, n, k, out) {
         return Err(CudaError::Unsupported(format!(
             "SwiGLU in the GEMM epilogue ({out:?}) for these weights and rows (the wgmma kernel only)"
@@ -960,6 +1023,7 @@ pub fn grouped_gemm_swiglu_on(
     }
     let mode = LaunchMode {
         swiglu: Some(out),
+        packed,
         ..LaunchMode::default()
     };
     let w = Operand::of(gpu, w);
@@ -972,13 +1036,16 @@ pub fn grouped_gemm_swiglu_on(
 
 /// [`grouped_gemm`] of activations given as operand words already (`words`, rows of `k / 2`
 /// words in the weights' operand type: a [`SwigluOut::Bf16Words`] output, or the NVFP4
-/// quantizer's `words` with its row scales as `row_scale`), not packed again. Refused where the
-/// launch would not read words of that type ([`takes_operand_words`]).
+/// quantizer's `words` with its row scales as `row_scale`), not packed again: read through
+/// `row_index` as [`grouped_gemm`] reads x (the TMA kernel, which reads a plan's rows in its
+/// order, has them copied so first). Refused where the launch would not read words of that
+/// type ([`takes_operand_words`]).
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_gemm_packed(
     gpu: &Gpu,
     words: &CudaSlice<f32>,
     packing: Packing,
+    row_index: Option<&CudaSlice<i32>>,
     row_scale: Option<&CudaSlice<f32>>,
     w: &WeightData,
     rows: GemmRows<'_>,
@@ -994,7 +1061,7 @@ pub fn grouped_gemm_packed(
     }
     let (path, split) = (GemmPath::Auto, SplitK::Auto);
     grouped_gemm_packed_on(
-        path, split, gpu, words, row_scale, w, rows, max_rows, n, k, out,
+        path, split, gpu, words, row_index, row_scale, w, rows, max_rows, n, k, out,
     )
 }
 
@@ -1006,6 +1073,7 @@ pub fn grouped_gemm_packed_on(
     split: SplitK,
     gpu: &Gpu,
     words: &CudaSlice<f32>,
+    row_index: Option<&CudaSlice<i32>>,
     row_scale: Option<&CudaSlice<f32>>,
     w: &WeightData,
     rows: GemmRows<'_>,
@@ -1020,7 +1088,7 @@ pub fn grouped_gemm_packed_on(
     };
     let w = Operand::of(gpu, w);
     launch_gemm(
-        path, split, mode, gpu, words, None, row_scale, w, rows, max_rows, n, k, out,
+        path, split, mode, gpu, words, row_index, row_scale, w, rows, max_rows, n, k, out,
     )
     .map(drop)
 }
@@ -1754,9 +1822,10 @@ fn fold_parts(
 }
 
 /// The operand words a launch reads (`x_rows` rows of `k / 2`): `given` (packed already, for
-/// `packing`: the caller's word, checked by [`grouped_gemm_packed`]), or else rows of `x` (row
-/// `row_index[r]` for r where an index is given) packed for `packing` into the scratch's
-/// operand buffer (`scratch`: it and the scratch's generation).
+/// `packing`: the caller's word, checked by [`grouped_gemm_packed`]; its rows `row_index`
+/// names copied in order into the scratch's operand buffer where an index is given), or else
+/// rows of `x` (row `row_index[r]` for r where an index is given) packed for `packing` into
+/// the scratch's operand buffer (`scratch`: it and the scratch's generation).
 #[allow(clippy::too_many_arguments)]
 fn operand_words(
     gpu: &Gpu,
@@ -1769,12 +1838,37 @@ fn operand_words(
     packing: Packing,
 ) -> Result<DevPtr, CudaError> {
     let words = x_rows * k / 2;
-    if let Some(given) = given {
+    let packed = match given {
         // Two 16-bit values a word, in an f32 buffer's memory.
-        return Ok(DevPtr(need(given, words, "packed gemm operand")?.addr(gpu)));
-    }
-    let packed = grown(gpu, scratch.0, scratch.1, words)?;
-    pack_gemm_operand_rows(gpu, x, row_index, x_rows, k, packing, packed)?;
+        Some(given) if row_index.is_none() => {
+            return Ok(DevPtr(need(given, words, "packed gemm operand")?.addr(gpu)));
+        }
+        // The rows the index names, copied in its order (kernels/gemm.cu `pack_gemm_operand`'s
+        // packing 2).
+        Some(given) => {
+            let packed = grown(gpu, scratch.0, scratch.1, words)?;
+            let block = (k / 8).clamp(32, 256) as u32;
+            gpu.launch(
+                Kernel::PackGemmOperand,
+                (gpu.grid_for(x_rows, 1), 1, 1),
+                block,
+                (
+                    View::whole(given),
+                    row_index.map(View::whole),
+                    x_rows as i32,
+                    k as i32,
+                    2i32,
+                    View::prefix(packed, words),
+                ),
+            )?;
+            packed
+        }
+        None => {
+            let packed = grown(gpu, scratch.0, scratch.1, words)?;
+            pack_gemm_operand_rows(gpu, x, row_index, x_rows, k, packing, packed)?;
+            packed
+        }
+    };
     Ok(DevPtr(addr(gpu, packed)))
 }
 
