@@ -200,12 +200,22 @@ struct LeftSums {
 }
 
 /// Whether the NVFP4 activation quantizer writes the GEMM's FP16 operand words itself where the
-/// GEMM reads words ([`linear`]): unless
-/// `LOCKSTEP_NVFP4_WORDS=0` (the bits are the same either way; the switch measures the
-/// difference in one run).
+/// GEMM reads words ([`linear`]): unless `LOCKSTEP_NVFP4_WORDS=0` (the bits are the same either
+/// way). H100, 2026-12-06 (`cuda_bench`, two rounds, on against off): NVFP4 prefill 8 x 2,048
+/// 27,512 / 27,469 against 26,849 / 27,071 tok/s, the 256-row step 26.54 / 26.46 against 26.58
+/// / 26.83 ms, 64 rows the same.
 fn quantizer_packs() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     ops::switched_on(&ON, "LOCKSTEP_NVFP4_WORDS")
+}
+
+/// Whether the quantizer's words are also read through a row index (the experts' gate/up, whose
+/// plan rows are tokens' rows): only with `LOCKSTEP_NVFP4_GATE_UP_WORDS=1`. Written 2026-12-06
+/// with its bitwise test (cuda_ops `nvfp4_operand_words_give_the_bits_of_the_values`), neither
+/// yet run on a GPU: off until they have.
+fn gathers_words() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    ops::opted_in(&ON, "LOCKSTEP_NVFP4_GATE_UP_WORDS")
 }
 
 /// Whether the GEMMs of a step that does not keep its buffers leave their split-K sums to their
@@ -446,7 +456,8 @@ impl Cuda {
                 return Ok(false);
             }
             // The quantizer's FP16 words where NVFP4's gate/up reads them (as `linear`).
-            let gu_words = matches!(gu.act, Activation::Nvfp4 { .. }) && quantizer_packs();
+            let gu_words =
+                matches!(gu.act, Activation::Nvfp4 { .. }) && quantizer_packs() && gathers_words();
             quantize_input(gpu, gu.act, gu.experts, x, rows, gu.k, q, gu_words)?;
             let (input, row_scale) = q.gemm_input(gu.act, x);
             let row_token = Some(&plan.row_token);
@@ -557,7 +568,11 @@ fn linear(
     // reads then, and no launch packs them (the TMA kernel's copy of a plan's rows in its order
     // copies words). The same words as pack_gemm_operand's of the values, so the same bits.
     let words = match m.act {
-        Activation::Nvfp4 { .. } if q.block_scaled.is_none() && quantizer_packs() => {
+        Activation::Nvfp4 { .. }
+            if q.block_scaled.is_none()
+                && quantizer_packs()
+                && (row_index.is_none() || gathers_words()) =>
+        {
             ops::takes_operand_words(gpu, &m.data, &rows, out_rows, m.n, m.k)
                 == Some(ops::Packing::F16)
         }
