@@ -210,9 +210,11 @@ fn quantizer_packs() -> bool {
 }
 
 /// Whether the quantizer's words are also read through a row index (the experts' gate/up, whose
-/// plan rows are tokens' rows): only with `LOCKSTEP_NVFP4_GATE_UP_WORDS=1`. Written 2026-12-06
-/// with its bitwise test (cuda_ops `nvfp4_operand_words_give_the_bits_of_the_values`), neither
-/// yet run on a GPU: off until they have.
+/// plan rows are tokens' rows): only with `LOCKSTEP_NVFP4_GATE_UP_WORDS=1`. The bits are the
+/// same (cuda_ops `nvfp4_operand_words_give_the_bits_of_the_values`, H200, 2026-12-06), but it
+/// measured slower there (`cuda_bench`, NVFP4, on against off: the 64-row step 15.34 / 15.41
+/// against 15.09 / 15.08 ms, prefill 8 x 2,048 28,413 / 28,414 against 28,702 / 28,487 tok/s),
+/// for a reason not yet profiled.
 fn gathers_words() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     ops::opted_in(&ON, "LOCKSTEP_NVFP4_GATE_UP_WORDS")
