@@ -1858,7 +1858,7 @@ fn operand_words(
                     x_rows as i32,
                     k as i32,
                     2i32,
-                    View::prefix(packed, words),
+                    need(packed, words, "gathered gemm operand")?,
                 ),
             )?;
             packed
