@@ -36,7 +36,9 @@ struct Active {
     stop: StopChecker,
     decoder: IncrementalDecoder,
     output: Vec<u32>,
-    token_versions: Vec<String>,
+    /// The weight versions that computed the output, as runs of output positions (one entry a
+    /// version change, not a token).
+    token_versions: Vec<VersionSpan>,
     /// Next prompt index whose input logprob is still to be computed.
     input_lp_next: usize,
     input_logprobs: Vec<InputLogprob>,
@@ -1101,7 +1103,7 @@ impl Core {
             routed_experts,
             moe_layers: self.num_moe_layers(),
             top_k: self.top_k(),
-            weight_versions: spans(&a.token_versions),
+            weight_versions: std::mem::take(&mut a.token_versions),
             queue_time: a.queue_time.unwrap_or(0.0),
             output_ids: std::mem::take(&mut a.output),
         };
@@ -1186,7 +1188,7 @@ fn take_token(
     };
     a.history.push(t.token);
     a.output.push(t.token);
-    a.token_versions.push(version.to_string());
+    extend_spans(&mut a.token_versions, version, a.output.len() - 1);
     let before = a.decoder.text().len();
     let text = match a.decoder.push(t.token) {
         Ok(_) => a.decoder.text()[before..].to_string(),
@@ -1233,17 +1235,15 @@ fn logits_rows(a: &Active, start: usize, len: usize, sample: bool) -> Option<usi
     from
 }
 
-fn spans(versions: &[String]) -> Vec<VersionSpan> {
-    let mut out: Vec<VersionSpan> = Vec::new();
-    for (i, v) in versions.iter().enumerate() {
-        match out.last_mut() {
-            Some(s) if &s.version == v => s.end = i + 1,
-            _ => out.push(VersionSpan {
-                version: v.clone(),
-                start: i,
-                end: i + 1,
-            }),
-        }
+/// Output position `at` was computed by weights `version`: the last run grows, or a new one
+/// starts.
+fn extend_spans(spans: &mut Vec<VersionSpan>, version: &str, at: usize) {
+    match spans.last_mut() {
+        Some(s) if s.version == version => s.end = at + 1,
+        _ => spans.push(VersionSpan {
+            version: version.to_string(),
+            start: at,
+            end: at + 1,
+        }),
     }
-    out
 }
