@@ -971,9 +971,9 @@ pub fn grouped_gemm_swiglu_packed(
     out: SwigluOut,
     h: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
-    if Operand::of(gpu, w).packing != packing {
+    if takes_operand_words(gpu, w, &rows, max_rows, n, k) != Some(packing) {
         return Err(CudaError::Unsupported(format!(
-            "SwiGLU's gate/up over activations packed as {packing:?} for weights that take another type"
+            "SwiGLU's gate/up over activations packed as {packing:?} where its kernel reads them otherwise"
         )));
     }
     let path = GemmPath::Auto;
@@ -1354,6 +1354,24 @@ pub fn pack_gemm_operand_rows(
         None => need(x, rows * k, "gemm operand x")?,
     };
     let out = need(out, words, "gemm operand")?;
+    launch_pack(gpu, x, row_index, rows, k, packing as i32, out)
+}
+
+/// `pack_gemm_operand`'s mode that copies rows of operand words already packed (x holds them,
+/// `k / 2` a row), through the row index (kernels/gemm.cu).
+const PACK_COPY_WORDS: i32 = 2;
+
+/// The `pack_gemm_operand` launch: `rows` rows of `out` from x (row `row_index[r]` where an
+/// index is given) in `mode` ([`Packing`] as i32, or [`PACK_COPY_WORDS`]).
+fn launch_pack(
+    gpu: &Gpu,
+    x: View<'_, f32>,
+    row_index: Option<&CudaSlice<i32>>,
+    rows: usize,
+    k: usize,
+    mode: i32,
+    out: View<'_, u32>,
+) -> Result<(), CudaError> {
     // A block a row (rows past grid_for's cap taken in turn), a thread a 16-byte piece (8
     // values) of it at a time.
     let block = (k / 8).clamp(32, 256) as u32;
@@ -1366,7 +1384,7 @@ pub fn pack_gemm_operand_rows(
             row_index.map(View::whole),
             rows as i32,
             k as i32,
-            packing as i32,
+            mode,
             out,
         ),
     )
@@ -1838,37 +1856,27 @@ fn operand_words(
     packing: Packing,
 ) -> Result<DevPtr, CudaError> {
     let words = x_rows * k / 2;
-    let packed = match given {
+    if let (Some(given), None) = (given, row_index) {
         // Two 16-bit values a word, in an f32 buffer's memory.
-        Some(given) if row_index.is_none() => {
-            return Ok(DevPtr(need(given, words, "packed gemm operand")?.addr(gpu)));
-        }
-        // The rows the index names, copied in its order (kernels/gemm.cu `pack_gemm_operand`'s
-        // packing 2).
+        return Ok(DevPtr(need(given, words, "packed gemm operand")?.addr(gpu)));
+    }
+    let packed = grown(gpu, scratch.0, scratch.1, words)?;
+    match given {
+        // The rows the index names, copied in its order.
         Some(given) => {
-            let packed = grown(gpu, scratch.0, scratch.1, words)?;
-            let block = (k / 8).clamp(32, 256) as u32;
-            gpu.launch(
-                Kernel::PackGemmOperand,
-                (gpu.grid_for(x_rows, 1), 1, 1),
-                block,
-                (
-                    View::whole(given),
-                    row_index.map(View::whole),
-                    x_rows as i32,
-                    k as i32,
-                    2i32,
-                    need(packed, words, "gathered gemm operand")?,
-                ),
+            let out = need(packed, words, "gathered gemm operand")?;
+            launch_pack(
+                gpu,
+                View::whole(given),
+                row_index,
+                x_rows,
+                k,
+                PACK_COPY_WORDS,
+                out,
             )?;
-            packed
         }
-        None => {
-            let packed = grown(gpu, scratch.0, scratch.1, words)?;
-            pack_gemm_operand_rows(gpu, x, row_index, x_rows, k, packing, packed)?;
-            packed
-        }
-    };
+        None => pack_gemm_operand_rows(gpu, x, row_index, x_rows, k, packing, packed)?,
+    }
     Ok(DevPtr(addr(gpu, packed)))
 }
 
