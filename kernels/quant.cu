@@ -66,10 +66,12 @@ __device__ __forceinline__ void load4(const bf16_t* x, u64 i, float* v) {
 // a tensor of T (f32 or BF16), or SwiGLU's silu(gate) * up computed from gate/up rows
 // [rows][2 * cols] (silu_mul's arithmetic), each value also stored to h [rows][cols], so the
 // down projection's input is quantized in the launch that makes it.
+// `at(r, cols, c, v)`: the four elements c..c + 3 of row r of rows of `cols` values.
 template <typename T>
 struct TensorSrc {
     const T* x;
     __device__ __forceinline__ void four(u64 i, float* v) const { load4(x, i, v); }
+    __device__ __forceinline__ void at(u64 r, u64 cols, u64 c, float* v) const { load4(x, r * cols + c, v); }
 };
 struct SiluMulSrc {
     const float* gu;
@@ -83,6 +85,14 @@ struct SiluMulSrc {
 #pragma unroll
         for (int k = 0; k < 4; k++) v[k] = silu_mul_value(g[k], u[k]);
         *(float4*)(h + i) = make_float4(v[0], v[1], v[2], v[3]);
+    }
+    __device__ __forceinline__ void at(u64 r, u64, u64 c, float* v) const {
+        float g[4], u[4];
+        load4(gu, 2 * r * cols + c, g);
+        load4(gu, 2 * r * cols + cols + c, u);
+#pragma unroll
+        for (int k = 0; k < 4; k++) v[k] = silu_mul_value(g[k], u[k]);
+        *(float4*)(h + r * cols + c) = make_float4(v[0], v[1], v[2], v[3]);
     }
 };
 
@@ -212,11 +222,51 @@ __device__ u8 nvfp4_block(const float* v, Level lv, float fos_range, int fos_squ
     return s6;
 }
 
+// One quarter of a 16-element block without four-over-six (elements 4q..4q + 3 of a row, in
+// v), computed by the block's four threads together (`group`: their lanes, all live): the block
+// amax by two shuffles within the group, then the scale (nvfp4_block_scale), codes and
+// dequantized values of nvfp4_block for the thread's four (so the same bytes): two code bytes
+// and a float4 a thread. `data`, `scales`, `deq` and `words` are the row's.
+__device__ __forceinline__ void nvfp4_quarter(const float* v, int q, u32 group, Level lv, u8* data, u8* scales,
+                                              float* deq, u32* words) {
+    u32 mb = 0u;
+    int any_number = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        mb = max(mb, amax_bits(v[i]));
+        any_number |= !isnan(v[i]);
+    }
+#pragma unroll
+    for (int d = 1; d < 4; d <<= 1) {
+        mb = max(mb, __shfl_xor_sync(group, mb, d));
+        any_number |= __shfl_xor_sync(group, any_number, d);
+    }
+    float block_amax = any_number ? __uint_as_float(mb) : __uint_as_float(0x7fc00000u);
+    float enc;
+    u8 s8 = nvfp4_block_scale(block_amax, lv, enc);
+    u32 c[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) c[i] = e2m1_encode(__fmul_rn(v[i], enc));
+    *(unsigned short*)(data + (u64)q * 2) = (unsigned short)(c[0] | c[1] << 4 | c[2] << 8 | c[3] << 12);
+    if ((q & 3) == 0) scales[q / 4] = s8;
+    if (deq || words) {
+        float d = e4m3_decode(s8);
+        float4 v4 = make_float4(__fmul_rn(e2m1_decode(c[0]), d), __fmul_rn(e2m1_decode(c[1]), d),
+                                __fmul_rn(e2m1_decode(c[2]), d), __fmul_rn(e2m1_decode(c[3]), d));
+        if (deq) *(float4*)(deq + (u64)q * 4) = v4;
+        if (words) {
+            // Pairs 2q and 2q + 1 as pack_gemm_operand packs them (a warp's stores fill whole
+            // sectors: its 128 values are four spans).
+            words[packed_word(2 * q)] = pack_exact_f16(v4.x, v4.y);
+            words[packed_word(2 * q + 1)] = pack_exact_f16(v4.z, v4.w);
+        }
+    }
+}
+
 // A row's 16-element blocks without four-over-six, four threads a block and four elements a
-// thread (blockDim a multiple of 4, cols of 16): the block amax by two shuffles within the
-// group, then the scale (nvfp4_block_scale), codes and dequantized values of nvfp4_block for
-// each thread's four (so the same bytes), two code bytes and a float4 a thread. A decode row is one block: a quarter of
-// nvfp4_block's chain a thread, where a thread a block left 16 dependent encodes each.
+// thread (blockDim a multiple of 4, cols of 16): nvfp4_quarter for each thread's quarters. A
+// decode row is one block: a quarter of nvfp4_block's chain a thread, where a thread a block
+// left 16 dependent encodes each.
 template <typename T>
 __device__ __forceinline__ void nvfp4_row_quarters(const T* row, int cols, Level lv, u8* data, u8* scales,
                                                    float* deq, u32* words) {
@@ -226,38 +276,7 @@ __device__ __forceinline__ void nvfp4_row_quarters(const T* row, int cols, Level
         u32 group = __activemask();
         float v[4];
         load4(row, (u64)q * 4, v);
-        u32 mb = 0u;
-        int any_number = 0;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            mb = max(mb, amax_bits(v[i]));
-            any_number |= !isnan(v[i]);
-        }
-#pragma unroll
-        for (int d = 1; d < 4; d <<= 1) {
-            mb = max(mb, __shfl_xor_sync(group, mb, d));
-            any_number |= __shfl_xor_sync(group, any_number, d);
-        }
-        float block_amax = any_number ? __uint_as_float(mb) : __uint_as_float(0x7fc00000u);
-        float enc;
-        u8 s8 = nvfp4_block_scale(block_amax, lv, enc);
-        u32 c[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) c[i] = e2m1_encode(__fmul_rn(v[i], enc));
-        *(unsigned short*)(data + (u64)q * 2) = (unsigned short)(c[0] | c[1] << 4 | c[2] << 8 | c[3] << 12);
-        if ((q & 3) == 0) scales[q / 4] = s8;
-        if (deq || words) {
-            float d = e4m3_decode(s8);
-            float4 v4 = make_float4(__fmul_rn(e2m1_decode(c[0]), d), __fmul_rn(e2m1_decode(c[1]), d),
-                                    __fmul_rn(e2m1_decode(c[2]), d), __fmul_rn(e2m1_decode(c[3]), d));
-            if (deq) *(float4*)(deq + (u64)q * 4) = v4;
-            if (words) {
-                // Pairs 2q and 2q + 1 as pack_gemm_operand packs them (a warp's stores fill whole
-                // sectors: its 128 values are four spans).
-                words[packed_word(2 * q)] = pack_exact_f16(v4.x, v4.y);
-                words[packed_word(2 * q + 1)] = pack_exact_f16(v4.z, v4.w);
-            }
-        }
+        nvfp4_quarter(v, q, group, lv, data, scales, deq, words);
     }
 }
 
@@ -368,6 +387,86 @@ extern "C" __global__ void nvfp4_quantize_bf16(const bf16_t* x, int cols, float 
                                                float fos_range, int fos_squared, u8* data, u8* scales) {
     pdl_entry();
     nvfp4_rows(x, cols, 0, amax, range, fos_range, fos_squared, data, scales, (float*)0, (float*)0, (u32*)0);
+}
+
+// Many rows (prefill, and the experts' rows of large decode steps): a warp a row, the row held in
+// registers (QPL quarters a lane: lane l takes quarters l, l + 32, ...; cols <= 128 * QPL), read
+// once with every load in flight, its amax reduced within the warp (no block barrier), then
+// nvfp4_quarter on each quarter from the registers. A block a row (nvfp4_rows) chains two reads
+// of the row, a barrier and the level's divisions per row, and at prefill's tens of thousands
+// of rows ran as waves of such chains (0.9-1.4 TB/s). Without four-over-six; the same bytes
+// as nvfp4_rows (the same max over the same bits, the same nvfp4_quarter).
+// `x` is what the row holds: a tensor (TensorSrc), or SwiGLU of gate/up rows (SiluMulSrc, whose
+// values go to h as well).
+template <int QPL, typename Src>
+__device__ __forceinline__ void nvfp4_rows_warp(Src x, u64 rows, int cols, int per_token, float amax, float range,
+                                                u8* data, u8* scales, float* row_s_dec, float* deq, u32* words) {
+    u64 r = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;  // warp-uniform
+    int lane = threadIdx.x & 31, quarters = cols / 4;
+    float v[QPL][4];
+#pragma unroll
+    for (int j = 0; j < QPL; j++)
+        if (lane + 32 * j < quarters) x.at(r, cols, (u64)(lane + 32 * j) * 4, v[j]);
+    Level lv;
+    if (per_token) {
+        u32 mb = 0u;
+        int any_number = 0;
+#pragma unroll
+        for (int j = 0; j < QPL; j++) {
+            if (lane + 32 * j >= quarters) break;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                mb = max(mb, amax_bits(v[j][i]));
+                any_number |= !isnan(v[j][i]);
+            }
+        }
+        mb = __reduce_max_sync(0xffffffffu, mb);
+        any_number = __reduce_or_sync(0xffffffffu, any_number);
+        float a = (any_number || cols == 0) ? __uint_as_float(mb) : __uint_as_float(0x7fc00000u);
+        lv = level_from_amax(a, range);
+        if (lane == 0) row_s_dec[r] = lv.amax == 0.0f ? 0.0f : lv.s_dec;
+    } else {
+        lv = level_from_amax(amax, range);
+        if (row_s_dec && lane == 0) row_s_dec[r] = lv.s_dec;
+    }
+    u8* row_data = data + r * (cols / 2);
+    u8* row_scales = scales + r * (cols / 16);
+    float* row_deq = deq ? deq + r * cols : nullptr;
+    u32* row_words = words ? words + r * (cols / 2) : nullptr;
+#pragma unroll
+    for (int j = 0; j < QPL; j++) {
+        // Quarters and the lane stride are multiples of 4: a block's four lanes are all live or
+        // all past the row, so the live lanes' shuffles stay among live lanes.
+        int q = lane + 32 * j;
+        if (32 * j >= quarters) break;  // warp-uniform
+        u32 live = __ballot_sync(0xffffffffu, q < quarters);
+        if (q < quarters) nvfp4_quarter(v[j], q, live, lv, row_data, row_scales, row_deq, row_words);
+    }
+}
+
+#define NVFP4_WARP_ROWS_KERNEL(NAME, QPL)                                                                          \
+    extern "C" __global__ void NAME(const float* x, u64 rows, int cols, int per_token, const u32* tensor_amax,      \
+                                    float range, u8* data, u8* scales, float* row_s_dec, float* deq, u32* words) { \
+        pdl_entry();                                                                                               \
+        float amax = 0.0f;                                                                                         \
+        if (!per_token) amax = tensor_amax[1] ? __uint_as_float(tensor_amax[0]) : __uint_as_float(0x7fc00000u);   \
+        nvfp4_rows_warp<QPL>(TensorSrc<float>{x}, rows, cols, per_token, amax, range, data, scales, row_s_dec, deq, \
+                             words);                                                                               \
+    }
+// Rows of up to 1,024 values (the experts' SwiGLU output: 768 in Qwen3-30B-A3B) and of up to
+// 2,048 (their input).
+NVFP4_WARP_ROWS_KERNEL(nvfp4_quantize_f32_warp8, 8)
+NVFP4_WARP_ROWS_KERNEL(nvfp4_quantize_f32_warp16, 16)
+
+// silu_mul and then the per-token nvfp4_quantize_f32 of its output on the warp-a-row walk, in
+// one launch: h [rows][cols] gets silu_mul's values, data, scales, row_s_dec, deq and words
+// their quantization; the same bytes as the two launches. Rows of up to 1,024 values.
+extern "C" __global__ void nvfp4_quantize_silu_mul_warp8(const float* gu, float* h, u64 rows, int cols, float range,
+                                                         u8* data, u8* scales, float* row_s_dec, float* deq,
+                                                         u32* words) {
+    pdl_entry();
+    nvfp4_rows_warp<8>(SiluMulSrc{gu, h, (u64)cols}, rows, cols, 1, 0.0f, range, data, scales, row_s_dec, deq, words);
 }
 
 // out[0] = max |x| bits (NaN skipped), out[1] |= 1 if any element is a number. Zero `out` first.

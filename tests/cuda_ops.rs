@@ -10,7 +10,8 @@ use lockstep::backend::cpu::attention::{paged_attention, AttentionSeq, KvDtype, 
 use lockstep::backend::cpu::linear::{make_linear, DenseWeight};
 use lockstep::backend::cpu::ops as cpu;
 use lockstep::backend::cuda::ops::{
-    self, AttnRows, AttnShape, GemmPath, GemmRows, MoePlan, Nvfp4Out, Nvfp4Params, SplitK,
+    self, AttnRows, AttnShape, GemmPath, GemmRows, MoePlan, Nvfp4Out, Nvfp4Params, Nvfp4Walk,
+    SplitK,
 };
 use lockstep::backend::cuda::weights::{Activation, GpuMatrix};
 use lockstep::backend::Linear;
@@ -73,9 +74,11 @@ fn dummy_weights_equal_the_cpu_generator() {
 fn activation_quantizers_match_the_quant_module_byte_for_byte() {
     let g = gpu();
     let mut rng = Rng(seed());
-    // Rows narrower than a block's threads, one decode row of Qwen3-30B-A3B's width, and rows
-    // a block walks in several rounds of loads with a part-filled last round.
-    for (rows, cols) in [(37, 256), (5, 2048), (3, 4864)] {
+    // Rows narrower than a block's threads, one decode row of Qwen3-30B-A3B's width, rows a
+    // block walks in several rounds of loads with a part-filled last round, rows whose last
+    // quarters fill part of a warp, and rows enough for the automatic walk to take a warp a
+    // row (the experts' SwiGLU width, a part-filled last block of warps).
+    for (rows, cols) in [(37, 256), (5, 2048), (3, 4864), (9, 1056), (300, 768)] {
         let mut x = activations(&mut rng, rows, cols);
         // Rows 0 and 2 with their largest magnitude in their last element (row 1 stays all
         // zero), so a walk that stops short of a row's end gives other scales.
@@ -128,8 +131,15 @@ fn quantizers_match_on(g: &lockstep::backend::cuda::Gpu, x: &[f32], rows: usize,
         }),
     ];
     let mut amax = g.alloc::<u32>(2).unwrap();
-    for fos in variants {
-        for granularity in [ScaleGranularity::PerToken, ScaleGranularity::PerTensor] {
+    let walks = [Nvfp4Walk::Auto, Nvfp4Walk::BlockARow, Nvfp4Walk::WarpARow];
+    for (fos, granularity, walk) in variants.into_iter().flat_map(|fos| {
+        [ScaleGranularity::PerToken, ScaleGranularity::PerTensor]
+            .into_iter()
+            .flat_map(move |granularity| walks.map(|walk| (fos, granularity, walk)))
+    }) {
+        // The warp-a-row walk holds rows of up to NVFP4_WARP_MAX_COLS, without four-over-six.
+        let warp_takes = cols <= ops::NVFP4_WARP_MAX_COLS && fos.is_none();
+        {
             let want = quant::nvfp4::quantize(
                 x,
                 rows,
@@ -148,7 +158,8 @@ fn quantizers_match_on(g: &lockstep::backend::cuda::Gpu, x: &[f32], rows: usize,
             if !per_token {
                 ops::amax(&g, &dx, n, &mut amax).unwrap();
             }
-            ops::nvfp4_quantize_f32(
+            let done = ops::nvfp4_quantize_f32_on(
+                walk,
                 &g,
                 &dx,
                 rows,
@@ -163,9 +174,17 @@ fn quantizers_match_on(g: &lockstep::backend::cuda::Gpu, x: &[f32], rows: usize,
                     deq: Some(&mut deq),
                     words: Some(&mut words),
                 },
-            )
-            .unwrap();
-            let what = format!("NVFP4 {granularity:?} four_over_six={fos:?}");
+            );
+            if walk == Nvfp4Walk::WarpARow && !warp_takes {
+                assert!(
+                    done.is_err(),
+                    "the warp walk refuses {cols} values, {fos:?}"
+                );
+                continue;
+            }
+            done.unwrap();
+            let what =
+                format!("NVFP4 {granularity:?} four_over_six={fos:?} {walk:?} {rows}x{cols}");
             assert_eq!(
                 g.download(&data, n / 2).unwrap(),
                 want.data,
@@ -265,6 +284,69 @@ fn swiglu_and_the_mxfp8_quantizer_in_one_launch_give_the_bytes_of_the_two_launch
             "{what}: scales"
         );
         assert_eq!(bits(g.download(&deq, n).unwrap()), want.2, "{what}: values");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn swiglu_and_the_nvfp4_quantizer_in_one_launch_give_the_bytes_of_the_two_launches() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    let p = Nvfp4Params::from_four_over_six(None);
+    // One decode row, a part-filled block of warps, rows of one warp's width, and prefill-like
+    // rows of the experts' SwiGLU width.
+    for (rows, inter) in [(1, 768), (13, 768), (37, 128), (300, 1024)] {
+        let n = rows * inter;
+        let mut gu_host = activations(&mut rng, rows, 2 * inter);
+        gu_host[2 * inter..4 * inter].fill(0.0); // row 1 all zero: s_tok 0
+        let gu = g.upload(&gu_host).unwrap();
+        // silu_mul, then the per-token quantizer of its output (checked against the CPU in
+        // activation_quantizers_match_the_quant_module_byte_for_byte), operand words and values.
+        let run = |fused: bool, words: bool| {
+            let mut h = poisoned(&g, n, f32::NAN);
+            let (mut data, mut scales) =
+                (poisoned(&g, n / 2, 0xAAu8), poisoned(&g, n / 16, 0xAAu8));
+            let (mut s_dec, mut deq) = (poisoned(&g, rows, f32::NAN), poisoned(&g, n, f32::NAN));
+            let out = Nvfp4Out {
+                data: &mut data,
+                scales: &mut scales,
+                row_s_dec: &mut s_dec,
+                deq: (!words).then_some(&mut deq),
+                words: None,
+            };
+            let mut out = out;
+            let mut operand = poisoned(&g, n / 2, f32::NAN);
+            if words {
+                out.words = Some(&mut operand);
+            }
+            if fused {
+                ops::nvfp4_quantize_silu_mul(&g, &gu, &mut h, rows, inter, p, out).unwrap();
+            } else {
+                ops::silu_mul(&g, &gu, None, &mut h, rows, inter).unwrap();
+                let walk = Nvfp4Walk::BlockARow;
+                ops::nvfp4_quantize_f32_on(walk, &g, &h, rows, inter, true, None, p, out).unwrap();
+            }
+            (
+                bits(g.download(&h, n).unwrap()),
+                g.download(&data, n / 2).unwrap(),
+                g.download(&scales, n / 16).unwrap(),
+                bits(g.download(&s_dec, rows).unwrap()),
+                bits(g.download(&deq, n).unwrap()),
+                bits(g.download(&operand, n / 2).unwrap()),
+            )
+        };
+        for words in [false, true] {
+            let (want, got) = (run(false, words), run(true, words));
+            let what = format!("NVFP4, {rows} rows of {inter}, words {words}");
+            assert_eq!(got.0, want.0, "{what}: h");
+            assert_eq!(got.1, want.1, "{what}: bytes");
+            assert_eq!(got.2, want.2, "{what}: scales");
+            assert_eq!(got.3, want.3, "{what}: s_tok");
+            assert_eq!(got.3[1], 0, "{what}: the zero row's s_tok");
+            assert_eq!(got.4, want.4, "{what}: values");
+            assert_eq!(got.5, want.5, "{what}: operand words");
+        }
     }
 }
 

@@ -209,6 +209,20 @@ fn quantizer_packs() -> bool {
     ops::switched_on(&ON, "LOCKSTEP_NVFP4_WORDS")
 }
 
+/// Whether SwiGLU runs inside the per-token NVFP4 quantizer of the experts' down projection
+/// (`ops::nvfp4_quantize_silu_mul`) for `pairs` routed rows of `inter` values: where the
+/// quantizer walks a warp a row (`ops::Nvfp4Walk::Auto`'s rule: at least
+/// `ops::nvfp4_warp_min_rows()` rows, at most `ops::NVFP4_SILU_MUL_MAX_COLS` values, without
+/// four-over-six), unless `LOCKSTEP_NVFP4_SILU_QUANT=0` (the bits are the same either way).
+fn nvfp4_silu_quantizer_takes(pairs: usize, inter: usize, p: ops::Nvfp4Params) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    ops::switched_on(&ON, "LOCKSTEP_NVFP4_SILU_QUANT")
+        && pairs >= ops::nvfp4_warp_min_rows()
+        && inter <= ops::NVFP4_SILU_MUL_MAX_COLS
+        && inter.is_multiple_of(16)
+        && p.fos_range <= 0.0
+}
+
 /// Whether the quantizer's words are also read through a row index (the experts' gate/up, whose
 /// plan rows are tokens' rows): only with `LOCKSTEP_NVFP4_GATE_UP_WORDS=1`. The bits are the
 /// same (cuda_ops `nvfp4_operand_words_give_the_bits_of_the_values`, H200, 2026-12-06), but it
@@ -519,6 +533,43 @@ impl Cuda {
         Ok(())
     }
 
+    /// SwiGLU and the per-token NVFP4 quantizer of the down projection's input in one launch
+    /// (`nvfp4_quantize_silu_mul`, a warp a row), then the down projection: the bytes of
+    /// `silu_mul`, the quantizer and the GEMM. Sums left by the gate/up GEMM are folded first.
+    #[allow(clippy::too_many_arguments)]
+    fn experts_nvfp4_silu_down(
+        &mut self,
+        w: &CudaExperts,
+        gate_up: &CudaSlice<f32>,
+        pairs: usize,
+        inter: usize,
+        params: ops::Nvfp4Params,
+        route: &CudaRoute,
+        act: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        self.settle()?;
+        let leave = self.leaves_sums();
+        let (gpu, q) = (&self.gpu, &mut self.quant);
+        let plan = GemmRows::Plan(&route.plan);
+        let words = quantizer_writes_words(gpu, &w.down, &plan, None, pairs, q);
+        let (deq, operand) = match words {
+            true => (None, Some(&mut q.deq)),
+            false => (Some(&mut q.deq), None),
+        };
+        let outputs = Nvfp4Out {
+            data: &mut q.data,
+            scales: &mut q.scales,
+            row_s_dec: &mut q.row_scale,
+            deq,
+            words: operand,
+        };
+        ops::nvfp4_quantize_silu_mul(gpu, gate_up, act, pairs, inter, params, outputs)?;
+        let left = gemm_quantized(gpu, &w.down, act, plan, None, pairs, out, q, leave, words)?;
+        self.remember(out, left, pairs, w.down.n);
+        Ok(())
+    }
+
     /// Whether this step's GEMMs leave their split-K sums to their readers.
     fn leaves_sums(&self) -> bool {
         !self.keep && folds_in_readers()
@@ -565,22 +616,52 @@ fn linear(
     q: &mut QuantScratch,
     leave: bool,
 ) -> Result<Option<Unfolded>, CudaError> {
-    // NVFP4 activations on a kernel that reads operand words (the tiled and wgmma kernels): the
-    // quantizer writes the words itself, into the dequantized values' buffer, which nothing
-    // reads then, and no launch packs them (the TMA kernel's copy of a plan's rows in its order
-    // copies words). The same words as pack_gemm_operand's of the values, so the same bits.
-    let words = match m.act {
+    let words = quantizer_writes_words(gpu, m, &rows, row_index, out_rows, q);
+    quantize_input(gpu, m.act, m.experts, x, x_rows, m.k, q, words)?;
+    gemm_quantized(gpu, m, x, rows, row_index, out_rows, out, q, leave, words)
+}
+
+/// Whether `m`'s activation quantizer writes the GEMM's operand words for this launch: NVFP4
+/// activations on a kernel that reads them (the tiled and wgmma kernels). The quantizer then
+/// writes the words itself, into the dequantized values' buffer, which nothing reads then, and
+/// no launch packs them (the TMA kernel's copy of a plan's rows in its order copies words). The
+/// same words as pack_gemm_operand's of the values, so the same bits.
+fn quantizer_writes_words(
+    gpu: &Gpu,
+    m: &GpuMatrix,
+    rows: &GemmRows<'_>,
+    row_index: Option<&CudaSlice<i32>>,
+    out_rows: usize,
+    q: &QuantScratch,
+) -> bool {
+    match m.act {
         Activation::Nvfp4 { .. }
             if q.block_scaled.is_none()
                 && quantizer_packs()
                 && (row_index.is_none() || gathers_words()) =>
         {
-            ops::takes_operand_words(gpu, &m.data, &rows, out_rows, m.n, m.k)
+            ops::takes_operand_words(gpu, &m.data, rows, out_rows, m.n, m.k)
                 == Some(ops::Packing::F16)
         }
         _ => false,
-    };
-    quantize_input(gpu, m.act, m.experts, x, x_rows, m.k, q, words)?;
+    }
+}
+
+/// `out = x W^T` after the activation quantizer of `m` (with `words`: the operand words, see
+/// [`quantizer_writes_words`]) has filled `q`.
+#[allow(clippy::too_many_arguments)]
+fn gemm_quantized(
+    gpu: &Gpu,
+    m: &GpuMatrix,
+    x: &CudaSlice<f32>,
+    rows: GemmRows<'_>,
+    row_index: Option<&CudaSlice<i32>>,
+    out_rows: usize,
+    out: &mut CudaSlice<f32>,
+    q: &mut QuantScratch,
+    leave: bool,
+    words: bool,
+) -> Result<Option<Unfolded>, CudaError> {
     if words {
         let f16 = ops::Packing::F16;
         let row_scale = Some(&q.row_scale);
@@ -1124,9 +1205,10 @@ impl Backend for Cuda {
 
     /// For MXFP8 down projections, SwiGLU and the activation quantizer are one launch
     /// (`mxfp8_quantize_silu_mul`, which takes gate/up as values: sums left by the gate/up GEMM
-    /// are folded into it first). NVFP4 has no such launch: its per-token quantizer is a block a
-    /// row, and SwiGLU inside it made the decode step slower than the two launches (H200,
-    /// 2026-12-03: 5.65-5.73 against 5.58-5.59 ms at batch 1, docs/performance.md).
+    /// are folded into it first); for per-token NVFP4 ones too where its quantizer walks a warp
+    /// a row ([`nvfp4_silu_quantizer_takes`]). On the block-a-row walk (few rows) SwiGLU inside
+    /// the NVFP4 quantizer made the decode step slower than the two launches (H200, 2026-12-03:
+    /// 5.65-5.73 against 5.58-5.59 ms at batch 1, docs/performance.md).
     fn experts_silu_down(
         &mut self,
         w: &CudaExperts,
@@ -1137,6 +1219,16 @@ impl Backend for Cuda {
         act: &mut CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        if let Activation::Nvfp4 {
+            per_token: true,
+            params,
+        } = w.down.act
+        {
+            if nvfp4_silu_quantizer_takes(pairs, inter, params) {
+                return self
+                    .experts_nvfp4_silu_down(w, gate_up, pairs, inter, params, route, act, out);
+            }
+        }
         if !matches!(w.down.act, Activation::Mxfp8) {
             self.silu_mul(gate_up, pairs, inter, act)?;
             return self.experts_down(w, act, route, out);

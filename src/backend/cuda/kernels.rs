@@ -243,6 +243,8 @@ const ATTENTION_MERGE: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32];
 const MXFP8_QUANTIZE: &[Param] = &[Ptr, U64, Ptr, Ptr, Ptr];
 /// x, n, out.
 const AMAX: &[Param] = &[Ptr, U64, Ptr];
+/// x, rows, cols, per_token, tensor_amax, range, data, scales, row_s_dec, deq, words.
+const NVFP4_QUANTIZE_WARP: &[Param] = &[Ptr, U64, I32, I32, Ptr, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
 /// x, out, n: the casts and `host_expf_kernel`.
 const MAP_N: &[Param] = &[Ptr, Ptr, U64];
 
@@ -278,6 +280,11 @@ kernels! {
     Mxfp8QuantizeSiluMul => (Quant, "mxfp8_quantize_silu_mul", &[Ptr, Ptr, I32, U64, Ptr, Ptr, Ptr]),
     Nvfp4QuantizeF32 => (Quant, "nvfp4_quantize_f32", &[
         Ptr, I32, I32, Ptr, F32, F32, I32, Ptr, Ptr, Ptr, Ptr, Ptr,
+    ]),
+    Nvfp4QuantizeF32Warp8 => (Quant, "nvfp4_quantize_f32_warp8", NVFP4_QUANTIZE_WARP),
+    Nvfp4QuantizeF32Warp16 => (Quant, "nvfp4_quantize_f32_warp16", NVFP4_QUANTIZE_WARP),
+    Nvfp4QuantizeSiluMulWarp8 => (Quant, "nvfp4_quantize_silu_mul_warp8", &[
+        Ptr, Ptr, U64, I32, F32, Ptr, Ptr, Ptr, Ptr, Ptr,
     ]),
     Nvfp4QuantizeBf16 => (Quant, "nvfp4_quantize_bf16", &[Ptr, I32, F32, F32, F32, I32, Ptr, Ptr]),
     AmaxBf16 => (Quant, "amax_bf16", AMAX),

@@ -105,6 +105,100 @@ fn nvfp4_threads(cols: usize) -> u32 {
     (cols / 4).next_multiple_of(32).clamp(32, 512) as u32
 }
 
+/// An NVFP4 activation quantization's outputs for `rows` rows of `cols` values, checked: data,
+/// scales, row scales and the operand words if asked for (`deq` is passed whole).
+fn nvfp4_outputs<'a>(
+    rows: usize,
+    cols: usize,
+    out: Nvfp4Out<'a>,
+) -> Result<Nvfp4Views<'a>, CudaError> {
+    let Nvfp4Out {
+        data,
+        scales,
+        row_s_dec,
+        deq,
+        words,
+    } = out;
+    let data = need(data, rows * cols / 2, "nvfp4 data")?;
+    let scales = need(scales, rows * cols / 16, "nvfp4 scales")?;
+    let row_s_dec = need(row_s_dec, rows, "nvfp4 row scales")?;
+    let words = match words {
+        // The operand's spans are 32 values.
+        Some(w) if cols.is_multiple_of(32) => {
+            Some(need(w, rows * cols / 2, "nvfp4 operand words")?)
+        }
+        Some(_) => {
+            return Err(CudaError::Unsupported(format!(
+                "NVFP4 operand words of rows of {cols} values (a multiple of 32 needed)"
+            )))
+        }
+        None => None,
+    };
+    let deq = deq.map(|d| View::whole(d));
+    Ok((data, scales, row_s_dec, deq, words))
+}
+
+/// data, scales, row scales, dequantized values and operand words ([`nvfp4_outputs`]).
+type Nvfp4Views<'a> = (
+    View<'a, u8>,
+    View<'a, u8>,
+    View<'a, f32>,
+    Option<View<'a, f32>>,
+    Option<View<'a, f32>>,
+);
+
+/// How an NVFP4 activation quantizer walks its rows. Both give the same bytes; they differ in
+/// speed alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Nvfp4Walk {
+    /// [`Nvfp4Walk::WarpARow`] for launches of at least [`nvfp4_warp_min_rows`] rows that it
+    /// takes, else [`Nvfp4Walk::BlockARow`].
+    Auto,
+    /// A block a row (kernels/quant.cu `nvfp4_rows`): any width, four-over-six; the row read
+    /// twice (its amax, then its blocks) by up to 512 threads. Few rows.
+    BlockARow,
+    /// A warp a row, the row in registers, read once (`nvfp4_rows_warp`): rows of at most
+    /// [`NVFP4_WARP_MAX_COLS`] values, without four-over-six. Many rows.
+    WarpARow,
+}
+
+/// The widest row [`Nvfp4Walk::WarpARow`] holds in registers (16 quarters a lane).
+pub const NVFP4_WARP_MAX_COLS: usize = 2048;
+
+/// Rows from which [`Nvfp4Walk::Auto`] takes [`Nvfp4Walk::WarpARow`]:
+/// `LOCKSTEP_NVFP4_WARP_ROWS`, else 256 (not yet measured against other values).
+pub fn nvfp4_warp_min_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("LOCKSTEP_NVFP4_WARP_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(256)
+    })
+}
+
+impl Nvfp4Walk {
+    /// The walk a launch of `rows` rows of `cols` values with `p` takes (never `Auto`), or why
+    /// it cannot take the one asked for.
+    fn resolve(self, rows: usize, cols: usize, p: Nvfp4Params) -> Result<Nvfp4Walk, CudaError> {
+        let warp_fits = cols <= NVFP4_WARP_MAX_COLS && p.fos_range <= 0.0;
+        match self {
+            Nvfp4Walk::Auto if warp_fits && rows >= nvfp4_warp_min_rows() => {
+                Ok(Nvfp4Walk::WarpARow)
+            }
+            Nvfp4Walk::Auto => Ok(Nvfp4Walk::BlockARow),
+            Nvfp4Walk::WarpARow if !warp_fits => Err(CudaError::Unsupported(format!(
+                "the NVFP4 quantizer's warp-a-row walk takes rows of at most \
+                 {NVFP4_WARP_MAX_COLS} values without four-over-six ({cols} asked)"
+            ))),
+            walk => Ok(walk),
+        }
+    }
+}
+
+/// Rows (warps) a block of [`Nvfp4Walk::WarpARow`].
+const NVFP4_WARP_ROWS_A_BLOCK: usize = 8;
+
 /// NVFP4 quantization of f32 rows, per token or per tensor (`tensor_amax` from [`amax`]).
 #[allow(clippy::too_many_arguments)]
 pub fn nvfp4_quantize_f32(
@@ -117,30 +211,59 @@ pub fn nvfp4_quantize_f32(
     p: Nvfp4Params,
     out: Nvfp4Out<'_>,
 ) -> Result<(), CudaError> {
+    let walk = Nvfp4Walk::Auto;
+    nvfp4_quantize_f32_on(walk, gpu, x, rows, cols, per_token, tensor_amax, p, out)
+}
+
+/// [`nvfp4_quantize_f32`] on a chosen walk (the tests run each against the CPU).
+#[allow(clippy::too_many_arguments)]
+pub fn nvfp4_quantize_f32_on(
+    walk: Nvfp4Walk,
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+    per_token: bool,
+    tensor_amax: Option<&CudaSlice<u32>>,
+    p: Nvfp4Params,
+    out: Nvfp4Out<'_>,
+) -> Result<(), CudaError> {
     check_block(cols, 16)?;
     let x = need(x, rows * cols, "nvfp4 x")?;
-    let data = need(out.data, rows * cols / 2, "nvfp4 data")?;
-    let scales = need(out.scales, rows * cols / 16, "nvfp4 scales")?;
-    let row_s_dec = need(out.row_s_dec, rows, "nvfp4 row scales")?;
-    let words = match out.words {
-        // The operand's spans are 32 values.
-        Some(w) if cols.is_multiple_of(32) => {
-            Some(need(w, rows * cols / 2, "nvfp4 operand words")?)
-        }
-        Some(_) => {
-            return Err(CudaError::Unsupported(format!(
-                "NVFP4 operand words of rows of {cols} values (a multiple of 32 needed)"
-            )))
-        }
-        None => None,
-    };
+    let (data, scales, row_s_dec, deq, words) = nvfp4_outputs(rows, cols, out)?;
     if !per_token && tensor_amax.is_none() {
         return Err(CudaError::Capacity(
             "per-tensor NVFP4 needs the tensor amax".into(),
         ));
     }
+    let walk = walk.resolve(rows, cols, p)?;
     if rows == 0 {
         return Ok(());
+    }
+    let amax = tensor_amax.map(View::whole);
+    if walk == Nvfp4Walk::WarpARow {
+        let kernel = match cols <= NVFP4_WARP_MAX_COLS / 2 {
+            true => Kernel::Nvfp4QuantizeF32Warp8,
+            false => Kernel::Nvfp4QuantizeF32Warp16,
+        };
+        return gpu.launch(
+            kernel,
+            (rows.div_ceil(NVFP4_WARP_ROWS_A_BLOCK) as u32, 1, 1),
+            32 * NVFP4_WARP_ROWS_A_BLOCK as u32,
+            (
+                x,
+                rows as u64,
+                cols as i32,
+                per_token as i32,
+                amax,
+                p.range,
+                data,
+                scales,
+                row_s_dec,
+                deq,
+                words,
+            ),
+        );
     }
     gpu.launch(
         Kernel::Nvfp4QuantizeF32,
@@ -150,14 +273,64 @@ pub fn nvfp4_quantize_f32(
             x,
             cols as i32,
             per_token as i32,
-            tensor_amax.map(View::whole),
+            amax,
             p.range,
             p.fos_range,
             p.fos_squared as i32,
             data,
             scales,
             row_s_dec,
-            out.deq.map(|d| View::whole(d)),
+            deq,
+            words,
+        ),
+    )
+}
+
+/// The widest SwiGLU output [`nvfp4_quantize_silu_mul`] takes (8 quarters a lane).
+pub const NVFP4_SILU_MUL_MAX_COLS: usize = NVFP4_WARP_MAX_COLS / 2;
+
+/// `h = silu(gate) * up` over `rows` gate/up rows (`[rows, 2 * inter]`, [`super::silu_mul`]'s
+/// layout) and its per-token NVFP4 quantization on [`Nvfp4Walk::WarpARow`], in one launch: the
+/// bytes of `silu_mul` then [`nvfp4_quantize_f32`] of `h`. For `inter` of at most
+/// [`NVFP4_SILU_MUL_MAX_COLS`], without four-over-six.
+#[allow(clippy::too_many_arguments)]
+pub fn nvfp4_quantize_silu_mul(
+    gpu: &Gpu,
+    gu: &CudaSlice<f32>,
+    h: &mut CudaSlice<f32>,
+    rows: usize,
+    inter: usize,
+    p: Nvfp4Params,
+    out: Nvfp4Out<'_>,
+) -> Result<(), CudaError> {
+    check_block(inter, 16)?;
+    if inter > NVFP4_SILU_MUL_MAX_COLS || p.fos_range > 0.0 {
+        return Err(CudaError::Unsupported(format!(
+            "SwiGLU in the NVFP4 quantizer takes rows of at most {NVFP4_SILU_MUL_MAX_COLS} \
+             values without four-over-six ({inter} asked)"
+        )));
+    }
+    let n = rows * inter;
+    let gu = need(gu, 2 * n, "silu_mul gate_up")?;
+    let h = need(h, n, "silu_mul out")?;
+    let (data, scales, row_s_dec, deq, words) = nvfp4_outputs(rows, inter, out)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    gpu.launch(
+        Kernel::Nvfp4QuantizeSiluMulWarp8,
+        (rows.div_ceil(NVFP4_WARP_ROWS_A_BLOCK) as u32, 1, 1),
+        32 * NVFP4_WARP_ROWS_A_BLOCK as u32,
+        (
+            gu,
+            h,
+            rows as u64,
+            inter as i32,
+            p.range,
+            data,
+            scales,
+            row_s_dec,
+            deq,
             words,
         ),
     )
