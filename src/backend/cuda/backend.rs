@@ -210,13 +210,17 @@ fn quantizer_packs() -> bool {
 }
 
 /// Whether SwiGLU runs inside the per-token NVFP4 quantizer of the experts' down projection
-/// (`ops::nvfp4_quantize_silu_mul`) for `pairs` routed rows of `inter` values: where the
-/// quantizer walks a warp a row (`ops::Nvfp4Walk::Auto`'s rule: at least
-/// `ops::nvfp4_warp_min_rows()` rows, at most `ops::NVFP4_SILU_MUL_MAX_COLS` values, without
-/// four-over-six), unless `LOCKSTEP_NVFP4_SILU_QUANT=0` (the bits are the same either way).
+/// (`ops::nvfp4_quantize_silu_mul`) for `pairs` routed rows of `inter` values: with
+/// `LOCKSTEP_NVFP4_SILU_QUANT=1`, where the quantizer walks a warp a row
+/// (`ops::Nvfp4Walk::Auto`'s rule: at least `ops::nvfp4_warp_min_rows()` rows, at most
+/// `ops::NVFP4_SILU_MUL_MAX_COLS` values, without four-over-six). The bits are the same either
+/// way (cuda_ops). Off by default: it gained nothing where it applies (H100, 2026-12-06,
+/// `cuda_bench --prefill 1x1024`, 8,192 routed rows off the SwiGLU epilogue's path, two rounds:
+/// 22,199 / 22,239 tok/s on against 22,232 / 22,302 off), and at 512-2,048 routed rows (with
+/// the warp walk from 256 rows) the decode steps were slower.
 fn nvfp4_silu_quantizer_takes(pairs: usize, inter: usize, p: ops::Nvfp4Params) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    ops::switched_on(&ON, "LOCKSTEP_NVFP4_SILU_QUANT")
+    ops::opted_in(&ON, "LOCKSTEP_NVFP4_SILU_QUANT")
         && pairs >= ops::nvfp4_warp_min_rows()
         && inter <= ops::NVFP4_SILU_MUL_MAX_COLS
         && inter.is_multiple_of(16)
@@ -1205,10 +1209,11 @@ impl Backend for Cuda {
 
     /// For MXFP8 down projections, SwiGLU and the activation quantizer are one launch
     /// (`mxfp8_quantize_silu_mul`, which takes gate/up as values: sums left by the gate/up GEMM
-    /// are folded into it first); for per-token NVFP4 ones too where its quantizer walks a warp
-    /// a row ([`nvfp4_silu_quantizer_takes`]). On the block-a-row walk (few rows) SwiGLU inside
-    /// the NVFP4 quantizer made the decode step slower than the two launches (H200, 2026-12-03:
-    /// 5.65-5.73 against 5.58-5.59 ms at batch 1, docs/performance.md).
+    /// are folded into it first); for per-token NVFP4 ones too where asked for and its
+    /// quantizer walks a warp a row ([`nvfp4_silu_quantizer_takes`]). On the block-a-row walk
+    /// (few rows) SwiGLU inside the NVFP4 quantizer made the decode step slower than the two
+    /// launches (H200, 2026-12-03: 5.65-5.73 against 5.58-5.59 ms at batch 1,
+    /// docs/performance.md).
     fn experts_silu_down(
         &mut self,
         w: &CudaExperts,

@@ -166,14 +166,19 @@ pub enum Nvfp4Walk {
 pub const NVFP4_WARP_MAX_COLS: usize = 2048;
 
 /// Rows from which [`Nvfp4Walk::Auto`] takes [`Nvfp4Walk::WarpARow`]:
-/// `LOCKSTEP_NVFP4_WARP_ROWS`, else 256 (not yet measured against other values).
+/// `LOCKSTEP_NVFP4_WARP_ROWS`, else 4,096 (prefill's launches). A warp a row gives a lane
+/// several quarters in turn where a block a row gives each thread one, and fills the GPU only
+/// with thousands of rows: from 256 rows (the experts' input at 256 decode rows, their SwiGLU
+/// output from 32) the NVFP4 steps were slower, 17.59 / 17.70 -> 17.83 / 17.86 ms at 64 rows
+/// and 26.39 / 26.35 -> 27.02 / 27.11 at 256, while prefill 8 x 2,048 went from 27,809 /
+/// 27,819 to 28,987 / 28,495 tok/s (H100, `cuda_bench`, two rounds, 2026-12-06).
 pub fn nvfp4_warp_min_rows() -> usize {
     static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *ROWS.get_or_init(|| {
         std::env::var("LOCKSTEP_NVFP4_WARP_ROWS")
             .ok()
             .and_then(|v| v.parse().ok())
-            .unwrap_or(256)
+            .unwrap_or(4096)
     })
 }
 
