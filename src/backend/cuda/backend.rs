@@ -228,14 +228,27 @@ fn nvfp4_silu_quantizer_takes(pairs: usize, inter: usize, p: ops::Nvfp4Params) -
 }
 
 /// Whether the quantizer's words are also read through a row index (the experts' gate/up, whose
-/// plan rows are tokens' rows): only with `LOCKSTEP_NVFP4_GATE_UP_WORDS=1`. The bits are the
-/// same (cuda_ops `nvfp4_operand_words_give_the_bits_of_the_values`, H200, 2026-12-06), but it
-/// measured slower there (`cuda_bench`, NVFP4, on against off: the 64-row step 15.34 / 15.41
-/// against 15.09 / 15.08 ms, prefill 8 x 2,048 28,413 / 28,414 against 28,702 / 28,487 tok/s),
-/// for a reason not yet profiled.
-fn gathers_words() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    ops::opted_in(&ON, "LOCKSTEP_NVFP4_GATE_UP_WORDS")
+/// plan rows are tokens' rows) in a launch over `tokens` tokens: from
+/// `ops::nvfp4_warp_min_rows()` tokens (4,096: prefill, where the quantizer walks a warp a row),
+/// everywhere with `LOCKSTEP_NVFP4_GATE_UP_WORDS=1`, nowhere with `=0`. The bits are the same
+/// either way (cuda_ops `nvfp4_operand_words_give_the_bits_of_the_values`, H200, 2026-12-06).
+/// On the H200 (`cuda_bench`, NVFP4, on against off, 2026-12-06, the quantizer then a block a
+/// row) the 64-row step was slower with it (15.34 / 15.41 against 15.09 / 15.08 ms) and so was
+/// prefill 8 x 2,048 (28,413 / 28,414 against 28,702 / 28,487 tok/s). With the warp walk, on an
+/// H100 the same day: prefill 8 x 2,048 29,393 / 28,881 against 28,795 / 28,224 tok/s, the
+/// TMA kernel's copy of the plan's rows 154 us against 231 a layer (ncu of a 4 x 2,048 forward,
+/// docs/performance.md): so it is on where the warp walk is.
+fn gathers_words(tokens: usize) -> bool {
+    static MODE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let mode =
+        MODE.get_or_init(
+            || match std::env::var("LOCKSTEP_NVFP4_GATE_UP_WORDS").as_deref() {
+                Ok("1") => Some(true),
+                Ok("0") => Some(false),
+                _ => None,
+            },
+        );
+    mode.unwrap_or(tokens >= ops::nvfp4_warp_min_rows())
 }
 
 /// Whether the GEMMs of a step that does not keep its buffers leave their split-K sums to their
@@ -476,8 +489,9 @@ impl Cuda {
                 return Ok(false);
             }
             // The quantizer's FP16 words where NVFP4's gate/up reads them (as `linear`).
-            let gu_words =
-                matches!(gu.act, Activation::Nvfp4 { .. }) && quantizer_packs() && gathers_words();
+            let gu_words = matches!(gu.act, Activation::Nvfp4 { .. })
+                && quantizer_packs()
+                && gathers_words(rows);
             quantize_input(gpu, gu.act, gu.experts, x, rows, gu.k, q, gu_words)?;
             let (input, row_scale) = q.gemm_input(gu.act, x);
             let row_token = Some(&plan.row_token);
@@ -556,7 +570,7 @@ impl Cuda {
         let leave = self.leaves_sums();
         let (gpu, q) = (&self.gpu, &mut self.quant);
         let plan = GemmRows::Plan(&route.plan);
-        let words = quantizer_writes_words(gpu, &w.down, &plan, None, pairs, q);
+        let words = quantizer_writes_words(gpu, &w.down, pairs, &plan, None, pairs, q);
         let (deq, operand) = match words {
             true => (None, Some(&mut q.deq)),
             false => (Some(&mut q.deq), None),
@@ -620,19 +634,20 @@ fn linear(
     q: &mut QuantScratch,
     leave: bool,
 ) -> Result<Option<Unfolded>, CudaError> {
-    let words = quantizer_writes_words(gpu, m, &rows, row_index, out_rows, q);
+    let words = quantizer_writes_words(gpu, m, x_rows, &rows, row_index, out_rows, q);
     quantize_input(gpu, m.act, m.experts, x, x_rows, m.k, q, words)?;
     gemm_quantized(gpu, m, x, rows, row_index, out_rows, out, q, leave, words)
 }
 
-/// Whether `m`'s activation quantizer writes the GEMM's operand words for this launch: NVFP4
-/// activations on a kernel that reads them (the tiled and wgmma kernels). The quantizer then
+/// Whether `m`'s activation quantizer (over `x_rows` rows) writes the GEMM's operand words for
+/// this launch: NVFP4 activations on a kernel that reads them (the tiled and wgmma kernels). The quantizer then
 /// writes the words itself, into the dequantized values' buffer, which nothing reads then, and
 /// no launch packs them (the TMA kernel's copy of a plan's rows in its order copies words). The
 /// same words as pack_gemm_operand's of the values, so the same bits.
 fn quantizer_writes_words(
     gpu: &Gpu,
     m: &GpuMatrix,
+    x_rows: usize,
     rows: &GemmRows<'_>,
     row_index: Option<&CudaSlice<i32>>,
     out_rows: usize,
@@ -642,7 +657,7 @@ fn quantizer_writes_words(
         Activation::Nvfp4 { .. }
             if q.block_scaled.is_none()
                 && quantizer_packs()
-                && (row_index.is_none() || gathers_words()) =>
+                && (row_index.is_none() || gathers_words(x_rows)) =>
         {
             ops::takes_operand_words(gpu, &m.data, rows, out_rows, m.n, m.k)
                 == Some(ops::Packing::F16)
