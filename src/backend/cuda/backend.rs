@@ -640,10 +640,10 @@ fn linear(
 }
 
 /// Whether `m`'s activation quantizer (over `x_rows` rows) writes the GEMM's operand words for
-/// this launch: NVFP4 activations on a kernel that reads them (the tiled and wgmma kernels). The quantizer then
-/// writes the words itself, into the dequantized values' buffer, which nothing reads then, and
-/// no launch packs them (the TMA kernel's copy of a plan's rows in its order copies words). The
-/// same words as pack_gemm_operand's of the values, so the same bits.
+/// this launch: NVFP4 activations on a kernel that reads them (the tiled and wgmma kernels). The
+/// quantizer then writes the words itself, into the dequantized values' buffer, which nothing
+/// reads then, and no launch packs them (the TMA kernel's copy of a plan's rows in its order
+/// copies words). The same words as pack_gemm_operand's of the values, so the same bits.
 fn quantizer_writes_words(
     gpu: &Gpu,
     m: &GpuMatrix,
