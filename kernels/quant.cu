@@ -170,6 +170,24 @@ __device__ __forceinline__ Level level_from_amax(float a, float range) {
     return l;
 }
 
+// A row's per-token level from its amax bits (`any_number` 0: every element NaN, the amax NaN),
+// and its s_tok (0 for an all-zero row) stored by the `writer` thread.
+__device__ __forceinline__ Level token_level(u32 amax_bits, int any_number, int cols, float range, float* s_tok,
+                                             bool writer) {
+    float a = (any_number || cols == 0) ? __uint_as_float(amax_bits) : __uint_as_float(0x7fc00000u);
+    Level lv = level_from_amax(a, range);
+    if (writer) *s_tok = lv.amax == 0.0f ? 0.0f : lv.s_dec;
+    return lv;
+}
+
+// A row's level from a given amax (per tensor, or shared), its S_dec stored by the `writer`
+// thread where asked for (`s_dec` not null).
+__device__ __forceinline__ Level given_level(float amax, float range, float* s_dec, bool writer) {
+    Level lv = level_from_amax(amax, range);
+    if (s_dec && writer) *s_dec = lv.s_dec;
+    return lv;
+}
+
 __device__ __forceinline__ float element_multiplier(u8 s8, float s_dec) {
     return fminf(__fdiv_rn(1.0f, __fmul_rn(e4m3_decode(s8), s_dec)), F32_MAX);
 }
@@ -329,12 +347,9 @@ __device__ void nvfp4_rows(const T* x, int cols, int per_token, float amax, floa
             mb = max(mb, red_bits[w]);
             any_number |= red_any[w];
         }
-        float a = (any_number || cols == 0) ? __uint_as_float(mb) : __uint_as_float(0x7fc00000u);
-        lv = level_from_amax(a, range);
-        if (threadIdx.x == 0) row_s_dec[r] = lv.amax == 0.0f ? 0.0f : lv.s_dec;
+        lv = token_level(mb, any_number, cols, range, row_s_dec + r, threadIdx.x == 0);
     } else {
-        lv = level_from_amax(amax, range);
-        if (row_s_dec && threadIdx.x == 0) row_s_dec[r] = lv.s_dec;
+        lv = given_level(amax, range, row_s_dec ? row_s_dec + r : nullptr, threadIdx.x == 0);
     }
     if (fos_range <= 0.0f) {
         nvfp4_row_quarters(row, cols, lv, data + r * (cols / 2), scales + r * (cols / 16), deq ? deq + r * cols : nullptr,
@@ -423,12 +438,9 @@ __device__ __forceinline__ void nvfp4_rows_warp(Src x, u64 rows, int cols, int p
         }
         mb = __reduce_max_sync(0xffffffffu, mb);
         any_number = __reduce_or_sync(0xffffffffu, any_number);
-        float a = (any_number || cols == 0) ? __uint_as_float(mb) : __uint_as_float(0x7fc00000u);
-        lv = level_from_amax(a, range);
-        if (lane == 0) row_s_dec[r] = lv.amax == 0.0f ? 0.0f : lv.s_dec;
+        lv = token_level(mb, any_number, cols, range, row_s_dec + r, lane == 0);
     } else {
-        lv = level_from_amax(amax, range);
-        if (row_s_dec && lane == 0) row_s_dec[r] = lv.s_dec;
+        lv = given_level(amax, range, row_s_dec ? row_s_dec + r : nullptr, lane == 0);
     }
     u8* row_data = data + r * (cols / 2);
     u8* row_scales = scales + r * (cols / 16);

@@ -583,7 +583,7 @@ impl Cuda {
             words: operand,
         };
         ops::nvfp4_quantize_silu_mul(gpu, gate_up, act, pairs, inter, params, outputs)?;
-        let left = gemm_quantized(gpu, &w.down, act, plan, None, pairs, out, q, leave, words)?;
+        let left = gemm_prepared(gpu, &w.down, act, plan, None, pairs, out, q, leave, words)?;
         self.remember(out, left, pairs, w.down.n);
         Ok(())
     }
@@ -636,7 +636,7 @@ fn linear(
 ) -> Result<Option<Unfolded>, CudaError> {
     let words = quantizer_writes_words(gpu, m, x_rows, &rows, row_index, out_rows, q);
     quantize_input(gpu, m.act, m.experts, x, x_rows, m.k, q, words)?;
-    gemm_quantized(gpu, m, x, rows, row_index, out_rows, out, q, leave, words)
+    gemm_prepared(gpu, m, x, rows, row_index, out_rows, out, q, leave, words)
 }
 
 /// Whether `m`'s activation quantizer (over `x_rows` rows) writes the GEMM's operand words for
@@ -664,32 +664,6 @@ fn quantizer_writes_words(
         }
         _ => false,
     }
-}
-
-/// `out = x W^T` after the activation quantizer of `m` (with `words`: the operand words, see
-/// [`quantizer_writes_words`]) has filled `q`.
-#[allow(clippy::too_many_arguments)]
-fn gemm_quantized(
-    gpu: &Gpu,
-    m: &GpuMatrix,
-    x: &CudaSlice<f32>,
-    rows: GemmRows<'_>,
-    row_index: Option<&CudaSlice<i32>>,
-    out_rows: usize,
-    out: &mut CudaSlice<f32>,
-    q: &mut QuantScratch,
-    leave: bool,
-    words: bool,
-) -> Result<Option<Unfolded>, CudaError> {
-    if words {
-        let f16 = ops::Packing::F16;
-        let row_scale = Some(&q.row_scale);
-        ops::grouped_gemm_packed(
-            gpu, &q.deq, f16, row_index, row_scale, &m.data, rows, out_rows, m.n, m.k, out,
-        )?;
-        return Ok(None);
-    }
-    gemm_prepared(gpu, m, x, rows, row_index, out_rows, out, q, leave)
 }
 
 /// The activation quantizer of layers whose input is `act`, over `x_rows` rows of width `k`:
@@ -750,9 +724,10 @@ fn quantize_input(
     }
 }
 
-/// `out = x W^T` on the input as [`quantize_input`] left it in `q` for `m`'s activation format
-/// (x itself for plain layers). With `leave`, a launch split over K may leave its segment sums
-/// instead ([`ops::grouped_gemm_unfolded`]), returned.
+/// `out = x W^T` on the input as [`quantize_input`] (or a launch quantizing as it does) left it
+/// in `q` for `m`'s activation format (x itself for plain layers); with `words`, as the operand
+/// words ([`quantizer_writes_words`]). With `leave`, a launch split over K may leave its segment
+/// sums instead ([`ops::grouped_gemm_unfolded`]), returned.
 #[allow(clippy::too_many_arguments)]
 fn gemm_prepared(
     gpu: &Gpu,
@@ -764,7 +739,16 @@ fn gemm_prepared(
     out: &mut CudaSlice<f32>,
     q: &mut QuantScratch,
     leave: bool,
+    words: bool,
 ) -> Result<Option<Unfolded>, CudaError> {
+    if words {
+        let f16 = ops::Packing::F16;
+        let row_scale = Some(&q.row_scale);
+        ops::grouped_gemm_packed(
+            gpu, &q.deq, f16, row_index, row_scale, &m.data, rows, out_rows, m.n, m.k, out,
+        )?;
+        return Ok(None);
+    }
     let (n, k) = (m.n, m.k);
     let format = match m.act {
         Activation::Plain => None,
@@ -1028,6 +1012,7 @@ impl Backend for Cuda {
                 out,
                 &mut self.quant,
                 false,
+                false,
             )?;
         }
         Ok(())
@@ -1267,7 +1252,7 @@ impl Backend for Cuda {
             Some(&mut q.deq),
         )?;
         let plan = GemmRows::Plan(&route.plan);
-        let left = gemm_prepared(gpu, &w.down, act, plan, None, pairs, out, q, leave)?;
+        let left = gemm_prepared(gpu, &w.down, act, plan, None, pairs, out, q, leave, false)?;
         self.remember(out, left, pairs, w.down.n);
         Ok(())
     }
