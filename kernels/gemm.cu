@@ -292,13 +292,13 @@ struct WeightCursor {
         q = (const u8*)w + row * (K * BYTES_PER_32K / 32) + k * BYTES_PER_32K / 32;
         sc = FMT == 1 ? nullptr : scales + (FMT == 2 ? row * (K / 32) + k / 32 : row * (K / 16) + k / 16);
     }
-    __device__ __forceinline__ WeightCursor(const u8* q, const u8* sc) : q(q), sc(sc) {}
-    // The 8 weights (and their scale) `spans` spans of 32 k after the cursor's k.
-    __device__ __forceinline__ Weight8 at(int spans) const {
+    __device__ __forceinline__ WeightCursor(const u8* bytes, const u8* block_scales) : q(bytes), sc(block_scales) {}
+    // The 8 weights (and their block scale) s spans (32 k each) after the cursor's k.
+    __device__ __forceinline__ Weight8 at(int s) const {
         Weight8 c;
         c.q = make_uint4(0, 0, 0, 0);
         c.scale = 0;
-        const u8* p = q + spans * BYTES_PER_32K;
+        const u8* p = q + s * BYTES_PER_32K;
         if (FMT == 1) {
             c.q = *(const uint4*)p;
         } else if (FMT == 2) {
@@ -308,7 +308,7 @@ struct WeightCursor {
         } else {
             c.q.x = *(const u32*)p;
         }
-        if (FMT != 1) c.scale = sc[spans * SCALES_PER_32K];
+        if (FMT != 1) c.scale = sc[s * SCALES_PER_32K];
         return c;
     }
 };
