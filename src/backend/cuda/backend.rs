@@ -885,7 +885,9 @@ impl Backend for Cuda {
             cuda.unfolded.clear();
             layers(cuda).and_then(|()| cuda.settle())
         };
-        match self.decode_rows.filter(|_| record) {
+        // No kernel of the layers writes weights (ops::gemm's early block-split kernels).
+        let before = self.gpu.set_weights_fixed(true);
+        let ran = match self.decode_rows.filter(|_| record) {
             Some(rows) => {
                 let mut graphs = std::mem::take(&mut self.graphs);
                 let ran = graphs.run(self, rows, &mut layers);
@@ -893,7 +895,9 @@ impl Backend for Cuda {
                 ran
             }
             None => layers(self),
-        }
+        };
+        self.gpu.set_weights_fixed(before);
+        ran
     }
 
     fn embed(
