@@ -26,7 +26,8 @@
 //   registers, no shared memory.
 // - grouped_gemm_skinny_ksplit_*, grouped_gemm_skinny_ksplit8_*: the few-rows warps (32 or 8
 //   columns) for tiles of at most 16 rows, a column group's K segments spread over one block's
-//   warps and added in the block.
+//   warps and added in the block; grouped_gemm_skinny_ksplit8_early_*: the same asking for its
+//   first weights before waiting for the kernel before it (dense launches inside a step).
 // - grouped_gemm_wgmma_* (Hopper, sm_90a): the same products on warpgroup MMAs, 128x128 tiles
 //   (a plan's pair tiles: two wide tiles' rows), the weights as the A operand (section below);
 //   grouped_gemm_wgmma_swiglu_*: over a gate/up matrix, with SwiGLU in the epilogue (h written
@@ -908,8 +909,8 @@ __device__ void grouped_gemm_mma_wide(const float* x, const int* row_index, cons
 // The K chain of one warp's NF fragments over k_begin..k_end for the tile's first FRAGS m16
 // fragments (rows xr), SPANS spans of weights loaded ahead at a time; each segment's sums join
 // the running total `tot` (a lane's column of shared memory, element i at tot[32 i]). With
-// PRE, `pre` (where not null) holds the first round's weights, loaded by the caller
-// (first_round).
+// PRE, `pre` (where not null) holds the first round's weights, loaded by the caller before it
+// waited for the kernel before (grouped_gemm_skinny_ksplit's EARLY).
 template <int FMT, int NF, int FRAGS, int SPANS, bool PRE = false>
 __device__ __forceinline__ void skinny_chain(const void* w, const u8* w_scales, const u64* w_row,
                                              const float* const (*xr)[2], int live, int K, int k_begin, int k_end,
@@ -1068,7 +1069,6 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
 #define KSPLIT_WARPS 8          // host: ops::gemm::BLOCK_SPLIT_THREADS / 32
 #define KSPLIT_MAX_SEGMENTS 16  // host: ops::gemm::BLOCK_SPLIT_MAX_SEGMENTS
 
-//
 // EARLY (the `_early` kernels: dense launches without a row index inside a forward step, whose
 // weights no kernel of the step writes): the kernel waits for the one before it itself
 // (GEMM_ENTRY_WAITING, no WAIT), after each warp has asked for its first round of weights, so that
@@ -1927,9 +1927,9 @@ template <int FMT>
 __device__ __forceinline__ void grouped_gemm_skinny_ksplit8_early(GEMM_KIND_PARAMS) {
     grouped_gemm_skinny_ksplit<FMT, 1, true>(GEMM_KIND_ARGS);
 }
-#define GEMM_KERNEL_EARLY(NAME, FMT, BLOCKS)                                                                       \
-    GEMM_ENTRY_WAITING(grouped_gemm_skinny_ksplit8_early, NAME, FMT, 8, __launch_bounds__(32 * KSPLIT_WARPS, BLOCKS), \
-                       0, )
+#define GEMM_KERNEL_EARLY(NAME, FMT, BLOCKS)                                                 \
+    GEMM_ENTRY_WAITING(grouped_gemm_skinny_ksplit8_early, NAME, FMT, 8,                         \
+                       __launch_bounds__(32 * KSPLIT_WARPS, BLOCKS), 0, /* the kind waits */)
 GEMM_KERNEL_EARLY(grouped_gemm_skinny_ksplit8_early_bf16, 1, 3)
 GEMM_KERNEL_EARLY(grouped_gemm_skinny_ksplit8_early_mxfp8, 2, 3)
 GEMM_KERNEL_EARLY(grouped_gemm_skinny_ksplit8_early_nvfp4, 3, 4)
