@@ -51,6 +51,16 @@ __device__ __forceinline__ u32 amax_bits(float x) {
     return b <= 0x7f800000u ? b : 0u;
 }
 
+// Four values folded into a running max of their amax_bits and whether any is a number (not
+// NaN): what every quantizer reduces for an amax.
+__device__ __forceinline__ void amax_fold4(const float* v, u32& mb, int& any_number) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        mb = max(mb, amax_bits(v[i]));
+        any_number |= !isnan(v[i]);
+    }
+}
+
 // Four consecutive elements (16-byte aligned for f32, 8-byte for BF16) as f32.
 __device__ __forceinline__ void load4(const float* x, u64 i, float* v) {
     float4 a = *(const float4*)(x + i);
@@ -249,11 +259,7 @@ __device__ __forceinline__ void nvfp4_quarter(const float* v, int q, u32 group, 
                                               float* deq, u32* words) {
     u32 mb = 0u;
     int any_number = 0;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        mb = max(mb, amax_bits(v[i]));
-        any_number |= !isnan(v[i]);
-    }
+    amax_fold4(v, mb, any_number);
 #pragma unroll
     for (int d = 1; d < 4; d <<= 1) {
         mb = max(mb, __shfl_xor_sync(group, mb, d));
@@ -327,11 +333,7 @@ __device__ void nvfp4_rows(const T* x, int cols, int per_token, float amax, floa
 #pragma unroll
             for (int u = 0; u < AMAX_LOADS; u++) {
                 if (i0 + 4 * u * (int)blockDim.x >= cols) break;
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    mb = max(mb, amax_bits(v[u][j]));
-                    any_number |= !isnan(v[u][j]);
-                }
+                amax_fold4(v[u], mb, any_number);
             }
         }
         mb = __reduce_max_sync(0xffffffffu, mb);
@@ -430,11 +432,7 @@ __device__ __forceinline__ void nvfp4_rows_warp(Src x, u64 rows, int cols, int p
 #pragma unroll
         for (int j = 0; j < QPL; j++) {
             if (lane + 32 * j >= quarters) break;
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                mb = max(mb, amax_bits(v[j][i]));
-                any_number |= !isnan(v[j][i]);
-            }
+            amax_fold4(v[j], mb, any_number);
         }
         mb = __reduce_max_sync(0xffffffffu, mb);
         any_number = __reduce_or_sync(0xffffffffu, any_number);
