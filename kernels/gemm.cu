@@ -26,8 +26,7 @@
 //   registers, no shared memory.
 // - grouped_gemm_skinny_ksplit_*, grouped_gemm_skinny_ksplit8_*: the few-rows warps (32 or 8
 //   columns) for tiles of at most 16 rows, a column group's K segments spread over one block's
-//   warps and added in the block; grouped_gemm_skinny_ksplit8_early_*: the same asking for its
-//   first weights before waiting for the kernel before it (dense launches inside a step).
+//   warps and added in the block.
 // - grouped_gemm_wgmma_* (Hopper, sm_90a): the same products on warpgroup MMAs, 128x128 tiles
 //   (a plan's pair tiles: two wide tiles' rows), the weights as the A operand (section below);
 //   grouped_gemm_wgmma_swiglu_*: over a gate/up matrix, with SwiGLU in the epilogue (h written
@@ -908,13 +907,11 @@ __device__ void grouped_gemm_mma_wide(const float* x, const int* row_index, cons
 
 // The K chain of one warp's NF fragments over k_begin..k_end for the tile's first FRAGS m16
 // fragments (rows xr), SPANS spans of weights loaded ahead at a time; each segment's sums join
-// the running total `tot` (a lane's column of shared memory, element i at tot[32 i]). With
-// PRE, `pre` (where not null) holds the first round's weights, loaded by the caller before it
-// waited for the kernel before (grouped_gemm_skinny_ksplit's EARLY).
-template <int FMT, int NF, int FRAGS, int SPANS, bool PRE = false>
+// the running total `tot` (a lane's column of shared memory, element i at tot[32 i]).
+template <int FMT, int NF, int FRAGS, int SPANS>
 __device__ __forceinline__ void skinny_chain(const void* w, const u8* w_scales, const u64* w_row,
                                              const float* const (*xr)[2], int live, int K, int k_begin, int k_end,
-                                             int t, float* tot, const Weight8 (*pre)[NF] = nullptr) {
+                                             int t, float* tot) {
     float acc[FRAGS][NF][4];
 #pragma unroll
     for (int mi = 0; mi < FRAGS; mi++)
@@ -933,14 +930,13 @@ __device__ __forceinline__ void skinny_chain(const void* w, const u8* w_scales, 
     }
     for (int k0 = k_begin; k0 < k_end; k0 += 32 * SPANS) {
         int spans = min(SPANS, (k_end - k0) / 32);
-        bool given = PRE && pre && k0 == k_begin;
         Weight8 wc[SPANS][NF];
 #pragma unroll
         for (int f = 0; f < NF; f++) {
             WeightCursor<FMT> c(wq[f], wsc[f]);
 #pragma unroll
             for (int s = 0; s < SPANS; s++)
-                if (s < spans) wc[s][f] = given ? pre[s][f] : c.at(s);
+                if (s < spans) wc[s][f] = c.at(s);
             wq[f] += SPANS * WeightCursor<FMT>::BYTES_PER_32K;
             if (FMT != 1) wsc[f] += SPANS * WeightCursor<FMT>::SCALES_PER_32K;
         }
@@ -1069,12 +1065,7 @@ __device__ void grouped_gemm_skinny(const float* x, const int* row_index, const 
 #define KSPLIT_WARPS 8          // host: ops::gemm::BLOCK_SPLIT_THREADS / 32
 #define KSPLIT_MAX_SEGMENTS 16  // host: ops::gemm::BLOCK_SPLIT_MAX_SEGMENTS
 
-// EARLY (the `_early` kernels: dense launches without a row index inside a forward step, whose
-// weights no kernel of the step writes): the kernel waits for the one before it itself
-// (GEMM_ENTRY_WAITING, no WAIT), after each warp has asked for its first round of weights, so that
-// those loads overlap the kernel before (programmatic dependent launch) instead of following it.
-// Nothing else is read before the wait: a dense launch's tiles and rows are its arguments.
-template <int FMT, int NF = 4, bool EARLY = false>
+template <int FMT, int NF = 4>
 __device__ void grouped_gemm_skinny_ksplit(const float* x, const int* row_index, const float* row_scale,
                                            const void* w, const u8* w_scales, const float* w_sdec, int sdec_groups,
                                            const int* tiles, const int* num_tiles, const int* offsets, int rows,
@@ -1084,7 +1075,6 @@ __device__ void grouped_gemm_skinny_ksplit(const float* x, const int* row_index,
     // One segment's chain holds SPANS spans of NF columns in flight: 16 loads a lane.
     constexpr int SPANS = 16 / NF > 8 ? 8 : 16 / NF;
     int e, r0, r1;
-    if (EARLY && (tiles || row_index)) __trap();  // the host's rule, checked
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1)) return;
     int n0 = bx * 8 * NF;
     if (n0 >= N) return;  // block-uniform
@@ -1105,24 +1095,9 @@ __device__ void grouped_gemm_skinny_ksplit(const float* x, const int* row_index,
     // Segment z's sum of element i of lane l at [z][i][l].
     __shared__ float seg_s[KSPLIT_MAX_SEGMENTS][ELEMS][32];
     int segments = (K + SEG - 1) / SEG, warps = blockDim.x >> 5;
-    // EARLY: the first round of the warp's first segment, asked for before the wait.
-    Weight8 pre[SPANS][NF];
-    if constexpr (EARLY) {
-        if (warp < segments) {
-            int spans = min(SPANS, (min(K, (warp + 1) * SEG) - warp * SEG) / 32);
-#pragma unroll
-            for (int f = 0; f < NF; f++) {
-                WeightCursor<FMT> c(w, w_scales, w_row[f], warp * SEG + 8 * t, K);
-#pragma unroll
-                for (int s = 0; s < SPANS; s++)
-                    if (s < spans) pre[s][f] = c.at(s);
-            }
-        }
-        pdl_entry();
-    }
     for (int z = warp; z < segments; z += warps)
-        skinny_chain<FMT, NF, 1, SPANS, EARLY>(w, w_scales, w_row, xr, live, K, z * SEG, min(K, (z + 1) * SEG), t,
-                                               &seg_s[z][0][lane], EARLY && z == warp ? pre : nullptr);
+        skinny_chain<FMT, NF, 1, SPANS>(w, w_scales, w_row, xr, live, K, z * SEG, min(K, (z + 1) * SEG), t,
+                                        &seg_s[z][0][lane]);
     __syncthreads();
     // Element i of lane l is row g + 8 * (i % 4 / 2), column 8 * (i / 4) + 2 * t + i % 2 of the
     // fragment's (grouped_gemm_skinny's store).
@@ -1800,17 +1775,14 @@ __device__ __forceinline__ GemmPart gemm_part(int cols, int rows, int runs_k, co
 // The kernels' entry: KIND<FMT> over the part of the launch this block works on, COLS columns
 // a block, RUNS_K as gemm_part's runs_k. With THREADS and BLOCKS, launch bounds:
 // THREADS a block, at least BLOCKS blocks an SM (the registers a thread may use follow).
-#define GEMM_ENTRY(KIND, NAME, FMT, COLS, BOUNDS, RUNS_K) \
-    GEMM_ENTRY_WAITING(KIND, NAME, FMT, COLS, BOUNDS, RUNS_K, pdl_entry())
-// The same for a kind that waits for the kernel before it itself (WAIT empty).
-#define GEMM_ENTRY_WAITING(KIND, NAME, FMT, COLS, BOUNDS, RUNS_K, WAIT)                                            \
+#define GEMM_ENTRY(KIND, NAME, FMT, COLS, BOUNDS, RUNS_K)                                                          \
     extern "C" __global__ void BOUNDS NAME(                                                                       \
         const float* x, const int* row_index, const float* row_scale, const void* w, const u8* w_scales,          \
         const float* w_sdec, int sdec_groups, const int* tiles, const int* num_tiles, const int* offsets,          \
         int rows, int N, int K, float* out, float* partials, const u32* xb, u32* counters, const void* w2,         \
         const u8* scales2, const float* sdec2, float* out2, int n2, const void* w3, const u8* scales3,             \
         const float* sdec3, float* out3, int n3) {                                                                 \
-        WAIT;                                                                                                     \
+        pdl_entry();                                                                                              \
         GemmPart p = gemm_part(COLS, rows, RUNS_K, w, w_scales, w_sdec, N, out, partials, w2, scales2, sdec2, out2, \
                                n2, w3, scales3, sdec3, out3, n3);                                                  \
         KIND<FMT>(x, row_index, row_scale, p.w, p.scales, p.sdec, sdec_groups, tiles, num_tiles, offsets, rows,    \
@@ -1921,18 +1893,6 @@ GEMM_KERNEL_BOUNDED(grouped_gemm_skinny_ksplit8, grouped_gemm_skinny_ksplit8_mxf
 // loads, and 32 warps an SM hide more of that than 24 (H100, 2026-12-06: 26.7 -> 24.7 us, the
 // batch-1 NVFP4 step 4.90 / 4.96 -> 4.84 / 4.88 ms).
 GEMM_KERNEL_BOUNDED(grouped_gemm_skinny_ksplit8, grouped_gemm_skinny_ksplit8_nvfp4, 3, 8, 32 * KSPLIT_WARPS, 4)
-// The same asking for their first weights before waiting for the kernel before (EARLY above;
-// `LOCKSTEP_EARLY_WEIGHTS=1`, ops::gemm).
-template <int FMT>
-__device__ __forceinline__ void grouped_gemm_skinny_ksplit8_early(GEMM_KIND_PARAMS) {
-    grouped_gemm_skinny_ksplit<FMT, 1, true>(GEMM_KIND_ARGS);
-}
-#define GEMM_KERNEL_EARLY(NAME, FMT, BLOCKS)                                                 \
-    GEMM_ENTRY_WAITING(grouped_gemm_skinny_ksplit8_early, NAME, FMT, 8,                         \
-                       __launch_bounds__(32 * KSPLIT_WARPS, BLOCKS), 0, /* the kind waits */)
-GEMM_KERNEL_EARLY(grouped_gemm_skinny_ksplit8_early_bf16, 1, 3)
-GEMM_KERNEL_EARLY(grouped_gemm_skinny_ksplit8_early_mxfp8, 2, 3)
-GEMM_KERNEL_EARLY(grouped_gemm_skinny_ksplit8_early_nvfp4, 3, 4)
 
 GEMM_KERNEL(grouped_gemm, grouped_gemm_f32, 0, TN)
 GEMM_KERNEL(grouped_gemm, grouped_gemm_bf16, 1, TN)

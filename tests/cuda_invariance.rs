@@ -82,9 +82,6 @@ fn bf16_weights(rng: &mut Rng, n: usize, k: usize) -> DenseWeight {
 fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
     let g = gpu();
     let mut rng = Rng(seed());
-    // The block split that asks for its first weights before waiting for the kernel before it
-    // is taken only while the weights are marked fixed (below): no other test marks them.
-    std::env::set_var("LOCKSTEP_EARLY_WEIGHTS", "1");
     // K = 96: a partial group of spans for the few-rows kernel; N = 100, 136: partial column
     // tiles; K = 800: three K segments and a partial fourth; K = 2048 and 4096: eight and
     // sixteen segments (q/k/v's and o_proj's, which the wgmma kernel takes split at decode
@@ -127,20 +124,6 @@ fn dense_gemm_rows_have_the_same_bits_for_every_row_count_and_path() {
                         assert_bits(&got, &want_rows, &what(&format!("{choice:?}")));
                     }
                 }
-                // As inside a forward step's layers: the block split of up to 8 rows asks for
-                // its first round of weights before waiting for the kernel before it.
-                let before = g.set_weights_fixed(true);
-                let got = gemm_on(
-                    &g,
-                    (GemmPath::SkinnyKSplit, SplitK::Auto),
-                    &part,
-                    None,
-                    &m,
-                    GemmRows::Dense(rows_m),
-                    rows_m,
-                );
-                g.set_weights_fixed(before);
-                assert_bits(&got, &want_rows, &what("weights asked for before the wait"));
                 // Read in place from the full input through a row index.
                 let index: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
                 let di = g.upload(&index).unwrap();

@@ -885,9 +885,7 @@ impl Backend for Cuda {
             cuda.unfolded.clear();
             layers(cuda).and_then(|()| cuda.settle())
         };
-        // No kernel of the layers writes weights (ops::gemm's early block-split kernels).
-        let before = self.gpu.set_weights_fixed(true);
-        let ran = match self.decode_rows.filter(|_| record) {
+        match self.decode_rows.filter(|_| record) {
             Some(rows) => {
                 let mut graphs = std::mem::take(&mut self.graphs);
                 let ran = graphs.run(self, rows, &mut layers);
@@ -895,9 +893,7 @@ impl Backend for Cuda {
                 ran
             }
             None => layers(self),
-        };
-        self.gpu.set_weights_fixed(before);
-        ran
+        }
     }
 
     fn embed(

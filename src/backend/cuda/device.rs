@@ -28,10 +28,6 @@ pub struct Gpu {
     /// The GEMMs' scratch (split-K sums, packed activations), grown on first need; every
     /// launch is on `stream`, so one set of buffers serves them in turn.
     pub(crate) gemm_scratch: Mutex<GemmScratch>,
-    /// Set while a forward step's layers are queued ([`Gpu::set_weights_fixed`]): no kernel
-    /// then writes weights, so a GEMM may read its weights before waiting for the kernel before
-    /// it (ops::gemm's early block-split kernels).
-    weights_fixed: std::sync::atomic::AtomicBool,
 }
 
 /// The number of CUDA devices, or why there are none usable (never panics: cudarc panics when
@@ -129,7 +125,6 @@ impl Gpu {
             functions,
             pdl,
             gemm_scratch: Mutex::new(GemmScratch::default()),
-            weights_fixed: Default::default(),
         })
     }
 
@@ -146,22 +141,7 @@ impl Gpu {
             functions: self.functions.clone(),
             pdl: self.pdl,
             gemm_scratch: Mutex::new(GemmScratch::default()),
-            weights_fixed: Default::default(),
         })
-    }
-
-    /// Marks the weights fixed (or not) for the launches queued from now on, returning the
-    /// mark before: the caller promises that while it is set none of the kernels it queues
-    /// writes weights (a forward step's layers).
-    pub fn set_weights_fixed(&self, fixed: bool) -> bool {
-        self.weights_fixed
-            .swap(fixed, std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Whether the launches queued now are marked so ([`Gpu::set_weights_fixed`]).
-    pub fn weights_fixed(&self) -> bool {
-        self.weights_fixed
-            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Queues `kernel` on the engine stream, once `args` are checked to be of the kinds, in the

@@ -455,17 +455,6 @@ fn block_split_narrow(tile_rows: usize) -> bool {
     }
 }
 
-/// Whether a dense block-split launch of 8 columns a block, queued while the weights are
-/// fixed (`Gpu::set_weights_fixed`: a forward step's layers), asks for its first round of
-/// weights before waiting for the kernel before it, so that the loads overlap that kernel
-/// (kernels/gemm.cu `EARLY`): `LOCKSTEP_EARLY_WEIGHTS=1`. The same loads and products, so the
-/// same bits. Off by default: written and compiled, not yet measured (2026-12-06); the
-/// one-row q/k/v, o_proj and router launches it would take wait on their loads.
-fn early_weights_opted_in() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    opted_in(&ON, "LOCKSTEP_EARLY_WEIGHTS")
-}
-
 /// Whether the environment variable `var` leaves a kernel choice on (anything but `0`), read
 /// once into `cell`.
 pub(crate) fn switched_on(cell: &std::sync::OnceLock<bool>, var: &str) -> bool {
@@ -718,19 +707,13 @@ impl<'a> Operand<'a> {
         }
     }
 
-    /// [`GemmPath::SkinnyKSplit`]'s kernel of 8 columns a block ([`block_split_narrow`]); with
-    /// `early`, the one asking for its first weights before waiting for the kernel before it
-    /// (`grouped_gemm_skinny_ksplit8_early_*`: dense launches without a row index while the
-    /// weights are fixed, [`early_weights_opted_in`]).
-    fn narrow_block_split_kernel(&self, early: bool) -> Kernel {
+    /// [`GemmPath::SkinnyKSplit`]'s kernel of 8 columns a block ([`block_split_narrow`]).
+    fn narrow_block_split_kernel(&self) -> Kernel {
         use Kernel::*;
-        match (self.kernels[6], early) {
-            (GroupedGemmSkinnyKsplitMxfp8, false) => GroupedGemmSkinnyKsplit8Mxfp8,
-            (GroupedGemmSkinnyKsplitMxfp8, true) => GroupedGemmSkinnyKsplit8EarlyMxfp8,
-            (GroupedGemmSkinnyKsplitNvfp4, false) => GroupedGemmSkinnyKsplit8Nvfp4,
-            (GroupedGemmSkinnyKsplitNvfp4, true) => GroupedGemmSkinnyKsplit8EarlyNvfp4,
-            (_, false) => GroupedGemmSkinnyKsplit8Bf16,
-            (_, true) => GroupedGemmSkinnyKsplit8EarlyBf16,
+        match self.kernels[6] {
+            GroupedGemmSkinnyKsplitMxfp8 => GroupedGemmSkinnyKsplit8Mxfp8,
+            GroupedGemmSkinnyKsplitNvfp4 => GroupedGemmSkinnyKsplit8Nvfp4,
+            _ => GroupedGemmSkinnyKsplit8Bf16,
         }
     }
 
@@ -1523,12 +1506,7 @@ fn launch_parts(
         // A 32-column group a block, its K segments over the block's 8 warps; or 8 columns a
         // block, a warp a segment (up to 8).
         GemmPath::SkinnyKSplit if block_split_narrow(tile_rows_of(&rows)) => (
-            w.narrow_block_split_kernel(
-                matches!(rows, GemmRows::Dense(_))
-                    && row_index.is_none()
-                    && gpu.weights_fixed()
-                    && early_weights_opted_in(),
-            ),
+            w.narrow_block_split_kernel(),
             8,
             32 * k.div_ceil(K_SEGMENT).min(BLOCK_SPLIT_THREADS as usize / 32) as u32,
         ),
