@@ -311,7 +311,9 @@ __device__ __forceinline__ void combine_slots(const int* rows, int top_k, int hi
         live[s] = s < top_k;
     }
 }
-template <bool SUMS>
+// With ADD, each sum is added into y (`y = __fadd_rn(y, sum)`: the norm's residual add, y the
+// residual stream) instead of written.
+template <bool SUMS, bool ADD = false>
 __device__ __forceinline__ void moe_combine_token(const float* expert_out, const int* slot_row,
                                                   const float* weights, float* y, int top_k, int hidden,
                                                   int segments) {
@@ -350,7 +352,13 @@ __device__ __forceinline__ void moe_combine_token(const float* expert_out, const
                     acc.z = __fadd_rn(acc.z, __fmul_rn(wts[s], e[s].z));
                     acc.w = __fadd_rn(acc.w, __fmul_rn(wts[s], e[s].w));
                 }
-            *(float4*)(y + (u64)t * hidden + i) = acc;
+            float4* out = (float4*)(y + (u64)t * hidden + i);
+            if constexpr (ADD) {
+                float4 r = *out;
+                acc = make_float4(__fadd_rn(r.x, acc.x), __fadd_rn(r.y, acc.y), __fadd_rn(r.z, acc.z),
+                                  __fadd_rn(r.w, acc.w));
+            }
+            *out = acc;
         }
         return;
     }
@@ -377,7 +385,8 @@ __device__ __forceinline__ void moe_combine_token(const float* expert_out, const
                 acc = __fadd_rn(acc, __fmul_rn(weights[t * top_k + s], e));
             }
         }
-        y[(u64)t * hidden + i] = acc;
+        float* out = y + (u64)t * hidden + i;
+        *out = ADD ? __fadd_rn(*out, acc) : acc;
     }
 }
 
@@ -393,6 +402,35 @@ extern "C" __global__ void moe_combine_sums(const float* sums, const int* slot_r
                                             int top_k, int hidden, int segments) {
     pdl_entry();
     moe_combine_token<true>(sums, slot_row, weights, y, top_k, hidden, segments);
+}
+
+// rms_norm with its residual the MoE combine of expert_out (moe_combine's arguments; y is not
+// written): x[t] += combine(t), then out[t] = rms_norm(x[t]) * w. A block a token (256 threads,
+// as rms_norm): the combine's walk adds each column's sum into x, and after the barrier the norm
+// reads x back. Each x value is the __fadd_rn(x, y) rms_norm makes and the squares are summed in
+// its order, so x and out are the bits of moe_combine, then rms_norm with y as the residual.
+template <bool SUMS>
+__device__ __forceinline__ void rms_norm_combine_row(float* x, const float* expert_out, const int* slot_row,
+                                                     const float* weights, const float* w, float* out, int top_k,
+                                                     int d, float eps, int segments) {
+    moe_combine_token<SUMS, true>(expert_out, slot_row, weights, x, top_k, d, segments);
+    __syncthreads();
+    rms_norm_row<false>(x, nullptr, w, out, nullptr, d, eps, 0, 0);
+}
+
+extern "C" __global__ void rms_norm_combine(float* x, const float* expert_out, const int* slot_row,
+                                            const float* weights, const float* w, float* out, int top_k, int d,
+                                            float eps) {
+    pdl_entry();
+    rms_norm_combine_row<false>(x, expert_out, slot_row, weights, w, out, top_k, d, eps, 0);
+}
+
+// The same with expert_out the down projection's segment sums (as moe_combine_sums).
+extern "C" __global__ void rms_norm_combine_sums(float* x, const float* sums, const int* slot_row,
+                                                 const float* weights, const float* w, float* out, int top_k,
+                                                 int d, float eps, int segments) {
+    pdl_entry();
+    rms_norm_combine_row<true>(x, sums, slot_row, weights, w, out, top_k, d, eps, segments);
 }
 
 // Device-to-device copies of `n` byte ranges in one launch: ranges[3i..3i+3] = (dst, src,

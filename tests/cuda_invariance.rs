@@ -274,8 +274,9 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
     };
     let combine = |out: &[f32], plan: &MoePlan, w: &CudaSlice<f32>, tokens: usize| {
         let dout = g.upload(out).unwrap();
-        let mut y = g.upload(&vec![f32::NAN; tokens * n]).unwrap();
-        ops::moe_combine(&g, &dout, None, plan, w, &mut y, tokens, top_k, n).unwrap();
+        let y = g.upload(&vec![f32::NAN; tokens * n]).unwrap();
+        let c = ops::Combine::new(&g, &dout, None, plan, w, &y, tokens, top_k, n).unwrap();
+        ops::moe_combine(&g, &c).unwrap();
         g.download(&y, tokens * n).unwrap()
     };
     for fmt in expert_formats() {
@@ -567,11 +568,10 @@ fn readers_of_split_k_sums_give_the_bits_of_the_folded_output() {
         let (sums, down) = launch(&m_down, &xp, GemmRows::Plan(&plan), pairs);
         let hidden = m_down.n;
         let combine = |sums: Option<Unfolded>| {
-            let mut y = nan(rows * hidden);
-            ops::moe_combine(
-                &g, &down, sums, &plan, &weights, &mut y, rows, top_k, hidden,
-            )
-            .unwrap();
+            let y = nan(rows * hidden);
+            let c = ops::Combine::new(&g, &down, sums, &plan, &weights, &y, rows, top_k, hidden)
+                .unwrap();
+            ops::moe_combine(&g, &c).unwrap();
             bits(g.download(&y, rows * hidden).unwrap())
         };
         assert_eq!(
@@ -579,6 +579,31 @@ fn readers_of_split_k_sums_give_the_bits_of_the_folded_output() {
             combine(None),
             "{}",
             what("moe_combine")
+        );
+        // The same combine inside the norm that reads it.
+        let (res, dw) = (
+            rng.vec(rows * hidden, 1.0),
+            g.upload(&rng.vec(hidden, 1.0)).unwrap(),
+        );
+        let combined_norm = |sums: Option<Unfolded>| {
+            let (mut dx, mut out, y) = (
+                g.upload(&res).unwrap(),
+                nan(rows * hidden),
+                nan(rows * hidden),
+            );
+            let c = ops::Combine::new(&g, &down, sums, &plan, &weights, &y, rows, top_k, hidden)
+                .unwrap();
+            ops::rms_norm_combined(&g, &mut dx, &c, &dw, &mut out, eps).unwrap();
+            (
+                bits(g.download(&dx, rows * hidden).unwrap()),
+                bits(g.download(&out, rows * hidden).unwrap()),
+            )
+        };
+        assert_eq!(
+            combined_norm(Some(sums)),
+            combined_norm(None),
+            "{}",
+            what("rms_norm_combined")
         );
 
         // q/k norm + RoPE + KV store over one launch of q, k and v.

@@ -717,7 +717,9 @@ fn norms_rope_attention_and_swiglu_match_the_cpu() {
 
 /// The MoE combine is each token's slots summed in slot order, `acc + w * row` rounded at each
 /// step (the CPU's arithmetic): bitwise, four columns a thread (hidden 96, 2,048) and element by
-/// element (hidden 30).
+/// element (hidden 30). Inside the norm that reads it (`rms_norm_combined`) it gives the bits of
+/// the combine then the norm with its output as the residual: the residual stream and the
+/// normed rows.
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn the_moe_combine_sums_each_tokens_slots_in_order() {
@@ -743,15 +745,54 @@ fn the_moe_combine_sums_each_tokens_slots_in_order() {
                 want[t * hidden + i] = acc;
             }
         }
-        let mut y = poisoned(&g, tokens * hidden, f32::NAN);
+        let y = poisoned(&g, tokens * hidden, f32::NAN);
         let (dw, dout) = (g.upload(&weights).unwrap(), g.upload(&expert_out).unwrap());
-        ops::moe_combine(&g, &dout, None, &plan, &dw, &mut y, tokens, top_k, hidden).unwrap();
+        let c = ops::Combine::new(&g, &dout, None, &plan, &dw, &y, tokens, top_k, hidden).unwrap();
+        ops::moe_combine(&g, &c).unwrap();
         let got = g.download(&y, tokens * hidden).unwrap();
         let same = got
             .iter()
             .zip(&want)
             .all(|(a, b)| a.to_bits() == b.to_bits());
         assert!(same, "{tokens} tokens x {top_k} slots, hidden {hidden}");
+
+        // Inside the norm, against the two launches.
+        let (x, norm_w, eps) = (
+            rng.vec(tokens * hidden, 2.0),
+            g.upload(&rng.vec(hidden, 1.0)).unwrap(),
+            1e-6,
+        );
+        let (mut x2, mut x1) = (g.upload(&x).unwrap(), g.upload(&x).unwrap());
+        let mut out1 = poisoned(&g, tokens * hidden, f32::NAN);
+        ops::rms_norm(
+            &g,
+            &mut x1,
+            Some(&y),
+            None,
+            &norm_w,
+            &mut out1,
+            None,
+            tokens,
+            hidden,
+            eps,
+        )
+        .unwrap();
+        let y2 = poisoned(&g, tokens * hidden, f32::NAN);
+        let c = ops::Combine::new(&g, &dout, None, &plan, &dw, &y2, tokens, top_k, hidden).unwrap();
+        let mut out2 = poisoned(&g, tokens * hidden, f32::NAN);
+        ops::rms_norm_combined(&g, &mut x2, &c, &norm_w, &mut out2, eps).unwrap();
+        for (what, a, b) in [("x", &x1, &x2), ("out", &out1, &out2)] {
+            let (a, b) = (
+                g.download(a, tokens * hidden).unwrap(),
+                g.download(b, tokens * hidden).unwrap(),
+            );
+            assert!(
+                a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "rms_norm_combined's {what}: {tokens} tokens x {top_k} slots, hidden {hidden}"
+            );
+        }
+        let y2 = g.download(&y2, tokens * hidden).unwrap();
+        assert!(y2.iter().all(|v| v.is_nan()), "rms_norm_combined wrote y");
     }
 }
 

@@ -188,6 +188,8 @@ pub struct Cuda {
     /// GEMM outputs left as split-K segment sums for their readers ([`Unfolded`]), by the
     /// output buffer's address.
     unfolded: Vec<LeftSums>,
+    /// A MoE combine not yet run, left for the norm that reads its output.
+    combine: Option<ops::Combine>,
 }
 
 /// A GEMM output left as its segment sums: where it would have gone, and its shape.
@@ -259,6 +261,14 @@ fn gathers_words(tokens: usize) -> bool {
 fn folds_in_readers() -> bool {
     static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     ops::opted_in(&CHOSEN, "LOCKSTEP_FOLD_IN_READERS")
+}
+
+/// Whether a step that does not keep its buffers runs each MoE combine inside the norm that
+/// reads its output (`ops::rms_norm_combined`: one launch less a layer, the same bits): only
+/// with `LOCKSTEP_COMBINE_IN_NORM=1` until it is measured.
+fn combines_in_norm() -> bool {
+    static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    ops::opted_in(&CHOSEN, "LOCKSTEP_COMBINE_IN_NORM")
 }
 
 impl Cuda {
@@ -349,6 +359,7 @@ impl Cuda {
             decode_split,
             keep: true,
             unfolded: Vec::new(),
+            combine: None,
         })
     }
 
@@ -608,9 +619,13 @@ impl Cuda {
         Some(self.unfolded.swap_remove(i).sums)
     }
 
-    /// Writes every output still left as sums into its buffer: before the next GEMM reuses the
-    /// sums' scratch, and before a reader that takes no sums.
+    /// Runs the MoE combine left for its norm, and writes every output still left as sums into
+    /// its buffer: before the next GEMM reuses the sums' scratch, and before a reader that takes
+    /// neither.
     fn settle(&mut self) -> Result<(), CudaError> {
+        if let Some(c) = self.combine.take() {
+            ops::moe_combine(&self.gpu, &c)?;
+        }
         for l in std::mem::take(&mut self.unfolded) {
             ops::fold_unfolded(&self.gpu, l.sums, l.rows, l.n, DevPtr(l.out))?;
         }
@@ -818,6 +833,7 @@ impl Backend for Cuda {
         // Every reader of a finished step took its sums; a step that failed half way leaves
         // none that anything will read.
         self.unfolded.clear();
+        self.combine = None;
         self.keep = keep;
         let bs = self.sizes.block_size;
         let n = plan.rows();
@@ -883,6 +899,7 @@ impl Backend for Cuda {
         // output) are folded inside them too: a replayed graph runs no host code after them.
         let mut layers = |cuda: &mut Self| {
             cuda.unfolded.clear();
+            cuda.combine = None;
             layers(cuda).and_then(|()| cuda.settle())
         };
         match self.decode_rows.filter(|_| record) {
@@ -923,6 +940,12 @@ impl Backend for Cuda {
         width: usize,
         eps: f32,
     ) -> Result<(), CudaError> {
+        if let Some(c) = self.combine.take() {
+            if c.tokens() == rows && residual.is_some_and(|r| c.writes(&self.gpu, r)) {
+                return ops::rms_norm_combined(&self.gpu, x, &c, w, out, eps);
+            }
+            ops::moe_combine(&self.gpu, &c)?;
+        }
         let sums = residual.and_then(|r| self.take_sums(r));
         ops::rms_norm(&self.gpu, x, residual, sums, w, out, None, rows, width, eps)
     }
@@ -1287,7 +1310,7 @@ impl Backend for Cuda {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         let sums = self.take_sums(expert_out);
-        ops::moe_combine(
+        let c = ops::Combine::new(
             &self.gpu,
             expert_out,
             sums,
@@ -1297,7 +1320,17 @@ impl Backend for Cuda {
             rows,
             route.top_k,
             hidden,
-        )
+        )?;
+        if self.keep || !combines_in_norm() {
+            return ops::moe_combine(&self.gpu, &c);
+        }
+        // Left for the next layer's input norm (or `settle`): the expert rows stay as they are
+        // until the next GEMM, which settles it first, the plan and weights until the next
+        // routing, after that norm.
+        if let Some(before) = self.combine.replace(c) {
+            ops::moe_combine(&self.gpu, &before)?;
+        }
+        Ok(())
     }
 
     fn keep_routing(

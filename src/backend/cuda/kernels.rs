@@ -266,6 +266,10 @@ kernels! {
     SiluMulSums => (Elementwise, "silu_mul_sums", &[Ptr, Ptr, U64, I32, I32]),
     MoeCombine => (Elementwise, "moe_combine", &[Ptr, Ptr, Ptr, Ptr, I32, I32]),
     MoeCombineSums => (Elementwise, "moe_combine_sums", &[Ptr, Ptr, Ptr, Ptr, I32, I32, I32]),
+    RmsNormCombine => (Elementwise, "rms_norm_combine", &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, F32]),
+    RmsNormCombineSums => (Elementwise, "rms_norm_combine_sums", &[
+        Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, F32, I32,
+    ]),
     CopyRanges => (Elementwise, "copy_ranges", &[Ptr, I32]),
     MoeRoute => (Moe, "moe_route", &[Ptr, I32, I32, I32, I32, Ptr, Ptr, Ptr, Ptr, I32]),
     MoeCount => (Moe, "moe_count", &[Ptr, I32, Ptr]),

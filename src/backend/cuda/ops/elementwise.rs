@@ -284,51 +284,141 @@ pub fn silu_mul(
     }
 }
 
-/// `y[t] = sum over slots, in slot order, of weight * expert_out[row of (t, slot)]`, or with
-/// `sums` of the down projection's segment sums ([`Unfolded`]).
-#[allow(clippy::too_many_arguments)]
-pub fn moe_combine(
-    gpu: &Gpu,
-    expert_out: &CudaSlice<f32>,
+/// One MoE combine, checked and held as device addresses: the expert rows it reads (or the down
+/// projection's segment sums, [`Unfolded`]), the plan's slot rows and the routing weights of
+/// `tokens` tokens, and where it writes. A backend may keep one to run it inside the norm that
+/// reads its output ([`rms_norm_combined`]); those buffers must then hold what they hold now
+/// until it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Combine {
+    expert_out: DevPtr,
     sums: Option<Unfolded>,
-    plan: &MoePlan,
-    weights: &CudaSlice<f32>,
-    y: &mut CudaSlice<f32>,
+    slot_row: DevPtr,
+    weights: DevPtr,
+    y: DevPtr,
     tokens: usize,
     top_k: usize,
     hidden: usize,
-) -> Result<(), CudaError> {
-    let expert_out = match sums {
-        Some(u) => sums_ptr(Some(u), tokens * top_k * hidden)?,
-        None => DevPtr(need(expert_out, tokens * top_k * hidden, "combine expert_out")?.addr(gpu)),
-    };
-    let y = need(y, tokens * hidden, "combine out")?;
-    if tokens == 0 {
+}
+
+impl Combine {
+    /// `y[t] = sum over slots, in slot order, of weight * expert_out[row of (t, slot)]` (or of
+    /// the segment sums' folded rows).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        gpu: &Gpu,
+        expert_out: &CudaSlice<f32>,
+        sums: Option<Unfolded>,
+        plan: &MoePlan,
+        weights: &CudaSlice<f32>,
+        y: &CudaSlice<f32>,
+        tokens: usize,
+        top_k: usize,
+        hidden: usize,
+    ) -> Result<Combine, CudaError> {
+        let pairs = tokens * top_k;
+        let expert_out = match sums {
+            Some(u) => sums_ptr(Some(u), pairs * hidden)?,
+            None => DevPtr(need(expert_out, pairs * hidden, "combine expert_out")?.addr(gpu)),
+        };
+        Ok(Combine {
+            expert_out,
+            sums,
+            slot_row: DevPtr(need(&plan.slot_row, pairs, "combine slot_row")?.addr(gpu)),
+            weights: DevPtr(need(weights, pairs, "combine weights")?.addr(gpu)),
+            y: DevPtr(need(y, tokens * hidden, "combine out")?.addr(gpu)),
+            tokens,
+            top_k,
+            hidden,
+        })
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Whether `buf` is the combine's output.
+    pub fn writes(&self, gpu: &Gpu, buf: &CudaSlice<f32>) -> bool {
+        addr(gpu, buf) == self.y.0
+    }
+}
+
+/// Runs the combine `c`, writing its output.
+pub fn moe_combine(gpu: &Gpu, c: &Combine) -> Result<(), CudaError> {
+    if c.tokens == 0 {
         return Ok(());
     }
     // A block per token and 1,024 columns (256 threads of four): at one token (decode) the
     // columns' loads are all in flight at once instead of rounds of one block.
-    let grid = (tokens as u32, hidden.div_ceil(1024) as u32, 1);
-    let (slot_row, weights) = (View::whole(&plan.slot_row), View::whole(weights));
-    let (top_k, hidden) = (top_k as i32, hidden as i32);
-    match sums {
-        None => gpu.launch(
-            Kernel::MoeCombine,
-            grid,
-            256,
-            (expert_out, slot_row, weights, y, top_k, hidden),
-        ),
+    let grid = (c.tokens as u32, c.hidden.div_ceil(1024) as u32, 1);
+    let (top_k, hidden) = (c.top_k as i32, c.hidden as i32);
+    let args = (c.expert_out, c.slot_row, c.weights, c.y, top_k, hidden);
+    match c.sums {
+        None => gpu.launch(Kernel::MoeCombine, grid, 256, args),
         Some(u) => gpu.launch(
             Kernel::MoeCombineSums,
             grid,
             256,
             (
-                expert_out,
-                slot_row,
-                weights,
-                y,
+                args.0,
+                args.1,
+                args.2,
+                args.3,
                 top_k,
                 hidden,
+                u.segments as i32,
+            ),
+        ),
+    }
+}
+
+/// [`rms_norm`] of every row with the residual `y` the MoE combine `c` writes: `x[t] += y[t]`,
+/// `out[t] = rms_norm(x[t]) * w`, in one launch that does not write y. x and out are the bits of
+/// [`moe_combine`] then [`rms_norm`] (kernels/elementwise.cu `rms_norm_combine`).
+pub fn rms_norm_combined(
+    gpu: &Gpu,
+    x: &mut CudaSlice<f32>,
+    c: &Combine,
+    w: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    eps: f32,
+) -> Result<(), CudaError> {
+    let (rows, d) = (c.tokens, c.hidden);
+    let w = need(w, d, "rms_norm weight")?;
+    let out = need(out, rows * d, "rms_norm out")?;
+    let x = need(x, rows * d, "rms_norm x")?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let grid = (rows as u32, 1, 1);
+    let (top_k, d) = (c.top_k as i32, d as i32);
+    let args = (
+        x,
+        c.expert_out,
+        c.slot_row,
+        c.weights,
+        w,
+        out,
+        top_k,
+        d,
+        eps,
+    );
+    match c.sums {
+        None => gpu.launch(Kernel::RmsNormCombine, grid, 256, args),
+        Some(u) => gpu.launch(
+            Kernel::RmsNormCombineSums,
+            grid,
+            256,
+            (
+                args.0,
+                args.1,
+                args.2,
+                args.3,
+                args.4,
+                args.5,
+                top_k,
+                d,
+                eps,
                 u.segments as i32,
             ),
         ),
