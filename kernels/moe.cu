@@ -1,7 +1,8 @@
 // MoE routing and token permutation: softmax + top-k (+ renormalisation) per token, then the
 // plan that groups the (token, slot) pairs by expert for the grouped expert GEMMs.
 
-// One warp per token. Ties pick the lower expert id, like the CPU's stable sort.
+// One warp per token. Ties pick the lower expert id, like the CPU's stable sort. `kept`
+// (optional): where the ids go too (the step's record of every MoE layer's experts).
 // `given` (optional, [tokens, top_k]): routing replay. A row whose given ids are all valid takes
 // them, weighted by this router's probabilities (renormalized over them, summed in slot order as
 // the CPU does); any other row is routed normally.
@@ -10,7 +11,7 @@
 // expression, so the same values).
 #define ROUTE_HELD 8
 __device__ void route_token(const float* logits, int t, int lane, int experts, int top_k, int renormalize,
-                            const int* given, int* topk_ids, float* topk_w) {
+                            const int* given, int* topk_ids, float* topk_w, int* kept) {
     const float* row = logits + (u64)t * experts;
     float m = -INFINITY;
     for (int e = lane; e < experts; e += 32) m = fmaxf(m, row[e]);
@@ -37,6 +38,7 @@ __device__ void route_token(const float* logits, int t, int lane, int experts, i
                 if (lane == 0) {
                     topk_ids[t * top_k + s] = g[s];
                     topk_w[t * top_k + s] = p;
+                    if (kept) kept[t * top_k + s] = g[s];
                 }
                 picked += p;
             }
@@ -75,6 +77,7 @@ __device__ void route_token(const float* logits, int t, int lane, int experts, i
         if (lane == 0) {
             topk_ids[t * top_k + s] = best_id;
             topk_w[t * top_k + s] = best;
+            if (kept) kept[t * top_k + s] = best_id;
         }
         picked_sum += best;
         prev_p = best;
@@ -94,7 +97,7 @@ __device__ __forceinline__ void fold_logits(float* logits, const float* sums, in
 
 extern "C" __global__ void moe_route(float* logits, int tokens, int experts, int top_k, int renormalize,
                                      const int* given, int* topk_ids, float* topk_w, const float* sums,
-                                     int segments) {
+                                     int segments, int* kept) {
     pdl_entry();
     int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (t >= tokens) return;
@@ -102,7 +105,7 @@ extern "C" __global__ void moe_route(float* logits, int tokens, int experts, int
         fold_logits(logits, sums, segments, tokens, experts, t * experts, experts, lane, 32);
         __syncwarp();
     }
-    route_token(logits, t, lane, experts, top_k, renormalize, given, topk_ids, topk_w);
+    route_token(logits, t, lane, experts, top_k, renormalize, given, topk_ids, topk_w, kept);
 }
 
 // counts[e] = number of (token, slot) pairs routed to e. `counts` must be zeroed first.
@@ -211,7 +214,7 @@ extern "C" __global__ void moe_route_plan(float* logits, int tokens, int experts
                    int* topk_ids, float* topk_w, int* counts, int tile_rows, int wide_rows, int* offsets,
                    int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles,
                    int* pair_tiles, int* num_pair_tiles, int* slot_row, int* row_token, const float* sums,
-                   int segments) {
+                   int segments, int* kept) {
     pdl_entry();
     __shared__ int counts_s[ROUTE_PLAN_MAX_EXPERTS], cursor_s[ROUTE_PLAN_MAX_EXPERTS];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, pairs = tokens * top_k;
@@ -221,7 +224,7 @@ extern "C" __global__ void moe_route_plan(float* logits, int tokens, int experts
     }
     for (int e = tid; e < experts; e += PLAN_THREADS) counts_s[e] = 0;
     for (int t = warp; t < tokens; t += PLAN_THREADS / 32)
-        route_token(logits, t, lane, experts, top_k, renormalize, given, topk_ids, topk_w);
+        route_token(logits, t, lane, experts, top_k, renormalize, given, topk_ids, topk_w, kept);
     __syncthreads();
     for (int i = tid; i < pairs; i += PLAN_THREADS) atomicAdd(&counts_s[topk_ids[i]], 1);
     __syncthreads();

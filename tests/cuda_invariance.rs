@@ -252,7 +252,7 @@ fn moe_rows_have_the_same_bits_for_every_token_count_and_path() {
         );
         let dl = g.upload(l).unwrap();
         ops::moe_route(
-            &g, &dl, None, tokens, experts, top_k, true, None, &mut ids, &mut w,
+            &g, &dl, None, tokens, experts, top_k, true, None, &mut ids, &mut w, None,
         )
         .unwrap();
         (ids, w)
@@ -536,6 +536,7 @@ fn readers_of_split_k_sums_give_the_bits_of_the_folded_output() {
             let mut plan = MoePlan::new(&g, rows * top_k, experts).unwrap();
             ops::route_and_plan(
                 &g, logits, sums, rows, experts, top_k, true, None, &mut ids, &mut w, &mut plan,
+                None,
             )
             .unwrap();
             (
@@ -558,7 +559,10 @@ fn readers_of_split_k_sums_give_the_bits_of_the_folded_output() {
         let (ids, weights) = {
             let (mut ids, mut w) = (g.alloc::<i32>(rows * top_k).unwrap(), nan(rows * top_k));
             let dl = g.upload(&rng.vec(rows * 8, 3.0)).unwrap();
-            ops::moe_route(&g, &dl, None, rows, 8, top_k, true, None, &mut ids, &mut w).unwrap();
+            ops::moe_route(
+                &g, &dl, None, rows, 8, top_k, true, None, &mut ids, &mut w, None,
+            )
+            .unwrap();
             (ids, w)
         };
         let mut plan = MoePlan::new(&g, rows * top_k, 8).unwrap();

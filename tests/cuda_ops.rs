@@ -1242,29 +1242,43 @@ fn one_launch_routing_gives_the_routes_and_plan_of_the_separate_launches() {
                 "{tokens} tokens x {top_k} of {experts}, replay {}",
                 replay.is_some()
             );
+            // Both also keep their ids as MoE layer 2 of three in a poisoned record.
             let run = |fused: bool| {
                 let mut ids = g.alloc::<i32>(pairs).unwrap();
                 let mut w = g.alloc::<f32>(pairs).unwrap();
                 let mut plan = MoePlan::new(&g, pairs, experts).unwrap();
+                let mut kept = poisoned(&g, 3 * pairs, -7);
+                let keep = Some(ops::KeptIds {
+                    buf: &mut kept,
+                    at: 2 * pairs,
+                });
                 if fused {
                     ops::route_and_plan(
                         &g, &logits, None, tokens, experts, top_k, true, replay, &mut ids, &mut w,
-                        &mut plan,
+                        &mut plan, keep,
                     )
                     .unwrap();
                 } else {
                     ops::moe_route(
                         &g, &logits, None, tokens, experts, top_k, true, replay, &mut ids, &mut w,
+                        keep,
                     )
                     .unwrap();
                     plan.build(&g, &ids, tokens, top_k, experts).unwrap();
                 }
-                (ids, w, plan)
+                (ids, w, plan, g.download(&kept, 3 * pairs).unwrap())
             };
-            let (ids_a, w_a, plan_a) = run(true);
-            let (ids_b, w_b, plan_b) = run(false);
+            let (ids_a, w_a, plan_a, kept_a) = run(true);
+            let (ids_b, w_b, plan_b, kept_b) = run(false);
             let ids = g.download(&ids_b, pairs).unwrap();
             assert_eq!(g.download(&ids_a, pairs).unwrap(), ids, "{shape}: ids");
+            for kept in [kept_a, kept_b] {
+                assert!(
+                    kept[..2 * pairs].iter().all(|&v| v == -7),
+                    "{shape}: kept before"
+                );
+                assert_eq!(kept[2 * pairs..], ids, "{shape}: kept ids");
+            }
             let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(
                 bits(g.download(&w_a, pairs).unwrap()),
@@ -1311,6 +1325,7 @@ fn routing_ties_pick_the_lower_expert_like_the_cpu() {
         let mut plan = MoePlan::new(&g, pairs, experts).unwrap();
         ops::route_and_plan(
             &g, &dlogits, None, tokens, experts, top_k, true, None, &mut ids, &mut w, &mut plan,
+            None,
         )
         .unwrap();
         let (ids_h, w_h) = (
@@ -1368,7 +1383,7 @@ fn random_plan(
         g.alloc::<f32>(tokens * top_k).unwrap(),
     );
     ops::moe_route(
-        g, &logits, None, tokens, experts, top_k, true, None, &mut ids, &mut wts,
+        g, &logits, None, tokens, experts, top_k, true, None, &mut ids, &mut wts, None,
     )
     .unwrap();
     let mut plan = MoePlan::new(g, tokens * top_k, experts).unwrap();
@@ -1819,7 +1834,7 @@ fn routing_and_grouped_gemm_match_the_cpu_at(
     );
     let dlogits = g.upload(&logits).unwrap();
     ops::moe_route(
-        g, &dlogits, None, tokens, experts, top_k, true, None, &mut ids, &mut wts,
+        g, &dlogits, None, tokens, experts, top_k, true, None, &mut ids, &mut wts, None,
     )
     .unwrap();
     let (ids_h, wts_h) = (

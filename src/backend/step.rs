@@ -286,13 +286,16 @@ pub trait Backend {
 
     /// Router softmax and top-k (ties to the lower id), or with `replay` (`[rows, top_k]`)
     /// the given experts of every row whose ids are all valid, weighted by this router's
-    /// probabilities; then the rows grouped by expert.
+    /// probabilities; then the rows grouped by expert. The chosen experts are kept as MoE layer
+    /// `moe_index` of the step ([`Backend::routed_experts`]).
+    #[allow(clippy::too_many_arguments)]
     fn moe_route(
         &mut self,
         logits: &Self::Act,
         rows: usize,
         shape: MoeShape,
         replay: Option<&[i32]>,
+        moe_index: usize,
         route: &mut Self::Route,
     ) -> Result<(), Self::Error>;
 
@@ -363,14 +366,6 @@ pub trait Backend {
         rows: usize,
         hidden: usize,
         out: &mut Self::Act,
-    ) -> Result<(), Self::Error>;
-
-    /// Keeps this layer's chosen experts as MoE layer `moe_index` of the step.
-    fn keep_routing(
-        &mut self,
-        route: &mut Self::Route,
-        moe_index: usize,
-        rows: usize,
     ) -> Result<(), Self::Error>;
 
     /// Every kept layer's experts, `[rows, moe_layers, top_k]`.

@@ -158,7 +158,14 @@ pub fn forward<B: Backend>(
                             .copied()
                             .collect()
                     });
-                    b.moe_route(&s.router_logits, n, shape, replay.as_deref(), route)?;
+                    b.moe_route(
+                        &s.router_logits,
+                        n,
+                        shape,
+                        replay.as_deref(),
+                        moe_index,
+                        route,
+                    )?;
                     b.experts_mlp(
                         &moe.experts,
                         &s.normed,
@@ -170,7 +177,6 @@ pub fn forward<B: Backend>(
                         &mut s.expert_out,
                     )?;
                     b.moe_combine(&s.expert_out, route, n, h, &mut s.y)?;
-                    b.keep_routing(route, moe_index, n)?;
                     moe_index += 1;
                     tracing
                         .then(|| b.moe_trace(route, s, n, shape))

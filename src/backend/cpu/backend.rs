@@ -226,6 +226,7 @@ impl Backend for Cpu {
         rows: usize,
         shape: MoeShape,
         replay: Option<&[i32]>,
+        moe_index: usize,
         route: &mut CpuRoute,
     ) -> Result<(), Self::Error> {
         let (e, top_k) = (shape.experts, shape.top_k);
@@ -271,6 +272,9 @@ impl Backend for Cpu {
             row += m.len();
         }
         route.offsets.push(row);
+        route.kept.truncate(moe_index);
+        let ids = route.choice.iter().map(|&(e, _)| e as i32).collect();
+        route.kept.push(ids);
         Ok(())
     }
 
@@ -349,18 +353,6 @@ impl Backend for Cpu {
                 }
             }
         }
-        Ok(())
-    }
-
-    fn keep_routing(
-        &mut self,
-        route: &mut CpuRoute,
-        moe_index: usize,
-        _rows: usize,
-    ) -> Result<(), Self::Error> {
-        route.kept.truncate(moe_index);
-        let ids = route.choice.iter().map(|&(e, _)| e as i32).collect();
-        route.kept.push(ids);
         Ok(())
     }
 

@@ -1161,6 +1161,7 @@ impl Backend for Cuda {
         rows: usize,
         shape: MoeShape,
         replay: Option<&[i32]>,
+        moe_index: usize,
         route: &mut CudaRoute,
     ) -> Result<(), CudaError> {
         let sums = self.take_sums(logits);
@@ -1180,6 +1181,10 @@ impl Backend for Cuda {
             &mut route.ids,
             &mut route.weights,
             &mut route.plan,
+            Some(ops::KeptIds {
+                buf: &mut route.kept,
+                at: moe_index * rows * shape.top_k,
+            }),
         )?;
         route.rows = rows;
         route.top_k = shape.top_k;
@@ -1329,23 +1334,6 @@ impl Backend for Cuda {
         // routing, after that norm.
         if let Some(before) = self.combine.replace(c) {
             ops::moe_combine(&self.gpu, &before)?;
-        }
-        Ok(())
-    }
-
-    fn keep_routing(
-        &mut self,
-        route: &mut CudaRoute,
-        moe_index: usize,
-        rows: usize,
-    ) -> Result<(), CudaError> {
-        let pairs = rows * route.top_k;
-        if pairs > 0 {
-            let at = moe_index * pairs;
-            self.gpu.stream.memcpy_dtod(
-                &route.ids.slice(0..pairs),
-                &mut route.kept.slice_mut(at..at + pairs),
-            )?;
         }
         Ok(())
     }

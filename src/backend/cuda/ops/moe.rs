@@ -7,7 +7,7 @@ use super::{
     need, sums_ptr, sums_segments, Unfolded, BLOCK, GEMM_TILE_ROWS, GEMM_WIDE_TILE_ROWS,
     PAIR_TILE_ROWS,
 };
-use crate::backend::cuda::args::View;
+use crate::backend::cuda::args::{addr, DevPtr, View};
 use crate::backend::cuda::kernels::Kernel;
 use crate::backend::cuda::{CudaError, Gpu};
 
@@ -48,10 +48,30 @@ fn route_buffers<'a>(
     ))
 }
 
+/// Where routing writes its ids a second time: `buf[at..at + tokens * top_k]` (a step's record
+/// of every MoE layer's experts, MoE layer i at `i * tokens * top_k`).
+pub struct KeptIds<'a> {
+    pub buf: &'a mut CudaSlice<i32>,
+    pub at: usize,
+}
+
+/// The kernels' `kept` argument: null without one, else its first element's address once the
+/// buffer is checked to hold the `pairs` ids from there.
+fn kept_ptr(gpu: &Gpu, kept: Option<KeptIds<'_>>, pairs: usize) -> Result<DevPtr, CudaError> {
+    let Some(KeptIds { buf, at }) = kept else {
+        return Ok(DevPtr(0));
+    };
+    need(buf, at + pairs, "route kept ids")?;
+    Ok(DevPtr(
+        addr(gpu, buf) + (at * std::mem::size_of::<i32>()) as u64,
+    ))
+}
+
 /// Router softmax, top-k (ties to the lower id) and optional renormalisation; with `given`
 /// (`[tokens, top_k]`), each row whose given ids are all valid takes them instead (replay).
 /// With `sums`, the logits are the router GEMM's segment sums ([`Unfolded`]): folded first,
 /// and written into `logits` (which then holds what the GEMM's own fold would have written).
+/// With `kept`, the ids are also written there.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_route(
     gpu: &Gpu,
@@ -64,7 +84,9 @@ pub fn moe_route(
     given: Option<&CudaSlice<i32>>,
     ids: &mut CudaSlice<i32>,
     weights: &mut CudaSlice<f32>,
+    kept: Option<KeptIds<'_>>,
 ) -> Result<(), CudaError> {
+    let kept = kept_ptr(gpu, kept, tokens * top_k)?;
     let (logits, given, ids, weights) =
         route_buffers(logits, tokens, experts, top_k, given, ids, weights)?;
     if tokens == 0 {
@@ -86,6 +108,7 @@ pub fn moe_route(
             weights,
             sums_ptr(sums, tokens * experts)?,
             sums_segments(sums),
+            kept,
         ),
     )
 }
@@ -120,8 +143,8 @@ fn route_plan_tokens_from(value: Option<&str>) -> usize {
 }
 
 /// [`moe_route`] and then [`MoePlan::build`] over its ids: as one launch for up to
-/// `route_plan_tokens` tokens (the same ids, weights and plan), else as the two. `sums` as for
-/// [`moe_route`].
+/// `route_plan_tokens` tokens (the same ids, weights and plan), else as the two. `sums` and
+/// `kept` as for [`moe_route`].
 #[allow(clippy::too_many_arguments)]
 pub fn route_and_plan(
     gpu: &Gpu,
@@ -135,6 +158,7 @@ pub fn route_and_plan(
     ids: &mut CudaSlice<i32>,
     weights: &mut CudaSlice<f32>,
     plan: &mut MoePlan,
+    kept: Option<KeptIds<'_>>,
 ) -> Result<(), CudaError> {
     if tokens == 0 || tokens > route_plan_tokens() || experts > ROUTE_PLAN_MAX_EXPERTS {
         moe_route(
@@ -148,10 +172,12 @@ pub fn route_and_plan(
             given,
             ids,
             weights,
+            kept,
         )?;
         return plan.build(gpu, ids, tokens, top_k, experts);
     }
     let pairs = tokens * top_k;
+    let kept = kept_ptr(gpu, kept, pairs)?;
     let (logits, given, ids, weights) =
         route_buffers(logits, tokens, experts, top_k, given, ids, weights)?;
     let slot_row = need(&plan.slot_row, pairs, "plan slot_row")?;
@@ -186,6 +212,7 @@ pub fn route_and_plan(
             View::whole(&plan.row_token),
             sums_ptr(sums, tokens * experts)?,
             sums_segments(sums),
+            kept,
         ),
     )
 }
