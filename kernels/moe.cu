@@ -203,28 +203,19 @@ extern "C" __global__ void moe_scatter(const int* topk_ids, int pairs, int top_k
     }
 }
 
-// Routing and its plan in one block of PLAN_THREADS threads, for few tokens (decode): what
-// moe_route, moe_count, moe_plan and moe_scatter write, in one launch instead of four and a
-// memset. Each token is routed by the same code (a warp per token); counts, offsets and tiles
-// are integers; rows within an expert's group are handed out in any order, as moe_scatter's
-// are, from a cursor in shared memory (the plan's cursor in global memory is not written).
-// Requires experts <= ROUTE_PLAN_MAX_EXPERTS (host: ops::moe::ROUTE_PLAN_MAX_EXPERTS).
+// The plan of `pairs` routed ids in one block of PLAN_THREADS threads: what moe_count, moe_plan
+// and moe_scatter write (after the memset of counts), counted in shared memory. Counts, offsets
+// and tiles are integers; rows within an expert's group are handed out in any order, as
+// moe_scatter's are, from a cursor in shared memory (the plan's cursor in global memory is not
+// written). Requires experts <= ROUTE_PLAN_MAX_EXPERTS (host: ops::moe::ROUTE_PLAN_MAX_EXPERTS).
 #define ROUTE_PLAN_MAX_EXPERTS 1024
-extern "C" __global__ void moe_route_plan(float* logits, int tokens, int experts, int top_k, int renormalize, const int* given,
-                   int* topk_ids, float* topk_w, int* counts, int tile_rows, int wide_rows, int* offsets,
-                   int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles,
-                   int* pair_tiles, int* num_pair_tiles, int* slot_row, int* row_token, const float* sums,
-                   int segments, int* kept) {
-    pdl_entry();
+__device__ void plan_ids_block(const int* topk_ids, int pairs, int top_k, int experts, int* counts, int tile_rows,
+                               int wide_rows, int* offsets, int* tiles, int* num_tiles, int* wide_tiles,
+                               int* num_wide_tiles, int* pair_tiles, int* num_pair_tiles, int* slot_row,
+                               int* row_token) {
     __shared__ int counts_s[ROUTE_PLAN_MAX_EXPERTS], cursor_s[ROUTE_PLAN_MAX_EXPERTS];
-    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, pairs = tokens * top_k;
-    if (segments) {
-        fold_logits(logits, sums, segments, tokens, experts, 0, tokens * experts, tid, PLAN_THREADS);
-        __syncthreads();
-    }
+    int tid = threadIdx.x;
     for (int e = tid; e < experts; e += PLAN_THREADS) counts_s[e] = 0;
-    for (int t = warp; t < tokens; t += PLAN_THREADS / 32)
-        route_token(logits, t, lane, experts, top_k, renormalize, given, topk_ids, topk_w, kept);
     __syncthreads();
     for (int i = tid; i < pairs; i += PLAN_THREADS) atomicAdd(&counts_s[topk_ids[i]], 1);
     __syncthreads();
@@ -237,4 +228,35 @@ extern "C" __global__ void moe_route_plan(float* logits, int tokens, int experts
         slot_row[i] = r;
         row_token[r] = i / top_k;
     }
+}
+
+// moe_count, moe_plan and moe_scatter in one launch (plan_ids_block), for steps of few pairs.
+extern "C" __global__ void moe_plan_ids(const int* topk_ids, int pairs, int top_k, int experts, int* counts,
+                                        int tile_rows, int wide_rows, int* offsets, int* tiles, int* num_tiles,
+                                        int* wide_tiles, int* num_wide_tiles, int* pair_tiles, int* num_pair_tiles,
+                                        int* slot_row, int* row_token) {
+    pdl_entry();
+    plan_ids_block(topk_ids, pairs, top_k, experts, counts, tile_rows, wide_rows, offsets, tiles, num_tiles,
+                   wide_tiles, num_wide_tiles, pair_tiles, num_pair_tiles, slot_row, row_token);
+}
+
+// Routing and its plan in one block of PLAN_THREADS threads, for few tokens (decode): what
+// moe_route, moe_count, moe_plan and moe_scatter write, in one launch instead of four and a
+// memset. Each token is routed by the same code (a warp per token), then plan_ids_block.
+extern "C" __global__ void moe_route_plan(float* logits, int tokens, int experts, int top_k, int renormalize, const int* given,
+                   int* topk_ids, float* topk_w, int* counts, int tile_rows, int wide_rows, int* offsets,
+                   int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles,
+                   int* pair_tiles, int* num_pair_tiles, int* slot_row, int* row_token, const float* sums,
+                   int segments, int* kept) {
+    pdl_entry();
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    if (segments) {
+        fold_logits(logits, sums, segments, tokens, experts, 0, tokens * experts, tid, PLAN_THREADS);
+        __syncthreads();
+    }
+    for (int t = warp; t < tokens; t += PLAN_THREADS / 32)
+        route_token(logits, t, lane, experts, top_k, renormalize, given, topk_ids, topk_w, kept);
+    __syncthreads();
+    plan_ids_block(topk_ids, tokens * top_k, top_k, experts, counts, tile_rows, wide_rows, offsets, tiles, num_tiles,
+                   wide_tiles, num_wide_tiles, pair_tiles, num_pair_tiles, slot_row, row_token);
 }

@@ -1305,6 +1305,64 @@ fn one_launch_routing_gives_the_routes_and_plan_of_the_separate_launches() {
     }
 }
 
+/// A plan built in one block (`moe_plan_ids`) is the plan of the three launches over the same
+/// ids: counts, offsets and every tile list equal, and each pair a row of its expert's group
+/// whose token is the pair's (the order within a group may differ). Decode-sized steps, the
+/// most pairs one block takes, and experts up to the shared-memory bound, ids drawn at random.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn a_plan_built_in_one_block_is_the_plan_of_the_three_launches() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let most = ops::PLAN_ONE_BLOCK_MAX_PAIRS / 8;
+    for (tokens, top_k, experts) in [
+        (1, 8, 128),
+        (64, 8, 128),
+        (256, 8, 128),
+        (most, 8, 128),
+        (37, 4, 300),
+        (9, 8, 1024),
+    ] {
+        let pairs = tokens * top_k;
+        let ids_h: Vec<i32> = (0..pairs).map(|_| rng.below(experts) as i32).collect();
+        let ids = g.upload(&ids_h).unwrap();
+        let shape = format!("{tokens} tokens x {top_k} of {experts}");
+        let plan = |one_block: bool| {
+            let mut p = MoePlan::new(&g, pairs, experts).unwrap();
+            p.build_in(&g, &ids, tokens, top_k, experts, one_block)
+                .unwrap();
+            let n = g.download(&p.num_tiles, 1).unwrap()[0] as usize;
+            let m = g.download(&p.num_wide_tiles, 1).unwrap()[0] as usize;
+            let q = g.download(&p.num_pair_tiles, 1).unwrap()[0] as usize;
+            let lists = (
+                g.download(&p.counts, experts).unwrap(),
+                g.download(&p.offsets, experts + 1).unwrap(),
+                g.download(&p.tiles, 2 * n).unwrap(),
+                g.download(&p.wide_tiles, 2 * m).unwrap(),
+                g.download(&p.pair_tiles, 2 * q).unwrap(),
+            );
+            (p, lists)
+        };
+        let (one, got) = plan(true);
+        let (_, want) = plan(false);
+        assert_eq!(got, want, "{shape}: counts, offsets, tiles");
+        assert_rows_of_groups(&g, &one, &ids_h, &want.1, top_k, &shape);
+    }
+    let mut p = MoePlan::new(&g, ops::PLAN_ONE_BLOCK_MAX_PAIRS + 8, 128).unwrap();
+    let ids = g
+        .upload(&vec![0i32; ops::PLAN_ONE_BLOCK_MAX_PAIRS + 8])
+        .unwrap();
+    let over = p.build_in(
+        &g,
+        &ids,
+        ops::PLAN_ONE_BLOCK_MAX_PAIRS / 8 + 1,
+        8,
+        128,
+        true,
+    );
+    assert!(over.is_err(), "a one-block plan past its pairs");
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn routing_ties_pick_the_lower_expert_like_the_cpu() {

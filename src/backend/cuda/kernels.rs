@@ -275,6 +275,9 @@ kernels! {
     MoeCount => (Moe, "moe_count", &[Ptr, I32, Ptr]),
     MoePlan => (Moe, "moe_plan", &[Ptr, I32, I32, I32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr]),
     MoeScatter => (Moe, "moe_scatter", &[Ptr, I32, I32, Ptr, Ptr, Ptr]),
+    MoePlanIds => (Moe, "moe_plan_ids", &[
+        Ptr, I32, I32, I32, Ptr, I32, I32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr,
+    ]),
     MoeRoutePlan => (Moe, "moe_route_plan", &[
         Ptr, I32, I32, I32, I32, Ptr, Ptr, Ptr, Ptr, I32, I32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr,
         Ptr, Ptr, I32, Ptr,

@@ -217,6 +217,20 @@ pub fn route_and_plan(
     )
 }
 
+/// The most pairs [`MoePlan::build`] plans in one block (`moe_plan_ids`: counts, plan and
+/// scatter in one launch instead of three and a memset): a decode step's (256 tokens of 8 slots
+/// are 2,048); prefill's hundreds of thousands are counted and scattered by many blocks.
+pub const PLAN_ONE_BLOCK_MAX_PAIRS: usize = 8192;
+
+/// Whether [`MoePlan::build`] plans `pairs` pairs over `experts` experts in one block: only with
+/// `LOCKSTEP_PLAN_ONE_BLOCK=1` until it is measured (the same plan either way).
+fn plans_in_one_block(pairs: usize, experts: usize) -> bool {
+    static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    pairs <= PLAN_ONE_BLOCK_MAX_PAIRS
+        && experts <= ROUTE_PLAN_MAX_EXPERTS
+        && super::opted_in(&CHOSEN, "LOCKSTEP_PLAN_ONE_BLOCK")
+}
+
 /// Device buffers of a routing plan for `pairs = tokens * top_k` (token, slot) pairs.
 pub struct MoePlan {
     pub counts: CudaSlice<i32>,
@@ -301,11 +315,57 @@ impl MoePlan {
         top_k: usize,
         experts: usize,
     ) -> Result<(), CudaError> {
+        let one_block = plans_in_one_block(tokens * top_k, experts);
+        self.build_in(gpu, ids, tokens, top_k, experts, one_block)
+    }
+
+    /// [`MoePlan::build`] in one block (`one_block`: `moe_plan_ids`, for at most
+    /// [`PLAN_ONE_BLOCK_MAX_PAIRS`] pairs over at most [`ROUTE_PLAN_MAX_EXPERTS`] experts) or in
+    /// three launches and a memset: the same plan but for the order of rows within a group.
+    pub fn build_in(
+        &mut self,
+        gpu: &Gpu,
+        ids: &CudaSlice<i32>,
+        tokens: usize,
+        top_k: usize,
+        experts: usize,
+        one_block: bool,
+    ) -> Result<(), CudaError> {
         let pairs = tokens * top_k;
         let ids = need(ids, pairs, "plan ids")?;
         (self.tokens, self.pairs) = (tokens, pairs);
         let slot_row = need(&self.slot_row, pairs, "plan slot_row")?;
         need(&self.counts, experts, "plan counts")?;
+        if one_block {
+            if pairs > PLAN_ONE_BLOCK_MAX_PAIRS || experts > ROUTE_PLAN_MAX_EXPERTS {
+                return Err(CudaError::Unsupported(format!(
+                    "a one-block plan of {pairs} pairs over {experts} experts"
+                )));
+            }
+            return gpu.launch(
+                Kernel::MoePlanIds,
+                (1, 1, 1),
+                MOE_PLAN_THREADS,
+                (
+                    ids,
+                    pairs as i32,
+                    top_k as i32,
+                    experts as i32,
+                    View::whole(&self.counts),
+                    GEMM_TILE_ROWS as i32,
+                    GEMM_WIDE_TILE_ROWS as i32,
+                    View::whole(&self.offsets),
+                    View::whole(&self.tiles),
+                    View::whole(&self.num_tiles),
+                    View::whole(&self.wide_tiles),
+                    View::whole(&self.num_wide_tiles),
+                    View::whole(&self.pair_tiles),
+                    View::whole(&self.num_pair_tiles),
+                    slot_row,
+                    View::whole(&self.row_token),
+                ),
+            );
+        }
         gpu.stream.memset_zeros(&mut self.counts)?;
         // Sized by `new` for `experts` and the most pairs: offsets, cursor and the tiles are
         // indexed by expert ids and tile counts, row_token by the rows the cursor hands out.
