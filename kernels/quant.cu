@@ -479,6 +479,21 @@ extern "C" __global__ void nvfp4_quantize_silu_mul_warp8(const float* gu, float*
     nvfp4_rows_warp<8>(SiluMulSrc{gu, h, (u64)cols}, rows, cols, 1, 0.0f, range, data, scales, row_s_dec, deq, words);
 }
 
+// The same on the block walk (nvfp4_rows: decode's few rows), without four-over-six: a block a
+// row writes the row's SwiGLU values into h (four a thread, as the warp walk's loads), then after
+// the barrier quantizes h's row as nvfp4_quantize_f32 does. Rows of cols % 4 == 0 values.
+extern "C" __global__ void nvfp4_quantize_silu_mul_rows(const float* gu, float* h, int cols, float range, u8* data,
+                                                        u8* scales, float* row_s_dec, float* deq, u32* words) {
+    pdl_entry();
+    SiluMulSrc src{gu, h, (u64)cols};
+    for (int c = 4 * threadIdx.x; c < cols; c += 4 * blockDim.x) {
+        float v[4];
+        src.at(blockIdx.x, cols, c, v);
+    }
+    __syncthreads();
+    nvfp4_rows(h, cols, 1, 0.0f, range, 0.0f, 0, data, scales, row_s_dec, deq, words);
+}
+
 // out[0] = max |x| bits (NaN skipped), out[1] |= 1 if any element is a number. Zero `out` first.
 extern "C" __global__ void amax_bf16(const bf16_t* x, u64 n, u32* out) {
     pdl_entry();

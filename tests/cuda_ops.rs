@@ -354,8 +354,9 @@ fn swiglu_and_the_nvfp4_quantizer_in_one_launch_give_the_bytes_of_the_two_launch
         }
         let gu = g.upload(&gu_host).unwrap();
         // silu_mul, then the per-token quantizer of its output (checked against the CPU in
-        // activation_quantizers_match_the_quant_module_byte_for_byte), operand words and values.
-        let run = |fused: bool, words: bool| {
+        // activation_quantizers_match_the_quant_module_byte_for_byte), operand words and values;
+        // or the one launch on each walk.
+        let run = |fused: Option<Nvfp4Walk>, words: bool| {
             let mut h = poisoned(&g, n, f32::NAN);
             let (mut data, mut scales) =
                 (poisoned(&g, n / 2, 0xAAu8), poisoned(&g, n / 16, 0xAAu8));
@@ -372,8 +373,9 @@ fn swiglu_and_the_nvfp4_quantizer_in_one_launch_give_the_bytes_of_the_two_launch
             if words {
                 out.words = Some(&mut operand);
             }
-            if fused {
-                ops::nvfp4_quantize_silu_mul(&g, &gu, &mut h, rows, inter, p, out).unwrap();
+            if let Some(walk) = fused {
+                ops::nvfp4_quantize_silu_mul_on(walk, &g, &gu, &mut h, rows, inter, p, out)
+                    .unwrap();
             } else {
                 ops::silu_mul(&g, &gu, None, &mut h, rows, inter).unwrap();
                 let walk = Nvfp4Walk::BlockARow;
@@ -388,9 +390,13 @@ fn swiglu_and_the_nvfp4_quantizer_in_one_launch_give_the_bytes_of_the_two_launch
                 bits(g.download(&operand, n / 2).unwrap()),
             )
         };
-        for words in [false, true] {
-            let (want, got) = (run(false, words), run(true, words));
-            let what = format!("NVFP4, {rows} rows of {inter}, words {words}");
+        let walks = [Nvfp4Walk::WarpARow, Nvfp4Walk::BlockARow];
+        for (words, walk) in [false, true]
+            .into_iter()
+            .flat_map(|w| walks.map(|k| (w, k)))
+        {
+            let (want, got) = (run(None, words), run(Some(walk), words));
+            let what = format!("NVFP4, {rows} rows of {inter}, words {words}, {walk:?}");
             assert_eq!(got.0, want.0, "{what}: h");
             assert_eq!(got.1, want.1, "{what}: bytes");
             assert_eq!(got.2, want.2, "{what}: scales");

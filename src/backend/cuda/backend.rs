@@ -213,17 +213,16 @@ fn quantizer_packs() -> bool {
 
 /// Whether SwiGLU runs inside the per-token NVFP4 quantizer of the experts' down projection
 /// (`ops::nvfp4_quantize_silu_mul`) for `pairs` routed rows of `inter` values: with
-/// `LOCKSTEP_NVFP4_SILU_QUANT=1`, where the quantizer walks a warp a row
-/// (`ops::Nvfp4Walk::Auto`'s rule: at least `ops::nvfp4_warp_min_rows()` rows, at most
-/// `ops::NVFP4_SILU_MUL_MAX_COLS` values, without four-over-six). The bits are the same either
-/// way (cuda_ops). Off by default: it gained nothing where it applies (H100, 2026-12-06,
-/// `cuda_bench --prefill 1x1024`, 8,192 routed rows off the SwiGLU epilogue's path, two rounds:
-/// 22,199 / 22,239 tok/s on against 22,232 / 22,302 off), and at 512-2,048 routed rows (with
-/// the warp walk from 256 rows) the decode steps were slower.
-fn nvfp4_silu_quantizer_takes(pairs: usize, inter: usize, p: ops::Nvfp4Params) -> bool {
+/// `LOCKSTEP_NVFP4_SILU_QUANT=1`, for rows of at most `ops::NVFP4_SILU_MUL_MAX_COLS` values
+/// without four-over-six, on the quantizer's own walk (a warp a row from
+/// `ops::nvfp4_warp_min_rows()` rows, else a block a row). The bits are the same either way
+/// (cuda_ops). Off by default: on the warp walk it gained nothing (H100, 2026-12-06, `cuda_bench
+/// --prefill 1x1024`, 8,192 routed rows off the SwiGLU epilogue's path, two rounds: 22,199 /
+/// 22,239 tok/s on against 22,232 / 22,302 off), and at 512-2,048 routed rows (with the warp
+/// walk from 256 rows) the decode steps were slower; on the block walk (decode) not yet measured.
+fn nvfp4_silu_quantizer_takes(_pairs: usize, inter: usize, p: ops::Nvfp4Params) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     ops::opted_in(&ON, "LOCKSTEP_NVFP4_SILU_QUANT")
-        && pairs >= ops::nvfp4_warp_min_rows()
         && inter <= ops::NVFP4_SILU_MUL_MAX_COLS
         && inter.is_multiple_of(16)
         && p.fos_range <= 0.0

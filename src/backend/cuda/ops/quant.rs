@@ -295,11 +295,26 @@ pub fn nvfp4_quantize_f32_on(
 pub const NVFP4_SILU_MUL_MAX_COLS: usize = NVFP4_WARP_MAX_COLS / 2;
 
 /// `h = silu(gate) * up` over `rows` gate/up rows (`[rows, 2 * inter]`, [`super::silu_mul`]'s
-/// layout) and its per-token NVFP4 quantization on [`Nvfp4Walk::WarpARow`], in one launch: the
-/// bytes of `silu_mul` then [`nvfp4_quantize_f32`] of `h`. For `inter` of at most
-/// [`NVFP4_SILU_MUL_MAX_COLS`], without four-over-six.
+/// layout) and its per-token NVFP4 quantization, in one launch: the bytes of `silu_mul` then
+/// [`nvfp4_quantize_f32`] of `h`. For `inter` of at most [`NVFP4_SILU_MUL_MAX_COLS`], without
+/// four-over-six.
 #[allow(clippy::too_many_arguments)]
 pub fn nvfp4_quantize_silu_mul(
+    gpu: &Gpu,
+    gu: &CudaSlice<f32>,
+    h: &mut CudaSlice<f32>,
+    rows: usize,
+    inter: usize,
+    p: Nvfp4Params,
+    out: Nvfp4Out<'_>,
+) -> Result<(), CudaError> {
+    nvfp4_quantize_silu_mul_on(Nvfp4Walk::Auto, gpu, gu, h, rows, inter, p, out)
+}
+
+/// [`nvfp4_quantize_silu_mul`] on a chosen walk (the tests run each against the two launches).
+#[allow(clippy::too_many_arguments)]
+pub fn nvfp4_quantize_silu_mul_on(
+    walk: Nvfp4Walk,
     gpu: &Gpu,
     gu: &CudaSlice<f32>,
     h: &mut CudaSlice<f32>,
@@ -319,8 +334,27 @@ pub fn nvfp4_quantize_silu_mul(
     let gu = need(gu, 2 * n, "silu_mul gate_up")?;
     let h = need(h, n, "silu_mul out")?;
     let (data, scales, row_s_dec, deq, words) = nvfp4_outputs(rows, inter, out)?;
+    let walk = walk.resolve(rows, inter, p)?;
     if rows == 0 {
         return Ok(());
+    }
+    if walk == Nvfp4Walk::BlockARow {
+        return gpu.launch(
+            Kernel::Nvfp4QuantizeSiluMulRows,
+            (rows as u32, 1, 1),
+            nvfp4_threads(inter),
+            (
+                gu,
+                h,
+                inter as i32,
+                p.range,
+                data,
+                scales,
+                row_s_dec,
+                deq,
+                words,
+            ),
+        );
     }
     gpu.launch(
         Kernel::Nvfp4QuantizeSiluMulWarp8,
