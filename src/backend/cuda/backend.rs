@@ -212,17 +212,25 @@ fn quantizer_packs() -> bool {
 }
 
 /// Whether SwiGLU runs inside the per-token NVFP4 quantizer of the experts' down projection
-/// (`ops::nvfp4_quantize_silu_mul`) for `pairs` routed rows of `inter` values: with
-/// `LOCKSTEP_NVFP4_SILU_QUANT=1`, for rows of at most `ops::NVFP4_SILU_MUL_MAX_COLS` values
-/// without four-over-six, on the quantizer's own walk (a warp a row from
-/// `ops::nvfp4_warp_min_rows()` rows, else a block a row). The bits are the same either way
-/// (cuda_ops). Off by default: on the warp walk it gained nothing (H100, 2026-12-06, `cuda_bench
-/// --prefill 1x1024`, 8,192 routed rows off the SwiGLU epilogue's path, two rounds: 22,199 /
-/// 22,239 tok/s on against 22,232 / 22,302 off), and at 512-2,048 routed rows (with the warp
-/// walk from 256 rows) the decode steps were slower; on the block walk (decode) not yet measured.
-fn nvfp4_silu_quantizer_takes(_pairs: usize, inter: usize, p: ops::Nvfp4Params) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    ops::opted_in(&ON, "LOCKSTEP_NVFP4_SILU_QUANT")
+/// (`ops::nvfp4_quantize_silu_mul`) for `pairs` routed rows of `inter` values, for rows of at
+/// most `ops::NVFP4_SILU_MUL_MAX_COLS` values without four-over-six, on the quantizer's own
+/// walk. The bits are the same either way (cuda_ops). By default where the quantizer walks a
+/// block a row (below `ops::nvfp4_warp_min_rows()` rows: decode), one launch less a layer (H100,
+/// 2026-12-06, NVFP4 `cuda_bench`, two rounds: 1 row 4.88 / 4.88 -> 4.86 / 4.81 ms a step, 256
+/// rows 26.54 / 26.58 -> 26.40 / 26.43); on the warp walk only with
+/// `LOCKSTEP_NVFP4_SILU_QUANT=1`, where it gained nothing (`cuda_bench --prefill 1x1024`, 8,192
+/// routed rows off the SwiGLU epilogue's path: 22,199 / 22,239 tok/s on against 22,232 /
+/// 22,302 off); `=0` nowhere.
+fn nvfp4_silu_quantizer_takes(pairs: usize, inter: usize, p: ops::Nvfp4Params) -> bool {
+    static MODE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let mode = MODE.get_or_init(
+        || match std::env::var("LOCKSTEP_NVFP4_SILU_QUANT").as_deref() {
+            Ok("1") => Some(true),
+            Ok("0") => Some(false),
+            _ => None,
+        },
+    );
+    mode.unwrap_or(pairs < ops::nvfp4_warp_min_rows())
         && inter <= ops::NVFP4_SILU_MUL_MAX_COLS
         && inter.is_multiple_of(16)
         && p.fos_range <= 0.0
@@ -263,11 +271,13 @@ fn folds_in_readers() -> bool {
 }
 
 /// Whether a step that does not keep its buffers runs each MoE combine inside the norm that
-/// reads its output (`ops::rms_norm_combined`: one launch less a layer, the same bits): only
-/// with `LOCKSTEP_COMBINE_IN_NORM=1` until it is measured.
+/// reads its output (`ops::rms_norm_combined`: one launch less a layer, the same bits), unless
+/// `LOCKSTEP_COMBINE_IN_NORM=0`. Measured even to slightly faster (H100, 2026-12-06, NVFP4
+/// `cuda_bench`, two rounds: 256 rows 26.76 / 26.74 -> 26.70 / 26.70 ms a step, 1 to 64 rows
+/// within 0.05 ms).
 fn combines_in_norm() -> bool {
     static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    ops::opted_in(&CHOSEN, "LOCKSTEP_COMBINE_IN_NORM")
+    ops::switched_on(&CHOSEN, "LOCKSTEP_COMBINE_IN_NORM")
 }
 
 impl Cuda {
