@@ -950,7 +950,7 @@ impl Backend for Cuda {
         eps: f32,
     ) -> Result<(), CudaError> {
         if let Some(c) = self.combine.take() {
-            if c.tokens() == rows && residual.is_some_and(|r| c.writes(&self.gpu, r)) {
+            if residual.is_some_and(|r| c.writes(&self.gpu, r, rows, width)) {
                 return ops::rms_norm_combined(&self.gpu, x, &c, w, out, eps);
             }
             ops::moe_combine(&self.gpu, &c)?;

@@ -333,13 +333,9 @@ impl Combine {
         })
     }
 
-    pub fn tokens(&self) -> usize {
-        self.tokens
-    }
-
-    /// Whether `buf` is the combine's output.
-    pub fn writes(&self, gpu: &Gpu, buf: &CudaSlice<f32>) -> bool {
-        addr(gpu, buf) == self.y.0
+    /// Whether `buf`, read as `rows` rows of `width`, is the combine's output.
+    pub fn writes(&self, gpu: &Gpu, buf: &CudaSlice<f32>, rows: usize, width: usize) -> bool {
+        (rows, width) == (self.tokens, self.hidden) && addr(gpu, buf) == self.y.0
     }
 }
 
