@@ -1246,10 +1246,10 @@ impl Backend for Cuda {
 
     /// For MXFP8 down projections, SwiGLU and the activation quantizer are one launch
     /// (`mxfp8_quantize_silu_mul`, which takes gate/up as values: sums left by the gate/up GEMM
-    /// are folded into it first); for per-token NVFP4 ones too where asked for and its
-    /// quantizer walks a warp a row ([`nvfp4_silu_quantizer_takes`]). On the block-a-row walk
-    /// (few rows) SwiGLU inside the NVFP4 quantizer made the decode step slower than the two
-    /// launches (H200, 2026-12-03: 5.65-5.73 against 5.58-5.59 ms at batch 1,
+    /// are folded into it first); for per-token NVFP4 ones too where
+    /// [`nvfp4_silu_quantizer_takes`] (by default at decode, on the quantizer's block walk: an
+    /// earlier build of it made the batch-1 step slower on an H200, 2026-12-03, 5.65-5.73 against
+    /// 5.58-5.59 ms; today's quantizer with it is even to faster on an H100, 2026-12-06,
     /// docs/performance.md).
     fn experts_silu_down(
         &mut self,
