@@ -410,6 +410,75 @@ fn swiglu_and_the_nvfp4_quantizer_in_one_launch_give_the_bytes_of_the_two_launch
     }
 }
 
+/// The norm with the per-token NVFP4 quantizer of its output in one launch (`rms_norm_nvfp4`,
+/// a layer's norm before its NVFP4 experts) against `rms_norm` then the quantizer on the block
+/// walk: x, the normed rows, codes, scales, row scales and values bitwise, with and without a
+/// residual, on one decode row and on rows of the experts' and other widths (an all-zero row
+/// among them: s_tok 0).
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn the_norm_and_the_nvfp4_quantizer_in_one_launch_give_the_bits_of_the_two_launches() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    let p = Nvfp4Params::from_four_over_six(None);
+    for (rows, d) in [(1, 2048), (7, 2048), (37, 1024), (3, 4096)] {
+        let n = rows * d;
+        let mut x_host = rng.vec(n, 2.0);
+        if rows > 1 {
+            x_host[d..2 * d].fill(0.0);
+        }
+        let (res_host, w) = (rng.vec(n, 1.0), g.upload(&rng.vec(d, 1.0)).unwrap());
+        let res = g.upload(&res_host).unwrap();
+        for with_residual in [false, true] {
+            let residual = with_residual.then_some(&res);
+            let run = |fused: bool| {
+                let (mut x, mut out) = (g.upload(&x_host).unwrap(), poisoned(&g, n, f32::NAN));
+                let (mut data, mut scales) =
+                    (poisoned(&g, n / 2, 0xAAu8), poisoned(&g, n / 16, 0xAAu8));
+                let (mut s_dec, mut deq) =
+                    (poisoned(&g, rows, f32::NAN), poisoned(&g, n, f32::NAN));
+                let q = Nvfp4Out {
+                    data: &mut data,
+                    scales: &mut scales,
+                    row_s_dec: &mut s_dec,
+                    deq: Some(&mut deq),
+                    words: None,
+                };
+                let eps = 1e-6;
+                if fused {
+                    ops::rms_norm_nvfp4(&g, &mut x, residual, &w, &mut out, rows, d, eps, p, q)
+                        .unwrap();
+                } else {
+                    ops::rms_norm(&g, &mut x, residual, None, &w, &mut out, None, rows, d, eps)
+                        .unwrap();
+                    let walk = Nvfp4Walk::BlockARow;
+                    ops::nvfp4_quantize_f32_on(walk, &g, &out, rows, d, true, None, p, q).unwrap();
+                }
+                (
+                    bits(g.download(&x, n).unwrap()),
+                    bits(g.download(&out, n).unwrap()),
+                    g.download(&data, n / 2).unwrap(),
+                    g.download(&scales, n / 16).unwrap(),
+                    bits(g.download(&s_dec, rows).unwrap()),
+                    bits(g.download(&deq, n).unwrap()),
+                )
+            };
+            let (want, got) = (run(false), run(true));
+            let what = format!("{rows} rows of {d}, residual {with_residual}");
+            assert_eq!(got.0, want.0, "{what}: x");
+            assert_eq!(got.1, want.1, "{what}: normed");
+            assert_eq!(got.2, want.2, "{what}: codes");
+            assert_eq!(got.3, want.3, "{what}: scales");
+            assert_eq!(got.4, want.4, "{what}: s_tok");
+            assert_eq!(got.5, want.5, "{what}: values");
+            if rows > 1 && !with_residual {
+                assert_eq!(got.4[1], 0, "{what}: the zero row's s_tok");
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn weight_quantizers_match_the_quant_module_byte_for_byte() {
