@@ -36,7 +36,73 @@ extern "C" __global__ void embedding(const u32* tokens, const void* table, int i
         o[i] = is_bf16 ? bf16_to_f32(((const bf16_t*)table)[src + i]) : ((const float*)table)[src + i];
 }
 
-// rms_norm_row: common.cuh (quant.cu's norm with the quantizer runs it too).
+// out[b] = rms_norm(x[row]) * w, row = rows ? rows[b] : b. With `residual`, x[row] += residual[row]
+// first (the CPU's add-then-norm, same f32 additions). One block per output row; thread i takes
+// elements i, i + blockDim, ... in that order (the sum of squares' order, fixed by d alone).
+// A row of up to NORM_REGS elements a thread is loaded into registers first, all its loads in
+// flight at once (a decode row is otherwise a chain of dependent round trips); longer rows
+// stream. Both make the same operations in the same order.
+#define NORM_REGS 16
+template <bool SUMS>
+__device__ __forceinline__ void rms_norm_row(float* x, const float* residual, const float* w, float* out,
+                                             const int* rows, int d, float eps, int segments, u64 stride) {
+    u64 r = rows ? (u64)rows[blockIdx.x] : (u64)blockIdx.x;
+    float* xr = x + r * d;
+    float* o = out + (u64)blockIdx.x * d;
+    float ss = 0.0f;
+    if (d <= NORM_REGS * (int)blockDim.x) {
+        float v[NORM_REGS], a[NORM_REGS];
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            v[j] = i < d ? xr[i] : 0.0f;
+            if (!SUMS) a[j] = residual && i < d ? residual[r * d + i] : 0.0f;
+        }
+        if constexpr (SUMS) {
+            // The residual's elements folded together (each round's loads all in flight).
+            u64 at[NORM_REGS];
+            bool live[NORM_REGS];
+#pragma unroll
+            for (int j = 0; j < NORM_REGS; j++) {
+                int i = threadIdx.x + j * blockDim.x;
+                at[j] = r * d + i;
+                live[j] = i < d;
+            }
+            folded_many<NORM_REGS>(residual, segments, stride, at, live, a);
+        }
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            if (i >= d) break;
+            if (residual) {
+                v[j] = __fadd_rn(v[j], a[j]);
+                xr[i] = v[j];
+            }
+            ss += v[j] * v[j];
+        }
+        ss = block_sum(ss);
+        float inv = 1.0f / sqrtf(ss / (float)d + eps);
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            if (i >= d) break;
+            o[i] = __fmul_rn(__fmul_rn(v[j], inv), w[i]);
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float v = xr[i];
+        if (residual) {
+            v = __fadd_rn(v, SUMS ? folded(residual, segments, stride, r * d + i) : residual[r * d + i]);
+            xr[i] = v;
+        }
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    float inv = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+}
+
 extern "C" __global__ void rms_norm(float* x, const float* residual, const float* w, float* out,
                                     const int* rows, int d, float eps) {
     pdl_entry();

@@ -400,19 +400,6 @@ extern "C" __global__ void nvfp4_quantize_f32(const float* x, int cols, int per_
     nvfp4_rows(x, cols, per_token, amax, range, fos_range, fos_squared, data, scales, row_s_dec, deq, words);
 }
 
-// rms_norm (the residual added into x first, as elementwise.cu's rms_norm) and then the per-token
-// nvfp4_quantize_f32 of its output on the block walk, in one launch: a block a row of rms_norm's
-// 256 threads (its sum of squares' order), out written first and quantized after the barrier.
-// The bytes of the two launches (a layer's norm before its NVFP4 experts at decode's few rows).
-extern "C" __global__ void rms_norm_nvfp4(float* x, const float* residual, const float* w, float* out, int d,
-                                          float eps, float range, float fos_range, int fos_squared, u8* data,
-                                          u8* scales, float* row_s_dec, float* deq, u32* words) {
-    pdl_entry();
-    rms_norm_row<false>(x, residual, w, out, nullptr, d, eps, 0, 0);
-    __syncthreads();
-    nvfp4_rows(out, d, 1, 0.0f, range, fos_range, fos_squared, data, scales, row_s_dec, deq, words);
-}
-
 extern "C" __global__ void nvfp4_quantize_bf16(const bf16_t* x, int cols, float amax, float range,
                                                float fos_range, int fos_squared, u8* data, u8* scales) {
     pdl_entry();

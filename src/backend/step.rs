@@ -205,25 +205,6 @@ pub trait Backend {
         eps: f32,
     ) -> Result<(), Self::Error>;
 
-    /// [`Backend::rms_norm`] whose `out` the MoE `experts` take as their input next (after the
-    /// router and routing, which read it as it is): a backend may prepare that input in the same
-    /// launch. The same values either way.
-    #[allow(clippy::too_many_arguments)]
-    fn rms_norm_for_experts(
-        &mut self,
-        x: &mut Self::Act,
-        residual: Option<&Self::Act>,
-        w: &Self::Vector,
-        out: &mut Self::Act,
-        rows: usize,
-        width: usize,
-        eps: f32,
-        experts: &Self::Experts,
-    ) -> Result<(), Self::Error> {
-        let _ = experts;
-        self.rms_norm(x, residual, w, out, rows, width, eps)
-    }
-
     /// `out = x W^T` over `rows` rows (the activation quantized as the layer's format says).
     fn linear(
         &mut self,

@@ -119,20 +119,15 @@ pub fn forward<B: Backend>(
             )?;
             b.attention(l, &s.q, kv, &plan, &dims, &mut s.attn)?;
             b.linear(&layer.o_proj, &s.attn, n, &mut s.o)?;
-            let (post_norm, normed) = (&layer.post_attention_norm, &mut s.normed);
-            match &layer.mlp {
-                Mlp::Moe(moe) => b.rms_norm_for_experts(
-                    &mut s.x,
-                    Some(&s.o),
-                    post_norm,
-                    normed,
-                    n,
-                    h,
-                    eps,
-                    &moe.experts,
-                )?,
-                Mlp::Dense(_) => b.rms_norm(&mut s.x, Some(&s.o), post_norm, normed, n, h, eps)?,
-            }
+            b.rms_norm(
+                &mut s.x,
+                Some(&s.o),
+                &layer.post_attention_norm,
+                &mut s.normed,
+                n,
+                h,
+                eps,
+            )?;
             let x_mid = tracing.then(|| b.host(&s.x, n * h)).transpose()?;
             let mlp_in = tracing.then(|| b.host(&s.normed, n * h)).transpose()?;
             let mlp_trace = match &layer.mlp {

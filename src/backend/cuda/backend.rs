@@ -137,21 +137,6 @@ struct QuantScratch {
     amax: CudaSlice<u32>,
     /// The Blackwell block-scaled GEMMs (sm_100 only; compiled, never run: see block_scaled.rs).
     block_scaled: Option<BlockScaledGemm>,
-    /// What the scratch holds where a launch before the GEMM's own quantizer wrote it (the norm
-    /// with the experts' quantizer, `rms_norm_nvfp4`): that GEMM then skips its quantizer.
-    /// Every other writer of the scratch, and every norm (the writers of the held input), forgets
-    /// it.
-    holds: Option<Held>,
-}
-
-/// A quantized input the scratch holds: `rows` rows of width `k` of the activations at device
-/// address `x`, for layers whose input is `act` (f32 values, no operand words).
-#[derive(Clone, Copy, Debug, PartialEq)]
-struct Held {
-    x: u64,
-    rows: usize,
-    k: usize,
-    act: Activation,
 }
 
 /// This step's attention launches (set by `begin`, from the plan).
@@ -295,18 +280,6 @@ fn combines_in_norm() -> bool {
     ops::switched_on(&CHOSEN, "LOCKSTEP_COMBINE_IN_NORM")
 }
 
-/// Whether the norm before a layer's per-token NVFP4 experts quantizes their input in its launch
-/// (`ops::rms_norm_nvfp4`, one launch less a layer) for steps of `rows` rows: only with
-/// `LOCKSTEP_NORM_QUANT=1` until it is measured, and only where the experts' own quantizer would
-/// walk a block a row and write f32 values (no operand words): below
-/// `ops::nvfp4_warp_min_rows()` rows. The same bytes either way.
-fn norm_quantizes(rows: usize) -> bool {
-    static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    ops::opted_in(&CHOSEN, "LOCKSTEP_NORM_QUANT")
-        && rows < ops::nvfp4_warp_min_rows()
-        && !gathers_words(rows)
-}
-
 impl Cuda {
     /// The backend's own scratch for steps up to `sizes`.
     pub fn new(gpu: Gpu, shape: &ModelShape, sizes: CudaSizes) -> Result<Cuda, CudaError> {
@@ -348,7 +321,6 @@ impl Cuda {
             } else {
                 None
             },
-            holds: None,
         };
         // One sampled row per sequence; a launch samples at most one lm_head chunk's rows.
         let sampler = DeviceSampler::new(
@@ -617,7 +589,6 @@ impl Cuda {
         self.settle()?;
         let leave = self.leaves_sums();
         let (gpu, q) = (&self.gpu, &mut self.quant);
-        q.holds = None;
         let plan = GemmRows::Plan(&route.plan);
         let words = quantizer_writes_words(gpu, &w.down, pairs, &plan, None, pairs, q);
         let (deq, operand) = match words {
@@ -688,15 +659,7 @@ fn linear(
     leave: bool,
 ) -> Result<Option<Unfolded>, CudaError> {
     let words = quantizer_writes_words(gpu, m, x_rows, &rows, row_index, out_rows, q);
-    let held = Held {
-        x: super::args::addr(gpu, x),
-        rows: x_rows,
-        k: m.k,
-        act: m.act,
-    };
-    if words || m.act == Activation::Plain || q.holds != Some(held) {
-        quantize_input(gpu, m.act, m.experts, x, x_rows, m.k, q, words)?;
-    }
+    quantize_input(gpu, m.act, m.experts, x, x_rows, m.k, q, words)?;
     gemm_prepared(gpu, m, x, rows, row_index, out_rows, out, q, leave, words)
 }
 
@@ -742,9 +705,6 @@ fn quantize_input(
     q: &mut QuantScratch,
     words: bool,
 ) -> Result<(), CudaError> {
-    if act != Activation::Plain {
-        q.holds = None;
-    }
     match act {
         Activation::Plain => Ok(()),
         Activation::Mxfp8 => ops::mxfp8_quantize(
@@ -883,7 +843,6 @@ impl Backend for Cuda {
         // none that anything will read.
         self.unfolded.clear();
         self.combine = None;
-        self.quant.holds = None;
         self.keep = keep;
         let bs = self.sizes.block_size;
         let n = plan.rows();
@@ -950,7 +909,6 @@ impl Backend for Cuda {
         let mut layers = |cuda: &mut Self| {
             cuda.unfolded.clear();
             cuda.combine = None;
-            cuda.quant.holds = None;
             layers(cuda).and_then(|()| cuda.settle())
         };
         match self.decode_rows.filter(|_| record) {
@@ -991,8 +949,6 @@ impl Backend for Cuda {
         width: usize,
         eps: f32,
     ) -> Result<(), CudaError> {
-        // A norm writes the input the quantizer scratch may hold.
-        self.quant.holds = None;
         if let Some(c) = self.combine.take() {
             if residual.is_some_and(|r| c.writes(&self.gpu, r, rows, width)) {
                 return ops::rms_norm_combined(&self.gpu, x, &c, w, out, eps);
@@ -1001,58 +957,6 @@ impl Backend for Cuda {
         }
         let sums = residual.and_then(|r| self.take_sums(r));
         ops::rms_norm(&self.gpu, x, residual, sums, w, out, None, rows, width, eps)
-    }
-
-    fn rms_norm_for_experts(
-        &mut self,
-        x: &mut CudaSlice<f32>,
-        residual: Option<&CudaSlice<f32>>,
-        w: &CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
-        rows: usize,
-        width: usize,
-        eps: f32,
-        experts: &CudaExperts,
-    ) -> Result<(), CudaError> {
-        let gu = &experts.gate_up;
-        let residual_left = residual.is_some_and(|r| {
-            let at = super::args::addr(&self.gpu, r);
-            self.unfolded.iter().any(|l| l.out == at)
-        });
-        let params = match gu.act {
-            Activation::Nvfp4 {
-                per_token: true,
-                params,
-            } if !self.keep
-                && self.combine.is_none()
-                && !residual_left
-                && self.quant.block_scaled.is_none()
-                && gu.k == width
-                && norm_quantizes(rows) =>
-            {
-                params
-            }
-            _ => return self.rms_norm(x, residual, w, out, rows, width, eps),
-        };
-        let q = &mut self.quant;
-        q.holds = None;
-        let outputs = Nvfp4Out {
-            data: &mut q.data,
-            scales: &mut q.scales,
-            row_s_dec: &mut q.row_scale,
-            deq: Some(&mut q.deq),
-            words: None,
-        };
-        ops::rms_norm_nvfp4(
-            &self.gpu, x, residual, w, out, rows, width, eps, params, outputs,
-        )?;
-        q.holds = Some(Held {
-            x: super::args::addr(&self.gpu, out),
-            rows,
-            k: width,
-            act: gu.act,
-        });
-        Ok(())
     }
 
     fn linear(
@@ -1374,7 +1278,6 @@ impl Backend for Cuda {
         self.settle()?;
         let leave = self.leaves_sums();
         let (gpu, q) = (&self.gpu, &mut self.quant);
-        q.holds = None;
         ops::mxfp8_quantize_silu_mul(
             gpu,
             gate_up,
@@ -1513,7 +1416,6 @@ impl Backend for Cuda {
         // The final norm (with the last MLP output added) on the logit rows only; a trace
         // records the whole residual stream, so there every row gets the add first.
         let add_in_norm = add_y && !trace;
-        self.quant.holds = None;
         if add_y && trace {
             ops::add_inplace(gpu, &mut bufs.x, &bufs.y, plan.rows() * h)?;
         }

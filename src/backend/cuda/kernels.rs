@@ -290,9 +290,6 @@ kernels! {
     ]),
     Nvfp4QuantizeF32Warp8 => (Quant, "nvfp4_quantize_f32_warp8", NVFP4_QUANTIZE_WARP),
     Nvfp4QuantizeF32Warp16 => (Quant, "nvfp4_quantize_f32_warp16", NVFP4_QUANTIZE_WARP),
-    RmsNormNvfp4 => (Quant, "rms_norm_nvfp4", &[
-        Ptr, Ptr, Ptr, Ptr, I32, F32, F32, F32, I32, Ptr, Ptr, Ptr, Ptr, Ptr,
-    ]),
     Nvfp4QuantizeSiluMulRows => (Quant, "nvfp4_quantize_silu_mul_rows", &[
         Ptr, Ptr, I32, F32, Ptr, Ptr, Ptr, Ptr, Ptr,
     ]),

@@ -89,10 +89,6 @@ pub fn embedding(
     )
 }
 
-/// Threads of an RMSNorm block: a thread's elements, and so the sum of squares' order, follow
-/// from it, so every launch that norms a row (fused with a combine or a quantizer or not) uses it.
-pub const RMS_NORM_THREADS: u32 = 256;
-
 /// `out[i] = rms_norm(x[rows[i]]) * w` for `out_rows` rows (rows: None = 0..out_rows); with a
 /// residual, `x += residual` first (written back to x).
 #[allow(clippy::too_many_arguments)]
@@ -125,7 +121,7 @@ pub fn rms_norm(
         None => gpu.launch(
             Kernel::RmsNorm,
             grid,
-            RMS_NORM_THREADS,
+            256,
             (x, residual.map(View::whole), w, out, rows, d as i32, eps),
         ),
         Some(u) if u.stride < out_rows * d => Err(CudaError::Capacity(format!(
@@ -135,7 +131,7 @@ pub fn rms_norm(
         Some(u) => gpu.launch(
             Kernel::RmsNormSums,
             grid,
-            RMS_NORM_THREADS,
+            256,
             (
                 x,
                 DevPtr(u.sums),
@@ -404,11 +400,11 @@ pub fn rms_norm_combined(
         eps,
     );
     match c.sums {
-        None => gpu.launch(Kernel::RmsNormCombine, grid, RMS_NORM_THREADS, args),
+        None => gpu.launch(Kernel::RmsNormCombine, grid, 256, args),
         Some(u) => gpu.launch(
             Kernel::RmsNormCombineSums,
             grid,
-            RMS_NORM_THREADS,
+            256,
             (
                 args.0,
                 args.1,

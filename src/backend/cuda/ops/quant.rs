@@ -291,57 +291,6 @@ pub fn nvfp4_quantize_f32_on(
     )
 }
 
-/// [`super::rms_norm`] of `rows` rows (the residual, if any, added into x first) and the
-/// per-token NVFP4 quantization of its output on [`Nvfp4Walk::BlockARow`], in one launch
-/// (kernels/quant.cu `rms_norm_nvfp4`): the bits of the norm and the bytes of
-/// [`nvfp4_quantize_f32_on`] of `out`.
-#[allow(clippy::too_many_arguments)]
-pub fn rms_norm_nvfp4(
-    gpu: &Gpu,
-    x: &mut CudaSlice<f32>,
-    residual: Option<&CudaSlice<f32>>,
-    w: &CudaSlice<f32>,
-    out: &mut CudaSlice<f32>,
-    rows: usize,
-    d: usize,
-    eps: f32,
-    p: Nvfp4Params,
-    q: Nvfp4Out<'_>,
-) -> Result<(), CudaError> {
-    check_block(d, 16)?;
-    let x = need(x, rows * d, "rms_norm x")?;
-    let residual = residual
-        .map(|r| need(r, rows * d, "rms_norm residual"))
-        .transpose()?;
-    let w = need(w, d, "rms_norm weight")?;
-    let out = need(out, rows * d, "rms_norm out")?;
-    let (data, scales, row_s_dec, deq, words) = nvfp4_outputs(rows, d, q)?;
-    if rows == 0 {
-        return Ok(());
-    }
-    gpu.launch(
-        Kernel::RmsNormNvfp4,
-        (rows as u32, 1, 1),
-        super::RMS_NORM_THREADS,
-        (
-            x,
-            residual,
-            w,
-            out,
-            d as i32,
-            eps,
-            p.range,
-            p.fos_range,
-            p.fos_squared as i32,
-            data,
-            scales,
-            row_s_dec,
-            deq,
-            words,
-        ),
-    )
-}
-
 /// The widest SwiGLU output [`nvfp4_quantize_silu_mul`] takes (8 quarters a lane).
 pub const NVFP4_SILU_MUL_MAX_COLS: usize = NVFP4_WARP_MAX_COLS / 2;
 
