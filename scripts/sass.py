@@ -3,7 +3,7 @@
 
     scripts/sass.py KERNELS_DIR FUNCTION [--out FILE.sass] [--arch sm_90a]
 
-Compiles KERNELS_DIR's common.cuh and the .cu file that defines FUNCTION (an `extern "C"`
+Compiles KERNELS_DIR's common.cuh (else the checkout's) and the .cu file that defines FUNCTION (an `extern "C"`
 kernel name, e.g. grouped_gemm_mma_nvfp4) as the engine does (NVRTC, `-std=c++17 -lineinfo`,
 the program text of kernels.rs `Source::program_in`), assembles the PTX with ptxas and
 disassembles the function. Prints ptxas's registers, spills and shared memory for it, then
@@ -100,7 +100,11 @@ def main():
     if not files:
         sys.exit(f"no .cu file in {kernels} names {function}")
     name = os.path.basename(files[0])
-    common = open(os.path.join(kernels, "common.cuh")).read()
+    # A variant directory without its own common.cuh takes the checkout's (as the engine does).
+    common_path = os.path.join(kernels, "common.cuh")
+    if not os.path.isfile(common_path):
+        common_path = os.path.join(ROOT, "kernels", "common.cuh")
+    common = open(common_path).read()
     source = f'{common}\n#line 1 "{name}"\n{open(files[0]).read()}'
     work = os.path.join(TOOLS, "work")
     os.makedirs(work, exist_ok=True)
