@@ -48,8 +48,7 @@ def nvrtc_ptx(source, name, arch):
     libs = [p for p in libs if "builtins" not in p]
     if not libs:
         sys.exit("no libnvrtc in .cache/nvrtc (docs/gpu.md has the pip command)")
-    # libnvrtc finds libnvrtc-builtins through the loader's path.
-    os.environ["LD_LIBRARY_PATH"] = os.path.dirname(libs[0]) + ":" + os.environ.get("LD_LIBRARY_PATH", "")
+    # libnvrtc opens libnvrtc-builtins by name: loaded first, it is found without LD_LIBRARY_PATH.
     ctypes.CDLL(glob.glob(os.path.join(os.path.dirname(libs[0]), "libnvrtc-builtins.so.*"))[0])
     lib = ctypes.CDLL(libs[0])
     prog = ctypes.c_void_p()
@@ -116,8 +115,7 @@ def main():
     for i, line in enumerate(lines):
         if line.endswith(f"for {function}") and "Function properties" in line:
             print(*[l.replace("ptxas info    : ", "") for l in lines[i + 1 : i + 3]], sep="\n")
-    tool("nvdisasm")
-    env = dict(os.environ, PATH=os.path.dirname(tool("nvdisasm")) + ":" + os.environ["PATH"])
+    env = dict(os.environ, PATH=os.path.dirname(tool("nvdisasm")) + ":" + os.environ["PATH"])  # cuobjdump runs it
     sass = subprocess.run([tool("cuobjdump"), "-sass", "-fun", function, cubin],
                           capture_output=True, text=True, check=True, env=env).stdout
     if out:
