@@ -209,7 +209,8 @@ fi
 # .bin/lockstep_before (a build of the previous code) when carried. SERVER_QUANT picks the
 # expert format (default: none = BF16). SERVER_BENCH_TARGETS=1 adds issue 15's other rows: RL
 # (32 prompts x 8 seeded samples, 512 / 512, 256 concurrent), 16 concurrent 4096 / 1024, and
-# the TTFT of one 32k prompt.
+# the TTFT of one 32k prompt. SERVER_BENCH_ROWS="CONC PROMPTS IN OUT DATASET; ..." runs those rows
+# instead (e.g. "16 16 4096 1024 random; 1 1 32768 1 random").
 if [ "${SERVER_BENCH:-0}" = 1 ]; then
   model=/tmp/lockstep-server-model
   mkdir -p "$model"
@@ -234,6 +235,7 @@ if [ "${SERVER_BENCH:-0}" = 1 ]; then
     : >"$logs/server_bench_$server.md"
     runs=("1 4 512 128 random" "64 64 512 256 random" "256 256 512 256 random")
     [ "${SERVER_BENCH_TARGETS:-0}" = 1 ] && runs+=("256 32 512 512 rl" "16 16 4096 1024 random" "1 1 32768 1 random")
+    [ -n "${SERVER_BENCH_ROWS:-}" ] && IFS=';' read -r -a runs <<<"$SERVER_BENCH_ROWS"
     for run in "${runs[@]}"; do
       # (Not `out`: that is the log directory, which pack() writes to.)
       read -r conc prompts in_len out_len dataset <<<"$run"
