@@ -622,6 +622,48 @@ struct WeightSpanCopy {
     }
 };
 
+// NVFP4 on 32-row tiles copies a column's weights two spans at a time: 32 bytes, one whole L2
+// sector, where a span's 16 bytes asked for half a sector each (the tiled NVFP4 kernel is bound
+// by L2's sector rate: docs/performance.md, forty-eighth and fifty-ninth sessions).
+template <int FMT, int WM>
+constexpr bool TiledPairs = FMT == 3 && WM == 1;
+#define PAIR_SLOTS 4                   // pair slots in the ring: a segment's 8 spans
+#define PAIR_SLOT (TILE_TN * 32)       // a slot's bytes: [column][32]
+
+// One thread's share of copying span pairs of the TILE_TN NVFP4 weight columns n0.. of expert e
+// into slots of [column][32 bytes]: thread pairs take the two 16-byte halves of a column's
+// sector in one instruction (so L2 sees one request for the sector), two columns 64 apart a
+// thread on 128 threads. A column's halves are swapped on columns 4-7 of every 8, so the 8
+// columns a warp reads at once (lanes g, 4 bytes at t) fall in distinct banks.
+struct Nvfp4PairCopy {
+    const u8* src[2];  // the next pair's half
+    u32 dst;           // byte offset in a slot of the first column's half (the second's: + 64 columns)
+    bool live[2], upper;
+
+    __device__ __forceinline__ Nvfp4PairCopy(const void* w, int e, int N, int n0, int K, int tid, int k0) {
+        u64 row_bytes = (u64)K / 2;
+        upper = tid & 1;
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            int col = (tid >> 1) + 64 * c, n = n0 + col;
+            live[c] = n < N;
+            src[c] = (const u8*)w + ((u64)e * N + (live[c] ? n : 0)) * row_bytes + k0 / 2 + 16 * upper;
+        }
+        int col = tid >> 1;
+        dst = col * 32 + ((upper ^ ((col >> 2) & 1)) << 4);
+    }
+    // The next pair (in order from k0) into the slot at `slot`; SECOND: whether its second span
+    // is in the block's K range (else that half is zeros, read from nowhere).
+    template <bool SECOND>
+    __device__ __forceinline__ void issue_next(u32 slot) {
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            cp_async16_line_at(slot + dst + c * 64 * 32, src[c], live[c] && (SECOND || !upper));
+            src[c] += 32;
+        }
+    }
+};
+
 // A tiled block's walk over its spans for one warp whose rows hold FRAGS live m16 fragments
 // (0 to 2; plain BF16 keeps both) and with the block scales staged in shared memory a segment
 // at a time (SEG_STAGED: ss_ld, lane's scale of fragment 0 in segment buffer 0) or read a span
@@ -631,12 +673,13 @@ struct WeightSpanCopy {
 // live-fragment count: a warp-uniform skip inside the loop cost every MMA a WARPSYNC.
 template <int FMT, int WM, int FRAGS, bool SEG_STAGED, int TOT_STRIDE, class Issue, class LoadScales>
 __device__ __forceinline__ void tiled_walk(int spans, Issue& issue, const LoadScales& load_scales, u32 ss_ld,
-                                           const u32 (&a_ld)[2], u32 w_ld, float* tot) {
+                                           const u32 (&a_ld)[2], u32 w_ld, u32 w_ld1, float* tot) {
     constexpr int STAGES = TiledStages<FMT, WM>;
     constexpr int TMR = 32 * WM;
     constexpr int W_BYTES = WeightSpanCopy<FMT, 128 * WM>::W_BYTES;
     constexpr int SEG_SPANS = SEG / MMA_TK, SEG_SCALES = SEG_SPANS * SPAN_SCALES<FMT>;
     constexpr u32 AS_STAGE = TMR * 64, WS_STAGE = TILE_TN * W_BYTES;
+    constexpr bool PAIRS = TiledPairs<FMT, WM>;
     float acc[FRAGS > 0 ? FRAGS : 1][4][4];
 #pragma unroll
     for (int i = 0; i < (FRAGS > 0 ? FRAGS : 1); i++)
@@ -647,8 +690,9 @@ __device__ __forceinline__ void tiled_walk(int spans, Issue& issue, const LoadSc
     u8 sc[4], sc_next[4];
     if (!SEG_STAGED) load_scales(0, sc);
     // One span in stage `cur`, issuing the span STAGES - 1 ahead into stage `ahead`; its scales
-    // (SEG_STAGED) at ss_at.
-    auto step = [&](int span, int cur, int ahead, u32 ss_at) {
+    // (SEG_STAGED) at ss_at. `ring`: the span's place in its segment (span % SEG_SPANS, a
+    // constant in the unrolled walk), which picks its pair slot and half (PAIRS).
+    auto step = [&](int span, int cur, int ahead, u32 ss_at, int ring) {
         if (!SEG_STAGED && FRAGS > 0) load_scales(span + 1, sc_next);
         cp_async_wait<STAGES - 2>();
         // This span's stage (and, at a segment's first span, its scales) is in; every warp is
@@ -660,7 +704,7 @@ __device__ __forceinline__ void tiled_walk(int spans, Issue& issue, const LoadSc
 #pragma unroll
             for (int ni = 0; ni < 4; ni++) sc[ni] = lds_u8(ss_at + ni * 8 * SEG_SCALES);
         }
-        if (span + STAGES - 1 < spans) issue(span + STAGES - 1, ahead);
+        if (span + STAGES - 1 < spans) issue(span + STAGES - 1, ahead, ring + STAGES - 1);
         cp_async_commit();
         if constexpr (FRAGS > 0) {
             // a[mi][c]: chunk c's A fragment of rows mi * 16.., one ldmatrix each.
@@ -669,11 +713,13 @@ __device__ __forceinline__ void tiled_walk(int spans, Issue& issue, const LoadSc
             for (int mi = 0; mi < FRAGS; mi++)
 #pragma unroll
                 for (int c = 0; c < 2; c++) ldmatrix_x4_at(a_ld[c] + cur * AS_STAGE + mi * 16 * 64, a[mi][c]);
-            u32 w_stage = w_ld + cur * WS_STAGE;
+            u32 w_stage = PAIRS ? ((ring & 1) ? w_ld1 : w_ld) + ((ring >> 1) % PAIR_SLOTS) * PAIR_SLOT
+                                : w_ld + cur * WS_STAGE;
+            constexpr int COL_BYTES = PAIRS ? 32 : W_BYTES;  // a column's bytes in a stage or slot
 #pragma unroll
             for (int ni = 0; ni < 4; ni++) {
                 u32 b[4];
-                decode_weight8<FMT>(smem_weight8_at<FMT>(w_stage + ni * 8 * W_BYTES, sc[ni]), b);
+                decode_weight8<FMT>(smem_weight8_at<FMT>(w_stage + ni * 8 * COL_BYTES, sc[ni]), b);
 #pragma unroll
                 for (int mi = 0; mi < FRAGS; mi++)
 #pragma unroll
@@ -698,10 +744,10 @@ __device__ __forceinline__ void tiled_walk(int spans, Issue& issue, const LoadSc
         if (UNROLL && seg_end - seg0 == SEG_SPANS) {
 #pragma unroll
             for (int j = 0; j < SEG_SPANS; j++)
-                step(seg0 + j, j % STAGES, (j + STAGES - 1) % STAGES, ss_span + j * SPAN_SCALES<FMT>);
+                step(seg0 + j, j % STAGES, (j + STAGES - 1) % STAGES, ss_span + j * SPAN_SCALES<FMT>, j);
         } else {
             for (int span = seg0; span < seg_end; span++) {
-                step(span, cur, ahead, ss_span);
+                step(span, cur, ahead, ss_span, span - seg0);
                 ss_span += SPAN_SCALES<FMT>;
                 cur = cur == STAGES - 1 ? 0 : cur + 1;
                 ahead = ahead == STAGES - 1 ? 0 : ahead + 1;
@@ -733,8 +779,10 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     if (!tile_rows(tiles, num_tiles, offsets, rows, e, r0, r1, TMR)) return;
     int n0 = bx * TILE_TN;
     constexpr int W_BYTES = WeightSpanCopy<FMT, THREADS>::W_BYTES;  // one column's span
+    constexpr bool PAIRS = TiledPairs<FMT, WM>;
     __shared__ __align__(16) u32 as[STAGES][TMR][16];  // 32 values per row, a_piece order
-    __shared__ __align__(16) u8 ws[STAGES][TILE_TN][W_BYTES];
+    // The weights' stages, or (PAIRS) their pair slots.
+    __shared__ __align__(16) u8 ws[PAIRS ? PAIR_SLOTS : STAGES][TILE_TN][PAIRS ? 32 : W_BYTES];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     int wm = warp >> 2, wn = warp & 3;  // this warp's rows wm * 32.., columns wn * 32..
 
@@ -748,6 +796,7 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     block_k_range(partials, K, k_begin, k_end);
     int spans = (k_end - k_begin) / MMA_TK;
     WeightSpanCopy<FMT, THREADS> w_copy(w, e, N, n0, K, tid, k_begin);
+    Nvfp4PairCopy pair_copy(w, e, N, n0, K, tid, k_begin);  // PAIRS only (else unused)
     // This thread's source of the next span to issue (spans are issued in order): its A piece;
     // the weights' are w_copy's.
     const u8* a_next = (const u8*)(xb + a_src * (K / 2)) + a_chunk * 16 + k_begin * 2;
@@ -772,10 +821,23 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     const u32 ws_addr = (u32)__cvta_generic_to_shared(&ws[0][0][0]);
     const u32 a_copy = as_addr + a_row * 64 + 4 * a_dst;
     const u32 ss_copy = (u32)__cvta_generic_to_shared(&ss[0][0][0]) + (tid % TILE_TN) * SEG_SCALES;
-    auto issue = [&](int span, int stage) {
+    // `ring`: a number congruent to span modulo SEG_SPANS (a constant in the unrolled walk).
+    auto issue = [&](int span, int stage, int ring) {
         cp_async16_at(a_copy + stage * AS_STAGE, a_next, a_live);
         a_next += MMA_TK * 2;
-        w_copy.issue_next(ws_addr + stage * WS_STAGE);
+        if constexpr (PAIRS) {
+            // Pair q (spans 2q, 2q + 1) is copied with span 2q - 1 (pair 0 before the walk), into
+            // slot q % PAIR_SLOTS, last read for spans 2q - 8 and 2q - 7: every warp is past them
+            // at the barrier before this issue (span 2q - 4's step).
+            static_assert(PAIR_SLOTS * 2 == SEG_SPANS, "a segment's pairs fill the slots once");
+            if ((ring & 1) && span + 1 < spans) {
+                u32 slot = ws_addr + ((ring + 1) / 2 % PAIR_SLOTS) * PAIR_SLOT;
+                if (span + 2 < spans) pair_copy.issue_next<true>(slot);
+                else pair_copy.issue_next<false>(slot);  // the last span is even
+            }
+        } else {
+            w_copy.issue_next(ws_addr + stage * WS_STAGE);
+        }
         if (SEG_SCALES && seg_scales && span % SEG_SPANS == 0 && tid < TILE_TN) {
             u32 dst = ss_copy + ((span / SEG_SPANS) & 1) * (TILE_TN * SEG_SCALES);
             const u8* src = ss_src + span * SPAN_SCALES<FMT>;
@@ -794,8 +856,12 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
         int r = wm * 32 + lm_row;
         a_ld[c] = as_addr + r * 64 + 16 * a_piece(r, 2 * c + lm_piece);
     }
-    // This lane's weights of fragment ni in stage 0: w_ld + ni * 8 * W_BYTES.
-    const u32 w_ld = ws_addr + (wn * 32 + g) * W_BYTES + t * W_BYTES / 4;
+    // This lane's weights of fragment ni in stage 0: w_ld + ni * 8 * W_BYTES; with PAIRS, of an
+    // even span in slot 0 w_ld + ni * 8 * 32, of an odd one w_ld1 + ni * 8 * 32 (the halves
+    // swapped on columns 4-7 of every 8: Nvfp4PairCopy).
+    const u32 w_ld = PAIRS ? ws_addr + (wn * 32 + g) * 32 + t * 4 + (((g >> 2) & 1) << 4)
+                           : ws_addr + (wn * 32 + g) * W_BYTES + t * W_BYTES / 4;
+    const u32 w_ld1 = ws_addr + (wn * 32 + g) * 32 + t * 4 + ((((g >> 2) & 1) ^ 1) << 4);
 
     // This lane's weight columns (g of each n8 fragment) and their block scales, read a span
     // ahead through a pointer per column (column_scales).
@@ -823,9 +889,13 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     float tot_r[TOT_SHARED ? 1 : 32];
     float* tot = TOT_SHARED ? &tot_s[warp][0][lane] : tot_r;
 
+    if constexpr (PAIRS) {
+        if (spans > 1) pair_copy.issue_next<true>(ws_addr);  // pair 0, in span 0's group
+        else if (spans > 0) pair_copy.issue_next<false>(ws_addr);
+    }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
-        if (s < spans) issue(s, s);
+        if (s < spans) issue(s, s, s);
         cp_async_commit();
     }
     // This warp's live m16 fragments: with quantized weights one with no live row is skipped
@@ -834,7 +904,7 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     // us with the skip).
     int live = r1 - r0 - wm * 32;
 #define TILED_WALK(FRAGS, STAGED) \
-    tiled_walk<FMT, WM, FRAGS, STAGED, TOT_STRIDE>(spans, issue, load_scales, ss_ld, a_ld, w_ld, tot)
+    tiled_walk<FMT, WM, FRAGS, STAGED, TOT_STRIDE>(spans, issue, load_scales, ss_ld, a_ld, w_ld, w_ld1, tot)
     if constexpr (FMT == 1) {
         TILED_WALK(2, false);  // no block scales
     } else if (live > 16) {
