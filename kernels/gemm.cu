@@ -670,8 +670,10 @@ struct Nvfp4PairCopy {
 // (0 to 2; plain BF16 keeps both) and with the block scales staged in shared memory a segment
 // at a time (SEG_STAGED: ss_ld, lane's scale of fragment 0 in segment buffer 0) or read a span
 // ahead (load_scales): the K chain's products, each segment's sums joining the running total
-// (element i at tot[i * TOT_STRIDE]). `issue(span, stage)` copies a span into a stage, the
-// spans in order; spans 0 .. TiledStages - 2 are issued and committed. One instantiation per
+// (element i at tot[i * TOT_STRIDE]). `issue(span, stage, ring)` copies a span into a stage
+// (ring: a number congruent to span modulo SEG / MMA_TK), the spans in order; spans 0 ..
+// TiledStages - 2 are issued and committed. With TiledPairs the weights are read from pair
+// slots (w_ld: a span's of even place in a segment, w_ld1: of odd). One instantiation per
 // live-fragment count: a warp-uniform skip inside the loop cost every MMA a WARPSYNC.
 template <int FMT, int WM, int FRAGS, bool SEG_STAGED, int TOT_STRIDE, class Issue, class LoadScales>
 __device__ __forceinline__ void tiled_walk(int spans, Issue& issue, const LoadScales& load_scales, u32 ss_ld,
@@ -765,7 +767,8 @@ __device__ __forceinline__ void tiled_walk(int spans, Issue& issue, const LoadSc
 // once per 64 rows instead of 32). xb is x packed by pack_gemm_operand. Requires K % 32 == 0
 // (the host checks). Each span's packed activations and raw weight bytes are copied into a
 // ring of TiledStages shared-memory stages (cp.async) while the tensor cores work on an
-// earlier one. The activations come out of shared memory as whole mma fragments
+// earlier one (NVFP4 32-row tiles: the weights two spans a copy into a ring of pair slots,
+// Nvfp4PairCopy). The activations come out of shared memory as whole mma fragments
 // (ldmatrix over the packed order); each warp decodes its own 32 columns' weights from
 // shared memory straight into fragments (block scales staged a segment at a time in shared
 // memory where K is whole segments, else read one span ahead into registers).
@@ -800,7 +803,7 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     WeightSpanCopy<FMT, THREADS> w_copy(w, e, N, n0, K, tid, k_begin);
     Nvfp4PairCopy pair_copy(w, e, N, n0, K, tid, k_begin);  // PAIRS only (else unused)
     // This thread's source of the next span to issue (spans are issued in order): its A piece;
-    // the weights' are w_copy's.
+    // the weights' are w_copy's (pair_copy's with PAIRS).
     const u8* a_next = (const u8*)(xb + a_src * (K / 2)) + a_chunk * 16 + k_begin * 2;
     // Where K is whole segments (and the scales 16-byte aligned), a segment's block scales of
     // the block's columns are copied into shared memory with the segment's first span (one
@@ -1727,7 +1730,7 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
         for (int s = 0; s < TMA_SUBS; s++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const u8* p = col_scales[s][h] - (FMT == 3 ? t / 2 : 0) + seg * SEG_SCALE_BYTES;
+                const u8* p = col_scales[s][h] - t / 2 + seg * SEG_SCALE_BYTES;  // the column's segment
                 if constexpr (SEG_SCALE_BYTES == 16) seg_next[s][h] = *(const uint4*)p;
             }
     };
