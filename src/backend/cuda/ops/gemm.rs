@@ -326,7 +326,8 @@ pub const SKINNY_MAX_DENSE_ROWS: usize = 8;
 /// kernel 0.94x (MXFP8) and 0.91x (NVFP4) of theirs, at 512 rows 0.78x and 0.90x; BF16
 /// (2026-12-04, with the line copies) at 64 / 128 / 256 / 384 / 512 routed rows the tiled kernel
 /// 0.90 / 0.94 / 0.92 / 0.90 / 0.82x of `Skinny4`'s time (110 against 123 us at 64 rows), the
-/// down projection 0.81-0.90x.
+/// down projection 0.81-0.90x. `LOCKSTEP_SKINNY_MAX_PLAN_ROWS` replaces it
+/// ([`skinny_max_plan_rows`]).
 pub const SKINNY_MAX_PLAN_ROWS: usize = 32;
 /// Rows from which [`GemmPath::Auto`] takes the wide tiles for one dense group of at least
 /// [`WIDE_MIN_DENSE_COLS`] columns and, on average per expert, for a routing plan over BF16 or
@@ -421,6 +422,15 @@ fn block_split_allowed() -> bool {
 fn block_split_plan_tokens() -> usize {
     static TOKENS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     env_count(&TOKENS, "LOCKSTEP_BLOCK_SPLIT_PLAN_TOKENS").unwrap_or(1)
+}
+
+/// The routed rows up to which [`GemmPath::Auto`] keeps a routing plan off the tiled kernel:
+/// [`SKINNY_MAX_PLAN_ROWS`], or `LOCKSTEP_SKINNY_MAX_PLAN_ROWS` (a trial, not yet measured: the
+/// NVFP4 tiled kernel's pair slots of 2026-12-06 made it about a fifth faster at 64-256 rows, so
+/// the rule's 2026-12-02 crossing may have moved; the bits are the same either way).
+fn skinny_max_plan_rows() -> usize {
+    static ROWS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    env_count(&ROWS, "LOCKSTEP_SKINNY_MAX_PLAN_ROWS").unwrap_or(SKINNY_MAX_PLAN_ROWS)
 }
 
 /// The count the environment variable `var` holds, if it holds one, read once into `cell`.
@@ -518,7 +528,7 @@ impl GemmPath {
         // row), times the 32-column groups of N: the warps of a `Skinny4` launch.
         let (skinny_rows, live_tiles) = match rows {
             GemmRows::Dense(r) => (SKINNY_MAX_DENSE_ROWS, r.div_ceil(GEMM_TILE_ROWS)),
-            GemmRows::Plan(p) => (SKINNY_MAX_PLAN_ROWS, p.counts.len().min(max_rows)),
+            GemmRows::Plan(p) => (skinny_max_plan_rows(), p.counts.len().min(max_rows)),
         };
         let wide = wide_tiles_allowed()
             && match rows {
