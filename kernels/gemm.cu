@@ -866,7 +866,7 @@ __device__ __forceinline__ void grouped_gemm_tiled(const float*, const int* row_
     // swapped on columns 4-7 of every 8: Nvfp4PairCopy).
     const u32 w_ld = PAIRS ? ws_addr + (wn * 32 + g) * 32 + t * 4 + (((g >> 2) & 1) << 4)
                            : ws_addr + (wn * 32 + g) * W_BYTES + t * W_BYTES / 4;
-    const u32 w_ld1 = ws_addr + (wn * 32 + g) * 32 + t * 4 + ((((g >> 2) & 1) ^ 1) << 4);
+    const u32 w_ld1 = PAIRS ? ws_addr + (wn * 32 + g) * 32 + t * 4 + ((((g >> 2) & 1) ^ 1) << 4) : w_ld;
 
     // This lane's weight columns (g of each n8 fragment) and their block scales, read a span
     // ahead through a pointer per column (column_scales).
@@ -1721,18 +1721,17 @@ __device__ __forceinline__ void grouped_gemm_tma(const TensorMap* x_map, const T
     // H100, 2026-12-06: expert gate/up at 4,096 tokens 1,022 -> 964 us, down 550 -> 531, NVFP4
     // prefill 8 x 2,048 +0.4-1.0%; MXFP8's 8 bytes a segment measured 0-2.6% slower, so MXFP8
     // keeps the span-ahead bytes (docs/performance.md, fifty-ninth session).
-    constexpr int SEG_SPANS = SEG / MMA_TK, SEG_SCALE_BYTES = FMT == 3 ? SEG_SPANS * SPAN_SCALES<FMT> : 0;
-    const bool seg_scales = SEG_SCALE_BYTES != 0 && K % SEG == 0 && ((u64)w_scales & 15) == 0;
+    constexpr int SEG_SPANS = SEG / MMA_TK, SEG_SCALE_BYTES = SEG_SPANS * SPAN_SCALES<3>;
+    static_assert(SEG_SCALE_BYTES == 16, "an NVFP4 column's segment of scales is one vector load");
+    const bool seg_scales = FMT == 3 && K % SEG == 0 && ((u64)w_scales & 15) == 0;
     uint4 seg_next[TMA_SUBS][2];
     u32 seg_now[TMA_SUBS][2][2];
     auto load_segment_scales = [&](int seg) {
 #pragma unroll
         for (int s = 0; s < TMA_SUBS; s++)
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const u8* p = col_scales[s][h] - t / 2 + seg * SEG_SCALE_BYTES;  // the column's segment
-                if constexpr (SEG_SCALE_BYTES == 16) seg_next[s][h] = *(const uint4*)p;
-            }
+            for (int h = 0; h < 2; h++)
+                seg_next[s][h] = *(const uint4*)(col_scales[s][h] - t / 2 + seg * SEG_SCALE_BYTES);
     };
     auto take_segment_scales = [&]() {
         u32 pick = t / 2 ? 0x7531u : 0x6420u;  // this lane's 16-block of each span
