@@ -326,9 +326,14 @@ pub const SKINNY_MAX_DENSE_ROWS: usize = 8;
 /// kernel 0.94x (MXFP8) and 0.91x (NVFP4) of theirs, at 512 rows 0.78x and 0.90x; BF16
 /// (2026-12-04, with the line copies) at 64 / 128 / 256 / 384 / 512 routed rows the tiled kernel
 /// 0.90 / 0.94 / 0.92 / 0.90 / 0.82x of `Skinny4`'s time (110 against 123 us at 64 rows), the
-/// down projection 0.81-0.90x. `LOCKSTEP_SKINNY_MAX_PLAN_ROWS` replaces it
+/// down projection 0.81-0.90x. Since the NVFP4 tiled kernel's pair slots (2026-12-06) the
+/// crossing is lower: H100, 2026-12-06, `cuda_bench --steps 32 --batches 2,4,8`, two rounds, ms
+/// a step, 32 -> 8 routed rows: NVFP4 batch 2 6.19 / 6.20 -> 5.85 / 5.91, batch 4 8.05 / 8.06 ->
+/// 7.24 / 7.21; MXFP8 6.33 / 6.36 -> 6.15 / 6.29, 8.43 / 8.42 -> 7.68 / 7.69; BF16 6.93 / 6.97
+/// -> 6.56 / 6.55, 9.57 / 9.57 -> 8.98 / 8.94 (batch 8, 64 rows, on the tiled kernel either way:
+/// kept off it, NVFP4 9.47 -> 11.3). `LOCKSTEP_SKINNY_MAX_PLAN_ROWS` replaces it
 /// ([`skinny_max_plan_rows`]).
-pub const SKINNY_MAX_PLAN_ROWS: usize = 32;
+pub const SKINNY_MAX_PLAN_ROWS: usize = 8;
 /// Rows from which [`GemmPath::Auto`] takes the wide tiles for one dense group of at least
 /// [`WIDE_MIN_DENSE_COLS`] columns and, on average per expert, for a routing plan over BF16 or
 /// MXFP8 experts. H200 (cuda_kernel_bench, 2026-12-02): o_proj [2048 x 4096] at 1,024 rows
@@ -425,9 +430,8 @@ fn block_split_plan_tokens() -> usize {
 }
 
 /// The routed rows up to which [`GemmPath::Auto`] keeps a routing plan off the tiled kernel:
-/// [`SKINNY_MAX_PLAN_ROWS`], or `LOCKSTEP_SKINNY_MAX_PLAN_ROWS` (a trial, not yet measured: the
-/// NVFP4 tiled kernel's pair slots of 2026-12-06 made it about a fifth faster at 64-256 rows, so
-/// the rule's 2026-12-02 crossing may have moved; the bits are the same either way).
+/// [`SKINNY_MAX_PLAN_ROWS`], or `LOCKSTEP_SKINNY_MAX_PLAN_ROWS` (to measure another crossing;
+/// the bits are the same either way). Plans of one token take the block split before this rule.
 fn skinny_max_plan_rows() -> usize {
     static ROWS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     env_count(&ROWS, "LOCKSTEP_SKINNY_MAX_PLAN_ROWS").unwrap_or(SKINNY_MAX_PLAN_ROWS)
