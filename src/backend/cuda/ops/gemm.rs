@@ -431,7 +431,8 @@ fn block_split_plan_tokens() -> usize {
 
 /// The routed rows up to which [`GemmPath::Auto`] keeps a routing plan off the tiled kernel:
 /// [`SKINNY_MAX_PLAN_ROWS`], or `LOCKSTEP_SKINNY_MAX_PLAN_ROWS` (to measure another crossing;
-/// the bits are the same either way). Plans of one token take the block split before this rule.
+/// the bits are the same either way). A one-token plan of top-8 routing (8 rows) stays off it;
+/// with the block split on ([`block_split_plan_tokens`]) it takes that kernel first.
 fn skinny_max_plan_rows() -> usize {
     static ROWS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     env_count(&ROWS, "LOCKSTEP_SKINNY_MAX_PLAN_ROWS").unwrap_or(SKINNY_MAX_PLAN_ROWS)
