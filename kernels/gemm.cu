@@ -1264,6 +1264,20 @@ __device__ __forceinline__ void wgmma_store(const float (&tot)[ACC], const WgLan
     for (int h = 0; h < 2; h++)
         col_sdec[h] = epilogue_column_sdec<FMT>(partials, w_sdec, e, sdec_groups,
                                                 swiglu && col_row[h] < 0 ? N : col_row[h], N);
+    // The lane's rows' scales, all read before its first store (read between stores, each waited
+    // for in turn: the stores may alias them). Rows past r1 get ones and read nothing. H100,
+    // 2026-12-07: the TMA kernel's NVFP4 gate/up at 8,192 tokens 1,940 -> 1,532 us, down 1,020 ->
+    // 848, NVFP4 prefill 8 x 2,048 +7.4%. The tiled and few-rows kernels keep theirs between the
+    // stores: loaded first there, the 8-token gate/up measured 72 -> 82 us (docs/performance.md,
+    // sixty-third session).
+    float row_s[ACC / 4][2];
+#pragma unroll
+    for (int j = 0; j < ACC / 4; j++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int row = r0 + 8 * j + 2 * t + i;
+            row_s[j][i] = row < r1 ? epilogue_row_scale<FMT>(partials, row_scale, row_index, row) : 1.0f;
+        }
     if constexpr (swiglu) {
         // Lane (g, t) holds h column hc of rows 8j + 2t + i: gate in tot[4j + i], up in
         // tot[4j + 2 + i].
@@ -1275,9 +1289,8 @@ __device__ __forceinline__ void wgmma_store(const float (&tot)[ACC], const WgLan
             for (int i = 0; i < 2; i++) {
                 int row = r0 + 8 * j + 2 * t + i;
                 bool live = row < r1 && col_row[0] >= 0;
-                float row_s = row < r1 ? epilogue_row_scale<FMT>(partials, row_scale, row_index, row) : 1.0f;
-                float h = silu_mul_value(epilogue_value<FMT>(tot[4 * j + i], row_s, col_sdec[0]),
-                                         epilogue_value<FMT>(tot[4 * j + 2 + i], row_s, col_sdec[1]));
+                float h = silu_mul_value(epilogue_value<FMT>(tot[4 * j + i], row_s[j][i], col_sdec[0]),
+                                         epilogue_value<FMT>(tot[4 * j + 2 + i], row_s[j][i], col_sdec[1]));
                 if (OUT == WG_OUT_SWIGLU_F32) {
                     if (live) out[(u64)row * inter + hc] = h;
                 } else {
@@ -1293,8 +1306,7 @@ __device__ __forceinline__ void wgmma_store(const float (&tot)[ACC], const WgLan
             for (int i = 0; i < 4; i++) {
                 int row = r0 + 8 * j + 2 * t + (i & 1), col = n0 + col_local[i >> 1];
                 if (row >= r1 || col >= N) continue;
-                float row_s = epilogue_row_scale<FMT>(partials, row_scale, row_index, row);
-                store_sum<FMT>(tot[4 * j + i], partials, rows, row, col, N, row_s, col_sdec[i >> 1], out);
+                store_sum<FMT>(tot[4 * j + i], partials, rows, row, col, N, row_s[j][i & 1], col_sdec[i >> 1], out);
             }
         if (partials && counters)
             fold_if_last<FMT, false>(partials, counters, blockIdx.y * gridDim.x + blockIdx.x, rows, N, r0, r1, n0,
