@@ -51,11 +51,14 @@ __device__ __forceinline__ void rms_norm_row(float* x, const float* residual, co
     float* o = out + (u64)blockIdx.x * d;
     float ss = 0.0f;
     if (d <= NORM_REGS * (int)blockDim.x) {
-        float v[NORM_REGS], a[NORM_REGS];
+        // The norm's weights too, before any store: read after the stores to x and out (which
+        // may alias them) each waited for the one before it.
+        float v[NORM_REGS], a[NORM_REGS], wv[NORM_REGS];
 #pragma unroll
         for (int j = 0; j < NORM_REGS; j++) {
             int i = threadIdx.x + j * blockDim.x;
             v[j] = i < d ? xr[i] : 0.0f;
+            wv[j] = i < d ? w[i] : 0.0f;
             if (!SUMS) a[j] = residual && i < d ? residual[r * d + i] : 0.0f;
         }
         if constexpr (SUMS) {
@@ -86,7 +89,7 @@ __device__ __forceinline__ void rms_norm_row(float* x, const float* residual, co
         for (int j = 0; j < NORM_REGS; j++) {
             int i = threadIdx.x + j * blockDim.x;
             if (i >= d) break;
-            o[i] = __fmul_rn(__fmul_rn(v[j], inv), w[i]);
+            o[i] = __fmul_rn(__fmul_rn(v[j], inv), wv[j]);
         }
         return;
     }
