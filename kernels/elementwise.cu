@@ -151,6 +151,83 @@ __device__ __forceinline__ void qk_fold_head(const float* sums, int segments, u6
     }
     folded_many<QK_FOLD_MAX>(sums, segments, stride, el, live, f);
 }
+// A head of hd = 32 * J elements in registers (J even: the partner i + hd/2 of a lane's element
+// i = lane + 32 j is its own element j + J/2): the head's values (folded when `sums`), its norm
+// weights and, for a key head, its values of v are all read before the first store, which they
+// could alias, so the lane waits on memory once rather than after each store. The same
+// expressions in the same order as the walk below: the same bits.
+template <bool SUMS, int J>
+__device__ __forceinline__ void qk_head_in_registers(float* x, const float* sums, int segments, u64 stride, u64 at,
+                                                     const float* nw, float eps, int lane, const float* sin_s,
+                                                     const float* cos_s, bool is_q, bf16_t* k_cache,
+                                                     bf16_t* v_cache, u64 kv_base, const float* vr,
+                                                     const float* v_sums, u64 v_stride, u64 v_at) {
+    constexpr int hd = 32 * J, half = hd / 2;
+    float a[J], w[J], vv[J];
+    if (SUMS && sums) {
+        u64 el[J];
+        bool live[J];
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            live[j] = true;
+            el[j] = at + lane + 32 * j;
+        }
+        folded_many<J>(sums, segments, stride, el, live, a);
+    } else {
+#pragma unroll
+        for (int j = 0; j < J; j++) a[j] = x[lane + 32 * j];
+    }
+    if (nw) {
+#pragma unroll
+        for (int j = 0; j < J; j++) w[j] = nw[lane + 32 * j];
+    }
+    if (!is_q) {
+        if (SUMS && v_sums) {
+            u64 el[J];
+            bool live[J];
+#pragma unroll
+            for (int j = 0; j < J; j++) {
+                live[j] = true;
+                el[j] = v_at + lane + 32 * j;
+            }
+            folded_many<J>(v_sums, segments, v_stride, el, live, vv);
+        } else {
+#pragma unroll
+            for (int j = 0; j < J; j++) vv[j] = vr[lane + 32 * j];
+        }
+    }
+    float inv = 1.0f;
+    if (nw) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < J; j++) ss += a[j] * a[j];
+        ss = warp_sum(ss);
+        inv = 1.0f / sqrtf(ss / (float)hd + eps);
+    }
+#pragma unroll
+    for (int j = 0; j < J / 2; j++) {
+        int i = lane + 32 * j;
+        float av = a[j], bv = a[j + J / 2];
+        if (nw) {
+            av = __fmul_rn(__fmul_rn(av, inv), w[j]);
+            bv = __fmul_rn(__fmul_rn(bv, inv), w[j + J / 2]);
+        }
+        float s = sin_s[i], c = cos_s[i];
+        float na = __fsub_rn(__fmul_rn(av, c), __fmul_rn(bv, s));
+        float nb = __fadd_rn(__fmul_rn(bv, c), __fmul_rn(av, s));
+        x[i] = na;
+        x[i + half] = nb;
+        if (!is_q) {
+            k_cache[kv_base + i] = f32_to_bf16(na);
+            k_cache[kv_base + i + half] = f32_to_bf16(nb);
+        }
+    }
+    if (!is_q) {
+#pragma unroll
+        for (int j = 0; j < J; j++) v_cache[kv_base + lane + 32 * j] = f32_to_bf16(vv[j]);
+    }
+}
+
 template <bool SUMS>
 __device__ __forceinline__ void qk_norm_rope_store_head(float* q, float* k, const float* v, const float* q_norm,
                                                         const float* k_norm, const float* inv_freq, const int* pos,
@@ -170,6 +247,21 @@ __device__ __forceinline__ void qk_norm_rope_store_head(float* q, float* k, cons
     int kh = h - heads;
     float* x = is_q ? q + ((u64)t * heads + h) * hd : k + ((u64)t * kv_heads + kh) * hd;
     const float* sums = is_q ? q_sums : k_sums;
+    const float* nw = is_q ? q_norm : k_norm;
+    u64 kv_base = (u64)slots[t] * kv_heads * hd + (u64)kh * hd;
+    if (hd == 128 || hd == 64) {
+        u64 at = is_q ? ((u64)t * heads + h) * hd : ((u64)t * kv_heads + kh) * hd;
+        u64 stride = (u64)gridDim.x * (is_q ? heads : kv_heads) * hd;
+        u64 v_at = ((u64)t * kv_heads + kh) * hd, v_stride = (u64)gridDim.x * kv_heads * hd;
+        const float* vs = SUMS ? v_sums : nullptr;
+        if (hd == 128)
+            qk_head_in_registers<SUMS, 4>(x, SUMS ? sums : nullptr, segments, stride, at, nw, eps, lane, sin_s,
+                                          cos_s, is_q, k_cache, v_cache, kv_base, v + v_at, vs, v_stride, v_at);
+        else
+            qk_head_in_registers<SUMS, 2>(x, SUMS ? sums : nullptr, segments, stride, at, nw, eps, lane, sin_s,
+                                          cos_s, is_q, k_cache, v_cache, kv_base, v + v_at, vs, v_stride, v_at);
+        return;
+    }
     if constexpr (SUMS) if (sums) {
         u64 at = is_q ? ((u64)t * heads + h) * hd : ((u64)t * kv_heads + kh) * hd;
         float f[QK_FOLD_MAX];
@@ -179,7 +271,6 @@ __device__ __forceinline__ void qk_norm_rope_store_head(float* q, float* k, cons
             if (lane + 32 * j < hd) x[lane + 32 * j] = f[j];
         __syncwarp();
     }
-    const float* nw = is_q ? q_norm : k_norm;
     float inv = 1.0f;
     if (nw) {
         float ss = 0.0f;
@@ -187,7 +278,6 @@ __device__ __forceinline__ void qk_norm_rope_store_head(float* q, float* k, cons
         ss = warp_sum(ss);
         inv = 1.0f / sqrtf(ss / (float)hd + eps);
     }
-    u64 kv_base = (u64)slots[t] * kv_heads * hd + (u64)kh * hd;
     for (int i = lane; i < half; i += 32) {
         float a = x[i], b = x[i + half];
         if (nw) {
