@@ -6,21 +6,51 @@
 // `given` (optional, [tokens, top_k]): routing replay. A row whose given ids are all valid takes
 // them, weighted by this router's probabilities (renormalized over them, summed in slot order as
 // the CPU does); any other row is routed normally.
-// A lane's first ROUTE_HELD experts (lane, lane + 32, ...: 256 experts in all) keep their
-// probabilities in registers, computed once; the top-k walk recomputes the others' (the same
-// expression, so the same values).
+// With `segments` > 0 the router's logits are its GEMM's segment sums (`sums`, tokens x experts
+// each): the warp folds its token's row and writes it into `logits`.
+// A lane's first ROUTE_HELD experts (lane, lane + 32, ...: 256 experts in all) keep their logits
+// and probabilities in registers, read (or folded) once; the top-k walk recomputes the others'
+// (the same expression, so the same values). Lane s keeps the s-th pick until the walk ends,
+// so the renormalization reads no store back. `ids_s` (optional): the picks also go there
+// (the plan's shared-memory copy).
 #define ROUTE_HELD 8
-__device__ void route_token(const float* logits, int t, int lane, int experts, int top_k, int renormalize,
-                            const int* given, int* topk_ids, float* topk_w, int* kept) {
-    const float* row = logits + (u64)t * experts;
+__device__ void route_token(float* logits, const float* sums, int segments, int tokens, int t, int lane,
+                            int experts, int top_k, int renormalize, const int* given, int* topk_ids,
+                            float* topk_w, int* kept, int* ids_s) {
+    float* row = logits + (u64)t * experts;
+    float x[ROUTE_HELD];
+    if (segments) {
+        u64 at[ROUTE_HELD];
+        bool live[ROUTE_HELD];
+#pragma unroll
+        for (int j = 0; j < ROUTE_HELD; j++) {
+            int e = lane + 32 * j;
+            live[j] = e < experts;
+            at[j] = (u64)t * experts + (live[j] ? e : 0);
+        }
+        u64 stride = (u64)tokens * experts;
+        folded_many<ROUTE_HELD>(sums, segments, stride, at, live, x);
+#pragma unroll
+        for (int j = 0; j < ROUTE_HELD; j++)
+            if (live[j]) row[lane + 32 * j] = x[j];
+        for (int e = lane + 32 * ROUTE_HELD; e < experts; e += 32)
+            row[e] = folded(sums, segments, stride, (u64)t * experts + e);
+        __syncwarp();
+    } else {
+#pragma unroll
+        for (int j = 0; j < ROUTE_HELD; j++) x[j] = lane + 32 * j < experts ? row[lane + 32 * j] : 0.0f;
+    }
     float m = -INFINITY;
-    for (int e = lane; e < experts; e += 32) m = fmaxf(m, row[e]);
+#pragma unroll
+    for (int j = 0; j < ROUTE_HELD; j++)
+        if (lane + 32 * j < experts) m = fmaxf(m, x[j]);
+    for (int e = lane + 32 * ROUTE_HELD; e < experts; e += 32) m = fmaxf(m, row[e]);
     m = warp_max(m);
     float sum = 0.0f, held[ROUTE_HELD];
 #pragma unroll
     for (int j = 0; j < ROUTE_HELD; j++) {
         int e = lane + 32 * j;
-        held[j] = e < experts ? expf(row[e] - m) : 0.0f;
+        held[j] = e < experts ? expf(x[j] - m) : 0.0f;
         if (e < experts) sum += held[j];
     }
     for (int e = lane + 32 * ROUTE_HELD; e < experts; e += 32) sum += expf(row[e] - m);
@@ -39,6 +69,7 @@ __device__ void route_token(const float* logits, int t, int lane, int experts, i
                     topk_ids[t * top_k + s] = g[s];
                     topk_w[t * top_k + s] = p;
                     if (kept) kept[t * top_k + s] = g[s];
+                    if (ids_s) ids_s[t * top_k + s] = g[s];
                 }
                 picked += p;
             }
@@ -47,8 +78,8 @@ __device__ void route_token(const float* logits, int t, int lane, int experts, i
             return;
         }
     }
-    float picked_sum = 0.0f;
-    int prev_id = -1;
+    float picked_sum = 0.0f, my_w = 0.0f;
+    int prev_id = -1, my_id = 0;
     float prev_p = INFINITY;
     for (int s = 0; s < top_k; s++) {
         // The next best after (prev_p, prev_id) in the order (probability desc, id asc).
@@ -74,25 +105,20 @@ __device__ void route_token(const float* logits, int t, int lane, int experts, i
         u32 top = __reduce_max_sync(0xffffffffu, key);
         best_id = (int)__reduce_min_sync(0xffffffffu, key == top ? (u32)best_id : 0x7fffffffu);
         best = top ? __uint_as_float(top - 1u) : -1.0f;
-        if (lane == 0) {
-            topk_ids[t * top_k + s] = best_id;
-            topk_w[t * top_k + s] = best;
-            if (kept) kept[t * top_k + s] = best_id;
+        if (lane == s) {
+            my_id = best_id;
+            my_w = best;
         }
         picked_sum += best;
         prev_p = best;
         prev_id = best_id;
     }
-    __syncwarp();
-    if (renormalize && lane < top_k) topk_w[t * top_k + lane] = topk_w[t * top_k + lane] / picked_sum;
-}
-
-// With `segments` > 0, the router's logits are its GEMM's segment sums (`sums`, tokens x experts
-// each): a warp first writes its token's folded logits into `logits`, a block every token's.
-__device__ __forceinline__ void fold_logits(float* logits, const float* sums, int segments, int tokens, int experts,
-                                            int first, int count, int id, int width) {
-    u64 stride = (u64)tokens * experts;
-    for (int i = id; i < count; i += width) logits[first + i] = folded(sums, segments, stride, (u64)first + i);
+    if (lane < top_k) {
+        topk_ids[t * top_k + lane] = my_id;
+        topk_w[t * top_k + lane] = renormalize ? my_w / picked_sum : my_w;
+        if (kept) kept[t * top_k + lane] = my_id;
+        if (ids_s) ids_s[t * top_k + lane] = my_id;
+    }
 }
 
 extern "C" __global__ void moe_route(float* logits, int tokens, int experts, int top_k, int renormalize,
@@ -101,14 +127,10 @@ extern "C" __global__ void moe_route(float* logits, int tokens, int experts, int
     pdl_entry();
     int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (t >= tokens) return;
-    if (segments) {
-        fold_logits(logits, sums, segments, tokens, experts, t * experts, experts, lane, 32);
-        __syncwarp();
-    }
-    route_token(logits, t, lane, experts, top_k, renormalize, given, topk_ids, topk_w, kept);
+    route_token(logits, sums, segments, tokens, t, lane, experts, top_k, renormalize, given, topk_ids, topk_w, kept,
+                nullptr);
 }
 
-// counts[e] = number of (token, slot) pairs routed to e. `counts` must be zeroed first.
 extern "C" __global__ void moe_count(const int* topk_ids, int pairs, int* counts) {
     pdl_entry();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += gridDim.x * blockDim.x)
@@ -242,21 +264,23 @@ extern "C" __global__ void moe_plan_ids(const int* topk_ids, int pairs, int top_
 
 // Routing and its plan in one block of PLAN_THREADS threads, for few tokens (decode): what
 // moe_route, moe_count, moe_plan and moe_scatter write, in one launch instead of four and a
-// memset. Each token is routed by the same code (a warp per token), then plan_ids_block.
+// memset. Each token is routed by the same code (a warp per token), its picks kept in shared
+// memory for the plan (plan_ids_block) up to ROUTE_PLAN_MAX_PAIRS pairs (read back from topk_ids
+// past that).
+#define ROUTE_PLAN_MAX_PAIRS 2048
 extern "C" __global__ void moe_route_plan(float* logits, int tokens, int experts, int top_k, int renormalize, const int* given,
                    int* topk_ids, float* topk_w, int* counts, int tile_rows, int wide_rows, int* offsets,
                    int* tiles, int* num_tiles, int* wide_tiles, int* num_wide_tiles,
                    int* pair_tiles, int* num_pair_tiles, int* slot_row, int* row_token, const float* sums,
                    int segments, int* kept) {
+    __shared__ int ids_s[ROUTE_PLAN_MAX_PAIRS];
     pdl_entry();
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    if (segments) {
-        fold_logits(logits, sums, segments, tokens, experts, 0, tokens * experts, tid, PLAN_THREADS);
-        __syncthreads();
-    }
+    int* picks = tokens * top_k <= ROUTE_PLAN_MAX_PAIRS ? ids_s : nullptr;
     for (int t = warp; t < tokens; t += PLAN_THREADS / 32)
-        route_token(logits, t, lane, experts, top_k, renormalize, given, topk_ids, topk_w, kept);
+        route_token(logits, sums, segments, tokens, t, lane, experts, top_k, renormalize, given, topk_ids, topk_w,
+                    kept, picks);
     __syncthreads();
-    plan_ids_block(topk_ids, tokens * top_k, top_k, experts, counts, tile_rows, wide_rows, offsets, tiles, num_tiles,
-                   wide_tiles, num_wide_tiles, pair_tiles, num_pair_tiles, slot_row, row_token);
+    plan_ids_block(picks ? picks : topk_ids, tokens * top_k, top_k, experts, counts, tile_rows, wide_rows, offsets,
+                   tiles, num_tiles, wide_tiles, num_wide_tiles, pair_tiles, num_pair_tiles, slot_row, row_token);
 }
