@@ -320,21 +320,50 @@ __device__ __forceinline__ void fa_end_chunk(float (&o)[DW][4], const FaRows& r,
                 }
             }
         }
-    } else {
+    } else if constexpr (TOT_SHARED) {
         FaChunkWeights w = fa_chunk_weights(m_lo, m_hi, l_lo, l_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
 #pragma unroll
         for (int d = 0; d < DW; d++)
 #pragma unroll
             for (int j = 0; j < 2; j++) {
                 int col = (d0 + d) * 8 + 2 * t + j;
-                float* tot_lo = TOT_SHARED ? tot + (4 * d + j) * 32 + lane : r.out_lo + col;
-                if (r.live_lo) fa_merge_element(*tot_lo, r.out_lo[col], o[d][j], w.a_lo, w.b_lo, w.inv_lo, first_chunk, more);
-                if constexpr (HI) {
-                    float* tot_hi = TOT_SHARED ? tot + (4 * d + 2 + j) * 32 + lane : r.out_hi + col;
+                if (r.live_lo)
+                    fa_merge_element(tot[(4 * d + j) * 32 + lane], r.out_lo[col], o[d][j], w.a_lo, w.b_lo, w.inv_lo,
+                                     first_chunk, more);
+                if constexpr (HI)
                     if (r.live_hi)
-                        fa_merge_element(*tot_hi, r.out_hi[col], o[d][2 + j], w.a_hi, w.b_hi, w.inv_hi, first_chunk,
-                                         more);
+                        fa_merge_element(tot[(4 * d + 2 + j) * 32 + lane], r.out_hi[col], o[d][2 + j], w.a_hi,
+                                         w.b_hi, w.inv_hi, first_chunk, more);
+            }
+    } else {
+        // The running total is the output rows themselves: every element of it is read before
+        // the first store (which could alias it), so a chunk's end waits on memory once, not
+        // once an element.
+        FaChunkWeights w = fa_chunk_weights(m_lo, m_hi, l_lo, l_hi, M_lo, M_hi, L_lo, L_hi, first_chunk);
+        float cur[DW][4];
+#pragma unroll
+        for (int d = 0; d < DW; d++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                int col = (d0 + d) * 8 + 2 * t + j;
+                cur[d][j] = r.live_lo && !first_chunk ? r.out_lo[col] : 0.0f;
+                cur[d][2 + j] = HI && r.live_hi && !first_chunk ? r.out_hi[col] : 0.0f;
+            }
+#pragma unroll
+        for (int d = 0; d < DW; d++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                int col = (d0 + d) * 8 + 2 * t + j;
+                float v;
+                if (r.live_lo) {
+                    fa_merge_element(cur[d][j], v, o[d][j], w.a_lo, w.b_lo, w.inv_lo, first_chunk, more);
+                    r.out_lo[col] = more ? cur[d][j] : v;
                 }
+                if constexpr (HI)
+                    if (r.live_hi) {
+                        fa_merge_element(cur[d][2 + j], v, o[d][2 + j], w.a_hi, w.b_hi, w.inv_hi, first_chunk, more);
+                        r.out_hi[col] = more ? cur[d][2 + j] : v;
+                    }
             }
     }
     fa_next_chunk(o, m_lo, m_hi, l_lo, l_hi, first_chunk);
