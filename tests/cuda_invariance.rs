@@ -610,13 +610,8 @@ fn readers_of_split_k_sums_give_the_bits_of_the_folded_output() {
             what("rms_norm_combined")
         );
 
-        // q/k norm + RoPE + KV store over one launch of q, k and v.
-        let shape = AttnShape {
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 128,
-            block_size: 16,
-        };
+        // q/k norm + RoPE + KV store over one launch of q, k and v, at head dims 128 and 64
+        // (the kernel's register path at each width).
         let ns = [m_q.n, m_k.n, m_v.n];
         let data = [&m_q.data, &m_k.data, &m_v.data];
         let mut want: Vec<CudaSlice<f32>> = ns.iter().map(|&n| nan(rows * n)).collect();
@@ -627,56 +622,72 @@ fn readers_of_split_k_sums_give_the_bits_of_the_folded_output() {
         let sums =
             ops::dense_gemm_parts_unfolded(&g, &x, None, &data, &ns, rows, k, &mut refs).unwrap();
         assert_eq!(sums.len(), 3, "{}", what("q, k and v left as sums"));
-        let (qn, kn) = (
-            g.upload(&rng.vec(128, 1.0)).unwrap(),
-            g.upload(&rng.vec(128, 1.0)).unwrap(),
-        );
-        let inv_freq: Vec<f32> = (0..64).map(|i| 1e4f32.powf(-(i as f32) / 64.0)).collect();
-        let inv_freq = g.upload(&inv_freq).unwrap();
         let pos: Vec<i32> = (0..rows as i32).map(|r| 7 * r + 3).collect();
         let (pos, slots) = (
             g.upload(&pos).unwrap(),
             g.upload(&(0..rows as i32).collect::<Vec<_>>()).unwrap(),
         );
         let cache = rows * ns[1];
-        let rope = |qkv: &mut [CudaSlice<f32>], sums: [Option<Unfolded>; 3]| {
-            let (mut kc, mut vc) = (
-                g.upload(&vec![0xFFFFu16; cache]).unwrap(),
-                g.upload(&vec![0xFFFFu16; cache]).unwrap(),
+        for hd in [128, 64] {
+            let shape = AttnShape {
+                heads: ns[0] / hd,
+                kv_heads: ns[1] / hd,
+                head_dim: hd,
+                block_size: 16,
+            };
+            let (qn, kn) = (
+                g.upload(&rng.vec(hd, 1.0)).unwrap(),
+                g.upload(&rng.vec(hd, 1.0)).unwrap(),
             );
-            let (q, rest) = qkv.split_at_mut(1);
-            let (kk, v) = rest.split_at_mut(1);
-            ops::qk_norm_rope_store(
-                &g,
-                &mut q[0],
-                &mut kk[0],
-                &v[0],
-                sums,
-                Some((&qn, &kn)),
-                &inv_freq,
-                &pos,
-                &slots,
-                &mut kc,
-                &mut vc,
-                rows,
-                shape,
-                1e-6,
-            )
-            .unwrap();
-            (
-                bits(g.download(&q[0], rows * ns[0]).unwrap()),
-                bits(g.download(&kk[0], rows * ns[1]).unwrap()),
-                g.download(&kc, cache).unwrap(),
-                g.download(&vc, cache).unwrap(),
-            )
-        };
-        let sums = [Some(sums[0]), Some(sums[1]), Some(sums[2])];
-        assert_eq!(
-            rope(&mut left, sums),
-            rope(&mut want, [None; 3]),
-            "{}",
-            what("q/k norm + RoPE + KV store")
-        );
+            let half = hd / 2;
+            let inv_freq: Vec<f32> = (0..half)
+                .map(|i| 1e4f32.powf(-(i as f32) / half as f32))
+                .collect();
+            let inv_freq = g.upload(&inv_freq).unwrap();
+            // Each run on fresh copies: the kernel writes q and k in place.
+            let rope = |qkv: &[CudaSlice<f32>], sums: [Option<Unfolded>; 3]| {
+                let (mut kc, mut vc) = (
+                    g.upload(&vec![0xFFFFu16; cache]).unwrap(),
+                    g.upload(&vec![0xFFFFu16; cache]).unwrap(),
+                );
+                let mut q = g
+                    .upload(&g.download(&qkv[0], rows * ns[0]).unwrap())
+                    .unwrap();
+                let mut kk = g
+                    .upload(&g.download(&qkv[1], rows * ns[1]).unwrap())
+                    .unwrap();
+                ops::qk_norm_rope_store(
+                    &g,
+                    &mut q,
+                    &mut kk,
+                    &qkv[2],
+                    sums,
+                    Some((&qn, &kn)),
+                    &inv_freq,
+                    &pos,
+                    &slots,
+                    &mut kc,
+                    &mut vc,
+                    rows,
+                    shape,
+                    1e-6,
+                )
+                .unwrap();
+                (
+                    bits(g.download(&q, rows * ns[0]).unwrap()),
+                    bits(g.download(&kk, rows * ns[1]).unwrap()),
+                    g.download(&kc, cache).unwrap(),
+                    g.download(&vc, cache).unwrap(),
+                )
+            };
+            let sums = [Some(sums[0]), Some(sums[1]), Some(sums[2])];
+            assert_eq!(
+                rope(&left, sums),
+                rope(&want, [None; 3]),
+                "{}, head dim {hd}",
+                what("q/k norm + RoPE + KV store")
+            );
+        }
     }
     println!("every reader of split-K sums gave the folded output's bits at 1, 20 and 40 rows");
 }

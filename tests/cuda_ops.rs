@@ -478,6 +478,126 @@ fn weight_quantizers_match_the_quant_module_byte_for_byte() {
 
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+fn qk_norm_rope_store_matches_the_cpu_at_every_head_dim() {
+    // Head dims 64 and 128 take the register path (a lane's whole head read before any store),
+    // 32 the element walk; each with and without the q/k norms.
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let (heads, kv_heads, bs, eps) = (6, 2, 4, 1e-6f32);
+    let table: Vec<u32> = vec![3, 0, 2, 1];
+    let rows = 7; // positions 5..=11 of one sequence
+    for hd in [32, 64, 128] {
+        for norms in [true, false] {
+            let what = format!("head dim {hd}, norms {norms}");
+            let inv_freq = lockstep::model::config::rope_inv_freq(
+                hd,
+                1e6,
+                &lockstep::model::config::RopeScaling::None,
+            );
+            let (qs, kvs) = (heads * hd, kv_heads * hd);
+            let (q, k, v) = (
+                rng.vec(rows * qs, 3.0),
+                rng.vec(rows * kvs, 3.0),
+                rng.vec(rows * kvs, 3.0),
+            );
+            let (qn, kn) = (rng.vec(hd, 1.0), rng.vec(hd, 1.0));
+            let (mut qc, mut kc) = (q.clone(), k.clone());
+            if norms {
+                cpu::head_rms_norm_inplace(&mut qc, &qn, eps);
+                cpu::head_rms_norm_inplace(&mut kc, &kn, eps);
+            }
+            let mut cache = KvMemory::new(KvDtype::Bf16, 1, table.len(), bs, kv_heads, hd);
+            let (mut pos, mut slots) = (Vec::new(), Vec::new());
+            for r in 0..rows {
+                let p = 5 + r;
+                cpu::apply_rope(&mut qc[r * qs..][..qs], hd, p, &inv_freq);
+                cpu::apply_rope(&mut kc[r * kvs..][..kvs], hd, p, &inv_freq);
+                cache.write(0, &table, p, &kc[r * kvs..][..kvs], &v[r * kvs..][..kvs]);
+                pos.push(p as i32);
+                slots.push((table[p / bs] as usize * bs + p % bs) as i32);
+            }
+            let (mut dq, mut dk, dv) = (
+                g.upload(&q).unwrap(),
+                g.upload(&k).unwrap(),
+                g.upload(&v).unwrap(),
+            );
+            let (dqn, dkn, dinv) = (
+                g.upload(&qn).unwrap(),
+                g.upload(&kn).unwrap(),
+                g.upload(&inv_freq).unwrap(),
+            );
+            let (dpos, dslots) = (g.upload(&pos).unwrap(), g.upload(&slots).unwrap());
+            let cells = table.len() * bs * kvs;
+            let (mut dkc, mut dvc) = (
+                g.upload(&vec![0xFFFFu16; cells]).unwrap(),
+                g.upload(&vec![0xFFFFu16; cells]).unwrap(),
+            );
+            let shape = AttnShape {
+                heads,
+                kv_heads,
+                head_dim: hd,
+                block_size: bs,
+            };
+            ops::qk_norm_rope_store(
+                &g,
+                &mut dq,
+                &mut dk,
+                &dv,
+                [None; 3],
+                norms.then_some((&dqn, &dkn)),
+                &dinv,
+                &dpos,
+                &dslots,
+                &mut dkc,
+                &mut dvc,
+                rows,
+                shape,
+                eps,
+            )
+            .unwrap();
+            let q_got = g.download(&dq, rows * qs).unwrap();
+            assert!(
+                rel_err(&q_got, &qc) < 1e-5,
+                "{what}: q {}",
+                rel_err(&q_got, &qc)
+            );
+            let k_got = g.download(&dk, rows * kvs).unwrap();
+            assert!(
+                rel_err(&k_got, &kc) < 1e-5,
+                "{what}: k {}",
+                rel_err(&k_got, &kc)
+            );
+            let (kc_got, vc_got) = (
+                g.download(&dkc, cells).unwrap(),
+                g.download(&dvc, cells).unwrap(),
+            );
+            let (kc_want, vc_want) = (cache.k_bits(0), cache.v_bits(0));
+            let mut differing = 0;
+            for &s in &slots {
+                let at = s as usize * kvs;
+                assert_eq!(
+                    vc_got[at..][..kvs],
+                    vc_want[at..][..kvs],
+                    "{what}: cached V, slot {s}"
+                );
+                differing += kc_got[at..][..kvs]
+                    .iter()
+                    .zip(&kc_want[at..][..kvs])
+                    .filter(|(a, b)| a != b)
+                    .count();
+            }
+            // RoPE's sin/cos may differ in the last bit, which can flip a BF16 rounding.
+            assert!(
+                differing * 100 <= rows * kvs,
+                "{what}: {differing} of {} cached K values differ",
+                rows * kvs
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
 fn norms_rope_attention_and_swiglu_match_the_cpu() {
     let g = gpu();
     let mut rng = Rng(seed());
