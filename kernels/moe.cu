@@ -131,6 +131,7 @@ extern "C" __global__ void moe_route(float* logits, int tokens, int experts, int
                 nullptr);
 }
 
+// counts[e] = number of (token, slot) pairs routed to e. `counts` must be zeroed first.
 extern "C" __global__ void moe_count(const int* topk_ids, int pairs, int* counts) {
     pdl_entry();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += gridDim.x * blockDim.x)
