@@ -43,6 +43,21 @@ extern "C" __global__ void embedding(const u32* tokens, const void* table, int i
 // flight at once (a decode row is otherwise a chain of dependent round trips); longer rows
 // stream. Both make the same operations in the same order.
 #define NORM_REGS 16
+// The end of a norm whose row is held in registers (a thread's elements i = threadIdx.x + j *
+// blockDim.x in v, the weights' in wv) and whose squares the thread has summed (ss): the block's
+// sum, then out[i] = v * inv * w.
+template <int N>
+__device__ __forceinline__ void rms_norm_held(const float (&v)[N], const float (&wv)[N], float ss, float* o, int d,
+                                              float eps) {
+    ss = block_sum(ss);
+    float inv = 1.0f / sqrtf(ss / (float)d + eps);
+#pragma unroll
+    for (int j = 0; j < N; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        if (i >= d) break;
+        o[i] = __fmul_rn(__fmul_rn(v[j], inv), wv[j]);
+    }
+}
 template <bool SUMS>
 __device__ __forceinline__ void rms_norm_row(float* x, const float* residual, const float* w, float* out,
                                              const int* rows, int d, float eps, int segments, u64 stride) {
@@ -83,14 +98,7 @@ __device__ __forceinline__ void rms_norm_row(float* x, const float* residual, co
             }
             ss += v[j] * v[j];
         }
-        ss = block_sum(ss);
-        float inv = 1.0f / sqrtf(ss / (float)d + eps);
-#pragma unroll
-        for (int j = 0; j < NORM_REGS; j++) {
-            int i = threadIdx.x + j * blockDim.x;
-            if (i >= d) break;
-            o[i] = __fmul_rn(__fmul_rn(v[j], inv), wv[j]);
-        }
+        rms_norm_held<NORM_REGS>(v, wv, ss, o, d, eps);
         return;
     }
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
@@ -502,10 +510,96 @@ extern "C" __global__ void moe_combine_sums(const float* sums, const int* slot_r
 // as rms_norm): the combine's walk adds each column's sum into x, and after the barrier the norm
 // reads x back. Each x value is the __fadd_rn(x, y) rms_norm makes and the squares are summed in
 // its order, so x and out are the bits of moe_combine, then rms_norm with y as the residual.
+// Rows of up to two of the combine's float4 rounds (d <= 8 * blockDim.x, at most
+// NORM_COMBINE_HELD elements) and up to NORM_COMBINE_SLOTS slots take a shorter chain: the
+// norm's weights are read first, both rounds' loads (the slots' values and x) are issued before
+// the first store (which could alias them), and the sums also go to shared memory, where the
+// norm reads them after the barrier instead of reading x back. The same operations in the same
+// order as moe_combine_token's walk, then rms_norm_row's: the same bits.
+#define NORM_COMBINE_SLOTS 8
+#define NORM_COMBINE_HELD 2048
+template <bool SUMS>
+__device__ __forceinline__ void combine_add_two_rounds(const float* expert_out, const int* slot_row,
+                                                       const float* weights, float* x, float* xs, int top_k,
+                                                       int hidden, int segments) {
+    int t = blockIdx.x;
+    u64 stride = (u64)gridDim.x * top_k * hidden;
+    int rows[NORM_COMBINE_SLOTS];
+    float wts[NORM_COMBINE_SLOTS];
+#pragma unroll
+    for (int s = 0; s < NORM_COMBINE_SLOTS; s++) {
+        rows[s] = s < top_k ? slot_row[t * top_k + s] : 0;
+        wts[s] = s < top_k ? weights[t * top_k + s] : 0.0f;
+    }
+    float4 e[2][NORM_COMBINE_SLOTS], r[2];
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+        int i = 4 * (threadIdx.x + q * blockDim.x);
+        if (i >= hidden) continue;
+        if constexpr (SUMS) {
+            u64 at[NORM_COMBINE_SLOTS];
+            bool live[NORM_COMBINE_SLOTS];
+#pragma unroll
+            for (int s = 0; s < NORM_COMBINE_SLOTS; s++) {
+                at[s] = (u64)rows[s] * hidden + i;
+                live[s] = s < top_k;
+            }
+            folded4_many<NORM_COMBINE_SLOTS, 1>(expert_out, segments, stride, at, live, e[q]);
+        } else {
+#pragma unroll
+            for (int s = 0; s < NORM_COMBINE_SLOTS; s++)
+                e[q][s] = s < top_k ? *(const float4*)(expert_out + (u64)rows[s] * hidden + i) : make_float4(0, 0, 0, 0);
+        }
+        r[q] = *(const float4*)(x + (u64)t * hidden + i);
+    }
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+        int i = 4 * (threadIdx.x + q * blockDim.x);
+        if (i >= hidden) continue;
+        float4 acc = make_float4(0, 0, 0, 0);
+#pragma unroll
+        for (int s = 0; s < NORM_COMBINE_SLOTS; s++)
+            if (s < top_k) {
+                acc.x = __fadd_rn(acc.x, __fmul_rn(wts[s], e[q][s].x));
+                acc.y = __fadd_rn(acc.y, __fmul_rn(wts[s], e[q][s].y));
+                acc.z = __fadd_rn(acc.z, __fmul_rn(wts[s], e[q][s].z));
+                acc.w = __fadd_rn(acc.w, __fmul_rn(wts[s], e[q][s].w));
+            }
+        acc = make_float4(__fadd_rn(r[q].x, acc.x), __fadd_rn(r[q].y, acc.y), __fadd_rn(r[q].z, acc.z),
+                          __fadd_rn(r[q].w, acc.w));
+        *(float4*)(x + (u64)t * hidden + i) = acc;
+        *(float4*)(xs + i) = acc;
+    }
+}
+
 template <bool SUMS>
 __device__ __forceinline__ void rms_norm_combine_row(float* x, const float* expert_out, const int* slot_row,
                                                      const float* weights, const float* w, float* out, int top_k,
                                                      int d, float eps, int segments) {
+    __shared__ __align__(16) float xs[NORM_COMBINE_HELD];
+    if (top_k <= NORM_COMBINE_SLOTS && d % 4 == 0 && d <= NORM_COMBINE_HELD && d <= 8 * (int)blockDim.x &&
+        (((u64)expert_out | (u64)x) & 15) == 0) {
+        float v[8], wv[8], ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            wv[j] = i < d ? w[i] : 0.0f;
+        }
+        combine_add_two_rounds<SUMS>(expert_out, slot_row, weights, x, xs, top_k, d, segments);
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            v[j] = i < d ? xs[i] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            if (threadIdx.x + j * blockDim.x >= d) break;
+            ss += v[j] * v[j];
+        }
+        rms_norm_held<8>(v, wv, ss, out + (u64)blockIdx.x * d, d, eps);
+        return;
+    }
     moe_combine_token<SUMS, true>(expert_out, slot_row, weights, x, top_k, d, segments);
     __syncthreads();
     rms_norm_row<false>(x, nullptr, w, out, nullptr, d, eps, 0, 0);
