@@ -304,6 +304,27 @@ __device__ __forceinline__ void nvfp4_row_quarters(const T* row, int cols, Level
     }
 }
 
+// A row's per-token level from each thread's amax bits and any-number flag (one block a row):
+// the block's max and or (the same in any order), then token_level, thread 0 writing s_tok.
+__device__ __forceinline__ Level block_token_level(u32 mb, int any_number, int cols, float range, float* s_tok) {
+    __shared__ u32 red_bits[32];
+    __shared__ int red_any[32];
+    mb = __reduce_max_sync(0xffffffffu, mb);
+    any_number = __reduce_or_sync(0xffffffffu, any_number);
+    if ((threadIdx.x & 31) == 0) {
+        red_bits[threadIdx.x >> 5] = mb;
+        red_any[threadIdx.x >> 5] = any_number;
+    }
+    __syncthreads();
+    mb = 0u;
+    any_number = 0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) {
+        mb = max(mb, red_bits[w]);
+        any_number |= red_any[w];
+    }
+    return token_level(mb, any_number, cols, range, s_tok, threadIdx.x == 0);
+}
+
 #define AMAX_LOADS 4  // nvfp4_rows' per-token amax: loads of four elements in flight a thread
 
 // One block per row. Per token (`per_token`): the row's own level, and s_tok (0 for an all-zero
@@ -316,8 +337,6 @@ __device__ void nvfp4_rows(const T* x, int cols, int per_token, float amax, floa
     const T* row = x + r * cols;
     Level lv;
     if (per_token) {
-        __shared__ u32 red_bits[32];
-        __shared__ int red_any[32];
         // Four elements a load and AMAX_LOADS loads in flight before any max: a decode row is
         // one block, and a load a trip made its walk a chain of dependent round trips (16 for
         // a 2,048-wide row). A max over the bits and an or give the same result in any order.
@@ -336,20 +355,7 @@ __device__ void nvfp4_rows(const T* x, int cols, int per_token, float amax, floa
                 amax_fold4(v[u], mb, any_number);
             }
         }
-        mb = __reduce_max_sync(0xffffffffu, mb);
-        any_number = __reduce_or_sync(0xffffffffu, any_number);
-        if ((threadIdx.x & 31) == 0) {
-            red_bits[threadIdx.x >> 5] = mb;
-            red_any[threadIdx.x >> 5] = any_number;
-        }
-        __syncthreads();
-        mb = 0u;
-        any_number = 0;
-        for (int w = 0; w < (int)(blockDim.x >> 5); w++) {
-            mb = max(mb, red_bits[w]);
-            any_number |= red_any[w];
-        }
-        lv = token_level(mb, any_number, cols, range, row_s_dec + r, threadIdx.x == 0);
+        lv = block_token_level(mb, any_number, cols, range, row_s_dec + r);
     } else {
         lv = given_level(amax, range, row_s_dec ? row_s_dec + r : nullptr, threadIdx.x == 0);
     }
@@ -480,15 +486,37 @@ extern "C" __global__ void nvfp4_quantize_silu_mul_warp8(const float* gu, float*
 }
 
 // The same on the block walk (nvfp4_rows: decode's few rows), without four-over-six: a block a
-// row writes the row's SwiGLU values into h (four a thread, as the warp walk's loads), then after
-// the barrier quantizes h's row as nvfp4_quantize_f32 does. Rows of cols % 4 == 0 values.
+// row writes the row's SwiGLU values into h (four a thread, as the warp walk's loads), then
+// quantizes the row as nvfp4_quantize_f32 does: from the registers where the row is a quarter a
+// thread or less, else after the barrier from h. Rows of cols % 4 == 0 values.
 extern "C" __global__ void nvfp4_quantize_silu_mul_rows(const float* gu, float* h, int cols, float range, u8* data,
                                                         u8* scales, float* row_s_dec, float* deq, u32* words) {
     pdl_entry();
     SiluMulSrc src{gu, h, (u64)cols};
+    u64 r = blockIdx.x;
+    if (cols % 16 == 0 && cols <= 4 * (int)blockDim.x) {
+        // A quarter a thread at most (the engine's experts: 768 columns, 192 threads): the
+        // thread keeps its four products for the amax and the codes instead of reading h back,
+        // the values nvfp4_rows would read, so the same bytes.
+        int q = threadIdx.x;
+        bool live = 4 * q < cols;
+        float v[4];
+        u32 mb = 0u;
+        int any_number = 0;
+        if (live) {
+            src.at(r, cols, 4 * q, v);
+            amax_fold4(v, mb, any_number);
+        }
+        Level lv = block_token_level(mb, any_number, cols, range, row_s_dec + r);
+        // A group's four threads are all live or all past the row (cols / 4 is a multiple of 4).
+        if (live)
+            nvfp4_quarter(v, q, __activemask(), lv, data + r * (cols / 2), scales + r * (cols / 16),
+                          deq ? deq + r * cols : nullptr, words ? words + r * (cols / 2) : nullptr);
+        return;
+    }
     for (int c = 4 * threadIdx.x; c < cols; c += 4 * blockDim.x) {
         float v[4];
-        src.at(blockIdx.x, cols, c, v);
+        src.at(r, cols, c, v);
     }
     __syncthreads();
     nvfp4_rows(h, cols, 1, 0.0f, range, 0.0f, 0, data, scales, row_s_dec, deq, words);
