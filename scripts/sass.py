@@ -2,6 +2,7 @@
 """A kernel's SASS and its loops' instruction mix, on a machine without a GPU.
 
     scripts/sass.py KERNELS_DIR FUNCTION [--out FILE.sass] [--arch sm_90a]
+    scripts/sass.py KERNELS_DIR --waits [--arch sm_90a]
 
 Compiles KERNELS_DIR's common.cuh (else the checkout's) and the .cu file that defines FUNCTION (an `extern "C"`
 kernel name, e.g. grouped_gemm_mma_nvfp4) as the engine does (NVRTC, `-std=c++17 -lineinfo`,
@@ -10,6 +11,11 @@ disassembles the function. Prints ptxas's registers, spills and shared memory fo
 every backward branch's loop that holds tensor-core instructions: its length, the MMAs in it,
 instructions per MMA and the most frequent opcodes. So a kernel variant's instruction count can
 be weighed before device time is spent on it (docs/gpu.md, "SASS without a GPU").
+
+`--waits` compiles every .cu file of KERNELS_DIR and lists each function's store -> load turns:
+global loads issued right after a global store in program order. A load the compiler cannot
+move above a store that may alias it waits for that store's inputs, so a thread's round trips
+to L2 run one after another; a small kernel with many turns on its common path is worth reading.
 
 NVRTC comes from .cache/nvrtc (docs/gpu.md); ptxas and cuobjdump from the PyPI wheels
 nvidia-cuda-nvcc and nvidia-cuda-cuobjdump, nvdisasm from nvidia-cuda-nvdisasm, installed into
@@ -87,6 +93,57 @@ def loops(sass):
             yield body[0][0], a, len(body), mmas, ops
 
 
+GLOBAL_LOADS = {"LDG", "LD"}
+GLOBAL_STORES = {"STG", "ST"}
+
+
+def opcodes(sass):
+    """The opcodes of disassembler text in program order (predicates and modifiers dropped)."""
+    out = []
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,6}\*/\s+(.*?);", line)
+        if m:
+            out.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1).strip()).split()[0].split(".")[0])
+    return out
+
+
+def store_load_turns(sass):
+    """How many times a global load follows a global store among the memory instructions."""
+    mem = [o for o in opcodes(sass) if o in GLOBAL_LOADS | GLOBAL_STORES]
+    return sum(1 for a, b in zip(mem, mem[1:]) if a in GLOBAL_STORES and b in GLOBAL_LOADS)
+
+
+def functions(sass):
+    """(name, text) of each function in a whole cubin's disassembly."""
+    for part in re.split(r"\n\s*Function : ", "\n" + sass)[1:]:
+        name, _, text = part.partition("\n")
+        yield name.strip(), text
+
+
+def compile_file(kernels, path, arch):
+    """ptxas's report and the cubin of one .cu file of `kernels`, compiled as the engine does."""
+    name = os.path.basename(path)
+    # A variant directory without its own common.cuh takes the checkout's (as the engine does).
+    common_path = os.path.join(kernels, "common.cuh")
+    if not os.path.isfile(common_path):
+        common_path = os.path.join(ROOT, "kernels", "common.cuh")
+    source = f'{open(common_path).read()}\n#line 1 "{name}"\n{open(path).read()}'
+    work = os.path.join(TOOLS, "work")
+    os.makedirs(work, exist_ok=True)
+    ptx, cubin = os.path.join(work, "k.ptx"), os.path.join(work, "k.cubin")
+    open(ptx, "wb").write(nvrtc_ptx(source, name, arch))
+    info = subprocess.run([tool("ptxas"), f"-arch={arch}", "-v", ptx, "-o", cubin],
+                          capture_output=True, text=True, check=True).stderr
+    return info, cubin
+
+
+def disassemble(cubin, function=None):
+    env = dict(os.environ, PATH=os.path.dirname(tool("nvdisasm")) + ":" + os.environ["PATH"])  # cuobjdump runs it
+    fun = ["-fun", function] if function else []
+    return subprocess.run([tool("cuobjdump"), "-sass", *fun, cubin],
+                          capture_output=True, text=True, check=True, env=env).stdout
+
+
 def main():
     args = sys.argv[1:]
     if len(args) < 2:
@@ -94,30 +151,34 @@ def main():
     kernels, function = args[0], args[1]
     out = args[args.index("--out") + 1] if "--out" in args else None
     arch = args[args.index("--arch") + 1] if "--arch" in args else "sm_90a"
+    if function == "--waits":
+        rows = []
+        for path in sorted(glob.glob(os.path.join(kernels, "*.cu"))):
+            _, cubin = compile_file(kernels, path, arch)
+            for name, text in functions(disassemble(cubin)):
+                rows.append((store_load_turns(text), len(opcodes(text)), os.path.basename(path), name))
+        print("| store -> load turns | instructions | file | function |")
+        print("|---|---|---|---|")
+        for turns, count, name, fn in sorted(rows, key=lambda r: (-r[0], r[3])):
+            print(f"| {turns} | {count} | {name} | {fn} |")
+        return
+    # Files that name the function, tried in order until one defines it (a comment elsewhere
+    # may name it too).
     files = [f for f in sorted(glob.glob(os.path.join(kernels, "*.cu")))
              if re.search(rf'\b{re.escape(function)}\b', open(f).read())]
     if not files:
         sys.exit(f"no .cu file in {kernels} names {function}")
-    name = os.path.basename(files[0])
-    # A variant directory without its own common.cuh takes the checkout's (as the engine does).
-    common_path = os.path.join(kernels, "common.cuh")
-    if not os.path.isfile(common_path):
-        common_path = os.path.join(ROOT, "kernels", "common.cuh")
-    common = open(common_path).read()
-    source = f'{common}\n#line 1 "{name}"\n{open(files[0]).read()}'
-    work = os.path.join(TOOLS, "work")
-    os.makedirs(work, exist_ok=True)
-    ptx, cubin = os.path.join(work, "k.ptx"), os.path.join(work, "k.cubin")
-    open(ptx, "wb").write(nvrtc_ptx(source, name, arch))
-    info = subprocess.run([tool("ptxas"), f"-arch={arch}", "-v", ptx, "-o", cubin],
-                          capture_output=True, text=True, check=True).stderr
+    for path in files:
+        info, cubin = compile_file(kernels, path, arch)
+        if f"for {function}\n" in info + "\n":
+            break
+    else:
+        sys.exit(f"no .cu file in {kernels} defines {function}")
     lines = info.splitlines()
     for i, line in enumerate(lines):
         if line.endswith(f"for {function}") and "Function properties" in line:
             print(*[l.replace("ptxas info    : ", "") for l in lines[i + 1 : i + 3]], sep="\n")
-    env = dict(os.environ, PATH=os.path.dirname(tool("nvdisasm")) + ":" + os.environ["PATH"])  # cuobjdump runs it
-    sass = subprocess.run([tool("cuobjdump"), "-sass", "-fun", function, cubin],
-                          capture_output=True, text=True, check=True, env=env).stdout
+    sass = disassemble(cubin, function)
     if out:
         open(out, "w").write(sass)
     print("| loop | instructions | MMAs | per MMA | most frequent |")

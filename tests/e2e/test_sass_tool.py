@@ -47,3 +47,39 @@ def test_forward_branches_and_loops_without_mmas_are_left_out():
         ]
     )
     assert list(sass_tool.loops(sass)) == []
+
+
+def test_store_load_turns_count_the_global_loads_right_after_a_global_store():
+    sass = "\n".join(
+        [
+            line(0x00, "LDG.E R2, desc[UR4][R4.64]"),
+            line(0x10, "LDG.E R3, desc[UR4][R6.64]"),
+            line(0x20, "STS [R1], R2"),  # shared memory: neither
+            line(0x30, "STG.E desc[UR4][R8.64], R2"),
+            line(0x40, "@!P0 LDG.E R5, desc[UR4][R10.64]"),  # a turn (predicated all the same)
+            line(0x50, "LDS R7, [R1]"),
+            line(0x60, "STG.E desc[UR4][R8.64+0x4], R5"),
+            line(0x70, "ST.E desc[UR4][R12.64], R7"),
+            line(0x80, "LD.E R9, desc[UR4][R12.64+0x8]"),  # a turn: generic store, generic load
+            line(0x90, "LDG.E R11, desc[UR4][R14.64]"),  # loads in a row: one turn before them
+            line(0xA0, "EXIT"),
+        ]
+    )
+    assert sass_tool.opcodes(sass)[:5] == ["LDG", "LDG", "STS", "STG", "LDG"]
+    assert sass_tool.store_load_turns(sass) == 2
+
+
+def test_a_cubins_disassembly_splits_into_its_functions():
+    sass = "\n".join(
+        [
+            "Fatbin elf code:",
+            "        Function : first_kernel",
+            line(0x00, "STG.E desc[UR4][R2.64], R0"),
+            line(0x10, "LDG.E R0, desc[UR4][R2.64]"),
+            "        Function : second_kernel",
+            line(0x00, "LDG.E R0, desc[UR4][R2.64]"),
+            line(0x10, "STG.E desc[UR4][R2.64], R0"),
+        ]
+    )
+    found = {name: sass_tool.store_load_turns(text) for name, text in sass_tool.functions(sass)}
+    assert found == {"first_kernel": 1, "second_kernel": 0}
