@@ -146,18 +146,19 @@ extern "C" __global__ void add_inplace(float* x, const float* y, u64 n) {
 #define QK_ROPE_WARPS 8
 #define QK_FOLD_MAX (2 * QK_ROPE_MAX_HALF / 32)  // a lane's elements of a head
 
-// A lane's elements (lane, lane + 32, ...) of the head at `at` of a q, k or v left as segment
-// sums, folded together.
+// A lane's elements (lane, lane + 32, ...: up to N of them) of the head at `at` of a q, k or v
+// left as segment sums, folded together.
+template <int N>
 __device__ __forceinline__ void qk_fold_head(const float* sums, int segments, u64 stride, u64 at, int lane, int hd,
-                                             float (&f)[QK_FOLD_MAX]) {
-    u64 el[QK_FOLD_MAX];
-    bool live[QK_FOLD_MAX];
+                                             float (&f)[N]) {
+    u64 el[N];
+    bool live[N];
 #pragma unroll
-    for (int j = 0; j < QK_FOLD_MAX; j++) {
+    for (int j = 0; j < N; j++) {
         live[j] = lane + 32 * j < hd;
         el[j] = at + lane + 32 * j;
     }
-    folded_many<QK_FOLD_MAX>(sums, segments, stride, el, live, f);
+    folded_many<N>(sums, segments, stride, el, live, f);
 }
 // A head of hd = 32 * J elements in registers (J even: the partner i + hd/2 of a lane's element
 // i = lane + 32 j is its own element j + J/2): the head's values (folded when `sums`), its norm
@@ -173,14 +174,7 @@ __device__ __forceinline__ void qk_head_in_registers(float* x, const float* sums
     constexpr int hd = 32 * J, half = hd / 2;
     float a[J], w[J], vv[J];
     if (SUMS && sums) {
-        u64 el[J];
-        bool live[J];
-#pragma unroll
-        for (int j = 0; j < J; j++) {
-            live[j] = true;
-            el[j] = at + lane + 32 * j;
-        }
-        folded_many<J>(sums, segments, stride, el, live, a);
+        qk_fold_head(sums, segments, stride, at, lane, hd, a);
     } else {
 #pragma unroll
         for (int j = 0; j < J; j++) a[j] = x[lane + 32 * j];
@@ -191,14 +185,7 @@ __device__ __forceinline__ void qk_head_in_registers(float* x, const float* sums
     }
     if (!is_q) {
         if (SUMS && v_sums) {
-            u64 el[J];
-            bool live[J];
-#pragma unroll
-            for (int j = 0; j < J; j++) {
-                live[j] = true;
-                el[j] = v_at + lane + 32 * j;
-            }
-            folded_many<J>(v_sums, segments, v_stride, el, live, vv);
+            qk_fold_head(v_sums, segments, v_stride, v_at, lane, hd, vv);
         } else {
 #pragma unroll
             for (int j = 0; j < J; j++) vv[j] = vr[lane + 32 * j];
