@@ -399,6 +399,24 @@ __device__ __forceinline__ void combine_slots(const int* rows, int top_k, int hi
         live[s] = s < top_k;
     }
 }
+// Four columns' sums over a token's slots: slot 0, then + slot 1, ... (weight times value,
+// each rounded), and a + b element by element: the combine's arithmetic wherever it runs.
+template <int S>
+__device__ __forceinline__ float4 combine_sum4(const float (&wts)[S], const float4 (&e)[S], int top_k) {
+    float4 acc = make_float4(0, 0, 0, 0);
+#pragma unroll
+    for (int s = 0; s < S; s++)
+        if (s < top_k) {
+            acc.x = __fadd_rn(acc.x, __fmul_rn(wts[s], e[s].x));
+            acc.y = __fadd_rn(acc.y, __fmul_rn(wts[s], e[s].y));
+            acc.z = __fadd_rn(acc.z, __fmul_rn(wts[s], e[s].z));
+            acc.w = __fadd_rn(acc.w, __fmul_rn(wts[s], e[s].w));
+        }
+    return acc;
+}
+__device__ __forceinline__ float4 add4(float4 a, float4 b) {
+    return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
+}
 // With ADD, each sum is added into y (`y = __fadd_rn(y, sum)`: the norm's residual add, y the
 // residual stream) instead of written.
 template <bool SUMS, bool ADD = false>
@@ -431,21 +449,9 @@ __device__ __forceinline__ void moe_combine_token(const float* expert_out, const
                 for (int s = 0; s < COMBINE_SLOTS; s++)
                     e[s] = s < top_k ? *(const float4*)(expert_out + (u64)rows[s] * hidden + i) : make_float4(0, 0, 0, 0);
             }
-            float4 acc = make_float4(0, 0, 0, 0);
-#pragma unroll
-            for (int s = 0; s < COMBINE_SLOTS; s++)
-                if (s < top_k) {
-                    acc.x = __fadd_rn(acc.x, __fmul_rn(wts[s], e[s].x));
-                    acc.y = __fadd_rn(acc.y, __fmul_rn(wts[s], e[s].y));
-                    acc.z = __fadd_rn(acc.z, __fmul_rn(wts[s], e[s].z));
-                    acc.w = __fadd_rn(acc.w, __fmul_rn(wts[s], e[s].w));
-                }
+            float4 acc = combine_sum4(wts, e, top_k);
             float4* out = (float4*)(y + (u64)t * hidden + i);
-            if constexpr (ADD) {
-                float4 r = *out;
-                acc = make_float4(__fadd_rn(r.x, acc.x), __fadd_rn(r.y, acc.y), __fadd_rn(r.z, acc.z),
-                                  __fadd_rn(r.w, acc.w));
-            }
+            if constexpr (ADD) acc = add4(*out, acc);
             *out = acc;
         }
         return;
@@ -543,17 +549,7 @@ __device__ __forceinline__ void combine_add_two_rounds(const float* expert_out, 
     for (int q = 0; q < 2; q++) {
         int i = 4 * (threadIdx.x + q * blockDim.x);
         if (i >= hidden) continue;
-        float4 acc = make_float4(0, 0, 0, 0);
-#pragma unroll
-        for (int s = 0; s < NORM_COMBINE_SLOTS; s++)
-            if (s < top_k) {
-                acc.x = __fadd_rn(acc.x, __fmul_rn(wts[s], e[q][s].x));
-                acc.y = __fadd_rn(acc.y, __fmul_rn(wts[s], e[q][s].y));
-                acc.z = __fadd_rn(acc.z, __fmul_rn(wts[s], e[q][s].z));
-                acc.w = __fadd_rn(acc.w, __fmul_rn(wts[s], e[q][s].w));
-            }
-        acc = make_float4(__fadd_rn(r[q].x, acc.x), __fadd_rn(r[q].y, acc.y), __fadd_rn(r[q].z, acc.z),
-                          __fadd_rn(r[q].w, acc.w));
+        float4 acc = add4(r[q], combine_sum4(wts, e[q], top_k));
         *(float4*)(x + (u64)t * hidden + i) = acc;
         *(float4*)(xs + i) = acc;
     }
